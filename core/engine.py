@@ -1,0 +1,195 @@
+"""The Engine ABC: what the runtime asks of an inference engine.
+
+Engines live in the top-level ``engines`` package (or any third-party
+distribution) and register under the ``sessiontape.engines`` entry-point
+group; the runtime finds them by name through :mod:`core.registry`. The ABC
+lives here so ``core`` never imports an engine module.
+
+An engine is stateless from the log's point of view: the log is the truth,
+and an engine may keep per-session caches (KV) keyed by ``session_key`` only
+as an optimisation. Every ``generate`` call receives the session's full token
+history, so an engine that lost its cache (eviction, restart) recomputes it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ReadoutManifest:
+    """What per-token readouts mean: ``readout`` is ``[len(layers)][len(concepts)]``."""
+
+    concepts: tuple[str, ...]
+    layers: tuple[int, ...]
+    hidden_size: int
+    dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    name: str
+    model_id: str
+    model_hash: str
+    vocab_size: int
+    max_length: int
+    eos_token_ids: tuple[int, ...]
+    #: pad tokens one image becomes (the whole block, markers included);
+    #: ``None`` when the model takes no images.
+    image_block_tokens: int | None = None
+    image_pad_token_id: int | None = None
+    readout_manifest: ReadoutManifest | None = None
+    #: the execution provider actually used, e.g. "CPUExecutionProvider".
+    provider: str = "python"
+    runtime_version: str = ""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def provenance(self) -> dict[str, Any]:
+        """The engine binding recorded in every session's ``session.opened`` event."""
+        return {
+            "engine": self.name,
+            "model_id": self.model_id,
+            "model_hash": self.model_hash,
+            "provider": self.provider,
+            "runtime_version": self.runtime_version,
+            "vocab_size": self.vocab_size,
+            "max_length": self.max_length,
+        }
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling parameters, already defaulted (temperature 0 means greedy)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            # seeds may exceed 2**53: keep them exact as strings in JSON
+            "seed": None if self.seed is None else str(self.seed),
+            "stop_token_ids": list(self.stop_token_ids),
+        }
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> SamplingParams:
+        seed = body.get("seed")
+        return cls(
+            max_tokens=int(body.get("max_tokens", 16)),
+            temperature=float(body.get("temperature", 1.0)),
+            top_p=float(body.get("top_p", 1.0)),
+            top_k=int(body.get("top_k", 0)),
+            seed=None if seed is None else int(seed),
+            stop_token_ids=tuple(int(t) for t in body.get("stop_token_ids", ())),
+        )
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    """What to report per position. Ranges are half-open absolute positions."""
+
+    logprob_top_k: int = 0
+    #: positions (prompt or generated) whose logprobs are wanted
+    logprob_ranges: tuple[tuple[int, int], ...] = ()
+    #: positions whose readouts are wanted
+    readout_ranges: tuple[tuple[int, int], ...] = ()
+    #: report logprobs for every generated token regardless of ranges
+    generated_logprobs: bool = True
+
+    def wants_logprobs(self, position: int, generated: bool) -> bool:
+        if generated and self.generated_logprobs:
+            return True
+        return any(a <= position < b for a, b in self.logprob_ranges)
+
+    def wants_readout(self, position: int) -> bool:
+        return any(a <= position < b for a, b in self.readout_ranges)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One position the engine reports: a scored prompt token or a generated one."""
+
+    token_id: int
+    position: int
+    is_prefill: bool
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    readout: tuple[float, ...] | None = None
+
+
+class Engine(ABC):
+    """An inference engine. Implementations must be deterministic for a seed."""
+
+    @property
+    @abstractmethod
+    def info(self) -> EngineInfo:
+        """Static facts about the served model."""
+
+    @abstractmethod
+    def tokenize(self, text: str) -> list[int]:
+        """Text to token ids (no special tokens added)."""
+
+    @abstractmethod
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        """Token ids to text; ids that are not text render as nothing."""
+
+    @abstractmethod
+    def generate(
+        self,
+        session_key: str,
+        history: Sequence[int],
+        params: SamplingParams,
+        options: OutputOptions = OutputOptions(),
+    ) -> AsyncIterator[Step]:
+        """Prefill ``history`` and decode up to ``params.max_tokens`` tokens.
+
+        Yields first the prompt positions that ``options`` asks to be scored
+        (``is_prefill=True``), then each generated token in order. Stops after
+        an EOS/stop token (which is yielded) or ``max_tokens``. The caller may
+        stop iterating at any time (cancellation); the engine must then keep
+        its cache consistent with the tokens it actually yielded.
+
+        The result must depend only on ``history``, ``params`` and the model:
+        never on how the history was built up or on cache state (INV-3).
+
+        Raises :class:`core.errors.ContextOverflow` when the history plus
+        ``max_tokens`` exceeds the model, :class:`core.errors.EngineError`
+        on engine failure.
+        """
+
+    def fork(self, parent_key: str, child_key: str, at_position: int) -> None:  # noqa: B027
+        """Hint: ``child_key`` starts as the first ``at_position`` tokens of ``parent_key``."""
+
+    def forget(self, session_key: str) -> None:  # noqa: B027
+        """Hint: drop any cache for ``session_key`` (closed, expired)."""
+
+    def kv_live_bytes(self, session_key: str) -> int:
+        """Bytes of cache held for ``session_key`` now (0 when none)."""
+        return 0
+
+    def cached_length(self, session_key: str) -> int | None:
+        """Length of the cached prefix for ``session_key`` (INV-1 checks), if any."""
+        return None
+
+    def image_block_length(self, image: bytes, mime: str) -> int:
+        """How many pad tokens ``image`` becomes; raises InvalidImage when unsupported."""
+        from core.errors import InvalidImage
+
+        n = self.info.image_block_tokens
+        if n is None:
+            raise InvalidImage(f"engine {self.info.name!r} takes no images")
+        return n
+
+    async def aclose(self) -> None:  # noqa: B027
+        """Release resources."""

@@ -1,0 +1,184 @@
+"""Every error sessiontape raises on purpose.
+
+One root, named after the condition. Transports translate these into their
+wire (gRPC status, HTTP status + JSON body, D4 ``err``) in exactly one place
+each; ``code`` is the stable machine-readable name they all share.
+
+    SessiontapeError
+    ├── NotFound
+    │   ├── SessionNotFound          unknown or purged session
+    │   ├── SessionExpired           idle TTL ran out (reported as not found)
+    │   ├── NodeNotFound
+    │   └── TargetNotFound           unknown Evergreen target_spec id
+    ├── InvalidArgument
+    │   ├── InvalidFragment          malformed Evergreen fragment
+    │   ├── InvalidAction
+    │   ├── TokenOutOfVocabulary
+    │   ├── InvalidRange
+    │   ├── InvalidImage             wrong pad run, or engine takes no images
+    │   ├── InvalidParameters        bad sampling parameters
+    │   └── InvalidEvent             an event body the fold cannot apply
+    ├── FailedPrecondition
+    │   ├── OffsetMismatch           Salience offset drift
+    │   ├── ImageBlockSplit          fork or truncation inside an image block
+    │   ├── AppendOnlyViolation      rewinding a Kakeya session
+    │   ├── SessionClosed            the session is closed or aborted
+    │   ├── ProtocolViolation        Evergreen abort rules
+    │   └── CacheInvariantViolation  Kakeya INV-1 / INV-2
+    ├── ResourceExhausted
+    │   └── ContextOverflow
+    ├── Aborted
+    │   ├── SessionBusy              one writer per session at a time
+    │   └── ConcurrencyError         stale expected version on append
+    ├── Unauthenticated
+    ├── ChainBroken                  the hash chain does not verify
+    ├── ConfigError
+    ├── PluginNotFound               no engine/transport of that name
+    └── EngineError                  the engine failed
+"""
+
+from __future__ import annotations
+
+
+class SessiontapeError(Exception):
+    """Root of every error sessiontape raises on purpose."""
+
+    code: str = "internal"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class NotFound(SessiontapeError):
+    code = "not_found"
+
+
+class SessionNotFound(NotFound):
+    code = "session_not_found"
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"session {session_id!r} not found")
+        self.session_id = session_id
+
+
+class SessionExpired(NotFound):
+    code = "session_expired"
+
+    def __init__(self, session_id: str) -> None:
+        SessiontapeError.__init__(self, f"session {session_id!r} expired (idle TTL)")
+        self.session_id = session_id
+
+
+class NodeNotFound(NotFound):
+    code = "node_not_found"
+
+
+class TargetNotFound(NotFound):
+    code = "target_not_found"
+
+
+class InvalidArgument(SessiontapeError):
+    code = "invalid_argument"
+
+
+class InvalidFragment(InvalidArgument):
+    code = "invalid_fragment"
+
+
+class InvalidAction(InvalidArgument):
+    code = "invalid_action"
+
+
+class TokenOutOfVocabulary(InvalidArgument):
+    code = "token_out_of_vocabulary"
+
+
+class InvalidRange(InvalidArgument):
+    code = "invalid_range"
+
+
+class InvalidImage(InvalidArgument):
+    code = "invalid_image"
+
+
+class InvalidParameters(InvalidArgument):
+    code = "invalid_parameters"
+
+
+class InvalidEvent(InvalidArgument):
+    code = "invalid_event"
+
+
+class FailedPrecondition(SessiontapeError):
+    code = "failed_precondition"
+
+
+class OffsetMismatch(FailedPrecondition):
+    code = "offset_mismatch"
+
+
+class ImageBlockSplit(FailedPrecondition):
+    code = "image_block_split"
+
+
+class AppendOnlyViolation(FailedPrecondition):
+    code = "append_only"
+
+
+class SessionClosed(FailedPrecondition):
+    code = "session_closed"
+
+
+class ProtocolViolation(FailedPrecondition):
+    code = "protocol_violation"
+
+
+class CacheInvariantViolation(FailedPrecondition):
+    code = "cache_invariant_violation"
+
+
+class ResourceExhausted(SessiontapeError):
+    code = "resource_exhausted"
+
+
+class ContextOverflow(ResourceExhausted):
+    code = "context_overflow"
+
+
+class Aborted(SessiontapeError):
+    code = "aborted"
+
+
+class SessionBusy(Aborted):
+    code = "session_busy"
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"session {session_id!r} is busy (one writer at a time)")
+        self.session_id = session_id
+
+
+class ConcurrencyError(Aborted):
+    """An append carried a stale expected version; nothing was written."""
+
+    code = "concurrency_conflict"
+
+
+class Unauthenticated(SessiontapeError):
+    code = "unauthenticated"
+
+
+class ChainBroken(SessiontapeError):
+    code = "chain_broken"
+
+
+class ConfigError(SessiontapeError):
+    code = "config_error"
+
+
+class PluginNotFound(ConfigError):
+    code = "plugin_not_found"
+
+
+class EngineError(SessiontapeError):
+    code = "engine_error"

@@ -1,0 +1,128 @@
+"""Event records and the per-session hash chain.
+
+An event is ``(session_id, version, type, body, data)``: ``body`` is a JSON
+object, ``data`` optional raw bytes (inline payloads; large ones are stored
+as content-addressed blobs and referenced from the body by sha256). Once
+committed it also has a global ``position`` and a ``recorded_at`` time, and a
+``hash`` chaining it to the previous event of its session::
+
+    hash = sha256(prev_hash || canonical_json([session_id, version, type,
+                                               body, sha256(data)|null,
+                                               recorded_at]))
+
+The global position is not hashed: an exported session imported into another
+database gets new positions and the same chain. The catalogue of event types
+is in docs/events.md; the type names are the constants of :class:`T`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+GENESIS_HASH = "0" * 64
+
+
+class T:
+    """Event type names (docs/events.md describes each body)."""
+
+    SESSION_OPENED = "session.opened"
+    SESSION_CLOSED = "session.closed"
+    SESSION_ABORTED = "session.aborted"
+    SESSION_EXPIRED = "session.expired"
+    SESSION_PURGED = "session.purged"
+    NODE_FRAGMENT = "node.fragment"
+    ACTION_SUBMITTED = "action.submitted"
+    ACTION_COMPLETED = "action.completed"
+    ACTION_FAILED = "action.failed"
+    TOKENS_APPENDED = "tokens.appended"
+    TOKENS_TRUNCATED = "tokens.truncated"
+    IMAGE_ATTACHED = "image.attached"
+    GENERATION_STARTED = "generation.started"
+    GENERATION_TOKEN = "generation.token"
+    GENERATION_FINISHED = "generation.finished"
+    FEEDBACK = "feedback.recorded"
+    ERROR = "error.recorded"
+    WIRE = "wire.message"
+    NOTE = "note.recorded"
+
+
+ALL_TYPES = frozenset(v for k, v in vars(T).items() if not k.startswith("_"))
+
+
+@dataclass(frozen=True)
+class NewEvent:
+    """An event to append: the caller's part, before the log numbers it."""
+
+    type: str
+    body: Mapping[str, Any] = field(default_factory=dict)
+    data: bytes | None = None
+
+
+@dataclass(frozen=True)
+class Event:
+    """A committed event, as read back from the log."""
+
+    position: int
+    session_id: str
+    version: int
+    type: str
+    body: Mapping[str, Any]
+    data: bytes | None
+    recorded_at: float
+    hash: str
+    prev_hash: str
+
+    def to_json(self) -> dict[str, Any]:
+        """The NDJSON export line (``data`` as hex when present)."""
+        return {
+            "position": self.position,
+            "session_id": self.session_id,
+            "version": self.version,
+            "type": self.type,
+            "body": self.body,
+            "data": None if self.data is None else self.data.hex(),
+            "recorded_at": self.recorded_at,
+            "hash": self.hash,
+            "prev_hash": self.prev_hash,
+        }
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> Event:
+        data = obj.get("data")
+        return cls(
+            position=int(obj["position"]),
+            session_id=str(obj["session_id"]),
+            version=int(obj["version"]),
+            type=str(obj["type"]),
+            body=dict(obj["body"]),
+            data=None if data is None else bytes.fromhex(data),
+            recorded_at=float(obj["recorded_at"]),
+            hash=str(obj["hash"]),
+            prev_hash=str(obj["prev_hash"]),
+        )
+
+
+def canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def chain_hash(
+    prev_hash: str,
+    session_id: str,
+    version: int,
+    type_: str,
+    body: Mapping[str, Any],
+    data: bytes | None,
+    recorded_at: float,
+) -> str:
+    data_digest = None if data is None else hashlib.sha256(data).hexdigest()
+    payload = canonical_json([session_id, version, type_, body, data_digest, repr(recorded_at)])
+    return hashlib.sha256((prev_hash + payload).encode()).hexdigest()
+
+
+def event_hash(e: Event) -> str:
+    return chain_hash(e.prev_hash, e.session_id, e.version, e.type, e.body, e.data, e.recorded_at)

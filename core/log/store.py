@@ -1,0 +1,619 @@
+"""The event log: one writer task with group commit, readers, subscriptions.
+
+Usage::
+
+    log = await EventLog.open("sqlite+aiosqlite:///./sessiontape.db")
+    [e] = await log.append("s1", 0, [NewEvent(T.SESSION_OPENED, {...})])
+    async for e in log.subscribe(from_position=0):
+        ...
+    await log.close()
+
+Appends from every session queue up for the single writer task, which
+commits them together (one transaction, one ``executemany``); each appender
+awaits its own commit. Only committed events are handed to subscribers or
+returned to callers ("durable before visible").
+
+Positions are assigned by the writer inside the write transaction, under
+SQLite's write lock or a transaction-scoped advisory lock on PostgreSQL, so
+they are gapless and become visible in order (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import event as sa_event
+from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+from core import metrics
+from core.errors import ChainBroken, ConcurrencyError, InvalidEvent, SessionNotFound
+from core.events import GENESIS_HASH, Event, NewEvent, T, canonical_json, chain_hash, event_hash
+from core.log.schema import blobs, events, sessions, snapshots
+
+log = logging.getLogger("sessiontape.log")
+
+PG_LOCK_KEY = 0x5E55_1074  # transaction-scoped advisory lock around position assignment
+PG_CHANNEL = "sessiontape_events"
+
+_STATUS_BY_TYPE = {
+    T.SESSION_CLOSED: "closed",
+    T.SESSION_ABORTED: "aborted",
+    T.SESSION_EXPIRED: "expired",
+    T.SESSION_PURGED: "purged",
+}
+
+
+@dataclass
+class SessionRow:
+    """One row of the sessions index (what ``sessions ls`` needs)."""
+
+    id: str
+    protocol: str
+    status: str
+    label: str
+    engine: str
+    model_id: str
+    parent_id: str | None
+    parent_version: int | None
+    fork_position: int | None
+    created_at: float
+    updated_at: float
+    last_active_at: float
+    ttl_s: float | None
+    version: int
+    head_hash: str
+    event_count: int
+    history_length: int
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class _Request:
+    kind: str  # "append" | "import" | "purge" | "touch"
+    session_id: str
+    expected_version: int
+    events: Sequence[NewEvent] | Sequence[Event] = ()
+    index: Mapping[str, Any] | None = None
+    at: float = 0.0
+    future: asyncio.Future[list[Event]] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class _Subscriber:
+    def __init__(self, session_id: str | None) -> None:
+        self.session_id = session_id
+        self.queue: asyncio.Queue[Event] = asyncio.Queue(maxsize=10_000)
+        self.overflowed = False
+
+    def offer(self, e: Event) -> None:
+        if self.session_id is not None and e.session_id != self.session_id:
+            return
+        try:
+            self.queue.put_nowait(e)
+        except asyncio.QueueFull:
+            self.overflowed = True
+
+
+class EventLog:
+    """The log. Create with :meth:`open`; one instance per process and database."""
+
+    def __init__(self, engine: AsyncEngine, *, batch_max: int = 2000, inline_max_bytes: int = 4096,
+                 poll_interval_s: float = 0.5) -> None:
+        self.engine = engine
+        self.dialect = engine.dialect.name
+        self.batch_max = batch_max
+        self.inline_max_bytes = inline_max_bytes
+        self.poll_interval_s = poll_interval_s
+        self._queue: asyncio.Queue[_Request | None] = asyncio.Queue()
+        self._heads: OrderedDict[str, tuple[int, str]] = OrderedDict()
+        self._subscribers: set[_Subscriber] = set()
+        self._writer: asyncio.Task[None] | None = None
+        self._tailer: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._listen_conn: AsyncConnection | None = None
+        self._published = 0
+        #: test hook: awaited inside the write transaction, just before COMMIT
+        self.before_commit: Callable[[list[Event]], Awaitable[None]] | None = None
+
+    # -- lifecycle ---------------------------------------------------------
+
+    @classmethod
+    async def open(cls, url: str, *, migrate: bool = True, echo: bool = False,
+                   batch_max: int = 2000, inline_max_bytes: int = 4096,
+                   poll_interval_s: float = 0.5, sqlite_synchronous: str = "NORMAL") -> EventLog:
+        """Connect, migrate a fresh database to head, and start the writer."""
+        kwargs: dict[str, Any] = {"echo": echo}
+        if url.startswith("sqlite"):
+            kwargs["connect_args"] = {"timeout": 30}
+        engine = create_async_engine(url, **kwargs)
+        if engine.dialect.name == "sqlite":
+            sync_mode = sqlite_synchronous
+
+            @sa_event.listens_for(engine.sync_engine, "connect")
+            def _pragmas(dbapi_conn: Any, _rec: Any) -> None:
+                cur = dbapi_conn.cursor()
+                cur.execute("PRAGMA journal_mode=WAL")
+                cur.execute(f"PRAGMA synchronous={sync_mode}")
+                cur.execute("PRAGMA foreign_keys=ON")
+                cur.close()
+
+        self = cls(engine, batch_max=batch_max, inline_max_bytes=inline_max_bytes,
+                   poll_interval_s=poll_interval_s)
+        if migrate:
+            from migrations.runner import upgrade_connection
+
+            async with engine.begin() as conn:
+                await conn.run_sync(upgrade_connection)
+        await self._start()
+        return self
+
+    async def _start(self) -> None:
+        if self.dialect == "postgresql":
+            async with self.engine.connect() as conn:
+                self._published = int((await conn.execute(sa.select(sa.func.coalesce(sa.func.max(events.c.position), 0)))).scalar_one())
+            self._listen_conn = await self.engine.connect()
+            raw = await self._listen_conn.get_raw_connection()
+            await raw.driver_connection.add_listener(PG_CHANNEL, lambda *_: self._wake.set())  # type: ignore[union-attr]
+            self._tailer = asyncio.create_task(self._tail_loop(), name="sessiontape-log-tailer")
+        self._writer = asyncio.create_task(self._write_loop(), name="sessiontape-log-writer")
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            await self._queue.put(None)
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._writer
+            self._writer = None
+        if self._tailer is not None:
+            self._tailer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._tailer
+            self._tailer = None
+        if self._listen_conn is not None:
+            with contextlib.suppress(Exception):
+                await self._listen_conn.close()
+            self._listen_conn = None
+        await self.engine.dispose()
+
+    # -- writing -----------------------------------------------------------
+
+    async def append(self, session_id: str, expected_version: int, new_events: Sequence[NewEvent],
+                     *, index: Mapping[str, Any] | None = None) -> list[Event]:
+        """Append ``new_events`` after ``expected_version``; returns them committed.
+
+        Raises :class:`ConcurrencyError` (nothing written) when the session's
+        current version is not ``expected_version``. ``index`` carries
+        sessions-table columns the caller knows (``history_length``).
+        """
+        if not new_events:
+            return []
+        return await self._submit(_Request("append", session_id, expected_version, list(new_events), index))
+
+    async def touch(self, session_id: str, at: float | None = None) -> None:
+        """Refresh a session's idle clock without an event."""
+        await self._submit(_Request("touch", session_id, -1, (), None, at or time.time()))
+
+    async def import_events(self, evs: Sequence[Event]) -> list[Event]:
+        """Insert exported events verbatim (new positions, same chain)."""
+        if not evs:
+            return []
+        sid = evs[0].session_id
+        verify_chain(evs)
+        return await self._submit(_Request("import", sid, evs[0].version - 1, list(evs)))
+
+    async def purge(self, session_id: str, reason: str = "retention") -> Event:
+        """Delete a session's events, leaving a ``session.purged`` tombstone."""
+        row = await self.get_session(session_id)
+        req = _Request("purge", session_id, row.version, [NewEvent(T.SESSION_PURGED, {"reason": reason})])
+        return (await self._submit(req))[0]
+
+    async def _submit(self, req: _Request) -> list[Event]:
+        if self._writer is None:
+            raise RuntimeError("event log is closed")
+        await self._queue.put(req)
+        return await req.future
+
+    async def _write_loop(self) -> None:
+        while True:
+            first = await self._queue.get()
+            if first is None:
+                return
+            batch, n = [first], len(first.events)
+            stop = False
+            while n < self.batch_max and not self._queue.empty():
+                nxt = self._queue.get_nowait()
+                if nxt is None:
+                    stop = True
+                    break
+                batch.append(nxt)
+                n += len(nxt.events)
+            await self._commit_batch(batch)
+            if stop:
+                return
+
+    async def _commit_batch(self, batch: list[_Request]) -> None:
+        t0 = time.perf_counter()
+        try:
+            results = await self._run_tx(batch)
+        except (IntegrityError, ConcurrencyError, OperationalError) as exc:
+            # Something in the batch conflicted (another process, a stale
+            # cache): retry each request alone so only the guilty one fails.
+            self._heads.clear()
+            if len(batch) == 1:
+                self._fail(batch[0], exc)
+                return
+            for req in batch:
+                try:
+                    res = await self._run_tx([req])
+                except Exception as one_exc:  # noqa: BLE001 - forwarded to the appender
+                    self._heads.pop(req.session_id, None)
+                    self._fail(req, one_exc)
+                else:
+                    self._finish([req], [res[0]], t0)
+            return
+        except Exception as exc:  # noqa: BLE001
+            self._heads.clear()
+            for req in batch:
+                self._fail(req, exc)
+            return
+        self._finish(batch, results, t0)
+
+    def _fail(self, req: _Request, exc: BaseException) -> None:
+        if isinstance(exc, IntegrityError):
+            exc = ConcurrencyError(f"session {req.session_id}: concurrent append (version conflict)")
+        if not req.future.done():
+            req.future.set_exception(exc)
+
+    def _finish(self, batch: list[_Request], results: list[list[Event]], t0: float) -> None:
+        all_events: list[Event] = []
+        for req, evs in zip(batch, results, strict=True):
+            all_events.extend(evs)
+            if not req.future.done():
+                req.future.set_result(evs)
+        if all_events:
+            metrics.EVENTS_APPENDED.inc(len(all_events))
+            metrics.COMMIT_SECONDS.observe(time.perf_counter() - t0)
+            metrics.BATCH_SIZE.observe(len(all_events))
+            if self.dialect == "postgresql":
+                self._wake.set()
+            else:
+                self._publish(all_events)
+
+    async def _head(self, conn: AsyncConnection, session_id: str) -> tuple[int, str] | None:
+        head = self._heads.get(session_id)
+        if head is not None:
+            self._heads.move_to_end(session_id)
+            return head
+        row = (await conn.execute(
+            sa.select(sessions.c.version, sessions.c.head_hash).where(sessions.c.id == session_id)
+        )).first()
+        if row is None:
+            return None
+        return int(row[0]), str(row[1])
+
+    def _remember(self, session_id: str, head: tuple[int, str]) -> None:
+        self._heads[session_id] = head
+        self._heads.move_to_end(session_id)
+        while len(self._heads) > 100_000:
+            self._heads.popitem(last=False)
+
+    async def _run_tx(self, batch: list[_Request]) -> list[list[Event]]:
+        async with self.engine.connect() as conn:
+            tx = await conn.begin()
+            try:
+                results = await self._write(conn, batch)
+                if self.before_commit is not None:
+                    await self.before_commit([e for r in results for e in r])
+                await tx.commit()
+            except BaseException:
+                await tx.rollback()
+                raise
+        for evs in results:
+            if evs:
+                self._remember(evs[-1].session_id, (evs[-1].version, evs[-1].hash))
+        return results
+
+    async def _write(self, conn: AsyncConnection, batch: list[_Request]) -> list[list[Event]]:
+        if self.dialect == "postgresql":
+            await conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": PG_LOCK_KEY})
+        elif self.dialect == "sqlite":
+            # Take the write lock now so MAX(position) below is read under it.
+            await conn.exec_driver_sql("UPDATE sessions SET version = version WHERE 0")
+        pos = int((await conn.execute(sa.select(sa.func.coalesce(sa.func.max(events.c.position), 0)))).scalar_one())
+        now = time.time()
+        rows: list[dict[str, Any]] = []
+        blob_rows: dict[str, dict[str, Any]] = {}
+        results: list[list[Event]] = []
+        pending_heads: dict[str, tuple[int, str]] = {}
+        for req in batch:
+            sid = req.session_id
+            head = pending_heads.get(sid) or await self._head(conn, sid)
+            if req.kind == "touch":
+                await conn.execute(sessions.update().where(sessions.c.id == sid).values(last_active_at=req.at))
+                results.append([])
+                continue
+            cur_version = head[0] if head else 0
+            if req.kind != "purge" and cur_version != req.expected_version:
+                raise ConcurrencyError(
+                    f"session {sid}: expected version {req.expected_version}, log is at {cur_version}"
+                )
+            if req.kind == "purge" and head is None:
+                raise SessionNotFound(sid)
+            prev = head[1] if head else GENESIS_HASH
+            out: list[Event] = []
+            if req.kind == "import":
+                for e in req.events:
+                    assert isinstance(e, Event)
+                    if e.prev_hash != prev:
+                        raise ChainBroken(f"import of {sid} v{e.version} does not continue the chain")
+                    pos += 1
+                    out.append(Event(pos, sid, e.version, e.type, e.body, e.data, e.recorded_at, e.hash, e.prev_hash))
+                    prev = e.hash
+            else:
+                version = cur_version
+                if req.kind == "purge":
+                    await conn.execute(events.delete().where(events.c.session_id == sid))
+                    await conn.execute(snapshots.delete().where(snapshots.c.session_id == sid))
+                for ne in req.events:
+                    assert isinstance(ne, NewEvent)
+                    body = dict(ne.body)
+                    if req.kind == "purge":
+                        body = {**body, "through_version": cur_version, "last_hash": prev}
+                    version += 1
+                    pos += 1
+                    h = chain_hash(prev, sid, version, ne.type, body, ne.data, now)
+                    out.append(Event(pos, sid, version, ne.type, body, ne.data, now, h, prev))
+                    prev = h
+            for e in out:
+                data, blob_sha = e.data, None
+                if data is not None and len(data) > self.inline_max_bytes:
+                    blob_sha = hashlib.sha256(data).hexdigest()
+                    blob_rows[blob_sha] = {"sha256": blob_sha, "size": len(data), "data": data, "created_at": now}
+                    data = None
+                rows.append({
+                    "position": e.position, "session_id": sid, "version": e.version, "type": e.type,
+                    "body": canonical_json(e.body), "data": data, "blob_sha": blob_sha,
+                    "recorded_at": e.recorded_at, "hash": e.hash, "prev_hash": e.prev_hash,
+                })
+            await self._index(conn, req, head, out, now)
+            pending_heads[sid] = (out[-1].version, out[-1].hash) if out else (head or (0, GENESIS_HASH))
+            results.append(out)
+        if blob_rows:
+            await self._put_blobs(conn, list(blob_rows.values()))
+        if rows:
+            await conn.execute(events.insert(), rows)
+        if self.dialect == "postgresql" and rows:
+            await conn.execute(sa.text("SELECT pg_notify(:c, :p)"), {"c": PG_CHANNEL, "p": str(pos)})
+        return results
+
+    async def _put_blobs(self, conn: AsyncConnection, rows: list[dict[str, Any]]) -> None:
+        have = set((await conn.execute(
+            sa.select(blobs.c.sha256).where(blobs.c.sha256.in_([r["sha256"] for r in rows]))
+        )).scalars())
+        fresh = [r for r in rows if r["sha256"] not in have]
+        if fresh:
+            await conn.execute(blobs.insert(), fresh)
+
+    async def _index(self, conn: AsyncConnection, req: _Request, head: tuple[int, str] | None,
+                     out: list[Event], now: float) -> None:
+        if not out:
+            return
+        last = out[-1]
+        values: dict[str, Any] = {
+            "version": last.version, "head_hash": last.hash, "updated_at": last.recorded_at,
+            "last_active_at": now,
+        }
+        for e in out:
+            st = _STATUS_BY_TYPE.get(e.type)
+            if st is not None:
+                values["status"] = st
+        if req.index:
+            values.update({k: v for k, v in req.index.items() if k in ("history_length", "status")})
+        first = out[0]
+        if head is None or req.kind == "import" and first.type == T.SESSION_OPENED and first.version == 1:
+            opened = next((e for e in out if e.type == T.SESSION_OPENED), None)
+            if opened is None and req.kind != "import":
+                raise InvalidEvent(f"session {req.session_id}: the first event must be session.opened")
+            b = opened.body if opened else {}
+            eng = b.get("engine", {}) or {}
+            parent = b.get("parent") or {}
+            row = {
+                "id": req.session_id, "protocol": str(b.get("protocol", "")), "status": "open",
+                "label": str(b.get("label", "")), "engine": str(eng.get("engine", "")),
+                "model_id": str(eng.get("model_id", "")), "parent_id": parent.get("session_id"),
+                "parent_version": parent.get("version"), "fork_position": parent.get("token_position"),
+                "created_at": first.recorded_at, "ttl_s": b.get("ttl_s"), "event_count": len(out),
+                "history_length": 0,
+            }
+            row.update(values)
+            if req.kind == "import":
+                row["last_active_at"] = last.recorded_at
+            await conn.execute(sessions.insert().values(**row))
+            return
+        count = sessions.c.event_count + len(out)
+        if req.kind == "purge":
+            count = sa.literal(len(out))
+            values["history_length"] = 0
+        await conn.execute(sessions.update().where(sessions.c.id == req.session_id).values(event_count=count, **values))
+
+    # -- reading -----------------------------------------------------------
+
+    def _to_event(self, r: Any, blob_data: Mapping[str, bytes]) -> Event:
+        data = r.data if r.blob_sha is None else blob_data[r.blob_sha]
+        return Event(int(r.position), r.session_id, int(r.version), r.type, json.loads(r.body),
+                     None if data is None else bytes(data), float(r.recorded_at), r.hash, r.prev_hash)
+
+    async def _rows_to_events(self, conn: AsyncConnection, rows: Sequence[Any]) -> list[Event]:
+        shas = {r.blob_sha for r in rows if r.blob_sha is not None}
+        blob_data: dict[str, bytes] = {}
+        if shas:
+            for sha, data in await conn.execute(sa.select(blobs.c.sha256, blobs.c.data).where(blobs.c.sha256.in_(shas))):
+                blob_data[sha] = bytes(data)
+        return [self._to_event(r, blob_data) for r in rows]
+
+    async def read(self, session_id: str, from_version: int = 1, to_version: int | None = None) -> list[Event]:
+        """A session's events in version order, ``from_version`` to ``to_version`` inclusive."""
+        q = sa.select(events).where(events.c.session_id == session_id, events.c.version >= from_version)
+        if to_version is not None:
+            q = q.where(events.c.version <= to_version)
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(q.order_by(events.c.version))).all()
+            return await self._rows_to_events(conn, rows)
+
+    async def read_all(self, after_position: int = 0, limit: int = 1000,
+                       session_id: str | None = None) -> list[Event]:
+        """Events with position > ``after_position`` in position order."""
+        q = sa.select(events).where(events.c.position > after_position)
+        if session_id is not None:
+            q = q.where(events.c.session_id == session_id)
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(q.order_by(events.c.position).limit(limit))).all()
+            return await self._rows_to_events(conn, rows)
+
+    async def last_position(self) -> int:
+        async with self.engine.connect() as conn:
+            return int((await conn.execute(sa.select(sa.func.coalesce(sa.func.max(events.c.position), 0)))).scalar_one())
+
+    async def get_blob(self, sha256: str) -> bytes | None:
+        async with self.engine.connect() as conn:
+            data = (await conn.execute(sa.select(blobs.c.data).where(blobs.c.sha256 == sha256))).scalar()
+            return None if data is None else bytes(data)
+
+    async def get_session(self, session_id: str) -> SessionRow:
+        async with self.engine.connect() as conn:
+            row = (await conn.execute(sa.select(sessions).where(sessions.c.id == session_id))).first()
+        if row is None:
+            raise SessionNotFound(session_id)
+        return SessionRow(**row._mapping)
+
+    async def list_sessions(self, *, status: str | None = None, protocol: str | None = None,
+                            parent_id: str | None = None, limit: int = 1000, offset: int = 0,
+                            newest_first: bool = True) -> list[SessionRow]:
+        q = sa.select(sessions)
+        if status is not None:
+            q = q.where(sessions.c.status == status)
+        if protocol is not None:
+            q = q.where(sessions.c.protocol == protocol)
+        if parent_id is not None:
+            q = q.where(sessions.c.parent_id == parent_id)
+        order = sessions.c.created_at.desc() if newest_first else sessions.c.created_at.asc()
+        q = q.order_by(order, sessions.c.id).limit(limit).offset(offset)
+        async with self.engine.connect() as conn:
+            return [SessionRow(**r._mapping) for r in (await conn.execute(q)).all()]
+
+    async def idle_sessions(self, now: float, default_ttl: float) -> list[SessionRow]:
+        """Open sessions whose idle TTL ran out at ``now``."""
+        ttl = sa.func.coalesce(sessions.c.ttl_s, default_ttl)
+        q = sa.select(sessions).where(sessions.c.status == "open", sessions.c.last_active_at + ttl < now)
+        async with self.engine.connect() as conn:
+            return [SessionRow(**r._mapping) for r in (await conn.execute(q)).all()]
+
+    # -- snapshots ---------------------------------------------------------
+
+    async def save_snapshot(self, session_id: str, version: int, state: str, data: bytes | None) -> None:
+        async with self.engine.begin() as conn:
+            await conn.execute(snapshots.delete().where(snapshots.c.session_id == session_id))
+            await conn.execute(snapshots.insert().values(
+                session_id=session_id, version=version, state=state, data=data, created_at=time.time()))
+
+    async def load_snapshot(self, session_id: str, max_version: int | None = None) -> tuple[int, str, bytes | None] | None:
+        q = sa.select(snapshots.c.version, snapshots.c.state, snapshots.c.data).where(snapshots.c.session_id == session_id)
+        if max_version is not None:
+            q = q.where(snapshots.c.version <= max_version)
+        async with self.engine.connect() as conn:
+            row = (await conn.execute(q.order_by(snapshots.c.version.desc()).limit(1))).first()
+        if row is None:
+            return None
+        return int(row[0]), str(row[1]), None if row[2] is None else bytes(row[2])
+
+    # -- subscriptions -----------------------------------------------------
+
+    def _publish(self, evs: list[Event]) -> None:
+        for e in evs:
+            self._published = max(self._published, e.position)
+            for sub in list(self._subscribers):
+                sub.offer(e)
+
+    async def _tail_loop(self) -> None:
+        """PostgreSQL: pick up committed events from every process, in position order."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.poll_interval_s)
+            self._wake.clear()
+            try:
+                while True:
+                    evs = await self.read_all(self._published, limit=1000)
+                    if evs:
+                        self._publish(evs)
+                    if len(evs) < 1000:
+                        break
+            except Exception:  # noqa: BLE001 - keep tailing through outages
+                log.exception("tailing the log failed; retrying")
+                await asyncio.sleep(self.poll_interval_s)
+
+    async def subscribe(self, from_position: int = 0, session_id: str | None = None) -> AsyncIterator[Event]:
+        """Events with position > ``from_position``: the past from the log, then live."""
+        sub = _Subscriber(session_id)
+        self._subscribers.add(sub)
+        metrics.SUBSCRIBERS.inc()
+        last = from_position
+        try:
+            while True:
+                # catch up from the database
+                while True:
+                    evs = await self.read_all(last, limit=1000, session_id=session_id)
+                    for e in evs:
+                        yield e
+                        last = e.position
+                    if len(evs) < 1000:
+                        break
+                sub.overflowed = False
+                # live
+                while not sub.overflowed:
+                    e = await sub.queue.get()
+                    if e.position <= last:
+                        continue
+                    yield e
+                    last = e.position
+                while not sub.queue.empty():
+                    sub.queue.get_nowait()
+        finally:
+            self._subscribers.discard(sub)
+            metrics.SUBSCRIBERS.dec()
+
+
+def verify_chain(evs: Sequence[Event], start_hash: str | None = None) -> None:
+    """Raise ChainBroken unless ``evs`` (one session, in order) chain correctly."""
+    prev = start_hash
+    expect_version: int | None = None
+    for e in evs:
+        if prev is None:
+            # A purge tombstone vouches for the head it replaced; otherwise
+            # the chain must start at version 1 from the genesis hash.
+            if e.type == T.SESSION_PURGED:
+                prev = e.prev_hash
+            elif e.version == 1:
+                prev = GENESIS_HASH
+            else:
+                raise ChainBroken(f"{e.session_id}: chain starts at version {e.version}")
+        if expect_version is not None and e.version != expect_version:
+            raise ChainBroken(f"{e.session_id}: version {e.version} follows {expect_version - 1}")
+        if e.prev_hash != prev:
+            raise ChainBroken(f"{e.session_id} v{e.version}: prev_hash does not match the previous event")
+        if event_hash(e) != e.hash:
+            raise ChainBroken(f"{e.session_id} v{e.version}: hash does not match the event's content")
+        if e.type == T.SESSION_PURGED and e.body.get("last_hash") != e.prev_hash:
+            raise ChainBroken(f"{e.session_id} v{e.version}: tombstone does not name the purged head")
+        prev = e.hash
+        expect_version = e.version + 1

@@ -1,0 +1,615 @@
+"""The runtime: the one API every transport calls.
+
+It owns the event log, the configured engine and the in-memory session
+states (a cache of the fold; the log is the truth). Every mutation follows
+the same path: take the session's lock, check the command against the
+state (raising a typed error that leaves everything unchanged), append the
+events, and apply them to the cached state only after they committed.
+
+Usage::
+
+    rt = await Runtime.create(Config.load())
+    s = await rt.open_session("http")
+    await rt.append_text(s.session_id, "Hello")
+    async for ev in rt.generate(s.session_id, SamplingParams(max_tokens=8, seed=1)):
+        print(ev.type, ev.body)
+    await rt.close(s.session_id)
+    await rt.aclose()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import Any
+
+from core import metrics
+from core.config import Config
+from core.engine import Engine, OutputOptions, SamplingParams
+from core.errors import (
+    CacheInvariantViolation,
+    InvalidAction,
+    InvalidParameters,
+    SessionBusy,
+    SessionClosed,
+    SessionExpired,
+    SessionNotFound,
+)
+from core.events import Event, NewEvent, T
+from core.log import EventLog
+from core.nodes import FragmentIn, check_fragment
+from core.scheduler import PriorityGate
+from core.snapshot import state_from_json, state_to_json
+from core.state import EXPIRED, OPEN, SessionState, apply, fork_state
+from core.tokens import (
+    ImageIn,
+    check_fork_point,
+    check_images,
+    check_length,
+    check_ranges,
+    check_vocab,
+    length_after,
+    rewind_point,
+    sink_window_keep,
+)
+
+log = logging.getLogger("sessiontape.runtime")
+
+Clock = Callable[[], float]
+
+
+def new_session_id() -> str:
+    return "s_" + secrets.token_hex(12)
+
+
+class Runtime:
+    def __init__(self, log_: EventLog, engine: Engine, config: Config, *, clock: Clock = time.time) -> None:
+        self.log = log_
+        self.engine = engine
+        self.config = config
+        self.clock = clock
+        self._states: OrderedDict[str, SessionState] = OrderedDict()
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._generating: set[str] = set()
+        self._last_active: dict[str, float] = {}
+        self._snapshotted: dict[str, int] = {}
+        self._sweeper: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+        self.gate = PriorityGate()
+        #: Kakeya counters: session id -> [INV-1 violations, INV-2 violations]
+        self.invariant_violations: dict[str, list[int]] = {}
+        self.max_depth = int(config.sessions_opt("max_nesting_depth"))
+        self.cache_size = int(config.sessions_opt("state_cache_size"))
+        self.snapshot_every = int(config.log_opt("snapshot_every"))
+
+    # -- construction ------------------------------------------------------
+
+    @classmethod
+    async def create(cls, config: Config, *, engine: Engine | None = None, clock: Clock = time.time) -> Runtime:
+        """Open the log (migrating a fresh database) and load the configured engine."""
+        from core.registry import ENGINES, load
+
+        if engine is None:
+            factory = load(ENGINES, config.engine_name)
+            engine = factory(**config.engine_options)
+        assert engine is not None
+        info = engine.info
+        metrics.ENGINE_PROVIDER.labels(info.name, info.provider, info.model_id).set(1)
+        log.info("engine %s: model %s on %s", info.name, info.model_id, info.provider)
+        log_ = await EventLog.open(
+            config.db_url,
+            batch_max=int(config.log_opt("batch_max")),
+            inline_max_bytes=int(config.log_opt("inline_max_bytes")),
+            poll_interval_s=float(config.log_opt("poll_interval_s")),
+        )
+        return cls(log_, engine, config, clock=clock)
+
+    async def aclose(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        for t in list(self._background):
+            with contextlib.suppress(Exception):
+                await t
+        await self.engine.aclose()
+        await self.log.close()
+
+    # -- state -------------------------------------------------------------
+
+    def _lock(self, sid: str) -> asyncio.Lock:
+        lock = self._locks.get(sid)
+        if lock is None:
+            lock = self._locks[sid] = asyncio.Lock()
+        return lock
+
+    async def load(self, session_id: str, upto_version: int | None = None) -> SessionState:
+        """Rebuild a session's state from the log (snapshot, then events; forks via the parent)."""
+        base: SessionState | None = None
+        from_version = 1
+        snap = await self.log.load_snapshot(session_id, upto_version)
+        if snap is not None:
+            version, state_json, data = snap
+            base = state_from_json(state_json, data)
+            from_version = version + 1
+        evs = await self.log.read(session_id, from_version, upto_version)
+        if base is None:
+            if not evs:
+                raise SessionNotFound(session_id)
+            base = SessionState(session_id)
+            first = evs[0]
+            parent = first.body.get("parent") if first.type == T.SESSION_OPENED else None
+            if parent:
+                pstate = await self.load(str(parent["session_id"]), int(parent["version"]))
+                tp = parent.get("token_position")
+                base = fork_state(pstate, session_id, None if tp is None else int(tp))
+                base.parent = dict(parent)
+        for e in evs:
+            apply(base, e)
+        return base
+
+    async def get(self, session_id: str) -> SessionState:
+        """The session's current state (any status). Raises SessionNotFound."""
+        st = self._states.get(session_id)
+        if st is None:
+            st = await self.load(session_id)
+            self._cache(st)
+        else:
+            self._states.move_to_end(session_id)
+        return st
+
+    def _cache(self, st: SessionState) -> None:
+        self._states[st.session_id] = st
+        self._states.move_to_end(st.session_id)
+        while len(self._states) > self.cache_size:
+            old, _ = self._states.popitem(last=False)
+            if old not in self._generating:
+                self._locks.pop(old, None)
+
+    async def _live(self, session_id: str) -> SessionState:
+        """An open, unexpired session, or the error a client should see."""
+        st = await self.get(session_id)
+        if st.status == EXPIRED:
+            raise SessionExpired(session_id)
+        if st.status != OPEN:
+            raise SessionClosed(f"session {session_id} is {st.status}")
+        ttl = st.ttl_s
+        last = self._last_active.get(session_id, st.updated_at)
+        if ttl is not None and self.clock() - last > ttl and session_id not in self._generating:
+            await self._expire(st, self.clock() - last)
+            raise SessionExpired(session_id)
+        return st
+
+    async def _commit(self, st: SessionState, new: Sequence[NewEvent]) -> list[Event]:
+        """Append ``new`` after ``st.version`` and fold the committed events into ``st``."""
+        length = st.length
+        for ne in new:
+            length = length_after(length, ne.type, dict(ne.body))
+        index = {"history_length": length}
+        evs = await self.log.append(st.session_id, st.version, new, index=index)
+        try:
+            for e in evs:
+                apply(st, e)
+        except Exception:
+            self._states.pop(st.session_id, None)  # reload from the log next time
+            raise
+        self._last_active[st.session_id] = self.clock()
+        if self.snapshot_every and st.version - self._snapshotted.get(st.session_id, 0) >= self.snapshot_every:
+            self._snapshotted[st.session_id] = st.version
+            self._spawn(self._snapshot(st.session_id, state_to_json(st)))
+        return evs
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _snapshot(self, sid: str, snap: tuple[int, str, bytes | None]) -> None:
+        try:
+            await self.log.save_snapshot(sid, *snap)
+        except Exception:  # noqa: BLE001 - a snapshot is an optimisation
+            log.exception("snapshot of %s failed", sid)
+
+    # -- sessions ----------------------------------------------------------
+
+    async def open_session(self, protocol: str, *, mode: str = "offset", label: str = "",
+                           eos_token_ids: Sequence[int] | None = None, ttl_s: float | None = None,
+                           meta: Mapping[str, Any] | None = None, session_id: str | None = None) -> SessionState:
+        """Start a session bound to the configured engine; the server issues its id."""
+        if mode not in ("offset", "append_only"):
+            raise InvalidParameters(f"unknown session mode {mode!r}")
+        sid = session_id or new_session_id()
+        info = self.engine.info
+        eos = list(info.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        check_vocab(eos, info.vocab_size)
+        body = {
+            "protocol": protocol, "mode": mode, "label": label, "eos_token_ids": eos,
+            "ttl_s": self.config.idle_ttl(protocol) if ttl_s is None else ttl_s,
+            "engine": info.provenance(), "meta": dict(meta or {}), "parent": None,
+        }
+        st = SessionState(sid)
+        await self._commit(st, [NewEvent(T.SESSION_OPENED, body)])
+        self._cache(st)
+        metrics.SESSIONS_OPENED.labels(protocol).inc()
+        metrics.SESSIONS_OPEN.inc()
+        return st
+
+    async def fork(self, session_id: str, *, at_position: int | None = None, at_version: int | None = None,
+                   protocol: str | None = None, label: str = "") -> SessionState:
+        """A new session continuing ``session_id`` at a token position or an event version.
+
+        Nothing is copied in the log: the child's ``session.opened`` names the
+        parent, its version and the token position; loading the child folds
+        the parent up to there.
+        """
+        parent = await self.get(session_id)
+        if at_version is not None:
+            if not 1 <= at_version <= parent.version:
+                raise InvalidParameters(f"fork version {at_version} is outside [1, {parent.version}]")
+            base = await self.load(session_id, at_version)
+        else:
+            base = parent
+        if at_position is not None:
+            check_fork_point(base, at_position)
+        sid = new_session_id()
+        st = fork_state(base, sid, at_position)
+        pinfo = {"session_id": session_id, "version": base.version, "token_position": at_position}
+        st.parent = pinfo
+        body = {
+            "protocol": protocol or parent.protocol, "mode": parent.mode, "label": label or parent.label,
+            "eos_token_ids": parent.eos_token_ids, "ttl_s": parent.ttl_s, "engine": self.engine.info.provenance(),
+            "meta": dict(parent.meta), "parent": pinfo,
+        }
+        await self._commit(st, [NewEvent(T.SESSION_OPENED, body)])
+        self._cache(st)
+        if at_position is not None:
+            self.engine.fork(session_id, sid, at_position)
+        metrics.SESSIONS_OPENED.labels(st.protocol).inc()
+        metrics.SESSIONS_OPEN.inc()
+        return st
+
+    async def close(self, session_id: str, reason: str = "client") -> SessionState:
+        """Close a session; closing a closed one is a no-op. Raises SessionNotFound."""
+        st = await self.get(session_id)
+        async with self._lock(session_id):
+            if st.status != OPEN:
+                return st
+            if session_id in self._generating:
+                raise SessionBusy(session_id)
+            await self._commit(st, [NewEvent(T.SESSION_CLOSED, {"reason": reason})])
+        self.engine.forget(session_id)
+        metrics.SESSIONS_OPEN.dec()
+        return st
+
+    async def abort(self, session_id: str, code: str, message: str) -> SessionState:
+        """Record a protocol abort (the transport ends the stream with an error)."""
+        st = await self.get(session_id)
+        async with self._lock(session_id):
+            if st.status == OPEN:
+                await self._commit(st, [NewEvent(T.SESSION_ABORTED, {"code": code, "message": message})])
+                metrics.SESSIONS_OPEN.dec()
+        self.engine.forget(session_id)
+        return st
+
+    async def _expire(self, st: SessionState, idle_s: float) -> None:
+        async with self._lock(st.session_id):
+            if st.status == OPEN:
+                await self._commit(st, [NewEvent(T.SESSION_EXPIRED, {"idle_s": round(idle_s, 3)})])
+                metrics.SESSIONS_OPEN.dec()
+        self.engine.forget(st.session_id)
+
+    async def touch(self, session_id: str) -> None:
+        """Refresh the idle TTL without recording an event."""
+        await self._live(session_id)
+        now = self.clock()
+        self._last_active[session_id] = now
+        await self.log.touch(session_id, now)
+
+    async def expire_idle(self) -> list[str]:
+        """One sweeper pass: expire open sessions idle past their TTL."""
+        now = self.clock()
+        default = self.config.idle_ttl("default")
+        expired = []
+        for row in await self.log.idle_sessions(now, default):
+            if row.id in self._generating:
+                continue
+            last = max(self._last_active.get(row.id, row.last_active_at), row.last_active_at)
+            if now - last <= (row.ttl_s if row.ttl_s is not None else default):
+                continue
+            st = await self.get(row.id)
+            await self._expire(st, now - last)
+            expired.append(row.id)
+        return expired
+
+    def start_sweeper(self) -> None:
+        interval = float(self.config.sessions_opt("sweep_interval_s"))
+
+        async def loop() -> None:
+            while True:
+                await asyncio.sleep(interval)
+                try:
+                    await self.expire_idle()
+                except Exception:  # noqa: BLE001
+                    log.exception("TTL sweep failed")
+
+        self._sweeper = asyncio.create_task(loop(), name="sessiontape-ttl-sweeper")
+
+    # -- content -----------------------------------------------------------
+
+    async def record(self, session_id: str, new: Sequence[NewEvent]) -> list[Event]:
+        """Append events that carry no model rule (wire messages, notes)."""
+        st = await self.get(session_id)
+        async with self._lock(session_id):
+            return await self._commit(st, new)
+
+    async def record_wire(self, session_id: str, transport: str, direction: str, payload: Any) -> Event:
+        return (await self.record(session_id, [NewEvent(T.WIRE, {"transport": transport, "direction": direction, "payload": payload})]))[0]
+
+    async def record_feedback(self, session_id: str, feedback: Mapping[str, Any]) -> Event:
+        return (await self.record(session_id, [NewEvent(T.FEEDBACK, dict(feedback))]))[0]
+
+    async def record_error(self, session_id: str, code: str, message: str) -> Event:
+        return (await self.record(session_id, [NewEvent(T.ERROR, {"code": code, "message": message})]))[0]
+
+    async def append_fragments(self, session_id: str, fragments: Sequence[FragmentIn],
+                               direction: str = "in") -> list[bool]:
+        """Record Evergreen fragments; returns, per fragment, False for an ignored duplicate.
+
+        All-or-nothing: if any fragment breaks a rule nothing is recorded.
+        """
+        st = await self._live(session_id)
+        async with self._lock(session_id):
+            scratch = st.copy() if len(fragments) > 1 else st
+            new: list[NewEvent] = []
+            kept: list[bool] = []
+            for f in fragments:
+                ok = check_fragment(scratch, f, self.max_depth)
+                kept.append(ok)
+                if ok:
+                    ne = NewEvent(T.NODE_FRAGMENT, f.body(direction), f.data)
+                    new.append(ne)
+                    if scratch is not st:
+                        from core.nodes import apply_fragment
+
+                        apply_fragment(scratch, ne.body, ne.data)
+            if new:
+                await self._commit(st, new)
+            return kept
+
+    async def submit_action(self, session_id: str, name: str, inputs: Sequence[tuple[str, str]],
+                            outputs: Sequence[tuple[str, str]], *, target: str = "",
+                            configs: Sequence[Any] = (), action_id: str | None = None) -> Event:
+        """Record an action; output ids must be new node ids."""
+        st = await self._live(session_id)
+        async with self._lock(session_id):
+            if not name:
+                raise InvalidAction("action without a name")
+            seen: set[str] = set()
+            for _, nid in outputs:
+                if nid in st.nodes or nid in seen or any(nid in [o for _, o in a.outputs] for a in st.actions.values()):
+                    raise InvalidAction(f"output id {nid!r} is not new")
+                seen.add(nid)
+            aid = action_id or f"a{len(st.actions) + 1}"
+            body = {"action_id": aid, "name": name, "inputs": [{"name": n, "id": i} for n, i in inputs],
+                    "outputs": [{"name": n, "id": i} for n, i in outputs], "target": target, "configs": list(configs)}
+            return (await self._commit(st, [NewEvent(T.ACTION_SUBMITTED, body)]))[0]
+
+    async def finish_action(self, session_id: str, action_id: str, error: tuple[str, str] | None = None) -> Event:
+        st = await self.get(session_id)
+        async with self._lock(session_id):
+            if error is None:
+                ne = NewEvent(T.ACTION_COMPLETED, {"action_id": action_id})
+            else:
+                ne = NewEvent(T.ACTION_FAILED, {"action_id": action_id, "code": error[0], "message": error[1]})
+            return (await self._commit(st, [ne]))[0]
+
+    def _append_events(self, st: SessionState, tokens: Sequence[int], offset: int | None, truncating: bool,
+                       images: Sequence[ImageIn], image_blobs: list[tuple[str, int]]) -> list[NewEvent]:
+        """Check an append against ``st`` and build its events (no mutation)."""
+        info = self.engine.info
+        tokens = [int(t) for t in tokens]
+        check_vocab(tokens, info.vocab_size)
+        cut = rewind_point(st, offset, truncating)
+        base = st.length if cut is None else cut
+        new_len = base + len(tokens)
+        check_length(new_len, info.max_length)
+        if images:
+            block = None if info.image_block_tokens is None else self.engine.image_block_length(images[0].data, images[0].mime)
+            check_images(images, base, new_len, block, tokens, info.image_pad_token_id)
+        out: list[NewEvent] = []
+        if cut is not None:
+            out.append(NewEvent(T.TOKENS_TRUNCATED, {"reason": "rewind", "keep": [[0, cut]], "dropped": st.length - cut}))
+        if tokens or images:
+            imgs = [{"start": im.start, "end": im.end, "mime": im.mime, "sha256": sha, "size": size}
+                    for im, (sha, size) in zip(images, image_blobs, strict=True)]
+            out.append(NewEvent(T.TOKENS_APPENDED, {"start": base, "tokens": tokens, "images": imgs}))
+        return out
+
+    async def _image_events(self, images: Sequence[ImageIn]) -> tuple[list[NewEvent], list[tuple[str, int]]]:
+        import hashlib
+
+        notes, shas = [], []
+        for im in images:
+            sha = hashlib.sha256(im.data).hexdigest()
+            shas.append((sha, len(im.data)))
+            notes.append(NewEvent(T.IMAGE_ATTACHED, {"sha256": sha, "mime": im.mime, "size": len(im.data)}, im.data))
+        return notes, shas
+
+    async def append_tokens(self, session_id: str, tokens: Sequence[int], *, offset: int | None = None,
+                            truncating: bool = False, images: Sequence[ImageIn] = ()) -> int:
+        """Append tokens (Salience offset rule when ``offset`` is given); returns the new length."""
+        st = await self._live(session_id)
+        async with self._lock(session_id):
+            if session_id in self._generating:
+                raise SessionBusy(session_id)
+            notes, shas = await self._image_events(images)
+            new = self._append_events(st, tokens, offset, truncating, images, shas)
+            if new:
+                await self._commit(st, notes + new)
+            return st.length
+
+    async def append_text(self, session_id: str, text: str) -> int:
+        return await self.append_tokens(session_id, self.engine.tokenize(text))
+
+    # -- generation --------------------------------------------------------
+
+    async def generate(self, session_id: str, params: SamplingParams, options: OutputOptions = OutputOptions(), *,
+                       append: Sequence[int] = (), offset: int | None = None, truncating: bool = False,
+                       images: Sequence[ImageIn] = (), priority: int = 0, action_id: str | None = None,
+                       sink_window: tuple[int, int] | None = None) -> AsyncIterator[Event]:
+        """Append (optionally), prefill and decode; yields each committed event.
+
+        Yields ``tokens.truncated`` (sink+window, at most once, first),
+        ``generation.started``, ``generation.token`` per scored prompt
+        position and per generated token, then ``generation.finished``. A
+        second concurrent generate on the session raises SessionBusy. If the
+        caller stops iterating, the generation is recorded as cancelled.
+        """
+        if params.max_tokens < 0 or params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 0:
+            raise InvalidParameters("max_tokens, temperature and top_k must be >= 0 and top_p in (0, 1]")
+        st = await self._live(session_id)
+        if session_id in self._generating:
+            raise SessionBusy(session_id)
+        self._generating.add(session_id)
+        gid = "g_" + secrets.token_hex(6)
+        finished = False
+        produced = 0
+        t0 = time.perf_counter()
+        ttft: float | None = None
+        prefill_s = 0.0
+        try:
+            async with self._lock(session_id):
+                notes, shas = await self._image_events(images)
+                new = self._append_events(st, append, offset, truncating, images, shas) if (append or images or offset is not None) else []
+                new = notes + new if new else []
+                length = st.length
+                for ne in new:
+                    length = length_after(length, ne.type, dict(ne.body))
+                check_ranges(options.logprob_ranges, length + params.max_tokens, "logprobs")
+                check_ranges(options.readout_ranges, length + params.max_tokens, "readout")
+                committed = await self._commit(st, new) if new else []
+            for e in committed:
+                if e.type == T.TOKENS_TRUNCATED:
+                    yield e
+            if sink_window is not None:
+                keep = sink_window_keep(st.length, *sink_window)
+                if keep is not None:
+                    dropped = st.length - sum(b - a for a, b in keep)
+                    async with self._lock(session_id):
+                        [ev] = await self._commit(st, [NewEvent(T.TOKENS_TRUNCATED, {
+                            "reason": "sink_window", "keep": keep, "dropped": dropped,
+                            "sink": sink_window[0], "window": sink_window[1]})])
+                    yield ev
+            max_tokens = min(params.max_tokens, self.engine.info.max_length - st.length)
+            eos = set(st.eos_token_ids or self.engine.info.eos_token_ids)
+            stops = set(params.stop_token_ids)
+            eparams = SamplingParams(max_tokens=max_tokens, temperature=params.temperature, top_p=params.top_p,
+                                     top_k=params.top_k, seed=params.seed,
+                                     stop_token_ids=tuple(sorted(eos | stops)))
+            async with self._lock(session_id):
+                [started] = await self._commit(st, [NewEvent(T.GENERATION_STARTED, {
+                    "generation_id": gid, "params": params.to_json(), "prompt_length": st.length,
+                    "priority": priority, "action_id": action_id,
+                    "options": {"logprob_top_k": options.logprob_top_k,
+                                "logprob_ranges": [list(r) for r in options.logprob_ranges],
+                                "readout_ranges": [list(r) for r in options.readout_ranges]}})])
+            yield started
+            prompt_len = st.length
+            history = list(st.tokens)
+            reason = "length"
+            last_pos = -1
+            steps = self.engine.generate(session_id, history, eparams, options)
+            try:
+                while True:
+                    async with self.gate.slot(priority):
+                        try:
+                            step = await anext(steps)
+                        except StopAsyncIteration:
+                            break
+                    if step.position <= last_pos:
+                        self._violation(session_id, 2)
+                        raise CacheInvariantViolation(
+                            f"INV-2: position {step.position} after {last_pos} in {session_id}")
+                    last_pos = step.position
+                    body: dict[str, Any] = {"generation_id": gid, "token": step.token_id, "position": step.position,
+                                            "is_prefill": step.is_prefill, "t": round(time.perf_counter() - t0, 6)}
+                    if step.logprob is not None:
+                        body["logprob"] = step.logprob
+                    if step.top_logprobs:
+                        body["top"] = [[i, lp] for i, lp in step.top_logprobs]
+                    if step.readout is not None:
+                        body["readout"] = list(step.readout)
+                    async with self._lock(session_id):
+                        [ev] = await self._commit(st, [NewEvent(T.GENERATION_TOKEN, body)])
+                    if not step.is_prefill:
+                        produced += 1
+                        if ttft is None:
+                            ttft = time.perf_counter() - t0
+                            prefill_s = ttft
+                            metrics.TTFT_SECONDS.observe(ttft)
+                        metrics.TOKENS_GENERATED.inc()
+                    elif ttft is None:
+                        prefill_s = time.perf_counter() - t0
+                    yield ev
+                    if not step.is_prefill:
+                        if step.token_id in eos:
+                            reason = "eos"
+                            break
+                        if step.token_id in stops:
+                            reason = "stop"
+                            break
+            finally:
+                await steps.aclose()  # type: ignore[attr-defined]
+            cached = self.engine.cached_length(session_id)
+            if cached is not None and cached > st.length:
+                self._violation(session_id, 1)
+                raise CacheInvariantViolation(f"INV-1: cache holds {cached} positions, history {st.length}")
+            if produced == 0 and max_tokens == 0:
+                reason = "length" if params.max_tokens == 0 else "length"
+            total = time.perf_counter() - t0
+            if produced and total > 0:
+                metrics.TOKENS_PER_SECOND.observe(produced / total)
+            async with self._lock(session_id):
+                [fin] = await self._commit(st, [NewEvent(T.GENERATION_FINISHED, {
+                    "generation_id": gid, "finish_reason": reason, "prompt_tokens": prompt_len,
+                    "completion_tokens": produced, "prefill_s": round(prefill_s, 6), "total_s": round(total, 6),
+                    "ttft_s": None if ttft is None else round(ttft, 6)})])
+            finished = True
+            yield fin
+        finally:
+            if not finished and st.active_generation is not None and st.active_generation.id == gid:
+                reason = "cancelled"
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self._finish_cancelled(st, gid, produced, t0, reason))
+            self._generating.discard(session_id)
+
+    async def _finish_cancelled(self, st: SessionState, gid: str, produced: int, t0: float, reason: str) -> None:
+        async with self._lock(st.session_id):
+            await self._commit(st, [NewEvent(T.GENERATION_FINISHED, {
+                "generation_id": gid, "finish_reason": reason, "prompt_tokens": st.generations[gid].prompt_length,
+                "completion_tokens": produced, "prefill_s": None, "total_s": round(time.perf_counter() - t0, 6),
+                "ttft_s": None})])
+
+    def _violation(self, session_id: str, which: int) -> None:
+        counts = self.invariant_violations.setdefault(session_id, [0, 0])
+        counts[which - 1] += 1
+        metrics.INVARIANT_VIOLATIONS.labels(f"INV-{which}").inc()
+
+    def is_generating(self, session_id: str) -> bool:
+        return session_id in self._generating
+
+    def idle_seconds(self, session_id: str) -> float:
+        st = self._states.get(session_id)
+        last = self._last_active.get(session_id, st.updated_at if st else self.clock())
+        return max(0.0, self.clock() - last)
+
+    # -- reading -----------------------------------------------------------
+
+    def subscribe(self, from_position: int = 0, session_id: str | None = None) -> AsyncIterator[Event]:
+        """Committed events after ``from_position`` (catch-up, then live)."""
+        return self.log.subscribe(from_position, session_id)

@@ -1,0 +1,421 @@
+"""Session state and the fold that builds it from events.
+
+``apply(state, event)`` is the only way state changes: it does no I/O and
+the same function serves live sessions, replay, audit, snapshots and tests.
+Commands are checked *before* their events are appended (see
+:mod:`core.nodes`, :mod:`core.tokens` and :mod:`core.runtime`); ``apply``
+re-checks what is cheap and raises :class:`InvalidEvent` on an event that
+cannot follow the current state, which is how ``audit`` finds broken
+invariants in a log that was written by something else.
+
+For speed the fold mutates ``state`` in place; callers that need the old
+state copy it first (:meth:`SessionState.copy`).
+"""
+
+from __future__ import annotations
+
+import copy
+from array import array
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from core.errors import InvalidEvent
+from core.events import GENESIS_HASH, Event, T
+
+OPEN, CLOSED, ABORTED, EXPIRED, PURGED = "open", "closed", "aborted", "expired", "purged"
+
+
+@dataclass
+class Fragment:
+    seq: int
+    continued: bool
+    child_ids: list[str]
+    metadata: dict[str, Any] | None
+    ref: str | None
+    data: bytes | None
+    has_chunk: bool
+
+
+@dataclass
+class Node:
+    id: str
+    fragments: dict[int, Fragment] = field(default_factory=dict)
+    final_seq: int | None = None
+    #: "leaf" or "parent", fixed by the seq 0 fragment
+    kind: str | None = None
+    direction: str = "in"
+
+    @property
+    def metadata(self) -> dict[str, Any] | None:
+        f0 = self.fragments.get(0)
+        return f0.metadata if f0 else None
+
+    @property
+    def child_ids(self) -> list[str]:
+        out: list[str] = []
+        for seq in sorted(self.fragments):
+            out.extend(self.fragments[seq].child_ids)
+        return out
+
+    @property
+    def fragments_complete(self) -> bool:
+        return self.final_seq is not None and all(
+            s in self.fragments for s in range(self.final_seq + 1)
+        )
+
+    def data(self) -> bytes:
+        return b"".join(self.fragments[s].data or b"" for s in sorted(self.fragments))
+
+    @property
+    def ref(self) -> str | None:
+        f0 = self.fragments.get(0)
+        return f0.ref if f0 else None
+
+
+@dataclass
+class Image:
+    start: int
+    end: int
+    mime: str
+    sha256: str
+    size: int
+
+
+@dataclass
+class Generation:
+    id: str
+    params: dict[str, Any]
+    prompt_length: int
+    started_at: float
+    tokens: list[int] = field(default_factory=list)
+    scored: int = 0
+    finish_reason: str | None = None
+    finished_at: float | None = None
+    action_id: str | None = None
+
+
+@dataclass
+class Action:
+    id: str
+    name: str
+    inputs: list[tuple[str, str]]
+    outputs: list[tuple[str, str]]
+    target: str
+    configs: list[Any]
+    status: str = "pending"
+    error: str | None = None
+
+
+@dataclass
+class SessionState:
+    session_id: str
+    version: int = 0
+    head_hash: str = GENESIS_HASH
+    protocol: str = ""
+    mode: str = "offset"  # or "append_only"
+    status: str = OPEN
+    label: str = ""
+    engine: dict[str, Any] = field(default_factory=dict)
+    eos_token_ids: list[int] = field(default_factory=list)
+    ttl_s: float | None = None
+    parent: dict[str, Any] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    tokens: array[int] = field(default_factory=lambda: array("q"))
+    images: list[Image] = field(default_factory=list)
+    nodes: dict[str, Node] = field(default_factory=dict)
+    parents_of: dict[str, set[str]] = field(default_factory=dict)
+    actions: dict[str, Action] = field(default_factory=dict)
+    generations: dict[str, Generation] = field(default_factory=dict)
+    feedback: list[dict[str, Any]] = field(default_factory=list)
+    errors: list[dict[str, Any]] = field(default_factory=list)
+    truncations: int = 0
+    dropped_tokens: int = 0
+    event_count: int = 0
+    abort: dict[str, Any] | None = None
+    purged_through: int = 0
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def is_open(self) -> bool:
+        return self.status == OPEN
+
+    @property
+    def active_generation(self) -> Generation | None:
+        for g in reversed(self.generations.values()):
+            return g if g.finish_reason is None else None
+        return None
+
+    def copy(self) -> SessionState:
+        return copy.deepcopy(self)
+
+    def index(self) -> dict[str, Any]:
+        """The sessions-table columns this state implies."""
+        return {"status": self.status, "history_length": self.length}
+
+
+Applier = Callable[[SessionState, Event], None]
+_APPLIERS: dict[str, Applier] = {}
+
+
+def _on(type_: str) -> Callable[[Applier], Applier]:
+    def deco(fn: Applier) -> Applier:
+        _APPLIERS[type_] = fn
+        return fn
+
+    return deco
+
+
+def apply(state: SessionState, event: Event) -> SessionState:
+    """Fold one event into ``state`` (in place) and return it."""
+    if event.version != state.version + 1:
+        raise InvalidEvent(
+            f"event version {event.version} does not follow {state.version} in {state.session_id}"
+        )
+    fn = _APPLIERS.get(event.type)
+    if fn is None:
+        raise InvalidEvent(f"unknown event type {event.type!r}")
+    if state.status == PURGED and event.type != T.SESSION_PURGED:
+        raise InvalidEvent("event after purge tombstone")
+    fn(state, event)
+    state.version = event.version
+    state.head_hash = event.hash
+    state.updated_at = event.recorded_at
+    state.event_count += 1
+    return state
+
+
+def fold(state: SessionState, events: Iterable[Event]) -> SessionState:
+    for e in events:
+        apply(state, e)
+    return state
+
+
+def _require_open(state: SessionState, event: Event) -> None:
+    if state.status != OPEN:
+        raise InvalidEvent(f"{event.type} on a {state.status} session")
+
+
+@_on(T.SESSION_OPENED)
+def _opened(state: SessionState, e: Event) -> None:
+    if state.version != 0 and state.parent is None:
+        raise InvalidEvent("session.opened must be the first event")
+    b = e.body
+    state.protocol = str(b.get("protocol", ""))
+    state.mode = str(b.get("mode", "offset"))
+    state.label = str(b.get("label", ""))
+    state.engine = dict(b.get("engine", {}))
+    state.eos_token_ids = [int(t) for t in b.get("eos_token_ids", [])]
+    ttl = b.get("ttl_s")
+    state.ttl_s = None if ttl is None else float(ttl)
+    state.meta = dict(b.get("meta", {}))
+    state.created_at = e.recorded_at
+    state.status = OPEN
+
+
+@_on(T.SESSION_CLOSED)
+def _closed(state: SessionState, e: Event) -> None:
+    _require_open(state, e)
+    state.status = CLOSED
+
+
+@_on(T.SESSION_ABORTED)
+def _aborted(state: SessionState, e: Event) -> None:
+    _require_open(state, e)
+    state.status = ABORTED
+    state.abort = dict(e.body)
+
+
+@_on(T.SESSION_EXPIRED)
+def _expired(state: SessionState, e: Event) -> None:
+    _require_open(state, e)
+    state.status = EXPIRED
+
+
+@_on(T.SESSION_PURGED)
+def _purged(state: SessionState, e: Event) -> None:
+    # A tombstone: the events before it are gone, the chain continues from it.
+    state.status = PURGED
+    state.purged_through = int(e.body.get("through_version", 0))
+    state.tokens = array("q")
+    state.nodes.clear()
+    state.parents_of.clear()
+    state.images.clear()
+
+
+@_on(T.NODE_FRAGMENT)
+def _fragment(state: SessionState, e: Event) -> None:
+    from core.nodes import apply_fragment
+
+    _require_open(state, e)
+    apply_fragment(state, e.body, e.data)
+
+
+@_on(T.ACTION_SUBMITTED)
+def _action(state: SessionState, e: Event) -> None:
+    _require_open(state, e)
+    b = e.body
+    aid = str(b["action_id"])
+    if aid in state.actions:
+        raise InvalidEvent(f"action {aid} submitted twice")
+    state.actions[aid] = Action(
+        id=aid,
+        name=str(b.get("name", "")),
+        inputs=[(str(p["name"]), str(p["id"])) for p in b.get("inputs", [])],
+        outputs=[(str(p["name"]), str(p["id"])) for p in b.get("outputs", [])],
+        target=str(b.get("target", "")),
+        configs=list(b.get("configs", [])),
+    )
+
+
+def _action_of(state: SessionState, e: Event) -> Action:
+    act = state.actions.get(str(e.body.get("action_id")))
+    if act is None:
+        raise InvalidEvent(f"unknown action {e.body.get('action_id')!r}")
+    return act
+
+
+@_on(T.ACTION_COMPLETED)
+def _action_done(state: SessionState, e: Event) -> None:
+    _action_of(state, e).status = "completed"
+
+
+@_on(T.ACTION_FAILED)
+def _action_failed(state: SessionState, e: Event) -> None:
+    act = _action_of(state, e)
+    act.status = "failed"
+    act.error = str(e.body.get("message", ""))
+
+
+@_on(T.TOKENS_APPENDED)
+def _tokens(state: SessionState, e: Event) -> None:
+    _require_open(state, e)
+    b = e.body
+    start = int(b["start"])
+    if start != len(state.tokens):
+        raise InvalidEvent(f"tokens.appended at {start} but history length is {len(state.tokens)}")
+    vocab = state.engine.get("vocab_size")
+    toks = b["tokens"]
+    if vocab is not None and any(not 0 <= t < vocab for t in toks):
+        raise InvalidEvent("tokens.appended carries an id outside the vocabulary")
+    state.tokens.extend(toks)
+    for im in b.get("images", ()):
+        state.images.append(
+            Image(int(im["start"]), int(im["end"]), str(im["mime"]), str(im["sha256"]), int(im["size"]))
+        )
+
+
+@_on(T.TOKENS_TRUNCATED)
+def _truncated(state: SessionState, e: Event) -> None:
+    _require_open(state, e)
+    keep = [(int(a), int(b)) for a, b in e.body["keep"]]
+    old = state.tokens
+    new: array[int] = array("q")
+    for a, b in keep:
+        if not 0 <= a <= b <= len(old):
+            raise InvalidEvent(f"tokens.truncated keeps [{a},{b}) of {len(old)} tokens")
+        new.extend(old[a:b])
+    state.dropped_tokens += len(old) - len(new)
+    state.tokens = new
+    state.truncations += 1
+    if len(keep) == 1 and keep[0][0] == 0:
+        cut = keep[0][1]
+        state.images = [im for im in state.images if im.end <= cut]
+    else:
+        state.images = []
+
+
+@_on(T.GENERATION_STARTED)
+def _gen_started(state: SessionState, e: Event) -> None:
+    _require_open(state, e)
+    b = e.body
+    gid = str(b["generation_id"])
+    if state.active_generation is not None:
+        raise InvalidEvent("generation started while another is running")
+    state.generations[gid] = Generation(
+        id=gid,
+        params=dict(b.get("params", {})),
+        prompt_length=int(b.get("prompt_length", len(state.tokens))),
+        started_at=e.recorded_at,
+        action_id=b.get("action_id"),
+    )
+
+
+def _generation_of(state: SessionState, e: Event) -> Generation:
+    g = state.generations.get(str(e.body.get("generation_id")))
+    if g is None:
+        raise InvalidEvent(f"unknown generation {e.body.get('generation_id')!r}")
+    if g.finish_reason is not None:
+        raise InvalidEvent(f"generation {g.id} already finished")
+    return g
+
+
+@_on(T.GENERATION_TOKEN)
+def _gen_token(state: SessionState, e: Event) -> None:
+    g = _generation_of(state, e)
+    b = e.body
+    if b.get("is_prefill"):
+        g.scored += 1
+        return
+    pos = int(b["position"])
+    if pos != len(state.tokens):
+        raise InvalidEvent(f"generated token at {pos} but history length is {len(state.tokens)}")
+    tok = int(b["token"])
+    state.tokens.append(tok)
+    g.tokens.append(tok)
+
+
+@_on(T.GENERATION_FINISHED)
+def _gen_finished(state: SessionState, e: Event) -> None:
+    g = _generation_of(state, e)
+    g.finish_reason = str(e.body.get("finish_reason", "unspecified"))
+    g.finished_at = e.recorded_at
+
+
+@_on(T.FEEDBACK)
+def _feedback(state: SessionState, e: Event) -> None:
+    state.feedback.append(dict(e.body))
+
+
+@_on(T.ERROR)
+def _error(state: SessionState, e: Event) -> None:
+    state.errors.append(dict(e.body))
+
+
+@_on(T.WIRE)
+def _wire(state: SessionState, e: Event) -> None:
+    return None
+
+
+@_on(T.IMAGE_ATTACHED)
+def _image(state: SessionState, e: Event) -> None:
+    _require_open(state, e)  # the bytes; tokens.appended places the block
+
+
+@_on(T.NOTE)
+def _note(state: SessionState, e: Event) -> None:
+    return None
+
+
+def fork_state(parent: SessionState, child_id: str, token_position: int | None) -> SessionState:
+    """The state a fork starts from: the parent's, cut at ``token_position``."""
+    st = parent.copy()
+    st.session_id = child_id
+    st.version = 0
+    st.event_count = 0
+    st.head_hash = GENESIS_HASH
+    st.status = OPEN
+    st.abort = None
+    if token_position is not None:
+        st.tokens = st.tokens[:token_position]
+        st.images = [im for im in st.images if im.end <= token_position]
+    return st
+
+
+def body_of(mapping: Mapping[str, Any]) -> dict[str, Any]:
+    return dict(mapping)

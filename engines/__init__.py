@@ -1,0 +1,1 @@
+"""Inference engines: the reference engine and the ONNX Runtime engine."""

@@ -1,0 +1,64 @@
+"""Seeded sampling shared by every engine.
+
+The random draw for the token at absolute position ``p`` depends only on
+``(seed, p)``, never on how many draws came before, so the same history,
+seed and parameters give the same tokens however the history was built up
+(Kakeya INV-3), and a fork continues exactly as the parent would have.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import numpy.typing as npt
+
+from core.engine import SamplingParams
+
+F32 = npt.NDArray[np.float32]
+F64 = npt.NDArray[np.float64]
+
+
+def log_softmax(logits: F32) -> F64:
+    x = logits.astype(np.float64)
+    m = np.max(x)
+    return x - m - np.log(np.sum(np.exp(x - m)))
+
+
+def uniform(seed: int | None, position: int) -> float:
+    """A uniform draw in [0, 1) from (seed, position)."""
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "little") >> 11) / float(1 << 53)
+
+
+def top_logprobs(logp: F64, k: int) -> tuple[tuple[int, float], ...]:
+    if k <= 0:
+        return ()
+    k = min(k, logp.shape[0])
+    idx = np.argpartition(-logp, k - 1)[:k]
+    idx = idx[np.lexsort((idx, -logp[idx]))]
+    return tuple((int(i), float(logp[i])) for i in idx)
+
+
+def sample(logits: F32, params: SamplingParams, position: int) -> tuple[int, float]:
+    """Pick the token at ``position``; returns (token, its log-probability under the model)."""
+    logp = log_softmax(logits)
+    if params.temperature == 0 or params.seed is None and params.temperature == 0:
+        tok = int(np.argmax(logp))
+        return tok, float(logp[tok])
+    scaled = logits.astype(np.float64) / params.temperature
+    order = np.lexsort((np.arange(scaled.shape[0]), -scaled))
+    if params.top_k > 0:
+        order = order[: params.top_k]
+    z = scaled[order]
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if params.top_p < 1.0:
+        cum = np.cumsum(p)
+        keep = int(np.searchsorted(cum, params.top_p) + 1)
+        order, p = order[:keep], p[:keep] / p[:keep].sum()
+    u = uniform(params.seed, position)
+    cum = np.cumsum(p)
+    i = int(np.searchsorted(cum, u * cum[-1], side="right"))
+    tok = int(order[min(i, len(order) - 1)])
+    return tok, float(logp[tok])

@@ -1,0 +1,16 @@
+"""Byte-level tokenizer: ids 0-255 are bytes; specials follow."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class ByteTokenizer:
+    def __init__(self, vocab_size: int = 259) -> None:
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")

@@ -1,0 +1,1 @@
+"""Alembic environment and versions for the sessiontape schema."""

@@ -1,0 +1,30 @@
+"""Run Alembic programmatically on a connection (used at start and by ``db upgrade``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy.engine import Connection
+
+HERE = Path(__file__).resolve().parent
+
+
+def alembic_config(connection: Connection | None = None) -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(HERE))
+    if connection is not None:
+        cfg.attributes["connection"] = connection
+    return cfg
+
+
+def upgrade_connection(connection: Connection, revision: str = "head") -> None:
+    """Upgrade the database behind ``connection`` (a sync connection) to ``revision``."""
+    command.upgrade(alembic_config(connection), revision)
+
+
+def current_revision(connection: Connection) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
+    return MigrationContext.configure(connection).get_current_revision()

@@ -1,0 +1,123 @@
+"""Shared fixtures: databases (SQLite file and PostgreSQL), runtimes, ports.
+
+``db_url`` is parametrised over the log backends: every test that uses it
+runs once on a real SQLite file and once on the PostgreSQL server at
+127.0.0.1:5432 (database ``test``), skipped with a reason when none answers.
+Each PostgreSQL test gets its own fresh schema.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import socket
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from core.config import Config
+from core.runtime import Runtime
+from engines.reference import ReferenceEngine
+
+PG_HOST = os.environ.get("SESSIONTAPE_TEST_PG_HOST", "127.0.0.1")
+PG_PORT = int(os.environ.get("SESSIONTAPE_TEST_PG_PORT", "5432"))
+PG_DB = os.environ.get("SESSIONTAPE_TEST_PG_DB", "test")
+PG_USER = os.environ.get("SESSIONTAPE_TEST_PG_USER", "postgres")
+
+
+def _pg_up() -> bool:
+    try:
+        with socket.create_connection((PG_HOST, PG_PORT), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+PG_AVAILABLE = _pg_up()
+requires_pg = pytest.mark.skipif(not PG_AVAILABLE, reason=f"no PostgreSQL at {PG_HOST}:{PG_PORT}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def port() -> int:
+    return free_port()
+
+
+async def _fresh_pg_schema() -> str:
+    """A new schema in the test database; returns a URL whose search_path points at it."""
+    import asyncpg
+
+    schema = "t_" + secrets.token_hex(6)
+    conn = await asyncpg.connect(host=PG_HOST, port=PG_PORT, user=PG_USER, database=PG_DB)
+    try:
+        await conn.execute(f'CREATE SCHEMA "{schema}"')
+    finally:
+        await conn.close()
+    return (f"postgresql+asyncpg://{PG_USER}@{PG_HOST}:{PG_PORT}/{PG_DB}"
+            f"?server_settings=search_path%3D{schema}")
+
+
+async def _drop_pg_schema(url: str) -> None:
+    import asyncpg
+
+    schema = url.rsplit("%3D", 1)[1]
+    conn = await asyncpg.connect(host=PG_HOST, port=PG_PORT, user=PG_USER, database=PG_DB)
+    try:
+        await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+    finally:
+        await conn.close()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=[pytest.mark.postgres, requires_pg])])
+async def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
+    if request.param == "sqlite":
+        yield f"sqlite+aiosqlite:///{tmp_path / 'log.db'}"
+        return
+    url = await _fresh_pg_schema()
+    try:
+        yield url
+    finally:
+        await _drop_pg_schema(url)
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite+aiosqlite:///{tmp_path / 'log.db'}"
+
+
+def make_config(url: str, **overrides: object) -> Config:
+    data: dict[str, object] = {"database": {"url": url}, "engine": {"name": "reference"}}
+    data.update(overrides)
+    return Config.load(environ={}, overrides=data)
+
+
+@pytest.fixture
+async def runtime(sqlite_url: str) -> AsyncIterator[Runtime]:
+    """A runtime on a real SQLite file with the reference engine."""
+    rt = await Runtime.create(make_config(sqlite_url), engine=ReferenceEngine())
+    try:
+        yield rt
+    finally:
+        await rt.aclose()
+
+
+@pytest.fixture
+async def any_runtime(db_url: str) -> AsyncIterator[Runtime]:
+    """The same, once per log backend (SQLite and PostgreSQL)."""
+    rt = await Runtime.create(make_config(db_url), engine=ReferenceEngine())
+    try:
+        yield rt
+    finally:
+        await rt.aclose()
+
+
+@pytest.fixture
+def event_loop_policy() -> Iterator[asyncio.AbstractEventLoopPolicy]:
+    yield asyncio.DefaultEventLoopPolicy()
