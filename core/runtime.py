@@ -44,7 +44,8 @@ from core.events import Event, NewEvent, T
 from core.log import EventLog
 from core.nodes import FragmentIn, check_fragment
 from core.scheduler import PriorityGate
-from core.snapshot import state_from_json, state_to_json
+from core.snapshot import state_to_json
+from core.loader import load_state
 from core.state import EXPIRED, OPEN, SessionState, apply, fork_state
 from core.tokens import (
     ImageIn,
@@ -130,28 +131,7 @@ class Runtime:
 
     async def load(self, session_id: str, upto_version: int | None = None) -> SessionState:
         """Rebuild a session's state from the log (snapshot, then events; forks via the parent)."""
-        base: SessionState | None = None
-        from_version = 1
-        snap = await self.log.load_snapshot(session_id, upto_version)
-        if snap is not None:
-            version, state_json, data = snap
-            base = state_from_json(state_json, data)
-            from_version = version + 1
-        evs = await self.log.read(session_id, from_version, upto_version)
-        if base is None:
-            if not evs:
-                raise SessionNotFound(session_id)
-            base = SessionState(session_id)
-            first = evs[0]
-            parent = first.body.get("parent") if first.type == T.SESSION_OPENED else None
-            if parent:
-                pstate = await self.load(str(parent["session_id"]), int(parent["version"]))
-                tp = parent.get("token_position")
-                base = fork_state(pstate, session_id, None if tp is None else int(tp))
-                base.parent = dict(parent)
-        for e in evs:
-            apply(base, e)
-        return base
+        return await load_state(self.log, session_id, upto_version)
 
     async def get(self, session_id: str) -> SessionState:
         """The session's current state (any status). Raises SessionNotFound."""
@@ -517,7 +497,8 @@ class Runtime:
                     "priority": priority, "action_id": action_id,
                     "options": {"logprob_top_k": options.logprob_top_k,
                                 "logprob_ranges": [list(r) for r in options.logprob_ranges],
-                                "readout_ranges": [list(r) for r in options.readout_ranges]}})])
+                                "readout_ranges": [list(r) for r in options.readout_ranges],
+                                "generated_logprobs": options.generated_logprobs}})])
             yield started
             prompt_len = st.length
             history = list(st.tokens)

@@ -204,13 +204,19 @@ class EventLog:
         """Refresh a session's idle clock without an event."""
         await self._submit(_Request("touch", session_id, -1, (), None, at or time.time()))
 
-    async def import_events(self, evs: Sequence[Event]) -> list[Event]:
-        """Insert exported events verbatim (new positions, same chain)."""
+    async def import_events(self, evs: Sequence[Event], *, index: Mapping[str, Any] | None = None) -> list[Event]:
+        """Insert exported events verbatim (new positions, same chain).
+
+        Raises ChainBroken (nothing written) when the events do not chain, and
+        ConcurrencyError when the session already has events.
+        """
         if not evs:
             return []
         sid = evs[0].session_id
+        if any(e.session_id != sid for e in evs):
+            raise InvalidEvent("an import batch must hold one session")
         verify_chain(evs)
-        return await self._submit(_Request("import", sid, evs[0].version - 1, list(evs)))
+        return await self._submit(_Request("import", sid, evs[0].version - 1, list(evs), index))
 
     async def purge(self, session_id: str, reason: str = "retention") -> Event:
         """Delete a session's events, leaving a ``session.purged`` tombstone."""

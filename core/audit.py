@@ -1,0 +1,163 @@
+"""Audit: verify a session's hash chain and invariants, and optionally
+re-execute every recorded generation on an engine and diff the tokens.
+
+The invariants are the fold's own checks: every event must apply to the
+state before it (versions contiguous, appends at the end, tokens inside the
+vocabulary, generated tokens at the next position, no event after close).
+Re-execution rebuilds the exact history each generation saw, runs the
+engine with the recorded parameters, and reports the first diverging token
+(id or log-probability, bitwise) per generation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from core.engine import Engine, OutputOptions, SamplingParams
+from core.errors import ChainBroken, SessiontapeError
+from core.events import Event, T
+from core.log.store import verify_chain
+from core.runtime import Runtime
+from core.state import SessionState, apply, fork_state
+
+
+@dataclass
+class RecordedGeneration:
+    generation_id: str
+    history: list[int]
+    params: SamplingParams
+    options: OutputOptions
+    eos: tuple[int, ...]
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class AuditReport:
+    session_id: str
+    chain_ok: bool = True
+    invariants_ok: bool = True
+    problems: list[str] = field(default_factory=list)
+    generations: int = 0
+    divergences: list[dict[str, Any]] = field(default_factory=list)
+    reexecuted: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.chain_ok and self.invariants_ok and not self.divergences
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "session_id": self.session_id, "chain_ok": self.chain_ok,
+            "invariants_ok": self.invariants_ok, "problems": self.problems, "ok": self.ok,
+        }
+        if self.reexecuted:
+            out["generations"] = self.generations
+            out["divergences"] = self.divergences
+        return out
+
+
+async def _base_state(rt: Runtime, first: Event, session_id: str) -> SessionState:
+    parent = first.body.get("parent") if first.type == T.SESSION_OPENED else None
+    if not parent:
+        return SessionState(session_id)
+    pstate = await rt.load(str(parent["session_id"]), int(parent["version"]))
+    tp = parent.get("token_position")
+    st = fork_state(pstate, session_id, None if tp is None else int(tp))
+    st.parent = dict(parent)
+    return st
+
+
+async def audit_session(rt: Runtime, session_id: str, *, reexecute: bool = False,
+                        engine: Engine | None = None) -> AuditReport:
+    report = AuditReport(session_id)
+    evs = await rt.log.read(session_id)
+    if not evs:
+        from core.errors import SessionNotFound
+
+        raise SessionNotFound(session_id)
+    try:
+        verify_chain(evs)
+    except ChainBroken as exc:
+        report.chain_ok = False
+        report.problems.append(str(exc))
+    st = await _base_state(rt, evs[0], session_id)
+    gens: dict[str, RecordedGeneration] = {}
+    for e in evs:
+        if e.type == T.GENERATION_STARTED:
+            opts = e.body.get("options", {})
+            gens[str(e.body["generation_id"])] = RecordedGeneration(
+                generation_id=str(e.body["generation_id"]),
+                history=list(st.tokens),
+                params=SamplingParams.from_json(e.body.get("params", {})),
+                options=OutputOptions(
+                    logprob_top_k=int(opts.get("logprob_top_k", 0)),
+                    logprob_ranges=tuple(tuple(r) for r in opts.get("logprob_ranges", ())),  # type: ignore[misc]
+                    readout_ranges=tuple(tuple(r) for r in opts.get("readout_ranges", ())),  # type: ignore[misc]
+                    generated_logprobs=bool(opts.get("generated_logprobs", True)),
+                ),
+                eos=tuple(st.eos_token_ids),
+            )
+        elif e.type == T.GENERATION_TOKEN and str(e.body.get("generation_id")) in gens:
+            gens[str(e.body["generation_id"])].steps.append(dict(e.body))
+        elif e.type == T.GENERATION_FINISHED and str(e.body.get("generation_id")) in gens:
+            gens[str(e.body["generation_id"])].finish_reason = str(e.body.get("finish_reason"))
+        try:
+            apply(st, e)
+        except SessiontapeError as exc:
+            report.invariants_ok = False
+            report.problems.append(f"v{e.version} {e.type}: {exc}")
+            break
+    if reexecute:
+        report.reexecuted = True
+        eng = engine or rt.engine
+        for g in gens.values():
+            report.generations += 1
+            div = await reexecute_generation(eng, session_id, g)
+            if div is not None:
+                report.divergences.append(div)
+    return report
+
+
+async def reexecute_generation(engine: Engine, session_id: str, g: RecordedGeneration) -> dict[str, Any] | None:
+    """Run ``g`` again; None when every recorded step matches bitwise."""
+    eos = set(g.eos or engine.info.eos_token_ids)
+    recorded_decode = [s for s in g.steps if not s.get("is_prefill")]
+    max_tokens = g.params.max_tokens
+    if g.finish_reason == "cancelled":
+        max_tokens = len(recorded_decode)
+    params = SamplingParams(
+        max_tokens=min(max_tokens, engine.info.max_length - len(g.history)),
+        temperature=g.params.temperature, top_p=g.params.top_p, top_k=g.params.top_k, seed=g.params.seed,
+        stop_token_ids=tuple(sorted(eos | set(g.params.stop_token_ids))),
+    )
+    key = f"audit:{session_id}:{g.generation_id}"
+    got: list[dict[str, Any]] = []
+    try:
+        async for step in engine.generate(key, g.history, params, g.options):
+            got.append({"token": step.token_id, "position": step.position, "is_prefill": step.is_prefill,
+                        "logprob": step.logprob})
+            if len(got) >= len(g.steps) and g.finish_reason == "cancelled":
+                break
+    finally:
+        engine.forget(key)
+    return first_divergence(g.generation_id, g.steps, got, complete=g.finish_reason != "cancelled")
+
+
+def first_divergence(gid: str, recorded: Sequence[dict[str, Any]], got: Sequence[dict[str, Any]],
+                     complete: bool) -> dict[str, Any] | None:
+    for i, (r, x) in enumerate(zip(recorded, got, strict=False)):
+        same = (int(r["token"]) == x["token"] and int(r["position"]) == x["position"]
+                and bool(r.get("is_prefill")) == x["is_prefill"]
+                and (r.get("logprob") is None or x["logprob"] is None or float(r["logprob"]) == float(x["logprob"])))
+        if not same:
+            return {"generation_id": gid, "index": i, "position": int(r["position"]),
+                    "recorded": {"token": int(r["token"]), "logprob": r.get("logprob")},
+                    "reexecuted": {"token": x["token"], "logprob": x["logprob"]}}
+    if len(recorded) > len(got) or (complete and len(got) != len(recorded)):
+        i = min(len(recorded), len(got))
+        return {"generation_id": gid, "index": i, "position": None,
+                "recorded": {"count": len(recorded)}, "reexecuted": {"count": len(got)}}
+    return None
