@@ -1,0 +1,38 @@
+"""The ``grpc`` entry point of ``sessiontape.transports``: see :mod:`transports.grpc.server`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from core.transport import Transport
+
+if TYPE_CHECKING:
+    from core.config import Config
+    from core.runtime import Runtime
+    from transports.grpc.server import GrpcServer
+
+
+class GrpcTransport(Transport):
+    """Evergreen, Salience and Kakeya (whichever are installed) on one gRPC port."""
+
+    name = "grpc"
+
+    def __init__(self, runtime: Runtime, options: Mapping[str, Any], config: Config) -> None:
+        super().__init__(runtime, options, config)
+        self.server: GrpcServer | None = None
+
+    async def start(self) -> str:
+        # grpc is heavy: import it only when the transport is actually enabled.
+        from transports.grpc.server import GrpcServer
+
+        self.server = GrpcServer(self.runtime, self.options, self.config.auth_token)
+        return await self.server.start()
+
+    async def stop(self, grace: float = 5.0) -> None:
+        if self.server is not None:
+            await self.server.stop(grace)
+
+    @property
+    def port(self) -> int | None:
+        return None if self.server is None else self.server.port

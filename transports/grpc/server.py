@@ -1,0 +1,197 @@
+"""The gRPC server: one ``grpc.aio`` server for every sessiontape service.
+
+It hosts, on one port, each service module in :data:`SERVICE_MODULES` that
+is importable (a module that does not exist is skipped, so the services can
+land independently), the standard health service (``grpc.health.v1.Health``)
+and server reflection (``grpc.reflection.v1alpha.ServerReflection``) listing
+all of them. A service module exposes::
+
+    def add_to_server(server: grpc.aio.Server, runtime: Runtime,
+                      options: Mapping[str, Any]) -> list[str]   # full service names added
+
+and may expose ``async def drain(timeout: float) -> None``, awaited after the
+server stopped so that work cancelled at the grace deadline (a running
+generation) is recorded before the runtime closes.
+
+Options (``[transports.grpc]``): ``listen`` (HOST:PORT, default
+127.0.0.1:50051; port 0 picks a free one), ``tls_cert``/``tls_key`` (PEM file
+paths; both or neither), ``max_message_bytes`` (receive and send limit,
+default 4 MiB), ``grace_s`` (default 5). When ``config.auth_token`` is set
+every call but health needs ``authorization: Bearer <token>``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import importlib
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from core.config import parse_listen
+from core.errors import ConfigError, Unauthenticated
+from core.runtime import Runtime
+from transports.grpc.status import code_for, message_for
+
+log = logging.getLogger("sessiontape.grpc")
+
+SERVICE_MODULES = ("transports.grpc.evergreen", "transports.grpc.salience", "transports.grpc.kakeya")
+DEFAULT_LISTEN = "127.0.0.1:50051"
+DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+DEFAULT_GRACE_S = 5.0
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+#: Methods answered without a token: load balancers and orchestrators probe these.
+OPEN_PREFIXES = (f"/{HEALTH_SERVICE}/",)
+
+
+class BearerAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Requires ``authorization: Bearer <token>`` on every call outside OPEN_PREFIXES."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    def _authorized(self, metadata: Any) -> bool:
+        for key, value in metadata or ():
+            if key.lower() == "authorization":
+                got = value.encode() if isinstance(value, str) else bytes(value)
+                return hmac.compare_digest(got, self._expected)
+        return False
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[Any], Awaitable[Any]],
+        details: Any,
+    ) -> Any:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(OPEN_PREFIXES):
+            return handler
+        if self._authorized(details.invocation_metadata):
+            return handler
+        return _rejecting(handler, Unauthenticated("missing or wrong bearer token (metadata 'authorization: Bearer <token>')"))
+
+
+def _rejecting(handler: Any, exc: Exception) -> Any:
+    """A handler of the same shape as ``handler`` that ends the call with ``exc``'s status."""
+    code, message = code_for(exc), message_for(exc)
+
+    async def unary(request: Any, context: Any) -> Any:
+        await context.abort(code, message)
+
+    async def streaming(request: Any, context: Any) -> Any:
+        await context.abort(code, message)
+        yield  # pragma: no cover - makes this an async generator
+
+    kinds = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    make = kinds[(bool(handler.request_streaming), bool(handler.response_streaming))]
+    return make(
+        streaming if handler.response_streaming else unary,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+class GrpcServer:
+    """Owns the ``grpc.aio.Server`` and the services it hosts."""
+
+    def __init__(self, runtime: Runtime, options: Mapping[str, Any], auth_token: str = "") -> None:
+        self.runtime = runtime
+        self.options = dict(options)
+        self.auth_token = auth_token
+        self.listen = str(self.options.get("listen") or DEFAULT_LISTEN)
+        self.max_message_bytes = int(self.options.get("max_message_bytes") or DEFAULT_MAX_MESSAGE_BYTES)
+        self.grace_s = float(self.options.get("grace_s", DEFAULT_GRACE_S))
+        self.services: list[str] = []
+        self.port: int | None = None
+        self._modules: list[ModuleType] = []
+        self._server: Any = None
+        self._health: HealthServicer | None = None
+
+    def _credentials(self) -> Any:
+        cert, key = self.options.get("tls_cert"), self.options.get("tls_key")
+        if not cert and not key:
+            return None
+        if not (cert and key):
+            raise ConfigError("transports.grpc: set both tls_cert and tls_key, or neither")
+        try:
+            pair = (Path(str(key)).read_bytes(), Path(str(cert)).read_bytes())
+        except OSError as exc:
+            raise ConfigError(f"transports.grpc: cannot read TLS files: {exc}") from exc
+        return grpc.ssl_server_credentials([pair])
+
+    def _load_services(self, server: Any) -> None:
+        for name in SERVICE_MODULES:
+            try:
+                module = importlib.import_module(name)
+            except ModuleNotFoundError as exc:
+                if exc.name == name:
+                    log.info("gRPC service module %s not present; skipped", name)
+                    continue
+                raise
+            self.services.extend(module.add_to_server(server, self.runtime, self.options))
+            self._modules.append(module)
+
+    async def start(self) -> str:
+        if self.max_message_bytes <= 0:
+            raise ConfigError("transports.grpc.max_message_bytes must be positive")
+        host, port = parse_listen(self.listen)
+        creds = self._credentials()
+        interceptors = [BearerAuthInterceptor(self.auth_token)] if self.auth_token else []
+        server = grpc.aio.server(
+            interceptors=interceptors,
+            options=[
+                ("grpc.max_receive_message_length", self.max_message_bytes),
+                ("grpc.max_send_message_length", self.max_message_bytes),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        self._load_services(server)
+        self._health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection([*self.services, HEALTH_SERVICE, reflection.SERVICE_NAME], server)
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        try:
+            bound = server.add_secure_port(address, creds) if creds is not None else server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise ConfigError(f"transports.grpc: cannot listen on {address}: {exc}") from exc
+        if not bound:
+            raise ConfigError(f"transports.grpc: cannot listen on {address}")
+        self.port = int(bound)
+        await server.start()
+        self._server = server
+        for svc in ("", *self.services):
+            await self._health.set(svc, health_pb2.HealthCheckResponse.SERVING)
+        scheme = "grpcs" if creds is not None else "grpc"
+        return f"gRPC on {scheme}://{host}:{self.port} ({', '.join(self.services) or 'no services'})"
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Refuse new calls, let in-flight ones run up to ``grace`` s, then cancel the rest."""
+        if self._server is None:
+            return
+        grace = self.grace_s if grace is None else grace
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        await self._server.stop(grace)
+        for module in self._modules:
+            drain = getattr(module, "drain", None)
+            if drain is not None:
+                await drain(max(grace, 1.0))
+        self._server = None
+
+    async def wait(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+
+__all__ = ["BearerAuthInterceptor", "GrpcServer"]
