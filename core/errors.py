@@ -17,11 +17,13 @@ each; ``code`` is the stable machine-readable name they all share.
     │   ├── InvalidRange
     │   ├── InvalidImage             wrong pad run, or engine takes no images
     │   ├── InvalidParameters        bad sampling parameters
-    │   └── InvalidEvent             an event body the fold cannot apply
+    │   ├── InvalidEvent             an event body the fold cannot apply
+    │   └── InvalidPatch             a malformed or failing JSON Patch+ document
     ├── FailedPrecondition
     │   ├── OffsetMismatch           Salience offset drift
     │   ├── ImageBlockSplit          fork or truncation inside an image block
     │   ├── AppendOnlyViolation      rewinding a Kakeya session
+    │   ├── ModelMismatch            the client expects another served model
     │   ├── SessionClosed            the session is closed or aborted
     │   ├── ProtocolViolation        Evergreen abort rules
     │   └── CacheInvariantViolation  Kakeya INV-1 / INV-2
@@ -110,6 +112,10 @@ class InvalidEvent(InvalidArgument):
     code = "invalid_event"
 
 
+class InvalidPatch(InvalidArgument):
+    code = "invalid_patch"
+
+
 class FailedPrecondition(SessiontapeError):
     code = "failed_precondition"
 
@@ -124,6 +130,12 @@ class ImageBlockSplit(FailedPrecondition):
 
 class AppendOnlyViolation(FailedPrecondition):
     code = "append_only"
+
+
+class ModelMismatch(FailedPrecondition):
+    """The client names a model other than the one this server serves."""
+
+    code = "model_mismatch"
 
 
 class SessionClosed(FailedPrecondition):

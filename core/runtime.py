@@ -170,7 +170,7 @@ class Runtime:
         length = st.length
         for ne in new:
             length = length_after(length, ne.type, dict(ne.body))
-        index = {"history_length": length}
+        index = {"history_length": length, "last_active_at": self.clock()}
         evs = await self.log.append(st.session_id, st.version, new, index=index)
         try:
             for e in evs:
@@ -282,6 +282,13 @@ class Runtime:
                 await self._commit(st, [NewEvent(T.SESSION_EXPIRED, {"idle_s": round(idle_s, 3)})])
                 metrics.SESSIONS_OPEN.dec()
         self.engine.forget(st.session_id)
+
+    async def live(self, session_id: str) -> SessionState:
+        """An open, unexpired session (expiring it if its TTL ran out); no TTL refresh.
+
+        Raises SessionNotFound, SessionExpired or SessionClosed.
+        """
+        return await self._live(session_id)
 
     async def touch(self, session_id: str) -> None:
         """Refresh the idle TTL without recording an event."""
@@ -486,7 +493,9 @@ class Runtime:
                             "sink": sink_window[0], "window": sink_window[1]})])
                     yield ev
             max_tokens = min(params.max_tokens, self.engine.info.max_length - st.length)
-            eos = set(st.eos_token_ids or self.engine.info.eos_token_ids)
+            # open_session records the engine's ids when none were given, so an
+            # empty list is a deliberate "no EOS" (Kakeya), not a missing value.
+            eos = set(st.eos_token_ids)
             stops = set(params.stop_token_ids)
             eparams = SamplingParams(max_tokens=max_tokens, temperature=params.temperature, top_p=params.top_p,
                                      top_k=params.top_k, seed=params.seed,

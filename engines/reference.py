@@ -26,7 +26,7 @@ VOCAB = 259
 
 
 class ReferenceEngine(Engine):
-    def __init__(self, max_length: int = 4096, image_tokens: int = 10, eos_bias: float = 0.0,
+    def __init__(self, max_length: int = 4096, image_tokens: int | None = 10, eos_bias: float = 0.0,
                  step_delay_s: float = 0.0, **_: Any) -> None:
         self._tok = ByteTokenizer(VOCAB)
         self.step_delay_s = float(step_delay_s)
@@ -35,7 +35,7 @@ class ReferenceEngine(Engine):
             name="reference", model_id="reference-bigram-v1",
             model_hash=hashlib.sha256(b"reference-bigram-v1").hexdigest(),
             vocab_size=VOCAB, max_length=int(max_length), eos_token_ids=(EOS,),
-            image_block_tokens=int(image_tokens), image_pad_token_id=IMAGE_PAD,
+            image_block_tokens=None if image_tokens is None else int(image_tokens), image_pad_token_id=IMAGE_PAD,
             readout_manifest=ReadoutManifest(concepts=("bytes", "letters"), layers=(0, 1), hidden_size=8),
             provider="python", runtime_version="1",
         )

@@ -3,16 +3,15 @@
 ``db_url`` is parametrised over the log backends: every test that uses it
 runs once on a real SQLite file and once on the PostgreSQL server at
 127.0.0.1:5432 (database ``test``), skipped with a reason when none answers.
-Each PostgreSQL test gets its own fresh schema.
+Each PostgreSQL test gets its own fresh database.
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 import secrets
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -36,7 +35,11 @@ def _pg_up() -> bool:
 
 
 PG_AVAILABLE = _pg_up()
-requires_pg = pytest.mark.skipif(not PG_AVAILABLE, reason=f"no PostgreSQL at {PG_HOST}:{PG_PORT}")
+#: CI sets SESSIONTAPE_REQUIRE_PG=1: there a missing server fails the run instead of skipping.
+PG_REQUIRED = os.environ.get("SESSIONTAPE_REQUIRE_PG") == "1"
+requires_pg = pytest.mark.skipif(
+    not PG_AVAILABLE and not PG_REQUIRED, reason=f"no PostgreSQL at {PG_HOST}:{PG_PORT}"
+)
 
 
 def free_port() -> int:
@@ -51,28 +54,41 @@ def port() -> int:
 
 
 async def _fresh_pg_schema() -> str:
-    """A new schema in the test database; returns a URL whose search_path points at it."""
+    """A new, empty database on the test server; returns its SQLAlchemy URL."""
     import asyncpg
 
-    schema = "t_" + secrets.token_hex(6)
+    name = "st_" + secrets.token_hex(6)
     conn = await asyncpg.connect(host=PG_HOST, port=PG_PORT, user=PG_USER, database=PG_DB)
     try:
-        await conn.execute(f'CREATE SCHEMA "{schema}"')
+        await conn.execute(f'CREATE DATABASE "{name}"')
     finally:
         await conn.close()
-    return (f"postgresql+asyncpg://{PG_USER}@{PG_HOST}:{PG_PORT}/{PG_DB}"
-            f"?server_settings=search_path%3D{schema}")
+    return f"postgresql+asyncpg://{PG_USER}@{PG_HOST}:{PG_PORT}/{name}"
 
 
 async def _drop_pg_schema(url: str) -> None:
     import asyncpg
 
-    schema = url.rsplit("%3D", 1)[1]
+    name = url.rsplit("/", 1)[1]
     conn = await asyncpg.connect(host=PG_HOST, port=PG_PORT, user=PG_USER, database=PG_DB)
     try:
-        await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     finally:
         await conn.close()
+
+
+@pytest.fixture
+async def pg_url() -> AsyncIterator[str]:
+    """A fresh schema on the PostgreSQL test server (skips without one, unless required)."""
+    if not PG_AVAILABLE:
+        if PG_REQUIRED:
+            pytest.fail(f"SESSIONTAPE_REQUIRE_PG=1 but no PostgreSQL at {PG_HOST}:{PG_PORT}")
+        pytest.skip(f"no PostgreSQL at {PG_HOST}:{PG_PORT}")
+    url = await _fresh_pg_schema()
+    try:
+        yield url
+    finally:
+        await _drop_pg_schema(url)
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=[pytest.mark.postgres, requires_pg])])
@@ -117,7 +133,3 @@ async def any_runtime(db_url: str) -> AsyncIterator[Runtime]:
     finally:
         await rt.aclose()
 
-
-@pytest.fixture
-def event_loop_policy() -> Iterator[asyncio.AbstractEventLoopPolicy]:
-    yield asyncio.DefaultEventLoopPolicy()

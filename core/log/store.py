@@ -425,7 +425,7 @@ class EventLog:
             if st is not None:
                 values["status"] = st
         if req.index:
-            values.update({k: v for k, v in req.index.items() if k in ("history_length", "status")})
+            values.update({k: v for k, v in req.index.items() if k in ("history_length", "status", "last_active_at")})
         first = out[0]
         if head is None or req.kind == "import" and first.type == T.SESSION_OPENED and first.version == 1:
             opened = next((e for e in out if e.type == T.SESSION_OPENED), None)

@@ -1,0 +1,177 @@
+"""The event log contract, run against SQLite and PostgreSQL alike."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from core.errors import ChainBroken, ConcurrencyError
+from core.events import GENESIS_HASH, NewEvent, T
+from core.log import EventLog
+from core.log.store import verify_chain
+
+
+def opened(**extra: object) -> NewEvent:
+    return NewEvent(T.SESSION_OPENED, {"protocol": "test", "engine": {"engine": "x", "vocab_size": 300}, **extra})
+
+
+def appended(start: int, toks: list[int]) -> NewEvent:
+    return NewEvent(T.TOKENS_APPENDED, {"start": start, "tokens": toks})
+
+
+@pytest.fixture
+async def log(db_url: str):  # type: ignore[no-untyped-def]
+    lg = await EventLog.open(db_url)
+    yield lg
+    await lg.close()
+
+
+async def test_append_read_chain(log: EventLog) -> None:
+    evs = await log.append("s1", 0, [opened(), appended(0, [1, 2, 3])])
+    assert [e.version for e in evs] == [1, 2]
+    assert evs[0].prev_hash == GENESIS_HASH and evs[1].prev_hash == evs[0].hash
+    more = await log.append("s1", 2, [appended(3, [4])], index={"history_length": 4})
+    back = await log.read("s1")
+    assert back == evs + more
+    verify_chain(back)
+    row = await log.get_session("s1")
+    assert (row.version, row.event_count, row.history_length, row.status) == (3, 3, 4, "open")
+    assert row.head_hash == more[-1].hash
+
+
+async def test_stale_expected_version_writes_nothing(log: EventLog) -> None:
+    await log.append("s1", 0, [opened()])
+    with pytest.raises(ConcurrencyError):
+        await log.append("s1", 0, [appended(0, [1])])
+    with pytest.raises(ConcurrencyError):
+        await log.append("s1", 5, [appended(0, [1])])
+    assert [e.version for e in await log.read("s1")] == [1]
+    assert (await log.get_session("s1")).version == 1
+
+
+async def test_racing_appenders_one_wins(log: EventLog) -> None:
+    await log.append("s1", 0, [opened()])
+    results = await asyncio.gather(
+        *(log.append("s1", 1, [appended(0, [i])]) for i in range(5)), return_exceptions=True
+    )
+    wins = [r for r in results if not isinstance(r, BaseException)]
+    losses = [r for r in results if isinstance(r, ConcurrencyError)]
+    assert len(wins) == 1 and len(losses) == 4
+    assert [e.version for e in await log.read("s1")] == [1, 2]
+
+
+async def test_group_commit_many_sessions_positions_gapless(log: EventLog) -> None:
+    async def writer(i: int) -> None:
+        sid = f"w{i}"
+        await log.append(sid, 0, [opened()])
+        for v in range(1, 20):
+            await log.append(sid, v, [appended(v - 1, [v])])
+
+    await asyncio.gather(*(writer(i) for i in range(20)))
+    allev = await log.read_all(0, limit=10_000)
+    assert [e.position for e in allev] == list(range(1, 401))
+    for i in range(20):
+        evs = await log.read(f"w{i}")
+        assert [e.version for e in evs] == list(range(1, 21))
+        verify_chain(evs)
+
+
+async def test_subscribe_catch_up_then_live_no_gap_no_dup(log: EventLog) -> None:
+    await log.append("s1", 0, [opened(), appended(0, [1])])
+    got: list[int] = []
+
+    async def consume() -> None:
+        async for e in log.subscribe(from_position=1):
+            got.append(e.position)
+            if len(got) == 21:
+                return
+
+    task = asyncio.create_task(consume())
+    for v in range(2, 22):
+        await log.append("s1", v, [appended(v - 1, [v])])
+    await asyncio.wait_for(task, 10)
+    assert got == list(range(2, 23))
+
+
+async def test_subscription_sees_nothing_before_commit(log: EventLog) -> None:
+    await log.append("s1", 0, [opened()])
+    seen: list[int] = []
+    gate = asyncio.Event()
+    committing = asyncio.Event()
+
+    async def hold(_evs: object) -> None:
+        committing.set()
+        await gate.wait()
+
+    async def consume() -> None:
+        async for e in log.subscribe(from_position=1, session_id="s1"):
+            seen.append(e.version)
+            return
+
+    sub = asyncio.create_task(consume())
+    log.before_commit = hold
+    app = asyncio.create_task(log.append("s1", 1, [appended(0, [7])]))
+    await asyncio.wait_for(committing.wait(), 5)
+    await asyncio.sleep(0.2)
+    assert seen == [] and not app.done()
+    log.before_commit = None
+    gate.set()
+    await asyncio.wait_for(app, 5)
+    await asyncio.wait_for(sub, 5)
+    assert seen == [2]
+
+
+async def test_large_payloads_are_content_addressed_blobs(log: EventLog) -> None:
+    payload = bytes(range(256)) * 64  # 16 KiB, above the inline limit
+    await log.append("a", 0, [opened(), NewEvent(T.NOTE, {"k": 1}, payload)])
+    await log.append("b", 0, [opened(), NewEvent(T.NOTE, {"k": 2}, payload)])
+    [ea] = (await log.read("a"))[1:]
+    [eb] = (await log.read("b"))[1:]
+    assert ea.data == payload and eb.data == payload
+    import hashlib
+
+    assert await log.get_blob(hashlib.sha256(payload).hexdigest()) == payload
+    import sqlalchemy as sa
+
+    async with log.engine.connect() as conn:
+        assert (await conn.execute(sa.text("SELECT COUNT(*) FROM blobs"))).scalar_one() == 1
+
+
+async def test_purge_leaves_a_verifiable_tombstone(log: EventLog) -> None:
+    evs = await log.append("s1", 0, [opened(), appended(0, [1, 2])])
+    tomb = await log.purge("s1")
+    rest = await log.read("s1")
+    assert rest == [tomb]
+    assert tomb.version == 3 and tomb.prev_hash == evs[-1].hash
+    assert tomb.body["through_version"] == 2
+    verify_chain(rest)
+    row = await log.get_session("s1")
+    assert row.status == "purged" and row.event_count == 1
+
+
+async def test_import_roundtrip_is_exact_and_rejects_broken_chains(log: EventLog, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    evs = await log.append("s1", 0, [opened(), appended(0, [1, 2]), NewEvent(T.NOTE, {}, b"\x00\x01")])
+    other = await EventLog.open(f"sqlite+aiosqlite:///{tmp_path / 'other.db'}")
+    try:
+        tampered = [evs[0], type(evs[1])(**{**evs[1].__dict__, "body": {"start": 0, "tokens": [9]}}), evs[2]]
+        with pytest.raises(ChainBroken):
+            await other.import_events(tampered)
+        assert await other.read("s1") == []
+        back = await other.import_events(evs)
+        assert [(e.version, e.type, e.body, e.data, e.recorded_at, e.hash, e.prev_hash) for e in back] == [
+            (e.version, e.type, e.body, e.data, e.recorded_at, e.hash, e.prev_hash) for e in evs
+        ]
+        assert [e.to_json() for e in await other.read("s1")] == [e.to_json() for e in back]
+        with pytest.raises(ConcurrencyError):
+            await other.import_events(evs)
+    finally:
+        await other.close()
+
+
+async def test_snapshots_roundtrip(log: EventLog) -> None:
+    await log.append("s1", 0, [opened()])
+    await log.save_snapshot("s1", 1, '{"x": 1}', b"\x01\x02")
+    await log.save_snapshot("s1", 1, '{"x": 2}', None)
+    assert await log.load_snapshot("s1") == (1, '{"x": 2}', None)
+    assert await log.load_snapshot("nope") is None

@@ -1,0 +1,277 @@
+"""The runtime API: token history rules, generation, forks, TTL, busy, cancel."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from core.engine import OutputOptions, SamplingParams
+from core.errors import (
+    AppendOnlyViolation,
+    ContextOverflow,
+    ImageBlockSplit,
+    InvalidImage,
+    InvalidParameters,
+    InvalidRange,
+    OffsetMismatch,
+    SessionBusy,
+    SessionClosed,
+    SessionExpired,
+    SessionNotFound,
+    TokenOutOfVocabulary,
+)
+from core.events import T
+from core.log.store import verify_chain
+from core.runtime import Runtime
+from core.tokens import ImageIn
+from engines.reference import EOS, IMAGE_PAD, ReferenceEngine
+from tests.conftest import make_config
+
+
+async def unchanged(rt: Runtime, sid: str, version: int, tokens: list[int]) -> None:
+    st = await rt.get(sid)
+    assert (st.version, list(st.tokens)) == (version, tokens)
+    fresh = await rt.load(sid)
+    assert (fresh.version, list(fresh.tokens)) == (version, tokens)
+
+
+async def test_offset_rule_and_truncating_rewind(any_runtime: Runtime) -> None:
+    rt = any_runtime
+    sid = (await rt.open_session("salience")).session_id
+    assert await rt.append_tokens(sid, [1, 2, 3], offset=0) == 3
+    for off, trunc in ((2, False), (4, False), (4, True)):
+        with pytest.raises(OffsetMismatch):
+            await rt.append_tokens(sid, [9], offset=off, truncating=trunc)
+    await unchanged(rt, sid, 2, [1, 2, 3])
+    assert await rt.append_tokens(sid, [7, 8], offset=1, truncating=True) == 3
+    st = await rt.load(sid)
+    assert list(st.tokens) == [1, 7, 8] and st.truncations == 1
+    assert (await rt.log.get_session(sid)).history_length == 3
+
+
+async def test_append_only_vocab_and_context(runtime: Runtime) -> None:
+    sid = (await runtime.open_session("kakeya", mode="append_only")).session_id
+    await runtime.append_tokens(sid, [1, 2])
+    with pytest.raises(AppendOnlyViolation):
+        await runtime.append_tokens(sid, [3], offset=1, truncating=True)
+    with pytest.raises(TokenOutOfVocabulary):
+        await runtime.append_tokens(sid, [5, 259])
+    with pytest.raises(TokenOutOfVocabulary):
+        await runtime.append_tokens(sid, [-1])
+    with pytest.raises(ContextOverflow):
+        await runtime.append_tokens(sid, [1] * 5000)
+    await unchanged(runtime, sid, 2, [1, 2])
+
+
+async def test_images_are_pad_runs_and_forks_respect_blocks(runtime: Runtime) -> None:
+    sid = (await runtime.open_session("salience")).session_id
+    block = [200] + [IMAGE_PAD] * 8 + [201]  # markers are ordinary ids here
+    toks = [1, 2] + block + [3]
+    img = ImageIn(data=b"\x89PNG fake", mime="image/png", start=2, end=12)
+    bad = [
+        ImageIn(b"x", "image/png", 2, 11),  # wrong length
+        ImageIn(b"x", "image/png", 5, 15),  # outside the appended span
+        ImageIn(b"", "image/png", 2, 12),  # no bytes
+    ]
+    for im in bad:
+        with pytest.raises(InvalidImage):
+            await runtime.append_tokens(sid, toks, offset=0, images=[im])
+    with pytest.raises(InvalidImage):
+        await runtime.append_tokens(sid, [1, 2] + [5] * 10 + [3], offset=0, images=[img])  # not pad tokens
+    await unchanged(runtime, sid, 1, [])
+    await runtime.append_tokens(sid, toks, offset=0, images=[img])
+    st = await runtime.get(sid)
+    assert [(i.start, i.end, i.mime) for i in st.images] == [(2, 12, "image/png")]
+    evs = await runtime.log.read(sid)
+    [att] = [e for e in evs if e.type == T.IMAGE_ATTACHED]
+    assert att.data == img.data
+    with pytest.raises(ImageBlockSplit):
+        await runtime.fork(sid, at_position=5)
+    with pytest.raises(ImageBlockSplit):
+        await runtime.append_tokens(sid, [1], offset=6, truncating=True)
+    child = await runtime.fork(sid, at_position=12)
+    assert len(child.images) == 1
+    child2 = await runtime.fork(sid, at_position=2)
+    assert child2.images == [] and list(child2.tokens) == [1, 2]
+    assert list((await runtime.load(child2.session_id)).tokens) == [1, 2]
+
+
+async def test_engine_without_images_rejects_them(sqlite_url: str) -> None:
+    rt = await Runtime.create(make_config(sqlite_url), engine=ReferenceEngine(image_tokens=None))
+    try:
+        sid = (await rt.open_session("salience")).session_id
+        with pytest.raises(InvalidImage, match="no images"):
+            await rt.append_tokens(sid, [1] * 10, offset=0, images=[ImageIn(b"x", "image/png", 0, 10)])
+    finally:
+        await rt.aclose()
+
+
+async def collect(rt: Runtime, sid: str, params: SamplingParams, **kw: object) -> list:  # type: ignore[type-arg]
+    return [e async for e in rt.generate(sid, params, **kw)]  # type: ignore[arg-type]
+
+
+async def test_generation_is_logged_and_deterministic(any_runtime: Runtime) -> None:
+    rt = any_runtime
+    a = (await rt.open_session("test")).session_id
+    await rt.append_text(a, "Hello there")
+    evs = await collect(rt, a, SamplingParams(max_tokens=12, seed=42, temperature=0.8),
+                        options=OutputOptions(logprob_top_k=3))
+    assert [e.type for e in evs][:1] == [T.GENERATION_STARTED] and evs[-1].type == T.GENERATION_FINISHED
+    toks = [e.body["token"] for e in evs if e.type == T.GENERATION_TOKEN]
+    assert evs[-1].body["completion_tokens"] == len(toks)
+    assert all(len(e.body["top"]) == 3 and "logprob" in e.body for e in evs if e.type == T.GENERATION_TOKEN)
+    # the same history built in three appends gives the same tokens (INV-3)
+    b = (await rt.open_session("test")).session_id
+    for part in ("Hel", "lo th", "ere"):
+        await rt.append_text(b, part)
+    evs_b = await collect(rt, b, SamplingParams(max_tokens=12, seed=42, temperature=0.8),
+                          options=OutputOptions(logprob_top_k=3))
+    assert [e.body for e in evs_b if e.type == T.GENERATION_TOKEN and True] != [] and [
+        (e.body["token"], e.body["logprob"]) for e in evs_b if e.type == T.GENERATION_TOKEN
+    ] == [(e.body["token"], e.body["logprob"]) for e in evs if e.type == T.GENERATION_TOKEN]
+    st = await rt.load(a)
+    assert list(st.tokens) == list(rt.engine.tokenize("Hello there")) + toks
+    verify_chain(await rt.log.read(a))
+
+
+async def test_prefill_only_scoring(runtime: Runtime) -> None:
+    sid = (await runtime.open_session("salience")).session_id
+    await runtime.append_tokens(sid, [10, 20, 30, 40, 50], offset=0)
+    evs = await collect(runtime, sid, SamplingParams(max_tokens=0),
+                        options=OutputOptions(logprob_ranges=((1, 3),), readout_ranges=((4, 5),), generated_logprobs=False))
+    toks = [e.body for e in evs if e.type == T.GENERATION_TOKEN]
+    assert [(t["position"], t["is_prefill"]) for t in toks] == [(1, True), (2, True), (4, True)]
+    assert "logprob" in toks[0] and "readout" not in toks[0] and "readout" in toks[2]
+    assert len((await runtime.get(sid)).tokens) == 5
+    with pytest.raises(InvalidRange):
+        await collect(runtime, sid, SamplingParams(max_tokens=0), options=OutputOptions(logprob_ranges=((3, 9),)))
+    with pytest.raises(InvalidParameters):
+        await collect(runtime, sid, SamplingParams(max_tokens=1, top_p=0))
+
+
+async def test_stop_and_eos(runtime: Runtime) -> None:
+    sid = (await runtime.open_session("t")).session_id
+    await runtime.append_text(sid, "abc")
+    evs = await collect(runtime, sid, SamplingParams(max_tokens=50, temperature=0))
+    first = [e.body["token"] for e in evs if e.type == T.GENERATION_TOKEN][0]
+    sid2 = (await runtime.open_session("t")).session_id
+    await runtime.append_text(sid2, "abc")
+    evs2 = await collect(runtime, sid2, SamplingParams(max_tokens=50, temperature=0, stop_token_ids=(first,)))
+    assert evs2[-1].body["finish_reason"] == "stop" and evs2[-1].body["completion_tokens"] == 1
+    sid3 = (await runtime.open_session("t", eos_token_ids=[first])).session_id
+    await runtime.append_text(sid3, "abc")
+    evs3 = await collect(runtime, sid3, SamplingParams(max_tokens=50, temperature=0))
+    assert evs3[-1].body["finish_reason"] == "eos"
+    assert EOS not in (await runtime.get(sid3)).eos_token_ids
+
+
+async def test_second_generate_is_busy_and_cancel_is_recorded(sqlite_url: str) -> None:
+    rt = await Runtime.create(make_config(sqlite_url), engine=ReferenceEngine(step_delay_s=0.02))
+    try:
+        sid = (await rt.open_session("t")).session_id
+        await rt.append_text(sid, "hi")
+        gen = rt.generate(sid, SamplingParams(max_tokens=200, seed=1))
+        first = await anext(gen)
+        assert first.type == T.GENERATION_STARTED
+        with pytest.raises(SessionBusy):
+            await collect(rt, sid, SamplingParams(max_tokens=1))
+        with pytest.raises(SessionBusy):
+            await rt.append_tokens(sid, [1])
+        await anext(gen)
+        await gen.aclose()
+        st = await rt.load(sid)
+        [g] = st.generations.values()
+        assert g.finish_reason == "cancelled" and len(g.tokens) == 1
+        await collect(rt, sid, SamplingParams(max_tokens=2, seed=1))  # free again
+    finally:
+        await rt.aclose()
+
+
+async def test_task_cancellation_is_recorded(sqlite_url: str) -> None:
+    rt = await Runtime.create(make_config(sqlite_url), engine=ReferenceEngine(step_delay_s=0.02))
+    try:
+        sid = (await rt.open_session("t")).session_id
+        seen = asyncio.Event()
+
+        async def consume() -> None:
+            async for e in rt.generate(sid, SamplingParams(max_tokens=500, seed=3)):
+                if e.type == T.GENERATION_TOKEN:
+                    seen.set()
+
+        task = asyncio.create_task(consume())
+        await asyncio.wait_for(seen.wait(), 5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        [g] = (await rt.load(sid)).generations.values()
+        assert g.finish_reason == "cancelled"
+    finally:
+        await rt.aclose()
+
+
+async def test_fork_at_event_version_and_close(runtime: Runtime) -> None:
+    sid = (await runtime.open_session("t")).session_id
+    await runtime.append_tokens(sid, [1, 2])
+    await runtime.append_tokens(sid, [3])
+    child = await runtime.fork(sid, at_version=2)
+    assert list(child.tokens) == [1, 2] and child.parent == {"session_id": sid, "version": 2, "token_position": None}
+    evs = await runtime.log.read(child.session_id)
+    assert len(evs) == 1  # nothing copied
+    row = await runtime.log.get_session(child.session_id)
+    assert row.parent_id == sid and row.parent_version == 2
+    with pytest.raises(InvalidParameters):
+        await runtime.fork(sid, at_version=99)
+    await runtime.close(sid)
+    await runtime.close(sid)  # idempotent
+    with pytest.raises(SessionClosed):
+        await runtime.append_tokens(sid, [1])
+    with pytest.raises(SessionNotFound):
+        await runtime.close("s_nope")
+    # a closed parent can still be forked (replay and branch from history)
+    g = await runtime.fork(sid, at_position=1)
+    assert list((await runtime.load(g.session_id)).tokens) == [1]
+
+
+async def test_idle_ttl_expiry_by_sweeper_and_on_access(sqlite_url: str) -> None:
+    now = [1000.0]
+    rt = await Runtime.create(make_config(sqlite_url, sessions={"idle_ttl_s": {"default": 60.0}}),
+                              engine=ReferenceEngine(), clock=lambda: now[0])
+    try:
+        a = (await rt.open_session("t")).session_id
+        b = (await rt.open_session("t")).session_id
+        c = (await rt.open_session("t", ttl_s=600)).session_id
+        now[0] += 30
+        await rt.touch(b)
+        now[0] += 40  # a idle 70 s, b idle 40 s
+        assert await rt.expire_idle() == [a]
+        with pytest.raises(SessionExpired):
+            await rt.append_tokens(a, [1])
+        now[0] += 30  # b idle 70 s: expires on access even before a sweep
+        with pytest.raises(SessionExpired):
+            await rt.append_tokens(b, [1])
+        await rt.append_tokens(c, [1])
+        assert (await rt.log.get_session(a)).status == "expired"
+        assert (await rt.log.get_session(b)).status == "expired"
+        assert (await rt.load(c)).status == "open"
+    finally:
+        await rt.aclose()
+
+
+async def test_snapshots_make_loading_cheap_and_identical(sqlite_url: str) -> None:
+    rt = await Runtime.create(make_config(sqlite_url, log={"snapshot_every": 10}), engine=ReferenceEngine())
+    try:
+        sid = (await rt.open_session("t")).session_id
+        for i in range(25):
+            await rt.append_tokens(sid, [i])
+        await asyncio.sleep(0.05)
+        for t in list(rt._background):
+            await t
+        snap = await rt.log.load_snapshot(sid)
+        assert snap is not None and snap[0] >= 10
+        live = await rt.get(sid)
+        loaded = await rt.load(sid)
+        assert list(loaded.tokens) == list(live.tokens) and loaded.version == live.version
+        assert loaded.head_hash == live.head_hash
+    finally:
+        await rt.aclose()
