@@ -41,20 +41,27 @@ class FakeClock:
         self.now += seconds
 
 
-class _Bearer(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):  # type: ignore[misc]
+def _with_token(details: Any, token: str) -> Any:
+    md = grpc.aio.Metadata(*(tuple(details.metadata) if details.metadata else ()))
+    md.add("authorization", f"Bearer {token}")
+    return details._replace(metadata=md)
+
+
+# grpc.aio files an interceptor under its first matching kind only: one class per kind
+class _BearerUnary(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
     def __init__(self, token: str) -> None:
         self.token = token
 
-    def _with_token(self, details: Any) -> Any:
-        md = grpc.aio.Metadata(*(tuple(details.metadata) if details.metadata else ()))
-        md.add("authorization", f"Bearer {self.token}")
-        return details._replace(metadata=md)
-
     async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(self._with_token(details), request)
+        return await continuation(_with_token(details, self.token), request)
+
+
+class _BearerStream(grpc.aio.UnaryStreamClientInterceptor):  # type: ignore[misc]
+    def __init__(self, token: str) -> None:
+        self.token = token
 
     async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(self._with_token(details), request)
+        return await continuation(_with_token(details, self.token), request)
 
 
 @dataclass
@@ -68,7 +75,7 @@ class Served:
     channels: list[grpc.aio.Channel] = field(default_factory=list)
 
     def channel(self, token: str | None = TOKEN) -> grpc.aio.Channel:
-        interceptors = [_Bearer(token)] if token is not None else []
+        interceptors = [_BearerUnary(token), _BearerStream(token)] if token is not None else []
         ch = grpc.aio.insecure_channel(self.address, interceptors=interceptors)
         self.channels.append(ch)
         return ch

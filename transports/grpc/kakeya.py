@@ -1,0 +1,143 @@
+"""kakeya.v1.RuntimeService: append-only raw-token sessions with seeded Generate.
+
+A translation onto :class:`core.runtime.Runtime` (sessions opened with
+``mode="append_only"``); the rules (vocabulary, append-only, sink+window
+truncation, INV-1/INV-2 checks) are the core's. Wire-level decisions, listed
+in docs/protocols/kakeya.md:
+
+- A closed, expired or unknown session answers NOT_FOUND to every call,
+  CloseSession included (the schema: "subsequent RPCs ... return NOT_FOUND").
+- Sink+window truncation is off unless ``window`` is set, in
+  ``[transports.grpc]`` (``sink``, ``window``) or ``[sessions]``
+  (``kakeya_sink``, ``kakeya_window``).
+- STOP_REASON_TRUNCATED ends a Generate that stopped short of
+  ``max_tokens`` because the history filled the model's context.
+- No seed pinned: the server draws one and records it, so replay is exact.
+- GetSessionInfo reports and does not refresh the idle clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from core.config import Config
+from core.engine import SamplingParams
+from core.errors import ConfigError
+from core.events import T
+from core.runtime import Runtime
+from transports.grpc.gen.kakeya.v1 import runtime_pb2 as pb
+from transports.grpc.gen.kakeya.v1 import runtime_pb2_grpc as pb_grpc
+from transports.grpc.tokensessions import (
+    closing,
+    drain,
+    fresh_seed,
+    grpc_errors,
+    live_session,
+    track_generation,
+)
+
+__all__ = ["KakeyaService", "add_to_server", "drain"]
+
+SERVICE = "kakeya.v1.RuntimeService"
+PROTOCOL = "kakeya"
+
+_Done = pb.GenerateDone
+_STOP = {
+    "eos": _Done.STOP_REASON_EOS,
+    "stop": _Done.STOP_REASON_EOS,
+    "length": _Done.STOP_REASON_MAX_TOKENS,
+    "cancelled": _Done.STOP_REASON_CANCELLED,
+}
+
+
+def sink_window(options: Mapping[str, Any], config: Config) -> tuple[int, int] | None:
+    """The configured (sink, window), or None when truncation is off."""
+    sessions = config.section("sessions")
+    window = options.get("window", sessions.get("kakeya_window"))
+    if window is None:
+        return None
+    sink = options.get("sink", sessions.get("kakeya_sink", 0))
+    try:
+        pair = (int(sink), int(window))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"kakeya sink/window must be integers, got {sink!r}/{window!r}") from exc
+    if pair[0] < 0 or pair[1] <= 0:
+        raise ConfigError(f"kakeya sink must be >= 0 and window > 0, got {pair}")
+    return pair
+
+
+class KakeyaService(pb_grpc.RuntimeServiceServicer):
+    def __init__(self, runtime: Runtime, sink_window: tuple[int, int] | None) -> None:
+        self.runtime = runtime
+        self.sink_window = sink_window
+
+    async def CreateSession(self, request: pb.CreateSessionRequest, context: Any) -> pb.CreateSessionResponse:
+        async with grpc_errors(context):
+            st = await self.runtime.open_session(PROTOCOL, mode="append_only", label=request.client_label,
+                                                 eos_token_ids=list(request.eos_token_ids))
+        return pb.CreateSessionResponse(session_id=st.session_id)
+
+    async def AppendTokens(self, request: pb.AppendTokensRequest, context: Any) -> pb.AppendTokensResponse:
+        async with grpc_errors(context, request.session_id):
+            await live_session(self.runtime, request.session_id)
+            length = await self.runtime.append_tokens(request.session_id, list(request.token_ids))
+        return pb.AppendTokensResponse(history_length=length)
+
+    async def CloseSession(self, request: pb.CloseSessionRequest, context: Any) -> pb.CloseSessionResponse:
+        async with grpc_errors(context, request.session_id):
+            st = await live_session(self.runtime, request.session_id)
+            length = st.length
+            await self.runtime.close(request.session_id)
+        return pb.CloseSessionResponse(final_history_length=length)
+
+    async def GetSessionInfo(self, request: pb.GetSessionInfoRequest, context: Any) -> pb.GetSessionInfoResponse:
+        sid = request.session_id
+        async with grpc_errors(context, sid):
+            st = await live_session(self.runtime, sid)
+        inv1, inv2 = self.runtime.invariant_violations.get(sid, (0, 0))
+        return pb.GetSessionInfoResponse(
+            history_length=st.length, kv_live_bytes=self.runtime.engine.kv_live_bytes(sid),
+            cache_invariant_inv1_violations=inv1, cache_invariant_inv2_violations=inv2,
+            idle_seconds=self.runtime.idle_seconds(sid))
+
+    async def Generate(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateResponse]:
+        sid = request.session_id
+        async with grpc_errors(context, sid):
+            await live_session(self.runtime, sid)
+            params = SamplingParams(
+                max_tokens=request.max_tokens,
+                temperature=request.temperature if request.HasField("temperature") else 1.0,
+                top_p=request.top_p if request.HasField("top_p") else 1.0,
+                top_k=request.top_k if request.HasField("top_k") else 0,
+                seed=request.seed if request.HasField("seed") else fresh_seed(),
+            )
+            track_generation()
+            events = self.runtime.generate(sid, params, sink_window=self.sink_window)
+            async with closing(events):
+                async for ev in events:
+                    b = ev.body
+                    if ev.type == T.TOKENS_TRUNCATED:
+                        yield pb.GenerateResponse(truncated=pb.HistoryTruncated(
+                            dropped_token_count=int(b["dropped"])))
+                    elif ev.type == T.GENERATION_TOKEN and not b["is_prefill"]:
+                        yield pb.GenerateResponse(token_id=int(b["token"]))
+                    elif ev.type == T.GENERATION_FINISHED:
+                        yield pb.GenerateResponse(done=_done(b, params.max_tokens))
+
+
+def _done(b: Mapping[str, Any], max_tokens: int) -> pb.GenerateDone:
+    reason = str(b["finish_reason"])
+    produced = int(b["completion_tokens"])
+    stop = _STOP.get(reason, _Done.STOP_REASON_UNSPECIFIED)
+    if reason == "length" and produced < max_tokens:
+        stop = _Done.STOP_REASON_TRUNCATED  # the runtime capped it at the context length
+    return _Done(stop_reason=stop, generated_token_count=produced,
+                 prefill_duration_seconds=float(b.get("prefill_s") or 0.0),
+                 total_duration_seconds=float(b.get("total_s") or 0.0))
+
+
+def add_to_server(server: Any, runtime: Runtime, options: Mapping[str, Any]) -> list[str]:
+    """Register the Kakeya RuntimeService on a ``grpc.aio`` server; returns its full name."""
+    pb_grpc.add_RuntimeServiceServicer_to_server(KakeyaService(runtime, sink_window(options, runtime.config)), server)
+    return [SERVICE]

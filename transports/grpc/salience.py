@@ -1,0 +1,164 @@
+"""salience.v1.Salience: token sessions with offsets, forks, logprobs and readouts.
+
+Every call is a thin translation onto :class:`core.runtime.Runtime`; the
+rules about the session (offset drift, truncating rewinds, vocabulary,
+image pad runs, fork boundaries, context length) are the core's. What this
+module decides is wire-level only, and docs/protocols/salience.md lists it:
+
+- ``OpenSession(model)``: empty or the served ``model_id``; anything else is
+  FAILED_PRECONDITION (:class:`ModelMismatch`), since the request is well
+  formed but this server serves another model.
+- ``CloseSession`` of a closed or expired session succeeds; of an id that
+  never existed it is NOT_FOUND.
+- A closed or expired session answers NOT_FOUND to every other call.
+- A Generate with no tokens, no images, ``max_tokens`` 0 and no ranges at
+  the current offset only refreshes the TTL and records nothing.
+- Stop ids end a generation with FINISH_REASON_EOS (the schema's "emitted
+  EOS / stop token"); STOP_STRING is never sent (the request has no stop
+  strings).
+- Salience pins no seed: each Generate draws a fresh one and records it in
+  ``generation.started``, so replay reproduces the same tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from core.engine import OutputOptions, SamplingParams
+from core.errors import InvalidRange, ModelMismatch
+from core.events import Event, T
+from core.runtime import Runtime
+from core.tokens import ImageIn
+from transports.grpc.gen.salience.v1 import salience_pb2 as pb
+from transports.grpc.gen.salience.v1 import salience_pb2_grpc as pb_grpc
+from transports.grpc.tokensessions import (
+    closing,
+    covered,
+    drain,
+    fresh_seed,
+    grpc_errors,
+    live_session,
+    track_generation,
+)
+
+__all__ = ["SalienceService", "add_to_server", "drain"]
+
+SERVICE = "salience.v1.Salience"
+PROTOCOL = "salience"
+
+_FINISH = {
+    "eos": pb.GenerateDone.FINISH_REASON_EOS,
+    "stop": pb.GenerateDone.FINISH_REASON_EOS,
+    "length": pb.GenerateDone.FINISH_REASON_LENGTH,
+    "cancelled": pb.GenerateDone.FINISH_REASON_CANCELLED,
+}
+
+
+class SalienceService(pb_grpc.SalienceServicer):
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+
+    async def OpenSession(self, request: pb.OpenSessionRequest, context: Any) -> pb.OpenSessionResponse:
+        async with grpc_errors(context):
+            info = self.runtime.engine.info
+            if request.model and request.model != info.model_id:
+                raise ModelMismatch(f"this server serves {info.model_id!r}, not {request.model!r}")
+            st = await self.runtime.open_session(PROTOCOL, mode="offset")
+        return pb.OpenSessionResponse(session_id=st.session_id, max_model_len=info.max_length)
+
+    async def CloseSession(self, request: pb.CloseSessionRequest, context: Any) -> pb.CloseSessionResponse:
+        async with grpc_errors(context, request.session_id):
+            # idempotent: Runtime.close leaves a closed/expired session as it is
+            await self.runtime.close(request.session_id)
+        return pb.CloseSessionResponse()
+
+    async def ForkSession(self, request: pb.ForkSessionRequest, context: Any) -> pb.ForkSessionResponse:
+        async with grpc_errors(context, request.session_id):
+            await live_session(self.runtime, request.session_id)
+            child = await self.runtime.fork(request.session_id, at_position=request.at_position)
+        return pb.ForkSessionResponse(session_id=child.session_id)
+
+    async def GetReadoutManifest(self, request: pb.GetReadoutManifestRequest, context: Any) -> pb.ReadoutManifest:
+        m = self.runtime.engine.info.readout_manifest
+        if m is None:
+            return pb.ReadoutManifest()
+        return pb.ReadoutManifest(concepts=list(m.concepts), layers=list(m.layers),
+                                  hidden_size=m.hidden_size, dtype=m.dtype)
+
+    async def DumpSession(self, request: pb.DumpSessionRequest, context: Any) -> pb.DumpSessionResponse:
+        async with grpc_errors(context, request.session_id):
+            st = await live_session(self.runtime, request.session_id)
+        return pb.DumpSessionResponse(tokens=list(st.tokens))
+
+    async def Generate(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateEvent]:
+        sid = request.session_id
+        async with grpc_errors(context, sid):
+            st = await live_session(self.runtime, sid)
+            if _is_noop(request) and request.offset == st.length:
+                await self.runtime.touch(sid)
+                yield _done(st.length, 0, "length")
+                return
+            params = SamplingParams(
+                max_tokens=request.max_tokens,
+                temperature=request.temperature or 1.0,
+                top_p=request.top_p or 1.0,
+                top_k=request.top_k,
+                seed=fresh_seed(),
+                stop_token_ids=tuple(request.stop_token_ids),
+            )
+            if request.readout_ranges and self.runtime.engine.info.readout_manifest is None:
+                raise InvalidRange("the served model has no readouts")
+            options = OutputOptions(
+                logprob_top_k=request.logprob_top_k,
+                logprob_ranges=tuple((r.start, r.end) for r in request.logprobs_ranges),
+                readout_ranges=tuple((r.start, r.end) for r in request.readout_ranges),
+                generated_logprobs=False,
+            )
+            images = [ImageIn(im.bytes, im.mime, im.pad_range_start, im.pad_range_end) for im in request.images]
+            track_generation()
+            events = self.runtime.generate(
+                sid, params, options, append=list(request.append_tokens), offset=request.offset,
+                truncating=request.truncating, images=images, priority=request.priority)
+            async with closing(events):
+                async for ev in events:
+                    out = _event(ev, request)
+                    if out is not None:
+                        yield out
+
+
+def _is_noop(r: pb.GenerateRequest) -> bool:
+    return not (r.append_tokens or r.images or r.max_tokens or r.logprobs_ranges
+                or r.readout_ranges or r.truncating)
+
+
+def _done(prompt: int, completion: int, reason: str) -> pb.GenerateEvent:
+    return pb.GenerateEvent(done=pb.GenerateDone(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+        finish_reason=_FINISH.get(reason, pb.GenerateDone.FINISH_REASON_UNSPECIFIED)))
+
+
+def _event(ev: Event, request: pb.GenerateRequest) -> pb.GenerateEvent | None:
+    b: Mapping[str, Any] = ev.body
+    if ev.type == T.GENERATION_TOKEN:
+        pos = int(b["position"])
+        tok = pb.Token(id=int(b["token"]), position=pos, is_prefill=bool(b["is_prefill"]))
+        # engines may report more than was asked (e.g. top-k on every decode
+        # step); the wire carries only what the ranges cover
+        if covered(request.logprobs_ranges, pos) and b.get("logprob") is not None:
+            tok.sampled_logprob = float(b["logprob"])
+            tok.has_sampled_logprob = True
+            if request.logprob_top_k:
+                tok.logprobs.extend(pb.TokenLogprob(id=int(i), logprob=float(lp)) for i, lp in b.get("top", ()))
+        if covered(request.readout_ranges, pos) and b.get("readout") is not None:
+            tok.readout.extend(float(x) for x in b["readout"])
+        return pb.GenerateEvent(token=tok)
+    if ev.type == T.GENERATION_FINISHED:
+        return _done(int(b["prompt_tokens"]), int(b["completion_tokens"]), str(b["finish_reason"]))
+    return None  # tokens.truncated (a rewind) and generation.started have no wire form
+
+
+def add_to_server(server: Any, runtime: Runtime, options: Mapping[str, Any]) -> list[str]:
+    """Register the Salience service on a ``grpc.aio`` server; returns its full name."""
+    pb_grpc.add_SalienceServicer_to_server(SalienceService(runtime), server)
+    return [SERVICE]

@@ -1,0 +1,86 @@
+"""What the two token-session services (Salience, Kakeya) share.
+
+Both protocols treat a session that was closed, aborted or expired as gone:
+later calls answer NOT_FOUND, never FAILED_PRECONDITION. The core reports a
+closed session as :class:`SessionClosed` (right for Evergreen, where a
+closed stream is a protocol state), so this module restates it as
+:class:`SessionNotFound` before :mod:`transports.grpc.status` maps it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import weakref
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+
+from core.errors import SessionClosed, SessionNotFound, SessiontapeError
+from core.runtime import Runtime
+from core.state import SessionState
+from transports.grpc.status import abort_with
+
+
+async def live_session(runtime: Runtime, session_id: str) -> SessionState:
+    """The open session ``session_id``; SessionNotFound when unknown, closed or expired."""
+    if not session_id:
+        raise SessionNotFound(session_id)
+    try:
+        return await runtime.live(session_id)
+    except SessionClosed as exc:
+        raise SessionNotFound(session_id) from exc
+
+
+@contextlib.asynccontextmanager
+async def grpc_errors(context: Any, session_id: str = "") -> AsyncIterator[None]:
+    """End the call with the mapped status when a core error escapes the block."""
+    try:
+        yield
+    except SessionClosed:
+        await abort_with(context, SessionNotFound(session_id))
+    except SessiontapeError as exc:
+        await abort_with(context, exc)
+
+
+E = TypeVar("E")
+
+
+@contextlib.asynccontextmanager
+async def closing(events: AsyncIterator[E]) -> AsyncIterator[AsyncIterator[E]]:
+    """Close ``events`` however the block ends: a cancelled client must close the
+    runtime's generator, which is what records the generation as cancelled."""
+    try:
+        yield events
+    finally:
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+def fresh_seed() -> int:
+    """A seed for a call that pinned none: recorded in the log, so replay is still exact."""
+    return secrets.randbits(63)
+
+
+def covered(ranges: Any, position: int) -> bool:
+    return any(r.start <= position < r.end for r in ranges)
+
+
+#: handler tasks of Generate calls, so ``drain`` can wait for their log records
+_GENERATIONS: weakref.WeakSet[asyncio.Task[Any]] = weakref.WeakSet()
+
+
+def track_generation() -> None:
+    task = asyncio.current_task()
+    if task is not None:
+        _GENERATIONS.add(task)
+
+
+async def drain(timeout: float) -> None:  # noqa: ASYNC109 - the server.py hook signature
+    """Wait (up to ``timeout`` s) for Generate calls cancelled at shutdown to record their end."""
+    me = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    pending = [t for t in _GENERATIONS if not t.done() and t is not me and t.get_loop() is loop]
+    if pending:
+        await asyncio.wait(pending, timeout=timeout)
