@@ -123,7 +123,7 @@ async def audit_session(rt: Runtime, session_id: str, *, reexecute: bool = False
 
 async def reexecute_generation(engine: Engine, session_id: str, g: RecordedGeneration) -> dict[str, Any] | None:
     """Run ``g`` again; None when every recorded step matches bitwise."""
-    eos = set(g.eos or engine.info.eos_token_ids)
+    eos = set(g.eos)
     recorded_decode = [s for s in g.steps if not s.get("is_prefill")]
     max_tokens = g.params.max_tokens
     if g.finish_reason == "cancelled":

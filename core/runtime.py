@@ -471,6 +471,14 @@ class Runtime:
         prefill_s = 0.0
         try:
             async with self._lock(session_id):
+                stale = st.active_generation
+                if stale is not None:
+                    # A generation left open by a crashed process: close it so
+                    # the log says what happened, then carry on.
+                    await self._commit(st, [NewEvent(T.GENERATION_FINISHED, {
+                        "generation_id": stale.id, "finish_reason": "interrupted",
+                        "prompt_tokens": stale.prompt_length, "completion_tokens": len(stale.tokens),
+                        "prefill_s": None, "total_s": None, "ttft_s": None})])
                 notes, shas = await self._image_events(images)
                 new = self._append_events(st, append, offset, truncating, images, shas) if (append or images or offset is not None) else []
                 new = notes + new if new else []

@@ -1,0 +1,157 @@
+"""The command line, run as a real subprocess against a real SQLite file."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from core.engine import OutputOptions, SamplingParams
+from core.nodes import FragmentIn
+from core.runtime import Runtime
+from engines.reference import ReferenceEngine
+from tests.conftest import make_config
+
+EXE = [sys.executable, "-m", "core.cli"]
+
+
+def cli(*args: str, db: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "SESSIONTAPE_DB": db}
+    proc = subprocess.run([*EXE, *args], capture_output=True, text=True, env=env, timeout=60)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{args} failed ({proc.returncode}): {proc.stderr}")
+    return proc
+
+
+@pytest.fixture
+def populated(tmp_path: Path) -> tuple[str, list[str]]:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'cli.db'}"
+
+    async def build() -> list[str]:
+        rt = await Runtime.create(make_config(url), engine=ReferenceEngine())
+        try:
+            a = (await rt.open_session("http", label="demo")).session_id
+            await rt.append_text(a, "Hi there")
+            async for _ in rt.generate(a, SamplingParams(max_tokens=6, seed=7), OutputOptions(logprob_top_k=2)):
+                pass
+            await rt.record_feedback(a, {"score": 8, "source": "test"})
+            b = (await rt.fork(a, at_position=4)).session_id
+            async for _ in rt.generate(b, SamplingParams(max_tokens=3, temperature=0)):
+                pass
+            c = (await rt.open_session("evergreen")).session_id
+            await rt.append_fragments(c, [FragmentIn(id="n", has_chunk=True, data=b"\x00" * 9000,
+                                                     metadata={"mimetype": "application/octet-stream"})])
+            await rt.close(a)
+            return [a, b, c]
+        finally:
+            await rt.aclose()
+
+    return url, asyncio.run(build())
+
+
+def test_sessions_ls_and_show(populated: tuple[str, list[str]]) -> None:
+    url, (a, b, c) = populated
+    rows = json.loads(cli("sessions", "ls", "--json", db=url).stdout)
+    by_id = {r["id"]: r for r in rows}
+    assert set(by_id) == {a, b, c}
+    for r in rows:
+        assert {"id", "status", "created_at", "engine", "parent_id", "history_length", "event_count"} <= set(r)
+    assert by_id[a]["status"] == "closed" and by_id[a]["history_length"] == 14
+    assert by_id[b]["parent_id"] == a and by_id[b]["history_length"] == 7
+    shown = json.loads(cli("sessions", "show", a, "--json", db=url).stdout)
+    assert shown["feedback"] == [{"score": 8, "source": "test"}]
+    assert shown["generations"][0]["tokens"] == 6
+    text = cli("sessions", "show", a, db=url).stdout
+    assert "feedback" in text and "score 8" in text
+    assert "Hi there" in cli("sessions", "ls", db=url).stdout or a in cli("sessions", "ls", db=url).stdout
+
+
+def test_replay_renders_from_the_log(populated: tuple[str, list[str]]) -> None:
+    url, (a, _, c) = populated
+    out = cli("replay", a, "--instant", db=url).stdout
+    assert "[user] Hi there" in out and "[model]" in out and "length, 6 tokens" in out and "closed" in out
+    assert "node n#0" in cli("replay", c, "--instant", db=url).stdout
+
+
+def test_audit_and_reexecute(populated: tuple[str, list[str]]) -> None:
+    url, ids = populated
+    reports = json.loads(cli("audit", *ids, "--reexecute", "--json", db=url).stdout)
+    assert [r["session_id"] for r in reports] == ids
+    for r in reports:
+        assert r["chain_ok"] and r["invariants_ok"] and r["divergences"] == []
+    assert [r["generations"] for r in reports] == [1, 1, 0]
+    plain = cli("audit", ids[0], db=url).stdout
+    assert "ok" in plain
+
+
+def test_audit_detects_tampering(populated: tuple[str, list[str]]) -> None:
+    import sqlite3
+
+    url, (a, _, _) = populated
+    path = url.split("///", 1)[1]
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE events SET body = replace(body, '\"score\":8', '\"score\":9') WHERE session_id = ?", (a,))
+    proc = cli("audit", a, "--json", db=url, check=False)
+    assert proc.returncode == 1
+    [r] = json.loads(proc.stdout)
+    assert r["chain_ok"] is False and "hash does not match" in r["problems"][0]
+
+
+def test_reexecute_on_another_engine_reports_divergence(populated: tuple[str, list[str]], tmp_path: Path) -> None:
+    url, (a, _, _) = populated
+    # an engine whose EOS is boosted behaves differently from the recorded one
+    cfg = tmp_path / "alt.toml"
+    cfg.write_text('[engine]\nname = "reference"\n[engine.options]\neos_bias = 50.0\n')
+    proc = cli("audit", a, "--reexecute", "--json", "--config", str(cfg), db=url, check=False)
+    [r] = json.loads(proc.stdout)
+    assert proc.returncode == 1 and r["divergences"] and r["divergences"][0]["index"] == 0
+
+
+def test_export_import_roundtrip_exact(populated: tuple[str, list[str]], tmp_path: Path) -> None:
+    url, (a, _, c) = populated
+    dump = cli("export", a, db=url).stdout
+    lines = [json.loads(x) for x in dump.splitlines()]
+    assert all({"position", "session_id", "version", "type", "recorded_at", "hash", "prev_hash"} <= set(x) for x in lines)
+    big = cli("export", c, db=url).stdout
+    f = tmp_path / "a.ndjson"
+    f.write_text(dump + big)
+    other = f"sqlite+aiosqlite:///{tmp_path / 'other.db'}"
+    cli("import", str(f), db=other)
+    again = cli("export", a, db=other).stdout
+
+    def strip(text: str) -> list[dict[str, object]]:
+        return [{k: v for k, v in json.loads(x).items() if k != "position"} for x in text.splitlines()]
+
+    assert strip(again) == strip(dump)
+    assert strip(cli("export", c, db=other).stdout) == strip(big)
+    assert json.loads(cli("audit", a, "--json", db=other).stdout)[0]["chain_ok"]
+    row = json.loads(cli("sessions", "show", a, "--json", db=other).stdout)
+    assert row["history_length"] == 14 and row["status"] == "closed"
+    # importing twice is refused and changes nothing
+    proc = cli("import", str(f), db=other, check=False)
+    assert proc.returncode == 1 and "error" in proc.stderr
+
+
+def test_errors_are_one_line(tmp_path: Path) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'e.db'}"
+    proc = cli("sessions", "show", "s_missing", db=url, check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == "sessiontape: error: session 's_missing' not found"
+    bad = tmp_path / "bad.toml"
+    bad.write_text("this is = = not toml")
+    proc = cli("sessions", "ls", "--config", str(bad), db=url, check=False)
+    assert proc.returncode == 2 and "not valid TOML" in proc.stderr
+    junk = tmp_path / "junk.ndjson"
+    junk.write_text("{not json}\n")
+    proc = cli("import", str(junk), db=url, check=False)
+    assert proc.returncode == 1 and "junk.ndjson:1" in proc.stderr
+
+
+def test_db_upgrade(tmp_path: Path) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'u.db'}"
+    assert "revision 0001_initial" in cli("db", "upgrade", db=url).stdout
