@@ -77,10 +77,10 @@ def track_generation() -> None:
         _GENERATIONS.add(task)
 
 
-async def drain(timeout: float) -> None:  # noqa: ASYNC109 - the server.py hook signature
-    """Wait (up to ``timeout`` s) for Generate calls cancelled at shutdown to record their end."""
+async def drain(server: Any, limit_s: float) -> None:
+    """Wait (up to ``limit_s``) for Generate calls cancelled at shutdown to record their end."""
     me = asyncio.current_task()
     loop = asyncio.get_running_loop()
     pending = [t for t in _GENERATIONS if not t.done() and t is not me and t.get_loop() is loop]
     if pending:
-        await asyncio.wait(pending, timeout=timeout)
+        await asyncio.wait(pending, timeout=limit_s)
