@@ -9,7 +9,7 @@ all of them. A service module exposes::
     def add_to_server(server: grpc.aio.Server, runtime: Runtime,
                       options: Mapping[str, Any]) -> list[str]   # full service names added
 
-and may expose ``async def drain(timeout: float) -> None``, awaited after the
+and may expose ``async def drain(server, limit_s: float) -> None``, awaited after the
 server stopped so that work cancelled at the grace deadline (a running
 generation) is recorded before the runtime closes.
 
@@ -186,7 +186,7 @@ class GrpcServer:
         for module in self._modules:
             drain = getattr(module, "drain", None)
             if drain is not None:
-                await drain(max(grace, 1.0))
+                await drain(self._server, max(grace, 1.0))
         self._server = None
 
     async def wait(self) -> None:

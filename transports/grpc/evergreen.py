@@ -1,0 +1,454 @@
+"""Evergreen v2 over gRPC: ``EvergreenService/StartSession``, one stream = one session.
+
+Each stream opens a session (protocol ``evergreen``) and runs two tasks
+beside the response generator:
+
+* the *reader* records every incoming ``NodeFragment`` (``node.fragment``,
+  direction ``in``; the rules are :func:`core.nodes.check_fragment`) and
+  ``Action`` (``action.submitted``) as it arrives, and queues the actions;
+* the *worker* runs the queued actions in arrival order. An action first
+  waits at a data-dependency barrier until every node it reads is complete
+  (the reader keeps accepting fragments meanwhile), then runs; GENERATE
+  streams its output node back as fragments, each recorded (direction
+  ``out``) before it is sent.
+
+Any failed action, invalid fragment or protocol violation aborts the
+session (``session.aborted`` with the error's code) and ends the stream with
+the status from :mod:`transports.grpc.status`. A client that half-closes
+after its last message gets every pending action's output, then the stream
+ends OK and the session is closed (reason ``client``); a stream cancelled
+by the client or by server shutdown stops the running generation (recorded
+as ``cancelled``) and closes the session with reason ``cancelled``.
+docs/protocols/evergreen.md lists every decision the seed leaves open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+from google.protobuf import json_format, struct_pb2
+
+from core.engine import SamplingParams
+from core.errors import (
+    InvalidAction,
+    InvalidFragment,
+    InvalidParameters,
+    ProtocolViolation,
+    SessiontapeError,
+    TargetNotFound,
+)
+from core.events import Event, T
+from core.nodes import FragmentIn, flatten, missing
+from core.runtime import Runtime
+from transports.grpc.gen.evergreen.v2 import evergreen_pb2, evergreen_pb2_grpc
+from transports.grpc.status import code_for, message_for
+
+log = logging.getLogger("sessiontape.grpc.evergreen")
+
+SERVICE = evergreen_pb2.DESCRIPTOR.services_by_name["EvergreenService"].full_name
+GENERATE = "GENERATE"
+#: Output parameter names GENERATE fills (the seed's examples use both).
+GENERATE_OUTPUTS = frozenset({"text", "response"})
+STRUCT_TYPE_URL = "type.googleapis.com/google.protobuf.Struct"
+OUT_MIMETYPE = "text/plain; charset=utf-8"
+#: Outgoing messages queued before GENERATE waits for the client to read.
+HIGH_WATER = 32
+
+
+@dataclass(frozen=True)
+class PendingAction:
+    id: str
+    name: str
+    inputs: tuple[tuple[str, str], ...]
+    outputs: tuple[tuple[str, str], ...]
+    params: SamplingParams
+
+
+# -- wire <-> core ------------------------------------------------------------
+
+
+def _metadata_dict(m: evergreen_pb2.ChunkMetadata) -> dict[str, Any]:
+    out: dict[str, Any] = {"mimetype": m.mimetype}
+    if m.role:
+        out["role"] = m.role
+    if m.original_file_name:
+        out["original_file_name"] = m.original_file_name
+    if m.HasField("capture_time"):
+        out["capture_time"] = m.capture_time.ToJsonString()
+    if m.experimental:
+        out["experimental"] = [
+            {"type_url": a.type_url, "value": base64.b64encode(a.value).decode()} for a in m.experimental
+        ]
+    return out
+
+
+def fragment_in(f: evergreen_pb2.NodeFragment) -> FragmentIn:
+    """A wire fragment as the core takes it (the seed's defaults are proto3's)."""
+    if not f.HasField("chunk_fragment"):
+        return FragmentIn(id=f.id, seq=f.seq, continued=f.continued, child_ids=tuple(f.child_ids))
+    c = f.chunk_fragment
+    metadata = _metadata_dict(c.metadata) if c.HasField("metadata") else None
+    if f.seq == 0 and metadata is None:
+        raise InvalidFragment(f"node {f.id}: the seq 0 fragment of a leaf must carry metadata")
+    which = c.WhichOneof("payload")
+    return FragmentIn(
+        id=f.id, seq=f.seq, continued=f.continued, child_ids=tuple(f.child_ids), has_chunk=True,
+        metadata=metadata, ref=c.ref if which == "ref" else None, data=c.data if which == "data" else None,
+    )
+
+
+def fragment_out(f: FragmentIn) -> evergreen_pb2.NodeFragment:
+    msg = evergreen_pb2.NodeFragment(id=f.id, seq=f.seq, continued=f.continued, child_ids=list(f.child_ids))
+    if f.has_chunk:
+        chunk = msg.chunk_fragment
+        chunk.SetInParent()
+        if f.metadata is not None:
+            chunk.metadata.mimetype = str(f.metadata.get("mimetype", ""))
+        if f.ref is not None:
+            chunk.ref = f.ref
+        elif f.data is not None:
+            chunk.data = f.data
+    return msg
+
+
+def _config_json(a: Any) -> dict[str, Any]:
+    if a.type_url == STRUCT_TYPE_URL:
+        s = struct_pb2.Struct()
+        if a.Unpack(s):
+            return {"type_url": a.type_url, "json": json_format.MessageToDict(s)}
+    return {"type_url": a.type_url, "value": base64.b64encode(a.value).decode()}
+
+
+_PARAM_TYPES: Mapping[str, type | tuple[type, ...]] = {
+    "max_tokens": (int, float), "temperature": (int, float), "top_p": (int, float),
+    "top_k": (int, float), "seed": (int, float, str), "stop_token_ids": list,
+}
+
+
+def sampling_params(configs: Sequence[Any]) -> SamplingParams:
+    """GENERATE's config: a ``google.protobuf.Struct`` packed in ``Any`` (later keys win).
+
+    Keys: max_tokens, temperature, top_p, top_k, seed (number or decimal
+    string), stop_token_ids. Anything else is InvalidParameters.
+    """
+    merged: dict[str, Any] = {}
+    for a in configs:
+        if a.type_url != STRUCT_TYPE_URL:
+            raise InvalidParameters(f"GENERATE config of type {a.type_url!r}: only {STRUCT_TYPE_URL} is accepted")
+        s = struct_pb2.Struct()
+        if not a.Unpack(s):
+            raise InvalidParameters("GENERATE config does not decode as google.protobuf.Struct")
+        merged.update(json_format.MessageToDict(s))
+    for key, value in merged.items():
+        want = _PARAM_TYPES.get(key)
+        if want is None:
+            raise InvalidParameters(f"unknown GENERATE config key {key!r} (known: {', '.join(sorted(_PARAM_TYPES))})")
+        if not isinstance(value, want) or isinstance(value, bool):
+            raise InvalidParameters(f"GENERATE config {key!r} has the wrong type ({type(value).__name__})")
+    try:
+        ints = {k: int(merged[k]) for k in ("max_tokens", "top_k") if k in merged}
+        if any(float(merged[k]) != ints[k] for k in ints):
+            raise ValueError("not an integer")
+        seed = merged.get("seed")
+        return SamplingParams(
+            max_tokens=ints.get("max_tokens", SamplingParams.max_tokens),
+            temperature=float(merged.get("temperature", SamplingParams.temperature)),
+            top_p=float(merged.get("top_p", SamplingParams.top_p)),
+            top_k=ints.get("top_k", SamplingParams.top_k),
+            seed=None if seed is None else int(seed),
+            stop_token_ids=tuple(int(t) for t in merged.get("stop_token_ids", ())),
+        )
+    except (TypeError, ValueError) as exc:
+        raise InvalidParameters(f"bad GENERATE config: {exc}") from exc
+
+
+# -- one stream ---------------------------------------------------------------
+
+
+class _Stream:
+    """The state of one StartSession call."""
+
+    def __init__(self, runtime: Runtime, session_id: str) -> None:
+        self.runtime = runtime
+        self.sid = session_id
+        self.outbox: asyncio.Queue[evergreen_pb2.SessionMessage | None] = asyncio.Queue()
+        self.actions: asyncio.Queue[PendingAction | None] = asyncio.Queue()
+        self.changed = asyncio.Event()
+        self.drained = asyncio.Event()
+        self.error: BaseException | None = None
+        self.stopping = False
+        self.input_done = False
+        #: output node ids of every accepted action: only the server writes them
+        self.output_ids: set[str] = set()
+        self.tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def targets(self) -> frozenset[str]:
+        info = self.runtime.engine.info
+        return frozenset({"", info.model_id, info.name})
+
+    def start(self, requests: AsyncIterator[evergreen_pb2.SessionMessage]) -> None:
+        self.tasks = [
+            asyncio.create_task(self._guard(self._read(requests)), name=f"evergreen-read-{self.sid}"),
+            asyncio.create_task(self._guard(self._work()), name=f"evergreen-work-{self.sid}"),
+        ]
+
+    async def _guard(self, coro: Any) -> None:
+        try:
+            await coro
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # every failure aborts the session
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+            self.stopping = True
+            self._wake()
+            self.outbox.put_nowait(None)
+
+    def _wake(self) -> None:
+        self.changed.set()
+        self.drained.set()
+
+    # Runtime mutations are shielded: a cancelled caller must not leave a
+    # commit half-applied (the log has it, the cached state would not).
+
+    async def _record_in(self, frags: list[FragmentIn]) -> None:
+        await asyncio.shield(self.runtime.append_fragments(self.sid, frags, "in"))
+
+    # -- reader --
+
+    async def _read(self, requests: AsyncIterator[evergreen_pb2.SessionMessage]) -> None:
+        async for msg in requests:
+            if self.stopping:
+                return
+            await self._receive(msg)
+        self.input_done = True
+        self.changed.set()
+        self.actions.put_nowait(None)
+
+    async def _receive(self, msg: evergreen_pb2.SessionMessage) -> None:
+        # Within one message fragments come before actions (field order on the wire).
+        frags = [fragment_in(f) for f in msg.node_fragments]
+        for f in frags:
+            if f.id in self.output_ids:
+                raise ProtocolViolation(f"node {f.id} is an action output: only the server writes it")
+        if frags:
+            await self._record_in(frags)
+            self.changed.set()
+        for a in msg.actions:
+            await self._accept(a)
+
+    async def _accept(self, a: evergreen_pb2.Action) -> None:
+        if a.name != GENERATE:
+            raise InvalidAction(f"unknown action {a.name!r} (this server offers {GENERATE})")
+        target = a.target_spec.id
+        if target not in self.targets:
+            raise TargetNotFound(f"unknown target {target!r} (known: {', '.join(sorted(repr(t) for t in self.targets))})")
+        inputs = tuple((p.name, p.id) for p in a.inputs)
+        outputs = tuple((p.name, p.id) for p in a.outputs)
+        if not inputs:
+            raise InvalidAction("GENERATE needs at least one input")
+        for kind, named in (("input", inputs), ("output", outputs)):
+            names = [n for n, _ in named]
+            if len(set(names)) != len(names):
+                raise InvalidAction(f"GENERATE: duplicate {kind} parameter name in {names}")
+            if any(not i for _, i in named):
+                raise InvalidAction(f"GENERATE: {kind} parameter without a node id")
+        unknown = sorted({n for n, _ in outputs} - GENERATE_OUTPUTS)
+        if unknown:
+            raise InvalidAction(f"GENERATE has no output {unknown} (outputs: {', '.join(sorted(GENERATE_OUTPUTS))})")
+        overlap = {i for _, i in inputs} & {i for _, i in outputs}
+        if overlap:
+            raise InvalidAction(f"GENERATE reads and writes the same node {sorted(overlap)}")
+        params = sampling_params(a.configs)
+        ev = await asyncio.shield(self.runtime.submit_action(
+            self.sid, a.name, inputs, outputs, target=target, configs=[_config_json(c) for c in a.configs]))
+        self.output_ids.update(i for _, i in outputs)
+        self.actions.put_nowait(PendingAction(str(ev.body["action_id"]), a.name, inputs, outputs, params))
+
+    # -- worker --
+
+    async def _work(self) -> None:
+        while not self.stopping:
+            act = await self.actions.get()
+            if act is None or self.stopping:
+                break
+            try:
+                await self._barrier(act)
+                if self.stopping:
+                    raise asyncio.CancelledError
+                await self._generate(act)
+            except BaseException as exc:
+                code, message = (
+                    ("cancelled", "stream ended before the action finished")
+                    if isinstance(exc, asyncio.CancelledError)
+                    else (getattr(exc, "code", "internal"), message_for(exc))
+                )
+                with contextlib.suppress(SessiontapeError):
+                    await asyncio.shield(self.runtime.finish_action(self.sid, act.id, (code, message)))
+                if isinstance(exc, asyncio.CancelledError):
+                    return
+                raise
+            await asyncio.shield(self.runtime.finish_action(self.sid, act.id))
+        if not self.stopping:
+            self.outbox.put_nowait(None)
+
+    async def _barrier(self, act: PendingAction) -> None:
+        """Wait until every node ``act`` reads is complete."""
+        while not self.stopping:
+            self.changed.clear()
+            st = await self.runtime.get(self.sid)
+            waiting = sorted({n for _, i in act.inputs for n in missing(st, i)})
+            if not waiting:
+                return
+            blocked = [n for n in waiting if n in self.output_ids]
+            if blocked:
+                raise ProtocolViolation(
+                    f"action {act.id} reads {blocked}, the output of a later action (it would never run)")
+            if self.input_done:
+                raise ProtocolViolation(
+                    f"action {act.id} waits for incomplete nodes {waiting} but the client ended its stream")
+            await self.changed.wait()
+
+    async def _prompt(self, act: PendingAction) -> list[int]:
+        st = await self.runtime.get(self.sid)
+        parts: list[str] = []
+        for _, root in act.inputs:
+            for chunk in flatten(st, root):
+                mime = chunk.mimetype.split(";", 1)[0].strip().lower()
+                if "type=endofturn" in chunk.mimetype.replace(" ", "").lower():
+                    continue  # a turn marker; the engine's history carries no separate token for it
+                if chunk.ref is not None:
+                    raise InvalidAction(f"GENERATE: node {chunk.node_id} is a ref ({chunk.ref}); refs are not fetched")
+                if not mime.startswith("text/"):
+                    raise InvalidAction(f"GENERATE: node {chunk.node_id} has mimetype {chunk.mimetype!r}; only text/* is read")
+                try:
+                    parts.append((chunk.data or b"").decode("utf-8"))
+                except UnicodeDecodeError as exc:
+                    raise InvalidAction(f"GENERATE: node {chunk.node_id} is not UTF-8 text: {exc}") from exc
+        tokens = self.runtime.engine.tokenize("".join(parts))
+        if not tokens:
+            raise InvalidAction(f"GENERATE: action {act.id} has an empty prompt")
+        return tokens
+
+    async def _generate(self, act: PendingAction) -> None:
+        prompt = await self._prompt(act)
+        st = await self.runtime.get(self.sid)
+        # The prompt replaces the session's token history; keep the common
+        # prefix so an engine cache for it stays valid.
+        common = next((k for k, (a, b) in enumerate(zip(st.tokens, prompt, strict=False)) if a != b),
+                      min(len(st.tokens), len(prompt)))
+        engine = self.runtime.engine
+        produced: list[int] = []
+        sent = ""
+        seq = 0
+        # Runtime.generate is an async generator; aclosing needs to know that.
+        gen = cast(AsyncGenerator[Event, None], self.runtime.generate(
+            self.sid, act.params, append=prompt[common:], offset=common, truncating=True, action_id=act.id))
+        async with contextlib.aclosing(gen):
+            async for ev in gen:
+                if self.stopping:
+                    raise asyncio.CancelledError
+                if ev.type != T.GENERATION_TOKEN or ev.body.get("is_prefill"):
+                    continue
+                produced.append(int(ev.body["token"]))
+                text = engine.detokenize(produced)
+                if text.endswith("\ufffd"):
+                    continue  # an incomplete UTF-8 sequence: wait for its last byte
+                if text.startswith(sent) and len(text) > len(sent):
+                    await self._emit(act, seq, text[len(sent):], continued=True)
+                    seq += 1
+                    sent = text
+        text = engine.detokenize(produced)
+        rest = text[len(sent):] if text.startswith(sent) else ""
+        await self._emit(act, seq, rest, continued=False)
+
+    async def _emit(self, act: PendingAction, seq: int, text: str, *, continued: bool) -> None:
+        frags = [
+            FragmentIn(id=oid, seq=seq, continued=continued, has_chunk=True,
+                       metadata={"mimetype": OUT_MIMETYPE} if seq == 0 else None, data=text.encode())
+            for _, oid in act.outputs
+        ]
+        if not frags or self.stopping:
+            return
+        await asyncio.shield(self.runtime.append_fragments(self.sid, frags, "out"))
+        self.changed.set()
+        self.outbox.put_nowait(evergreen_pb2.SessionMessage(node_fragments=[fragment_out(f) for f in frags]))
+        while self.outbox.qsize() > HIGH_WATER and not self.stopping:
+            self.drained.clear()
+            await self.drained.wait()
+
+    # -- ending --
+
+    async def finish(self, cancelled: bool) -> None:
+        """Stop both tasks and record how the session ended."""
+        self.stopping = True
+        self._wake()
+        self.tasks[0].cancel()  # the reader may be parked on the request stream
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        try:
+            if self.error is not None:
+                exc = self.error
+                code = exc.code if isinstance(exc, SessiontapeError) else "internal"
+                await self.runtime.abort(self.sid, code, message_for(exc))
+            else:
+                await self.runtime.close(self.sid, "cancelled" if cancelled else "client")
+        except SessiontapeError:
+            log.exception("ending evergreen session %s", self.sid)
+
+
+#: Stream endings still recording (a cancelled stream stops its generation and
+#: closes its session in a task of its own, so shutdown can wait for it).
+_ENDINGS: set[asyncio.Task[None]] = set()
+
+
+class EvergreenServicer(evergreen_pb2_grpc.EvergreenServiceServicer):
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+
+    async def StartSession(
+        self, request_iterator: AsyncIterator[evergreen_pb2.SessionMessage], context: Any
+    ) -> AsyncIterator[evergreen_pb2.SessionMessage]:
+        st = await self.runtime.open_session("evergreen", meta={"transport": "grpc", "peer": str(context.peer())})
+        stream = _Stream(self.runtime, st.session_id)
+        await context.send_initial_metadata((("x-session-id", st.session_id),))
+        stream.start(request_iterator)
+        ended = False
+        try:
+            while True:
+                msg = await stream.outbox.get()
+                if stream.outbox.qsize() <= HIGH_WATER // 2:
+                    stream.drained.set()
+                if msg is None:
+                    break
+                yield msg
+            ended = True
+        finally:
+            ending = asyncio.ensure_future(stream.finish(cancelled=not ended))
+            _ENDINGS.add(ending)
+            ending.add_done_callback(_ENDINGS.discard)
+            await asyncio.shield(ending)
+        if stream.error is not None:
+            await context.abort(code_for(stream.error), message_for(stream.error))
+
+
+def add_to_server(server: Any, runtime: Runtime, options: Mapping[str, Any]) -> list[str]:
+    evergreen_pb2_grpc.add_EvergreenServiceServicer_to_server(EvergreenServicer(runtime), server)
+    return [SERVICE]
+
+
+async def drain(server: Any, limit_s: float) -> None:
+    """Wait (up to ``limit_s``) for streams cancelled at shutdown to record their ending."""
+    loop = asyncio.get_running_loop()
+    pending = [t for t in _ENDINGS if not t.done() and t.get_loop() is loop]
+    if pending:
+        await asyncio.wait(pending, timeout=limit_s)
