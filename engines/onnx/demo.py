@@ -132,7 +132,10 @@ def _build_graph(spec: DemoSpec, w: dict[str, F32]) -> Any:
         g.const(k, v)
     h, nh, nkv, hd = spec.hidden, spec.heads, spec.kv_heads, spec.head_dim
     group = nh // nkv
-    i64 = lambda name, *vals: g.const(name, np.array(vals, dtype=np.int64))  # noqa: E731
+
+    def i64(name: str, *vals: int) -> str:
+        return g.const(name, np.array(vals, dtype=np.int64))
+
     i64("c_axis0", 0)
     i64("c_axis1", 1)
     i64("c_axis_neg1", -1)
@@ -148,9 +151,11 @@ def _build_graph(spec: DemoSpec, w: dict[str, F32]) -> Any:
     i64("c_split", half, half)
 
     ids_shape = g.op("Shape", ["input_ids"])
-    batch = g.op("Gather", [ids_shape, "c_zero"], axis=0)
-    seq = g.op("Gather", [ids_shape, "c_one"], axis=0)
-    total = g.op("Gather", [g.op("Shape", ["attention_mask"]), "c_one"], axis=0)
+    g.const("c_zero_s", np.array(0, np.int64))
+    g.const("c_one_s", np.array(1, np.int64))
+    batch = g.op("Gather", [ids_shape, "c_zero_s"], axis=0)
+    seq = g.op("Gather", [ids_shape, "c_one_s"], axis=0)
+    total = g.op("Gather", [g.op("Shape", ["attention_mask"]), "c_one_s"], axis=0)
     past = g.op("Sub", [total, seq])
     batch1 = g.op("Unsqueeze", [batch, "c_axis0"])
     seq1 = g.op("Unsqueeze", [seq, "c_axis0"])
@@ -163,8 +168,6 @@ def _build_graph(spec: DemoSpec, w: dict[str, F32]) -> Any:
     out_shape = g.op("Concat", [batch1, i64("c_nh", nh), seq1, i64("c_hd2", hd)], axis=0)
 
     # mask [b, 1, 1, s, t]: key j visible to query i iff j <= past + i and attention_mask[b, j]
-    g.const("c_zero_s", np.array(0, np.int64))
-    g.const("c_one_s", np.array(1, np.int64))
     keys = g.op("Range", ["c_zero_s", total, "c_one_s"])
     qpos = g.op("Add", [g.op("Range", ["c_zero_s", seq, "c_one_s"]), past])
     causal = g.op("LessOrEqual", [g.op("Unsqueeze", [keys, "c_axis0"]), g.op("Unsqueeze", [qpos, "c_axis_neg1"])])
@@ -213,8 +216,8 @@ def _build_graph(spec: DemoSpec, w: dict[str, F32]) -> Any:
     g.op("MatMul", [rmsnorm(x, "final_norm"), "lm_head"], name="logits")
 
     f32, i64t = TensorProto.FLOAT, TensorProto.INT64
-    kv_shape_in = ["batch", nkv, "past_sequence_length", hd]
-    kv_shape_out = ["batch", nkv, "total_sequence_length", hd]
+    kv_shape_in: list[str | int] = ["batch", nkv, "past_sequence_length", hd]
+    kv_shape_out: list[str | int] = ["batch", nkv, "total_sequence_length", hd]
     inputs = [
         helper.make_tensor_value_info("input_ids", i64t, ["batch", "sequence_length"]),
         helper.make_tensor_value_info("attention_mask", i64t, ["batch", "total_sequence_length"]),

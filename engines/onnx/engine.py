@@ -1,0 +1,230 @@
+"""The ONNX Runtime engine.
+
+Usage::
+
+    engine = OnnxEngine()                       # the tiny demo model, built on first use
+    engine = OnnxEngine(model_dir="/models/x", providers="auto", kv_cache_bytes=1 << 30)
+
+Options (all keyword, as ``[engine.options]`` in the config):
+
+- ``model_dir``: a folder with ``model.onnx`` (and optionally ``config.json``,
+  ``tokenizer.json``, ``readout_concepts.json``). Default: the demo model of
+  ``size`` under ``$SESSIONTAPE_CACHE/models`` (``~/.cache/sessiontape``).
+- ``size``: ``tiny`` (default) or ``small``, for the demo model.
+- ``providers``: ``"auto"`` (CUDA when this build offers it and it loads,
+  else CPU) or a list / comma-separated names.
+- ``intra_op_threads``, ``inter_op_threads``: ONNX Runtime thread pools (0 = its default).
+- ``kv_cache_bytes``: bound on all sessions' KV caches (default 1 GiB).
+- ``readout_concepts``: a JSON file of concept directions (default: the model folder's).
+- ``max_length``: context limit (default: the model's).
+- ``prefill_chunk``: most new positions per forward pass (default 256).
+- ``io_binding``: bind device tensors (default: on with CUDA).
+- ``workers``: forward passes running at once (default 1).
+
+See docs/engines.md for why results are bit-identical however a history
+was built up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from core.engine import Engine, EngineInfo, OutputOptions, SamplingParams, Step
+from core.errors import ConfigError, ContextOverflow, EngineError, InvalidParameters
+from engines.onnx.demo import PAD, SIZES, ensure_demo
+from engines.onnx.kvcache import KV, KVCache, common_prefix
+from engines.onnx.model import (
+    Concepts,
+    GraphSpec,
+    file_sha256,
+    infer_graph,
+    load_concepts,
+    load_tokenizer,
+    model_facts,
+)
+from engines.onnx.session import CUDA, PassResult, Runner, choose_providers, open_session, quiet_ort
+from engines.sampling import log_softmax, sample, top_logprobs
+
+log = logging.getLogger("sessiontape.engines.onnx")
+
+
+class OnnxEngine(Engine):
+    def __init__(self, model_dir: str | Path | None = None, size: str = "tiny",
+                 providers: str | Sequence[str] = "auto", intra_op_threads: int = 0,
+                 inter_op_threads: int = 0, kv_cache_bytes: int = 1 << 30,
+                 readout_concepts: str | Path | None = None, max_length: int | None = None,
+                 prefill_chunk: int = 256, io_binding: bool | None = None, workers: int = 1,
+                 min_rows: int = 2, **unknown: Any) -> None:
+        if unknown:
+            raise ConfigError(f"unknown onnx engine options: {sorted(unknown)}")
+        if model_dir is None:
+            if size not in SIZES:
+                raise ConfigError(f"unknown demo model size {size!r}; choose one of {sorted(SIZES)}")
+            folder = ensure_demo(size)
+        else:
+            folder = Path(model_dir)
+        path = folder / "model.onnx"
+        if not path.exists():
+            raise ConfigError(f"no model.onnx in {folder}")
+        if int(prefill_chunk) < 1 or int(kv_cache_bytes) < 0 or int(workers) < 1:
+            raise ConfigError("prefill_chunk and workers must be >= 1 and kv_cache_bytes >= 0")
+        ort = quiet_ort()
+        chosen = choose_providers(providers)
+        self._sess = open_session(str(path), chosen, int(intra_op_threads), int(inter_op_threads))
+        self.spec: GraphSpec = infer_graph(self._sess.get_inputs(), self._sess.get_outputs())
+        provider = str(self._sess.get_providers()[0])
+        bind = provider == CUDA if io_binding is None else bool(io_binding)
+        self.runner = Runner(self._sess, self.spec, io_binding=bind, min_rows=min_rows, pad_token=PAD)
+        facts = model_facts(folder)
+        vocab = self.spec.vocab_size or facts["vocab_size"]
+        if not vocab:
+            raise EngineError("cannot tell the vocabulary size: logits has a symbolic last dimension "
+                              "and config.json names no vocab_size")
+        model_max = facts["max_length"] or 4096
+        if max_length is not None and not 1 <= int(max_length) <= model_max:
+            raise ConfigError(f"max_length {max_length} is outside [1, {model_max}] for this model")
+        self.concepts: Concepts | None = None
+        cpath = Path(readout_concepts) if readout_concepts else folder / "readout_concepts.json"
+        if readout_concepts and not cpath.exists():
+            raise ConfigError(f"readout concepts file {cpath} does not exist")
+        if cpath.exists() and self.spec.hidden_layers:
+            self.concepts = load_concepts(cpath, self.spec)
+        self._tok = load_tokenizer(folder, int(vocab))
+        self.prefill_chunk = int(prefill_chunk)
+        self.cache = KVCache(int(kv_cache_bytes))
+        self._pool = ThreadPoolExecutor(max_workers=int(workers), thread_name_prefix="onnx-engine")
+        #: positions run through the model (padding rows excluded), and forward passes
+        self.positions_computed = 0
+        self.passes = 0
+        self.model_dir = folder
+        self._info = EngineInfo(
+            name="onnx", model_id=str(facts["model_id"]), model_hash=file_sha256(path),
+            vocab_size=int(vocab), max_length=int(max_length or model_max),
+            eos_token_ids=tuple(facts["eos_token_ids"]), image_block_tokens=None,
+            readout_manifest=None if self.concepts is None else self.concepts.manifest,
+            provider=provider, runtime_version=str(ort.__version__),
+            extra={"model_dir": str(folder), "providers": list(self._sess.get_providers()),
+                   "io_binding": bind, "layers": self.spec.layers, "kv_heads": self.spec.kv_heads,
+                   "head_dim": self.spec.head_dim},
+        )
+        log.info("onnx engine: %s on %s (onnxruntime %s, io_binding=%s)",
+                 self._info.model_id, provider, ort.__version__, bind)
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tok.encode(text)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return self._tok.decode(tokens)
+
+    # -- cache hints -------------------------------------------------------
+
+    def fork(self, parent_key: str, child_key: str, at_position: int) -> None:
+        self.cache.fork(parent_key, child_key, at_position)
+
+    def forget(self, session_key: str) -> None:
+        self.cache.forget(session_key)
+
+    def kv_live_bytes(self, session_key: str) -> int:
+        return self.cache.live_bytes(session_key)
+
+    def cached_length(self, session_key: str) -> int | None:
+        return self.cache.cached_length(session_key)
+
+    async def aclose(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    # -- generation --------------------------------------------------------
+
+    async def _pass(self, kv: KV, keep: int, tokens: Sequence[int], hidden_layers: Sequence[int]) -> PassResult:
+        loop = asyncio.get_running_loop()
+        res = await loop.run_in_executor(self._pool, self.runner.run, kv, keep, list(tokens), tuple(hidden_layers))
+        self.passes += 1
+        self.positions_computed += len(tokens)
+        return res
+
+    def _readout(self, res: PassResult, row: int) -> tuple[float, ...]:
+        assert self.concepts is not None
+        return self.concepts.scores([res.hidden[layer][row] for layer in self.concepts.manifest.layers])
+
+    async def generate(self, session_key: str, history: Sequence[int], params: SamplingParams,
+                       options: OutputOptions = OutputOptions()) -> AsyncIterator[Step]:  # noqa: B008
+        hist = [int(t) for t in history]
+        n = len(hist)
+        limit = self._info.max_length
+        if n + (1 if params.max_tokens else 0) > limit:
+            raise ContextOverflow(f"history of {n} tokens leaves no room in {limit}")
+        if params.max_tokens and n == 0:
+            raise InvalidParameters("the onnx engine needs at least one history token to generate from")
+        if (options.readout_ranges and self.concepts is None):
+            raise InvalidParameters("the served model has no readout concepts")
+        readout_layers = () if self.concepts is None else self.concepts.manifest.layers
+        want_lp = [p for p in range(1, n) if options.wants_logprobs(p, generated=False)]
+        want_ro = [p for p in range(n) if options.wants_readout(p)]
+        # rows that must be recomputed: logits of p-1 score p; hidden states of p give its readout
+        first_row = min([n - 1 if params.max_tokens else n, *(p - 1 for p in want_lp), *want_ro])
+
+        entry = self.cache.checkout(session_key)
+        try:
+            keep = min(entry.length, first_row, common_prefix(entry.tokens, hist))
+            kv = entry.kv if entry.kv is not None and keep > 0 else self.runner.empty()
+            self.cache.truncate(entry, keep)
+            lp: dict[int, tuple[float, tuple[tuple[int, float], ...]]] = {}
+            ro: dict[int, tuple[float, ...]] = {}
+            last: Any = None
+            pos = keep
+            while pos < n:
+                end = min(n, pos + self.prefill_chunk)
+                layers = readout_layers if any(pos <= p < end for p in want_ro) else ()
+                res = await self._pass(kv, pos, hist[pos:end], layers)
+                kv = res.kv
+                self.cache.store(entry, hist[:end], kv)
+                for row in range(end - pos):
+                    p = pos + row
+                    if p + 1 < n and options.wants_logprobs(p + 1, generated=False):
+                        logp = log_softmax(res.logits[row])
+                        lp[p + 1] = (float(logp[hist[p + 1]]), top_logprobs(logp, options.logprob_top_k))
+                    if layers and options.wants_readout(p):
+                        ro[p] = self._readout(res, row)
+                last = res.logits[end - pos - 1]
+                pos = end
+            for p in sorted(set(want_lp) | set(want_ro) | ({0} if options.wants_logprobs(0, False) else set())):
+                lpv, top = lp.get(p, (None, ()))
+                yield Step(token_id=hist[p], position=p, is_prefill=True, logprob=lpv, top_logprobs=top,
+                           readout=ro.get(p))
+            stops = set(params.stop_token_ids)
+            for i in range(params.max_tokens):
+                p = n + i
+                tok, tok_lp = sample(last, params, p)
+                top = top_logprobs(log_softmax(last), options.logprob_top_k) if options.logprob_top_k else ()
+                more = i + 1 < params.max_tokens and tok not in stops
+                want = options.wants_readout(p)
+                step = Step(token_id=tok, position=p, is_prefill=False,
+                            logprob=tok_lp if options.wants_logprobs(p, generated=True) else None,
+                            top_logprobs=top)
+                if not (want or more):
+                    yield step
+                    return
+                hist.append(tok)
+                if not want:
+                    yield step
+                res = await self._pass(kv, p, [tok], readout_layers if want else ())
+                kv = res.kv
+                self.cache.store(entry, hist[: p + 1], kv)
+                last = res.logits[0]
+                if want:
+                    yield Step(token_id=tok, position=p, is_prefill=False, logprob=step.logprob,
+                               top_logprobs=top, readout=self._readout(res, 0))
+                if not more:
+                    return
+        finally:
+            self.cache.release(entry)
+

@@ -1,0 +1,211 @@
+"""One forward pass over ONNX Runtime, on the CPU or a CUDA device.
+
+:class:`Runner` takes a cached KV snapshot, the number of its positions to
+keep, and the next tokens, and returns their logits, the requested hidden
+states and the new snapshot. It never mutates a snapshot (forks share them).
+
+Bit-exactness: a pass always carries at least ``min_rows`` query rows (2 by
+default). A single new token is padded with a dummy token one position
+later; causal masking keeps it out of the real row, its logits are dropped,
+and the next pass keeps only the real positions of the snapshot. ONNX
+Runtime's CPU MatMul takes another path for exactly one row, which would
+make a decoded position differ in its last bits from the same position
+computed in a prefill chunk.
+
+CPU: the snapshot tensors are numpy arrays; trimming the padding row is a
+numpy slice. CUDA (``io_binding=True``): inputs and ``present`` outputs are
+bound as device OrtValues, so the cache never leaves the GPU; only logits
+and requested hidden states are copied to the host. Trimming runs a small
+Slice graph on the device. The same binding path runs on the CPU when asked
+(``io_binding=True`` with the CPU provider), which is how it is tested on a
+machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from core.errors import EngineError
+from engines.onnx.kvcache import KV
+from engines.onnx.model import GraphSpec
+
+log = logging.getLogger("sessiontape.engines.onnx")
+
+CUDA = "CUDAExecutionProvider"
+CPU = "CPUExecutionProvider"
+
+
+def quiet_ort() -> Any:
+    """Import onnxruntime with its logger set to errors only (no missing-CUDA warnings)."""
+    import onnxruntime as ort
+
+    ort.set_default_logger_severity(3)
+    return ort
+
+
+def choose_providers(requested: str | Sequence[str]) -> list[str]:
+    """"auto" asks for CUDA only when this onnxruntime build offers it; otherwise the CPU."""
+    ort = quiet_ort()
+    available = ort.get_available_providers()
+    if isinstance(requested, str) and requested != "auto":
+        requested = [p.strip() for p in requested.split(",") if p.strip()]
+    if requested == "auto":
+        return [CUDA, CPU] if CUDA in available else [CPU]
+    wanted = list(requested)
+    missing = [p for p in wanted if p not in available]
+    if missing:
+        raise EngineError(f"execution providers {missing} are not available (available: {available})")
+    return wanted
+
+
+def open_session(path: str, providers: Sequence[str], intra_op_threads: int, inter_op_threads: int) -> Any:
+    ort = quiet_ort()
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.intra_op_num_threads = int(intra_op_threads)
+    so.inter_op_num_threads = int(inter_op_threads)
+    try:
+        sess = ort.InferenceSession(path, so, providers=list(providers))
+    except Exception as exc:
+        if CUDA in providers and providers != [CPU]:
+            # the CUDA libraries can be missing even when the build offers the provider
+            log.warning("CUDA provider failed to load (%s); using the CPU provider", exc)
+            return ort.InferenceSession(path, so, providers=[CPU])
+        raise EngineError(f"onnxruntime cannot load {path}: {exc}") from exc
+    return sess
+
+
+F32 = npt.NDArray[np.float32]
+
+
+@dataclass
+class PassResult:
+    #: [rows, vocab] for the real rows
+    logits: F32
+    #: hidden_states.N -> [rows, hidden] for the requested layers
+    hidden: dict[int, F32]
+    kv: KV
+
+
+class Runner:
+    def __init__(self, sess: Any, spec: GraphSpec, *, io_binding: bool, min_rows: int = 2,
+                 pad_token: int = 0) -> None:
+        self.sess = sess
+        self.spec = spec
+        self.provider = str(sess.get_providers()[0])
+        self.device = "cuda" if self.provider == CUDA else "cpu"
+        self.io_binding = io_binding
+        self.min_rows = max(1, int(min_rows))
+        self.pad_token = int(pad_token)
+        self.names = [f"past_key_values.{i}.{k}" for i in range(spec.layers) for k in ("key", "value")]
+        self.present = [f"present.{i}.{k}" for i in range(spec.layers) for k in ("key", "value")]
+        self._trim: Any = None
+        self.itemsize = int(np.dtype(spec.kv_dtype).itemsize)
+
+    def empty(self) -> KV:
+        shape = (1, self.spec.kv_heads, 0, self.spec.head_dim)
+        if self.io_binding:
+            ort = quiet_ort()
+            t = tuple(ort.OrtValue.ortvalue_from_shape_and_type(shape, self.spec.kv_dtype, self.device, 0)
+                      for _ in self.names)
+        else:
+            t = tuple(np.zeros(shape, self.spec.kv_dtype) for _ in self.names)
+        return KV(t, 0, 0)
+
+    def _nbytes(self, length: int) -> int:
+        return len(self.names) * self.spec.kv_heads * length * self.spec.head_dim * self.itemsize
+
+    def run(self, kv: KV, keep: int, tokens: Sequence[int], hidden_layers: Sequence[int]) -> PassResult:
+        """Run ``tokens`` at positions ``keep..`` on the first ``keep`` positions of ``kv``."""
+        n = len(tokens)
+        ids = list(tokens) + [self.pad_token] * max(0, self.min_rows - n)
+        rows = len(ids)
+        feeds_small: dict[str, Any] = {
+            "input_ids": np.asarray([ids], dtype=np.int64),
+            "attention_mask": np.ones((1, keep + rows), dtype=np.int64),
+            "position_ids": np.arange(keep, keep + rows, dtype=np.int64)[None, :],
+        }
+        hidden_names = [f"hidden_states.{i}" for i in hidden_layers]
+        try:
+            if self.io_binding:
+                logits, hidden, present = self._run_bound(kv, keep, feeds_small, hidden_names)
+            else:
+                past = [t if kv.length == keep else np.ascontiguousarray(t[:, :, :keep]) for t in kv.tensors]
+                feeds: dict[str, Any] = dict(feeds_small)
+                feeds.update(zip(self.names, past, strict=True))
+                out = self.sess.run(["logits", *hidden_names, *self.present], feeds)
+                logits = out[0]
+                hidden = out[1: 1 + len(hidden_names)]
+                present = tuple(out[1 + len(hidden_names):])
+        except EngineError:
+            raise
+        except Exception as exc:
+            raise EngineError(f"onnxruntime run failed: {exc}") from exc
+        return PassResult(
+            logits=np.asarray(logits[0, :n]),
+            hidden={i: np.asarray(h[0, :n]) for i, h in zip(hidden_layers, hidden, strict=True)},
+            kv=KV(tuple(present), keep + rows, self._nbytes(keep + rows)),
+        )
+
+    def _run_bound(self, kv: KV, keep: int, small: dict[str, Any],
+                   hidden_names: list[str]) -> tuple[Any, list[Any], tuple[Any, ...]]:
+        past = kv.tensors if kv.length == keep else self._trimmed(kv, keep)
+        b = self.sess.io_binding()
+        for name, value in small.items():
+            b.bind_cpu_input(name, value)
+        for name, value in zip(self.names, past, strict=True):
+            b.bind_ortvalue_input(name, value)
+        b.bind_output("logits", "cpu")
+        for name in hidden_names:
+            b.bind_output(name, "cpu")
+        for name in self.present:
+            b.bind_output(name, self.device, 0)
+        self.sess.run_with_iobinding(b)
+        out = b.get_outputs()
+        logits = out[0].numpy()
+        hidden = [o.numpy() for o in out[1: 1 + len(hidden_names)]]
+        return logits, hidden, tuple(out[1 + len(hidden_names):])
+
+    def _trimmed(self, kv: KV, keep: int) -> list[Any]:
+        """The first ``keep`` positions of every tensor, computed where the tensors live."""
+        ort = quiet_ort()
+        if self._trim is None:
+            self._trim = ort.InferenceSession(
+                _trim_model(len(self.names), self.spec.kv_dtype), _session_options(ort),
+                providers=[self.provider])
+        b = self._trim.io_binding()
+        for i, t in enumerate(kv.tensors):
+            b.bind_ortvalue_input(f"x{i}", t)
+            b.bind_output(f"y{i}", self.device, 0)
+        b.bind_cpu_input("end", np.asarray([keep], dtype=np.int64))
+        self._trim.run_with_iobinding(b)
+        return list(b.get_outputs())
+
+
+def _session_options(ort: Any) -> Any:
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    return so
+
+
+def _trim_model(count: int, dtype: Any) -> bytes:
+    from onnx import TensorProto, helper, numpy_helper
+
+    elem = TensorProto.FLOAT16 if np.dtype(dtype) == np.float16 else TensorProto.FLOAT
+    shape = ["b", "h", "t", "d"]
+    nodes = [helper.make_node("Slice", [f"x{i}", "start", "end", "axis"], [f"y{i}"]) for i in range(count)]
+    inputs = [helper.make_tensor_value_info(f"x{i}", elem, shape) for i in range(count)]
+    inputs.append(helper.make_tensor_value_info("end", TensorProto.INT64, [1]))
+    outputs = [helper.make_tensor_value_info(f"y{i}", elem, ["b", "h", "k", "d"]) for i in range(count)]
+    inits = [numpy_helper.from_array(np.asarray([0], np.int64), "start"),
+             numpy_helper.from_array(np.asarray([2], np.int64), "axis")]
+    graph = helper.make_graph(nodes, "trim", inputs, outputs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    return bytes(model.SerializeToString())
