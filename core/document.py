@@ -182,6 +182,8 @@ class DocumentBuilder:
             self.position = max(self.position, e.position)
             return doc
         st = self.state
+        if st.version == 0 and e.type == T.SESSION_PURGED:
+            st.version = e.version - 1  # a tombstone stands in for the purged events
         prev_len = len(st.tokens)
         apply(st, e)
         doc = dict(self.doc)

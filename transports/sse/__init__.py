@@ -1,0 +1,1 @@
+"""The HTTP transport: JSON API, SSE streams of JSON Patch+, the replay viewer, /metrics."""

@@ -1,0 +1,476 @@
+"""The Starlette app: JSON API, SSE patch streams, the replay viewer, /metrics.
+
+Routes and error codes are described in docs/protocols/http.md and served
+as OpenAPI at ``/openapi.json``. Every handler calls the runtime; every
+core error becomes an HTTP status in :mod:`transports.sse.errors`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from core.document import DocumentBuilder
+from core.engine import OutputOptions, SamplingParams
+from core.errors import (
+    InvalidArgument,
+    InvalidParameters,
+    NodeNotFound,
+    NotFound,
+    SessiontapeError,
+    Unauthenticated,
+)
+from core.events import T
+from core.log.store import verify_chain
+from core.patch import diff
+from core.runtime import Runtime
+from core.state import SessionState, apply
+from transports.sse import errors
+from transports.sse.feeds import Feeds, events_after, list_stream, load_builder, session_stream
+from transports.sse.openapi import spec
+
+STATIC = Path(__file__).parent / "static"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+# -- request helpers ------------------------------------------------------------
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    if not raw:
+        return {}
+    try:
+        value = json.loads(raw)
+    except ValueError as exc:
+        raise InvalidArgument(f"request body is not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise InvalidArgument("request body must be a JSON object")
+    return value
+
+
+def _opt_int(value: Any, name: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise InvalidParameters(f"{name} must be an integer")
+    if isinstance(value, str):
+        if not value.strip().lstrip("-").isdigit():
+            raise InvalidParameters(f"{name} must be an integer, got {value!r}")
+        return int(value)
+    if isinstance(value, int):
+        return value
+    raise InvalidParameters(f"{name} must be an integer")
+
+
+def _int_list(value: Any, name: str) -> list[int]:
+    if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+        raise InvalidParameters(f"{name} must be an array of integers")
+    return list(value)
+
+
+def _ranges(value: Any, name: str) -> tuple[tuple[int, int], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or any(not isinstance(r, list) or len(r) != 2 for r in value):
+        raise InvalidParameters(f"{name} must be an array of [start, end] pairs")
+    return tuple((int(a), int(b)) for a, b in (_int_list(r, name) for r in value))
+
+
+def _sampling(b: Mapping[str, Any]) -> tuple[SamplingParams, OutputOptions]:
+    try:
+        params = SamplingParams.from_json(b)
+        options = OutputOptions(logprob_top_k=int(b.get("logprob_top_k", 0)),
+                                logprob_ranges=_ranges(b.get("logprob_ranges"), "logprob_ranges"),
+                                readout_ranges=_ranges(b.get("readout_ranges"), "readout_ranges"))
+    except (TypeError, ValueError) as exc:
+        raise InvalidParameters(f"bad generation parameters: {exc}") from exc
+    if options.logprob_top_k < 0:
+        raise InvalidParameters("logprob_top_k must be >= 0")
+    return params, options
+
+
+def _rfc(request: Request) -> bool:
+    fmt = request.query_params.get("patch", "plus")
+    if fmt not in ("plus", "rfc6902"):
+        raise InvalidParameters(f"patch must be 'plus' or 'rfc6902', got {fmt!r}")
+    return fmt == "rfc6902"
+
+
+def _sse(stream: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+# -- the app ------------------------------------------------------------------
+
+
+class Api:
+    """Route handlers bound to one runtime."""
+
+    def __init__(self, runtime: Runtime, *, heartbeat_s: float = 15.0, ring: int = 4096,
+                 linger_s: float = 30.0) -> None:
+        self.runtime = runtime
+        self.heartbeat_s = heartbeat_s
+        self.feeds = Feeds(runtime, ring=ring, linger_s=linger_s)
+        self.background: set[asyncio.Task[Any]] = set()
+
+    async def aclose(self) -> None:
+        for t in list(self.background):
+            t.cancel()
+            with contextlib.suppress(BaseException):
+                await t
+        await self.feeds.close()
+
+    def _detok(self) -> Any:
+        return self.runtime.engine.detokenize
+
+    async def document(self, sid: str, version: int | None = None) -> dict[str, Any]:
+        return (await load_builder(self.runtime, sid, upto_version=version)).doc
+
+    # sessions
+
+    async def create(self, request: Request) -> Response:
+        b = await _body(request)
+        eos = b.get("eos_token_ids")
+        ttl = b.get("ttl_s")
+        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl <= 0):
+            raise InvalidParameters("ttl_s must be a positive number")
+        meta = b.get("meta", {})
+        if not isinstance(meta, dict):
+            raise InvalidParameters("meta must be an object")
+        st = await self.runtime.open_session(
+            str(b.get("protocol", "http")), mode=str(b.get("mode", "offset")), label=str(b.get("label", "")),
+            eos_token_ids=None if eos is None else _int_list(eos, "eos_token_ids"),
+            ttl_s=None if ttl is None else float(ttl), meta=meta)
+        return JSONResponse(await self.document(st.session_id), status_code=201,
+                            headers={"Location": f"/v1/sessions/{st.session_id}"})
+
+    async def list(self, request: Request) -> Response:
+        q = request.query_params
+        limit = _opt_int(q.get("limit"), "limit") or 100
+        offset = _opt_int(q.get("offset"), "offset") or 0
+        if not 1 <= limit <= 10_000 or offset < 0:
+            raise InvalidParameters("limit must be in [1, 10000] and offset >= 0")
+        rows = await self.runtime.log.list_sessions(status=q.get("status"), protocol=q.get("protocol"),
+                                                    parent_id=q.get("parent"), limit=limit, offset=offset)
+        out = []
+        for r in rows:
+            row = r.to_json()
+            row["generating"] = self.runtime.is_generating(r.id)
+            out.append(row)
+        return JSONResponse({"sessions": out})
+
+    async def get(self, request: Request) -> Response:
+        version = _opt_int(request.query_params.get("version"), "version")
+        return JSONResponse(await self.document(request.path_params["sid"], version))
+
+    async def list_events(self, request: Request) -> Response:
+        limit = _opt_int(request.query_params.get("limit"), "limit") or 200
+        return _sse(list_stream(self.runtime, limit=limit, heartbeat_s=self.heartbeat_s, rfc=_rfc(request)))
+
+    async def events(self, request: Request) -> Response:
+        sid = request.path_params["sid"]
+        rfc = _rfc(request)
+        raw = request.headers.get("last-event-id") or request.query_params.get("last_event_id")
+        last = _opt_int(raw, "Last-Event-ID")
+        if last is not None and last < 0:
+            raise InvalidParameters("Last-Event-ID must be >= 0")
+        # Fail before the 200 goes out: unknown sessions and bad positions are HTTP errors.
+        await self.runtime.log.get_session(sid)
+        if last is not None and last > await self.runtime.log.last_position():
+            raise InvalidParameters(f"Last-Event-ID {last} is past the end of the log")
+        return _sse(session_stream(self.feeds, sid, last, rfc=rfc, heartbeat_s=self.heartbeat_s))
+
+    async def append(self, request: Request) -> Response:
+        sid = request.path_params["sid"]
+        b = await _body(request)
+        if "text" in b:
+            if not isinstance(b["text"], str) or "tokens" in b:
+                raise InvalidParameters("text must be a string (and not combined with tokens)")
+            length = await self.runtime.append_text(sid, b["text"])
+        elif "tokens" in b:
+            length = await self.runtime.append_tokens(
+                sid, _int_list(b["tokens"], "tokens"), offset=_opt_int(b.get("offset"), "offset"),
+                truncating=bool(b.get("truncating", False)))
+        else:
+            raise InvalidParameters("append needs 'text' or 'tokens'")
+        st = await self.runtime.get(sid)
+        return JSONResponse({"session_id": sid, "length": length, "version": st.version})
+
+    async def generate(self, request: Request) -> Response:
+        sid = request.path_params["sid"]
+        b = await _body(request)
+        params, options = _sampling(b)
+        rfc = _rfc(request)
+        append: list[int] = []
+        if "text" in b:
+            if not isinstance(b["text"], str):
+                raise InvalidParameters("text must be a string")
+            append = self.runtime.engine.tokenize(b["text"])
+        elif "tokens" in b:
+            append = _int_list(b["tokens"], "tokens")
+        mode = "background" if b.get("background") else ("json" if b.get("stream") is False else "stream")
+        # Subscribe before the generation starts, so the stream's snapshot precedes its first event.
+        stream = None
+        if mode == "stream":
+            await self.runtime.log.get_session(sid)
+            fin: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+            stream = session_stream(self.feeds, sid, None, rfc=rfc, heartbeat_s=self.heartbeat_s, until=fin)
+            first_frame = await anext(stream)
+        agen = self.runtime.generate(sid, params, options, append=append)
+        try:
+            first = await anext(agen)
+        except BaseException:
+            if stream is not None:
+                await stream.aclose()
+            raise
+        gid = str(first.body.get("generation_id", ""))
+
+        async def drain() -> int:
+            last = first
+            async for e in agen:
+                last = e
+            return last.position
+
+        if mode == "json":
+            await drain()
+            doc = await self.document(sid)
+            gen = next(g for g in doc["generations"] if g["id"] == gid) if gid else None
+            return JSONResponse({"session_id": sid, "generation": gen, "version": doc["version"]})
+        task = asyncio.create_task(drain(), name=f"generate-{sid}")
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+        if mode == "background":
+            return JSONResponse({"session_id": sid, "generation_id": gid or None}, status_code=202)
+        assert stream is not None
+        task.add_done_callback(lambda t: _settle(fin, t))
+
+        async def body() -> AsyncIterator[bytes]:
+            assert stream is not None
+            try:
+                yield first_frame
+                async for chunk in stream:
+                    yield chunk
+            finally:
+                # the client went away: stop the generation (recorded as cancelled)
+                if not task.done():
+                    task.cancel()
+                    with contextlib.suppress(BaseException):
+                        await task
+                await stream.aclose()
+
+        return _sse(body())
+
+    async def fork(self, request: Request) -> Response:
+        sid = request.path_params["sid"]
+        b = await _body(request)
+        st = await self.runtime.fork(sid, at_position=_opt_int(b.get("at_position"), "at_position"),
+                                     at_version=_opt_int(b.get("at_version"), "at_version"),
+                                     protocol=b.get("protocol"), label=str(b.get("label", "")))
+        return JSONResponse(await self.document(st.session_id), status_code=201,
+                            headers={"Location": f"/v1/sessions/{st.session_id}"})
+
+    async def close(self, request: Request) -> Response:
+        sid = request.path_params["sid"]
+        b = await _body(request)
+        await self.runtime.close(sid, str(b.get("reason", "client")))
+        return JSONResponse(await self.document(sid))
+
+    async def feedback(self, request: Request) -> Response:
+        sid = request.path_params["sid"]
+        b = await _body(request)
+        if not b:
+            raise InvalidParameters("feedback must be a non-empty object")
+        await self.runtime.log.get_session(sid)
+        e = await self.runtime.record_feedback(sid, b)
+        return JSONResponse({"session_id": sid, "version": e.version}, status_code=201)
+
+    async def export(self, request: Request) -> Response:
+        sid = request.path_params["sid"]
+        evs = await self.runtime.log.read(sid)
+        if not evs:
+            raise NotFound(f"session {sid!r} not found")
+        lines = "".join(json.dumps(e.to_json(), separators=(",", ":")) + "\n" for e in evs)
+        return Response(lines, media_type="application/x-ndjson",
+                        headers={"Content-Disposition": f'attachment; filename="{sid}.ndjson"'})
+
+    async def audit(self, request: Request) -> Response:
+        sid = request.path_params["sid"]
+        evs = await self.runtime.log.read(sid)
+        if not evs:
+            await self.runtime.log.get_session(sid)
+        result: dict[str, Any] = {"session_id": sid, "events": len(evs),
+                                  "head_hash": evs[-1].hash if evs else None, "chain": "verified",
+                                  "fold": "ok", "error": None}
+        try:
+            verify_chain(evs)
+        except SessiontapeError as exc:
+            result.update(chain="broken", error={"code": exc.code, "message": exc.message})
+        st = SessionState(sid)
+        try:
+            if evs and evs[0].body.get("parent"):
+                st = await self.runtime.load(sid)
+            else:
+                for e in evs:
+                    apply(st, e)
+        except SessiontapeError as exc:
+            result["fold"] = "broken"
+            result["error"] = result["error"] or {"code": exc.code, "message": exc.message}
+        return JSONResponse(result)
+
+    async def replay(self, request: Request) -> Response:
+        """The base document and one patch per event: what the viewer's scrubber plays."""
+        sid = request.path_params["sid"]
+        own = await self.runtime.log.read(sid, 1, 1)
+        if not own:
+            raise NotFound(f"session {sid!r} not found")
+        first = own[0]
+        fork_base = await self._fork_base(first) if first.body.get("parent") else None
+        builder = DocumentBuilder(sid, detokenize=self._detok(), base=fork_base)
+        base = builder.doc
+        steps = []
+        for e in await events_after(self.runtime, sid, 0):
+            before = builder.doc
+            after = builder.apply(e)
+            steps.append({"position": e.position, "version": e.version if e.session_id == sid else None,
+                          "session_id": e.session_id, "type": e.type, "recorded_at": e.recorded_at,
+                          "patch": [] if after is before else diff(before, after)})
+        return JSONResponse({"session_id": sid, "base": base, "steps": steps, "version": builder.doc["version"]})
+
+    async def _fork_base(self, first: Any) -> SessionState:
+        from core.state import fork_state
+
+        parent = first.body["parent"]
+        pstate = await self.runtime.load(str(parent["session_id"]), int(parent["version"]))
+        tp = parent.get("token_position")
+        return fork_state(pstate, first.session_id, None if tp is None else int(tp))
+
+    async def image(self, request: Request) -> Response:
+        sid, sha = request.path_params["sid"], request.path_params["sha"]
+        for e in await self.runtime.log.read(sid):
+            if e.type == T.IMAGE_ATTACHED and e.body.get("sha256") == sha and e.data is not None:
+                return Response(e.data, media_type=str(e.body.get("mime", "application/octet-stream")))
+        raise NotFound(f"image {sha!r} not found in session {sid!r}")
+
+    async def node_content(self, request: Request) -> Response:
+        sid, nid = request.path_params["sid"], request.path_params["nid"]
+        st = await self.runtime.get(sid)
+        node = st.nodes.get(nid)
+        if node is None or node.kind != "leaf":
+            raise NodeNotFound(f"leaf node {nid!r} not found in session {sid!r}")
+        mime = str((node.metadata or {}).get("mimetype") or "application/octet-stream")
+        return Response(node.data(), media_type=mime)
+
+    # service
+
+    async def healthz(self, _: Request) -> Response:
+        return JSONResponse({"status": "ok", "engine": self.runtime.engine.info.name})
+
+    async def metrics(self, _: Request) -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    async def openapi(self, _: Request) -> Response:
+        return JSONResponse(spec())
+
+    async def index(self, _: Request) -> Response:
+        return FileResponse(STATIC / "index.html", media_type="text/html")
+
+
+def _settle(fut: asyncio.Future[int], task: asyncio.Task[int]) -> None:
+    if fut.done():
+        return
+    if task.cancelled():
+        fut.cancel()
+    elif task.exception() is not None:
+        fut.set_exception(task.exception())  # type: ignore[arg-type]
+    else:
+        fut.set_result(task.result())
+
+
+class BearerAuth:
+    """401 with a JSON error unless the request carries the configured bearer token.
+
+    EventSource cannot set headers, so ``?access_token=`` is accepted too.
+    Health, metrics, the OpenAPI description and the viewer's static files are open.
+    """
+
+    OPEN = ("/healthz", "/metrics", "/openapi.json", "/static/")
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app = app
+        self.token = token.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.token:
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        if path == "/" or path.startswith(self.OPEN):
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope)
+        auth = request.headers.get("authorization", "")
+        given = auth[7:].strip() if auth.lower().startswith("bearer ") else request.query_params.get("access_token", "")
+        if not hmac.compare_digest(given.encode(), self.token):
+            exc = Unauthenticated("missing or wrong bearer token")
+            await errors.to_response(exc)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def create_app(runtime: Runtime, *, auth_token: str = "", heartbeat_s: float = 15.0, ring: int = 4096,
+               linger_s: float = 30.0) -> Starlette:
+    api = Api(runtime, heartbeat_s=heartbeat_s, ring=ring, linger_s=linger_s)
+    sid = "/v1/sessions/{sid}"
+    routes = [
+        Route("/", api.index),
+        Route("/healthz", api.healthz),
+        Route("/metrics", api.metrics),
+        Route("/openapi.json", api.openapi),
+        Route("/v1/sessions", api.create, methods=["POST"]),
+        Route("/v1/sessions", api.list, methods=["GET"]),
+        Route("/v1/sessions/events", api.list_events),
+        Route(sid, api.get),
+        Route(sid + "/events", api.events),
+        Route(sid + "/append", api.append, methods=["POST"]),
+        Route(sid + "/generate", api.generate, methods=["POST"]),
+        Route(sid + "/fork", api.fork, methods=["POST"]),
+        Route(sid + "/close", api.close, methods=["POST"]),
+        Route(sid + "/feedback", api.feedback, methods=["POST"]),
+        Route(sid + "/export", api.export),
+        Route(sid + "/audit", api.audit),
+        Route(sid + "/replay", api.replay),
+        Route(sid + "/images/{sha}", api.image),
+        Route(sid + "/nodes/{nid}/content", api.node_content),
+        Mount("/static", StaticFiles(directory=STATIC), name="static"),
+    ]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        yield
+        await api.aclose()
+
+    app = Starlette(
+        routes=routes,
+        exception_handlers={SessiontapeError: errors.handle_core, HTTPException: errors.handle_http,
+                            Exception: errors.handle_unexpected},
+        lifespan=lifespan,
+    )
+    app.state.api = api
+    if auth_token:
+        app.add_middleware(BearerAuth, token=auth_token)
+    return app

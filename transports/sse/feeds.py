@@ -1,0 +1,434 @@
+"""Session documents from the log, and the live feeds that stream their patches.
+
+A :class:`SessionFeed` folds one session's committed events once and fans
+the serialised patches out to every watcher, so a hundred viewers of a
+generating session cost one fold and one ``json.dumps`` per event. It keeps
+a ring of recent patches: a watcher that reconnects with ``Last-Event-ID``
+inside the ring resumes from memory; one further back rebuilds the document
+at its position from the log and catches up from there (exact either way,
+because the document at a log position is a pure function of the log).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from core.document import TERMINAL, DocumentBuilder, SessionListBuilder
+from core.errors import InvalidParameters, SessionNotFound
+from core.events import Event, T
+from core.patch import diff, to_rfc6902
+from core.runtime import Runtime
+from core.state import fork_state
+
+log = logging.getLogger("sessiontape.http.feeds")
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def frame(event: str, data: str, id_: int | None = None) -> bytes:
+    head = f"id: {id_}\n" if id_ is not None else ""
+    return f"{head}event: {event}\ndata: {data}\n\n".encode()
+
+
+# -- documents from the log ---------------------------------------------------
+
+
+async def _children_opened(runtime: Runtime, session_id: str, after: int = 0) -> list[Event]:
+    out = []
+    for row in await runtime.log.list_sessions(parent_id=session_id, limit=100_000):
+        first = await runtime.log.read(row.id, 1, 1)
+        if first and first[0].position > after:
+            out.append(first[0])
+    return out
+
+
+async def load_builder(runtime: Runtime, session_id: str, *, upto_position: int | None = None,
+                       upto_version: int | None = None) -> DocumentBuilder:
+    """The document of ``session_id`` after every event up to a log position or a version.
+
+    Children (forks) count from the position their ``session.opened`` was
+    committed at. Raises SessionNotFound, or InvalidParameters for a version
+    the session does not have.
+    """
+    own = await runtime.log.read(session_id, 1, upto_version)
+    if not own:
+        raise SessionNotFound(session_id)
+    if upto_version is not None and (upto_version < 1 or own[-1].version < upto_version):
+        raise InvalidParameters(f"version {upto_version} is outside [1, {own[-1].version}]")
+    if upto_position is not None:
+        own = [e for e in own if e.position <= upto_position]
+    limit = upto_position if upto_position is not None else (own[-1].position if upto_version is not None else None)
+    base = None
+    first = own[0] if own else None
+    parent = first.body.get("parent") if first is not None and first.type == T.SESSION_OPENED else None
+    if parent:
+        pstate = await runtime.load(str(parent["session_id"]), int(parent["version"]))
+        tp = parent.get("token_position")
+        base = fork_state(pstate, session_id, None if tp is None else int(tp))
+    builder = DocumentBuilder(session_id, detokenize=runtime.engine.detokenize, base=base)
+    children = [e for e in await _children_opened(runtime, session_id) if limit is None or e.position <= limit]
+    for e in sorted([*own, *children], key=lambda e: e.position):
+        builder.apply(e)
+    if upto_position is not None:
+        builder.position = max(builder.position, upto_position)
+    return builder
+
+
+async def events_after(runtime: Runtime, session_id: str, after: int) -> list[Event]:
+    """Every event past ``after`` that can change the session's document, in log order."""
+    own = await runtime.log.read_all(after, limit=1_000_000, session_id=session_id)
+    return sorted([*own, *await _children_opened(runtime, session_id, after)], key=lambda e: e.position)
+
+
+# -- feeds ----------------------------------------------------------------------
+
+
+@dataclass
+class Entry:
+    """One committed event's patch, serialised once per format."""
+
+    position: int
+    plus: str
+    rfc: str | None = None
+
+
+END = Entry(-1, "")
+
+
+@dataclass(eq=False)
+class Watcher:
+    rfc: bool
+    queue: asyncio.Queue[Entry] = field(default_factory=lambda: asyncio.Queue(maxsize=10_000))
+    lagged: bool = False
+
+    def put(self, entry: Entry) -> None:
+        if self.lagged:
+            return
+        try:
+            self.queue.put_nowait(entry)
+        except asyncio.QueueFull:
+            # Drop the watcher rather than buffer without bound: it ends its
+            # stream and the client resumes from its Last-Event-ID.
+            self.lagged = True
+            with contextlib.suppress(asyncio.QueueEmpty):
+                self.queue.get_nowait()
+            self.queue.put_nowait(END)
+
+
+class SessionFeed:
+    """The live document of one open session and its watchers."""
+
+    def __init__(self, runtime: Runtime, builder: DocumentBuilder, position: int, ring: int) -> None:
+        self.runtime = runtime
+        self.builder = builder
+        self.session_id = builder.session_id
+        #: every event with a position <= this is folded into ``doc``
+        self.position = position
+        #: the ring holds every patch with floor < position <= self.position
+        self.floor = position
+        self.ring: deque[Entry] = deque(maxlen=ring)
+        self.watchers: set[Watcher] = set()
+        self.ended = builder.doc["status"] in TERMINAL
+        self.task: asyncio.Task[None] | None = None
+        self.idle_since: float | None = None
+
+    @property
+    def doc(self) -> dict[str, Any]:
+        return self.builder.doc
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self._run(), name=f"sse-feed-{self.session_id}")
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+        for w in list(self.watchers):
+            w.put(END)
+
+    async def _run(self) -> None:
+        try:
+            async for e in self.runtime.subscribe(self.position, None):
+                self.publish(e)
+                if self.ended:
+                    break
+        except Exception:  # end the watchers' streams; they resume from the log
+            log.exception("feed of %s failed", self.session_id)
+        finally:
+            self.ended = True
+            for w in list(self.watchers):
+                w.put(END)
+
+    def publish(self, e: Event) -> None:
+        before = self.builder.doc
+        after = self.builder.apply(e)
+        self.position = e.position
+        if after is before:
+            return
+        ops = diff(before, after)
+        if not ops:
+            return
+        entry = Entry(e.position, dumps(ops))
+        if any(w.rfc for w in self.watchers):
+            entry.rfc = dumps(to_rfc6902(ops, after))
+        if len(self.ring) == self.ring.maxlen:
+            self.floor = self.ring[0].position
+        self.ring.append(entry)
+        for w in list(self.watchers):
+            w.put(entry)
+        if after["status"] in TERMINAL:
+            self.ended = True
+
+    def backlog(self, after: int, rfc: bool) -> list[Entry] | None:
+        """Ring entries past ``after``, or None when the ring does not reach back that far."""
+        if after < self.floor:
+            return None
+        out = [en for en in self.ring if en.position > after]
+        if rfc and any(en.rfc is None for en in out):
+            return None
+        return out
+
+
+class Feeds:
+    """The live feeds by session id; a feed lingers ``linger_s`` after its last watcher leaves."""
+
+    def __init__(self, runtime: Runtime, *, ring: int = 4096, linger_s: float = 30.0) -> None:
+        self.runtime = runtime
+        self.ring = ring
+        self.linger_s = linger_s
+        self.feeds: dict[str, SessionFeed] = {}
+        self._building: dict[str, asyncio.Future[SessionFeed]] = {}
+        self._reaper: asyncio.Task[None] | None = None
+
+    async def get(self, session_id: str) -> SessionFeed:
+        feed = self.feeds.get(session_id)
+        if feed is not None and not feed.ended:
+            return feed
+        pending = self._building.get(session_id)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        fut: asyncio.Future[SessionFeed] = asyncio.get_running_loop().create_future()
+        self._building[session_id] = fut
+        try:
+            position = await self.runtime.log.last_position()
+            builder = await load_builder(self.runtime, session_id, upto_position=position)
+            feed = SessionFeed(self.runtime, builder, position, self.ring)
+            if not feed.ended:
+                feed.start()
+                self.feeds[session_id] = feed
+            fut.set_result(feed)
+            self._ensure_reaper()
+            return feed
+        except BaseException as exc:
+            fut.set_exception(exc)
+            fut.exception()  # retrieved: waiters re-raise it
+            raise
+        finally:
+            self._building.pop(session_id, None)
+
+    def _ensure_reaper(self) -> None:
+        if self._reaper is None or self._reaper.done():
+            self._reaper = asyncio.create_task(self._reap(), name="sse-feed-reaper")
+
+    async def _reap(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self.feeds:
+            await asyncio.sleep(max(0.05, min(self.linger_s, 5.0)))
+            now = loop.time()
+            for sid, feed in list(self.feeds.items()):
+                if feed.watchers:
+                    feed.idle_since = None
+                elif feed.ended or (feed.idle_since is not None and now - feed.idle_since >= self.linger_s):
+                    self.feeds.pop(sid, None)
+                    await feed.stop()
+                elif feed.idle_since is None:
+                    feed.idle_since = now
+
+    def attach(self, feed: SessionFeed, watcher: Watcher) -> None:
+        feed.watchers.add(watcher)
+        feed.idle_since = None
+        self._ensure_reaper()
+
+    def detach(self, feed: SessionFeed, watcher: Watcher) -> None:
+        feed.watchers.discard(watcher)
+        if not feed.watchers and self.linger_s <= 0:
+            self.feeds.pop(feed.session_id, None)
+            asyncio.get_running_loop().create_task(feed.stop())
+
+    async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        for feed in list(self.feeds.values()):
+            await feed.stop()
+        self.feeds.clear()
+
+
+async def _catch_up(runtime: Runtime, builder: DocumentBuilder, after: int, rfc: bool) -> AsyncIterator[bytes]:
+    for e in await events_after(runtime, builder.session_id, after):
+        before = builder.doc
+        out = builder.apply(e)
+        if out is not before:
+            ops = diff(before, out)
+            if ops:
+                yield frame("patch", dumps(to_rfc6902(ops, out) if rfc else ops), e.position)
+
+
+def _end(doc: dict[str, Any]) -> bytes:
+    return frame("end", dumps({"status": doc["status"], "version": doc["version"]}))
+
+
+async def _next(watcher: Watcher, until: asyncio.Future[int] | None, wait_s: float) -> Entry | None:
+    """The watcher's next entry; None on a heartbeat timeout or when ``until`` resolves first."""
+    if until is None or until.done():
+        try:
+            return await asyncio.wait_for(watcher.queue.get(), wait_s)
+        except TimeoutError:
+            return None
+    if not watcher.queue.empty():
+        return watcher.queue.get_nowait()
+    get: asyncio.Future[Any] = asyncio.ensure_future(watcher.queue.get())
+    waiting: set[asyncio.Future[Any]] = {get, until}
+    done, _ = await asyncio.wait(waiting, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+    if get in done:
+        got: Entry = get.result()
+        return got
+    get.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await get
+    return None
+
+
+async def session_stream(feeds: Feeds, session_id: str, last_id: int | None, *, rfc: bool = False,
+                         heartbeat_s: float = 15.0, until: asyncio.Future[int] | None = None) -> AsyncGenerator[bytes, None]:
+    """The SSE byte stream of a session document: snapshot (or resume), patches, end.
+
+    With ``last_id`` (a position this stream sent) no snapshot is sent: the
+    patches after that position follow, exactly. ``until`` (a future giving
+    a log position) ends the stream once the patch at that position went out.
+    """
+    runtime = feeds.runtime
+    watcher = Watcher(rfc)
+    feed: SessionFeed | None = None
+    try:
+        if last_id is None:
+            feed = await feeds.get(session_id)
+            if feed.ended:
+                yield frame("snapshot", dumps(feed.doc), feed.position)
+                yield _end(feed.doc)
+                return
+            # no await between the snapshot and attaching: nothing can slip in between
+            yield_first = frame("snapshot", dumps(feed.doc), feed.position)
+            sent = feed.position
+            feeds.attach(feed, watcher)
+            yield yield_first
+        else:
+            sent = last_id
+            feed = feeds.feeds.get(session_id)
+            backlog = None if feed is None or feed.ended else feed.backlog(sent, rfc)
+            if feed is not None and backlog is not None:
+                feeds.attach(feed, watcher)
+                for en in backlog:
+                    watcher.put(en)
+            else:
+                builder = await load_builder(runtime, session_id, upto_position=last_id)
+                async for chunk in _catch_up(runtime, builder, last_id, rfc):
+                    yield chunk
+                sent = builder.position
+                while True:
+                    if builder.doc["status"] in TERMINAL:
+                        yield _end(builder.doc)
+                        return
+                    feed = await feeds.get(session_id)
+                    backlog = feed.backlog(sent, rfc) if not feed.ended else None
+                    if backlog is not None:
+                        feeds.attach(feed, watcher)
+                        for en in backlog:
+                            watcher.put(en)
+                        break
+                    async for chunk in _catch_up(runtime, builder, sent, rfc):
+                        yield chunk
+                    sent = builder.position
+        while True:
+            if until is not None and until.done():
+                exc = None if until.cancelled() else until.exception()
+                if exc is not None:
+                    from transports.sse.errors import error_body
+
+                    code = getattr(exc, "code", "internal")
+                    message = getattr(exc, "message", "generation failed")
+                    yield frame("error", dumps(error_body(code, message)))
+                    return
+                if until.cancelled() or sent >= until.result():
+                    return
+            nxt = await _next(watcher, until, heartbeat_s)
+            if nxt is None:
+                if until is None or not until.done():
+                    yield b": ping\n\n"
+                continue
+            en = nxt
+            if en is END:
+                if watcher.lagged or feed is None:
+                    return
+                yield _end(feed.doc)
+                return
+            if en.position <= sent:
+                continue
+            yield frame("patch", en.rfc if rfc and en.rfc is not None else en.plus, en.position)
+            sent = en.position
+    finally:
+        if feed is not None:
+            feeds.detach(feed, watcher)
+
+
+async def list_stream(runtime: Runtime, *, limit: int = 200, heartbeat_s: float = 15.0,
+                      rfc: bool = False) -> AsyncIterator[bytes]:
+    """The SSE stream of the sessions list: a snapshot, then patches as sessions change.
+
+    A reconnect always gets a fresh snapshot (the list is an index view, not a fold from genesis).
+    """
+    position = await runtime.log.last_position()
+    rows = []
+    for r in await runtime.log.list_sessions(limit=limit):
+        row = r.to_json()
+        row["generating"] = runtime.is_generating(r.id)
+        rows.append(row)
+    builder = SessionListBuilder(rows)
+    yield frame("snapshot", dumps(builder.doc), position)
+    queue: asyncio.Queue[Event] = asyncio.Queue()
+
+    async def pump() -> None:
+        async for e in runtime.subscribe(position, None):
+            queue.put_nowait(e)
+
+    task = asyncio.create_task(pump(), name="sse-list-pump")
+    try:
+        while True:
+            try:
+                e = await asyncio.wait_for(queue.get(), heartbeat_s)
+            except TimeoutError:
+                if task.done():
+                    return
+                yield b": ping\n\n"
+                continue
+            before = builder.doc
+            after = builder.apply(e)
+            if after is not before:
+                ops = diff(before, after)
+                if ops:
+                    yield frame("patch", dumps(to_rfc6902(ops, after) if rfc else ops), e.position)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

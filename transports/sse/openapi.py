@@ -1,0 +1,104 @@
+"""The OpenAPI description of the HTTP API (hand-written; docs/protocols/http.md is the prose)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_ERROR = {"$ref": "#/components/schemas/Error"}
+_DOC = {"$ref": "#/components/schemas/SessionDocument"}
+
+
+def _json(schema: dict[str, Any], desc: str = "OK") -> dict[str, Any]:
+    return {"description": desc, "content": {"application/json": {"schema": schema}}}
+
+
+def _sse(desc: str) -> dict[str, Any]:
+    return {"description": desc, "content": {"text/event-stream": {"schema": {"type": "string"}}}}
+
+
+_ERRORS = {
+    "400": _json(_ERROR, "invalid argument"),
+    "401": _json(_ERROR, "missing or wrong bearer token"),
+    "404": _json(_ERROR, "unknown session"),
+    "409": _json(_ERROR, "failed precondition or busy"),
+}
+_SID = {"name": "sid", "in": "path", "required": True, "schema": {"type": "string"}}
+_PATCH = {"name": "patch", "in": "query", "schema": {"type": "string", "enum": ["plus", "rfc6902"]},
+          "description": "rfc6902 rewrites append ops as replace/add"}
+
+
+def _op(summary: str, responses: dict[str, Any], *, params: list[dict[str, Any]] | None = None,
+        body: dict[str, Any] | None = None) -> dict[str, Any]:
+    op: dict[str, Any] = {"summary": summary, "responses": {**responses, **_ERRORS}}
+    if params:
+        op["parameters"] = params
+    if body is not None:
+        op["requestBody"] = {"content": {"application/json": {"schema": body}}}
+    return op
+
+
+def _obj(**props: Any) -> dict[str, Any]:
+    return {"type": "object", "properties": props}
+
+
+_INT = {"type": "integer"}
+_STR = {"type": "string"}
+_GEN = _obj(max_tokens=_INT, temperature={"type": "number"}, top_p={"type": "number"}, top_k=_INT,
+            seed={"type": ["integer", "string"]}, stop_token_ids={"type": "array", "items": _INT},
+            logprob_top_k=_INT, logprob_ranges={"type": "array"}, readout_ranges={"type": "array"},
+            text=_STR, tokens={"type": "array", "items": _INT}, stream={"type": "boolean"},
+            background={"type": "boolean"})
+
+
+def spec() -> dict[str, Any]:
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "sessiontape HTTP API", "version": "1"},
+        "components": {
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "schemas": {
+                "Error": _obj(error=_obj(code=_STR, message=_STR)),
+                "SessionDocument": {"type": "object", "description": "docs/protocols/session-document.md"},
+            },
+        },
+        "security": [{"bearer": []}],
+        "paths": {
+            "/healthz": {"get": {"summary": "liveness", "security": [], "responses": {"200": _json(_obj(status=_STR))}}},
+            "/metrics": {"get": {"summary": "Prometheus metrics", "security": [],
+                                 "responses": {"200": {"description": "text exposition format"}}}},
+            "/v1/sessions": {
+                "post": _op("open a session", {"201": _json(_DOC)},
+                            body=_obj(protocol=_STR, label=_STR, mode=_STR, ttl_s={"type": "number"},
+                                      eos_token_ids={"type": "array", "items": _INT}, meta={"type": "object"})),
+                "get": _op("list sessions", {"200": _json(_obj(sessions={"type": "array"}))}, params=[
+                    {"name": n, "in": "query", "schema": _STR} for n in ("status", "protocol", "parent")
+                ] + [{"name": n, "in": "query", "schema": _INT} for n in ("limit", "offset")]),
+            },
+            "/v1/sessions/events": {"get": _op("SSE: the sessions list, snapshot then JSON Patch+",
+                                               {"200": _sse("snapshot, patch events")}, params=[_PATCH])},
+            "/v1/sessions/{sid}": {"get": _op("the session document", {"200": _json(_DOC)}, params=[
+                _SID, {"name": "version", "in": "query", "schema": _INT}])},
+            "/v1/sessions/{sid}/events": {"get": _op(
+                "SSE: snapshot then JSON Patch+ per committed event; id = log position",
+                {"200": _sse("snapshot, patch, end events; ': ping' heartbeats")},
+                params=[_SID, _PATCH, {"name": "Last-Event-ID", "in": "header", "schema": _INT}])},
+            "/v1/sessions/{sid}/append": {"post": _op("append text or tokens", {"200": _json(_obj(length=_INT, version=_INT))},
+                                                      params=[_SID], body=_obj(text=_STR, tokens={"type": "array", "items": _INT},
+                                                                               offset=_INT, truncating={"type": "boolean"}))},
+            "/v1/sessions/{sid}/generate": {"post": _op(
+                "generate: an SSE stream of patches (default), JSON (stream=false) or 202 (background=true)",
+                {"200": _sse("snapshot, patches, end"), "202": _json(_obj(generation_id=_STR))},
+                params=[_SID, _PATCH], body=_GEN)},
+            "/v1/sessions/{sid}/fork": {"post": _op("fork at a token position or event version", {"201": _json(_DOC)},
+                                                    params=[_SID], body=_obj(at_position=_INT, at_version=_INT, label=_STR))},
+            "/v1/sessions/{sid}/close": {"post": _op("close", {"200": _json(_DOC)}, params=[_SID], body=_obj(reason=_STR))},
+            "/v1/sessions/{sid}/feedback": {"post": _op("record feedback", {"201": _json(_obj(version=_INT))},
+                                                        params=[_SID], body={"type": "object"})},
+            "/v1/sessions/{sid}/export": {"get": _op("the session's events as NDJSON",
+                                                     {"200": {"description": "application/x-ndjson"}}, params=[_SID])},
+            "/v1/sessions/{sid}/audit": {"get": _op("verify the hash chain and the fold",
+                                                    {"200": _json(_obj(chain=_STR, fold=_STR, events=_INT))}, params=[_SID])},
+            "/v1/sessions/{sid}/replay": {"get": _op("base document and one patch per event (the scrubber)",
+                                                     {"200": _json(_obj(base=_DOC, steps={"type": "array"}))}, params=[_SID])},
+        },
+    }
