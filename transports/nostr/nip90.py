@@ -1,0 +1,123 @@
+"""NIP-90 text generation (kind 5050 jobs -> 6050 results, 7000 status) on the D4 session model.
+
+A job is a session like a D4 call (``d4_<job id>``), recorded the same way
+(every event in and out as ``wire.message``). Inputs are the job's ``i``
+tags of type ``text`` joined by newlines; ``param`` tags carry
+``max_tokens``, ``temperature``, ``top_p``, ``top_k`` and ``seed``; ``bid``
+(msat) caps the price exactly as D4's ``max_total_cost`` does. A job whose
+bid cannot pay one token gets a ``payment-required`` status with the
+amount; a job addressed (``p`` tag) to another provider is ignored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, cast
+
+from core.engine import SamplingParams
+from core.errors import InvalidParameters, SessiontapeError
+from core.events import Event
+from transports.nostr import d4
+from transports.nostr.errors import to_err
+
+if TYPE_CHECKING:
+    from transports.nostr.worker import D4Worker
+
+KIND_JOB = 5050
+KIND_RESULT = 6050
+KIND_FEEDBACK = 7000
+
+
+def feedback_status(tags: Sequence[Sequence[str]]) -> str | None:
+    for t in tags:
+        if len(t) >= 2 and t[0] == "status":
+            return str(t[1])
+    return None
+
+
+def parse_job(tags: Sequence[Sequence[str]]) -> tuple[str, dict[str, Any], int | None]:
+    """(prompt, D4-style args, bid msat) from a job's tags; raises InvalidParameters."""
+    texts = [str(t[1]) for t in tags if len(t) >= 2 and t[0] == "i" and (len(t) < 3 or t[2] == "text")]
+    if not texts:
+        raise InvalidParameters("job has no text input (an 'i' tag of type text)")
+    args: dict[str, Any] = {}
+    for t in tags:
+        if len(t) >= 3 and t[0] == "param" and t[1] in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+            try:
+                args[t[1]] = json.loads(t[2])
+            except ValueError as exc:
+                raise InvalidParameters(f"param {t[1]} is not a number: {t[2]!r}") from exc
+    bid: int | None = None
+    for t in tags:
+        if len(t) >= 2 and t[0] == "bid":
+            if not t[1].isdigit() or int(t[1]) <= 0:
+                raise InvalidParameters(f"bid must be a positive integer (msat), got {t[1]!r}")
+            bid = int(t[1])
+    return "\n".join(texts), args, bid
+
+
+async def handle_job(worker: D4Worker, payload: Mapping[str, Any]) -> None:
+    tags = payload["tags"]
+    targets = [t[1] for t in tags if len(t) >= 2 and t[0] == "p"]
+    if targets and worker.pubkey not in targets:
+        worker.stats["nip90_other_provider"] += 1
+        return
+    job_id = str(payload["id"])
+    customer = str(payload["pubkey"])
+    if job_id in worker._answered:
+        worker.stats["duplicate"] += 1
+        return
+    sid = worker._call_sessions.get(job_id, "d4_" + job_id[:48])
+    reply_tags = [["e", job_id], ["p", customer]]
+    price = worker.settings.price_msat
+    async with worker._sem, worker._lock(sid):
+        if job_id in worker._answered:
+            return
+        await worker.open_call_session(sid, {"call_id": job_id, "caller": customer, "nip90": True})
+        if job_id not in worker._call_sessions:
+            await worker.runtime.record_wire(sid, "nostr", "in", dict(payload))
+            worker._call_sessions[job_id] = sid
+            worker._callers[job_id] = customer
+            worker._last_call_at = max(worker._last_call_at, int(payload["created_at"]))
+        worker.stats["nip90_jobs"] += 1
+        try:
+            prompt, raw_args, bid = parse_job(tags)
+            args = d4.parse_args({**raw_args, "prompt": prompt})
+            wanted = args.max_tokens or worker.settings.default_max_tokens
+            n, _ = d4.plan_tokens(price, bid if bid is not None else price * wanted, wanted)
+            if n == 0:
+                await worker._send(sid, "", [["status", "payment-required", "bid below one token"],
+                                             *reply_tags, ["amount", str(price * wanted)]],
+                                   kind=KIND_FEEDBACK)
+                worker._answered.add(job_id)
+                await worker.runtime.close(sid, "negotiation")
+                return
+            await worker._send(sid, "", [["status", "processing"], *reply_tags], kind=KIND_FEEDBACK)
+            st = await worker.runtime.get(sid)
+            append = worker.runtime.engine.tokenize(prompt) if st.length == 0 else []
+            start = st.length + len(append)
+            params = SamplingParams(max_tokens=n, temperature=args.temperature, top_p=args.top_p,
+                                    top_k=args.top_k, seed=args.seed)
+            gen = cast(AsyncGenerator[Event, None],
+                       worker.runtime.generate(sid, params, append=append, action_id=job_id))
+            async with contextlib.aclosing(gen):
+                async for _ in gen:
+                    pass
+            text = worker.runtime.engine.detokenize(list(st.tokens[start:]))
+            produced = st.length - start
+            await worker._send(sid, text, [*reply_tags, ["request", json.dumps(dict(payload))],
+                                           ["amount", str(produced * price)]],
+                               kind=KIND_RESULT, call_id=job_id, final=True, caller=customer)
+            worker.stats["answered"] += 1
+            await worker.runtime.close(sid, "complete")
+        except SessiontapeError as exc:
+            err = to_err(exc)
+            await worker.runtime.record_error(sid, err["code"], err["message"])
+            await worker._send(sid, "", [["status", "error", f"{err['code']}: {err['message']}"], *reply_tags],
+                               kind=KIND_FEEDBACK)
+            worker._answered.add(job_id)
+            with contextlib.suppress(SessiontapeError):
+                await worker.runtime.close(sid, "error")
+

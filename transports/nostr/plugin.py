@@ -1,0 +1,33 @@
+"""``NostrTransport``: the D4 worker as a ``sessiontape serve`` transport."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from core.transport import Transport
+
+if TYPE_CHECKING:
+    from core.config import Config
+    from core.runtime import Runtime
+    from transports.nostr.worker import D4Worker
+
+
+class NostrTransport(Transport):
+    name = "nostr"
+
+    def __init__(self, runtime: Runtime, options: Mapping[str, Any], config: Config) -> None:
+        super().__init__(runtime, options, config)
+        self.worker: D4Worker | None = None
+
+    async def start(self) -> str:
+        from transports.nostr.settings import Settings
+        from transports.nostr.worker import D4Worker
+
+        self.worker = D4Worker(self.runtime, Settings.from_options(self.options))
+        return await self.worker.start()
+
+    async def stop(self, grace: float = 5.0) -> None:
+        if self.worker is not None:
+            await self.worker.stop(grace)
+            self.worker = None
