@@ -1,0 +1,23 @@
+"""Fixtures for the engine tests: the tiny demo model, built once per test session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engines.onnx import OnnxEngine
+from engines.onnx.demo import build_demo
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny")
+    build_demo("tiny", folder)
+    return folder
+
+
+@pytest.fixture
+def onnx_engine(tiny_dir: Path) -> OnnxEngine:
+    # one intra-op thread: the test machine is shared
+    return OnnxEngine(model_dir=tiny_dir, intra_op_threads=1)

@@ -1,0 +1,330 @@
+"""The ONNX Runtime engine against a real onnxruntime session on the tiny demo model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from core.engine import OutputOptions, SamplingParams, Step
+from core.errors import ConfigError, ContextOverflow, EngineError, InvalidParameters
+from engines.onnx import OnnxEngine
+from engines.onnx.demo import EOS, SIZES, build_demo
+from engines.onnx.model import infer_graph
+from engines.onnx.session import quiet_ort
+from engines.sampling import log_softmax
+
+
+async def collect(engine: OnnxEngine, key: str, history: Sequence[int], params: SamplingParams,
+                  options: OutputOptions = OutputOptions()) -> list[Step]:
+    return [s async for s in engine.generate(key, history, params, options)]
+
+
+def prefill_only() -> SamplingParams:
+    return SamplingParams(max_tokens=0)
+
+
+def history(seed: int, n: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(0, 256, n)]
+
+
+def raw_prefill(model_dir: Path, tokens: Sequence[int]) -> dict[str, Any]:
+    """One full prefill through a plain onnxruntime session: the oracle."""
+    ort = quiet_ort()
+    sess = ort.InferenceSession(str(model_dir / "model.onnx"), providers=["CPUExecutionProvider"])
+    spec = infer_graph(sess.get_inputs(), sess.get_outputs())
+    n = len(tokens)
+    feeds: dict[str, Any] = {
+        "input_ids": np.asarray([tokens], np.int64),
+        "attention_mask": np.ones((1, n), np.int64),
+        "position_ids": np.arange(n, dtype=np.int64)[None],
+    }
+    for i in range(spec.layers):
+        for k in ("key", "value"):
+            feeds[f"past_key_values.{i}.{k}"] = np.zeros((1, spec.kv_heads, 0, spec.head_dim), np.float32)
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(None, feeds), strict=True))
+
+
+# -- the model -------------------------------------------------------------
+
+
+def test_graph_io_is_inferred(onnx_engine: OnnxEngine) -> None:
+    spec, tiny = onnx_engine.spec, SIZES["tiny"]
+    assert (spec.layers, spec.kv_heads, spec.head_dim) == (tiny.layers, tiny.kv_heads, tiny.head_dim)
+    assert spec.vocab_size == tiny.vocab and spec.hidden_size == tiny.hidden
+    assert spec.hidden_layers == tuple(range(tiny.layers + 1))
+    info = onnx_engine.info
+    assert info.provider == "CPUExecutionProvider" and info.runtime_version
+    assert info.eos_token_ids == (EOS,) and info.image_block_tokens is None
+    assert info.readout_manifest is not None and info.readout_manifest.layers == (1, 2)
+
+
+def test_demo_build_is_deterministic(tiny_dir: Path, tmp_path: Path) -> None:
+    again = build_demo("tiny", tmp_path)
+    assert again.read_bytes() == (tiny_dir / "model.onnx").read_bytes()
+    cfg = json.loads((tmp_path / "genai_config.json").read_text())
+    assert cfg["model"]["decoder"]["num_hidden_layers"] == SIZES["tiny"].layers
+
+
+def test_model_without_the_convention_is_rejected(tmp_path: Path) -> None:
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["b", "s"])
+    y = helper.make_tensor_value_info("logits", TensorProto.INT64, ["b", "s"])
+    graph = helper.make_graph([helper.make_node("Identity", ["input_ids"], ["logits"])], "g", [x], [y])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    (tmp_path / "model.onnx").write_bytes(model.SerializeToString())
+    with pytest.raises(EngineError, match="attention_mask"):
+        OnnxEngine(model_dir=tmp_path)
+
+
+def test_bad_options_are_config_errors(tiny_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError):
+        OnnxEngine(model_dir=tiny_dir, no_such_option=1)
+    with pytest.raises(ConfigError):
+        OnnxEngine(size="huge")
+    with pytest.raises(ConfigError):
+        OnnxEngine(model_dir=tmp_path)
+    with pytest.raises(ConfigError):
+        OnnxEngine(model_dir=tiny_dir, max_length=10**9)
+    with pytest.raises(EngineError):
+        OnnxEngine(model_dir=tiny_dir, providers=["NoSuchExecutionProvider"])
+
+
+# -- results match a plain onnxruntime prefill ------------------------------
+
+
+async def test_prompt_logprobs_prefill_only(onnx_engine: OnnxEngine, tiny_dir: Path) -> None:
+    hist = history(1, 40)
+    opts = OutputOptions(logprob_top_k=2, logprob_ranges=((0, 3), (30, 33)))
+    steps = await collect(onnx_engine, "s", hist, prefill_only(), opts)
+    assert [s.position for s in steps] == [0, 1, 2, 30, 31, 32]
+    assert all(s.is_prefill and s.token_id == hist[s.position] for s in steps)
+    assert steps[0].logprob is None  # nothing predicts the first token
+    logits = raw_prefill(tiny_dir, hist)["logits"][0]
+    for s in steps[1:]:
+        lp = log_softmax(logits[s.position - 1])
+        assert s.logprob == float(lp[hist[s.position]])
+        assert s.top_logprobs[0][1] == float(lp.max())
+
+
+async def test_readouts_are_concept_cosines(onnx_engine: OnnxEngine, tiny_dir: Path) -> None:
+    hist = history(2, 25)
+    steps = await collect(onnx_engine, "s", hist, SamplingParams(max_tokens=2, temperature=0),
+                          OutputOptions(readout_ranges=((5, 7), (25, 27))))
+    by_pos = {s.position: s for s in steps}
+    assert sorted(p for p, s in by_pos.items() if s.readout is not None) == [5, 6, 25, 26]
+    manifest = onnx_engine.info.readout_manifest
+    assert manifest is not None
+    full = raw_prefill(tiny_dir, hist + [by_pos[25].token_id, by_pos[26].token_id])
+    concepts = json.loads((tiny_dir / "readout_concepts.json").read_text())
+    for p in (5, 6, 25, 26):
+        want = []
+        for li, layer in enumerate(manifest.layers):
+            h = full[f"hidden_states.{layer}"][0, p].astype(np.float64)
+            d = np.asarray(concepts["directions"][li], np.float64)
+            d = d / np.linalg.norm(d, axis=1, keepdims=True)
+            want.extend(d @ h / np.linalg.norm(h))
+        got = by_pos[p].readout
+        assert got is not None and len(got) == len(manifest.layers) * len(manifest.concepts)
+        assert np.allclose(got, want, rtol=0, atol=1e-12)
+
+
+async def test_custom_readout_concepts(tiny_dir: Path, tmp_path: Path) -> None:
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"concepts": ["x"], "layers": [0], "directions": [[[1.0] + [0.0] * 63]]}))
+    eng = OnnxEngine(model_dir=tiny_dir, readout_concepts=path, intra_op_threads=1)
+    assert eng.info.readout_manifest is not None and eng.info.readout_manifest.concepts == ("x",)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"concepts": ["x"], "layers": [7], "directions": [[[1.0] * 64]]}))
+    with pytest.raises(ConfigError, match="layers"):
+        OnnxEngine(model_dir=tiny_dir, readout_concepts=bad)
+
+
+async def test_greedy_matches_onnxruntime_genai(onnx_engine: OnnxEngine, tiny_dir: Path) -> None:
+    og = pytest.importorskip("onnxruntime_genai")
+    prompt = list(b"Hello")
+    ours = [s.token_id for s in await collect(onnx_engine, "g", prompt, SamplingParams(
+        max_tokens=20, temperature=0, stop_token_ids=(EOS,)))]
+    model = og.Model(str(tiny_dir))
+    gp = og.GeneratorParams(model)
+    gp.set_search_options(max_length=len(prompt) + 20, do_sample=False)
+    gen = og.Generator(model, gp)
+    gen.append_tokens(prompt)
+    theirs: list[int] = []
+    while not gen.is_done():
+        gen.generate_next_token()
+        theirs.append(int(gen.get_next_tokens()[0]))
+    assert ours == theirs[: len(ours)]
+
+
+# -- determinism (INV-3) ----------------------------------------------------
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+async def test_any_split_is_bit_identical_to_one_prefill(onnx_engine: OnnxEngine, data: st.DataObject) -> None:
+    n = data.draw(st.integers(2, 90), label="n")
+    hist = history(data.draw(st.integers(0, 1000), label="seed"), n)
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, n - 1), max_size=12), label="cuts")))
+    lp_from = data.draw(st.integers(1, n - 1), label="lp_from")
+    params = SamplingParams(max_tokens=6, temperature=data.draw(st.sampled_from([0.0, 0.7, 1.3])),
+                            top_p=0.9, seed=data.draw(st.integers(0, 2**40)))
+    opts = OutputOptions(logprob_top_k=3, logprob_ranges=((lp_from, n),))
+    onnx_engine.forget("warm")
+    for c in cuts:  # build the history in pieces, some with a decode in between
+        await collect(onnx_engine, "warm", hist[:c], SamplingParams(max_tokens=c % 2, temperature=0))
+    warm = await collect(onnx_engine, "warm", hist, params, opts)
+    onnx_engine.forget("cold")
+    cold = await collect(onnx_engine, "cold", hist, params, opts)
+    assert warm == cold
+    fork_at = cuts[0] if cuts else 1
+    onnx_engine.fork("warm", "forked", fork_at)
+    assert await collect(onnx_engine, "forked", hist, params, opts) == cold
+
+
+async def test_decode_steps_equal_prefill_logits(onnx_engine: OnnxEngine, tiny_dir: Path) -> None:
+    hist = history(3, 12)
+    steps = await collect(onnx_engine, "d", hist, SamplingParams(max_tokens=10, temperature=0))
+    full = hist + [s.token_id for s in steps]
+    logits = raw_prefill(tiny_dir, full)["logits"][0]
+    for s in steps:
+        assert s.logprob == float(log_softmax(logits[s.position - 1])[s.token_id])
+
+
+async def test_io_binding_path_gives_the_same_results(onnx_engine: OnnxEngine, tiny_dir: Path) -> None:
+    bound = OnnxEngine(model_dir=tiny_dir, io_binding=True, intra_op_threads=1)
+    hist = history(4, 30)
+    params = SamplingParams(max_tokens=5, seed=9)
+    a = await collect(bound, "b", hist[:20], params)
+    b = await collect(bound, "b", hist, params, OutputOptions(logprob_top_k=2))
+    assert b == await collect(onnx_engine, "c", hist, params, OutputOptions(logprob_top_k=2))
+    assert a == await collect(onnx_engine, "c2", hist[:20], params)
+
+
+# -- caches -------------------------------------------------------------------
+
+
+async def test_second_turn_prefills_only_new_tokens(onnx_engine: OnnxEngine) -> None:
+    hist = history(5, 30)
+    first = await collect(onnx_engine, "t", hist, SamplingParams(max_tokens=5, temperature=0))
+    assert onnx_engine.positions_computed == 30 + 4  # the last token is not run until needed
+    assert onnx_engine.cached_length("t") == 34
+    assert onnx_engine.kv_live_bytes("t") > 0
+    turn2 = hist + [s.token_id for s in first] + history(6, 10)
+    before = onnx_engine.positions_computed
+    await collect(onnx_engine, "t", turn2, SamplingParams(max_tokens=3, temperature=0))
+    assert onnx_engine.positions_computed - before == 11 + 2
+
+
+async def test_fork_shares_the_parent_prefix(onnx_engine: OnnxEngine) -> None:
+    hist = history(7, 40)
+    await collect(onnx_engine, "p", hist, prefill_only())
+    total = onnx_engine.cache.total_bytes
+    onnx_engine.fork("p", "c", 25)
+    assert onnx_engine.cached_length("c") == 25
+    assert onnx_engine.cache.total_bytes == total  # shared, not copied
+    child = hist[:25] + history(8, 5)
+    before = onnx_engine.positions_computed
+    got = await collect(onnx_engine, "c", child, SamplingParams(max_tokens=4, seed=1))
+    assert onnx_engine.positions_computed - before == 5 + 3
+    assert onnx_engine.cached_length("p") == 40  # the parent is untouched
+    assert got == await collect(onnx_engine, "cold", child, SamplingParams(max_tokens=4, seed=1))
+
+
+async def test_truncation_rewinds_to_the_common_prefix(onnx_engine: OnnxEngine) -> None:
+    hist = history(9, 50)
+    await collect(onnx_engine, "r", hist, prefill_only())
+    edited = hist[:20] + history(10, 7)
+    before = onnx_engine.positions_computed
+    got = await collect(onnx_engine, "r", edited, SamplingParams(max_tokens=3, seed=2))
+    assert onnx_engine.positions_computed - before == 7 + 2
+    assert onnx_engine.cached_length("r") == 29
+    assert got == await collect(onnx_engine, "cold", edited, SamplingParams(max_tokens=3, seed=2))
+
+
+async def test_eviction_under_a_memory_bound_then_transparent_recompute(tiny_dir: Path) -> None:
+    eng = OnnxEngine(model_dir=tiny_dir, kv_cache_bytes=40_000, intra_op_threads=1)
+    per_pos = eng.spec.kv_bytes_per_position()
+    a, b = history(11, 60), history(12, 60)
+    params = SamplingParams(max_tokens=4, seed=3)
+    first = await collect(eng, "a", a, params)
+    assert eng.kv_live_bytes("a") >= 60 * per_pos
+    await collect(eng, "b", b, params)
+    assert eng.cached_length("a") is None and eng.cache.evictions >= 1
+    assert eng.cache.total_bytes <= 40_000
+    before = eng.positions_computed
+    again = await collect(eng, "a", a, params)
+    assert again == first
+    assert eng.positions_computed - before == 60 + 3
+
+
+async def test_forget_drops_the_cache(onnx_engine: OnnxEngine) -> None:
+    await collect(onnx_engine, "f", history(13, 10), prefill_only())
+    assert onnx_engine.cached_length("f") == 10
+    onnx_engine.forget("f")
+    assert onnx_engine.cached_length("f") is None and onnx_engine.kv_live_bytes("f") == 0
+    assert onnx_engine.cache.total_bytes == 0
+
+
+# -- parameters and limits ------------------------------------------------------
+
+
+async def test_stop_ids_end_after_yielding_the_stop_token(onnx_engine: OnnxEngine) -> None:
+    hist = history(14, 8)
+    free = await collect(onnx_engine, "x", hist, SamplingParams(max_tokens=8, temperature=0))
+    stop = free[2].token_id
+    first_hit = next(i for i, s in enumerate(free) if s.token_id == stop)
+    got = await collect(onnx_engine, "y", hist, SamplingParams(max_tokens=8, temperature=0, stop_token_ids=(stop,)))
+    assert [s.token_id for s in got] == [s.token_id for s in free[: first_hit + 1]]
+
+
+async def test_context_overflow_leaves_the_cache_alone(tiny_dir: Path) -> None:
+    eng = OnnxEngine(model_dir=tiny_dir, max_length=32, intra_op_threads=1)
+    await collect(eng, "o", history(15, 20), prefill_only())
+    with pytest.raises(ContextOverflow):
+        await collect(eng, "o", history(15, 32), SamplingParams(max_tokens=1))
+    with pytest.raises(ContextOverflow):
+        await collect(eng, "o", history(15, 33), prefill_only())
+    assert eng.cached_length("o") == 20
+    with pytest.raises(InvalidParameters):
+        await collect(eng, "e", [], SamplingParams(max_tokens=1))
+
+
+async def test_the_event_loop_keeps_serving_during_a_pass(onnx_engine: OnnxEngine) -> None:
+    ticks = 0
+    done = False
+
+    async def heartbeat() -> None:
+        nonlocal ticks
+        while not done:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(heartbeat())
+    before = ticks
+    await collect(onnx_engine, "long", history(16, 1500), prefill_only())
+    done = True
+    await task
+    assert ticks - before > onnx_engine.passes
+
+
+def test_cli_builds_the_demo(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from engines.onnx.cli import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="cmd"))
+    args = parser.parse_args(["model", "build-demo", "--size", "tiny", "--out", str(tmp_path / "m")])
+    assert args.func(args) == 0
+    assert (tmp_path / "m" / "model.onnx").exists() and "built tiny" in capsys.readouterr().out

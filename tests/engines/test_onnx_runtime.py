@@ -1,0 +1,88 @@
+"""The ONNX engine driven through core.runtime.Runtime, and contract checks shared with the reference engine."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from core.audit import audit_session
+from core.engine import Engine, OutputOptions, SamplingParams
+from core.errors import InvalidImage
+from core.events import T
+from core.runtime import Runtime
+from engines.onnx import OnnxEngine
+from engines.reference import ReferenceEngine
+from tests.conftest import make_config
+
+
+@pytest.fixture
+async def onnx_runtime(sqlite_url: str, tiny_dir: Path) -> AsyncIterator[Runtime]:
+    rt = await Runtime.create(make_config(sqlite_url), engine=OnnxEngine(model_dir=tiny_dir, intra_op_threads=1))
+    try:
+        yield rt
+    finally:
+        await rt.aclose()
+
+
+async def test_sessions_record_the_binding_and_reexecute_bit_identically(onnx_runtime: Runtime) -> None:
+    rt = onnx_runtime
+    s = await rt.open_session("kakeya")
+    await rt.append_text(s.session_id, "The tape remembers")
+    for turn in range(3):
+        evs = [e async for e in rt.generate(s.session_id, SamplingParams(max_tokens=6, seed=turn, temperature=0.9),
+                                            OutputOptions(logprob_top_k=2))]
+        assert evs[-1].type == T.GENERATION_FINISHED
+        await rt.append_text(s.session_id, f" turn {turn}")
+    opened = (await rt.log.read(s.session_id))[0]
+    binding = opened.body["engine"]
+    info = rt.engine.info
+    assert binding["provider"] == "CPUExecutionProvider" and binding["model_hash"] == info.model_hash
+    assert binding["runtime_version"] == info.runtime_version
+    child = await rt.fork(s.session_id, at_position=10)
+    [e async for e in rt.generate(child.session_id, SamplingParams(max_tokens=4, seed=7))]
+    for sid in (s.session_id, child.session_id):
+        report = await audit_session(rt, sid, reexecute=True)
+        assert report.ok, report.to_json()
+        assert report.generations >= 1
+
+
+async def test_images_are_rejected_for_the_text_only_model(onnx_runtime: Runtime) -> None:
+    with pytest.raises(InvalidImage):
+        onnx_runtime.engine.image_block_length(b"\x89PNG", "image/png")
+
+
+@pytest.fixture(params=["reference", "onnx"])
+def engine(request: pytest.FixtureRequest, tiny_dir: Path) -> Engine:
+    if request.param == "reference":
+        return ReferenceEngine()
+    return OnnxEngine(model_dir=tiny_dir, intra_op_threads=1)
+
+
+async def test_contract_prefill_only_yields_exactly_the_requested_positions(engine: Engine) -> None:
+    hist = [int(t) for t in np.random.default_rng(0).integers(0, 256, 30)]
+    opts = OutputOptions(logprob_ranges=((3, 6), (20, 22)), readout_ranges=((4, 5),))
+    steps = [s async for s in engine.generate("k", hist, SamplingParams(max_tokens=0), opts)]
+    assert [s.position for s in steps] == [3, 4, 5, 20, 21]
+    assert all(s.is_prefill and s.token_id == hist[s.position] for s in steps)
+    assert [s.readout is not None for s in steps] == [False, True, False, False, False]
+
+
+async def test_contract_stop_ids_stop_after_yielding(engine: Engine) -> None:
+    hist = list(b"stop here")
+    free = [s async for s in engine.generate("a", hist, SamplingParams(max_tokens=6, temperature=0))]
+    stop = free[1].token_id
+    got = [s async for s in engine.generate("b", hist, SamplingParams(max_tokens=6, temperature=0,
+                                                                      stop_token_ids=(stop,)))]
+    assert got[-1].token_id == stop and len(got) <= 2
+    assert [s.position for s in got] == list(range(len(hist), len(hist) + len(got)))
+
+
+async def test_contract_same_seed_same_tokens(engine: Engine) -> None:
+    hist = list(b"seeded")
+    p = SamplingParams(max_tokens=8, temperature=1.0, seed=42)
+    a = [s async for s in engine.generate("a", hist, p)]
+    b = [s async for s in engine.generate("b", hist, p)]
+    assert a == b
