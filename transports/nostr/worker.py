@@ -249,6 +249,8 @@ class D4Worker:
         final = not obj.get("partial", False)
         if final:
             self._answered.add(call_id)
+        if self.settings.negotiate_function_id in refs[1:]:
+            return  # a price suggestion, not a result to continue
         self._results[eid] = ResultRef(session_id, call_id, self._callers.get(call_id, ""),
                                        bool(obj.get("more_results", False)), final)
 
@@ -507,7 +509,7 @@ class D4Worker:
         if call_id is not None:
             if final:
                 self._answered.add(call_id)
-            if kind == 1:
+            if kind == 1 and self.settings.negotiate_function_id not in (t[1] for t in tags[1:]):
                 self._results[eid] = ResultRef(sid, call_id, caller or self._callers.get(call_id, ""),
                                                more_results, final)
         await self.publish(event)

@@ -46,3 +46,80 @@ async def test_sample_call_answered(runtime: Runtime, make_worker: WorkerFactory
     finally:
         await caller.close()
 
+
+
+async def test_price_cap_stops_and_funded_call_continues(runtime: Runtime, make_worker: WorkerFactory,
+                                                          local_relay: LocalRelay) -> None:
+    worker = await make_worker(runtime, [local_relay.url])
+    [fid] = worker.functions
+    caller = await Caller(worker.pubkey).connect(local_relay.url)
+    try:
+        prompt = "Write a verse."
+        # the oracle: one well-funded call of 11 tokens
+        whole = await caller.wait_final(await caller.call(fid, call_body(prompt, args={"max_tokens": 11})))
+        # the same call capped at 5 iterations' worth
+        capped_id = await caller.call(fid, call_body(prompt, max_total_cost=5500, args={"max_tokens": 11}))
+        capped = await caller.wait_final(capped_id)
+        assert capped["body"]["more_results"] is True and capped["body"]["total_cost"] == 5000
+        assert chat(capped)["choices"][0]["finish_reason"] == "length"
+        assert chat(capped)["usage"]["completion_tokens"] == 5
+        # intermediate results every 4 tokens, never above the cap
+        partials = [r for r in caller.replies(capped_id) if r["body"].get("partial")]
+        assert [p["body"]["total_cost"] for p in partials] == [4000]
+        # a funded call referencing that result continues the session (no new prompt)
+        more_id = await caller.call(fid, call_body("ignored", args={"max_tokens": 6}), capped["id"])
+        more = await caller.wait_final(more_id)
+        assert more["body"]["total_cost"] == 6000
+        sid = "d4_" + capped_id[:48]
+        st = await runtime.get(sid)
+        assert len(st.generations) == 2
+        assert chat(more)["choices"][0]["message"]["content"] == chat(whole)["choices"][0]["message"]["content"]
+        assert chat(more)["usage"]["completion_tokens"] == 11
+        assert [d for d, _ in await wire(runtime, sid)].count("in") == 2
+        # the continuation opened no session of its own
+        sids = {r.id for r in await runtime.log.list_sessions(protocol="nostr")}
+        assert sids == {worker.worker_session_id, "d4_" + whole["tags"][0][1][:48], sid}
+    finally:
+        await caller.close()
+
+
+async def test_price_above_cap_negotiates(runtime: Runtime, make_worker: WorkerFactory,
+                                          local_relay: LocalRelay) -> None:
+    worker = await make_worker(runtime, [local_relay.url], price_msat=2000)
+    [fid] = worker.functions
+    caller = await Caller(worker.pubkey).connect(local_relay.url)
+    try:
+        call_id = await caller.call(fid, call_body(max_iteration_cost=1000))
+        reply = await caller.wait_final(call_id)
+        assert reply["body"] == {"result": None, "iteration_cost": 2000, "total_cost": 24000,
+                                 "more_results": False, "version": "0.1.0"}
+        assert [t for t in reply["tags"] if t[0] == "e"] == [["e", call_id], ["e", worker.settings.negotiate_function_id]]
+        st = await runtime.get("d4_" + call_id[:48])
+        assert st.length == 0 and not st.generations and st.status == "closed"
+        # the client accepts: a new call at the worker's price is answered
+        ok = await caller.wait_final(await caller.call(fid, call_body(max_iteration_cost=2000), reply["id"]))
+        assert ok["body"]["iteration_cost"] == 2000 and ok["body"]["result"] is not None
+    finally:
+        await caller.close()
+
+
+async def test_feedback_recorded_against_the_session(runtime: Runtime, make_worker: WorkerFactory,
+                                                     local_relay: LocalRelay) -> None:
+    worker = await make_worker(runtime, [local_relay.url])
+    [fid] = worker.functions
+    caller = await Caller(worker.pubkey).connect(local_relay.url)
+    try:
+        call_id = await caller.call(fid, call_body())
+        final = await caller.wait_final(call_id)
+        sid = "d4_" + call_id[:48]
+        bad = await caller.publish(caller.sign(json.dumps({"score": 11, "version": "0.1.0"}),
+                                               [["e", final["id"]], ["e", fid]]))
+        good = await caller.publish(caller.sign(json.dumps({"score": 7, "version": "0.1.0"}),
+                                                [["e", final["id"]], ["e", fid]]))
+        await eventually(lambda: worker.stats["feedback"] == 1 and worker.stats["feedback_invalid"] == 1)
+        st = await runtime.get(sid)
+        assert [(f["score"], f["event_id"], f["result_id"]) for f in st.feedback] == [(7, good, final["id"])]
+        ins = [p["id"] for d, p in await wire(runtime, sid) if d == "in"]
+        assert good in ins and bad not in ins
+    finally:
+        await caller.close()
