@@ -91,7 +91,7 @@ class DocumentBuilder:
             ids = list(base.tokens)
             doc["history"] = {
                 **doc["history"], "ids": ids, "text": self._text(ids),
-                "segments": [{"source": "inherited", "start": 0}] if ids else [],
+                "segments": [{"source": "inherited", "start": 0, "text": self._text(ids)}] if ids else [],
                 "images": [self._image(im) for im in base.images],
             }
             doc["nodes"] = {nid: self._node(n) for nid, n in base.nodes.items()}
@@ -257,7 +257,7 @@ class DocumentBuilder:
         h = doc["history"]
         changes: dict[str, Any] = {"ids": h["ids"] + toks}
         if toks:
-            changes["segments"] = [*h["segments"], {"source": "input", "start": prev_len}]
+            changes["segments"] = [*h["segments"], {"source": "input", "start": prev_len, "text": self._text(toks)}]
         if b.get("images"):
             changes["images"] = h["images"] + [
                 {k: im[k] for k in ("start", "end", "mime", "sha256", "size")} for im in b["images"]]
@@ -267,12 +267,15 @@ class DocumentBuilder:
         st = self.state
         keep = [(int(a), int(b)) for a, b in e.body["keep"]]
         h = doc["history"]
+        ids = list(st.tokens)
         if len(keep) == 1 and keep[0][0] == 0:
             cut = keep[0][1]
-            segs = [s for s in h["segments"] if s["start"] < cut]
+            kept = [s for s in h["segments"] if s["start"] < cut]
+            ends = [s["start"] for s in kept[1:]] + [cut]
+            segs = [{**s, "text": self._text(ids[s["start"]:end])} for s, end in zip(kept, ends, strict=True)]
         else:
-            segs = [{"source": "truncated", "start": 0}] if st.tokens else []
-        self._history(doc, ids=list(st.tokens), segments=segs,
+            segs = [{"source": "truncated", "start": 0, "text": self._text(ids)}] if ids else []
+        self._history(doc, ids=ids, segments=segs,
                       images=[self._image(im) for im in st.images],
                       truncations=st.truncations, dropped=st.dropped_tokens)
 
@@ -301,12 +304,15 @@ class DocumentBuilder:
         text = self._text([t["id"] for t in tokens])
         self._set_in_list(doc, "generations", i, tokens=tokens, text=text)
         h = doc["history"]
-        changes: dict[str, Any] = {"ids": [*h["ids"], entry["id"]]}
-        last = h["segments"][-1] if h["segments"] else None
+        ids = [*h["ids"], entry["id"]]
+        segs = list(h["segments"])
+        last = segs[-1] if segs else None
         if last is None or last.get("generation_id") != gid:
-            changes["segments"] = [*h["segments"], {"source": "generation", "start": entry["position"],
-                                                    "generation_id": gid}]
-        self._history(doc, **changes)
+            segs.append({"source": "generation", "start": entry["position"], "generation_id": gid,
+                         "text": entry["text"]})
+        else:
+            segs[-1] = {**last, "text": self._text(ids[last["start"]:])}
+        self._history(doc, ids=ids, segments=segs)
 
     def _gen_finished(self, doc: Doc, e: Event, _: int) -> None:
         b = e.body
