@@ -123,3 +123,76 @@ async def test_feedback_recorded_against_the_session(runtime: Runtime, make_work
         assert good in ins and bad not in ins
     finally:
         await caller.close()
+
+
+async def test_forged_and_malformed_events(runtime: Runtime, make_worker: WorkerFactory, relay_process: Any) -> None:
+    # a relay that stores events without checking signatures, so forgeries reach the worker's client
+    relay = await relay_process(verify_signatures=False)
+    worker = await make_worker(runtime, [relay.url])
+    [fid] = worker.functions
+    caller = await Caller(worker.pubkey).connect(relay.url)
+    try:
+        before = [r.id for r in await runtime.log.list_sessions(protocol="nostr")]
+        good = json.loads(caller.sign(json.dumps(call_body()), [["e", fid]]).as_json())
+        bad_sig = {**good, "sig": good["sig"][:-8] + "00000000"}
+        bad_id = {**good, "content": json.dumps(call_body(max_total_cost=1))}
+        import websockets
+
+        async with websockets.connect(relay.url) as ws:
+            for ev in (bad_sig, bad_id):
+                await ws.send(json.dumps(["EVENT", ev]))
+                await ws.recv()
+        import nostr_sdk as ns
+
+        # the same forgeries handed to the worker directly are dropped and counted
+        for ev in (bad_sig, bad_id):
+            assert worker.ingest(ns.Event.from_json(json.dumps(ev))) is False
+        assert worker.stats["forged"] == 2
+        # malformed but signed calls each get an error result
+        cases = {
+            "not json": "{nope",
+            "zero cost": json.dumps(call_body(max_iteration_cost=0)),
+            "string cost": json.dumps(call_body(max_total_cost="100")),
+            "args list": json.dumps({**call_body(), "args": [1]}),
+            "bad version": json.dumps(call_body(version="1.0.0")),
+            "seed too big": json.dumps(call_body(args={"seed": 2**64})),
+        }
+        ids = {name: await caller.call(fid, content) for name, content in cases.items()}
+        for name, cid in ids.items():
+            final = await caller.wait_final(cid)
+            err = json.loads(final["body"]["err"])
+            assert err["code"] == "invalid_parameters", name
+            assert final["body"]["result"] is None and final["body"]["total_cost"] == 0
+            st = await runtime.get("d4_" + cid[:48])
+            assert st.length == 0 and st.errors == [{"code": err["code"], "message": err["message"]}]
+        # a genuine call still works, and no forgery opened a session or got an answer
+        ok = await caller.wait_final(await caller.call(fid, call_body("a genuine one")))
+        assert ok["body"]["result"] is not None
+        after = {r.id for r in await runtime.log.list_sessions(protocol="nostr")}
+        assert after - set(before) == {"d4_" + i[:48] for i in [*ids.values(), ok["tags"][0][1]]}
+        assert not caller.replies(bad_sig["id"]) and not caller.replies(good["id"])
+    finally:
+        await caller.close()
+
+
+async def test_duplicates_across_two_relays_answered_once(runtime: Runtime, make_worker: WorkerFactory,
+                                                          local_relay: LocalRelay, relay_process: Any) -> None:
+    other = await relay_process()
+    worker = await make_worker(runtime, [local_relay.url, other.url])
+    [fid] = worker.functions
+    caller = await Caller(worker.pubkey).connect(local_relay.url, other.url)
+    try:
+        ids = [await caller.call(fid, call_body(f"question {i}")) for i in range(3)]
+        for cid in ids:
+            await caller.wait_final(cid)  # asserts a single final reply
+        for cid in ids:
+            ins = [p for d, p in await wire(runtime, "d4_" + cid[:48]) if d == "in"]
+            assert [p["id"] for p in ins] == [cid]
+        # the same signed call delivered again (to the worker directly) is a duplicate
+        import nostr_sdk as ns
+
+        assert worker.ingest(ns.Event.from_json(json.dumps(caller.sent[ids[0]]))) is False
+        await eventually(lambda: worker.stats["answered"] == 3, what="3 answers")
+        assert worker.stats["calls"] == 3
+    finally:
+        await caller.close()
