@@ -14,6 +14,9 @@ in docs/protocols/kakeya.md:
   ``max_tokens`` because the history filled the model's context.
 - No seed pinned: the server draws one and records it, so replay is exact.
 - GetSessionInfo reports and does not refresh the idle clock.
+- An INV-1/INV-2 violation aborts the session (``session.aborted``): later
+  calls answer NOT_FOUND, except GetSessionInfo, which still reports the
+  counters.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ from typing import Any
 
 from core.config import Config
 from core.engine import SamplingParams
-from core.errors import ConfigError
+from core.errors import CacheInvariantViolation, ConfigError
 from core.events import T
 from core.runtime import Runtime
+from core.state import ABORTED
 from transports.grpc.gen.kakeya.v1 import runtime_pb2 as pb
 from transports.grpc.gen.kakeya.v1 import runtime_pb2_grpc as pb_grpc
 from transports.grpc.tokensessions import (
@@ -94,7 +98,10 @@ class KakeyaService(pb_grpc.RuntimeServiceServicer):
     async def GetSessionInfo(self, request: pb.GetSessionInfoRequest, context: Any) -> pb.GetSessionInfoResponse:
         sid = request.session_id
         async with grpc_errors(context, sid):
-            st = await live_session(self.runtime, sid)
+            st = await self.runtime.get(sid) if sid else await live_session(self.runtime, sid)
+            # a session failed by an invariant violation still reports its counters
+            if st.status != ABORTED:
+                st = await live_session(self.runtime, sid)
         inv1, inv2 = self.runtime.invariant_violations.get(sid, (0, 0))
         return pb.GetSessionInfoResponse(
             history_length=st.length, kv_live_bytes=self.runtime.engine.kv_live_bytes(sid),
@@ -114,16 +121,21 @@ class KakeyaService(pb_grpc.RuntimeServiceServicer):
             )
             track_generation()
             events = self.runtime.generate(sid, params, sink_window=self.sink_window)
-            async with closing(events):
-                async for ev in events:
-                    b = ev.body
-                    if ev.type == T.TOKENS_TRUNCATED:
-                        yield pb.GenerateResponse(truncated=pb.HistoryTruncated(
-                            dropped_token_count=int(b["dropped"])))
-                    elif ev.type == T.GENERATION_TOKEN and not b["is_prefill"]:
-                        yield pb.GenerateResponse(token_id=int(b["token"]))
-                    elif ev.type == T.GENERATION_FINISHED:
-                        yield pb.GenerateResponse(done=_done(b, params.max_tokens))
+            try:
+                async with closing(events):
+                    async for ev in events:
+                        b = ev.body
+                        if ev.type == T.TOKENS_TRUNCATED:
+                            yield pb.GenerateResponse(truncated=pb.HistoryTruncated(
+                                dropped_token_count=int(b["dropped"])))
+                        elif ev.type == T.GENERATION_TOKEN and not b["is_prefill"]:
+                            yield pb.GenerateResponse(token_id=int(b["token"]))
+                        elif ev.type == T.GENERATION_FINISHED:
+                            yield pb.GenerateResponse(done=_done(b, params.max_tokens))
+            except CacheInvariantViolation as exc:
+                # ADR 0008 section 2.8: the session is failed and its slab freed
+                await self.runtime.abort(sid, exc.code, exc.message)
+                raise
 
 
 def _done(b: Mapping[str, Any], max_tokens: int) -> pb.GenerateDone:

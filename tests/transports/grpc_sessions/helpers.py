@@ -63,13 +63,10 @@ async def events(rt: Runtime, sid: str, type_: str | None = None) -> list[Event]
     return [e for e in await rt.log.read(sid) if type_ is None or e.type == type_]
 
 
-async def wait_finished(rt: Runtime, sid: str, reason: str, timeout: float = 10.0) -> Event:
+async def wait_finished(rt: Runtime, sid: str, reason: str) -> Event:
     """The session's first ``generation.finished`` with ``reason``, from the log (catch-up, then live)."""
-
-    async def first() -> Event:
+    async with asyncio.timeout(10):
         async for e in rt.subscribe(0, session_id=sid):
             if e.type == T.GENERATION_FINISHED and e.body["finish_reason"] == reason:
                 return e
-        raise AssertionError("subscription ended")
-
-    return await asyncio.wait_for(first(), timeout)
+    raise AssertionError("subscription ended")

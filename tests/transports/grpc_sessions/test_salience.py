@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from typing import Any
 
 import grpc
 import pytest
@@ -193,7 +194,7 @@ async def test_bad_arguments_are_invalid_and_change_nothing(serve: Serve) -> Non
     sid = await open_with(s.salience, PROMPT)
     n = len(PROMPT)
     v = await version(s.runtime, sid)
-    bad = [
+    bad: list[dict[str, Any]] = [
         {"append_tokens": [1, 259]},  # outside the vocabulary
         {"append_tokens": [1], "logprobs_ranges": [rng(3, 3)]},  # empty range
         {"append_tokens": [1], "logprobs_ranges": [rng(0, n + 5)]},  # beyond the history
