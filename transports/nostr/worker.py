@@ -226,12 +226,14 @@ class D4Worker:
         except InvalidParameters:
             obj = {}
         if direction == "in":
-            self._seen.add(eid)
             kind = payload.get("kind")
             if kind == nip90.KIND_JOB or (kind == 1 and d4.classify(obj) == d4.CALL):
+                # not "seen": a call recorded but not answered (worker stopped mid-way) is resumed
                 self._call_sessions[eid] = session_id
                 self._callers[eid] = str(payload.get("pubkey", ""))
                 self._last_call_at = max(self._last_call_at, int(payload.get("created_at", 0)))
+            else:
+                self._seen.add(eid)
             return
         if payload.get("pubkey") != self.pubkey:
             return

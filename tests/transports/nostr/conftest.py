@@ -253,5 +253,5 @@ async def make_worker(tmp_path: Path) -> AsyncIterator[WorkerFactory]:
         await w.stop(grace=1.0)
 
 
-async def open_runtime(url: str) -> Runtime:
-    return await Runtime.create(make_config(url), engine=ReferenceEngine())
+async def open_runtime(url: str, step_delay_s: float = 0.0) -> Runtime:
+    return await Runtime.create(make_config(url), engine=ReferenceEngine(step_delay_s=step_delay_s))

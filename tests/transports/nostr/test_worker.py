@@ -7,7 +7,14 @@ from typing import Any
 
 from core.events import T
 from core.runtime import Runtime
-from tests.transports.nostr.conftest import Caller, LocalRelay, WorkerFactory, call_body, eventually
+from tests.transports.nostr.conftest import (
+    Caller,
+    LocalRelay,
+    WorkerFactory,
+    call_body,
+    eventually,
+    open_runtime,
+)
 
 
 def chat(reply: dict[str, Any]) -> dict[str, Any]:
@@ -196,3 +203,44 @@ async def test_duplicates_across_two_relays_answered_once(runtime: Runtime, make
         assert worker.stats["calls"] == 3
     finally:
         await caller.close()
+
+
+async def test_restart_while_calls_arrive(sqlite_url: str, make_worker: WorkerFactory,
+                                          local_relay: LocalRelay) -> None:
+    rt1 = await open_runtime(sqlite_url, step_delay_s=0.02)
+    worker = await make_worker(rt1, [local_relay.url])
+    [fid] = worker.functions
+    caller = await Caller(worker.pubkey).connect(local_relay.url)
+    rt2: Runtime | None = None
+    try:
+        ids = [await caller.call(fid, call_body(f"before {i}")) for i in range(2)]
+        for cid in ids:
+            await caller.wait_final(cid)
+        # one call in flight when the worker stops without grace, two while it is down
+        ids.append(await caller.call(fid, call_body("in flight")))
+        await eventually(lambda: ids[2] in worker._call_sessions, what="the in-flight call to start")
+        await worker.stop(grace=0)
+        await rt1.aclose()
+        ids += [await caller.call(fid, call_body(f"while down {i}")) for i in range(2)]
+        rt2 = await open_runtime(sqlite_url)
+        worker2 = await make_worker(rt2, [local_relay.url])
+        assert list(worker2.functions) == [fid]  # reused from the log, not republished
+        ids.append(await caller.call(fid, call_body("after")))
+        for cid in ids:
+            await caller.wait_final(cid)  # asserts exactly one final reply per call
+        for cid in ids:
+            ws = await wire(rt2, "d4_" + cid[:48])
+            assert [p["id"] for d, p in ws if d == "in"] == [cid]
+            finals = [p for d, p in ws if d == "out" and not json.loads(p["content"]).get("partial")]
+            assert len(finals) == 1
+        # the interrupted call resumed where it stopped: its tokens match an uninterrupted run
+        st = await rt2.get("d4_" + ids[2][:48])
+        reasons = [g.finish_reason for g in st.generations.values()]
+        assert reasons[-1] in ("length", "eos") and set(reasons[:-1]) <= {"cancelled"}
+        assert sum(len(g.tokens) for g in st.generations.values()) == len(st.tokens) - st.generations[
+            next(iter(st.generations))].prompt_length
+    finally:
+        await caller.close()
+        if rt2 is not None:
+            await worker2.stop()
+            await rt2.aclose()
