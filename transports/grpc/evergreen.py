@@ -171,12 +171,17 @@ def sampling_params(configs: Sequence[Any]) -> SamplingParams:
 # -- one stream ---------------------------------------------------------------
 
 
+class _Stopped(Exception):
+    """The stream is ending: leave the generation (which records it as cancelled)."""
+
+
 class _Stream:
     """The state of one StartSession call."""
 
     def __init__(self, runtime: Runtime, session_id: str) -> None:
         self.runtime = runtime
         self.sid = session_id
+        self.loop = asyncio.get_running_loop()
         self.outbox: asyncio.Queue[evergreen_pb2.SessionMessage | None] = asyncio.Queue()
         self.actions: asyncio.Queue[PendingAction | None] = asyncio.Queue()
         self.changed = asyncio.Event()
@@ -186,7 +191,10 @@ class _Stream:
         self.input_done = False
         #: output node ids of every accepted action: only the server writes them
         self.output_ids: set[str] = set()
+        #: accepted actions without an action.completed/failed event yet
+        self.unfinished: list[str] = []
         self.tasks: list[asyncio.Task[None]] = []
+        self._ending: asyncio.Task[None] | None = None
 
     @property
     def targets(self) -> frozenset[str]:
@@ -217,6 +225,7 @@ class _Stream:
     def _wake(self) -> None:
         self.changed.set()
         self.drained.set()
+        self.actions.put_nowait(None)  # the worker may be parked on an empty queue
 
     # Runtime mutations are shielded: a cancelled caller must not leave a
     # commit half-applied (the log has it, the cached state would not).
@@ -273,6 +282,7 @@ class _Stream:
         ev = await asyncio.shield(self.runtime.submit_action(
             self.sid, a.name, inputs, outputs, target=target, configs=[_config_json(c) for c in a.configs]))
         self.output_ids.update(i for _, i in outputs)
+        self.unfinished.append(str(ev.body["action_id"]))
         self.actions.put_nowait(PendingAction(str(ev.body["action_id"]), a.name, inputs, outputs, params))
 
     # -- worker --
@@ -285,20 +295,15 @@ class _Stream:
             try:
                 await self._barrier(act)
                 if self.stopping:
-                    raise asyncio.CancelledError
-                await self._generate(act)
-            except BaseException as exc:
-                code, message = (
-                    ("cancelled", "stream ended before the action finished")
-                    if isinstance(exc, asyncio.CancelledError)
-                    else (getattr(exc, "code", "internal"), message_for(exc))
-                )
-                with contextlib.suppress(SessiontapeError):
-                    await asyncio.shield(self.runtime.finish_action(self.sid, act.id, (code, message)))
-                if isinstance(exc, asyncio.CancelledError):
                     return
+                await self._generate(act)
+            except (_Stopped, asyncio.CancelledError):
+                return  # finish() records the action as cancelled
+            except Exception as exc:
+                code = exc.code if isinstance(exc, SessiontapeError) else "internal"
+                await self._finish_action(act.id, (code, message_for(exc)))
                 raise
-            await asyncio.shield(self.runtime.finish_action(self.sid, act.id))
+            await self._finish_action(act.id, None)
         if not self.stopping:
             self.outbox.put_nowait(None)
 
@@ -357,7 +362,7 @@ class _Stream:
         async with contextlib.aclosing(gen):
             async for ev in gen:
                 if self.stopping:
-                    raise asyncio.CancelledError
+                    raise _Stopped
                 if ev.type != T.GENERATION_TOKEN or ev.body.get("is_prefill"):
                     continue
                 produced.append(int(ev.body["token"]))
@@ -387,15 +392,30 @@ class _Stream:
             self.drained.clear()
             await self.drained.wait()
 
+    async def _finish_action(self, action_id: str, error: tuple[str, str] | None) -> None:
+        self.unfinished.remove(action_id)
+        await asyncio.shield(self.runtime.finish_action(self.sid, action_id, error))
+
     # -- ending --
 
-    async def finish(self, cancelled: bool) -> None:
+    def end(self, cancelled: bool) -> asyncio.Task[None]:
+        """Stop the stream once, in a task of its own so a second cancel cannot cut it short."""
+        if self._ending is None:
+            self._ending = asyncio.ensure_future(self._finish(cancelled))
+            _ENDINGS.add(self._ending)
+            self._ending.add_done_callback(_ENDINGS.discard)
+            self.outbox.put_nowait(None)  # wakes the response generator
+        return self._ending
+
+    async def _finish(self, cancelled: bool) -> None:
         """Stop both tasks and record how the session ended."""
         self.stopping = True
         self._wake()
         self.tasks[0].cancel()  # the reader may be parked on the request stream
         await asyncio.gather(*self.tasks, return_exceptions=True)
         try:
+            for aid in list(self.unfinished):
+                await self._finish_action(aid, ("cancelled", "the session ended before the action finished"))
             if self.error is not None:
                 exc = self.error
                 code = exc.code if isinstance(exc, SessiontapeError) else "internal"
@@ -406,8 +426,10 @@ class _Stream:
             log.exception("ending evergreen session %s", self.sid)
 
 
-#: Stream endings still recording (a cancelled stream stops its generation and
-#: closes its session in a task of its own, so shutdown can wait for it).
+#: Open streams, and endings still recording: after the server's grace period
+#: the grpc core cancels the calls, but the handlers may only notice later, so
+#: drain() ends what is left itself.
+_STREAMS: set[_Stream] = set()
 _ENDINGS: set[asyncio.Task[None]] = set()
 
 
@@ -421,6 +443,7 @@ class EvergreenServicer(evergreen_pb2_grpc.EvergreenServiceServicer):
         st = await self.runtime.open_session("evergreen", meta={"transport": "grpc", "peer": str(context.peer())})
         stream = _Stream(self.runtime, st.session_id)
         await context.send_initial_metadata((("x-session-id", st.session_id),))
+        _STREAMS.add(stream)
         stream.start(request_iterator)
         ended = False
         try:
@@ -433,10 +456,8 @@ class EvergreenServicer(evergreen_pb2_grpc.EvergreenServiceServicer):
                 yield msg
             ended = True
         finally:
-            ending = asyncio.ensure_future(stream.finish(cancelled=not ended))
-            _ENDINGS.add(ending)
-            ending.add_done_callback(_ENDINGS.discard)
-            await asyncio.shield(ending)
+            _STREAMS.discard(stream)
+            await asyncio.shield(stream.end(cancelled=not ended))
         if stream.error is not None:
             await context.abort(code_for(stream.error), message_for(stream.error))
 
@@ -447,8 +468,11 @@ def add_to_server(server: Any, runtime: Runtime, options: Mapping[str, Any]) -> 
 
 
 async def drain(server: Any, limit_s: float) -> None:
-    """Wait (up to ``limit_s``) for streams cancelled at shutdown to record their ending."""
+    """End the streams still open after the grace period; wait up to ``limit_s`` for the records."""
     loop = asyncio.get_running_loop()
+    for stream in [s for s in _STREAMS if s.loop is loop]:
+        _STREAMS.discard(stream)
+        stream.end(cancelled=True)
     pending = [t for t in _ENDINGS if not t.done() and t.get_loop() is loop]
     if pending:
         await asyncio.wait(pending, timeout=limit_s)

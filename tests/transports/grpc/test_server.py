@@ -1,0 +1,198 @@
+"""The gRPC server itself: auth, health, reflection, limits, TLS, options, graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from core.errors import ConfigError
+from core.events import T
+from core.registry import TRANSPORTS, load
+from tests.conftest import make_config
+from tests.transports.grpc.conftest import Serve, Served
+from transports.grpc.client import EvergreenClient, action, sampling_config, text_fragments
+from transports.grpc.plugin import GrpcTransport
+
+EVERGREEN = "evergreen.v2.EvergreenService"
+HEALTH = "grpc.health.v1.Health"
+REFLECTION = "grpc.reflection.v1alpha.ServerReflection"
+
+
+async def _list_services(target: str, metadata: tuple[tuple[str, str], ...] = ()) -> list[str]:
+    async with grpc.aio.insecure_channel(target) as ch:
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+        req = reflection_pb2.ServerReflectionRequest(list_services="")
+        names = []
+        async for r in stub.ServerReflectionInfo(iter([req]), metadata=metadata):
+            names.extend(s.name for s in r.list_services_response.service)
+        return names
+
+
+async def _one_generate(client: EvergreenClient, **params: object) -> tuple[str, dict[str, bytes]]:
+    async with client.session() as s:
+        await s.send(actions=[action("GENERATE", inputs={"p": "p"}, outputs={"text": "r"},
+                                     configs=[sampling_config(**(params or {"max_tokens": 4}))])],
+                     fragments=text_fragments("p", "hello"))
+        await s.done_writing()
+        nodes = await s.collect()
+        return await s.session_id(), nodes
+
+
+def test_entry_point_is_the_grpc_transport() -> None:
+    assert load(TRANSPORTS, "grpc") is GrpcTransport
+
+
+async def test_health_and_reflection_list_every_service(server: Served) -> None:
+    names = await _list_services(server.target)
+    assert {EVERGREEN, HEALTH, REFLECTION} <= set(names)
+    assert set(server.transport.server.services) <= set(names)  # type: ignore[union-attr]
+    async with grpc.aio.insecure_channel(server.target) as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        for svc in ("", *names):
+            if svc in (HEALTH, REFLECTION):
+                continue
+            resp = await health.Check(health_pb2.HealthCheckRequest(service=svc))
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING, svc
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await health.Check(health_pb2.HealthCheckRequest(service="nope.v1.Nope"))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_bearer_token(serve: Serve) -> None:
+    served = await serve(token="s3cret")
+    rt = served.runtime
+    before = await rt.log.count() if hasattr(rt.log, "count") else None
+    for token in (None, "wrong", "s3cret-but-longer"):
+        async with served.client(token=token) as c:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await _one_generate(c)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "bearer token" in (err.value.details() or "")
+    if before is not None:
+        assert await rt.log.count() == before  # nothing recorded for rejected calls
+    async with served.client(token="s3cret") as c:
+        sid, nodes = await _one_generate(c)
+    assert "r" in nodes and sid
+    # Reflection needs the token; health stays open for probes.
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await _list_services(served.target)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert EVERGREEN in await _list_services(served.target, (("authorization", "Bearer s3cret"),))
+    async with grpc.aio.insecure_channel(served.target) as ch:
+        resp = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_message_size_limit(serve: Serve) -> None:
+    served = await serve(max_message_bytes=2048)
+    rt = served.runtime
+    async with served.client() as c, c.session() as s:
+        sid = await s.session_id()
+        await s.send(fragments=text_fragments("small", "fits"))
+        await s.send(fragments=text_fragments("big", "x" * 4096))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await s.collect()
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    for _ in range(300):
+        st = await rt.load(sid)
+        if st.status != "open":
+            break
+        await asyncio.sleep(0.01)
+    # The oversized message never reached the session; what came before is kept.
+    assert set(st.nodes) == {"small"}
+    assert st.status in ("closed", "aborted")
+
+
+async def test_graceful_shutdown_lets_a_short_stream_finish(serve: Serve) -> None:
+    served = await serve()
+    async with served.client() as c, c.session() as s:
+        await s.send(actions=[action("GENERATE", inputs={"p": "p"}, outputs={"text": "r"},
+                                     configs=[sampling_config(max_tokens=20, seed=1)])],
+                     fragments=text_fragments("p", "hello"))
+        await s.done_writing()
+        first = await anext(aiter(s))
+        assert first.node_fragments
+        stopping = asyncio.create_task(served.transport.stop(5.0))
+        nodes = await s.collect()  # the rest arrives and the status is OK
+        await stopping
+        sid = await s.session_id()
+    assert "r" in nodes
+    evs = await served.runtime.log.read(sid, 1, None)
+    assert [e.body["finish_reason"] for e in evs if e.type == T.GENERATION_FINISHED] != ["cancelled"]
+    assert evs[-1].type == T.SESSION_CLOSED and evs[-1].body["reason"] == "client"
+
+
+async def test_shutdown_cancels_a_generation_still_running_at_the_deadline(serve: Serve) -> None:
+    served = await serve()
+    async with served.client() as c, c.session() as s:
+        sid = await s.session_id()
+        await s.send(actions=[action("GENERATE", inputs={"p": "p"}, outputs={"text": "r"},
+                                     configs=[sampling_config(max_tokens=4000)])],
+                     fragments=text_fragments("p", "hello"))
+        await anext(aiter(s))
+        await served.transport.stop(0.2)
+        with pytest.raises(grpc.aio.AioRpcError):
+            await s.collect()
+    # stop() returned only after the cancellation was recorded.
+    st = await served.runtime.load(sid)
+    evs = await served.runtime.log.read(sid, 1, None)
+    [fin] = [e for e in evs if e.type == T.GENERATION_FINISHED]
+    assert fin.body["finish_reason"] == "cancelled"
+    assert 0 < fin.body["completion_tokens"] < 4000
+    assert st.status == "closed" and evs[-1].body["reason"] == "cancelled"
+    # Everything the client was sent is in the log, in order.
+    sent = [e for e in evs if e.type == T.NODE_FRAGMENT and e.body["direction"] == "out"]
+    assert [(f.id, f.seq) for m in s.received for f in m.node_fragments] == \
+        [(e.body["id"], e.body["seq"]) for e in sent][: sum(len(m.node_fragments) for m in s.received)]
+
+
+def _self_signed(tmp: Path) -> tuple[Path, Path]:
+    cert, key = tmp / "cert.pem", tmp / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    return cert, key
+
+
+async def test_tls(serve: Serve, tmp_path: Path) -> None:
+    try:
+        cert, key = _self_signed(tmp_path)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        pytest.skip(f"openssl cannot make a test certificate: {exc}")
+    served = await serve(tls_cert=str(cert), tls_key=str(key))
+    creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+    async with served.client(credentials=creds) as c:
+        _, nodes = await _one_generate(c)
+    assert "r" in nodes
+    async with served.client() as plain:  # plaintext to a TLS port fails
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await _one_generate(plain)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.parametrize(
+    ("options", "text"),
+    [
+        ({"tls_cert": "/nonexistent/cert.pem"}, "tls_cert and tls_key"),
+        ({"tls_cert": "/nonexistent/c.pem", "tls_key": "/nonexistent/k.pem"}, "cannot read TLS files"),
+        ({"listen": "nonsense"}, "HOST:PORT"),
+        ({"max_message_bytes": -1}, "max_message_bytes"),
+    ],
+)
+async def test_bad_options_are_config_errors(serve: Serve, options: dict[str, object], text: str) -> None:
+    with pytest.raises(ConfigError, match=text):
+        await serve(**options)
+
+
+async def test_port_in_use_is_a_config_error(serve: Serve, runtime: object, sqlite_url: str) -> None:
+    first = await serve()
+    cfg = make_config(sqlite_url)
+    second = GrpcTransport(first.runtime, {"listen": first.target}, cfg)
+    with pytest.raises(ConfigError, match="cannot listen"):
+        await second.start()
