@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 from typing import Any
 
 import grpc
@@ -257,6 +258,7 @@ async def test_images_are_pad_runs_stored_in_the_log(serve: Serve) -> None:
     assert await dump(s.salience, sid) == history
     [att] = await events(s.runtime, sid, T.IMAGE_ATTACHED)
     assert att.data == PNG and att.body["mime"] == "image/png"
+    assert await s.runtime.log.get_blob(hashlib.sha256(PNG).hexdigest()) == PNG  # content-addressed
     st = await s.runtime.get(sid)
     assert [(i.start, i.end) for i in st.images] == [(5, 15)]
 
@@ -278,7 +280,7 @@ async def test_bad_images_are_invalid_and_change_nothing(serve: Serve) -> None:
             session_id=sid, append_tokens=toks, offset=3, images=imgs)))
     assert await dump(s.salience, sid) == PROMPT[:3]
     assert await version(s.runtime, sid) == v
-    assert not await s.runtime.log.get_blob("0" * 64)
+    assert await s.runtime.log.get_blob(hashlib.sha256(PNG).hexdigest()) is None
 
 
 class NoImages(ReferenceEngine):
@@ -370,3 +372,18 @@ async def test_client_cancel_is_recorded_as_cancelled(serve: Serve) -> None:
     await asyncio.sleep(0)
     tokens, _ = await generate(s.salience, session_id=sid, offset=len(history), max_tokens=1)
     assert len(tokens) == 1
+
+
+async def test_server_shutdown_mid_generation_records_the_cancel(serve: Serve) -> None:
+    s = await serve(engine=ReferenceEngine(step_delay_s=0.05))
+    sid = await open_with(s.salience, PROMPT)
+    call = s.salience.Generate(spb.GenerateRequest(session_id=sid, offset=len(PROMPT), max_tokens=500))
+    it = call.__aiter__()
+    await it.__anext__()
+    await s.transport.stop(0.1)  # grace runs out: the call is cancelled, drain waits for its record
+    [*_, fin] = await events(s.runtime, sid, T.GENERATION_FINISHED)
+    assert fin.body["finish_reason"] == "cancelled"
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in it:
+            pass
+    assert err.value.code() == Code.UNAVAILABLE  # the client sees the server go, never a Done
