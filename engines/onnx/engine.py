@@ -13,7 +13,8 @@ Options (all keyword, as ``[engine.options]`` in the config):
 - ``size``: ``tiny`` (default) or ``small``, for the demo model.
 - ``providers``: ``"auto"`` (CUDA when this build offers it and it loads,
   else CPU) or a list / comma-separated names.
-- ``intra_op_threads``, ``inter_op_threads``: ONNX Runtime thread pools (0 = its default).
+- ``intra_op_threads``, ``inter_op_threads``: ONNX Runtime thread pools (default: all
+  logical CPUs for intra-op; 0 = onnxruntime's own default).
 - ``kv_cache_bytes``: bound on all sessions' KV caches (default 1 GiB).
 - ``readout_concepts``: a JSON file of concept directions (default: the model folder's).
 - ``max_length``: context limit (default: the model's).
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -55,7 +57,7 @@ log = logging.getLogger("sessiontape.engines.onnx")
 
 class OnnxEngine(Engine):
     def __init__(self, model_dir: str | Path | None = None, size: str = "tiny",
-                 providers: str | Sequence[str] = "auto", intra_op_threads: int = 0,
+                 providers: str | Sequence[str] = "auto", intra_op_threads: int | None = None,
                  inter_op_threads: int = 0, kv_cache_bytes: int = 1 << 30,
                  readout_concepts: str | Path | None = None, max_length: int | None = None,
                  prefill_chunk: int = 256, io_binding: bool | None = None, workers: int = 1,
@@ -75,7 +77,9 @@ class OnnxEngine(Engine):
             raise ConfigError("prefill_chunk and workers must be >= 1 and kv_cache_bytes >= 0")
         ort = quiet_ort()
         chosen = choose_providers(providers)
-        self._sess = open_session(str(path), chosen, int(intra_op_threads), int(inter_op_threads))
+        # onnxruntime's own default counts physical cores, which leaves half of a hyper-threaded VM idle
+        threads = (os.cpu_count() or 1) if intra_op_threads is None else int(intra_op_threads)
+        self._sess = open_session(str(path), chosen, threads, int(inter_op_threads))
         self.spec: GraphSpec = infer_graph(self._sess.get_inputs(), self._sess.get_outputs())
         provider = str(self._sess.get_providers()[0])
         bind = provider == CUDA if io_binding is None else bool(io_binding)

@@ -23,8 +23,8 @@ from engines.sampling import log_softmax
 
 
 async def collect(engine: OnnxEngine, key: str, history: Sequence[int], params: SamplingParams,
-                  options: OutputOptions = OutputOptions()) -> list[Step]:
-    return [s async for s in engine.generate(key, history, params, options)]
+                  options: OutputOptions | None = None) -> list[Step]:
+    return [s async for s in engine.generate(key, history, params, options or OutputOptions())]
 
 
 def prefill_only() -> SamplingParams:
@@ -125,7 +125,7 @@ async def test_readouts_are_concept_cosines(onnx_engine: OnnxEngine, tiny_dir: P
     assert sorted(p for p, s in by_pos.items() if s.readout is not None) == [5, 6, 25, 26]
     manifest = onnx_engine.info.readout_manifest
     assert manifest is not None
-    full = raw_prefill(tiny_dir, hist + [by_pos[25].token_id, by_pos[26].token_id])
+    full = raw_prefill(tiny_dir, [*hist, by_pos[25].token_id, by_pos[26].token_id])
     concepts = json.loads((tiny_dir / "readout_concepts.json").read_text())
     for p in (5, 6, 25, 26):
         want = []
