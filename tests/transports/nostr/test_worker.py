@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import sys
+from pathlib import Path
 from typing import Any
+
+import nostr_sdk as ns
+import pytest
+
+import websockets
 
 from core.events import T
 from core.runtime import Runtime
@@ -143,14 +152,10 @@ async def test_forged_and_malformed_events(runtime: Runtime, make_worker: Worker
         good = json.loads(caller.sign(json.dumps(call_body()), [["e", fid]]).as_json())
         bad_sig = {**good, "sig": good["sig"][:-8] + "00000000"}
         bad_id = {**good, "content": json.dumps(call_body(max_total_cost=1))}
-        import websockets
-
         async with websockets.connect(relay.url) as ws:
             for ev in (bad_sig, bad_id):
                 await ws.send(json.dumps(["EVENT", ev]))
                 await ws.recv()
-        import nostr_sdk as ns
-
         # the same forgeries handed to the worker directly are dropped and counted
         for ev in (bad_sig, bad_id):
             assert worker.ingest(ns.Event.from_json(json.dumps(ev))) is False
@@ -196,8 +201,6 @@ async def test_duplicates_across_two_relays_answered_once(runtime: Runtime, make
             ins = [p for d, p in await wire(runtime, "d4_" + cid[:48]) if d == "in"]
             assert [p["id"] for p in ins] == [cid]
         # the same signed call delivered again (to the worker directly) is a duplicate
-        import nostr_sdk as ns
-
         assert worker.ingest(ns.Event.from_json(json.dumps(caller.sent[ids[0]]))) is False
         await eventually(lambda: worker.stats["answered"] == 3, what="3 answers")
         assert worker.stats["calls"] == 3
@@ -244,3 +247,72 @@ async def test_restart_while_calls_arrive(sqlite_url: str, make_worker: WorkerFa
         if rt2 is not None:
             await worker2.stop()
             await rt2.aclose()
+
+
+class RejectFirst(ns.WritePolicy):
+    """A relay write policy that rate-limits the first ``n`` events from one author."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.author: str | None = None
+        self.rejected = 0
+
+    async def admit_event(self, event: Any, socket_addr: str) -> Any:
+        if event.author().to_hex() == self.author and self.rejected < self.n:
+            self.rejected += 1
+            return ns.WritePolicyResult.REJECT("rate-limited: slow down")
+        return ns.WritePolicyResult.ACCEPT()
+
+
+async def test_rate_limited_publish_is_retried(runtime: Runtime, make_worker: WorkerFactory,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    ns.uniffi_set_event_loop(asyncio.get_running_loop())
+    policy = RejectFirst(3)
+    relay = await LocalRelay(policy).start()
+    try:
+        worker = await make_worker(runtime, [relay.url], function_ids=["ab" * 32])
+        policy.author = worker.pubkey
+        caller = await Caller(worker.pubkey).connect(relay.url)
+        try:
+            with caplog.at_level(logging.WARNING, "sessiontape.nostr"):
+                final = await caller.wait_final(await caller.call("ab" * 32, call_body()))
+            assert final["body"]["result"] is not None
+            assert policy.rejected == 3 and worker.stats["publish_failures"] == 3
+            assert sum("rate-limited" in r.getMessage() for r in caplog.records) == 3
+        finally:
+            await caller.close()
+    finally:
+        relay.stop()
+
+
+async def test_cli_call_prints_results(runtime: Runtime, make_worker: WorkerFactory, local_relay: LocalRelay) -> None:
+    worker = await make_worker(runtime, [local_relay.url])
+    [fid] = worker.functions
+    proc = await asyncio.create_subprocess_exec(
+        str(Path(sys.executable).parent / "sessiontape"), "nostr", "call", "--relay", local_relay.url,
+        "--function", fid, "--prompt", "Hello", "--max-total-cost", "3000", "--timeout", "30",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    lines = [json.loads(x) for x in out.decode().splitlines()]
+    assert lines[0]["accepted_by"] == [local_relay.url]
+    assert lines[-1]["more_results"] is True and lines[-1]["total_cost"] == 3000
+
+
+async def test_nip90_text_generation_job(runtime: Runtime, make_worker: WorkerFactory,
+                                         local_relay: LocalRelay) -> None:
+    worker = await make_worker(runtime, [local_relay.url])
+    caller = await Caller(worker.pubkey).connect(local_relay.url)
+    try:
+        job = await caller.publish(caller.sign("", [["i", "Tell me", "text"], ["param", "max_tokens", "5"],
+                                                    ["bid", "4000"]], kind=5050))
+        result = await eventually(lambda: [d for d in caller.received.values() if d["kind"] == 6050])
+        statuses = [t[1] for d in caller.received.values() if d["kind"] == 7000 for t in d["tags"] if t[0] == "status"]
+        assert statuses == ["processing"]
+        tags = {t[0]: t[1:] for t in result[0]["tags"]}
+        assert tags["e"] == [job] and tags["p"] == [caller.pubkey] and tags["amount"] == ["4000"]
+        st = await runtime.get("d4_" + job[:48])
+        assert result[0]["content"] == runtime.engine.detokenize(list(st.tokens[len("Tell me"):]))
+        assert [p["id"] for d, p in await wire(runtime, st.session_id) if d == "in"] == [job]
+    finally:
+        await caller.close()

@@ -1,0 +1,94 @@
+"""``sessiontape nostr call``: publish a signed D4 call and print results as they arrive.
+
+    sessiontape nostr call --relay ws://127.0.0.1:7777 --function <id> --prompt "Hello" \\
+        --max-total-cost 50000 --max-iteration-cost 1000 --key-file caller.key
+
+Each reply (intermediate result, final result, price suggestion or error)
+is printed as one JSON line; the command exits 0 after the final reply,
+1 on an ``err`` reply and 2 when ``--timeout`` passes first. Without
+``--key-file`` a throwaway key signs the call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import sys
+import time
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    nostr = subparsers.add_parser("nostr", help="D4 (DDIP-001) over nostr")
+    sub = nostr.add_subparsers(dest="nostr_command", required=True)
+    call = sub.add_parser("call", help="publish a signed call and print results as they arrive")
+    call.add_argument("--relay", action="append", required=True, help="relay URL (repeatable)")
+    call.add_argument("--function", required=True, help="function event id (hex)")
+    call.add_argument("--prompt", required=True)
+    call.add_argument("--max-total-cost", type=int, default=100_000, help="msat for the whole call")
+    call.add_argument("--max-iteration-cost", type=int, default=1000, help="msat per iteration (token)")
+    call.add_argument("--max-tokens", type=int, default=None)
+    call.add_argument("--seed", type=int, default=None)
+    call.add_argument("--temperature", type=float, default=0.0)
+    call.add_argument("--continue", dest="continue_from", default=None,
+                      help="a result event id with more_results: true to continue")
+    call.add_argument("--key-file", default=None, help="secret key (nsec or hex); default: a throwaway key")
+    call.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the final result")
+    call.set_defaults(func=run_call)
+
+
+def call_content(args: argparse.Namespace) -> str:
+    call_args: dict[str, Any] = {"prompt": args.prompt, "temperature": args.temperature,
+                                 "max_tokens": args.max_tokens, "seed": args.seed}
+    return json.dumps({"max_iteration_cost": args.max_iteration_cost, "max_total_cost": args.max_total_cost,
+                       "results": 1, "version": "0.1.0", "args": call_args})
+
+
+async def run_call(args: argparse.Namespace) -> int:
+    import nostr_sdk as ns
+
+    if args.key_file:
+        with open(args.key_file) as fh:
+            keys = ns.Keys.parse(fh.read().strip())
+    else:
+        keys = ns.Keys.generate()
+    client = ns.ClientBuilder().build()
+    for url in args.relay:
+        await client.add_relay(ns.RelayUrl.parse(url))
+    await client.connect(datetime.timedelta(seconds=5))
+    tags = [["e", args.function]] + ([["e", args.continue_from]] if args.continue_from else [])
+    event = ns.EventBuilder(ns.Kind(1), call_content(args)).tags([ns.Tag.parse(t) for t in tags]).finalize(keys)
+    call_id = event.id().to_hex()
+    notes = client.notifications()
+    await client.subscribe(ns.ReqTarget.auto([ns.Filter().kind(ns.Kind(1)).event(event.id())
+                                              .since(ns.Timestamp.from_secs(int(time.time()) - 60))]))
+    out = await client.send_event(event)
+    print(json.dumps({"call": call_id, "accepted_by": [str(u) for u in out.success],
+                      "rejected_by": {str(u): str(m) for u, m in out.failed.items()}}), flush=True)
+    code = 2
+    try:
+        async with asyncio.timeout(args.timeout):
+            while True:
+                note = await notes.next()
+                if note.is_shutdown():
+                    break
+                if not note.is_new_event():
+                    continue
+                reply = json.loads(note.event.as_json())
+                try:
+                    body = json.loads(reply["content"])
+                except ValueError:
+                    continue
+                if not isinstance(body, dict):
+                    continue
+                print(json.dumps({"id": reply["id"], "pubkey": reply["pubkey"], **body}), flush=True)
+                if not body.get("partial"):
+                    code = 1 if body.get("err") else 0
+                    break
+    except TimeoutError:
+        print(f"no final result within {args.timeout}s", file=sys.stderr)
+    finally:
+        await client.shutdown()
+    return code
