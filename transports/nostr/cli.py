@@ -17,6 +17,7 @@ import datetime
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 
@@ -50,8 +51,8 @@ async def run_call(args: argparse.Namespace) -> int:
     import nostr_sdk as ns
 
     if args.key_file:
-        with open(args.key_file) as fh:
-            keys = ns.Keys.parse(fh.read().strip())
+        # a one-line key file read once before any I/O starts
+        keys = ns.Keys.parse(Path(args.key_file).read_text().strip())  # noqa: ASYNC240
     else:
         keys = ns.Keys.generate()
     client = ns.ClientBuilder().build()

@@ -24,15 +24,15 @@ from transports.nostr.worker import D4Worker
 WAIT_S = 20.0
 
 
-async def eventually(check: Callable[[], Any], timeout: float = WAIT_S, what: str = "condition") -> Any:
+async def eventually(check: Callable[[], Any], within: float = WAIT_S, what: str = "condition") -> Any:
     """Poll ``check`` until it returns something truthy; fail after ``timeout``."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + within
     while True:
         value = check()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
+            raise AssertionError(f"timed out after {within}s waiting for {what}")
         await asyncio.sleep(0.05)
 
 
@@ -89,7 +89,7 @@ class NostrRelayProcess:
         self.proc = subprocess.Popen([str(exe), "-c", str(self.config), "serve", "--use-uvicorn"],
                                      cwd=self.workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
-    async def wait_up(self, timeout: float = 30.0) -> None:
+    async def wait_up(self, within: float = 30.0) -> None:
         async def probe() -> bool:
             try:
                 _, w = await asyncio.open_connection("127.0.0.1", self.port)
@@ -98,7 +98,7 @@ class NostrRelayProcess:
             w.close()
             return True
 
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + within
         while not await probe():
             assert self.proc is not None and self.proc.poll() is None, "nostr-relay exited"
             if time.monotonic() > deadline:
@@ -205,8 +205,8 @@ class Caller:
         assert len(finals) <= 1, f"call {call_id} answered {len(finals)} times"
         return finals[0] if finals else None
 
-    async def wait_final(self, call_id: str, timeout: float = WAIT_S) -> dict[str, Any]:
-        result: dict[str, Any] = await eventually(lambda: self.final(call_id), timeout, f"final result of {call_id[:8]}")
+    async def wait_final(self, call_id: str, within: float = WAIT_S) -> dict[str, Any]:
+        result: dict[str, Any] = await eventually(lambda: self.final(call_id), within, f"final result of {call_id[:8]}")
         return result
 
     async def close(self) -> None:

@@ -11,7 +11,6 @@ from typing import Any
 
 import nostr_sdk as ns
 import pytest
-
 import websockets
 
 from core.events import T
