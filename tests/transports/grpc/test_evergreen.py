@@ -378,13 +378,13 @@ async def test_barrier_waits_for_inputs_while_fragments_keep_coming(
                      fragments=[fragment("root", child_ids=["a", "b"])])
         await s.send(fragments=text_fragments("a", "alpha "))
         await s.send(fragments=[fragment("b", continued=True, data=b"be", mimetype="text/plain")])
-        # Round trip a health check-free marker: the server has recorded what we sent
-        # once a later session call sees it; poll the log for the third fragment.
-        for _ in range(200):
+        # Wait until the server has recorded the three fragments sent so far.
+        for _ in range(500):
             evs = await rt.log.read(sid, 1, None)
             if sum(e.type == T.NODE_FRAGMENT for e in evs) == 3:
                 break
             await _yield()
+        assert sum(e.type == T.NODE_FRAGMENT for e in evs) == 3
         assert not [e for e in evs if e.type == T.GENERATION_STARTED], "ran before its inputs were complete"
         await s.send(fragments=[fragment("b", seq=1, data=b"ta")])
         await s.done_writing()
