@@ -266,11 +266,12 @@ class Api:
                 async for chunk in stream:
                     yield chunk
             finally:
-                # the client went away: stop the generation (recorded as cancelled)
+                # The client went away: stop the generation (the runtime records it as
+                # cancelled). Cancel exactly once and do not await it here: this
+                # generator is itself being cancelled, and a cancelled await would
+                # re-cancel the task in the middle of its cleanup.
                 if not task.done():
                     task.cancel()
-                    with contextlib.suppress(BaseException):
-                        await task
                 await stream.aclose()
 
         return _sse(body())

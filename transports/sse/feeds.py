@@ -300,13 +300,14 @@ async def _next(watcher: Watcher, until: asyncio.Future[int] | None, wait_s: flo
         return watcher.queue.get_nowait()
     get: asyncio.Future[Any] = asyncio.ensure_future(watcher.queue.get())
     waiting: set[asyncio.Future[Any]] = {get, until}
-    done, _ = await asyncio.wait(waiting, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
-    if get in done:
+    try:
+        await asyncio.wait(waiting, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not get.done():
+            get.cancel()
+    if get.done() and not get.cancelled():
         got: Entry = get.result()
         return got
-    get.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await get
     return None
 
 
