@@ -123,7 +123,7 @@ def _paths(doc: Any, prefix: str = "") -> list[str]:
 def doc_and_op(draw: st.DrawFn) -> tuple[Any, dict[str, Any]]:
     doc = draw(st.dictionaries(keys, json_values, min_size=1, max_size=4))
     paths = _paths(doc)
-    path = draw(st.sampled_from(paths + ["/zz", "/0/zz", "/" + "~1"]))
+    path = draw(st.sampled_from([*paths, "/zz", "/0/zz", "/~1"]))
     kind = draw(st.sampled_from(["add", "remove", "replace", "move", "copy", "test"]))
     op: dict[str, Any] = {"op": kind, "path": path}
     if kind in ("add", "replace"):
