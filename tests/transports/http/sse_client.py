@@ -21,7 +21,8 @@ class SseEvent:
 
 
 async def events(resp: httpx.Response, *, comments: list[str] | None = None) -> AsyncIterator[SseEvent]:
-    event, data, id_ = "message", [], None
+    event, id_ = "message", None
+    data: list[str] = []
     async for line in resp.aiter_lines():
         if line == "":
             if data:
