@@ -169,11 +169,15 @@ class D4Worker:
         this refreshes the subscription so an outage's calls are fetched.
         """
         was: dict[str, bool] = {}
+        first = True
         while True:
-            await asyncio.sleep(0.25)
+            if not first:
+                await asyncio.sleep(0.25)
+            first = False
             try:
                 relays = await self._client.relays()
-            except Exception:
+            except Exception as exc:
+                log.debug("listing relays failed: %s", exc)
                 continue
             for url, relay in relays.items():
                 key = str(url)
@@ -189,6 +193,7 @@ class D4Worker:
                         log.warning("relay %s: re-subscribe failed: %s", key, exc)
                         continue
                 elif was.get(key) and not up:
+                    self.stats["disconnects"] += 1
                     log.warning("relay %s disconnected (%s); reconnecting", key, relay.status())
                 was[key] = up
 

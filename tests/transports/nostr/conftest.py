@@ -105,6 +105,13 @@ class NostrRelayProcess:
                 raise AssertionError("nostr-relay did not start")
             await asyncio.sleep(0.1)
 
+    def kill(self) -> None:
+        """An outage: the relay dies without closing its connections."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
@@ -149,8 +156,9 @@ class Caller:
         self._reader: asyncio.Task[None] | None = None
 
     async def connect(self, *urls: str) -> Caller:
+        opts = ns.RelayOptions().retry_interval(datetime.timedelta(seconds=0.5))
         for u in urls:
-            await self.client.add_relay(ns.RelayUrl.parse(u))
+            await self.client.add_relay(ns.RelayUrl.parse(u), opts=opts)
         await self.client.connect(datetime.timedelta(seconds=5))
         notes = self.client.notifications()
         f = (ns.Filter().author(ns.PublicKey.parse(self.worker_pubkey))
@@ -168,6 +176,15 @@ class Caller:
             if n.is_new_event():
                 d = json.loads(n.event.as_json())
                 self.received[d["id"]] = d
+
+    async def wait_connected(self) -> None:
+        async def all_up() -> bool:
+            return all(r.status() == ns.RelayStatus.CONNECTED for r in (await self.client.relays()).values())
+
+        deadline = time.monotonic() + WAIT_S
+        while not await all_up():
+            assert time.monotonic() < deadline, "caller did not reconnect"
+            await asyncio.sleep(0.05)
 
     def sign(self, content: str, tags: list[list[str]], kind: int = 1, created_at: int | None = None) -> Any:
         b = ns.EventBuilder(ns.Kind(kind), content).tags([ns.Tag.parse(t) for t in tags])

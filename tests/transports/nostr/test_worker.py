@@ -315,3 +315,25 @@ async def test_nip90_text_generation_job(runtime: Runtime, make_worker: WorkerFa
         assert [p["id"] for d, p in await wire(runtime, st.session_id) if d == "in"] == [job]
     finally:
         await caller.close()
+
+
+async def test_relay_outage_reconnects_and_catches_up(runtime: Runtime, make_worker: WorkerFactory,
+                                                      relay_process: Any) -> None:
+    relay = await relay_process()
+    worker = await make_worker(runtime, [relay.url])
+    [fid] = worker.functions
+    caller = await Caller(worker.pubkey).connect(relay.url)
+    try:
+        first = await caller.call(fid, call_body("before the outage"))
+        await caller.wait_final(first)
+        relay.kill()
+        await eventually(lambda: worker.stats["disconnects"] >= 1, what="the worker to see the outage")
+        relay.start()  # same port, same database
+        await relay.wait_up()
+        await eventually(lambda: worker.stats["resubscribed"] >= 1, 30, "the worker to re-subscribe")
+        await caller.wait_connected()
+        later = await caller.call(fid, call_body("after the outage"))
+        await caller.wait_final(later, 30)
+        assert caller.final(first) is not None  # still answered exactly once
+    finally:
+        await caller.close()
