@@ -337,3 +337,24 @@ async def test_relay_outage_reconnects_and_catches_up(runtime: Runtime, make_wor
         assert caller.final(first) is not None  # still answered exactly once
     finally:
         await caller.close()
+
+
+async def test_plugin_from_the_registry(runtime: Runtime, local_relay: LocalRelay, tmp_path: Path,
+                                        caplog: pytest.LogCaptureFixture) -> None:
+    from core.errors import ConfigError
+    from core.registry import TRANSPORTS, load
+
+    cls = load(TRANSPORTS, "nostr")
+    with pytest.raises(ConfigError):
+        await cls(runtime, {"relays": [local_relay.url]}, runtime.config).start()  # no key
+    keys = ns.Keys.generate()
+    secret = keys.secret_key().to_bech32()
+    (tmp_path / "k").write_text(secret + "\n")
+    transport = cls(runtime, {"relays": [local_relay.url], "key_file": str(tmp_path / "k")}, runtime.config)
+    with caplog.at_level(logging.DEBUG):
+        line = await transport.start()
+    try:
+        assert keys.public_key().to_hex() in line and local_relay.url in line
+        assert secret not in caplog.text and keys.secret_key().to_hex() not in caplog.text
+    finally:
+        await transport.stop()
