@@ -17,6 +17,7 @@ is in docs/events.md; the type names are the constants of :class:`T`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Mapping
@@ -62,7 +63,7 @@ class NewEvent:
     data: bytes | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Event:
     """A committed event, as read back from the log."""
 
@@ -106,8 +107,12 @@ class Event:
         )
 
 
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode
+_STRING = json.JSONEncoder(ensure_ascii=False).encode
+
+
 def canonical_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return _CANONICAL(value)
 
 
 def chain_hash(
@@ -119,9 +124,31 @@ def chain_hash(
     data: bytes | None,
     recorded_at: float,
 ) -> str:
-    data_digest = None if data is None else hashlib.sha256(data).hexdigest()
-    payload = canonical_json([session_id, version, type_, body, data_digest, repr(recorded_at)])
+    return chain_hash_json(prev_hash, session_id, version, type_, canonical_json(body), data, recorded_at)
+
+
+def chain_hash_json(
+    prev_hash: str,
+    session_id: str,
+    version: int,
+    type_: str,
+    body_json: str,
+    data: bytes | None,
+    recorded_at: float,
+) -> str:
+    """:func:`chain_hash` with the body already in canonical JSON (the write path
+    encodes each body once, for both the hash and the stored column)."""
+    data_digest = "null" if data is None else '"' + hashlib.sha256(data).hexdigest() + '"'
+    payload = (
+        f"[{_dumps(session_id)},{int(version)},{_dumps(type_)},{body_json},{data_digest},"
+        f"{_STRING(repr(recorded_at))}]"
+    )
     return hashlib.sha256((prev_hash + payload).encode()).hexdigest()
+
+
+@functools.lru_cache(maxsize=65536)
+def _dumps(s: str) -> str:
+    return _STRING(s)
 
 
 def event_hash(e: Event) -> str:

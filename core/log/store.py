@@ -38,7 +38,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 
 from core import metrics
 from core.errors import ChainBroken, ConcurrencyError, InvalidEvent, SessionNotFound
-from core.events import GENESIS_HASH, Event, NewEvent, T, canonical_json, chain_hash, event_hash
+from core.events import GENESIS_HASH, Event, NewEvent, T, canonical_json, chain_hash_json, event_hash
 from core.log.schema import blobs, events, sessions, snapshots
 
 log = logging.getLogger("sessiontape.log")
@@ -292,7 +292,12 @@ class EventLog:
             metrics.COMMIT_SECONDS.observe(time.perf_counter() - t0)
             metrics.BATCH_SIZE.observe(len(all_events))
             if self.dialect == "postgresql":
-                self._wake.set()
+                if self._subscribers:
+                    self._wake.set()
+                else:
+                    # Nobody listens: skip reading our own writes back. A new
+                    # subscriber catches up from the database anyway.
+                    self._published = max(self._published, all_events[-1].position)
             else:
                 self._publish(all_events)
 
@@ -338,15 +343,20 @@ class EventLog:
             await conn.exec_driver_sql("UPDATE sessions SET version = version WHERE 0")
         pos = int((await conn.execute(sa.select(sa.func.coalesce(sa.func.max(events.c.position), 0)))).scalar_one())
         now = time.time()
-        rows: list[dict[str, Any]] = []
+        rows: list[tuple[Any, ...]] = []
         blob_rows: dict[str, dict[str, Any]] = {}
         results: list[list[Event]] = []
-        pending_heads: dict[str, tuple[int, str]] = {}
+        pending: dict[str, tuple[int, str]] = {}
+        new_sessions: dict[str, dict[str, Any]] = {}
+        updates: dict[str, dict[str, Any]] = {}
+        inline_max = self.inline_max_bytes
         for req in batch:
             sid = req.session_id
-            head = pending_heads.get(sid) or await self._head(conn, sid)
+            head = pending.get(sid) or await self._head(conn, sid)
             if req.kind == "touch":
-                await conn.execute(sessions.update().where(sessions.c.id == sid).values(last_active_at=req.at))
+                if head is not None:
+                    upd = updates.setdefault(sid, {"n": 0})
+                    upd["last_active_at"] = req.at
                 results.append([])
                 continue
             cur_version = head[0] if head else 0
@@ -364,7 +374,9 @@ class EventLog:
                     if e.prev_hash != prev:
                         raise ChainBroken(f"import of {sid} v{e.version} does not continue the chain")
                     pos += 1
-                    out.append(Event(pos, sid, e.version, e.type, e.body, e.data, e.recorded_at, e.hash, e.prev_hash))
+                    ev = Event(pos, sid, e.version, e.type, e.body, e.data, e.recorded_at, e.hash, e.prev_hash)
+                    out.append(ev)
+                    rows.append(self._row(ev, canonical_json(ev.body), blob_rows, now, inline_max))
                     prev = e.hash
             else:
                 version = cur_version
@@ -373,35 +385,49 @@ class EventLog:
                     await conn.execute(snapshots.delete().where(snapshots.c.session_id == sid))
                 for ne in req.events:
                     assert isinstance(ne, NewEvent)
-                    body = dict(ne.body)
+                    body = ne.body
                     if req.kind == "purge":
                         body = {**body, "through_version": cur_version, "last_hash": prev}
                     version += 1
                     pos += 1
-                    h = chain_hash(prev, sid, version, ne.type, body, ne.data, now)
-                    out.append(Event(pos, sid, version, ne.type, body, ne.data, now, h, prev))
+                    body_json = canonical_json(body)
+                    h = chain_hash_json(prev, sid, version, ne.type, body_json, ne.data, now)
+                    ev = Event(pos, sid, version, ne.type, body, ne.data, now, h, prev)
+                    out.append(ev)
+                    rows.append(self._row(ev, body_json, blob_rows, now, inline_max))
                     prev = h
-            for e in out:
-                data, blob_sha = e.data, None
-                if data is not None and len(data) > self.inline_max_bytes:
-                    blob_sha = hashlib.sha256(data).hexdigest()
-                    blob_rows[blob_sha] = {"sha256": blob_sha, "size": len(data), "data": data, "created_at": now}
-                    data = None
-                rows.append({
-                    "position": e.position, "session_id": sid, "version": e.version, "type": e.type,
-                    "body": canonical_json(e.body), "data": data, "blob_sha": blob_sha,
-                    "recorded_at": e.recorded_at, "hash": e.hash, "prev_hash": e.prev_hash,
-                })
-            await self._index(conn, req, head, out, now)
-            pending_heads[sid] = (out[-1].version, out[-1].hash) if out else (head or (0, GENESIS_HASH))
+            if out:
+                self._index(req, head, out, now, new_sessions, updates)
+                pending[sid] = (out[-1].version, out[-1].hash)
             results.append(out)
         if blob_rows:
             await self._put_blobs(conn, list(blob_rows.values()))
+        if new_sessions:
+            await conn.execute(sessions.insert(), list(new_sessions.values()))
         if rows:
-            await conn.execute(events.insert(), rows)
+            await conn.exec_driver_sql(self._insert_sql, rows)  # type: ignore[arg-type]
+        if updates:
+            await self._apply_updates(conn, updates)
         if self.dialect == "postgresql" and rows:
             await conn.execute(sa.text("SELECT pg_notify(:c, :p)"), {"c": PG_CHANNEL, "p": str(pos)})
         return results
+
+    @property
+    def _insert_sql(self) -> str:
+        cols = "position, session_id, version, type, body, data, blob_sha, recorded_at, hash, prev_hash"
+        marks = ", ".join(f"${i}" for i in range(1, 11)) if self.dialect == "postgresql" else ", ".join("?" * 10)
+        return f"INSERT INTO events ({cols}) VALUES ({marks})"
+
+    @staticmethod
+    def _row(e: Event, body_json: str, blob_rows: dict[str, dict[str, Any]], now: float,
+             inline_max: int) -> tuple[Any, ...]:
+        data, blob_sha = e.data, None
+        if data is not None and len(data) > inline_max:
+            blob_sha = hashlib.sha256(data).hexdigest()
+            blob_rows[blob_sha] = {"sha256": blob_sha, "size": len(data), "data": data, "created_at": now}
+            data = None
+        return (e.position, e.session_id, e.version, e.type, body_json, data, blob_sha, e.recorded_at,
+                e.hash, e.prev_hash)
 
     async def _put_blobs(self, conn: AsyncConnection, rows: list[dict[str, Any]]) -> None:
         have = set((await conn.execute(
@@ -411,47 +437,70 @@ class EventLog:
         if fresh:
             await conn.execute(blobs.insert(), fresh)
 
-    async def _index(self, conn: AsyncConnection, req: _Request, head: tuple[int, str] | None,
-                     out: list[Event], now: float) -> None:
-        if not out:
-            return
+    def _index(self, req: _Request, head: tuple[int, str] | None, out: list[Event], now: float,
+               new_sessions: dict[str, dict[str, Any]], updates: dict[str, dict[str, Any]]) -> None:
+        """Fold this request into the batch's sessions-table writes (one per session)."""
+        sid = req.session_id
         last = out[-1]
-        values: dict[str, Any] = {
-            "version": last.version, "head_hash": last.hash, "updated_at": last.recorded_at,
-            "last_active_at": now,
-        }
+        values: dict[str, Any] = {"version": last.version, "head_hash": last.hash,
+                                  "updated_at": last.recorded_at, "last_active_at": now}
         for e in out:
             st = _STATUS_BY_TYPE.get(e.type)
             if st is not None:
                 values["status"] = st
         if req.index:
             values.update({k: v for k, v in req.index.items() if k in ("history_length", "status", "last_active_at")})
-        first = out[0]
-        if head is None or req.kind == "import" and first.type == T.SESSION_OPENED and first.version == 1:
-            opened = next((e for e in out if e.type == T.SESSION_OPENED), None)
-            if opened is None and req.kind != "import":
-                raise InvalidEvent(f"session {req.session_id}: the first event must be session.opened")
-            b = opened.body if opened else {}
+        if req.kind == "import":
+            values["last_active_at"] = last.recorded_at
+        if head is None and sid not in new_sessions:
+            opened = out[0] if out[0].type == T.SESSION_OPENED else None
+            if opened is None or opened.version != 1:
+                raise InvalidEvent(f"session {sid}: the first event must be session.opened")
+            b = opened.body
             eng = b.get("engine", {}) or {}
             parent = b.get("parent") or {}
             row = {
-                "id": req.session_id, "protocol": str(b.get("protocol", "")), "status": "open",
+                "id": sid, "protocol": str(b.get("protocol", "")), "status": "open",
                 "label": str(b.get("label", "")), "engine": str(eng.get("engine", "")),
                 "model_id": str(eng.get("model_id", "")), "parent_id": parent.get("session_id"),
                 "parent_version": parent.get("version"), "fork_position": parent.get("token_position"),
-                "created_at": first.recorded_at, "ttl_s": b.get("ttl_s"), "event_count": len(out),
+                "created_at": opened.recorded_at, "ttl_s": b.get("ttl_s"), "event_count": len(out),
                 "history_length": 0,
             }
             row.update(values)
-            if req.kind == "import":
-                row["last_active_at"] = last.recorded_at
-            await conn.execute(sessions.insert().values(**row))
+            new_sessions[sid] = row
             return
-        count = sessions.c.event_count + len(out)
+        if sid in new_sessions:
+            row = new_sessions[sid]
+            row.update(values)
+            row["event_count"] += len(out)
+            return
+        upd = updates.setdefault(sid, {"n": 0})
         if req.kind == "purge":
-            count = sa.literal(len(out))
-            values["history_length"] = 0
-        await conn.execute(sessions.update().where(sessions.c.id == req.session_id).values(event_count=count, **values))
+            upd["reset"] = True
+            upd["n"] = len(out)
+            values.setdefault("history_length", 0)
+        else:
+            upd["n"] += len(out)
+        upd.update(values)
+
+    async def _apply_updates(self, conn: AsyncConnection, updates: dict[str, dict[str, Any]]) -> None:
+        """One executemany for every touched session: columns not given keep their value."""
+        p = (lambda i: f"${i}") if self.dialect == "postgresql" else (lambda i: "?")
+        sql = (
+            "UPDATE sessions SET "
+            f"version = COALESCE({p(1)}, version), head_hash = COALESCE({p(2)}, head_hash), "
+            f"updated_at = COALESCE({p(3)}, updated_at), last_active_at = COALESCE({p(4)}, last_active_at), "
+            f"status = COALESCE({p(5)}, status), history_length = COALESCE({p(6)}, history_length), "
+            f"event_count = CASE WHEN {p(7)} THEN {p(8)} ELSE event_count + {p(9)} END "
+            f"WHERE id = {p(10)}"
+        )
+        params = [
+            (u.get("version"), u.get("head_hash"), u.get("updated_at"), u.get("last_active_at"), u.get("status"),
+             u.get("history_length"), bool(u.get("reset")), u["n"], u["n"], sid)
+            for sid, u in updates.items()
+        ]
+        await conn.exec_driver_sql(sql, params)  # type: ignore[arg-type]
 
     # -- reading -----------------------------------------------------------
 
@@ -557,6 +606,8 @@ class EventLog:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.poll_interval_s)
             self._wake.clear()
+            if not self._subscribers:
+                continue
             try:
                 while True:
                     evs = await self.read_all(self._published, limit=1000)
