@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -154,7 +155,7 @@ async def test_import_roundtrip_is_exact_and_rejects_broken_chains(log: EventLog
     evs = await log.append("s1", 0, [opened(), appended(0, [1, 2]), NewEvent(T.NOTE, {}, b"\x00\x01")])
     other = await EventLog.open(f"sqlite+aiosqlite:///{tmp_path / 'other.db'}")
     try:
-        tampered = [evs[0], type(evs[1])(**{**evs[1].__dict__, "body": {"start": 0, "tokens": [9]}}), evs[2]]
+        tampered = [evs[0], dataclasses.replace(evs[1], body={"start": 0, "tokens": [9]}), evs[2]]
         with pytest.raises(ChainBroken):
             await other.import_events(tampered)
         assert await other.read("s1") == []
