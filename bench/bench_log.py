@@ -23,11 +23,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from core.events import Event, NewEvent, T, canonical_json, chain_hash  # noqa: E402
-from core.log import EventLog  # noqa: E402
-from core.loader import load_state  # noqa: E402
-from core.snapshot import state_to_json  # noqa: E402
-from core.state import SessionState, apply  # noqa: E402
+from core.events import Event, NewEvent, T, canonical_json
+from core.loader import load_state
+from core.log import EventLog
+from core.snapshot import state_to_json
+from core.state import SessionState, apply
 
 ROWS: list[tuple[str, float]] = []
 
@@ -187,7 +187,6 @@ async def main() -> None:
     print(f"| {'measurement':58} | {'value':>18} | {'ratio':>10} |")
     print(f"|{'-' * 60}|{'-' * 20}|{'-' * 12}|")
     with tempfile.TemporaryDirectory() as d:
-        url = f"sqlite+aiosqlite:///{d}/bench.db"
         ceiling = statistics.median([raw_sqlite_ceiling(args.events) for _ in range(3)])
         row("raw sqlite3 executemany, one transaction (baseline)", f"{ceiling:,.0f} ev/s", "1.00x")
         for sessions, batch in ((200, 1), (100, 100)):
@@ -198,7 +197,7 @@ async def main() -> None:
         if not args.no_pg:
             try:
                 pg_ceiling = await raw_pg_ceiling(args.pg, args.events // 4)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 print(f"(PostgreSQL skipped: {exc})")
             else:
                 row("raw asyncpg executemany, one transaction (PG baseline)", f"{pg_ceiling:,.0f} ev/s", "1.00x")
@@ -220,7 +219,7 @@ async def main() -> None:
             try:
                 med, p99 = await subscriber_latency(args.pg)
                 row("commit -> subscriber latency, PostgreSQL (median / p99)", f"{med:.2f} / {p99:.2f} ms", "")
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 print(f"(PostgreSQL latency skipped: {exc})")
 
 

@@ -94,8 +94,8 @@ async def audit_session(rt: Runtime, session_id: str, *, reexecute: bool = False
                 params=SamplingParams.from_json(e.body.get("params", {})),
                 options=OutputOptions(
                     logprob_top_k=int(opts.get("logprob_top_k", 0)),
-                    logprob_ranges=tuple(tuple(r) for r in opts.get("logprob_ranges", ())),  # type: ignore[misc]
-                    readout_ranges=tuple(tuple(r) for r in opts.get("readout_ranges", ())),  # type: ignore[misc]
+                    logprob_ranges=tuple(tuple(r) for r in opts.get("logprob_ranges", ())),
+                    readout_ranges=tuple(tuple(r) for r in opts.get("readout_ranges", ())),
                     generated_logprobs=bool(opts.get("generated_logprobs", True)),
                 ),
                 eos=tuple(st.eos_token_ids),

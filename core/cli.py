@@ -124,7 +124,7 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         for t in reversed(started):
             try:
                 await t.stop(float(cfg.transports.get(t.name, {}).get("grace_s", 5.0)))
-            except Exception:  # noqa: BLE001 - stop the rest regardless
+            except Exception:
                 log.exception("stopping %s failed", t.name)
         await runtime.aclose()
     return 0
@@ -286,15 +286,17 @@ async def cmd_import(args: argparse.Namespace) -> int:
     from core.tokens import length_after
 
     by_session: dict[str, list[Event]] = {}
-    with open(args.file, encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                e = Event.from_json(json.loads(line))
-            except (ValueError, KeyError, TypeError) as exc:
-                raise InvalidEvent(f"{args.file}:{n}: not an exported event ({exc})") from exc
-            by_session.setdefault(e.session_id, []).append(e)
+    from pathlib import Path
+
+    text = await asyncio.to_thread(Path(args.file).read_text, encoding="utf-8")
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            e = Event.from_json(json.loads(line))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise InvalidEvent(f"{args.file}:{n}: not an exported event ({exc})") from exc
+        by_session.setdefault(e.session_id, []).append(e)
     log_ = await _log_only(args)
     try:
         for sid, evs in by_session.items():
@@ -400,7 +402,7 @@ def _plugin_commands(sub: Any) -> None:
     for ep in entry_points(group="sessiontape.commands"):
         try:
             register = ep.load()
-        except Exception as exc:  # noqa: BLE001 - a broken plugin must not break the CLI
+        except Exception as exc:
             log.debug("plugin command %s unavailable: %s", ep.name, exc)
             continue
         register(sub)

@@ -116,6 +116,9 @@ class OutputOptions:
         return any(a <= position < b for a, b in self.readout_ranges)
 
 
+DEFAULT_OUTPUT = OutputOptions()
+
+
 @dataclass(frozen=True)
 class Step:
     """One position the engine reports: a scored prompt token or a generated one."""
@@ -150,7 +153,7 @@ class Engine(ABC):
         session_key: str,
         history: Sequence[int],
         params: SamplingParams,
-        options: OutputOptions = OutputOptions(),
+        options: OutputOptions = DEFAULT_OUTPUT,
     ) -> AsyncIterator[Step]:
         """Prefill ``history`` and decode up to ``params.max_tokens`` tokens.
 

@@ -76,10 +76,10 @@ async def replay(events: AsyncIterator[Event] | Iterable[Event], out: TextIO, *,
 
     async def each() -> AsyncIterator[Event]:
         if hasattr(events, "__aiter__"):
-            async for e in events:  # type: ignore[union-attr]
+            async for e in events:
                 yield e
         else:
-            for e in events:  # type: ignore[union-attr]
+            for e in events:
                 yield e
 
     async for e in each():

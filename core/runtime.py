@@ -30,7 +30,7 @@ from typing import Any
 
 from core import metrics
 from core.config import Config
-from core.engine import Engine, OutputOptions, SamplingParams
+from core.engine import DEFAULT_OUTPUT, Engine, OutputOptions, SamplingParams
 from core.errors import (
     CacheInvariantViolation,
     InvalidAction,
@@ -38,14 +38,13 @@ from core.errors import (
     SessionBusy,
     SessionClosed,
     SessionExpired,
-    SessionNotFound,
 )
 from core.events import Event, NewEvent, T
+from core.loader import load_state
 from core.log import EventLog
 from core.nodes import FragmentIn, check_fragment
 from core.scheduler import PriorityGate
 from core.snapshot import state_to_json
-from core.loader import load_state
 from core.state import EXPIRED, OPEN, SessionState, apply, fork_state
 from core.tokens import (
     ImageIn,
@@ -171,13 +170,20 @@ class Runtime:
         for ne in new:
             length = length_after(length, ne.type, dict(ne.body))
         index = {"history_length": length, "last_active_at": self.clock()}
-        evs = await self.log.append(st.session_id, st.version, new, index=index)
-        try:
-            for e in evs:
-                apply(st, e)
-        except Exception:
-            self._states.pop(st.session_id, None)  # reload from the log next time
-            raise
+
+        async def append_and_apply() -> list[Event]:
+            evs = await self.log.append(st.session_id, st.version, new, index=index)
+            try:
+                for e in evs:
+                    apply(st, e)
+            except Exception:
+                self._states.pop(st.session_id, None)  # reload from the log next time
+                raise
+            return evs
+
+        # Shielded: a caller cancelled mid-commit must not leave an event in
+        # the log that the cached state never saw.
+        evs = await asyncio.shield(asyncio.ensure_future(append_and_apply()))
         self._last_active[st.session_id] = self.clock()
         if self.snapshot_every and st.version - self._snapshotted.get(st.session_id, 0) >= self.snapshot_every:
             self._snapshotted[st.session_id] = st.version
@@ -192,7 +198,7 @@ class Runtime:
     async def _snapshot(self, sid: str, snap: tuple[int, str, bytes | None]) -> None:
         try:
             await self.log.save_snapshot(sid, *snap)
-        except Exception:  # noqa: BLE001 - a snapshot is an optimisation
+        except Exception:
             log.exception("snapshot of %s failed", sid)
 
     # -- sessions ----------------------------------------------------------
@@ -321,7 +327,7 @@ class Runtime:
                 await asyncio.sleep(interval)
                 try:
                     await self.expire_idle()
-                except Exception:  # noqa: BLE001
+                except Exception:
                     log.exception("TTL sweep failed")
 
         self._sweeper = asyncio.create_task(loop(), name="sessiontape-ttl-sweeper")
@@ -445,7 +451,7 @@ class Runtime:
 
     # -- generation --------------------------------------------------------
 
-    async def generate(self, session_id: str, params: SamplingParams, options: OutputOptions = OutputOptions(), *,
+    async def generate(self, session_id: str, params: SamplingParams, options: OutputOptions = DEFAULT_OUTPUT, *,
                        append: Sequence[int] = (), offset: int | None = None, truncating: bool = False,
                        images: Sequence[ImageIn] = (), priority: int = 0, action_id: str | None = None,
                        sink_window: tuple[int, int] | None = None) -> AsyncIterator[Event]:
@@ -567,8 +573,6 @@ class Runtime:
             if cached is not None and cached > st.length:
                 self._violation(session_id, 1)
                 raise CacheInvariantViolation(f"INV-1: cache holds {cached} positions, history {st.length}")
-            if produced == 0 and max_tokens == 0:
-                reason = "length" if params.max_tokens == 0 else "length"
             total = time.perf_counter() - t0
             if produced and total > 0:
                 metrics.TOKENS_PER_SECOND.observe(produced / total)
@@ -580,11 +584,13 @@ class Runtime:
             finished = True
             yield fin
         finally:
-            if not finished and st.active_generation is not None and st.active_generation.id == gid:
-                reason = "cancelled"
-                with contextlib.suppress(Exception):
-                    await asyncio.shield(self._finish_cancelled(st, gid, produced, t0, reason))
-            self._generating.discard(session_id)
+            try:
+                if not finished and st.active_generation is not None and st.active_generation.id == gid:
+                    with contextlib.suppress(Exception):
+                        await asyncio.shield(self._finish_cancelled(st, gid, produced, t0, "cancelled"))
+            finally:
+                # even when cancelled again while recording the cancel
+                self._generating.discard(session_id)
 
     async def _finish_cancelled(self, st: SessionState, gid: str, produced: int, t0: float, reason: str) -> None:
         async with self._lock(st.session_id):

@@ -3,6 +3,7 @@ vocabulary range, image pad runs, truncation."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -90,7 +91,7 @@ def check_images(images: Sequence[ImageIn], base: int, new_length: int, block_le
             raise InvalidImage("image without bytes")
         spans.append((im.start, im.end))
     spans.sort()
-    for (_, e1), (s2, _) in zip(spans, spans[1:], strict=False):
+    for (_, e1), (s2, _) in itertools.pairwise(spans):
         if s2 < e1:
             raise InvalidImage("image blocks overlap")
 

@@ -16,7 +16,15 @@ from typing import Any
 
 import numpy as np
 
-from core.engine import Engine, EngineInfo, OutputOptions, ReadoutManifest, SamplingParams, Step
+from core.engine import (
+    DEFAULT_OUTPUT,
+    Engine,
+    EngineInfo,
+    OutputOptions,
+    ReadoutManifest,
+    SamplingParams,
+    Step,
+)
 from core.errors import ContextOverflow
 from engines.sampling import log_softmax, sample, top_logprobs
 from engines.tokenizer import ByteTokenizer
@@ -66,7 +74,7 @@ class ReferenceEngine(Engine):
         return (float(tok < 256), float(65 <= tok <= 122), float(tok) / VOCAB, float(position % 7))
 
     async def generate(self, session_key: str, history: Sequence[int], params: SamplingParams,
-                       options: OutputOptions = OutputOptions()) -> AsyncIterator[Step]:
+                       options: OutputOptions = DEFAULT_OUTPUT) -> AsyncIterator[Step]:
         hist = list(history)
         n = len(hist)
         if n + (1 if params.max_tokens else 0) > self._info.max_length:
@@ -92,13 +100,13 @@ class ReferenceEngine(Engine):
                 await asyncio.sleep(0)
             p = n + i
             logits = self.logits(hist, p)
-            tok, lp = sample(logits, params, p)
+            tok, tok_lp = sample(logits, params, p)
             hist.append(tok)
             self._cached[session_key] = len(hist)
             want_ro = options.wants_readout(p)
             yield Step(
                 token_id=tok, position=p, is_prefill=False,
-                logprob=lp if options.wants_logprobs(p, generated=True) else None,
+                logprob=tok_lp if options.wants_logprobs(p, generated=True) else None,
                 top_logprobs=top_logprobs(log_softmax(logits), options.logprob_top_k),
                 readout=self.readout(hist, p) if want_ro else None,
             )

@@ -22,7 +22,8 @@ F64 = npt.NDArray[np.float64]
 def log_softmax(logits: F32) -> F64:
     x = logits.astype(np.float64)
     m = np.max(x)
-    return x - m - np.log(np.sum(np.exp(x - m)))
+    out: F64 = x - m - np.log(np.sum(np.exp(x - m)))
+    return out
 
 
 def uniform(seed: int | None, position: int) -> float:
@@ -43,7 +44,7 @@ def top_logprobs(logp: F64, k: int) -> tuple[tuple[int, float], ...]:
 def sample(logits: F32, params: SamplingParams, position: int) -> tuple[int, float]:
     """Pick the token at ``position``; returns (token, its log-probability under the model)."""
     logp = log_softmax(logits)
-    if params.temperature == 0 or params.seed is None and params.temperature == 0:
+    if params.temperature == 0 or (params.seed is None and params.temperature == 0):
         tok = int(np.argmax(logp))
         return tok, float(logp[tok])
     scaled = logits.astype(np.float64) / params.temperature

@@ -38,7 +38,15 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 
 from core import metrics
 from core.errors import ChainBroken, ConcurrencyError, InvalidEvent, SessionNotFound
-from core.events import GENESIS_HASH, Event, NewEvent, T, canonical_json, chain_hash_json, event_hash
+from core.events import (
+    GENESIS_HASH,
+    Event,
+    NewEvent,
+    T,
+    canonical_json,
+    chain_hash_json,
+    event_hash,
+)
 from core.log.schema import blobs, events, sessions, snapshots
 
 log = logging.getLogger("sessiontape.log")
@@ -262,13 +270,13 @@ class EventLog:
             for req in batch:
                 try:
                     res = await self._run_tx([req])
-                except Exception as one_exc:  # noqa: BLE001 - forwarded to the appender
+                except Exception as one_exc:
                     self._heads.pop(req.session_id, None)
                     self._fail(req, one_exc)
                 else:
                     self._finish([req], [res[0]], t0)
             return
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             self._heads.clear()
             for req in batch:
                 self._fail(req, exc)
@@ -405,7 +413,7 @@ class EventLog:
         if new_sessions:
             await conn.execute(sessions.insert(), list(new_sessions.values()))
         if rows:
-            await conn.exec_driver_sql(self._insert_sql, rows)  # type: ignore[arg-type]
+            await conn.exec_driver_sql(self._insert_sql, rows)
         if updates:
             await self._apply_updates(conn, updates)
         if self.dialect == "postgresql" and rows:
@@ -486,7 +494,11 @@ class EventLog:
 
     async def _apply_updates(self, conn: AsyncConnection, updates: dict[str, dict[str, Any]]) -> None:
         """One executemany for every touched session: columns not given keep their value."""
-        p = (lambda i: f"${i}") if self.dialect == "postgresql" else (lambda i: "?")
+        pg = self.dialect == "postgresql"
+
+        def p(i: int) -> str:
+            return f"${i}" if pg else "?"
+
         sql = (
             "UPDATE sessions SET "
             f"version = COALESCE({p(1)}, version), head_hash = COALESCE({p(2)}, head_hash), "
@@ -500,7 +512,7 @@ class EventLog:
              u.get("history_length"), bool(u.get("reset")), u["n"], u["n"], sid)
             for sid, u in updates.items()
         ]
-        await conn.exec_driver_sql(sql, params)  # type: ignore[arg-type]
+        await conn.exec_driver_sql(sql, params)
 
     # -- reading -----------------------------------------------------------
 
@@ -615,7 +627,7 @@ class EventLog:
                         self._publish(evs)
                     if len(evs) < 1000:
                         break
-            except Exception:  # noqa: BLE001 - keep tailing through outages
+            except Exception:
                 log.exception("tailing the log failed; retrying")
                 await asyncio.sleep(self.poll_interval_s)
 

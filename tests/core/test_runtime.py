@@ -67,7 +67,7 @@ async def test_append_only_vocab_and_context(runtime: Runtime) -> None:
 async def test_images_are_pad_runs_and_forks_respect_blocks(runtime: Runtime) -> None:
     sid = (await runtime.open_session("salience")).session_id
     block = [200] + [IMAGE_PAD] * 8 + [201]  # markers are ordinary ids here
-    toks = [1, 2] + block + [3]
+    toks = [1, 2, *block, 3]
     img = ImageIn(data=b"\x89PNG fake", mime="image/png", start=2, end=12)
     bad = [
         ImageIn(b"x", "image/png", 2, 11),  # wrong length
@@ -154,7 +154,7 @@ async def test_stop_and_eos(runtime: Runtime) -> None:
     sid = (await runtime.open_session("t")).session_id
     await runtime.append_text(sid, "abc")
     evs = await collect(runtime, sid, SamplingParams(max_tokens=50, temperature=0))
-    first = [e.body["token"] for e in evs if e.type == T.GENERATION_TOKEN][0]
+    first = next(e.body["token"] for e in evs if e.type == T.GENERATION_TOKEN)
     sid2 = (await runtime.open_session("t")).session_id
     await runtime.append_text(sid2, "abc")
     evs2 = await collect(runtime, sid2, SamplingParams(max_tokens=50, temperature=0, stop_token_ids=(first,)))
