@@ -11,14 +11,15 @@ engine with the recorded parameters, and reports the first diverging token
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from core.engine import Engine, OutputOptions, SamplingParams
 from core.errors import ChainBroken, SessiontapeError
 from core.events import Event, T
-from core.log.store import verify_chain
+from core.loader import load_state
+from core.log.store import EventLog, verify_chain
 from core.runtime import Runtime
 from core.state import SessionState, apply, fork_state
 
@@ -59,21 +60,30 @@ class AuditReport:
         return out
 
 
-async def _base_state(rt: Runtime, first: Event, session_id: str) -> SessionState:
+async def _base_state(log: EventLog, first: Event, session_id: str) -> SessionState:
     parent = first.body.get("parent") if first.type == T.SESSION_OPENED else None
     if not parent:
         return SessionState(session_id)
-    pstate = await rt.load(str(parent["session_id"]), int(parent["version"]))
+    pstate = await load_state(log, str(parent["session_id"]), int(parent["version"]))
     tp = parent.get("token_position")
     st = fork_state(pstate, session_id, None if tp is None else int(tp))
     st.parent = dict(parent)
     return st
 
 
-async def audit_session(rt: Runtime, session_id: str, *, reexecute: bool = False,
-                        engine: Engine | None = None) -> AuditReport:
+EngineFor = Callable[[Mapping[str, Any]], Engine]
+
+
+async def audit_session(source: Runtime | EventLog, session_id: str, *, reexecute: bool = False,
+                        engine: Engine | None = None, engine_for: EngineFor | None = None) -> AuditReport:
+    """Audit one session from the log.
+
+    Re-execution runs on ``engine`` when given, else on ``engine_for(provenance)``
+    (the engine the session recorded), else on the runtime's engine.
+    """
     report = AuditReport(session_id)
-    evs = await rt.log.read(session_id)
+    log = source.log if isinstance(source, Runtime) else source
+    evs = await log.read(session_id)
     if not evs:
         from core.errors import SessionNotFound
 
@@ -83,7 +93,7 @@ async def audit_session(rt: Runtime, session_id: str, *, reexecute: bool = False
     except ChainBroken as exc:
         report.chain_ok = False
         report.problems.append(str(exc))
-    st = await _base_state(rt, evs[0], session_id)
+    st = await _base_state(log, evs[0], session_id)
     gens: dict[str, RecordedGeneration] = {}
     for e in evs:
         if e.type == T.GENERATION_STARTED:
@@ -112,7 +122,14 @@ async def audit_session(rt: Runtime, session_id: str, *, reexecute: bool = False
             break
     if reexecute:
         report.reexecuted = True
-        eng = engine or rt.engine
+        if engine is not None:
+            eng = engine
+        elif engine_for is not None:
+            eng = engine_for(st.engine)
+        elif isinstance(source, Runtime):
+            eng = source.engine
+        else:
+            raise ValueError("re-execution needs an engine")
         for g in gens.values():
             report.generations += 1
             div = await reexecute_generation(eng, session_id, g)

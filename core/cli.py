@@ -51,15 +51,6 @@ def load_config(args: argparse.Namespace, extra: dict[str, Any] | None = None) -
     return Config.load(path, overrides=overrides)
 
 
-async def _runtime(args: argparse.Namespace, *, engine_name: str | None = None, extra: dict[str, Any] | None = None) -> Any:
-    from core.runtime import Runtime
-
-    over = dict(extra or {})
-    if engine_name:
-        over["engine"] = {"name": engine_name}
-    return await Runtime.create(load_config(args, over))
-
-
 async def _log_only(args: argparse.Namespace) -> Any:
     """A log (no engine) for read-only commands."""
     from core.log import EventLog
@@ -225,24 +216,32 @@ async def cmd_replay(args: argparse.Namespace) -> int:
 
 async def cmd_audit(args: argparse.Namespace) -> int:
     from core.audit import audit_session
+    from core.engine import Engine
+    from core.registry import ENGINES, load
 
-    rt = await _runtime(args, engine_name=None)
+    cfg = load_config(args)
+    log_ = await _log_only(args)
+    engines: dict[str, Engine] = {}
+
+    def engine_for(provenance: Any) -> Engine:
+        """The engine a session recorded (or --engine), built once per name."""
+        name = args.engine or str(provenance.get("engine") or cfg.engine_name)
+        if name not in engines:
+            options = cfg.engine_options if name == cfg.engine_name else {}
+            engines[name] = load(ENGINES, name)(**options)
+        return engines[name]
+
     reports = []
     try:
-        engine = None
-        if args.reexecute and args.engine:
-            from core.registry import ENGINES, load
-
-            engine = load(ENGINES, args.engine)(**(rt.config.engine_options if args.engine == rt.config.engine_name else {}))
         ids = list(args.ids)
         for i, sid in enumerate(ids, 1):
-            reports.append(await audit_session(rt, sid, reexecute=args.reexecute, engine=engine))
+            reports.append(await audit_session(log_, sid, reexecute=args.reexecute, engine_for=engine_for))
             if len(ids) > 1 and not args.json:
                 _progress(i, len(ids))
-        if engine is not None:
-            await engine.aclose()
     finally:
-        await rt.aclose()
+        for eng in engines.values():
+            await eng.aclose()
+        await log_.close()
     if args.json:
         print(json.dumps([r.to_json() for r in reports]))
     else:

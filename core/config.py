@@ -44,7 +44,7 @@ DEFAULT_DB_URL = "sqlite+aiosqlite:///./sessiontape.db"
 
 DEFAULTS: dict[str, Any] = {
     "database": {"url": DEFAULT_DB_URL, "echo": False},
-    "engine": {"name": "reference", "options": {}},
+    "engine": {"name": "onnx", "options": {}},
     "transports": {
         "grpc": {"enabled": True, "listen": "127.0.0.1:50051"},
         "http": {"enabled": True, "listen": "127.0.0.1:8080"},

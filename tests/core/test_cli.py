@@ -112,6 +112,14 @@ def test_reexecute_on_another_engine_reports_divergence(populated: tuple[str, li
     assert proc.returncode == 1 and r["divergences"] and r["divergences"][0]["index"] == 0
 
 
+def test_reexecute_compares_engines(populated: tuple[str, list[str]]) -> None:
+    url, (a, _, _) = populated
+    proc = cli("audit", a, "--reexecute", "--engine", "onnx", "--json", db=url, check=False)
+    [r] = json.loads(proc.stdout)
+    assert proc.returncode == 1 and r["chain_ok"] and r["generations"] == 1
+    assert r["divergences"][0]["generation_id"]
+
+
 def test_export_import_roundtrip_exact(populated: tuple[str, list[str]], tmp_path: Path) -> None:
     url, (a, _, c) = populated
     dump = cli("export", a, db=url).stdout
