@@ -176,9 +176,34 @@ async def subscriber_latency(url: str, n: int = 300) -> tuple[float, float]:
         await log.close()
 
 
+async def fresh_pg_database(server: str) -> str:
+    """A new empty database on ``server`` (a URL of an existing database) for this run."""
+    import asyncpg
+
+    name = f"sessiontape_bench_{os.getpid()}"
+    conn = await asyncpg.connect(server.replace("postgresql+asyncpg", "postgresql"))
+    try:
+        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await conn.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await conn.close()
+    return server.rsplit("/", 1)[0] + "/" + name
+
+
+async def drop_pg_database(server: str, url: str) -> None:
+    import asyncpg
+
+    conn = await asyncpg.connect(server.replace("postgresql+asyncpg", "postgresql"))
+    try:
+        await conn.execute(f'DROP DATABASE IF EXISTS "{url.rsplit("/", 1)[1]}" WITH (FORCE)')
+    finally:
+        await conn.close()
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--pg", default=os.environ.get("BENCH_PG_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test"))
+    ap.add_argument("--pg", default=os.environ.get("BENCH_PG_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test"),
+                    help="an existing database on the server; the bench creates and drops its own beside it")
     ap.add_argument("--no-pg", action="store_true")
     ap.add_argument("--events", type=int, default=200_000)
     ap.add_argument("--long", type=int, default=1_000_000)
