@@ -24,6 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 GENESIS_HASH = "0" * 64
 
 
@@ -107,12 +109,26 @@ class Event:
         )
 
 
-_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode
+_FALLBACK = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode
 _STRING = json.JSONEncoder(ensure_ascii=False).encode
 
 
 def canonical_json(value: Any) -> str:
-    return _CANONICAL(value)
+    """The canonical text of a JSON value: what is stored and what is hashed.
+
+    orjson with sorted keys (compact, UTF-8, shortest float repr; NaN and
+    infinities become null). Integers beyond 64 bits, which orjson refuses,
+    fall back to the standard library with the same key order and separators:
+    still a pure function of the value.
+    """
+    try:
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
+    except (orjson.JSONEncodeError, TypeError):
+        return _FALLBACK(value)
+
+
+def parse_json(text: str | bytes) -> Any:
+    return orjson.loads(text)
 
 
 def chain_hash(

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import json
 import logging
 import time
 from collections import OrderedDict
@@ -46,6 +45,7 @@ from core.events import (
     canonical_json,
     chain_hash_json,
     event_hash,
+    parse_json,
 )
 from core.log.schema import blobs, events, sessions, snapshots
 
@@ -400,7 +400,9 @@ class EventLog:
                     pos += 1
                     body_json = canonical_json(body)
                     h = chain_hash_json(prev, sid, version, ne.type, body_json, ne.data, now)
-                    ev = Event(pos, sid, version, ne.type, body, ne.data, now, h, prev)
+                    # The body as a reader of the log will see it (lists, not
+                    # tuples; null for non-finite floats): live == replay.
+                    ev = Event(pos, sid, version, ne.type, parse_json(body_json), ne.data, now, h, prev)
                     out.append(ev)
                     rows.append(self._row(ev, body_json, blob_rows, now, inline_max))
                     prev = h
@@ -516,37 +518,52 @@ class EventLog:
 
     # -- reading -----------------------------------------------------------
 
-    def _to_event(self, r: Any, blob_data: Mapping[str, bytes]) -> Event:
-        data = r.data if r.blob_sha is None else blob_data[r.blob_sha]
-        return Event(int(r.position), r.session_id, int(r.version), r.type, json.loads(r.body),
-                     None if data is None else bytes(data), float(r.recorded_at), r.hash, r.prev_hash)
+    _COLUMNS = "position, session_id, version, type, body, data, blob_sha, recorded_at, hash, prev_hash"
 
-    async def _rows_to_events(self, conn: AsyncConnection, rows: Sequence[Any]) -> list[Event]:
-        shas = {r.blob_sha for r in rows if r.blob_sha is not None}
-        blob_data: dict[str, bytes] = {}
-        if shas:
-            for sha, data in await conn.execute(sa.select(blobs.c.sha256, blobs.c.data).where(blobs.c.sha256.in_(shas))):
-                blob_data[sha] = bytes(data)
-        return [self._to_event(r, blob_data) for r in rows]
+    def _sql(self, text: str) -> str:
+        """``text`` with ``?`` placeholders in the driver's own style (the read
+        and write hot paths bypass SQLAlchemy's per-row processing)."""
+        if self.dialect != "postgresql":
+            return text
+        parts = text.split("?")
+        return "".join(p + (f"${i}" if i < len(parts) else "") for i, p in enumerate(parts, 1))
+
+    async def _fetch_events(self, sql: str, params: tuple[Any, ...]) -> list[Event]:
+        async with self.engine.connect() as conn:
+            rows: Sequence[Any] = (await conn.exec_driver_sql(self._sql(sql), params)).all()
+            shas = {r[6] for r in rows if r[6] is not None}
+            blob_data: dict[str, bytes] = {}
+            if shas:
+                for sha, data in await conn.execute(
+                        sa.select(blobs.c.sha256, blobs.c.data).where(blobs.c.sha256.in_(shas))):
+                    blob_data[sha] = bytes(data)
+        loads = parse_json
+        out = []
+        for pos, sid, version, type_, body, data, blob_sha, recorded_at, h, prev in rows:
+            if blob_sha is not None:
+                data = blob_data[blob_sha]
+            elif data is not None:
+                data = bytes(data)
+            out.append(Event(pos, sid, version, type_, loads(body), data, recorded_at, h, prev))
+        return out
 
     async def read(self, session_id: str, from_version: int = 1, to_version: int | None = None) -> list[Event]:
         """A session's events in version order, ``from_version`` to ``to_version`` inclusive."""
-        q = sa.select(events).where(events.c.session_id == session_id, events.c.version >= from_version)
-        if to_version is not None:
-            q = q.where(events.c.version <= to_version)
-        async with self.engine.connect() as conn:
-            rows = (await conn.execute(q.order_by(events.c.version))).all()
-            return await self._rows_to_events(conn, rows)
+        top = 2**31 - 1 if to_version is None else to_version
+        return await self._fetch_events(
+            f"SELECT {self._COLUMNS} FROM events WHERE session_id = ? AND version >= ? AND version <= ?"
+            " ORDER BY version", (session_id, from_version, top))
 
     async def read_all(self, after_position: int = 0, limit: int = 1000,
                        session_id: str | None = None) -> list[Event]:
         """Events with position > ``after_position`` in position order."""
-        q = sa.select(events).where(events.c.position > after_position)
-        if session_id is not None:
-            q = q.where(events.c.session_id == session_id)
-        async with self.engine.connect() as conn:
-            rows = (await conn.execute(q.order_by(events.c.position).limit(limit))).all()
-            return await self._rows_to_events(conn, rows)
+        if session_id is None:
+            return await self._fetch_events(
+                f"SELECT {self._COLUMNS} FROM events WHERE position > ? ORDER BY position LIMIT ?",
+                (after_position, limit))
+        return await self._fetch_events(
+            f"SELECT {self._COLUMNS} FROM events WHERE position > ? AND session_id = ? ORDER BY position LIMIT ?",
+            (after_position, session_id, limit))
 
     async def last_position(self) -> int:
         async with self.engine.connect() as conn:
