@@ -8,6 +8,7 @@
     sessiontape audit ID... [--reexecute] [--engine NAME] [--json]
     sessiontape export ID > file.ndjson
     sessiontape import file.ndjson
+    sessiontape purge ID... | --older-than-days N
     sessiontape db upgrade
 
 Every subcommand accepts ``--config FILE`` and ``--db URL``. Errors print one
@@ -310,6 +311,33 @@ async def cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
+async def cmd_purge(args: argparse.Namespace) -> int:
+    import time
+
+    from core.errors import InvalidParameters
+
+    if not args.ids and args.older_than_days is None:
+        raise InvalidParameters("name session ids or --older-than-days N")
+    log_ = await _log_only(args)
+    try:
+        ids = list(args.ids)
+        if args.older_than_days is not None:
+            cutoff = time.time() - args.older_than_days * 86400
+            for status in ("closed", "aborted", "expired"):
+                for row in await log_.list_sessions(status=status, limit=1_000_000):
+                    if row.last_active_at < cutoff:
+                        ids.append(row.id)
+        for sid in ids:
+            row = await log_.get_session(sid)
+            if row.status == "open" and not args.force:
+                raise InvalidParameters(f"session {sid} is open; close it first or pass --force")
+            tomb = await log_.purge(sid, reason=args.reason)
+            print(f"purged {sid}: {tomb.body['through_version']} events, tombstone v{tomb.version}")
+    finally:
+        await log_.close()
+    return 0
+
+
 async def cmd_db_upgrade(args: argparse.Namespace) -> int:
     from core.log import EventLog
     from migrations.runner import current_revision
@@ -385,6 +413,15 @@ def build_parser() -> argparse.ArgumentParser:
     _common(i)
     i.add_argument("file")
     i.set_defaults(func=cmd_import)
+
+    pg = sub.add_parser("purge", help="delete sessions' events, leaving a tombstone the chain verifies from")
+    _common(pg)
+    pg.add_argument("ids", nargs="*", metavar="ID")
+    pg.add_argument("--older-than-days", type=float, metavar="N",
+                    help="also purge closed, aborted and expired sessions idle for N days")
+    pg.add_argument("--reason", default="retention")
+    pg.add_argument("--force", action="store_true", help="purge open sessions too")
+    pg.set_defaults(func=cmd_purge)
 
     d = sub.add_parser("db", help="database maintenance").add_subparsers(dest="sub", required=True)
     up = d.add_parser("upgrade", help="apply migrations")

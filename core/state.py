@@ -173,7 +173,9 @@ def _on(type_: str) -> Callable[[Applier], Applier]:
 
 def apply(state: SessionState, event: Event) -> SessionState:
     """Fold one event into ``state`` (in place) and return it."""
-    if event.version != state.version + 1:
+    # A purge tombstone may open the log of a session: the chain starts there.
+    starts_at_tombstone = event.type == T.SESSION_PURGED and state.version == 0
+    if event.version != state.version + 1 and not starts_at_tombstone:
         raise InvalidEvent(
             f"event version {event.version} does not follow {state.version} in {state.session_id}"
         )

@@ -160,6 +160,21 @@ def test_errors_are_one_line(tmp_path: Path) -> None:
     assert proc.returncode == 1 and "junk.ndjson:1" in proc.stderr
 
 
+def test_purge_leaves_a_verifiable_tombstone(populated: tuple[str, list[str]]) -> None:
+    url, (a, b, c) = populated
+    proc = cli("purge", c, db=url, check=False)
+    assert proc.returncode == 1 and "is open" in proc.stderr
+    assert "purged " + a in cli("purge", a, db=url).stdout
+    [r] = json.loads(cli("audit", a, "--json", db=url).stdout)
+    assert r["chain_ok"] and r["invariants_ok"]
+    lines = cli("export", a, db=url).stdout.splitlines()
+    assert len(lines) == 1 and json.loads(lines[0])["type"] == "session.purged"
+    rows = {r["id"]: r for r in json.loads(cli("sessions", "ls", "--json", db=url).stdout)}
+    assert rows[a]["status"] == "purged" and rows[b]["status"] == "open"
+    assert "purged " + c in cli("purge", c, "--force", db=url).stdout
+    assert cli("purge", "--older-than-days", "1", db=url).stdout == ""
+
+
 def test_db_upgrade(tmp_path: Path) -> None:
     url = f"sqlite+aiosqlite:///{tmp_path / 'u.db'}"
     assert "revision 0001_initial" in cli("db", "upgrade", db=url).stdout
