@@ -181,6 +181,10 @@ class Engine(ABC):
         """Bytes of cache held for ``session_key`` now (0 when none)."""
         return 0
 
+    def kv_total_bytes(self) -> int:
+        """Bytes held by all of the engine's caches (shared prefixes counted once)."""
+        return 0
+
     def cached_length(self, session_key: str) -> int | None:
         """Length of the cached prefix for ``session_key`` (INV-1 checks), if any."""
         return None

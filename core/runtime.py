@@ -574,6 +574,7 @@ class Runtime:
                 self._violation(session_id, 1)
                 raise CacheInvariantViolation(f"INV-1: cache holds {cached} positions, history {st.length}")
             total = time.perf_counter() - t0
+            metrics.KV_BYTES.set(self.engine.kv_total_bytes())
             if produced and total > 0:
                 metrics.TOKENS_PER_SECOND.observe(produced / total)
             async with self._lock(session_id):
