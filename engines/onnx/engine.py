@@ -31,8 +31,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +62,7 @@ class OnnxEngine(Engine):
                  inter_op_threads: int = 0, kv_cache_bytes: int = 1 << 30,
                  readout_concepts: str | Path | None = None, max_length: int | None = None,
                  prefill_chunk: int = 256, io_binding: bool | None = None, workers: int = 1,
-                 min_rows: int = 2, **unknown: Any) -> None:
+                 min_rows: int = 2, decode_batch: int = 16, spinning: bool = True, **unknown: Any) -> None:
         if unknown:
             raise ConfigError(f"unknown onnx engine options: {sorted(unknown)}")
         if model_dir is None:
@@ -73,13 +74,14 @@ class OnnxEngine(Engine):
         path = folder / "model.onnx"
         if not path.exists():
             raise ConfigError(f"no model.onnx in {folder}")
-        if int(prefill_chunk) < 1 or int(kv_cache_bytes) < 0 or int(workers) < 1:
-            raise ConfigError("prefill_chunk and workers must be >= 1 and kv_cache_bytes >= 0")
+        if min(int(prefill_chunk), int(workers), int(decode_batch), int(min_rows)) < 1 or int(kv_cache_bytes) < 0:
+            raise ConfigError("prefill_chunk, workers, decode_batch and min_rows must be >= 1 "
+                              "and kv_cache_bytes >= 0")
         ort = quiet_ort()
         chosen = choose_providers(providers)
         # onnxruntime's own default counts physical cores, which leaves half of a hyper-threaded VM idle
         threads = (os.cpu_count() or 1) if intra_op_threads is None else int(intra_op_threads)
-        self._sess = open_session(str(path), chosen, threads, int(inter_op_threads))
+        self._sess = open_session(str(path), chosen, threads, int(inter_op_threads), bool(spinning))
         self.spec: GraphSpec = infer_graph(self._sess.get_inputs(), self._sess.get_outputs())
         provider = str(self._sess.get_providers()[0])
         bind = provider == CUDA if io_binding is None else bool(io_binding)
@@ -100,9 +102,11 @@ class OnnxEngine(Engine):
             self.concepts = load_concepts(cpath, self.spec)
         self._tok = load_tokenizer(folder, int(vocab))
         self.prefill_chunk = int(prefill_chunk)
+        self.decode_batch = int(decode_batch)
+        self._readout_layers = () if self.concepts is None else self.concepts.manifest.layers
         self.cache = KVCache(int(kv_cache_bytes))
         self._pool = ThreadPoolExecutor(max_workers=int(workers), thread_name_prefix="onnx-engine")
-        #: positions run through the model (padding rows excluded), and forward passes
+        #: new positions run through the model (padding and re-run rows excluded), and forward passes
         self.positions_computed = 0
         self.passes = 0
         self.model_dir = folder
@@ -148,12 +152,57 @@ class OnnxEngine(Engine):
 
     # -- generation --------------------------------------------------------
 
-    async def _pass(self, kv: KV, keep: int, tokens: Sequence[int], hidden_layers: Sequence[int]) -> PassResult:
-        loop = asyncio.get_running_loop()
-        res = await loop.run_in_executor(self._pool, self.runner.run, kv, keep, list(tokens), tuple(hidden_layers))
-        self.passes += 1
-        self.positions_computed += len(tokens)
-        return res
+    def _advance(self, r: _Run, upto: int, hidden_layers: Sequence[int]) -> tuple[PassResult, int]:
+        """Run ``r.hist[r.base_len:upto]`` on ``r.base``; returns the pass and its first position.
+
+        Runs in a worker thread. A pass with no padding row becomes the next
+        base as it is, so steady decoding alternates [token, pad] and
+        [previous token again, token] passes and never copies the KV to drop
+        a padding row.
+        """
+        start = r.base_len
+        if r.base.length != start:
+            r.base = self.runner.trim(r.base, start)
+        res = self.runner.run(r.base, start, r.hist[start:upto], tuple(hidden_layers))
+        if res.kv.length == upto:
+            r.base, r.base_len = res.kv, upto
+        return res, start
+
+    def _decode_hop(self, r: _Run, params: SamplingParams, options: OutputOptions,
+                    emit: Callable[[object], None]) -> None:
+        """Up to ``decode_batch`` decode steps in a worker thread, each emitted as it is made."""
+        try:
+            for _ in range(self.decode_batch):
+                if r.stop or r.done:
+                    return
+                self._decode_step(r, params, options, emit)
+        finally:
+            emit(_HOP_END)
+
+    def _decode_step(self, r: _Run, params: SamplingParams, options: OutputOptions,
+                     emit: Callable[[object], None]) -> None:
+        p = len(r.hist)
+        tok, tok_lp = sample(r.last, params, p)
+        top = top_logprobs(log_softmax(r.last), options.logprob_top_k) if options.logprob_top_k else ()
+        more = p - r.n + 1 < params.max_tokens and tok not in params.stop_token_ids
+        want = options.wants_readout(p)
+        step = Step(token_id=tok, position=p, is_prefill=False,
+                    logprob=tok_lp if options.wants_logprobs(p, generated=True) else None, top_logprobs=top)
+        if not (want or more):
+            r.done = True
+            emit(step)
+            return
+        r.hist.append(tok)
+        if not want:
+            emit(step)  # streamed before its pass runs; the cache takes the token once it has run
+        res, start = self._advance(r, p + 1, self._readout_layers if want else ())
+        emit(_Stored(r.hist[: p + 1], res.kv))
+        r.last = res.logits[p - start]
+        if want:
+            emit(Step(token_id=tok, position=p, is_prefill=False, logprob=step.logprob, top_logprobs=top,
+                      readout=self._readout(res, p - start)))
+        if not more:
+            r.done = True
 
     def _readout(self, res: PassResult, row: int) -> tuple[float, ...]:
         assert self.concepts is not None
@@ -176,59 +225,86 @@ class OnnxEngine(Engine):
         # rows that must be recomputed: logits of p-1 score p; hidden states of p give its readout
         first_row = min([n - 1 if params.max_tokens else n, *(p - 1 for p in want_lp), *want_ro])
 
+        loop = asyncio.get_running_loop()
         entry = self.cache.checkout(session_key)
+        keep = min(entry.length, first_row, common_prefix(entry.tokens, hist))
+        r = _Run(hist, n, entry.kv if entry.kv is not None and keep > 0 else self.runner.empty(), keep)
         try:
-            keep = min(entry.length, first_row, common_prefix(entry.tokens, hist))
-            kv = entry.kv if entry.kv is not None and keep > 0 else self.runner.empty()
             self.cache.truncate(entry, keep)
             lp: dict[int, tuple[float, tuple[tuple[int, float], ...]]] = {}
             ro: dict[int, tuple[float, ...]] = {}
-            last: Any = None
             pos = keep
             while pos < n:
                 end = min(n, pos + self.prefill_chunk)
                 layers = readout_layers if any(pos <= p < end for p in want_ro) else ()
-                res = await self._pass(kv, pos, hist[pos:end], layers)
-                kv = res.kv
-                self.cache.store(entry, hist[:end], kv)
-                for row in range(end - pos):
-                    p = pos + row
+                res, start = await loop.run_in_executor(self._pool, self._advance, r, end, layers)
+                self.passes += 1
+                self.positions_computed += end - pos
+                self.cache.store(entry, hist[:end], res.kv)
+                for p in range(pos, end):
+                    row = p - start
                     if p + 1 < n and options.wants_logprobs(p + 1, generated=False):
                         logp = log_softmax(res.logits[row])
                         lp[p + 1] = (float(logp[hist[p + 1]]), top_logprobs(logp, options.logprob_top_k))
                     if layers and options.wants_readout(p):
                         ro[p] = self._readout(res, row)
-                last = res.logits[end - pos - 1]
+                r.last = res.logits[end - 1 - start]
                 pos = end
             for p in sorted(set(want_lp) | set(want_ro) | ({0} if options.wants_logprobs(0, False) else set())):
                 lpv, top = lp.get(p, (None, ()))
                 yield Step(token_id=hist[p], position=p, is_prefill=True, logprob=lpv, top_logprobs=top,
                            readout=ro.get(p))
-            stops = set(params.stop_token_ids)
-            for i in range(params.max_tokens):
-                p = n + i
-                tok, tok_lp = sample(last, params, p)
-                top = top_logprobs(log_softmax(last), options.logprob_top_k) if options.logprob_top_k else ()
-                more = i + 1 < params.max_tokens and tok not in stops
-                want = options.wants_readout(p)
-                step = Step(token_id=tok, position=p, is_prefill=False,
-                            logprob=tok_lp if options.wants_logprobs(p, generated=True) else None,
-                            top_logprobs=top)
-                if not (want or more):
-                    yield step
-                    return
-                hist.append(tok)
-                if not want:
-                    yield step
-                res = await self._pass(kv, p, [tok], readout_layers if want else ())
-                kv = res.kv
-                self.cache.store(entry, hist[: p + 1], kv)
-                last = res.logits[0]
-                if want:
-                    yield Step(token_id=tok, position=p, is_prefill=False, logprob=step.logprob,
-                               top_logprobs=top, readout=self._readout(res, 0))
-                if not more:
-                    return
+            if not params.max_tokens:
+                return
+            # Decoding runs in the worker thread a hop at a time; every step and cache
+            # update comes back through this queue in order, so the caller can stop at any
+            # yield and the cache holds exactly the tokens that were yielded and run.
+            queue: asyncio.Queue[object] = asyncio.Queue()
+
+            def emit(item: object) -> None:
+                try:
+                    loop.call_soon_threadsafe(queue.put_nowait, item)
+                except RuntimeError:  # the loop is closed: nobody is listening any more
+                    r.stop = True
+
+            while not r.done:
+                hop = loop.run_in_executor(self._pool, self._decode_hop, r, params, options, emit)
+                while (item := await queue.get()) is not _HOP_END:
+                    if isinstance(item, _Stored):
+                        self.passes += 1
+                        self.positions_computed += 1
+                        self.cache.store(entry, item.tokens, item.kv)
+                    else:
+                        assert isinstance(item, Step)
+                        yield item
+                await hop  # raises what the worker raised
         finally:
+            r.stop = True
             self.cache.release(entry)
 
+
+@dataclass(eq=False)
+class _Run:
+    """One generate call's place in its history, shared with the worker thread.
+
+    ``base`` holds exactly ``base_len`` real positions (no padding row); the
+    next pass runs ``hist[base_len:]`` on it. The loop thread sets ``stop``
+    when the caller stops iterating; the worker sets ``done`` at the end.
+    """
+
+    hist: list[int]
+    n: int
+    base: KV
+    base_len: int
+    last: Any = None
+    stop: bool = False
+    done: bool = False
+
+
+@dataclass(eq=False)
+class _Stored:
+    tokens: list[int]
+    kv: KV
+
+
+_HOP_END = object()

@@ -64,12 +64,14 @@ def choose_providers(requested: str | Sequence[str]) -> list[str]:
     return wanted
 
 
-def open_session(path: str, providers: Sequence[str], intra_op_threads: int, inter_op_threads: int) -> Any:
+def open_session(path: str, providers: Sequence[str], intra_op_threads: int, inter_op_threads: int,
+                 spinning: bool = True) -> Any:
     ort = quiet_ort()
     so = ort.SessionOptions()
     so.log_severity_level = 3
     so.intra_op_num_threads = int(intra_op_threads)
     so.inter_op_num_threads = int(inter_op_threads)
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     try:
         sess = ort.InferenceSession(path, so, providers=list(providers))
     except Exception as exc:
@@ -120,6 +122,16 @@ class Runner:
 
     def _nbytes(self, length: int) -> int:
         return len(self.names) * self.spec.kv_heads * length * self.spec.head_dim * self.itemsize
+
+    def trim(self, kv: KV, keep: int) -> KV:
+        """The first ``keep`` positions of ``kv`` as a snapshot of exactly that length (a copy)."""
+        if kv.length == keep:
+            return kv
+        if self.io_binding:
+            t = tuple(self._trimmed(kv, keep))
+        else:
+            t = tuple(np.ascontiguousarray(x[:, :, :keep]) for x in kv.tensors)
+        return KV(t, keep, self._nbytes(keep))
 
     def run(self, kv: KV, keep: int, tokens: Sequence[int], hidden_layers: Sequence[int]) -> PassResult:
         """Run ``tokens`` at positions ``keep..`` on the first ``keep`` positions of ``kv``."""

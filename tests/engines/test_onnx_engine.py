@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -98,6 +98,10 @@ def test_bad_options_are_config_errors(tiny_dir: Path, tmp_path: Path) -> None:
         OnnxEngine(model_dir=tiny_dir, max_length=10**9)
     with pytest.raises(EngineError):
         OnnxEngine(model_dir=tiny_dir, providers=["NoSuchExecutionProvider"])
+    bads: list[dict[str, Any]] = [{"decode_batch": 0}, {"min_rows": 0}, {"prefill_chunk": 0}, {"workers": 0}]
+    for bad in bads:
+        with pytest.raises(ConfigError):
+            OnnxEngine(model_dir=tiny_dir, **bad)
 
 
 # -- results match a plain onnxruntime prefill ------------------------------
@@ -190,6 +194,36 @@ async def test_any_split_is_bit_identical_to_one_prefill(onnx_engine: OnnxEngine
     fork_at = cuts[0] if cuts else 1
     onnx_engine.fork("warm", "forked", fork_at)
     assert await collect(onnx_engine, "forked", hist, params, opts) == cold
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+async def test_generated_history_is_bit_identical_to_one_prefill(onnx_engine: OnnxEngine,
+                                                                 data: st.DataObject) -> None:
+    """A conversation: user pieces and generated replies (some cut short) build the history,
+    so the warm cache holds KV made by decode passes; a cold prefill must agree bitwise."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 1000), label="seed"))
+    hist = [int(t) for t in rng.integers(0, 256, data.draw(st.integers(1, 12), label="first"))]
+    onnx_engine.forget("warm")
+    for turn in range(data.draw(st.integers(1, 4), label="turns")):
+        params = SamplingParams(max_tokens=data.draw(st.integers(0, 9), label="reply"),
+                                temperature=data.draw(st.sampled_from([0.0, 1.0])), seed=turn)
+        stop_at = data.draw(st.integers(1, 10), label="stop_at")
+        gen = cast(AsyncGenerator[Step, None], onnx_engine.generate("warm", hist, params))
+        reply: list[int] = []
+        async for step in gen:
+            reply.append(step.token_id)
+            if len(reply) == stop_at:  # the caller stops listening mid-reply
+                break
+        await gen.aclose()
+        hist = hist + reply + [int(t) for t in rng.integers(0, 256, data.draw(st.integers(0, 6), label="user"))]
+    n = len(hist)
+    params = SamplingParams(max_tokens=5, temperature=0.9, seed=data.draw(st.integers(0, 2**40)))
+    opts = OutputOptions(logprob_top_k=3, logprob_ranges=((max(1, n - 20), n),))
+    warm = await collect(onnx_engine, "warm", hist, params, opts)
+    onnx_engine.forget("cold")
+    cold = await collect(onnx_engine, "cold", hist, params, opts)
+    assert warm == cold
 
 
 async def test_decode_steps_equal_prefill_logits(onnx_engine: OnnxEngine, tiny_dir: Path) -> None:
@@ -328,3 +362,91 @@ def test_cli_builds_the_demo(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     args = parser.parse_args(["model", "build-demo", "--size", "tiny", "--out", str(tmp_path / "m")])
     assert args.func(args) == 0
     assert (tmp_path / "m" / "model.onnx").exists() and "built tiny" in capsys.readouterr().out
+
+
+# -- decode hops and cancellation ------------------------------------------------
+
+
+@pytest.mark.parametrize("batch", [1, 3, 16])
+async def test_stopping_at_any_step_leaves_a_cache_of_what_was_yielded(tiny_dir: Path, batch: int) -> None:
+    eng = OnnxEngine(model_dir=tiny_dir, intra_op_threads=1, decode_batch=batch)
+    hist = history(17, 20)
+    params = SamplingParams(max_tokens=12, temperature=0.8, seed=5)
+    full = await collect(eng, "ref", hist, params)
+    for stop_after in (1, 2, 5, 9):
+        eng.forget("s")
+        gen = cast(AsyncGenerator[Step, None], eng.generate("s", hist, params))
+        got = []
+        async for step in gen:
+            got.append(step)
+            if len(got) == stop_after:
+                break
+        await gen.aclose()
+        assert got == full[:stop_after]
+        cached = eng.cached_length("s")
+        assert cached is not None and len(hist) <= cached <= len(hist) + stop_after
+        entry = eng.cache.get("s")
+        assert entry is not None and entry.tokens == (hist + [s.token_id for s in got])[:cached]
+        # the continuation from the cache equals the uninterrupted generation
+        rest = await collect(eng, "s", hist + [s.token_id for s in got], SamplingParams(
+            max_tokens=12 - stop_after, temperature=0.8, seed=5))
+        assert got + rest == full
+
+
+async def test_a_failing_pass_mid_decode_raises_engine_error_and_keeps_the_cache(
+        tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    eng = OnnxEngine(model_dir=tiny_dir, intra_op_threads=1, decode_batch=4)
+    hist = history(18, 10)
+    real_run = eng.runner.run
+    calls = 0
+
+    def flaky(*args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 4:
+            raise EngineError("onnxruntime run failed: injected")
+        return real_run(*args)
+
+    monkeypatch.setattr(eng.runner, "run", flaky)
+    got: list[Step] = []
+    with pytest.raises(EngineError, match="injected"):
+        async for step in eng.generate("f", hist, SamplingParams(max_tokens=10, temperature=0)):
+            got.append(step)
+    assert 1 <= len(got) < 10
+    entry = eng.cache.get("f")
+    assert entry is not None and entry.users == 0
+    assert entry.tokens == (hist + [s.token_id for s in got])[: len(entry.tokens)]
+    monkeypatch.setattr(eng.runner, "run", real_run)
+    again = await collect(eng, "f", hist, SamplingParams(max_tokens=10, temperature=0))
+    assert [s.token_id for s in again[: len(got)]] == [s.token_id for s in got]
+
+
+async def test_decode_batch_does_not_change_results(tiny_dir: Path) -> None:
+    hist = history(19, 15)
+    params = SamplingParams(max_tokens=9, temperature=1.1, seed=77)
+    opts = OutputOptions(logprob_top_k=2, readout_ranges=((16, 19),))
+    outs = []
+    for batch in (1, 2, 16):
+        eng = OnnxEngine(model_dir=tiny_dir, intra_op_threads=1, decode_batch=batch)
+        outs.append(await collect(eng, "b", hist, params, opts))
+    assert outs[0] == outs[1] == outs[2]
+    assert [s.position for s in outs[0] if s.readout is not None] == [16, 17, 18]
+
+
+async def test_steady_decoding_never_copies_the_kv(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    eng = OnnxEngine(model_dir=tiny_dir, intra_op_threads=1)
+    trims: list[int] = []
+    real_trim = eng.runner.trim
+
+    def counting(kv: Any, keep: int) -> Any:
+        if kv.length != keep:
+            trims.append(keep)
+        return real_trim(kv, keep)
+
+    monkeypatch.setattr(eng.runner, "trim", counting)
+    hist = history(20, 9)
+    first = await collect(eng, "k", hist, SamplingParams(max_tokens=30, temperature=0))
+    assert trims == []
+    # the next call starts from a snapshot that may end in a padding row: at most one copy
+    await collect(eng, "k", hist + [s.token_id for s in first], SamplingParams(max_tokens=30, temperature=0))
+    assert len(trims) <= 1
