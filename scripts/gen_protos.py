@@ -1,8 +1,13 @@
 #!/usr/bin/env python3
 """Regenerate the committed gRPC code in transports/grpc/gen from the wire schemas.
 
-    python scripts/gen_protos.py                 # ../shared/protos -> transports/grpc/gen
+    python scripts/gen_protos.py                 # transports/grpc/protos -> transports/grpc/gen
     python scripts/gen_protos.py --protos DIR --out DIR
+
+The schemas are vendored under transports/grpc/protos (byte-for-byte copies of
+the shared wire schemas) so a fresh clone can regenerate and check the code
+without anything beside it; tests/transports/grpc/test_codegen.py checks the
+copies against ../shared/protos whenever that folder is there.
 
 Runs grpc_tools.protoc with the mypy-protobuf plugins (``.pyi`` stubs for
 messages and services) over every ``*.proto`` under the proto root, keeping
@@ -26,7 +31,7 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_PROTOS = REPO.parent / "shared" / "protos"
+DEFAULT_PROTOS = REPO / "transports" / "grpc" / "protos"
 DEFAULT_OUT = REPO / "transports" / "grpc" / "gen"
 PACKAGE = "transports.grpc.gen"
 
@@ -90,7 +95,7 @@ def generate(protos: Path, out: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    ap.add_argument("--protos", type=Path, default=DEFAULT_PROTOS, help="proto root (default ../shared/protos)")
+    ap.add_argument("--protos", type=Path, default=DEFAULT_PROTOS, help="proto root (default transports/grpc/protos)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output package dir")
     args = ap.parse_args(argv)
     if not args.protos.is_dir():
