@@ -127,11 +127,24 @@ async def test_uint64_seeds_are_exact_and_pin_the_output(serve: Serve) -> None:
         outs.append(tokens)
     assert outs[0] == outs[1]
     assert outs[0] != outs[2] or outs[0] != outs[3]
-    # no seed pinned: the server picks one and records it
-    sid = await create(s.kakeya, [1])
-    await run(s.kakeya, sid, max_tokens=1)
-    [started] = await events(s.runtime, sid, T.GENERATION_STARTED)
-    assert started.body["params"]["seed"] is not None
+
+
+async def test_an_unset_seed_is_drawn_and_recorded_so_the_output_reproduces(serve: Serve) -> None:
+    s = await serve()
+    drawn, outs = [], []
+    for _ in range(2):
+        sid = await create(s.kakeya, list(b"unseeded"))
+        tokens, _, _ = await run(s.kakeya, sid, max_tokens=12, temperature=1.0)
+        [started] = await events(s.runtime, sid, T.GENERATION_STARTED)
+        seed = int(started.body["params"]["seed"])  # JSON carries it as a decimal string
+        assert 0 <= seed < 2**63
+        drawn.append(seed)
+        outs.append(tokens)
+    assert drawn[0] != drawn[1], "each unseeded Generate draws its own seed"
+    # the recorded seed, pinned on the same history, gives the same tokens
+    for seed, tokens in zip(drawn, outs, strict=True):
+        again = await create(s.kakeya, list(b"unseeded"))
+        assert (await run(s.kakeya, again, max_tokens=12, temperature=1.0, seed=seed))[0] == tokens
 
 
 async def test_bad_sampling_parameters_are_invalid(serve: Serve) -> None:

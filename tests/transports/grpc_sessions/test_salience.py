@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 import pytest
 
-from core.engine import EngineInfo
+from core.engine import EngineInfo, SamplingParams
 from core.events import T
 from engines.reference import EOS, ReferenceEngine
 from engines.sampling import log_softmax, top_logprobs
@@ -232,6 +232,26 @@ async def test_stop_ids_and_eos_finish_with_eos(serve: Serve) -> None:
     assert len(tokens) == 1 and done.finish_reason == FR.FINISH_REASON_EOS
     [*_, fin] = await events(s.runtime, sid, T.GENERATION_FINISHED)
     assert fin.body["finish_reason"] in ("stop", "eos")
+
+
+async def test_each_generate_draws_a_seed_and_records_it_so_replay_reproduces(serve: Serve) -> None:
+    # Salience has no seed field: the log's seed is what makes the output reproducible.
+    s = await serve()
+    drawn = []
+    for _ in range(2):
+        sid = await open_with(s.salience, PROMPT)
+        tokens, _ = await generate(s.salience, session_id=sid, offset=len(PROMPT), max_tokens=12, temperature=1.0)
+        [*_, started] = await events(s.runtime, sid, T.GENERATION_STARTED)
+        seed = int(started.body["params"]["seed"])  # JSON carries it as a decimal string
+        assert 0 <= seed < 2**63
+        drawn.append(seed)
+        again = await s.runtime.open_session("salience")
+        await s.runtime.append_tokens(again.session_id, PROMPT)
+        params = SamplingParams(max_tokens=12, temperature=1.0, seed=seed)
+        redo = [int(e.body["token"]) async for e in s.runtime.generate(again.session_id, params)
+                if e.type == T.GENERATION_TOKEN and not e.body["is_prefill"]]
+        assert redo == [t.id for t in tokens if not t.is_prefill]
+    assert drawn[0] != drawn[1], "each Generate draws its own seed"
 
 
 async def test_priority_is_recorded(serve: Serve) -> None:
