@@ -52,12 +52,12 @@ def load_config(args: argparse.Namespace, extra: dict[str, Any] | None = None) -
     return Config.load(path, overrides=overrides)
 
 
-async def _log_only(args: argparse.Namespace) -> Any:
+async def _log_only(args: argparse.Namespace, *, follow: bool = False) -> Any:
     """A log (no engine) for read-only commands."""
     from core.log import EventLog
 
     cfg = load_config(args)
-    return await EventLog.open(cfg.db_url)
+    return await EventLog.open(cfg.db_url, follow=follow)
 
 
 # -- serve -------------------------------------------------------------------
@@ -195,7 +195,7 @@ async def cmd_sessions_show(args: argparse.Namespace) -> int:
 async def cmd_replay(args: argparse.Namespace) -> int:
     from core.replay import replay
 
-    log_ = await _log_only(args)
+    log_ = await _log_only(args, follow=args.follow)
     try:
         await log_.get_session(args.id)
         evs = await log_.read(args.id)
@@ -444,11 +444,20 @@ def _plugin_commands(sub: Any) -> None:
         register(sub)
 
 
+def _config_level(args: argparse.Namespace) -> str:
+    """``[logging] level`` from the config, read before logging starts (INFO when unreadable)."""
+    try:
+        return str(load_config(args).section("logging").get("level", "INFO"))
+    except SessiontapeError:
+        return "INFO"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    level = "DEBUG" if args.verbose else str(_config_level(args))
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
+        level=getattr(logging, level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr,
     )
     logging.getLogger("alembic").setLevel(logging.WARNING)

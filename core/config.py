@@ -145,6 +145,19 @@ class Config:
     def validate(self) -> None:
         if not isinstance(self.db_url, str) or "://" not in self.db_url:
             raise ConfigError(f"database.url must be a SQLAlchemy URL, got {self.db_url!r}")
+        numbers = {"sessions": ("sweep_interval_s", "max_nesting_depth", "max_nodes", "state_cache_size"),
+                   "log": ("batch_max", "snapshot_every", "inline_max_bytes", "poll_interval_s")}
+        for section, keys in numbers.items():
+            for key in keys:
+                value = self.section(section).get(key, DEFAULTS[section][key])
+                if isinstance(value, bool) or (not isinstance(value, int | float) and not _numeric(value)):
+                    raise ConfigError(f"{section}.{key} must be a number, got {value!r}")
+                if float(value) <= 0 and key != "snapshot_every":
+                    raise ConfigError(f"{section}.{key} must be positive, got {value!r}")
+        ttls = self.section("sessions").get("idle_ttl_s", {})
+        for proto, value in (ttls.items() if isinstance(ttls, dict) else [("default", ttls)]):
+            if isinstance(value, bool) or not _numeric(value) or float(value) <= 0:
+                raise ConfigError(f"sessions.idle_ttl_s.{proto} must be a positive number, got {value!r}")
         for name, opts in self.transports.items():
             if not isinstance(opts, dict):
                 raise ConfigError(f"transports.{name} must be a table")
@@ -189,6 +202,14 @@ class Config:
 
     def log_opt(self, key: str) -> Any:
         return self.section("log").get(key, DEFAULTS["log"][key])
+
+
+def _numeric(value: Any) -> bool:
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def parse_listen(value: str) -> tuple[str, int]:

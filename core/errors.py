@@ -17,7 +17,6 @@ each; ``code`` is the stable machine-readable name they all share.
     │   ├── InvalidRange
     │   ├── InvalidImage             wrong pad run, or engine takes no images
     │   ├── InvalidParameters        bad sampling parameters
-    │   ├── InvalidEvent             an event body the fold cannot apply
     │   └── InvalidPatch             a malformed or failing JSON Patch+ document
     ├── FailedPrecondition
     │   ├── OffsetMismatch           Salience offset drift
@@ -34,6 +33,8 @@ each; ``code`` is the stable machine-readable name they all share.
     │   └── ConcurrencyError         stale expected version on append
     ├── Unauthenticated
     ├── ChainBroken                  the hash chain does not verify
+    ├── InvalidEvent                 a stored event the fold cannot apply (a corrupt log)
+    ├── LogClosed                    the event log is shutting down
     ├── ConfigError
     ├── PluginNotFound               no engine/transport of that name
     └── EngineError                  the engine failed
@@ -108,7 +109,10 @@ class InvalidParameters(InvalidArgument):
     code = "invalid_parameters"
 
 
-class InvalidEvent(InvalidArgument):
+class InvalidEvent(SessiontapeError):
+    """An event that cannot follow the state before it: the log, not the
+    client, is at fault (or an import file is not what it claims)."""
+
     code = "invalid_event"
 
 
@@ -182,6 +186,10 @@ class Unauthenticated(SessiontapeError):
 
 class ChainBroken(SessiontapeError):
     code = "chain_broken"
+
+
+class LogClosed(SessiontapeError):
+    code = "log_closed"
 
 
 class ConfigError(SessiontapeError):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import secrets
 import time
@@ -33,11 +34,16 @@ from core.config import Config
 from core.engine import DEFAULT_OUTPUT, Engine, OutputOptions, SamplingParams
 from core.errors import (
     CacheInvariantViolation,
+    ConcurrencyError,
     InvalidAction,
     InvalidParameters,
+    InvalidRange,
+    ResourceExhausted,
     SessionBusy,
     SessionClosed,
     SessionExpired,
+    SessionNotFound,
+    SessiontapeError,
 )
 from core.events import Event, NewEvent, T
 from core.loader import load_state
@@ -45,7 +51,16 @@ from core.log import EventLog
 from core.nodes import FragmentIn, check_fragment
 from core.scheduler import PriorityGate
 from core.snapshot import state_to_json
-from core.state import EXPIRED, OPEN, SessionState, apply, fork_state
+from core.state import (
+    EXPIRED,
+    OPEN,
+    PURGED,
+    SessionState,
+    apply,
+    fork_state,
+    overlay,
+    overlay_apply,
+)
 from core.tokens import (
     ImageIn,
     check_fork_point,
@@ -60,11 +75,28 @@ from core.tokens import (
 
 log = logging.getLogger("sessiontape.runtime")
 
+#: event types the fold only accepts on an open session (core/state.py)
+_NEEDS_OPEN = frozenset({
+    T.SESSION_CLOSED, T.SESSION_ABORTED, T.SESSION_EXPIRED, T.NODE_FRAGMENT, T.ACTION_SUBMITTED,
+    T.TOKENS_APPENDED, T.TOKENS_TRUNCATED, T.IMAGE_ATTACHED, T.GENERATION_STARTED, T.GENERATION_TOKEN,
+    T.GENERATION_FINISHED,
+})
+
 Clock = Callable[[], float]
 
 
 def new_session_id() -> str:
     return "s_" + secrets.token_hex(12)
+
+
+def check_labels(protocol: str, label: str, session_id: str | None) -> None:
+    """Bounds of the sessions-index columns, checked before anything is written."""
+    if len(protocol) > 32:
+        raise InvalidParameters("protocol must be at most 32 characters")
+    if len(label) > 1000:
+        raise InvalidParameters("label must be at most 1000 characters")
+    if session_id is not None and not 0 < len(session_id) <= 64:
+        raise InvalidParameters("session id must be 1 to 64 characters")
 
 
 class Runtime:
@@ -84,6 +116,10 @@ class Runtime:
         #: Kakeya counters: session id -> [INV-1 violations, INV-2 violations]
         self.invariant_violations: dict[str, list[int]] = {}
         self.max_depth = int(config.sessions_opt("max_nesting_depth"))
+        self.max_nodes = int(config.sessions_opt("max_nodes"))
+        #: generating sessions -> set when their generation ends (abort waits on it)
+        self._gen_idle: dict[str, asyncio.Event] = {}
+        self._stop_requested: set[str] = set()
         self.cache_size = int(config.sessions_opt("state_cache_size"))
         self.snapshot_every = int(config.log_opt("snapshot_every"))
 
@@ -133,36 +169,66 @@ class Runtime:
         return await load_state(self.log, session_id, upto_version)
 
     async def get(self, session_id: str) -> SessionState:
-        """The session's current state (any status). Raises SessionNotFound."""
+        """The session's current state (any status). Raises SessionNotFound.
+
+        There is one cached state object per session: when two callers load
+        the same session concurrently, the first to finish is kept and the
+        other gets that one too.
+        """
+        st = self._states.get(session_id)
+        if st is not None:
+            self._states.move_to_end(session_id)
+            return st
+        loaded = await self.load(session_id)
         st = self._states.get(session_id)
         if st is None:
-            st = await self.load(session_id)
+            st = loaded
             self._cache(st)
-        else:
-            self._states.move_to_end(session_id)
         return st
 
     def _cache(self, st: SessionState) -> None:
         self._states[st.session_id] = st
         self._states.move_to_end(st.session_id)
-        while len(self._states) > self.cache_size:
-            old, _ = self._states.popitem(last=False)
-            if old not in self._generating:
-                self._locks.pop(old, None)
+        if len(self._states) <= self.cache_size:
+            return
+        # Evict least recently used states that nobody is working on: a state
+        # under its lock or generating must stay the one object writers share.
+        for sid in list(self._states):
+            if len(self._states) <= self.cache_size:
+                break
+            lock = self._locks.get(sid)
+            if sid in self._generating or (lock is not None and lock.locked()) or sid == st.session_id:
+                continue
+            del self._states[sid]
+            self._locks.pop(sid, None)
+            self._last_active.pop(sid, None)
+            self._snapshotted.pop(sid, None)
 
-    async def _live(self, session_id: str) -> SessionState:
-        """An open, unexpired session, or the error a client should see."""
+    def _drop(self, st: SessionState) -> None:
+        """Forget a cached state that no longer matches the log (reloaded on next use)."""
+        if self._states.get(st.session_id) is st:
+            del self._states[st.session_id]
+
+    async def _open_locked(self, session_id: str) -> SessionState:
+        """Under the session's lock: the open, unexpired state, or the error a client should see."""
         st = await self.get(session_id)
         if st.status == EXPIRED:
             raise SessionExpired(session_id)
+        if st.status == PURGED:
+            raise SessionNotFound(session_id)
         if st.status != OPEN:
             raise SessionClosed(f"session {session_id} is {st.status}")
         ttl = st.ttl_s
         last = self._last_active.get(session_id, st.updated_at)
-        if ttl is not None and self.clock() - last > ttl and session_id not in self._generating:
-            await self._expire(st, self.clock() - last)
+        idle = self.clock() - last
+        if ttl is not None and idle > ttl and session_id not in self._generating:
+            await self._expire_locked(st, idle)
             raise SessionExpired(session_id)
         return st
+
+    async def _live(self, session_id: str) -> SessionState:
+        async with self._lock(session_id):
+            return await self._open_locked(session_id)
 
     async def _commit(self, st: SessionState, new: Sequence[NewEvent]) -> list[Event]:
         """Append ``new`` after ``st.version`` and fold the committed events into ``st``."""
@@ -171,19 +237,35 @@ class Runtime:
             length = length_after(length, ne.type, dict(ne.body))
         index = {"history_length": length, "last_active_at": self.clock()}
 
+        if st.status != OPEN and any(ne.type in _NEEDS_OPEN for ne in new):
+            # never append what the fold would refuse
+            raise SessionClosed(f"session {st.session_id} is {st.status}")
+
         async def append_and_apply() -> list[Event]:
-            evs = await self.log.append(st.session_id, st.version, new, index=index)
+            try:
+                evs = await self.log.append(st.session_id, st.version, new, index=index)
+            except ConcurrencyError:
+                self._drop(st)  # another writer moved the log on: reload next time
+                raise
             try:
                 for e in evs:
                     apply(st, e)
             except Exception:
-                self._states.pop(st.session_id, None)  # reload from the log next time
+                self._drop(st)
                 raise
             return evs
 
-        # Shielded: a caller cancelled mid-commit must not leave an event in
-        # the log that the cached state never saw.
-        evs = await asyncio.shield(asyncio.ensure_future(append_and_apply()))
+        # A caller cancelled mid-commit must neither leave an event in the log
+        # that the cached state never saw, nor release the session's lock
+        # before the commit settled: wait for it, then let the cancel through.
+        task = asyncio.ensure_future(append_and_apply())
+        try:
+            evs = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            while not task.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(task)
+            raise
         self._last_active[st.session_id] = self.clock()
         if self.snapshot_every and st.version - self._snapshotted.get(st.session_id, 0) >= self.snapshot_every:
             self._snapshotted[st.session_id] = st.version
@@ -209,6 +291,7 @@ class Runtime:
         """Start a session bound to the configured engine; the server issues its id."""
         if mode not in ("offset", "append_only"):
             raise InvalidParameters(f"unknown session mode {mode!r}")
+        check_labels(protocol, label, session_id)
         sid = session_id or new_session_id()
         info = self.engine.info
         eos = list(info.eos_token_ids if eos_token_ids is None else eos_token_ids)
@@ -233,7 +316,10 @@ class Runtime:
         parent, its version and the token position; loading the child folds
         the parent up to there.
         """
+        check_labels(protocol or "", label, None)
         parent = await self.get(session_id)
+        if parent.status == PURGED:
+            raise SessionNotFound(session_id)
         if at_version is not None:
             if not 1 <= at_version <= parent.version:
                 raise InvalidParameters(f"fork version {at_version} is outside [1, {parent.version}]")
@@ -260,9 +346,10 @@ class Runtime:
         return st
 
     async def close(self, session_id: str, reason: str = "client") -> SessionState:
-        """Close a session; closing a closed one is a no-op. Raises SessionNotFound."""
-        st = await self.get(session_id)
+        """Close a session; closing a closed one is a no-op. Raises SessionNotFound,
+        SessionBusy while it generates."""
         async with self._lock(session_id):
+            st = await self.get(session_id)
             if st.status != OPEN:
                 return st
             if session_id in self._generating:
@@ -273,21 +360,28 @@ class Runtime:
         return st
 
     async def abort(self, session_id: str, code: str, message: str) -> SessionState:
-        """Record a protocol abort (the transport ends the stream with an error)."""
-        st = await self.get(session_id)
+        """Record a protocol abort (the transport ends the stream with an error).
+
+        A running generation is stopped first (finished as ``aborted``), so
+        nothing is generated after the abort.
+        """
+        idle = self._gen_idle.get(session_id)
+        if idle is not None:
+            self._stop_requested.add(session_id)
+            await idle.wait()
         async with self._lock(session_id):
+            st = await self.get(session_id)
             if st.status == OPEN:
                 await self._commit(st, [NewEvent(T.SESSION_ABORTED, {"code": code, "message": message})])
                 metrics.SESSIONS_OPEN.dec()
         self.engine.forget(session_id)
         return st
 
-    async def _expire(self, st: SessionState, idle_s: float) -> None:
-        async with self._lock(st.session_id):
-            if st.status == OPEN:
-                await self._commit(st, [NewEvent(T.SESSION_EXPIRED, {"idle_s": round(idle_s, 3)})])
-                metrics.SESSIONS_OPEN.dec()
-        self.engine.forget(st.session_id)
+    async def _expire_locked(self, st: SessionState, idle_s: float) -> None:
+        if st.status == OPEN and st.session_id not in self._generating:
+            await self._commit(st, [NewEvent(T.SESSION_EXPIRED, {"idle_s": round(idle_s, 3)})])
+            metrics.SESSIONS_OPEN.dec()
+            self.engine.forget(st.session_id)
 
     async def live(self, session_id: str) -> SessionState:
         """An open, unexpired session (expiring it if its TTL ran out); no TTL refresh.
@@ -298,10 +392,11 @@ class Runtime:
 
     async def touch(self, session_id: str) -> None:
         """Refresh the idle TTL without recording an event."""
-        await self._live(session_id)
-        now = self.clock()
-        self._last_active[session_id] = now
-        await self.log.touch(session_id, now)
+        async with self._lock(session_id):
+            await self._open_locked(session_id)
+            now = self.clock()
+            self._last_active[session_id] = now
+            await self.log.touch(session_id, now)
 
     async def expire_idle(self) -> list[str]:
         """One sweeper pass: expire open sessions idle past their TTL."""
@@ -314,8 +409,11 @@ class Runtime:
             last = max(self._last_active.get(row.id, row.last_active_at), row.last_active_at)
             if now - last <= (row.ttl_s if row.ttl_s is not None else default):
                 continue
-            st = await self.get(row.id)
-            await self._expire(st, now - last)
+            async with self._lock(row.id):
+                st = await self.get(row.id)
+                if st.status != OPEN or row.id in self._generating:
+                    continue
+                await self._expire_locked(st, now - last)
             expired.append(row.id)
         return expired
 
@@ -335,9 +433,12 @@ class Runtime:
     # -- content -----------------------------------------------------------
 
     async def record(self, session_id: str, new: Sequence[NewEvent]) -> list[Event]:
-        """Append events that carry no model rule (wire messages, notes)."""
-        st = await self.get(session_id)
+        """Append events that carry no model rule (wire messages, notes, feedback)
+        to a session in any state but purged."""
         async with self._lock(session_id):
+            st = await self.get(session_id)
+            if st.status == PURGED:
+                raise SessionNotFound(session_id)
             return await self._commit(st, new)
 
     async def record_wire(self, session_id: str, transport: str, direction: str, payload: Any) -> Event:
@@ -355,21 +456,26 @@ class Runtime:
 
         All-or-nothing: if any fragment breaks a rule nothing is recorded.
         """
-        st = await self._live(session_id)
         async with self._lock(session_id):
-            scratch = st.copy() if len(fragments) > 1 else st
+            st = await self._open_locked(session_id)
+            # Later fragments of one message are checked against the earlier
+            # ones, on a copy-on-write overlay of the touched nodes only.
+            scratch = overlay(st) if len(fragments) > 1 else st
             new: list[NewEvent] = []
             kept: list[bool] = []
+            fresh: set[str] = set()
             for f in fragments:
                 ok = check_fragment(scratch, f, self.max_depth)
                 kept.append(ok)
                 if ok:
+                    if f.id not in st.nodes:
+                        fresh.add(f.id)
                     ne = NewEvent(T.NODE_FRAGMENT, f.body(direction), f.data)
                     new.append(ne)
                     if scratch is not st:
-                        from core.nodes import apply_fragment
-
-                        apply_fragment(scratch, ne.body, ne.data)
+                        overlay_apply(scratch, st, ne.body, ne.data)
+            if len(st.nodes) + len(fresh) > self.max_nodes:
+                raise ResourceExhausted(f"session {session_id} would hold more than {self.max_nodes} nodes")
             if new:
                 await self._commit(st, new)
             return kept
@@ -378,8 +484,8 @@ class Runtime:
                             outputs: Sequence[tuple[str, str]], *, target: str = "",
                             configs: Sequence[Any] = (), action_id: str | None = None) -> Event:
         """Record an action; output ids must be new node ids."""
-        st = await self._live(session_id)
         async with self._lock(session_id):
+            st = await self._open_locked(session_id)
             if not name:
                 raise InvalidAction("action without a name")
             seen: set[str] = set()
@@ -393,8 +499,8 @@ class Runtime:
             return (await self._commit(st, [NewEvent(T.ACTION_SUBMITTED, body)]))[0]
 
     async def finish_action(self, session_id: str, action_id: str, error: tuple[str, str] | None = None) -> Event:
-        st = await self.get(session_id)
         async with self._lock(session_id):
+            st = await self.get(session_id)
             if error is None:
                 ne = NewEvent(T.ACTION_COMPLETED, {"action_id": action_id})
             else:
@@ -436,8 +542,8 @@ class Runtime:
     async def append_tokens(self, session_id: str, tokens: Sequence[int], *, offset: int | None = None,
                             truncating: bool = False, images: Sequence[ImageIn] = ()) -> int:
         """Append tokens (Salience offset rule when ``offset`` is given); returns the new length."""
-        st = await self._live(session_id)
         async with self._lock(session_id):
+            st = await self._open_locked(session_id)
             if session_id in self._generating:
                 raise SessionBusy(session_id)
             notes, shas = await self._image_events(images)
@@ -457,55 +563,74 @@ class Runtime:
                        sink_window: tuple[int, int] | None = None) -> AsyncIterator[Event]:
         """Append (optionally), prefill and decode; yields each committed event.
 
-        Yields ``tokens.truncated`` (sink+window, at most once, first),
+        Yields ``tokens.truncated`` (a rewind, or sink+window at most once),
         ``generation.started``, ``generation.token`` per scored prompt
-        position and per generated token, then ``generation.finished``. A
-        second concurrent generate on the session raises SessionBusy. If the
-        caller stops iterating, the generation is recorded as cancelled.
+        position and per generated token, then ``generation.finished``. Every
+        check happens before the first commit, which holds the append, any
+        truncation and ``generation.started`` together. A second concurrent
+        generate on the session raises SessionBusy. If the caller stops
+        iterating, the generation is recorded as ``cancelled``; an engine
+        failure as ``error`` with an ``error.recorded`` event. Without a seed,
+        one is drawn and recorded, so every generation can be re-executed.
         """
         if params.max_tokens < 0 or params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 0:
             raise InvalidParameters("max_tokens, temperature and top_k must be >= 0 and top_p in (0, 1]")
-        st = await self._live(session_id)
-        if session_id in self._generating:
-            raise SessionBusy(session_id)
-        self._generating.add(session_id)
+        if options.readout_ranges and self.engine.info.readout_manifest is None:
+            raise InvalidRange(f"engine {self.engine.info.name!r} has no readouts")
+        if params.seed is None:
+            params = dataclasses.replace(params, seed=secrets.randbits(63))
         gid = "g_" + secrets.token_hex(6)
+        async with self._lock(session_id):
+            st = await self._open_locked(session_id)
+            if session_id in self._generating:
+                raise SessionBusy(session_id)
+            new: list[NewEvent] = []
+            stale = st.active_generation
+            if stale is not None:
+                # A generation left open by a crashed process: close it so the
+                # log says what happened, then carry on.
+                new.append(NewEvent(T.GENERATION_FINISHED, {
+                    "generation_id": stale.id, "finish_reason": "interrupted",
+                    "prompt_tokens": stale.prompt_length, "completion_tokens": len(stale.tokens),
+                    "prefill_s": None, "total_s": None, "ttft_s": None}))
+            if append or images or offset is not None:
+                notes, shas = await self._image_events(images)
+                appended = self._append_events(st, append, offset, truncating, images, shas)
+                if appended:
+                    new += notes + appended
+            length = st.length
+            for ne in new:
+                length = length_after(length, ne.type, dict(ne.body))
+            if sink_window is not None:
+                keep = sink_window_keep(length, *sink_window)
+                if keep is not None:
+                    dropped = length - sum(b - a for a, b in keep)
+                    new.append(NewEvent(T.TOKENS_TRUNCATED, {
+                        "reason": "sink_window", "keep": keep, "dropped": dropped,
+                        "sink": sink_window[0], "window": sink_window[1]}))
+                    length -= dropped
+            check_ranges(options.logprob_ranges, length + params.max_tokens, "logprobs")
+            check_ranges(options.readout_ranges, length + params.max_tokens, "readout")
+            new.append(NewEvent(T.GENERATION_STARTED, {
+                "generation_id": gid, "params": params.to_json(), "prompt_length": length,
+                "priority": priority, "action_id": action_id,
+                "options": {"logprob_top_k": options.logprob_top_k,
+                            "logprob_ranges": [list(r) for r in options.logprob_ranges],
+                            "readout_ranges": [list(r) for r in options.readout_ranges],
+                            "generated_logprobs": options.generated_logprobs}}))
+            committed = await self._commit(st, new)
+            self._generating.add(session_id)
+            self._gen_idle[session_id] = asyncio.Event()
         finished = False
         produced = 0
         t0 = time.perf_counter()
         ttft: float | None = None
         prefill_s = 0.0
+        failure: BaseException | None = None
         try:
-            async with self._lock(session_id):
-                stale = st.active_generation
-                if stale is not None:
-                    # A generation left open by a crashed process: close it so
-                    # the log says what happened, then carry on.
-                    await self._commit(st, [NewEvent(T.GENERATION_FINISHED, {
-                        "generation_id": stale.id, "finish_reason": "interrupted",
-                        "prompt_tokens": stale.prompt_length, "completion_tokens": len(stale.tokens),
-                        "prefill_s": None, "total_s": None, "ttft_s": None})])
-                notes, shas = await self._image_events(images)
-                new = self._append_events(st, append, offset, truncating, images, shas) if (append or images or offset is not None) else []
-                new = notes + new if new else []
-                length = st.length
-                for ne in new:
-                    length = length_after(length, ne.type, dict(ne.body))
-                check_ranges(options.logprob_ranges, length + params.max_tokens, "logprobs")
-                check_ranges(options.readout_ranges, length + params.max_tokens, "readout")
-                committed = await self._commit(st, new) if new else []
             for e in committed:
-                if e.type == T.TOKENS_TRUNCATED:
+                if e.type in (T.TOKENS_TRUNCATED, T.GENERATION_STARTED):
                     yield e
-            if sink_window is not None:
-                keep = sink_window_keep(st.length, *sink_window)
-                if keep is not None:
-                    dropped = st.length - sum(b - a for a, b in keep)
-                    async with self._lock(session_id):
-                        [ev] = await self._commit(st, [NewEvent(T.TOKENS_TRUNCATED, {
-                            "reason": "sink_window", "keep": keep, "dropped": dropped,
-                            "sink": sink_window[0], "window": sink_window[1]})])
-                    yield ev
             max_tokens = min(params.max_tokens, self.engine.info.max_length - st.length)
             # open_session records the engine's ids when none were given, so an
             # empty list is a deliberate "no EOS" (Kakeya), not a missing value.
@@ -514,15 +639,6 @@ class Runtime:
             eparams = SamplingParams(max_tokens=max_tokens, temperature=params.temperature, top_p=params.top_p,
                                      top_k=params.top_k, seed=params.seed,
                                      stop_token_ids=tuple(sorted(eos | stops)))
-            async with self._lock(session_id):
-                [started] = await self._commit(st, [NewEvent(T.GENERATION_STARTED, {
-                    "generation_id": gid, "params": params.to_json(), "prompt_length": st.length,
-                    "priority": priority, "action_id": action_id,
-                    "options": {"logprob_top_k": options.logprob_top_k,
-                                "logprob_ranges": [list(r) for r in options.logprob_ranges],
-                                "readout_ranges": [list(r) for r in options.readout_ranges],
-                                "generated_logprobs": options.generated_logprobs}})])
-            yield started
             prompt_len = st.length
             history = list(st.tokens)
             reason = "length"
@@ -560,6 +676,9 @@ class Runtime:
                     elif ttft is None:
                         prefill_s = time.perf_counter() - t0
                     yield ev
+                    if session_id in self._stop_requested:
+                        reason = "aborted"
+                        break
                     if not step.is_prefill:
                         if step.token_id in eos:
                             reason = "eos"
@@ -584,21 +703,37 @@ class Runtime:
                     "ttft_s": None if ttft is None else round(ttft, 6)})])
             finished = True
             yield fin
+        except Exception as exc:
+            failure = exc
+            raise
         finally:
             try:
-                if not finished and st.active_generation is not None and st.active_generation.id == gid:
+                active = st.active_generation
+                if not finished and active is not None and active.id == gid:
                     with contextlib.suppress(Exception):
-                        await asyncio.shield(self._finish_cancelled(st, gid, produced, t0, "cancelled"))
+                        await asyncio.shield(self._finish_unfinished(st, gid, produced, t0, failure))
             finally:
                 # even when cancelled again while recording the cancel
                 self._generating.discard(session_id)
+                self._stop_requested.discard(session_id)
+                idle = self._gen_idle.pop(session_id, None)
+                if idle is not None:
+                    idle.set()
 
-    async def _finish_cancelled(self, st: SessionState, gid: str, produced: int, t0: float, reason: str) -> None:
+    async def _finish_unfinished(self, st: SessionState, gid: str, produced: int, t0: float,
+                                 failure: BaseException | None) -> None:
+        """Close a generation that did not finish: ``cancelled``, or ``error`` when the engine failed."""
+        new = []
+        if failure is not None:
+            code = failure.code if isinstance(failure, SessiontapeError) else "internal"
+            new.append(NewEvent(T.ERROR, {"code": code, "message": str(failure) or type(failure).__name__,
+                                          "generation_id": gid}))
+        new.append(NewEvent(T.GENERATION_FINISHED, {
+            "generation_id": gid, "finish_reason": "error" if failure is not None else "cancelled",
+            "prompt_tokens": st.generations[gid].prompt_length, "completion_tokens": produced,
+            "prefill_s": None, "total_s": round(time.perf_counter() - t0, 6), "ttft_s": None}))
         async with self._lock(st.session_id):
-            await self._commit(st, [NewEvent(T.GENERATION_FINISHED, {
-                "generation_id": gid, "finish_reason": reason, "prompt_tokens": st.generations[gid].prompt_length,
-                "completion_tokens": produced, "prefill_s": None, "total_s": round(time.perf_counter() - t0, 6),
-                "ttft_s": None})])
+            await self._commit(st, new)
 
     def _violation(self, session_id: str, which: int) -> None:
         counts = self.invariant_violations.setdefault(session_id, [0, 0])

@@ -359,6 +359,7 @@ def _generation_of(state: SessionState, e: Event) -> Generation:
 
 @_on(T.GENERATION_TOKEN)
 def _gen_token(state: SessionState, e: Event) -> None:
+    _require_open(state, e)
     g = _generation_of(state, e)
     b = e.body
     if b.get("is_prefill"):
@@ -374,6 +375,7 @@ def _gen_token(state: SessionState, e: Event) -> None:
 
 @_on(T.GENERATION_FINISHED)
 def _gen_finished(state: SessionState, e: Event) -> None:
+    _require_open(state, e)
     g = _generation_of(state, e)
     g.finish_reason = str(e.body.get("finish_reason", "unspecified"))
     g.finished_at = e.recorded_at
@@ -402,6 +404,31 @@ def _image(state: SessionState, e: Event) -> None:
 @_on(T.NOTE)
 def _note(state: SessionState, e: Event) -> None:
     return None
+
+
+def overlay(st: SessionState) -> SessionState:
+    """A scratch view of ``st`` for checking several fragments in a row: the
+    node maps are shallow copies; :func:`overlay_apply` copies a node before
+    touching it, so ``st`` itself never changes."""
+    scratch = copy.copy(st)
+    scratch.nodes = dict(st.nodes)
+    scratch.parents_of = dict(st.parents_of)
+    return scratch
+
+
+def overlay_apply(scratch: SessionState, base: SessionState, body: Mapping[str, Any], data: bytes | None) -> None:
+    from core.nodes import apply_fragment
+
+    nid = str(body["id"])
+    node = scratch.nodes.get(nid)
+    if node is not None and node is base.nodes.get(nid):
+        scratch.nodes[nid] = Node(id=node.id, fragments=dict(node.fragments), final_seq=node.final_seq,
+                                  kind=node.kind, direction=node.direction)
+    for c in body.get("child_ids", ()):
+        parents = scratch.parents_of.get(c)
+        if parents is not None and parents is base.parents_of.get(c):
+            scratch.parents_of[c] = set(parents)
+    apply_fragment(scratch, body, data)
 
 
 def fork_state(parent: SessionState, child_id: str, token_position: int | None) -> SessionState:

@@ -51,6 +51,8 @@ def rewind_point(state: SessionState, offset: int | None, truncating: bool) -> i
     with ``truncating``. ``offset=None`` means "append at the end" (Kakeya).
     """
     n = state.length
+    if offset is not None and offset < 0:
+        raise OffsetMismatch(f"offset {offset} is negative")
     if offset is None or offset == n:
         return None
     if offset < n and truncating:

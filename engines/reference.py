@@ -25,7 +25,7 @@ from core.engine import (
     SamplingParams,
     Step,
 )
-from core.errors import ContextOverflow
+from core.errors import ConfigError, ContextOverflow
 from engines.sampling import log_softmax, sample, top_logprobs
 from engines.tokenizer import ByteTokenizer
 
@@ -35,7 +35,9 @@ VOCAB = 259
 
 class ReferenceEngine(Engine):
     def __init__(self, max_length: int = 4096, image_tokens: int | None = 10, eos_bias: float = 0.0,
-                 step_delay_s: float = 0.0, **_: Any) -> None:
+                 step_delay_s: float = 0.0, **unknown: Any) -> None:
+        if unknown:
+            raise ConfigError(f"unknown reference engine options: {sorted(unknown)}")
         self._tok = ByteTokenizer(VOCAB)
         self.step_delay_s = float(step_delay_s)
         self.eos_bias = float(eos_bias)

@@ -32,11 +32,18 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy import event as sa_event
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from core import metrics
-from core.errors import ChainBroken, ConcurrencyError, InvalidEvent, SessionNotFound
+from core.errors import (
+    ChainBroken,
+    ConcurrencyError,
+    InvalidArgument,
+    InvalidEvent,
+    LogClosed,
+    SessionNotFound,
+)
 from core.events import (
     GENESIS_HASH,
     Event,
@@ -132,6 +139,10 @@ class EventLog:
         self._wake = asyncio.Event()
         self._listen_conn: AsyncConnection | None = None
         self._published = 0
+        self._closing = False
+        #: read other processes' commits by polling/notification (always on
+        #: PostgreSQL; on SQLite for read-only followers such as `replay --follow`)
+        self._tail = False
         #: test hook: awaited inside the write transaction, just before COMMIT
         self.before_commit: Callable[[list[Event]], Awaitable[None]] | None = None
 
@@ -140,8 +151,13 @@ class EventLog:
     @classmethod
     async def open(cls, url: str, *, migrate: bool = True, echo: bool = False,
                    batch_max: int = 2000, inline_max_bytes: int = 4096,
-                   poll_interval_s: float = 0.5, sqlite_synchronous: str = "NORMAL") -> EventLog:
-        """Connect, migrate a fresh database to head, and start the writer."""
+                   poll_interval_s: float = 0.5, sqlite_synchronous: str = "NORMAL",
+                   follow: bool = False) -> EventLog:
+        """Connect, migrate a fresh database to head, and start the writer.
+
+        ``follow`` makes subscriptions see other processes' commits on SQLite
+        too (by polling); PostgreSQL always does (LISTEN/NOTIFY plus polling).
+        """
         kwargs: dict[str, Any] = {"echo": echo}
         if url.startswith("sqlite"):
             kwargs["connect_args"] = {"timeout": 30}
@@ -164,25 +180,33 @@ class EventLog:
 
             async with engine.begin() as conn:
                 await conn.run_sync(upgrade_connection)
-        await self._start()
+        await self._start(follow)
         return self
 
-    async def _start(self) -> None:
-        if self.dialect == "postgresql":
+    async def _start(self, follow: bool = False) -> None:
+        self._tail = self.dialect == "postgresql" or follow
+        if self._tail:
             async with self.engine.connect() as conn:
                 self._published = int((await conn.execute(sa.select(sa.func.coalesce(sa.func.max(events.c.position), 0)))).scalar_one())
+            self._tailer = asyncio.create_task(self._tail_loop(), name="sessiontape-log-tailer")
+        if self.dialect == "postgresql":
             self._listen_conn = await self.engine.connect()
             raw = await self._listen_conn.get_raw_connection()
             await raw.driver_connection.add_listener(PG_CHANNEL, lambda *_: self._wake.set())  # type: ignore[union-attr]
-            self._tailer = asyncio.create_task(self._tail_loop(), name="sessiontape-log-tailer")
         self._writer = asyncio.create_task(self._write_loop(), name="sessiontape-log-writer")
 
     async def close(self) -> None:
+        """Commit what is queued, refuse what comes after, stop."""
         if self._writer is not None:
+            self._closing = True
             await self._queue.put(None)
             with contextlib.suppress(asyncio.CancelledError):
                 await self._writer
             self._writer = None
+            while not self._queue.empty():
+                left = self._queue.get_nowait()
+                if left is not None and not left.future.done():
+                    left.future.set_exception(LogClosed("the event log closed before this append committed"))
         if self._tailer is not None:
             self._tailer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -233,8 +257,8 @@ class EventLog:
         return (await self._submit(req))[0]
 
     async def _submit(self, req: _Request) -> list[Event]:
-        if self._writer is None:
-            raise RuntimeError("event log is closed")
+        if self._writer is None or self._closing:
+            raise LogClosed("the event log is closed")
         await self._queue.put(req)
         return await req.future
 
@@ -260,9 +284,10 @@ class EventLog:
         t0 = time.perf_counter()
         try:
             results = await self._run_tx(batch)
-        except (IntegrityError, ConcurrencyError, OperationalError) as exc:
-            # Something in the batch conflicted (another process, a stale
-            # cache): retry each request alone so only the guilty one fails.
+        except Exception as exc:
+            # Something in the batch failed (a conflict with another process,
+            # a stale cache, one bad request): retry each request alone so
+            # only the guilty one fails.
             self._heads.clear()
             if len(batch) == 1:
                 self._fail(batch[0], exc)
@@ -276,16 +301,13 @@ class EventLog:
                 else:
                     self._finish([req], [res[0]], t0)
             return
-        except Exception as exc:
-            self._heads.clear()
-            for req in batch:
-                self._fail(req, exc)
-            return
         self._finish(batch, results, t0)
 
     def _fail(self, req: _Request, exc: BaseException) -> None:
         if isinstance(exc, IntegrityError):
             exc = ConcurrencyError(f"session {req.session_id}: concurrent append (version conflict)")
+        elif isinstance(exc, DBAPIError) and not isinstance(exc, OperationalError):
+            exc = InvalidArgument(f"session {req.session_id}: the database refused the write: {exc.orig}")
         if not req.future.done():
             req.future.set_exception(exc)
 
@@ -299,7 +321,7 @@ class EventLog:
             metrics.EVENTS_APPENDED.inc(len(all_events))
             metrics.COMMIT_SECONDS.observe(time.perf_counter() - t0)
             metrics.BATCH_SIZE.observe(len(all_events))
-            if self.dialect == "postgresql":
+            if self._tail:
                 if self._subscribers:
                     self._wake.set()
                 else:

@@ -176,3 +176,26 @@ async def test_snapshots_roundtrip(log: EventLog) -> None:
     await log.save_snapshot("s1", 1, '{"x": 2}', None)
     assert await log.load_snapshot("s1") == (1, '{"x": 2}', None)
     assert await log.load_snapshot("nope") is None
+
+
+async def test_follower_sees_another_process_on_sqlite(sqlite_url: str) -> None:
+    writer = await EventLog.open(sqlite_url)
+    follower = await EventLog.open(sqlite_url, follow=True, poll_interval_s=0.05)
+    try:
+        await writer.append("s1", 0, [opened()])
+        got: list[int] = []
+
+        async def follow() -> None:
+            async for e in follower.subscribe(0, session_id="s1"):
+                got.append(e.version)
+                if len(got) == 4:
+                    return
+
+        task = asyncio.create_task(follow())
+        for v in range(1, 4):
+            await writer.append("s1", v, [appended(v - 1, [v])])
+        await asyncio.wait_for(task, 10)
+        assert got == [1, 2, 3, 4]
+    finally:
+        await follower.close()
+        await writer.close()
