@@ -37,7 +37,8 @@ def register(subparsers: Any) -> None:
                       help="a result event id with more_results: true to continue")
     call.add_argument("--key-file", default=None, help="secret key (nsec or hex); default: a throwaway key")
     call.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the final result")
-    call.set_defaults(func=run_call)
+    # the main CLI reads --config/--db of every subcommand (for [logging]); this one has neither
+    call.set_defaults(func=run_call, config=None, db=None)
 
 
 def call_content(args: argparse.Namespace) -> str:

@@ -66,21 +66,21 @@ async def handle_job(worker: D4Worker, payload: Mapping[str, Any]) -> None:
         return
     job_id = str(payload["id"])
     customer = str(payload["pubkey"])
-    if job_id in worker._answered:
+    known = worker._calls.get(job_id)
+    if known is not None and known.answered:
         worker.stats["duplicate"] += 1
         return
-    sid = worker._call_sessions.get(job_id, "d4_" + job_id[:48])
+    sid = "d4_" + job_id[:48]
     reply_tags = [["e", job_id], ["p", customer]]
     price = worker.settings.price_msat
-    async with worker._sem, worker._lock(sid):
-        if job_id in worker._answered:
+    async with worker._sem, worker.session_lock(sid):
+        if await worker.is_answered(job_id, sid):
+            worker.stats["duplicate"] += 1
             return
         await worker.open_call_session(sid, {"call_id": job_id, "caller": customer, "nip90": True})
-        if job_id not in worker._call_sessions:
+        if job_id not in worker._calls:
             await worker.runtime.record_wire(sid, "nostr", "in", dict(payload))
-            worker._call_sessions[job_id] = sid
-            worker._callers[job_id] = customer
-            worker._last_call_at = max(worker._last_call_at, int(payload["created_at"]))
+            worker.record_call(sid, payload)
         worker.stats["nip90_jobs"] += 1
         try:
             prompt, raw_args, bid = parse_job(tags)
@@ -90,9 +90,7 @@ async def handle_job(worker: D4Worker, payload: Mapping[str, Any]) -> None:
             if n == 0:
                 await worker._send(sid, "", [["status", "payment-required", "bid below one token"],
                                              *reply_tags, ["amount", str(price * wanted)]],
-                                   kind=KIND_FEEDBACK)
-                worker._answered.add(job_id)
-                await worker.runtime.close(sid, "negotiation")
+                                   kind=KIND_FEEDBACK, close="negotiation")
                 return
             await worker._send(sid, "", [["status", "processing"], *reply_tags], kind=KIND_FEEDBACK)
             st = await worker.runtime.get(sid)
@@ -107,17 +105,15 @@ async def handle_job(worker: D4Worker, payload: Mapping[str, Any]) -> None:
                     pass
             text = worker.runtime.engine.detokenize(list(st.tokens[start:]))
             produced = st.length - start
+            worker.stats["answered"] += 1
             await worker._send(sid, text, [*reply_tags, ["request", json.dumps(dict(payload))],
                                            ["amount", str(produced * price)]],
-                               kind=KIND_RESULT, call_id=job_id, final=True, caller=customer)
-            worker.stats["answered"] += 1
-            await worker.runtime.close(sid, "complete")
+                               kind=KIND_RESULT, call_id=job_id, final=True, caller=customer, close="complete")
         except SessiontapeError as exc:
+            if await worker.is_answered(job_id, sid):
+                return  # the result is recorded: an error status now would contradict it
             err = to_err(exc)
             await worker.runtime.record_error(sid, err["code"], err["message"])
             await worker._send(sid, "", [["status", "error", f"{err['code']}: {err['message']}"], *reply_tags],
-                               kind=KIND_FEEDBACK)
-            worker._answered.add(job_id)
-            with contextlib.suppress(SessiontapeError):
-                await worker.runtime.close(sid, "error")
+                               kind=KIND_FEEDBACK, close="error")
 

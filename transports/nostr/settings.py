@@ -12,6 +12,8 @@ Example::
     stream_every_tokens = 16
     stream_every_ms = 500
     negotiate_function_id = "321ddf..."       # the "negotiate price" function
+    index_size = 10000                        # calls/results kept in memory; older ones come from the log
+    republish_every_s = 30                    # retry answers no relay took
 """
 
 from __future__ import annotations
@@ -56,6 +58,10 @@ class Settings:
     reconnect_min_s: float = 1.0
     connect_timeout_s: float = 5.0
     nip90: bool = True
+    #: calls, results and event ids the worker keeps in memory (each); older ones are asked of the log
+    index_size: int = 10_000
+    #: how often answers no relay took are published again (also on every relay reconnect)
+    republish_every_s: float = 30.0
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> Settings:
@@ -86,11 +92,15 @@ class Settings:
                 reconnect_min_s=float(options.get("reconnect_min_s", 1.0)),
                 connect_timeout_s=float(options.get("connect_timeout_s", 5.0)),
                 nip90=bool(options.get("nip90", True)),
+                index_size=int(options.get("index_size", 10_000)),
+                republish_every_s=float(options.get("republish_every_s", 30.0)),
             )
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"transports.nostr: {exc}") from exc
         if s.price_msat < 0 or s.stream_every_tokens < 1 or s.stream_every_ms < 1 or s.default_max_tokens < 1:
             raise ConfigError("transports.nostr: price_msat >= 0, stream_every_* >= 1, default_max_tokens >= 1")
+        if s.index_size < 1 or not s.republish_every_s > 0:
+            raise ConfigError("transports.nostr: index_size >= 1, republish_every_s > 0")
         return s
 
 

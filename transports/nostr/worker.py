@@ -4,9 +4,16 @@ One call is one session (``d4_<call id>``); a funded call that references a
 result with ``more_results: true`` continues that result's session. Every
 event the worker receives or sends is recorded with its full signed JSON
 (``wire.message``, transport ``nostr``) *before* it is acted on or
-published, so the log alone says which calls were answered: on start the
-worker rebuilds its indexes from it and re-subscribes ``since`` the last
-call it recorded (minus a slack for client clock drift).
+published, so the log alone says which calls were answered. An answer is
+only delivered once a relay took it: that is recorded too (a
+``note.recorded`` naming the event and the relays), and answers without
+one are published again, on start and while running.
+
+The worker's memory (calls, results, seen events, locks) is bounded: what
+falls out of it is looked up in the log again when needed. On start it
+reads only the sessions that can still matter (open ones, and those
+active around the last call it recorded) and re-subscribes ``since`` that
+call (minus a slack for client clock drift).
 
 Usage::
 
@@ -24,10 +31,10 @@ import datetime
 import json
 import logging
 import time
-from collections import Counter
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections import Counter, OrderedDict
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import nostr_sdk as ns
 
@@ -40,7 +47,7 @@ from core.errors import (
     SessionNotFound,
     SessiontapeError,
 )
-from core.events import Event, T
+from core.events import Event, NewEvent, T
 from core.runtime import Runtime
 from transports.nostr import d4, nip90
 from transports.nostr.errors import to_err
@@ -50,9 +57,45 @@ log = logging.getLogger("sessiontape.nostr")
 
 FUNCTION_TAG = "d4-function"
 
+_V = TypeVar("_V")
+
+
+class Lru(OrderedDict[str, _V]):
+    """A dict that forgets its least recently written keys beyond ``size``."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size = size
+
+    def __setitem__(self, key: str, value: _V) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.size:
+            self.popitem(last=False)
+
 
 def call_session_id(call_id: str) -> str:
     return "d4_" + call_id[:48]
+
+
+def answer_of(payload: Mapping[str, Any]) -> str | None:
+    """The call a worker event is the final answer to (result, error, price suggestion), else None."""
+    tags = payload.get("tags") or []
+    refs = d4.e_refs(tags)
+    if not refs:
+        return None
+    kind = payload.get("kind")
+    if kind == nip90.KIND_FEEDBACK:
+        return refs[0] if nip90.feedback_status(tags) in ("error", "payment-required") else None
+    if kind == nip90.KIND_RESULT:
+        return refs[0]
+    if kind == 1:
+        try:
+            partial = d4.parse_object(str(payload.get("content", ""))).get("partial", False)
+        except InvalidParameters:
+            return None
+        return None if partial else refs[0]
+    return None
 
 
 @dataclass(frozen=True)
@@ -64,6 +107,23 @@ class ResultRef:
     caller: str
     more_results: bool
     final: bool
+
+
+@dataclass
+class CallRef:
+    """A call the worker recorded: where it lives, who sent it, whether it has its answer."""
+
+    session_id: str
+    caller: str
+    answered: bool = False
+
+
+class _SessionLock:
+    __slots__ = ("lock", "users")
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.users = 0
 
 
 class D4Worker:
@@ -78,14 +138,21 @@ class D4Worker:
         #: function event id -> spec (filled in by start)
         self.functions: dict[str, FunctionSpec] = {}
         self.stats: Counter[str] = Counter()
-        self._seen: set[str] = set()
-        self._answered: set[str] = set()
-        self._results: dict[str, ResultRef] = {}
-        self._call_sessions: dict[str, str] = {}
-        self._callers: dict[str, str] = {}
+        size = settings.index_size
+        # bounded: the log stays the truth for what they forget (see _recall)
+        self._seen: Lru[None] = Lru(4 * size)
+        self._calls: Lru[CallRef] = Lru(size)
+        self._results: Lru[ResultRef] = Lru(size)
         self._published: dict[str, str] = {}
+        #: answers recorded but not (known to be) taken by a relay: event id -> (session, signed JSON)
+        self._unacked: dict[str, tuple[str, dict[str, Any]]] = {}
+        #: answers whose publishing gave up, flagged in the worker session so a restart finds
+        #: them however old: event id -> session
+        self._flagged: dict[str, str] = {}
+        self._republishing = asyncio.Lock()
         self._last_call_at = 0
-        self._locks: dict[str, asyncio.Lock] = {}
+        #: one per session with a handler inside or waiting; dropped when the last one leaves
+        self._locks: dict[str, _SessionLock] = {}
         self._sem = asyncio.Semaphore(settings.max_concurrent_calls)
         self._tasks: set[asyncio.Task[None]] = set()
         self._client: Any = None
@@ -116,6 +183,7 @@ class D4Worker:
         self._client = client
         await client.connect(datetime.timedelta(seconds=self.settings.connect_timeout_s))
         await self._ensure_functions()
+        await self.republish()
         notes = client.notifications()
         since = self.since()
         await client.subscribe(ns.ReqTarget.auto(self._filters(since)), "d4-calls")
@@ -170,10 +238,14 @@ class D4Worker:
         """
         was: dict[str, bool] = {}
         first = True
+        next_republish = time.monotonic() + self.settings.republish_every_s
         while True:
             if not first:
                 await asyncio.sleep(0.25)
             first = False
+            if self._unacked and time.monotonic() >= next_republish:
+                next_republish = time.monotonic() + self.settings.republish_every_s
+                await self.republish()
             try:
                 relays = await self._client.relays()
             except Exception as exc:
@@ -189,6 +261,7 @@ class D4Worker:
                         await self._client.subscribe(target, "d4-calls")
                         log.info("relay %s reconnected; re-subscribed since %d", key, since)
                         self.stats["resubscribed"] += 1
+                        await self.republish()
                     except Exception as exc:
                         log.warning("relay %s: re-subscribe failed: %s", key, exc)
                         continue
@@ -208,58 +281,112 @@ class D4Worker:
     # -- the log as the worker's memory -------------------------------------
 
     async def _scan_log(self) -> None:
-        page = 500
-        offset = 0
-        while True:
-            rows = await self.runtime.log.list_sessions(protocol="nostr", limit=page, offset=offset,
-                                                        newest_first=False)
-            for row in rows:
-                for e in await self.runtime.log.read(row.id):
-                    if e.type == T.WIRE and e.body.get("transport") == "nostr":
-                        payload = e.body.get("payload")
-                        if isinstance(payload, dict):
-                            self._learn(row.id, str(e.body.get("direction")), payload)
-            if len(rows) < page:
-                return
-            offset += page
+        """Rebuild the indexes from the sessions that can still matter.
 
-    def _learn(self, session_id: str, direction: str, payload: Mapping[str, Any]) -> None:
+        Those are: the worker session (functions, answers left unpublished),
+        every open call session (continuable results, calls to resume), and
+        the sessions active within two slacks of the newest recorded call
+        (the calls a ``since`` re-subscription can bring back, and answers a
+        crash left unpublished). Older closed sessions are not read: a call
+        of theirs delivered again is found by ``_recall``.
+        """
+        await self._recall(self.worker_session_id)
+        rows = []
+        page, offset = 500, 0
+        while True:  # the index rows only; events are read below for the few that matter
+            batch = await self.runtime.log.list_sessions(protocol="nostr", limit=page, offset=offset)
+            rows += [r for r in batch if r.id != self.worker_session_id]
+            if len(batch) < page:
+                break
+            offset += page
+        # newest activity first: the newest call is learned before the window is applied
+        rows.sort(key=lambda r: r.updated_at, reverse=True)
+        window = 2 * self.settings.since_slack_s
+        read: set[str] = set()
+        for row in rows:
+            recent = not self._last_call_at or row.updated_at >= self._last_call_at - window
+            if row.status == "open" or recent or row.id in self._flagged.values():
+                await self._recall(row.id)
+                read.add(row.id)
+        for sid in set(self._flagged.values()) - read:
+            await self._recall(sid)
+            read.add(sid)
+        self.stats["scanned_sessions"] = len(read)
+        log.info("read %d of %d nostr sessions from the log; %d answers to publish again",
+                 len(read), len(rows), len(self._unacked))
+
+    async def _recall(self, session_id: str) -> None:
+        """Learn one session's calls, answers and results from the log (nothing if it does not exist)."""
+        for e in await self.runtime.log.read(session_id):
+            self._learn(session_id, e)
+
+    def _note_call(self, created_at: int, recorded_at: float) -> None:
+        # a client clock ahead of ours must not move ``since`` past calls not yet seen
+        self._last_call_at = max(self._last_call_at, min(int(created_at), int(recorded_at)))
+
+    def _learn(self, session_id: str, e: Event) -> None:
+        if e.body.get("transport") != "nostr":
+            return
+        if e.type == T.NOTE:
+            if "published" in e.body:
+                self._unacked.pop(str(e.body["published"]), None)
+                self._flagged.pop(str(e.body["published"]), None)
+            elif "unpublished" in e.body:
+                self._flagged[str(e.body["unpublished"])] = str(e.body.get("session_id", ""))
+            return
+        payload = e.body.get("payload")
+        if e.type != T.WIRE or not isinstance(payload, dict):
+            return
         eid = str(payload.get("id", ""))
         tags = payload.get("tags") or []
         try:
             obj = d4.parse_object(str(payload.get("content", "")))
         except InvalidParameters:
             obj = {}
-        if direction == "in":
+        if e.body.get("direction") == "in":
             kind = payload.get("kind")
             if kind == nip90.KIND_JOB or (kind == 1 and d4.classify(obj) == d4.CALL):
                 # not "seen": a call recorded but not answered (worker stopped mid-way) is resumed
-                self._call_sessions[eid] = session_id
-                self._callers[eid] = str(payload.get("pubkey", ""))
-                self._last_call_at = max(self._last_call_at, int(payload.get("created_at", 0)))
+                if eid not in self._calls:
+                    self._calls[eid] = CallRef(session_id, str(payload.get("pubkey", "")))
+                self._note_call(int(payload.get("created_at", 0)), e.recorded_at)
             else:
-                self._seen.add(eid)
+                self._seen[eid] = None
             return
         if payload.get("pubkey") != self.pubkey:
             return
         if any(len(t) >= 2 and t[0] == "t" and t[1] == FUNCTION_TAG for t in tags):
             self._published[str(obj.get("name", ""))] = eid
+            self._unacked[eid] = (session_id, payload)
             return
+        call_id = answer_of(payload)
+        if call_id is not None:
+            self._mark_answered(call_id, session_id)
+            self._unacked[eid] = (session_id, payload)
         refs = d4.e_refs(tags)
-        if payload.get("kind") == nip90.KIND_FEEDBACK or not refs:
-            if payload.get("kind") == nip90.KIND_FEEDBACK and refs:
-                st = nip90.feedback_status(tags)
-                if st in ("error", "payment-required"):
-                    self._answered.add(refs[0])
-            return
-        call_id = refs[0]
-        final = not obj.get("partial", False)
-        if final:
-            self._answered.add(call_id)
-        if self.settings.negotiate_function_id in refs[1:]:
-            return  # a price suggestion, not a result to continue
-        self._results[eid] = ResultRef(session_id, call_id, self._callers.get(call_id, ""),
-                                       bool(obj.get("more_results", False)), final)
+        if payload.get("kind") != 1 or not refs or self.settings.negotiate_function_id in refs[1:]:
+            return  # feedback, a NIP-90 result or a price suggestion: nothing to continue
+        ref = self._calls.get(refs[0])
+        self._results[eid] = ResultRef(session_id, refs[0], ref.caller if ref else "",
+                                       bool(obj.get("more_results", False)), not obj.get("partial", False))
+
+    def _mark_answered(self, call_id: str, session_id: str) -> None:
+        ref = self._calls.get(call_id)
+        if ref is None:
+            ref = CallRef(session_id, "")
+        ref.answered = True
+        self._calls[call_id] = ref
+
+    async def is_answered(self, call_id: str, session_id: str) -> bool:
+        """Whether ``call_id`` has its answer; asks the log when the worker's memory has forgotten it."""
+        if call_id not in self._calls:
+            await self._recall(session_id)
+        ref = self._calls.get(call_id)
+        return ref is not None and ref.answered
+
+    def record_call(self, session_id: str, payload: Mapping[str, Any]) -> None:
+        self._calls[str(payload["id"])] = CallRef(session_id, str(payload["pubkey"]))
+        self._note_call(int(payload["created_at"]), time.time())
 
     # -- function events ---------------------------------------------------
 
@@ -309,7 +436,7 @@ class D4Worker:
         if eid in self._seen:
             self.stats["duplicate"] += 1
             return False
-        self._seen.add(eid)
+        self._seen[eid] = None
         if event.author().to_hex() == self.pubkey:
             return False
         task = asyncio.create_task(self._handle(event), name=f"d4-{eid[:8]}")
@@ -346,11 +473,20 @@ class D4Worker:
         except Exception:  # one bad event must not stop the worker
             log.exception("handling event %s failed", payload.get("id"))
 
-    def _lock(self, sid: str) -> asyncio.Lock:
-        lock = self._locks.get(sid)
-        if lock is None:
-            lock = self._locks[sid] = asyncio.Lock()
-        return lock
+    @contextlib.asynccontextmanager
+    async def session_lock(self, sid: str) -> AsyncIterator[None]:
+        """Serialise the handlers of one session (a call and its continuations)."""
+        entry = self._locks.get(sid)
+        if entry is None:
+            entry = self._locks[sid] = _SessionLock()
+        entry.users += 1
+        try:
+            async with entry.lock:
+                yield
+        finally:
+            entry.users -= 1
+            if entry.users == 0:
+                del self._locks[sid]
 
     async def open_call_session(self, sid: str, meta: Mapping[str, Any]) -> None:
         try:
@@ -363,21 +499,21 @@ class D4Worker:
                        obj: dict[str, Any] | None, bad: InvalidParameters | None) -> None:
         call_id: str = payload["id"]
         caller: str = payload["pubkey"]
-        if call_id in self._answered:
+        known = self._calls.get(call_id)
+        if known is not None and known.answered:
             self.stats["duplicate"] += 1
             return
         prev = next((self._results[r] for r in others if r in self._results), None)
-        sid = prev.session_id if prev else self._call_sessions.get(call_id, call_session_id(call_id))
-        async with self._sem, self._lock(sid):
-            if call_id in self._answered:
+        sid = prev.session_id if prev else (known.session_id if known else call_session_id(call_id))
+        async with self._sem, self.session_lock(sid):
+            if await self.is_answered(call_id, sid):
+                self.stats["duplicate"] += 1
                 return
             if prev is None:
                 await self.open_call_session(sid, {"call_id": call_id, "caller": caller, "function_id": fid})
-            if call_id not in self._call_sessions:
+            if call_id not in self._calls:
                 await self.runtime.record_wire(sid, "nostr", "in", payload)
-                self._call_sessions[call_id] = sid
-                self._callers[call_id] = caller
-                self._last_call_at = max(self._last_call_at, int(payload["created_at"]))
+                self.record_call(sid, payload)
             self.stats["calls"] += 1
             tags = [["e", call_id], ["e", fid]]
             try:
@@ -396,15 +532,16 @@ class D4Worker:
                                                      total_cost=self.settings.price_msat * wanted)
                     self.stats["negotiations"] += 1
                     await self._send(sid, content, [["e", call_id], ["e", self.settings.negotiate_function_id]],
-                                     call_id=call_id, final=True)
-                    if prev is None:
-                        await self.runtime.close(sid, "negotiation")
+                                     call_id=call_id, final=True, close="negotiation" if prev is None else None)
                     return
                 await self._generate(sid, call_id, caller, call, tags)
-            except SessiontapeError as exc:
-                await self._fail(sid, call_id, caller, tags, exc, close=prev is None)
             except Exception as exc:
-                log.exception("call %s failed", call_id)
+                if self._calls.get(call_id, CallRef(sid, "")).answered:
+                    # the answer is recorded (and published or queued): a second one would contradict it
+                    log.exception("call %s failed after its answer was recorded", call_id)
+                    return
+                if not isinstance(exc, SessiontapeError):
+                    log.exception("call %s failed", call_id)
                 await self._fail(sid, call_id, caller, tags, exc, close=prev is None)
 
     async def _fail(self, sid: str, call_id: str, caller: str, tags: list[list[str]],
@@ -414,27 +551,31 @@ class D4Worker:
         await self.runtime.record_error(sid, err["code"], err["message"])
         content = d4.result_content(result=None, iteration_cost=self.settings.price_msat, total_cost=0,
                                     more_results=False, err=err)
-        await self._send(sid, content, tags, call_id=call_id, final=True, caller=caller)
-        if close:
-            with contextlib.suppress(SessiontapeError):
-                await self.runtime.close(sid, "error")
+        await self._send(sid, content, tags, call_id=call_id, final=True, caller=caller,
+                         close="error" if close else None)
 
     async def _on_feedback(self, payload: dict[str, Any], obj: Mapping[str, Any], others: Sequence[str]) -> None:
-        ref = next((self._results[r] for r in others if r in self._results), None)
-        if ref is None:
+        result_id = next((r for r in others if r in self._results), None)
+        if result_id is None:
             self.stats["feedback_unknown"] += 1
             return
+        ref = self._results[result_id]
         try:
             fb = d4.parse_feedback(obj)
         except InvalidParameters as exc:
             self.stats["feedback_invalid"] += 1
             log.warning("dropped feedback %s: %s", payload["id"], exc.message)
             return
-        result_id = next(r for r in others if r in self._results)
-        await self.runtime.record_wire(ref.session_id, "nostr", "in", payload)
-        await self.runtime.record_feedback(ref.session_id, {
-            "score": fb.score, "version": fb.version, "transport": "nostr", "event_id": payload["id"],
-            "pubkey": payload["pubkey"], "result_id": result_id, "call_id": ref.call_id})
+        async with self.session_lock(ref.session_id):
+            # the seen-set is bounded: the session's own feedback list is the truth for duplicates
+            st = await self.runtime.get(ref.session_id)
+            if any(f.get("event_id") == payload["id"] for f in st.feedback):
+                self.stats["duplicate"] += 1
+                return
+            await self.runtime.record_wire(ref.session_id, "nostr", "in", payload)
+            await self.runtime.record_feedback(ref.session_id, {
+                "score": fb.score, "version": fb.version, "transport": "nostr", "event_id": payload["id"],
+                "pubkey": payload["pubkey"], "result_id": result_id, "call_id": ref.call_id})
         self.stats["feedback"] += 1
 
     # -- generation --------------------------------------------------------
@@ -497,46 +638,105 @@ class D4Worker:
         more = finish == "length" and room
         content = d4.result_content(result=body(answer, finish), iteration_cost=price,
                                     total_cost=produced * price, more_results=more)
-        await self._send(sid, content, tags, call_id=call_id, final=True, caller=caller, more_results=more)
         self.stats["answered"] += 1
-        if not more:
-            await rt.close(sid, "complete")
+        await self._send(sid, content, tags, call_id=call_id, final=True, caller=caller, more_results=more,
+                         close=None if more else "complete")
 
     # -- outgoing ----------------------------------------------------------
 
     async def _send(self, sid: str, content: str, tags: list[list[str]], *, kind: int = 1,
                     call_id: str | None = None, final: bool = False, caller: str = "",
-                    more_results: bool = False) -> str:
-        """Sign, record (durable before visible), then publish; returns the event id."""
+                    more_results: bool = False, close: str | None = None) -> str:
+        """Sign, record, close the session (``close`` = reason), publish, record the relays' ack.
+
+        Durable before visible: a client that has the event can rely on the
+        log having it, and on the session being closed when it says so.
+        """
         builder = ns.EventBuilder(ns.Kind(kind), content).tags([ns.Tag.parse(t) for t in tags])
         event = builder.finalize(self.keys)
         payload = json.loads(event.as_json())
         await self.runtime.record_wire(sid, "nostr", "out", payload)
         eid: str = payload["id"]
-        if call_id is not None:
-            if final:
-                self._answered.add(call_id)
-            if kind == 1 and self.settings.negotiate_function_id not in (t[1] for t in tags[1:]):
-                self._results[eid] = ResultRef(sid, call_id, caller or self._callers.get(call_id, ""),
-                                               more_results, final)
-        await self.publish(event)
+        answers = answer_of(payload)
+        if answers is not None:
+            self._mark_answered(answers, sid)
+        if call_id is not None and kind == 1 and self.settings.negotiate_function_id not in (t[1] for t in tags[1:]):
+            ref = self._calls.get(call_id)
+            self._results[eid] = ResultRef(sid, call_id, caller or (ref.caller if ref else ""), more_results, final)
+        if close is not None:
+            try:
+                await self.runtime.close(sid, close)
+            except SessiontapeError as exc:  # the answer stands; a session the sweeper closed stays so
+                log.warning("closing %s (%s) failed: %s", sid, close, exc)
+        if answers is None and FUNCTION_TAG not in (t[1] for t in tags if t[0] == "t"):
+            await self.publish(event)  # intermediate results and statuses: best effort
+            return eid
+        await self._deliver(sid, eid, event, payload)
         return eid
 
-    async def publish(self, event: Any) -> bool:
-        """Send to every relay; retry the ones that reject (rate limits) with back-off."""
+    async def _deliver(self, sid: str, eid: str, event: Any, payload: dict[str, Any]) -> bool:
+        """Publish an answer and record which relays took it; queue it for another try when none did."""
+        accepted = await self.publish(event)
+        if not accepted:
+            self.stats["unacked"] += 1
+            if eid not in self._unacked:
+                self._unacked[eid] = (sid, payload)
+            if eid not in self._flagged:
+                self._flagged[eid] = sid
+                with contextlib.suppress(SessiontapeError):
+                    await self.runtime.record(await self._worker_session(), [NewEvent(T.NOTE, {
+                        "transport": "nostr", "unpublished": eid, "session_id": sid})])
+            return False
+        note = NewEvent(T.NOTE, {"transport": "nostr", "published": eid, "relays": accepted})
+        await self.runtime.record(sid, [note])
+        if eid in self._flagged and sid != self.worker_session_id:
+            await self.runtime.record(self.worker_session_id, [note])
+        self._unacked.pop(eid, None)
+        self._flagged.pop(eid, None)
+        return True
+
+    async def republish(self) -> int:
+        """Publish again the answers no relay has acknowledged; returns how many are now delivered."""
+        if not self._unacked or self._client is None:
+            return 0
+        done = 0
+        async with self._republishing:
+            for eid, (sid, payload) in list(self._unacked.items()):
+                if eid not in self._unacked:
+                    continue
+                # the same signed event: relays keep one copy per id, so a second delivery is harmless
+                event = ns.Event.from_json(json.dumps(payload))
+                if await self._deliver(sid, eid, event, payload):
+                    done += 1
+                    self.stats["republished"] += 1
+                    log.info("published %s again (recorded in %s, not acknowledged before)", eid[:12], sid)
+        return done
+
+    async def publish(self, event: Any) -> list[str]:
+        """Send to every relay; retry the ones that reject (rate limits) with back-off.
+
+        Returns the relays that took the event (``duplicate:`` answers
+        included: they already have it), sorted; empty when none did.
+        """
         target: Any = None
         eid = event.id().to_hex()
+        accepted: set[str] = set()
+        failed: dict[str, str] = {}
         for attempt in range(self.settings.publish_retries + 1):
             try:
+                if self._client is None:
+                    raise ConnectionError("the worker is stopped")
                 if target is None:
                     out = await self._client.send_event(event)
                 else:
                     out = await self._client.send_event(event, ns.SendEventTarget.to(target))
+                accepted |= {str(u) for u in out.success}
+                accepted |= {str(u) for u, m in out.failed.items() if str(m).startswith("duplicate")}
                 failed = {str(u): str(m) for u, m in out.failed.items() if not str(m).startswith("duplicate")}
             except Exception as exc:  # the SDK raises when no relay took it
                 failed = {url: str(exc) for url in (self.settings.relays if target is None else map(str, target))}
             if not failed:
-                return True
+                return sorted(accepted)
             self.stats["publish_failures"] += len(failed)
             for url, msg in failed.items():
                 log.warning("relay %s rejected %s (attempt %d): %s", url, eid[:12], attempt + 1, msg)
@@ -545,4 +745,4 @@ class D4Worker:
             target = [ns.RelayUrl.parse(u) for u in failed]
             await asyncio.sleep(min(self.settings.retry_base_s * (2 ** attempt), 5.0))
         log.error("gave up publishing %s to %s", eid[:12], ", ".join(failed))
-        return False
+        return sorted(accepted)
