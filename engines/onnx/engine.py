@@ -21,6 +21,14 @@ Options (all keyword, as ``[engine.options]`` in the config):
 - ``prefill_chunk``: most new positions per forward pass (default 256).
 - ``io_binding``: bind device tensors (default: on with CUDA).
 - ``workers``: forward passes running at once (default 1).
+- ``min_rows``: smallest query row count per pass (default 2; 1 is faster but not
+  guaranteed bit-exact).
+- ``decode_batch``: most decode steps per worker-thread hop (default 16).
+- ``lookahead``: fill the decode pass's spare row with a guessed next token (what
+  followed the same two tokens earlier in the history) instead of padding
+  (default on; results are the same either way).
+- ``spinning``: let ONNX Runtime's intra-op threads spin while idle (default off:
+  on a shared machine spinning threads starve each other and the event loop).
 
 See docs/engines.md for why results are bit-identical however a history
 was built up.
@@ -33,7 +41,7 @@ import logging
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +70,8 @@ class OnnxEngine(Engine):
                  inter_op_threads: int = 0, kv_cache_bytes: int = 1 << 30,
                  readout_concepts: str | Path | None = None, max_length: int | None = None,
                  prefill_chunk: int = 256, io_binding: bool | None = None, workers: int = 1,
-                 min_rows: int = 2, decode_batch: int = 16, spinning: bool = True, **unknown: Any) -> None:
+                 min_rows: int = 2, decode_batch: int = 16, spinning: bool = False, lookahead: bool = True,
+                 **unknown: Any) -> None:
         if unknown:
             raise ConfigError(f"unknown onnx engine options: {sorted(unknown)}")
         if model_dir is None:
@@ -103,6 +112,9 @@ class OnnxEngine(Engine):
         self._tok = load_tokenizer(folder, int(vocab))
         self.prefill_chunk = int(prefill_chunk)
         self.decode_batch = int(decode_batch)
+        self.lookahead = bool(lookahead)
+        #: decode steps whose token had already been run as the previous pass's guess
+        self.lookahead_hits = 0
         self._readout_layers = () if self.concepts is None else self.concepts.manifest.layers
         self.cache = KVCache(int(kv_cache_bytes))
         self._pool = ThreadPoolExecutor(max_workers=int(workers), thread_name_prefix="onnx-engine")
@@ -152,35 +164,51 @@ class OnnxEngine(Engine):
 
     # -- generation --------------------------------------------------------
 
-    def _advance(self, r: _Run, upto: int, hidden_layers: Sequence[int]) -> tuple[PassResult, int]:
-        """Run ``r.hist[r.base_len:upto]`` on ``r.base``; returns the pass and its first position.
+    def _advance(self, r: _Run, upto: int, hidden_layers: Sequence[int],
+                 guesses: Sequence[int] = ()) -> tuple[PassResult, int]:
+        """Run ``r.hist[r.base_len:upto]`` (then ``guesses``) on ``r.base``; returns the pass and its first position.
 
-        Runs in a worker thread. A pass with no padding row becomes the next
-        base as it is, so steady decoding alternates [token, pad] and
+        Runs in a worker thread. A pass whose rows are all real becomes the
+        next base as it is, so steady decoding alternates [token, pad] and
         [previous token again, token] passes and never copies the KV to drop
         a padding row.
         """
         start = r.base_len
         if r.base.length != start:
             r.base = self.runner.trim(r.base, start)
-        res = self.runner.run(r.base, start, r.hist[start:upto], tuple(hidden_layers))
+        res = self.runner.run(r.base, start, [*r.hist[start:upto], *guesses], tuple(hidden_layers))
         if res.kv.length == upto:
             r.base, r.base_len = res.kv, upto
         return res, start
 
     def _decode_hop(self, r: _Run, params: SamplingParams, options: OutputOptions,
-                    emit: Callable[[object], None]) -> None:
-        """Up to ``decode_batch`` decode steps in a worker thread, each emitted as it is made."""
+                    post: Callable[[list[object]], None]) -> None:
+        """Up to ``decode_batch`` decode steps in a worker thread.
+
+        Items are posted to the loop in one batch just before each pass
+        starts, so a step is streamed while the pass after it runs and the
+        loop thread wakes once per pass, not once per item.
+        """
+        pending: list[object] = []
+
+        def flush() -> None:
+            if pending:
+                post(pending.copy())
+                pending.clear()
+
         try:
+            if self.lookahead and r.follow is None:
+                r.index()
             for _ in range(self.decode_batch):
                 if r.stop or r.done:
                     return
-                self._decode_step(r, params, options, emit)
+                self._decode_step(r, params, options, pending.append, flush)
         finally:
-            emit(_HOP_END)
+            pending.append(_HOP_END)
+            flush()
 
     def _decode_step(self, r: _Run, params: SamplingParams, options: OutputOptions,
-                     emit: Callable[[object], None]) -> None:
+                     emit: Callable[[object], None], flush: Callable[[], None]) -> None:
         p = len(r.hist)
         tok, tok_lp = sample(r.last, params, p)
         top = top_logprobs(log_softmax(r.last), options.logprob_top_k) if options.logprob_top_k else ()
@@ -192,11 +220,27 @@ class OnnxEngine(Engine):
             r.done = True
             emit(step)
             return
-        r.hist.append(tok)
+        r.append(tok)
         if not want:
             emit(step)  # streamed before its pass runs; the cache takes the token once it has run
-        res, start = self._advance(r, p + 1, self._readout_layers if want else ())
-        emit(_Stored(r.hist[: p + 1], res.kv))
+        g = r.guess
+        r.guess = None
+        if g is not None and g.tokens[0] == tok and not want:
+            # the previous pass already ran this token at this position: its next row is ours
+            res, start, ran = g.res, g.start, 0
+            if len(g.tokens) > 1:
+                r.guess = _Guess(res, start, g.tokens[1:])
+            elif res.kv.length == p + 1:
+                r.base, r.base_len = res.kv, p + 1
+        else:
+            pads = self.runner.min_rows - (p + 1 - r.base_len)
+            guesses = r.guesses(pads) if self.lookahead and pads > 0 else []
+            flush()
+            res, start = self._advance(r, p + 1, self._readout_layers if want else (), guesses)
+            ran = 1
+            if guesses:
+                r.guess = _Guess(res, start, guesses)
+        emit(_Stored(r.hist[: p + 1], res.kv, ran, hit=ran == 0))
         r.last = res.logits[p - start]
         if want:
             emit(Step(token_id=tok, position=p, is_prefill=False, logprob=step.logprob, top_logprobs=top,
@@ -256,31 +300,45 @@ class OnnxEngine(Engine):
                            readout=ro.get(p))
             if not params.max_tokens:
                 return
-            # Decoding runs in the worker thread a hop at a time; every step and cache
-            # update comes back through this queue in order, so the caller can stop at any
-            # yield and the cache holds exactly the tokens that were yielded and run.
-            queue: asyncio.Queue[object] = asyncio.Queue()
+            # Decoding runs in the worker thread a hop at a time; steps and cache updates
+            # come back through this queue in order, so the caller can stop at any yield
+            # and the cache holds only tokens that were yielded and run.
+            queue: asyncio.Queue[list[object]] = asyncio.Queue()
 
-            def emit(item: object) -> None:
+            def post(items: list[object]) -> None:
                 try:
-                    loop.call_soon_threadsafe(queue.put_nowait, item)
+                    loop.call_soon_threadsafe(queue.put_nowait, items)
                 except RuntimeError:  # the loop is closed: nobody is listening any more
                     r.stop = True
 
             while not r.done:
-                hop = loop.run_in_executor(self._pool, self._decode_hop, r, params, options, emit)
-                while (item := await queue.get()) is not _HOP_END:
-                    if isinstance(item, _Stored):
-                        self.passes += 1
-                        self.positions_computed += 1
-                        self.cache.store(entry, item.tokens, item.kv)
-                    else:
-                        assert isinstance(item, Step)
-                        yield item
+                hop = loop.run_in_executor(self._pool, self._decode_hop, r, params, options, post)
+                ended = False
+                while not ended:
+                    for item in await queue.get():
+                        if item is _HOP_END:
+                            ended = True
+                        elif isinstance(item, _Stored):
+                            self.passes += item.passes
+                            self.positions_computed += 1
+                            self.lookahead_hits += item.hit
+                            self.cache.store(entry, item.tokens, item.kv)
+                        else:
+                            assert isinstance(item, Step)
+                            yield item
                 await hop  # raises what the worker raised
         finally:
             r.stop = True
             self.cache.release(entry)
+
+
+@dataclass(eq=False)
+class _Guess:
+    """A pass that ran guessed tokens after the real ones; ``tokens`` are the guesses not yet checked."""
+
+    res: PassResult
+    start: int
+    tokens: list[int]
 
 
 @dataclass(eq=False)
@@ -299,12 +357,46 @@ class _Run:
     last: Any = None
     stop: bool = False
     done: bool = False
+    guess: _Guess | None = None
+    #: what followed each token pair (and each token) most recently in the history
+    follow: dict[tuple[int, int], int] | None = None
+    follow1: dict[int, int] = field(default_factory=dict)
+
+    def index(self) -> None:
+        h = self.hist
+        self.follow = {(h[i - 2], h[i - 1]): h[i] for i in range(2, len(h))}
+        self.follow1 = {h[i - 1]: h[i] for i in range(1, len(h))}
+
+    def append(self, tok: int) -> None:
+        h = self.hist
+        if self.follow is not None:
+            if len(h) >= 2:
+                self.follow[(h[-2], h[-1])] = tok
+            if h:
+                self.follow1[h[-1]] = tok
+        h.append(tok)
+
+    def guesses(self, count: int) -> list[int]:
+        """Up to ``count`` next tokens guessed from what followed the same tokens before."""
+        out: list[int] = []
+        if self.follow is None or not self.hist:
+            return out
+        a, b = (self.hist[-2] if len(self.hist) >= 2 else -1), self.hist[-1]
+        while len(out) < count:
+            g = self.follow.get((a, b), self.follow1.get(b))
+            if g is None:
+                break
+            out.append(g)
+            a, b = b, g
+        return out
 
 
 @dataclass(eq=False)
 class _Stored:
     tokens: list[int]
     kv: KV
+    passes: int
+    hit: bool
 
 
 _HOP_END = object()
