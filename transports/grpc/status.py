@@ -35,6 +35,9 @@ _CODES: tuple[tuple[type[errors.SessiontapeError], grpc.StatusCode], ...] = (
     (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.Aborted, grpc.StatusCode.ABORTED),
     (errors.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (errors.InvalidEvent, grpc.StatusCode.DATA_LOSS),
+    (errors.ChainBroken, grpc.StatusCode.DATA_LOSS),
+    (errors.LogClosed, grpc.StatusCode.UNAVAILABLE),
 )
 
 

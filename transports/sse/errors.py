@@ -26,6 +26,8 @@ STATUS: dict[type[E.SessiontapeError], int] = {
     E.Aborted: 409,
     E.Unauthenticated: 401,
     E.ChainBroken: 500,
+    E.InvalidEvent: 500,
+    E.LogClosed: 503,
     E.ConfigError: 500,
     E.EngineError: 502,
     E.SessiontapeError: 500,
