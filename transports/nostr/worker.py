@@ -678,7 +678,6 @@ class D4Worker:
         """Publish an answer and record which relays took it; queue it for another try when none did."""
         accepted = await self.publish(event)
         if not accepted:
-            self.stats["unacked"] += 1
             if eid not in self._unacked:
                 self._unacked[eid] = (sid, payload)
             if eid not in self._flagged:
@@ -686,6 +685,7 @@ class D4Worker:
                 with contextlib.suppress(SessiontapeError):
                     await self.runtime.record(await self._worker_session(), [NewEvent(T.NOTE, {
                         "transport": "nostr", "unpublished": eid, "session_id": sid})])
+            self.stats["unacked"] += 1
             return False
         note = NewEvent(T.NOTE, {"transport": "nostr", "published": eid, "relays": accepted})
         await self.runtime.record(sid, [note])

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -153,6 +154,8 @@ class Caller:
         self.received: dict[str, dict[str, Any]] = {}
         #: event id -> event dict, for everything this caller published
         self.sent: dict[str, dict[str, Any]] = {}
+        #: event id -> how many times the client was handed it
+        self.deliveries: Counter[str] = Counter()
         self._reader: asyncio.Task[None] | None = None
 
     async def connect(self, *urls: str) -> Caller:
@@ -176,6 +179,7 @@ class Caller:
             if n.is_new_event():
                 d = json.loads(n.event.as_json())
                 self.received[d["id"]] = d
+                self.deliveries[d["id"]] += 1
 
     async def wait_connected(self) -> None:
         async def all_up() -> bool:
@@ -255,12 +259,13 @@ async def make_worker(tmp_path: Path) -> AsyncIterator[WorkerFactory]:
     key_file.write_text(ns.Keys.generate().secret_key().to_bech32())
     workers: list[D4Worker] = []
 
-    async def make(runtime: Runtime, relays: list[str], **options: Any) -> D4Worker:
+    async def make(runtime: Runtime, relays: list[str], worker_cls: type[D4Worker] = D4Worker,
+                   **options: Any) -> D4Worker:
         opts: dict[str, Any] = {"relays": relays, "key_file": str(key_file), "price_msat": 1000,
                                 "stream_every_tokens": 4, "stream_every_ms": 10_000, "default_max_tokens": 12,
                                 "reconnect_min_s": 0.5, "retry_base_s": 0.05}
         opts.update(options)
-        w = D4Worker(runtime, Settings.from_options(opts))
+        w = worker_cls(runtime, Settings.from_options(opts))
         await w.start()
         workers.append(w)
         return w

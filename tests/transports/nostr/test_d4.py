@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from core.errors import InvalidParameters
+from core.errors import ConfigError, InvalidParameters
 from tests.transports.nostr.conftest import call_body
 from transports.nostr import d4
+from transports.nostr.settings import Settings
 
 # the DDIP's wire sample, verbatim apart from the triple quotes
 SAMPLE_CONTENT = ('{"max_iteration_cost": 1000, "max_total_cost": 1000000, "results": 1, "version": "0.1.0", '
@@ -93,3 +95,12 @@ def test_result_content_serializes_result_and_err_as_json_strings() -> None:
 def test_e_refs_keep_order_and_skip_malformed() -> None:
     a, b = "a" * 64, "B" * 64
     assert d4.e_refs([["e", a], ["p", a], ["e", "short"], ["e", b], ["e", a]]) == [a, b.lower()]
+
+
+@pytest.mark.parametrize("bad", [{"index_size": 0}, {"republish_every_s": 0}, {"index_size": "many"}])
+def test_settings_reject_bad_memory_options(tmp_path: Path, bad: dict[str, object]) -> None:
+    key = tmp_path / "k"
+    key.write_text("11" * 32)
+    with pytest.raises(ConfigError):
+        Settings.from_options({"relays": ["ws://127.0.0.1:1"], "key_file": str(key), **bad})
+    assert Settings.from_options({"relays": ["ws://127.0.0.1:1"], "key_file": str(key)}).index_size == 10_000
