@@ -154,7 +154,7 @@ class D4Worker:
         #: one per session with a handler inside or waiting; dropped when the last one leaves
         self._locks: dict[str, _SessionLock] = {}
         self._sem = asyncio.Semaphore(settings.max_concurrent_calls)
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
         self._client: Any = None
         self._reader: asyncio.Task[None] | None = None
         self._watcher: asyncio.Task[None] | None = None
@@ -183,7 +183,7 @@ class D4Worker:
         self._client = client
         await client.connect(datetime.timedelta(seconds=self.settings.connect_timeout_s))
         await self._ensure_functions()
-        await self.republish()
+        self._republish_soon()
         notes = client.notifications()
         since = self.since()
         await client.subscribe(ns.ReqTarget.auto(self._filters(since)), "d4-calls")
@@ -245,7 +245,7 @@ class D4Worker:
             first = False
             if self._unacked and time.monotonic() >= next_republish:
                 next_republish = time.monotonic() + self.settings.republish_every_s
-                await self.republish()
+                self._republish_soon()
             try:
                 relays = await self._client.relays()
             except Exception as exc:
@@ -261,7 +261,7 @@ class D4Worker:
                         await self._client.subscribe(target, "d4-calls")
                         log.info("relay %s reconnected; re-subscribed since %d", key, since)
                         self.stats["resubscribed"] += 1
-                        await self.republish()
+                        self._republish_soon()
                     except Exception as exc:
                         log.warning("relay %s: re-subscribe failed: %s", key, exc)
                         continue
@@ -695,6 +695,13 @@ class D4Worker:
         self._flagged.pop(eid, None)
         return True
 
+    def _republish_soon(self) -> None:
+        # in the background: with every relay down, each answer takes its full retry back-off
+        if self._unacked and not self._republishing.locked() and not self._stopping:
+            task = asyncio.create_task(self.republish(), name="d4-republish")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
     async def republish(self) -> int:
         """Publish again the answers no relay has acknowledged; returns how many are now delivered."""
         if not self._unacked or self._client is None:
@@ -702,7 +709,7 @@ class D4Worker:
         done = 0
         async with self._republishing:
             for eid, (sid, payload) in list(self._unacked.items()):
-                if eid not in self._unacked:
+                if eid not in self._unacked or self._stopping:
                     continue
                 # the same signed event: relays keep one copy per id, so a second delivery is harmless
                 event = ns.Event.from_json(json.dumps(payload))
