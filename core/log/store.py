@@ -60,6 +60,7 @@ log = logging.getLogger("sessiontape.log")
 
 PG_LOCK_KEY = 0x5E55_1074  # transaction-scoped advisory lock around position assignment
 PG_CHANNEL = "sessiontape_events"
+PG_MIGRATE_KEY = 0x5E55_1075
 
 _STATUS_BY_TYPE = {
     T.SESSION_CLOSED: "closed",
@@ -179,6 +180,9 @@ class EventLog:
             from migrations.runner import upgrade_connection
 
             async with engine.begin() as conn:
+                if engine.dialect.name == "postgresql":
+                    # several servers starting on a fresh database migrate one at a time
+                    await conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": PG_MIGRATE_KEY})
                 await conn.run_sync(upgrade_connection)
         await self._start(follow)
         return self
