@@ -83,8 +83,9 @@ class KakeyaService(pb_grpc.RuntimeServiceServicer):
         return pb.CreateSessionResponse(session_id=st.session_id)
 
     async def AppendTokens(self, request: pb.AppendTokensRequest, context: Any) -> pb.AppendTokensResponse:
+        # Runtime.append_tokens refuses a closed/expired/unknown session itself;
+        # grpc_errors turns its SessionClosed into this protocol's NOT_FOUND.
         async with grpc_errors(context, request.session_id):
-            await live_session(self.runtime, request.session_id)
             length = await self.runtime.append_tokens(request.session_id, list(request.token_ids))
         return pb.AppendTokensResponse(history_length=length)
 
@@ -111,7 +112,6 @@ class KakeyaService(pb_grpc.RuntimeServiceServicer):
     async def Generate(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateResponse]:
         sid = request.session_id
         async with grpc_errors(context, sid):
-            await live_session(self.runtime, sid)
             params = SamplingParams(
                 max_tokens=request.max_tokens,
                 temperature=request.temperature if request.HasField("temperature") else 1.0,

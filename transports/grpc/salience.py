@@ -94,11 +94,14 @@ class SalienceService(pb_grpc.SalienceServicer):
     async def Generate(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateEvent]:
         sid = request.session_id
         async with grpc_errors(context, sid):
-            st = await live_session(self.runtime, sid)
-            if _is_noop(request) and request.offset == st.length:
-                await self.runtime.touch(sid)
-                yield _done(st.length, 0, "length")
-                return
+            # Anything but a no-op is Runtime.generate's to refuse (closed,
+            # expired or unknown session included); a no-op needs the length.
+            if _is_noop(request):
+                st = await live_session(self.runtime, sid)
+                if request.offset == st.length:
+                    await self.runtime.touch(sid)
+                    yield _done(st.length, 0, "length")
+                    return
             params = SamplingParams(
                 max_tokens=request.max_tokens,
                 temperature=request.temperature or 1.0,

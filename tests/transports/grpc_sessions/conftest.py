@@ -103,7 +103,10 @@ async def serve(sqlite_url: str, port: int) -> AsyncIterator[Serve]:
             overrides["sessions"] = dict(sessions)
         config = make_config(sqlite_url, **overrides)
         clock = FakeClock()
-        rt = await Runtime.create(config, engine=engine or ReferenceEngine(), clock=clock)
+        # Salience cannot pin a seed, so by default the engine never samples
+        # EOS: token counts are exact whichever seed the runtime draws.
+        engine = engine or ReferenceEngine(eos_bias=-100.0)
+        rt = await Runtime.create(config, engine=engine, clock=clock)
         transport = GrpcTransport(rt, config.transports["grpc"], config)
         await transport.start()
         served = Served(rt, transport, f"127.0.0.1:{transport.port}", clock, None, None)

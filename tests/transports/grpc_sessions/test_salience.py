@@ -357,7 +357,7 @@ async def test_fork_at_and_inside_image_blocks(serve: Serve) -> None:
 
 
 async def test_a_second_concurrent_generate_is_aborted(serve: Serve) -> None:
-    s = await serve(engine=ReferenceEngine(step_delay_s=0.05))
+    s = await serve(engine=ReferenceEngine(step_delay_s=0.05, eos_bias=-100.0))  # never EOS: Salience draws the seed
     sid = await open_with(s.salience, PROMPT)
     n = len(PROMPT)
     first = s.salience.Generate(spb.GenerateRequest(session_id=sid, offset=n, max_tokens=6))
@@ -374,7 +374,7 @@ async def test_a_second_concurrent_generate_is_aborted(serve: Serve) -> None:
 
 
 async def test_client_cancel_is_recorded_as_cancelled(serve: Serve) -> None:
-    s = await serve(engine=ReferenceEngine(step_delay_s=0.05))
+    s = await serve(engine=ReferenceEngine(step_delay_s=0.05, eos_bias=-100.0))  # never EOS: Salience draws the seed
     sid = await open_with(s.salience, PROMPT)
     call = s.salience.Generate(spb.GenerateRequest(session_id=sid, offset=len(PROMPT), max_tokens=200))
     seen = []
@@ -395,7 +395,7 @@ async def test_client_cancel_is_recorded_as_cancelled(serve: Serve) -> None:
 
 
 async def test_server_shutdown_mid_generation_records_the_cancel(serve: Serve) -> None:
-    s = await serve(engine=ReferenceEngine(step_delay_s=0.05))
+    s = await serve(engine=ReferenceEngine(step_delay_s=0.05, eos_bias=-100.0))  # never EOS: Salience draws the seed
     sid = await open_with(s.salience, PROMPT)
     call = s.salience.Generate(spb.GenerateRequest(session_id=sid, offset=len(PROMPT), max_tokens=500))
     it = call.__aiter__()
