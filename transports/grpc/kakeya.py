@@ -12,7 +12,8 @@ in docs/protocols/kakeya.md:
   (``kakeya_sink``, ``kakeya_window``).
 - STOP_REASON_TRUNCATED ends a Generate that stopped short of
   ``max_tokens`` because the history filled the model's context.
-- No seed pinned: the server draws one and records it, so replay is exact.
+- No seed pinned (the optional field unset): the runtime draws one and
+  records it in ``generation.started``, so replay is exact.
 - GetSessionInfo reports and does not refresh the idle clock.
 - An INV-1/INV-2 violation aborts the session (``session.aborted``): later
   calls answer NOT_FOUND, except GetSessionInfo, which still reports the
@@ -35,7 +36,6 @@ from transports.grpc.gen.kakeya.v1 import runtime_pb2_grpc as pb_grpc
 from transports.grpc.tokensessions import (
     closing,
     drain,
-    fresh_seed,
     grpc_errors,
     live_session,
     track_generation,
@@ -117,7 +117,7 @@ class KakeyaService(pb_grpc.RuntimeServiceServicer):
                 temperature=request.temperature if request.HasField("temperature") else 1.0,
                 top_p=request.top_p if request.HasField("top_p") else 1.0,
                 top_k=request.top_k if request.HasField("top_k") else 0,
-                seed=request.seed if request.HasField("seed") else fresh_seed(),
+                seed=request.seed if request.HasField("seed") else None,
             )
             track_generation()
             events = self.runtime.generate(sid, params, sink_window=self.sink_window)

@@ -16,8 +16,10 @@ module decides is wire-level only, and docs/protocols/salience.md lists it:
 - Stop ids end a generation with FINISH_REASON_EOS (the schema's "emitted
   EOS / stop token"); STOP_STRING is never sent (the request has no stop
   strings).
-- Salience pins no seed: each Generate draws a fresh one and records it in
-  ``generation.started``, so replay reproduces the same tokens.
+- Salience pins no seed: each Generate passes none, so the runtime draws
+  one and records it in ``generation.started``; replay reproduces the tokens.
+- Readout ranges on an engine without a readout manifest are the runtime's
+  to refuse (INVALID_ARGUMENT, ``invalid_range``), like every range rule.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from core.engine import OutputOptions, SamplingParams
-from core.errors import InvalidRange, ModelMismatch
+from core.errors import ModelMismatch
 from core.events import Event, T
 from core.runtime import Runtime
 from core.tokens import ImageIn
@@ -36,7 +38,6 @@ from transports.grpc.tokensessions import (
     closing,
     covered,
     drain,
-    fresh_seed,
     grpc_errors,
     live_session,
     track_generation,
@@ -107,11 +108,9 @@ class SalienceService(pb_grpc.SalienceServicer):
                 temperature=request.temperature or 1.0,
                 top_p=request.top_p or 1.0,
                 top_k=request.top_k,
-                seed=fresh_seed(),
+                seed=None,  # the runtime draws one and records it
                 stop_token_ids=tuple(request.stop_token_ids),
             )
-            if request.readout_ranges and self.runtime.engine.info.readout_manifest is None:
-                raise InvalidRange("the served model has no readouts")
             options = OutputOptions(
                 logprob_top_k=request.logprob_top_k,
                 logprob_ranges=tuple((r.start, r.end) for r in request.logprobs_ranges),

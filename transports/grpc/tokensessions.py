@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import secrets
 import weakref
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
@@ -56,11 +55,6 @@ async def closing(events: AsyncIterator[E]) -> AsyncIterator[AsyncIterator[E]]:
         aclose = getattr(events, "aclose", None)
         if aclose is not None:
             await aclose()
-
-
-def fresh_seed() -> int:
-    """A seed for a call that pinned none: recorded in the log, so replay is still exact."""
-    return secrets.randbits(63)
 
 
 def covered(ranges: Any, position: int) -> bool:

@@ -312,11 +312,15 @@ class NoImages(ReferenceEngine):
 async def test_an_engine_without_images_or_readouts_refuses_them(serve: Serve) -> None:
     s = await serve(engine=NoImages())
     sid = await open_with(s.salience, [])
+    v = await version(s.runtime, sid)
     details = await expect_code(Code.INVALID_ARGUMENT, s.salience.Generate(spb.GenerateRequest(
         session_id=sid, append_tokens=IMAGE_BLOCK, offset=0, images=[image(0)])))
     assert "invalid_image" in details
-    await expect_code(Code.INVALID_ARGUMENT, s.salience.Generate(spb.GenerateRequest(
+    # the runtime's rule: refused before the append or generation.started is committed
+    details = await expect_code(Code.INVALID_ARGUMENT, s.salience.Generate(spb.GenerateRequest(
         session_id=sid, append_tokens=[1], offset=0, readout_ranges=[rng(0, 1)])))
+    assert details.startswith("invalid_range: ") and "no readouts" in details
+    assert await version(s.runtime, sid) == v
     manifest = await s.salience.GetReadoutManifest(spb.GetReadoutManifestRequest())
     assert not manifest.concepts
     assert await dump(s.salience, sid) == []
