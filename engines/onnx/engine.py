@@ -23,7 +23,7 @@ Options (all keyword, as ``[engine.options]`` in the config):
 - ``workers``: forward passes running at once (default 1).
 - ``min_rows``: smallest query row count per pass (default 2; 1 is faster but not
   guaranteed bit-exact).
-- ``decode_batch``: most decode steps per worker-thread hop (default 16).
+- ``decode_batch``: most decode steps per worker-thread hop (default 8).
 - ``lookahead``: fill the decode pass's spare row with a guessed next token (what
   followed the same two tokens earlier in the history) instead of padding
   (default on; results are the same either way).
@@ -70,7 +70,7 @@ class OnnxEngine(Engine):
                  inter_op_threads: int = 0, kv_cache_bytes: int = 1 << 30,
                  readout_concepts: str | Path | None = None, max_length: int | None = None,
                  prefill_chunk: int = 256, io_binding: bool | None = None, workers: int = 1,
-                 min_rows: int = 2, decode_batch: int = 16, spinning: bool = False, lookahead: bool = True,
+                 min_rows: int = 2, decode_batch: int = 8, spinning: bool = False, lookahead: bool = True,
                  **unknown: Any) -> None:
         if unknown:
             raise ConfigError(f"unknown onnx engine options: {sorted(unknown)}")

@@ -450,3 +450,20 @@ async def test_steady_decoding_never_copies_the_kv(tiny_dir: Path, monkeypatch: 
     # the next call starts from a snapshot that may end in a padding row: at most one copy
     await collect(eng, "k", hist + [s.token_id for s in first], SamplingParams(max_tokens=30, temperature=0))
     assert len(trims) <= 1
+
+
+async def test_lookahead_hits_give_the_same_results_as_no_lookahead(tiny_dir: Path) -> None:
+    on = OnnxEngine(model_dir=tiny_dir, intra_op_threads=1)
+    off = OnnxEngine(model_dir=tiny_dir, intra_op_threads=1, lookahead=False)
+    hist = list(b"abcabcabcabc xyz abcabc") + history(21, 5)
+    cases = [(SamplingParams(max_tokens=40, temperature=0), OutputOptions()),
+             (SamplingParams(max_tokens=40, temperature=0.6, seed=3), OutputOptions(logprob_top_k=3)),
+             (SamplingParams(max_tokens=30, temperature=0), OutputOptions(readout_ranges=((35, 40),)))]
+    for params, opts in cases:
+        assert await collect(on, "x", hist, params, opts) == await collect(off, "x", hist, params, opts)
+    assert on.lookahead_hits > 0 and off.lookahead_hits == 0
+    assert on.passes < off.passes  # every hit saved a pass
+    # a session whose KV came from guessed rows continues exactly like a cold one
+    turn2 = hist + [s.token_id for s in await collect(on, "y", hist, cases[0][0])] + list(b"abc")
+    assert await collect(on, "y", turn2, cases[1][0], cases[1][1]) == await collect(
+        off, "cold", turn2, cases[1][0], cases[1][1])
