@@ -46,7 +46,7 @@ def load_config(args: argparse.Namespace, extra: dict[str, Any] | None = None) -
     overrides: dict[str, Any] = dict(extra or {})
     if getattr(args, "db", None):
         overrides.setdefault("database", {})["url"] = args.db
-    path = args.config
+    path = getattr(args, "config", None)
     if path is None and Path("sessiontape.toml").exists():
         path = "sessiontape.toml"
     return Config.load(path, overrides=overrides)

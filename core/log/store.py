@@ -609,8 +609,12 @@ class EventLog:
 
     async def list_sessions(self, *, status: str | None = None, protocol: str | None = None,
                             parent_id: str | None = None, limit: int = 1000, offset: int = 0,
-                            newest_first: bool = True) -> list[SessionRow]:
+                            newest_first: bool = True, active_after: float | None = None) -> list[SessionRow]:
+        """Rows of the sessions index, newest first; ``active_after`` keeps sessions
+        whose last activity is later than that time."""
         q = sa.select(sessions)
+        if active_after is not None:
+            q = q.where(sessions.c.last_active_at > active_after)
         if status is not None:
             q = q.where(sessions.c.status == status)
         if protocol is not None:
