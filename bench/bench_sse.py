@@ -104,7 +104,6 @@ async def run(tokens: int, repeats: int, counts: list[int]) -> None:
     from core.config import Config
     from core.document import DocumentBuilder
     from core.engine import SamplingParams
-    from core.patch import diff
     from core.runtime import Runtime
     from engines.reference import ReferenceEngine
     from tests.conftest import free_port
@@ -173,9 +172,7 @@ async def run(tokens: int, repeats: int, counts: list[int]) -> None:
             b.apply(evs[1])
             bare_frames.clear()
             for e in evs[2:]:
-                before_doc = b.doc
-                ops = diff(before_doc, b.apply(e))
-                bare_frames.append(frame("patch", dumps(ops), e.position))
+                bare_frames.append(frame("patch", dumps(b.apply(e)), e.position))
             go.clear()
             before = rss_kib()
             proc = await spawn_client(f"http://127.0.0.1:{bport}/bare", n)

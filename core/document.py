@@ -3,18 +3,25 @@
 Every transport that shows a session as JSON (the HTTP API, the SSE patch
 streams, the replay viewer) uses this one view. :class:`DocumentBuilder`
 folds events one at a time with the core fold (:func:`core.state.apply`,
-so the document can never disagree with the runtime's state) and keeps the
-document immutable between events: ``apply`` returns a new root that shares
-every unchanged subtree with the previous one, so ``diff(before, after)``
-costs what changed, not the document's size. The schema is described in
-docs/protocols/session-document.md.
+so the document can never disagree with the runtime's state) and returns,
+for each event, the JSON Patch+ that turns the previous document into the
+new one. The patch is written by the fold itself, so a generated token costs
+the same whether the history holds a hundred tokens or a hundred thousand:
+the document is updated in place (no copy of the history), texts grow by
+appending what the new token adds (:class:`TextRun` re-decodes only a short
+window of recent tokens), and no diff has to search for what changed. The
+schema is described in docs/protocols/session-document.md.
 
 Usage::
 
     b = DocumentBuilder(sid, detokenize=engine.detokenize)
+    send_snapshot(json.dumps(b.doc))
     for e in events:
-        before, after = b.doc, b.apply(e)
-        send(diff(before, after))
+        send(json.dumps(b.apply(e)))   # serialise (or copy) before the next apply
+
+``doc`` is mutated by ``apply``: a caller that needs an earlier document
+keeps a copy (or its serialisation), and the ops of one ``apply`` may share
+objects with the document, so they are serialised before the next one.
 """
 
 from __future__ import annotations
@@ -23,7 +30,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from core.events import GENESIS_HASH, Event, T, event_hash
-from core.state import Node, SessionState, apply
+from core.loader import load_state
+from core.log.store import EventLog
+from core.patch import Op, diff, escape
+from core.state import Node, SessionState, apply, fork_state
 
 Detokenize = Callable[[Sequence[int]], str]
 Doc = dict[str, Any]
@@ -31,10 +41,80 @@ Doc = dict[str, Any]
 SCHEMA = "sessiontape.session/1"
 TERMINAL = frozenset({"closed", "aborted", "expired", "purged"})
 _TEXTUAL = ("text/", "application/json", "application/x-ndjson", "application/xml")
+REPLACEMENT = "\ufffd"
 
 
 def _is_text(mimetype: str) -> bool:
     return mimetype.startswith(_TEXTUAL) or mimetype.endswith(("+json", "+xml"))
+
+
+class TextRun:
+    """The text of a token run that only grows at its end, without re-decoding the run.
+
+    Each :meth:`push` decodes a window of recent tokens (at most about
+    ``LIMIT`` plus what is pushed) and returns what the new tokens add to
+    the text. The text only ever grows: a trailing character that does not
+    decode yet (U+FFFD, e.g. the first byte of a multi-byte UTF-8 character)
+    is held back until a later token completes it (or shows it was not the
+    start of a character) or :meth:`flush` ends the run. ``CONTEXT`` tokens stay
+    in front of the new ones because tokenizers render a token differently
+    at the start of a text (SentencePiece drops a word's leading space).
+
+    The window is cut only where the tokens after the cut decode on their
+    own to the end of the window's text, so for byte-level (UTF-8)
+    tokenizers the text is exactly ``detokenize(run)`` less a held-back
+    trailing character (tested as a property on random bytes).
+    """
+
+    CONTEXT = 8
+    LIMIT = 32
+
+    def __init__(self, detokenize: Detokenize) -> None:
+        self._detok = detokenize
+        self._window: list[int] = []
+        #: characters of ``detokenize(window)`` that are already in the text
+        self._done = 0
+
+    def start(self, ids: Sequence[int]) -> str:
+        """Restart the run as ``ids`` (one full decode); returns its text."""
+        self._window, self._done = [], 0
+        return self.push(ids)
+
+    def push(self, ids: Sequence[int]) -> str:
+        """Add tokens at the end; returns the text they add (possibly "")."""
+        w = self._window
+        w.extend(ids)
+        t = self._detok(w)
+        end = len(t) - 1 if t.endswith(REPLACEMENT) else len(t)
+        piece = t[self._done:end] if end > self._done else ""
+        self._done = max(self._done, end)
+        if len(w) > self.LIMIT:
+            self._trim(t)
+        return piece
+
+    def flush(self) -> str:
+        """The held-back text, if any: the run is complete."""
+        t = self._detok(self._window)
+        piece = t[self._done:]
+        self._done = len(t)
+        return piece
+
+    def _trim(self, t: str) -> None:
+        w = self._window
+        top = len(w) - self.CONTEXT
+        for k in range(top, max(0, top - self.LIMIT), -1):
+            tail = self._detok(w[k:])
+            cut = len(t) - len(tail)
+            if cut <= self._done and t.endswith(tail):
+                self._window = w[k:]
+                self._done -= cut
+                return
+        if top > 3 * self.LIMIT:
+            # No clean cut near the end (not a byte-level tokenizer?): bound the window anyway.
+            k = top - self.LIMIT
+            tail = self._detok(w[k:])
+            self._window = w[k:]
+            self._done = max(0, self._done - (len(t) - len(tail)))
 
 
 def empty_document(session_id: str) -> Doc:
@@ -67,13 +147,30 @@ def empty_document(session_id: str) -> Doc:
     }
 
 
+async def fork_base(log: EventLog, first: Event) -> SessionState | None:
+    """The state a fork's document starts from, given the fork's first event.
+
+    None for a session that is not a fork. The parent is loaded with
+    :func:`core.loader.load_state` (snapshot, then events) at the fork's
+    version and cut at its token position, as the runtime does.
+    """
+    parent = first.body.get("parent") if first.type == T.SESSION_OPENED else None
+    if not parent:
+        return None
+    pstate = await load_state(log, str(parent["session_id"]), int(parent["version"]))
+    tp = parent.get("token_position")
+    base = fork_state(pstate, first.session_id, None if tp is None else int(tp))
+    base.parent = dict(parent)
+    return base
+
+
 class DocumentBuilder:
     """Folds events into the session document; ``doc`` is the current one.
 
-    ``base`` is the state a fork starts from (``core.state.fork_state`` of
-    the parent at the fork point): its history and nodes are inherited.
-    Events of other sessions are ignored except a ``session.opened`` that
-    names this session as parent, which adds a child (fork) entry.
+    ``base`` is the state a fork starts from (:func:`fork_base`): its
+    history and nodes are inherited. Events of other sessions are ignored
+    except a ``session.opened`` that names this session as parent, which
+    adds a child (fork) entry.
     """
 
     def __init__(self, session_id: str, *, detokenize: Detokenize | None = None,
@@ -86,14 +183,19 @@ class DocumentBuilder:
         self._gen_index: dict[str, int] = {}
         self._action_index: dict[str, int] = {}
         self._head = GENESIS_HASH
+        self._ops: list[Op] = []
+        #: the history's text, and each running generation's (which is also its segment's)
+        self._history_run = TextRun(detokenize) if detokenize is not None else None
+        self._gen_runs: dict[str, TextRun] = {}
         doc = empty_document(session_id)
+        h = doc["history"]
+        h["text"] = self._start_history([])
         if base is not None and (base.tokens or base.nodes):
             ids = list(base.tokens)
-            doc["history"] = {
-                **doc["history"], "ids": ids, "text": self._text(ids),
-                "segments": [{"source": "inherited", "start": 0, "text": self._text(ids)}] if ids else [],
-                "images": [self._image(im) for im in base.images],
-            }
+            h["ids"] = ids
+            h["text"] = self._start_history(ids)
+            h["segments"] = [{"source": "inherited", "start": 0, "text": self._text(ids)}] if ids else []
+            h["images"] = [self._image(im) for im in base.images]
             doc["nodes"] = {nid: self._node(n) for nid, n in base.nodes.items()}
             doc["roots"] = self._roots()
         self.doc: Doc = doc
@@ -102,6 +204,9 @@ class DocumentBuilder:
 
     def _text(self, ids: Sequence[int]) -> str | None:
         return None if self.detokenize is None else self.detokenize(ids)
+
+    def _start_history(self, ids: Sequence[int]) -> str | None:
+        return None if self._history_run is None else self._history_run.start(ids)
 
     @staticmethod
     def _image(im: Any) -> dict[str, Any]:
@@ -129,73 +234,79 @@ class DocumentBuilder:
                 "logprob": b.get("logprob"), "top": top, "readout": b.get("readout"),
                 "t": b.get("t"), "at": at}
 
-    def _history(self, doc: Doc, **changes: Any) -> None:
-        h = dict(doc["history"])
-        h.update(changes)
-        if "ids" in changes:
-            h["text"] = self._text(h["ids"])
-        doc["history"] = h
+    # Every change to ``doc`` goes through these, which record its op.
 
-    def _set_in_list(self, doc: Doc, key: str, index: int, **changes: Any) -> dict[str, Any]:
-        items = list(doc[key])
-        item = dict(items[index])
-        item.update(changes)
-        items[index] = item
-        doc[key] = items
-        return item
+    def _set(self, obj: dict[str, Any], key: str, value: Any, path: str) -> None:
+        """``obj[key] = value``; the op is the diff of the old value (``add`` for a new key)."""
+        if key in obj:
+            old = obj[key]
+            obj[key] = value
+            self._ops.extend(diff(old, value, path=path))
+        else:
+            obj[key] = value
+            self._ops.append({"op": "add", "path": path, "value": value})
+
+    def _replace(self, obj: dict[str, Any], key: str, value: Any, path: str) -> None:
+        """``obj[key] = value`` as one ``replace`` (a diff of a large list would remove item by item)."""
+        obj[key] = value
+        self._ops.append({"op": "replace", "path": path, "value": value})
+
+    def _push(self, items: list[Any], value: Any, path: str) -> None:
+        items.append(value)
+        self._ops.append({"op": "append", "path": path, "value": value})
+
+    def _grow(self, obj: dict[str, Any], key: str, piece: str, path: str) -> None:
+        if piece and obj[key] is not None:
+            obj[key] += piece
+            self._ops.append({"op": "append", "path": path, "value": piece})
 
     def _audit(self, doc: Doc, e: Event) -> None:
         expected = e.prev_hash if (self.state.version == 0 and e.type == T.SESSION_PURGED) else self._head
         audit = doc["audit"]
-        if audit["chain"] == "verified":
-            if e.prev_hash != expected:
-                audit = {"chain": "broken", "head_hash": e.hash,
-                         "error": f"v{e.version}: prev_hash does not match the previous event"}
-            elif event_hash(e) != e.hash:
-                audit = {"chain": "broken", "head_hash": e.hash,
-                         "error": f"v{e.version}: hash does not match the event's content"}
-            else:
-                audit = {**audit, "head_hash": e.hash}
+        if audit["chain"] == "verified" and e.prev_hash != expected:
+            self._set(doc, "audit", {"chain": "broken", "head_hash": e.hash,
+                                     "error": f"v{e.version}: prev_hash does not match the previous event"}, "/audit")
+        elif audit["chain"] == "verified" and event_hash(e) != e.hash:
+            self._set(doc, "audit", {"chain": "broken", "head_hash": e.hash,
+                                     "error": f"v{e.version}: hash does not match the event's content"}, "/audit")
         else:
-            audit = {**audit, "head_hash": e.hash}
+            self._set(audit, "head_hash", e.hash, "/audit/head_hash")
         self._head = e.hash
-        doc["audit"] = audit
 
     # -- the fold ----------------------------------------------------------
 
-    def apply(self, e: Event) -> Doc:
-        """Fold ``e``; returns the new document (the old one is left as it was).
+    def apply(self, e: Event) -> list[Op]:
+        """Fold ``e`` into ``doc``; returns the JSON Patch+ from the previous document to it.
 
-        Raises :class:`core.errors.InvalidEvent` if ``e`` cannot follow
-        (the document is then unchanged).
+        The ops may share objects with ``doc``: serialise them before the
+        next ``apply``. Raises :class:`core.errors.InvalidEvent` if ``e``
+        cannot follow (the document is then unchanged).
         """
+        ops: list[Op] = []
+        self._ops = ops
+        doc = self.doc
         if e.session_id != self.session_id:
             parent = e.body.get("parent") if e.type == T.SESSION_OPENED else None
-            if not parent or parent.get("session_id") != self.session_id:
-                return self.doc
-            doc = dict(self.doc)
-            doc["children"] = [*doc["children"], {
-                "session_id": e.session_id, "version": parent.get("version"),
-                "token_position": parent.get("token_position"), "created_at": e.recorded_at,
-                "position": e.position}]
-            self.doc = doc
-            self.position = max(self.position, e.position)
-            return doc
+            if parent and parent.get("session_id") == self.session_id:
+                self._push(doc["children"], {
+                    "session_id": e.session_id, "version": parent.get("version"),
+                    "token_position": parent.get("token_position"), "created_at": e.recorded_at,
+                    "position": e.position}, "/children")
+                self.position = max(self.position, e.position)
+            return ops
         st = self.state
         if st.version == 0 and e.type == T.SESSION_PURGED:
             st.version = e.version - 1  # a tombstone stands in for the purged events
         prev_len = len(st.tokens)
         apply(st, e)
-        doc = dict(self.doc)
-        doc["version"] = e.version
-        doc["updated_at"] = e.recorded_at
+        self._set(doc, "version", e.version, "/version")
+        self._set(doc, "updated_at", e.recorded_at, "/updated_at")
         self._audit(doc, e)
         handler = _HANDLERS.get(e.type)
         if handler is not None:
             handler(self, doc, e, prev_len)
-        self.doc = doc
         self.position = max(self.position, e.position)
-        return doc
+        return ops
 
     def apply_all(self, events: Iterable[Event]) -> Doc:
         for e in events:
@@ -206,127 +317,161 @@ class DocumentBuilder:
 
     def _opened(self, doc: Doc, e: Event, _: int) -> None:
         st = self.state
-        doc.update(status=st.status, protocol=st.protocol, mode=st.mode, label=st.label,
-                   engine=dict(st.engine), meta=dict(st.meta), ttl_s=st.ttl_s,
-                   eos_token_ids=list(st.eos_token_ids), created_at=e.recorded_at,
-                   parent=None if e.body.get("parent") is None else dict(e.body["parent"]))
+        for key, value in (("status", st.status), ("protocol", st.protocol), ("mode", st.mode),
+                           ("label", st.label), ("engine", dict(st.engine)), ("meta", dict(st.meta)),
+                           ("ttl_s", st.ttl_s), ("eos_token_ids", list(st.eos_token_ids)),
+                           ("created_at", e.recorded_at),
+                           ("parent", None if e.body.get("parent") is None else dict(e.body["parent"]))):
+            self._set(doc, key, value, "/" + key)
 
     def _ended(self, doc: Doc, e: Event, _: int) -> None:
-        doc["status"] = self.state.status
-        doc["end"] = {"type": e.type, "at": e.recorded_at, **dict(e.body)}
+        self._set(doc, "status", self.state.status, "/status")
+        self._set(doc, "end", {"type": e.type, "at": e.recorded_at, **dict(e.body)}, "/end")
         if e.type == T.SESSION_PURGED:
-            doc["nodes"], doc["roots"] = {}, []
-            self._history(doc, ids=[], segments=[], images=[])
+            self._replace(doc, "nodes", {}, "/nodes")
+            self._replace(doc, "roots", [], "/roots")
+            h = doc["history"]
+            for key, value in (("ids", []), ("text", self._start_history([])), ("segments", []), ("images", [])):
+                self._replace(h, key, value, "/history/" + key)
+            self._gen_runs.clear()
 
     def _fragment(self, doc: Doc, e: Event, _: int) -> None:
         nid = str(e.body["id"])
         node = self.state.nodes.get(nid)
         if node is None:
             return
-        nodes = dict(doc["nodes"])
+        nodes = doc["nodes"]
         is_new = nid not in nodes
-        nodes[nid] = self._node(node)
-        doc["nodes"] = nodes
+        self._set(nodes, nid, self._node(node), "/nodes/" + escape(nid))
         if is_new or e.body.get("child_ids"):
-            roots = self._roots()
-            if roots != doc["roots"]:
-                doc["roots"] = roots
+            self._set(doc, "roots", self._roots(), "/roots")
             # a parent's children list changed: re-render parents whose children arrived
             for c in e.body.get("child_ids", ()):
                 if c in nodes and c in self.state.nodes:
-                    nodes[c] = self._node(self.state.nodes[c])
+                    self._set(nodes, c, self._node(self.state.nodes[c]), "/nodes/" + escape(c))
 
     def _action(self, doc: Doc, e: Event, _: int) -> None:
         aid = str(e.body["action_id"])
         act = self.state.actions[aid]
-        entry = {"id": act.id, "name": act.name, "target": act.target, "configs": act.configs,
-                 "inputs": [{"name": n, "id": i} for n, i in act.inputs],
-                 "outputs": [{"name": n, "id": i} for n, i in act.outputs],
-                 "status": act.status, "error": act.error, "submitted_at": e.recorded_at,
-                 "finished_at": None}
         if aid in self._action_index:
-            self._set_in_list(doc, "actions", self._action_index[aid], status=act.status, error=act.error,
-                              finished_at=e.recorded_at)
-        else:
-            self._action_index[aid] = len(doc["actions"])
-            doc["actions"] = [*doc["actions"], entry]
+            i = self._action_index[aid]
+            item = doc["actions"][i]
+            for key, value in (("status", act.status), ("error", act.error), ("finished_at", e.recorded_at)):
+                self._set(item, key, value, f"/actions/{i}/{key}")
+            return
+        self._action_index[aid] = len(doc["actions"])
+        self._push(doc["actions"], {
+            "id": act.id, "name": act.name, "target": act.target, "configs": act.configs,
+            "inputs": [{"name": n, "id": i} for n, i in act.inputs],
+            "outputs": [{"name": n, "id": i} for n, i in act.outputs],
+            "status": act.status, "error": act.error, "submitted_at": e.recorded_at,
+            "finished_at": None}, "/actions")
 
     def _appended(self, doc: Doc, e: Event, prev_len: int) -> None:
         b = e.body
         toks = [int(t) for t in b["tokens"]]
         h = doc["history"]
-        changes: dict[str, Any] = {"ids": h["ids"] + toks}
+        for t in toks:
+            self._push(h["ids"], t, "/history/ids")
         if toks:
-            changes["segments"] = [*h["segments"], {"source": "input", "start": prev_len, "text": self._text(toks)}]
-        if b.get("images"):
-            changes["images"] = h["images"] + [
-                {k: im[k] for k in ("start", "end", "mime", "sha256", "size")} for im in b["images"]]
-        self._history(doc, **changes)
+            if self._history_run is not None:
+                self._grow(h, "text", self._history_run.push(toks), "/history/text")
+            self._push(h["segments"], {"source": "input", "start": prev_len, "text": self._text(toks)},
+                       "/history/segments")
+        for im in b.get("images") or ():
+            self._push(h["images"], {k: im[k] for k in ("start", "end", "mime", "sha256", "size")},
+                       "/history/images")
 
     def _truncated(self, doc: Doc, e: Event, _: int) -> None:
         st = self.state
         keep = [(int(a), int(b)) for a, b in e.body["keep"]]
         h = doc["history"]
         ids = list(st.tokens)
+        old = h["ids"]
         if len(keep) == 1 and keep[0][0] == 0:
             cut = keep[0][1]
+            # a rewind: the history's head is kept, so only the tail is removed
+            for i in range(len(old) - 1, cut - 1, -1):
+                self._ops.append({"op": "remove", "path": f"/history/ids/{i}"})
+            del old[cut:]
             kept = [s for s in h["segments"] if s["start"] < cut]
             ends = [s["start"] for s in kept[1:]] + [cut]
             segs = [{**s, "text": self._text(ids[s["start"]:end])} for s, end in zip(kept, ends, strict=True)]
         else:
+            self._replace(h, "ids", ids, "/history/ids")
             segs = [{"source": "truncated", "start": 0, "text": self._text(ids)}] if ids else []
-        self._history(doc, ids=ids, segments=segs,
-                      images=[self._image(im) for im in st.images],
-                      truncations=st.truncations, dropped=st.dropped_tokens)
+        self._set(h, "text", self._start_history(ids), "/history/text")
+        self._set(h, "segments", segs, "/history/segments")
+        self._set(h, "images", [self._image(im) for im in st.images], "/history/images")
+        self._set(h, "truncations", st.truncations, "/history/truncations")
+        self._set(h, "dropped", st.dropped_tokens, "/history/dropped")
 
     def _gen_started(self, doc: Doc, e: Event, _: int) -> None:
         b = e.body
         gid = str(b["generation_id"])
         self._gen_index[gid] = len(doc["generations"])
-        doc["generations"] = [*doc["generations"], {
+        if self.detokenize is not None:
+            self._gen_runs[gid] = TextRun(self.detokenize)
+        self._push(doc["generations"], {
             "id": gid, "status": "running", "params": dict(b.get("params", {})),
             "options": dict(b.get("options", {})), "prompt_length": b.get("prompt_length"),
             "priority": b.get("priority", 0), "action_id": b.get("action_id"),
             "started_at": e.recorded_at, "finished_at": None, "finish_reason": None,
-            "text": "" if self.detokenize else None, "tokens": [], "prefill": [], "timing": None}]
-        doc["active_generation"] = gid
+            "text": "" if self.detokenize else None, "tokens": [], "prefill": [], "timing": None}, "/generations")
+        self._set(doc, "active_generation", gid, "/active_generation")
 
     def _gen_token(self, doc: Doc, e: Event, _: int) -> None:
         b = e.body
         gid = str(b["generation_id"])
         i = self._gen_index[gid]
         g = doc["generations"][i]
+        gpath = f"/generations/{i}"
         entry = self._token(b, e.recorded_at)
         if b.get("is_prefill"):
-            self._set_in_list(doc, "generations", i, prefill=[*g["prefill"], entry])
+            self._push(g["prefill"], entry, gpath + "/prefill")
             return
-        tokens = [*g["tokens"], entry]
-        text = self._text([t["id"] for t in tokens])
-        self._set_in_list(doc, "generations", i, tokens=tokens, text=text)
+        tok = entry["id"]
+        self._push(g["tokens"], entry, gpath + "/tokens")
+        run = self._gen_runs.get(gid)
+        piece = run.push([tok]) if run is not None else ""
+        self._grow(g, "text", piece, gpath + "/text")
         h = doc["history"]
-        ids = [*h["ids"], entry["id"]]
-        segs = list(h["segments"])
+        self._push(h["ids"], tok, "/history/ids")
+        if self._history_run is not None:
+            self._grow(h, "text", self._history_run.push([tok]), "/history/text")
+        segs = h["segments"]
         last = segs[-1] if segs else None
         if last is None or last.get("generation_id") != gid:
-            segs.append({"source": "generation", "start": entry["position"], "generation_id": gid,
-                         "text": entry["text"]})
+            self._push(segs, {"source": "generation", "start": entry["position"], "generation_id": gid,
+                              "text": piece if run is not None else None}, "/history/segments")
         else:
-            segs[-1] = {**last, "text": self._text(ids[last["start"]:])}
-        self._history(doc, ids=ids, segments=segs)
+            self._grow(last, "text", piece, f"/history/segments/{len(segs) - 1}/text")
 
     def _gen_finished(self, doc: Doc, e: Event, _: int) -> None:
         b = e.body
         gid = str(b["generation_id"])
+        i = self._gen_index[gid]
+        g = doc["generations"][i]
+        gpath = f"/generations/{i}"
+        run = self._gen_runs.pop(gid, None)
+        if run is not None:
+            # the generation is complete: its text is all of its tokens' text
+            piece = run.flush()
+            self._grow(g, "text", piece, gpath + "/text")
+            segs = doc["history"]["segments"]
+            if segs and segs[-1].get("generation_id") == gid:
+                self._grow(segs[-1], "text", piece, f"/history/segments/{len(segs) - 1}/text")
         timing = {k: b.get(k) for k in ("prompt_tokens", "completion_tokens", "prefill_s", "ttft_s", "total_s")}
-        self._set_in_list(doc, "generations", self._gen_index[gid], status="finished",
-                          finish_reason=b.get("finish_reason"), finished_at=e.recorded_at, timing=timing)
-        doc["active_generation"] = None
+        for key, value in (("status", "finished"), ("finish_reason", b.get("finish_reason")),
+                           ("finished_at", e.recorded_at), ("timing", timing)):
+            self._set(g, key, value, f"{gpath}/{key}")
+        self._set(doc, "active_generation", None, "/active_generation")
 
     def _feedback(self, doc: Doc, e: Event, _: int) -> None:
-        doc["feedback"] = [*doc["feedback"], {**dict(e.body), "at": e.recorded_at, "version": e.version}]
+        self._push(doc["feedback"], {**dict(e.body), "at": e.recorded_at, "version": e.version}, "/feedback")
 
     def _error(self, doc: Doc, e: Event, _: int) -> None:
-        doc["errors"] = [*doc["errors"], {**dict(e.body), "at": e.recorded_at, "version": e.version}]
+        self._push(doc["errors"], {**dict(e.body), "at": e.recorded_at, "version": e.version}, "/errors")
 
 
 _Handler = Callable[[DocumentBuilder, Doc, Event, int], None]

@@ -238,8 +238,11 @@ def apply_patch(doc: Any, patch: Any) -> Any:
 # -- generating -------------------------------------------------------------
 
 
-def diff(a: Any, b: Any, *, plus: bool = True) -> list[Op]:
+def diff(a: Any, b: Any, *, plus: bool = True, path: str = "") -> list[Op]:
     """Operations that turn ``a`` into ``b``.
+
+    ``path`` is the pointer of ``a`` inside a larger document: the ops are
+    then that document's (``diff(a, b, path="/x")`` patches ``{"x": a}``).
 
     With ``plus`` (the default) a string that grew by a suffix becomes one
     ``append`` and an array that grew at the end one ``append`` per new
@@ -249,7 +252,7 @@ def diff(a: Any, b: Any, *, plus: bool = True) -> list[Op]:
     Each path appears in at most one op.
     """
     out: list[Op] = []
-    _diff(a, b, "", out, plus)
+    _diff(a, b, path, out, plus)
     return out
 
 

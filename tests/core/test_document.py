@@ -1,17 +1,43 @@
-"""The session document: folded from a real session's log, incrementally and at any version."""
+"""The session document: folded from a real session's log, incrementally, with exact patches."""
 
 from __future__ import annotations
 
-import pytest
+import copy
+import json
+from collections.abc import Sequence
+from typing import Any
 
-from core.document import DocumentBuilder, SessionListBuilder, build_document
+import jsonpatch
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from core.document import (
+    REPLACEMENT,
+    DocumentBuilder,
+    SessionListBuilder,
+    TextRun,
+    build_document,
+    fork_base,
+)
 from core.engine import OutputOptions, SamplingParams
 from core.errors import InvalidEvent
 from core.events import Event
 from core.nodes import FragmentIn
-from core.patch import apply_patch, diff
+from core.patch import apply_patch, to_rfc6902
 from core.runtime import Runtime
-from core.state import fork_state
+from core.tokens import ImageIn
+from engines.reference import IMAGE_PAD, ReferenceEngine
+from tests.conftest import make_config
+
+
+def _bytes_text(ids: Sequence[int]) -> str:
+    return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", "replace")
+
+
+def _shows(text: str | None, full: str) -> bool:
+    """A growing text is the decoded tokens, less a trailing character that may still complete."""
+    return text == full or (text is not None and full == text + REPLACEMENT)
 
 
 async def _session(rt: Runtime) -> str:
@@ -23,41 +49,68 @@ async def _session(rt: Runtime) -> str:
     return s.session_id
 
 
+async def _everything(rt: Runtime) -> tuple[str, str]:
+    """A session with every kind of event the document folds, and a fork of it."""
+    sid = await _session(rt)
+    block = [200] + [IMAGE_PAD] * 8 + [201]
+    at = (await rt.get(sid)).length + 5
+    await rt.append_tokens(sid, [*"é€".encode(), *block], images=[ImageIn(b"\x89PNG x", "image/png", at, at + 10)])
+    await rt.append_tokens(sid, list(b"rewound"), offset=8, truncating=True)  # a rewind: tokens.truncated, then the append
+    async for _ in rt.generate(sid, SamplingParams(max_tokens=5, seed=3)):
+        pass
+    await rt.append_fragments(sid, [
+        FragmentIn("root", child_ids=("a",)),
+        FragmentIn("a", has_chunk=True, metadata={"mimetype": "text/plain", "role": "user"}, data=b"Hi"),
+    ])
+    act = await rt.submit_action(sid, "GENERATE", [("prompt", "a")], [("out", "o1")])
+    await rt.finish_action(sid, str(act.body["action_id"]))
+    await rt.record_error(sid, "oops", "a recorded error")
+    child = await rt.fork(sid, at_position=4)
+    await rt.close(sid)
+    return sid, child.session_id
+
+
 async def test_document_shows_the_session(runtime: Runtime) -> None:
     sid = await _session(runtime)
     await runtime.close(sid)
     evs = await runtime.log.read(sid)
-    st = await runtime.get(sid)
-    doc = build_document(sid, evs, detokenize=runtime.engine.detokenize)
+    st_ = await runtime.get(sid)
+    detok = runtime.engine.detokenize
+    doc = build_document(sid, evs, detokenize=detok)
     assert doc["id"] == sid and doc["status"] == "closed" and doc["label"] == "doc"
-    assert doc["version"] == st.version == len(evs)
-    assert doc["history"]["ids"] == list(st.tokens)
-    assert doc["history"]["text"] == runtime.engine.detokenize(list(st.tokens))
+    assert doc["version"] == st_.version == len(evs)
+    assert doc["history"]["ids"] == list(st_.tokens)
+    assert _shows(doc["history"]["text"], detok(list(st_.tokens)))
     assert [s["source"] for s in doc["history"]["segments"]] == ["input", "generation"]
     [gen] = doc["generations"]
     assert gen["status"] == "finished" and gen["finish_reason"] in ("length", "eos")
-    assert [t["id"] for t in gen["tokens"]] == st.generations[gen["id"]].tokens
+    assert [t["id"] for t in gen["tokens"]] == st_.generations[gen["id"]].tokens
     assert all(len(t["top"]) == 2 and t["logprob"] is not None for t in gen["tokens"])
-    assert gen["text"] == runtime.engine.detokenize([t["id"] for t in gen["tokens"]])
+    # a finished generation's text is all of its tokens' text
+    assert gen["text"] == detok([t["id"] for t in gen["tokens"]]) == doc["history"]["segments"][1]["text"]
     assert gen["timing"]["completion_tokens"] == len(gen["tokens"])
     assert doc["feedback"][0]["score"] == 1
     assert doc["audit"] == {"chain": "verified", "head_hash": evs[-1].hash, "error": None}
     assert doc["engine"]["model_id"] == runtime.engine.info.model_id
 
 
-async def test_incremental_patches_rebuild_every_version(runtime: Runtime) -> None:
-    sid = await _session(runtime)
-    evs = await runtime.log.read(sid)
-    b = DocumentBuilder(sid, detokenize=runtime.engine.detokenize)
-    client = b.doc
+async def test_every_patch_turns_the_previous_document_into_the_next(runtime: Runtime) -> None:
+    sid, child = await _everything(runtime)
+    evs = [e for e in await runtime.log.read_all(0, limit=10_000) if e.session_id in (sid, child)]
+    assert {e.type for e in evs} >= {"tokens.truncated", "node.fragment", "action.completed", "error.recorded",
+                                     "image.attached", "session.closed"}
+    detok = runtime.engine.detokenize
+    b = DocumentBuilder(sid, detokenize=detok)
     for n, e in enumerate(evs, 1):
-        before = b.doc
-        snapshot = repr(before)
-        after = b.apply(e)
-        client = apply_patch(client, diff(before, after))
-        assert client == after
-        assert repr(before) == snapshot  # the previous document is never mutated
-        assert after == build_document(sid, evs[:n], detokenize=runtime.engine.detokenize)
+        before = copy.deepcopy(b.doc)
+        ops = json.loads(json.dumps(b.apply(e)))  # what a watcher receives
+        assert apply_patch(before, ops) == b.doc, e.type
+        assert jsonpatch.apply_patch(before, to_rfc6902(ops, b.doc)) == b.doc, e.type
+        # folding incrementally is the same as folding the prefix of the log from scratch
+        assert b.doc == build_document(sid, evs[:n], detokenize=detok)
+    assert _shows(b.doc["history"]["text"], detok(b.doc["history"]["ids"]))
+    assert b.doc["children"][0]["session_id"] == child
+    assert b.doc["history"]["truncations"] == 1 and b.doc["history"]["images"] == []  # rewound past the image
 
 
 async def test_growing_text_is_streamed_as_appends(runtime: Runtime) -> None:
@@ -66,14 +119,82 @@ async def test_growing_text_is_streamed_as_appends(runtime: Runtime) -> None:
     b = DocumentBuilder(sid, detokenize=runtime.engine.detokenize)
     token_ops = []
     for e in evs:
-        before = b.doc
-        ops = diff(before, b.apply(e))
+        ops = b.apply(e)
         if e.type == "generation.token" and not e.body.get("is_prefill"):
             token_ops.append({op["path"]: op["op"] for op in ops})
     assert token_ops
     for ops in token_ops:
         assert ops["/history/ids"] == "append"
         assert ops["/generations/0/tokens"] == "append"
+        assert all(op in ("append", "replace") for op in ops.values())
+        assert not any(path.startswith("/history/text") and op == "replace" for path, op in ops.items())
+
+
+async def test_per_token_work_does_not_grow_with_the_history(sqlite_url: str) -> None:
+    """A generated token re-decodes a short window, never the history: the same work at 100 and 12,000 tokens."""
+    rt = await Runtime.create(make_config(sqlite_url), engine=ReferenceEngine(max_length=16_000, eos_bias=-100.0))
+    try:
+        text = ("The quick brown fox jumps over the lazy dog; " * 300).encode()[:12_000]
+        work: dict[int, list[int]] = {}
+        generated: dict[int, list[int]] = {}
+        for n in (100, 12_000):
+            s = await rt.open_session("bench")
+            await rt.append_tokens(s.session_id, list(text[-n:]))  # greedy on the same last tokens: the same generation
+            async for _ in rt.generate(s.session_id, SamplingParams(max_tokens=80, temperature=0.0)):
+                pass
+            decoded: list[int] = []
+
+            def counting(ids: Sequence[int], decoded: list[int] = decoded) -> str:
+                decoded.append(len(ids))
+                return rt.engine.detokenize(ids)
+
+            b = DocumentBuilder(s.session_id, detokenize=counting)
+            per_token = []
+            for e in await rt.log.read(s.session_id):
+                decoded.clear()
+                b.apply(e)
+                if e.type == "generation.token":
+                    per_token.append(sum(decoded))
+            assert len(b.doc["history"]["ids"]) > n
+            assert _shows(b.doc["history"]["text"], rt.engine.detokenize(b.doc["history"]["ids"]))
+            work[n] = per_token
+            generated[n] = b.doc["history"]["ids"][n:]
+        assert generated[100] == generated[12_000] and len(work[100]) == 80
+        assert work[12_000] == work[100]
+        assert max(work[12_000]) < 100  # tokens decoded for one generated token, whatever the history
+    finally:
+        await rt.aclose()
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.lists(st.sampled_from([0x41, 0x20, 0xC3, 0xA9, 0xE2, 0x82, 0xAC, 0xF0, 0x9F, 0x98, 0x80, 0xFF, 257]),
+                     max_size=200),
+       cuts=st.lists(st.integers(1, 60), min_size=1, max_size=20))
+def test_text_run_is_the_decoded_bytes(data: list[int], cuts: list[int]) -> None:
+    """For byte tokens (valid, truncated and invalid UTF-8), pushed in any batches."""
+    run = TextRun(_bytes_text)
+    text, i, k = run.start(data[:cuts[0]]), cuts[0], 1
+    while i < len(data):
+        step = cuts[k % len(cuts)]
+        text += run.push(data[i:i + step])
+        i, k = i + step, k + 1
+        assert _shows(text, _bytes_text(data[:i]))
+    assert text + run.flush() == _bytes_text(data)
+
+
+def test_text_run_keeps_the_context_of_word_pieces() -> None:
+    """A SentencePiece-like decoder drops the leading space of the first piece: the window keeps context."""
+    vocab = ["\u2581The", "\u2581quick", "\u2581bro", "wn", "\u2581fox", ",", "\u2581jumps"]
+
+    def decode(ids: Sequence[int]) -> str:
+        return "".join(vocab[i] for i in ids).replace("\u2581", " ").removeprefix(" ")
+
+    ids = [i % len(vocab) for i in range(300)]
+    run = TextRun(decode)
+    text = run.start(ids[:3])
+    for i in range(3, len(ids)):
+        text += run.push([ids[i]])
+    assert text == decode(ids)
 
 
 async def test_forks_inherit_and_are_listed_as_children(runtime: Runtime) -> None:
@@ -85,11 +206,13 @@ async def test_forks_inherit_and_are_listed_as_children(runtime: Runtime) -> Non
     doc = b.apply_all([*parent_evs, opened])
     assert doc["children"] == [{"session_id": child.session_id, "version": len(parent_evs), "token_position": 3,
                                 "created_at": opened.recorded_at, "position": opened.position}]
-    pstate = await runtime.load(sid, len(parent_evs))
-    cb = DocumentBuilder(child.session_id, detokenize=runtime.engine.detokenize,
-                         base=fork_state(pstate, child.session_id, 3))
-    cdoc = cb.apply(opened)
-    assert cdoc["history"]["ids"] == doc["history"]["ids"][:3]
+    assert await fork_base(runtime.log, parent_evs[0]) is None
+    base = await fork_base(runtime.log, opened)
+    assert base is not None and list(base.tokens) == doc["history"]["ids"][:3]
+    cb = DocumentBuilder(child.session_id, detokenize=runtime.engine.detokenize, base=base)
+    cb.apply(opened)
+    cdoc = cb.doc
+    assert cdoc["history"]["ids"] == doc["history"]["ids"][:3] and cdoc["history"]["text"] == "Hel"
     assert cdoc["history"]["segments"] == [{"source": "inherited", "start": 0, "text": "Hel"}]
     assert cdoc["parent"] == {"session_id": sid, "version": len(parent_evs), "token_position": 3}
 
@@ -125,10 +248,10 @@ async def test_an_event_that_cannot_follow_leaves_the_document(runtime: Runtime)
     evs = await runtime.log.read(sid)
     b = DocumentBuilder(sid)
     b.apply_all(evs[:2])
-    before = b.doc
+    before: dict[str, Any] = copy.deepcopy(b.doc)
     with pytest.raises(InvalidEvent):
         b.apply(evs[5])
-    assert b.doc is before
+    assert b.doc == before
 
 
 async def test_sessions_list_folds_status_and_generating(runtime: Runtime) -> None:

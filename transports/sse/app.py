@@ -24,7 +24,8 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from core.document import DocumentBuilder
+from core.audit import audit_session
+from core.document import DocumentBuilder, fork_base
 from core.engine import OutputOptions, SamplingParams
 from core.errors import (
     InvalidArgument,
@@ -35,16 +36,23 @@ from core.errors import (
     Unauthenticated,
 )
 from core.events import T
-from core.log.store import verify_chain
-from core.patch import diff
 from core.runtime import Runtime
-from core.state import SessionState, apply
 from transports.sse import errors
-from transports.sse.feeds import Feeds, events_after, list_stream, load_builder, session_stream
+from transports.sse.feeds import (
+    Feeds,
+    dumps,
+    events_after,
+    list_stream,
+    load_builder,
+    session_stream,
+)
 from transports.sse.openapi import spec
 
 STATIC = Path(__file__).parent / "static"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+#: the sessions index's column sizes (core/log/schema.py): longer values are refused here, as 400s
+MAX_PROTOCOL = 32
+MAX_LABEL = 1000
 
 
 # -- request helpers ------------------------------------------------------------
@@ -75,6 +83,16 @@ def _opt_int(value: Any, name: str) -> int | None:
     if isinstance(value, int):
         return value
     raise InvalidParameters(f"{name} must be an integer")
+
+
+def _opt_str(value: Any, name: str, max_len: int) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise InvalidParameters(f"{name} must be a string")
+    if len(value) > max_len:
+        raise InvalidParameters(f"{name} must be at most {max_len} characters, got {len(value)}")
+    return value
 
 
 def _int_list(value: Any, name: str) -> list[int]:
@@ -139,7 +157,7 @@ class Api:
         return self.runtime.engine.detokenize
 
     async def document(self, sid: str, version: int | None = None) -> dict[str, Any]:
-        return (await load_builder(self.runtime, sid, upto_version=version)).doc
+        return (await load_builder(self.runtime, self.feeds.forks, sid, upto_version=version)).doc
 
     # sessions
 
@@ -152,8 +170,10 @@ class Api:
         meta = b.get("meta", {})
         if not isinstance(meta, dict):
             raise InvalidParameters("meta must be an object")
+        protocol = _opt_str(b.get("protocol"), "protocol", MAX_PROTOCOL)
+        label = _opt_str(b.get("label"), "label", MAX_LABEL)
         st = await self.runtime.open_session(
-            str(b.get("protocol", "http")), mode=str(b.get("mode", "offset")), label=str(b.get("label", "")),
+            protocol or "http", mode=str(b.get("mode", "offset")), label=label or "",
             eos_token_ids=None if eos is None else _int_list(eos, "eos_token_ids"),
             ttl_s=None if ttl is None else float(ttl), meta=meta)
         return JSONResponse(await self.document(st.session_id), status_code=201,
@@ -203,9 +223,11 @@ class Api:
                 raise InvalidParameters("text must be a string (and not combined with tokens)")
             length = await self.runtime.append_text(sid, b["text"])
         elif "tokens" in b:
+            offset = _opt_int(b.get("offset"), "offset")
+            if offset is not None and offset < 0:
+                raise InvalidParameters(f"offset must be >= 0, got {offset}")
             length = await self.runtime.append_tokens(
-                sid, _int_list(b["tokens"], "tokens"), offset=_opt_int(b.get("offset"), "offset"),
-                truncating=bool(b.get("truncating", False)))
+                sid, _int_list(b["tokens"], "tokens"), offset=offset, truncating=bool(b.get("truncating", False)))
         else:
             raise InvalidParameters("append needs 'text' or 'tokens'")
         st = await self.runtime.get(sid)
@@ -279,9 +301,11 @@ class Api:
     async def fork(self, request: Request) -> Response:
         sid = request.path_params["sid"]
         b = await _body(request)
+        protocol = _opt_str(b.get("protocol"), "protocol", MAX_PROTOCOL)
+        label = _opt_str(b.get("label"), "label", MAX_LABEL)
         st = await self.runtime.fork(sid, at_position=_opt_int(b.get("at_position"), "at_position"),
                                      at_version=_opt_int(b.get("at_version"), "at_version"),
-                                     protocol=b.get("protocol"), label=str(b.get("label", "")))
+                                     protocol=protocol, label=label or "")
         return JSONResponse(await self.document(st.session_id), status_code=201,
                             headers={"Location": f"/v1/sessions/{st.session_id}"})
 
@@ -310,62 +334,57 @@ class Api:
                         headers={"Content-Disposition": f'attachment; filename="{sid}.ndjson"'})
 
     async def audit(self, request: Request) -> Response:
-        sid = request.path_params["sid"]
-        evs = await self.runtime.log.read(sid)
-        if not evs:
-            await self.runtime.log.get_session(sid)
-        result: dict[str, Any] = {"session_id": sid, "events": len(evs),
-                                  "head_hash": evs[-1].hash if evs else None, "chain": "verified",
-                                  "fold": "ok", "error": None}
-        try:
-            verify_chain(evs)
-        except SessiontapeError as exc:
-            result.update(chain="broken", error={"code": exc.code, "message": exc.message})
-        st = SessionState(sid)
-        try:
-            if evs and evs[0].body.get("parent"):
-                st = await self.runtime.load(sid)
-            else:
-                for e in evs:
-                    apply(st, e)
-        except SessiontapeError as exc:
-            result["fold"] = "broken"
-            result["error"] = result["error"] or {"code": exc.code, "message": exc.message}
-        return JSONResponse(result)
+        report = await audit_session(self.runtime, request.path_params["sid"])
+        return JSONResponse(report.to_json())
 
     async def replay(self, request: Request) -> Response:
-        """The base document and one patch per event: what the viewer's scrubber plays."""
+        """The base document and one patch per event: what the viewer's scrubber plays.
+
+        The builder folds in place, so the base and each step's patch are
+        serialised as they are made; the body is assembled from those.
+        """
         sid = request.path_params["sid"]
         own = await self.runtime.log.read(sid, 1, 1)
         if not own:
             raise NotFound(f"session {sid!r} not found")
-        first = own[0]
-        fork_base = await self._fork_base(first) if first.body.get("parent") else None
-        builder = DocumentBuilder(sid, detokenize=self._detok(), base=fork_base)
-        base = builder.doc
+        builder = DocumentBuilder(sid, detokenize=self._detok(), base=await fork_base(self.runtime.log, own[0]))
+        base = dumps(builder.doc)
         steps = []
-        for e in await events_after(self.runtime, sid, 0):
-            before = builder.doc
-            after = builder.apply(e)
-            steps.append({"position": e.position, "version": e.version if e.session_id == sid else None,
-                          "session_id": e.session_id, "type": e.type, "recorded_at": e.recorded_at,
-                          "patch": [] if after is before else diff(before, after)})
-        return JSONResponse({"session_id": sid, "base": base, "steps": steps, "version": builder.doc["version"]})
-
-    async def _fork_base(self, first: Any) -> SessionState:
-        from core.state import fork_state
-
-        parent = first.body["parent"]
-        pstate = await self.runtime.load(str(parent["session_id"]), int(parent["version"]))
-        tp = parent.get("token_position")
-        return fork_state(pstate, first.session_id, None if tp is None else int(tp))
+        for e in await events_after(self.runtime, self.feeds.forks, sid, 0):
+            patch = builder.apply(e)
+            steps.append(dumps({"position": e.position, "version": e.version if e.session_id == sid else None,
+                                "session_id": e.session_id, "type": e.type, "recorded_at": e.recorded_at,
+                                "patch": patch}))
+        body = (f'{{"session_id":{dumps(sid)},"base":{base},"steps":[{",".join(steps)}],'
+                f'"version":{dumps(builder.doc["version"])}}}')
+        return Response(body, media_type="application/json")
 
     async def image(self, request: Request) -> Response:
         sid, sha = request.path_params["sid"], request.path_params["sha"]
-        for e in await self.runtime.log.read(sid):
-            if e.type == T.IMAGE_ATTACHED and e.body.get("sha256") == sha and e.data is not None:
-                return Response(e.data, media_type=str(e.body.get("mime", "application/octet-stream")))
-        raise NotFound(f"image {sha!r} not found in session {sid!r}")
+        st = await self.runtime.get(sid)
+        image = next((im for im in st.images if im.sha256 == sha), None)
+        if image is None:
+            raise NotFound(f"image {sha!r} not found in session {sid!r}")
+        data = await self.runtime.log.get_blob(sha)
+        if data is None and image.size <= self.runtime.log.inline_max_bytes:
+            # Small images are stored inline in their image.attached event, not in the blob table.
+            data = await self._inline_image(st.session_id, sha)
+        if data is None:
+            raise NotFound(f"image {sha!r} not found in session {sid!r}")
+        return Response(data, media_type=image.mime or "application/octet-stream")
+
+    async def _inline_image(self, sid: str, sha: str) -> bytes | None:
+        """The bytes of an image too small for the blob table: in this session's events or its parent's."""
+        session: str | None = sid
+        upto: int | None = None
+        while session is not None:
+            evs = await self.runtime.log.read(session, 1, upto)
+            for e in evs:
+                if e.type == T.IMAGE_ATTACHED and e.body.get("sha256") == sha and e.data is not None:
+                    return e.data
+            parent = evs[0].body.get("parent") if evs and evs[0].type == T.SESSION_OPENED else None
+            session, upto = (str(parent["session_id"]), int(parent["version"])) if parent else (None, None)
+        return None
 
     async def node_content(self, request: Request) -> Response:
         sid, nid = request.path_params["sid"], request.path_params["nid"]

@@ -15,17 +15,16 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.document import TERMINAL, DocumentBuilder, SessionListBuilder
+from core.document import TERMINAL, DocumentBuilder, SessionListBuilder, fork_base
 from core.errors import InvalidParameters, SessionNotFound
 from core.events import Event, T
 from core.patch import diff, to_rfc6902
 from core.runtime import Runtime
-from core.state import fork_state
 
 log = logging.getLogger("sessiontape.http.feeds")
 
@@ -42,16 +41,44 @@ def frame(event: str, data: str, id_: int | None = None) -> bytes:
 # -- documents from the log ---------------------------------------------------
 
 
-async def _children_opened(runtime: Runtime, session_id: str, after: int = 0) -> list[Event]:
-    out = []
-    for row in await runtime.log.list_sessions(parent_id=session_id, limit=100_000):
-        first = await runtime.log.read(row.id, 1, 1)
-        if first and first[0].position > after:
-            out.append(first[0])
-    return out
+class Forks:
+    """The ``session.opened`` event of each fork, by the session it forks from.
+
+    Listing a session's forks is one query on the sessions index. A fork's
+    first event never changes, so it is read once per process (or taken
+    from the live feed when it is committed) and kept, at most ``keep``.
+    """
+
+    def __init__(self, runtime: Runtime, keep: int = 100_000) -> None:
+        self.runtime = runtime
+        self.keep = keep
+        self._opened: OrderedDict[str, Event] = OrderedDict()
+
+    def remember(self, e: Event) -> None:
+        if e.type == T.SESSION_OPENED and e.body.get("parent"):
+            self._opened[e.session_id] = e
+            if len(self._opened) > self.keep:
+                self._opened.popitem(last=False)
+
+    async def of(self, session_id: str, after: int = 0) -> list[Event]:
+        """The forks' ``session.opened`` events past log position ``after``."""
+        out = []
+        for row in await self.runtime.log.list_sessions(parent_id=session_id, limit=100_000):
+            if row.status == "purged":  # its events, the opening one included, are gone
+                continue
+            e = self._opened.get(row.id)
+            if e is None:
+                first = await self.runtime.log.read(row.id, 1, 1)
+                if not first:
+                    continue
+                e = first[0]
+                self.remember(e)
+            if e.position > after:
+                out.append(e)
+        return out
 
 
-async def load_builder(runtime: Runtime, session_id: str, *, upto_position: int | None = None,
+async def load_builder(runtime: Runtime, forks: Forks, session_id: str, *, upto_position: int | None = None,
                        upto_version: int | None = None) -> DocumentBuilder:
     """The document of ``session_id`` after every event up to a log position or a version.
 
@@ -64,18 +91,12 @@ async def load_builder(runtime: Runtime, session_id: str, *, upto_position: int 
         raise SessionNotFound(session_id)
     if upto_version is not None and (upto_version < 1 or own[-1].version < upto_version):
         raise InvalidParameters(f"version {upto_version} is outside [1, {own[-1].version}]")
+    base = await fork_base(runtime.log, own[0])
     if upto_position is not None:
         own = [e for e in own if e.position <= upto_position]
     limit = upto_position if upto_position is not None else (own[-1].position if upto_version is not None else None)
-    base = None
-    first = own[0] if own else None
-    parent = first.body.get("parent") if first is not None and first.type == T.SESSION_OPENED else None
-    if parent:
-        pstate = await runtime.load(str(parent["session_id"]), int(parent["version"]))
-        tp = parent.get("token_position")
-        base = fork_state(pstate, session_id, None if tp is None else int(tp))
     builder = DocumentBuilder(session_id, detokenize=runtime.engine.detokenize, base=base)
-    children = [e for e in await _children_opened(runtime, session_id) if limit is None or e.position <= limit]
+    children = [e for e in await forks.of(session_id) if limit is None or e.position <= limit]
     for e in sorted([*own, *children], key=lambda e: e.position):
         builder.apply(e)
     if upto_position is not None:
@@ -83,10 +104,10 @@ async def load_builder(runtime: Runtime, session_id: str, *, upto_position: int 
     return builder
 
 
-async def events_after(runtime: Runtime, session_id: str, after: int) -> list[Event]:
+async def events_after(runtime: Runtime, forks: Forks, session_id: str, after: int) -> list[Event]:
     """Every event past ``after`` that can change the session's document, in log order."""
     own = await runtime.log.read_all(after, limit=1_000_000, session_id=session_id)
-    return sorted([*own, *await _children_opened(runtime, session_id, after)], key=lambda e: e.position)
+    return sorted([*own, *await forks.of(session_id, after)], key=lambda e: e.position)
 
 
 # -- feeds ----------------------------------------------------------------------
@@ -127,8 +148,10 @@ class Watcher:
 class SessionFeed:
     """The live document of one open session and its watchers."""
 
-    def __init__(self, runtime: Runtime, builder: DocumentBuilder, position: int, ring: int) -> None:
+    def __init__(self, runtime: Runtime, builder: DocumentBuilder, position: int, ring: int,
+                 forks: Forks | None = None) -> None:
         self.runtime = runtime
+        self.forks = forks
         self.builder = builder
         self.session_id = builder.session_id
         #: every event with a position <= this is folded into ``doc``
@@ -170,14 +193,13 @@ class SessionFeed:
                 w.put(END)
 
     def publish(self, e: Event) -> None:
-        before = self.builder.doc
-        after = self.builder.apply(e)
+        if self.forks is not None:
+            self.forks.remember(e)
+        ops = self.builder.apply(e)
         self.position = e.position
-        if after is before:
-            return
-        ops = diff(before, after)
         if not ops:
             return
+        after = self.builder.doc
         entry = Entry(e.position, dumps(ops))
         if any(w.rfc for w in self.watchers):
             entry.rfc = dumps(to_rfc6902(ops, after))
@@ -207,6 +229,7 @@ class Feeds:
         self.ring = ring
         self.linger_s = linger_s
         self.feeds: dict[str, SessionFeed] = {}
+        self.forks = Forks(runtime)
         self._building: dict[str, asyncio.Future[SessionFeed]] = {}
         self._reaper: asyncio.Task[None] | None = None
 
@@ -221,8 +244,8 @@ class Feeds:
         self._building[session_id] = fut
         try:
             position = await self.runtime.log.last_position()
-            builder = await load_builder(self.runtime, session_id, upto_position=position)
-            feed = SessionFeed(self.runtime, builder, position, self.ring)
+            builder = await load_builder(self.runtime, self.forks, session_id, upto_position=position)
+            feed = SessionFeed(self.runtime, builder, position, self.ring, self.forks)
             if not feed.ended:
                 feed.start()
                 self.feeds[session_id] = feed
@@ -275,14 +298,12 @@ class Feeds:
         self.feeds.clear()
 
 
-async def _catch_up(runtime: Runtime, builder: DocumentBuilder, after: int, rfc: bool) -> AsyncIterator[bytes]:
-    for e in await events_after(runtime, builder.session_id, after):
-        before = builder.doc
-        out = builder.apply(e)
-        if out is not before:
-            ops = diff(before, out)
-            if ops:
-                yield frame("patch", dumps(to_rfc6902(ops, out) if rfc else ops), e.position)
+async def _catch_up(runtime: Runtime, forks: Forks, builder: DocumentBuilder, after: int,
+                    rfc: bool) -> AsyncIterator[bytes]:
+    for e in await events_after(runtime, forks, builder.session_id, after):
+        ops = builder.apply(e)
+        if ops:
+            yield frame("patch", dumps(to_rfc6902(ops, builder.doc) if rfc else ops), e.position)
 
 
 def _end(doc: dict[str, Any]) -> bytes:
@@ -343,8 +364,8 @@ async def session_stream(feeds: Feeds, session_id: str, last_id: int | None, *, 
                 for en in backlog:
                     watcher.put(en)
             else:
-                builder = await load_builder(runtime, session_id, upto_position=last_id)
-                async for chunk in _catch_up(runtime, builder, last_id, rfc):
+                builder = await load_builder(runtime, feeds.forks, session_id, upto_position=last_id)
+                async for chunk in _catch_up(runtime, feeds.forks, builder, last_id, rfc):
                     yield chunk
                 sent = builder.position
                 while True:
@@ -358,7 +379,7 @@ async def session_stream(feeds: Feeds, session_id: str, last_id: int | None, *, 
                         for en in backlog:
                             watcher.put(en)
                         break
-                    async for chunk in _catch_up(runtime, builder, sent, rfc):
+                    async for chunk in _catch_up(runtime, feeds.forks, builder, sent, rfc):
                         yield chunk
                     sent = builder.position
         while True:
@@ -393,11 +414,18 @@ async def session_stream(feeds: Feeds, session_id: str, last_id: int | None, *, 
             feeds.detach(feed, watcher)
 
 
+#: the events that can change the sessions list (what SessionListBuilder folds)
+LIST_EVENTS = frozenset({T.SESSION_OPENED, T.SESSION_CLOSED, T.SESSION_ABORTED, T.SESSION_EXPIRED,
+                         T.SESSION_PURGED, T.GENERATION_STARTED, T.GENERATION_FINISHED})
+
+
 async def list_stream(runtime: Runtime, *, limit: int = 200, heartbeat_s: float = 15.0,
-                      rfc: bool = False) -> AsyncIterator[bytes]:
+                      rfc: bool = False, queue_max: int = 10_000) -> AsyncIterator[bytes]:
     """The SSE stream of the sessions list: a snapshot, then patches as sessions change.
 
-    A reconnect always gets a fresh snapshot (the list is an index view, not a fold from genesis).
+    A reconnect always gets a fresh snapshot (the list is an index view, not
+    a fold from genesis), so a client more than ``queue_max`` list changes
+    behind is not buffered for: its stream ends and it reconnects.
     """
     position = await runtime.log.last_position()
     rows = []
@@ -407,11 +435,25 @@ async def list_stream(runtime: Runtime, *, limit: int = 200, heartbeat_s: float 
         rows.append(row)
     builder = SessionListBuilder(rows)
     yield frame("snapshot", dumps(builder.doc), position)
-    queue: asyncio.Queue[Event] = asyncio.Queue()
+    queue: asyncio.Queue[Event | None] = asyncio.Queue(maxsize=queue_max)
 
     async def pump() -> None:
-        async for e in runtime.subscribe(position, None):
-            queue.put_nowait(e)
+        try:
+            async for e in runtime.subscribe(position, None):
+                if e.type not in LIST_EVENTS:
+                    continue
+                try:
+                    queue.put_nowait(e)
+                except asyncio.QueueFull:
+                    log.info("sessions list watcher more than %d changes behind: ending its stream", queue_max)
+                    break
+        except Exception:  # end the stream; the client reconnects for a fresh snapshot
+            log.exception("sessions list feed failed")
+        finally:
+            # None ends the stream, ahead of anything still queued (a lagging client starts over anyway)
+            while not queue.empty():
+                queue.get_nowait()
+            queue.put_nowait(None)
 
     task = asyncio.create_task(pump(), name="sse-list-pump")
     try:
@@ -419,10 +461,10 @@ async def list_stream(runtime: Runtime, *, limit: int = 200, heartbeat_s: float 
             try:
                 e = await asyncio.wait_for(queue.get(), heartbeat_s)
             except TimeoutError:
-                if task.done():
-                    return
                 yield b": ping\n\n"
                 continue
+            if e is None:
+                return
             before = builder.doc
             after = builder.apply(e)
             if after is not before:

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections import Counter
 from typing import Any
 
 import httpx
 import pytest
 
 import core.errors as E
+from core.patch import apply_patch
 from core.runtime import Runtime
-from engines.reference import ReferenceEngine
+from core.tokens import ImageIn
+from engines.reference import IMAGE_PAD, ReferenceEngine
 from tests.conftest import make_config
 from transports.sse.app import create_app
 from transports.sse.errors import status_for
@@ -53,8 +57,8 @@ async def test_session_lifecycle(client: httpx.AsyncClient) -> None:
     lines = await _export(client, sid)
     assert [ln["version"] for ln in lines] == list(range(1, len(lines) + 1))
     audit = (await client.get(f"/v1/sessions/{sid}/audit")).json()
-    assert audit["chain"] == "verified" and audit["fold"] == "ok" and audit["events"] == len(lines)
-    assert (await client.get(f"/v1/sessions/{child['id']}/audit")).json()["chain"] == "verified"
+    assert audit == {"session_id": sid, "chain_ok": True, "invariants_ok": True, "problems": [], "ok": True}
+    assert (await client.get(f"/v1/sessions/{child['id']}/audit")).json()["ok"] is True
 
 
 async def test_service_endpoints(client: httpx.AsyncClient) -> None:
@@ -90,6 +94,8 @@ def test_every_core_error_has_a_status() -> None:
 BAD: list[tuple[str, str, Any, int, str]] = [
     ("post", "append", {"tokens": [999999]}, 400, "token_out_of_vocabulary"),
     ("post", "append", {"tokens": [1], "offset": 99}, 409, "offset_mismatch"),
+    ("post", "append", {"tokens": [1], "offset": -1}, 400, "invalid_parameters"),
+    ("post", "append", {"tokens": [1], "offset": -1, "truncating": True}, 400, "invalid_parameters"),
     ("post", "append", {"tokens": "abc"}, 400, "invalid_parameters"),
     ("post", "append", {}, 400, "invalid_parameters"),
     ("post", "append", "not json", 400, "invalid_argument"),
@@ -98,6 +104,8 @@ BAD: list[tuple[str, str, Any, int, str]] = [
     ("post", "generate", {"logprob_ranges": [[5, 1]]}, 400, "invalid_range"),
     ("post", "fork", {"at_position": 999}, 400, "invalid_range"),
     ("post", "fork", {"at_version": 999}, 400, "invalid_parameters"),
+    ("post", "fork", {"protocol": "p" * 33}, 400, "invalid_parameters"),
+    ("post", "fork", {"label": "l" * 1001}, 400, "invalid_parameters"),
     ("get", "", {"version": "x"}, 400, "invalid_parameters"),
     ("get", "", {"version": 999}, 400, "invalid_parameters"),
     ("get", "events", {"patch": "json-merge"}, 400, "invalid_parameters"),
@@ -175,3 +183,104 @@ async def test_bearer_auth(sqlite_url: str) -> None:
     finally:
         await app.state.api.aclose()
         await rt.aclose()
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"protocol": "p" * 40}, "protocol must be at most 32 characters, got 40"),
+    ({"label": "l" * 1001}, "label must be at most 1000 characters, got 1001"),
+    ({"protocol": 7}, "protocol must be a string"),
+    ({"label": ["x"]}, "label must be a string"),
+])
+async def test_create_checks_sizes_before_the_database(any_runtime: Runtime, body: dict[str, Any],
+                                                       message: str) -> None:
+    """On PostgreSQL a 40-character protocol would overflow its column: the API answers 400 first."""
+    app = create_app(any_runtime)
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            r = await c.post("/v1/sessions", json=body)
+            assert r.status_code == 400, r.text
+            assert r.json()["error"] == {"code": "invalid_parameters", "message": message}
+            assert (await c.get("/v1/sessions")).json()["sessions"] == []
+            # the longest accepted values fit the sessions index
+            sid = await _open(c, protocol="p" * 32, label="l" * 1000)
+            row = await any_runtime.log.get_session(sid)
+            assert (row.protocol, row.label) == ("p" * 32, "l" * 1000)
+    finally:
+        await app.state.api.aclose()
+
+
+async def test_audit_reports_a_tampered_log(runtime: Runtime, client: httpx.AsyncClient) -> None:
+    import sqlalchemy as sa
+
+    sid = await _open(client)
+    await client.post(f"/v1/sessions/{sid}/append", json={"text": "abc"})
+    async with runtime.log.engine.begin() as conn:
+        await conn.execute(sa.text("UPDATE events SET body = :b WHERE session_id = :s AND version = 2"),
+                           {"b": '{"start":0,"tokens":[120,121,122],"images":[]}', "s": sid})
+    report = (await client.get(f"/v1/sessions/{sid}/audit")).json()
+    assert report["session_id"] == sid and report["chain_ok"] is False and report["ok"] is False
+    assert report["problems"]
+
+
+async def test_images_are_served_from_the_blob_store_and_only_for_their_session(
+        runtime: Runtime, client: httpx.AsyncClient) -> None:
+    big, small = b"\x89PNG" + bytes(range(256)) * 40, b"\x89PNG small"
+    assert len(big) > runtime.log.inline_max_bytes >= len(small)
+    block = [200] + [IMAGE_PAD] * 8 + [201]
+    sid = await _open(client)
+    await runtime.append_tokens(sid, [1, *block, 2, *block], images=[
+        ImageIn(big, "image/png", 1, 11), ImageIn(small, "image/gif", 12, 22)])
+    other = await _open(client)
+    for data, mime in ((big, "image/png"), (small, "image/gif")):
+        sha = hashlib.sha256(data).hexdigest()
+        r = await client.get(f"/v1/sessions/{sid}/images/{sha}")
+        assert r.status_code == 200 and r.content == data and r.headers["content-type"] == mime
+        r = await client.get(f"/v1/sessions/{other}/images/{sha}")  # another session's image
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    child = (await client.post(f"/v1/sessions/{sid}/fork", json={})).json()["id"]
+    for data in (big, small):  # a fork shows its inherited images
+        r = await client.get(f"/v1/sessions/{child}/images/{hashlib.sha256(data).hexdigest()}")
+        assert r.status_code == 200 and r.content == data
+    r = await client.get(f"/v1/sessions/{sid}/images/{'0' * 64}")
+    assert r.status_code == 404
+    r = await client.get(f"/v1/sessions/s_nope/images/{'0' * 64}")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
+
+
+async def test_replay_steps_rebuild_the_document(client: httpx.AsyncClient) -> None:
+    sid = await _open(client, label="replay")
+    await client.post(f"/v1/sessions/{sid}/append", json={"text": "Hi é"})
+    await client.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 5, "seed": 4, "stream": False})
+    await client.post(f"/v1/sessions/{sid}/fork", json={"at_position": 2})
+    await client.post(f"/v1/sessions/{sid}/close")
+    replay = (await client.get(f"/v1/sessions/{sid}/replay")).json()
+    doc = replay["base"]
+    assert doc["version"] == 0
+    for step in replay["steps"]:
+        doc = apply_patch(doc, step["patch"])
+    assert doc == (await client.get(f"/v1/sessions/{sid}")).json()
+    assert [s["type"] for s in replay["steps"]][-2:] == ["session.opened", "session.closed"]  # the fork, then close
+    assert replay["version"] == doc["version"]
+
+
+async def test_forks_cost_one_index_query_per_document(runtime: Runtime, client: httpx.AsyncClient) -> None:
+    """A document lists its forks with one sessions-index query; a fork's first event is read once."""
+    sid = await _open(client)
+    await client.post(f"/v1/sessions/{sid}/append", json={"text": "abcdef"})
+    forks = [(await runtime.fork(sid, at_position=i)).session_id for i in range(1, 6)]
+    calls: Counter[str] = Counter()
+    for name in ("read", "list_sessions"):
+        real = getattr(runtime.log, name)
+
+        def counted(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        setattr(runtime.log, name, counted)
+    first = (await client.get(f"/v1/sessions/{sid}")).json()
+    assert sorted(c["session_id"] for c in first["children"]) == sorted(forks)
+    assert calls == {"list_sessions": 1, "read": 1 + len(forks)}  # cold: each fork's first event once
+    for _ in range(3):
+        calls.clear()
+        assert (await client.get(f"/v1/sessions/{sid}")).json() == first
+        assert calls == {"list_sessions": 1, "read": 1}

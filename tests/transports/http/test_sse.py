@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import jsonpatch
 import pytest
 
+from core.engine import SamplingParams
 from core.patch import apply_patch
+from core.runtime import Runtime
 from tests.transports.http.conftest import Served, serve
 from tests.transports.http.sse_client import SseEvent, events
+from transports.sse.feeds import list_stream
 
 
 async def _session(c: httpx.AsyncClient, text: str = "Once upon a time") -> str:
@@ -183,3 +188,27 @@ async def test_sessions_list_stream_and_heartbeat(server: Served) -> None:
             while (await anext(it)).event != "comment":  # idle: heartbeats (heartbeat_s=1 in the fixture)
                 pass
             assert comments[0].startswith(": ping")
+
+
+async def test_a_lagging_sessions_list_watcher_is_dropped_not_buffered(runtime: Runtime) -> None:
+    """More list changes than the watcher's queue holds, unread: its stream ends (the client reconnects)."""
+    stream = list_stream(runtime, queue_max=3, heartbeat_s=60.0)
+    assert (await anext(stream)).startswith(b"id: ")
+    for _ in range(10):
+        await runtime.open_session("http")
+        s = await runtime.open_session("http")
+        async for _e in runtime.generate(s.session_id, SamplingParams(max_tokens=3, seed=1)):
+            pass  # tokens are not list changes: they never reach the list watcher's queue
+    rest = await asyncio.wait_for(_drain(stream), 30)
+    assert rest == []
+    # a watcher that keeps up gets every change
+    stream = list_stream(runtime, queue_max=3, heartbeat_s=60.0)
+    doc = json.loads((await anext(stream)).decode().split("data: ", 1)[1])
+    sid = (await runtime.open_session("http", label="kept up")).session_id
+    patch = json.loads((await anext(stream)).decode().split("data: ", 1)[1])
+    await stream.aclose()
+    assert apply_patch(doc, patch)["sessions"][sid]["label"] == "kept up"
+
+
+async def _drain(stream: AsyncIterator[bytes]) -> list[bytes]:
+    return [chunk async for chunk in stream]

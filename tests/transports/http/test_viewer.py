@@ -13,14 +13,29 @@ import pytest
 
 from tests.transports.http.conftest import Served
 
-CHROMIUM = "/usr/bin/chromium"
+CHROMIUM = os.environ.get("SESSIONTAPE_CHROMIUM", "/usr/bin/chromium")
+#: set by .ci/run: a missing browser is then a failure, not a skip
+REQUIRED = os.environ.get("SESSIONTAPE_REQUIRE_BROWSER", "") not in ("", "0")
 ARTIFACTS = Path(__file__).resolve().parents[3] / "test-artifacts"
 
 pytestmark = [
     pytest.mark.browser,
-    pytest.mark.skipif(not os.path.exists(CHROMIUM),
-                       reason="no /usr/bin/chromium (apt-get install -y chromium; the CI script installs it)"),
+    pytest.mark.skipif(not REQUIRED and not os.path.exists(CHROMIUM),
+                       reason=f"no {CHROMIUM} (apt-get install -y chromium; the CI script installs it)"),
 ]
+
+
+@pytest.fixture(autouse=True)
+def _browser_present() -> None:
+    """Fail before any server starts when the browser is required and missing."""
+    if not os.path.exists(CHROMIUM):
+        pytest.fail(f"SESSIONTAPE_REQUIRE_BROWSER is set but there is no browser at {CHROMIUM}")
+    try:
+        import playwright.async_api  # noqa: F401
+    except ImportError as exc:
+        if REQUIRED:
+            pytest.fail(f"SESSIONTAPE_REQUIRE_BROWSER is set but playwright is missing: {exc}")
+        pytest.skip(f"playwright is not installed: {exc}")
 
 
 @pytest.fixture
@@ -97,3 +112,4 @@ async def test_list_live_session_and_scrubber(server: Served, page: Any) -> None
         await page.click("#play")
         await page.wait_for_function(f"document.querySelectorAll('#conversation .tok').length === {full}")
         await page.wait_for_selector("#status:text('closed')")
+
