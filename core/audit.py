@@ -17,11 +17,11 @@ from typing import Any
 
 from core.engine import Engine, OutputOptions, SamplingParams
 from core.errors import ChainBroken, SessiontapeError
-from core.events import Event, T
-from core.loader import load_state
+from core.events import T
+from core.loader import base_state
 from core.log.store import EventLog, verify_chain
 from core.runtime import Runtime
-from core.state import SessionState, apply, fork_state
+from core.state import apply
 
 
 @dataclass
@@ -60,17 +60,6 @@ class AuditReport:
         return out
 
 
-async def _base_state(log: EventLog, first: Event, session_id: str) -> SessionState:
-    parent = first.body.get("parent") if first.type == T.SESSION_OPENED else None
-    if not parent:
-        return SessionState(session_id)
-    pstate = await load_state(log, str(parent["session_id"]), int(parent["version"]))
-    tp = parent.get("token_position")
-    st = fork_state(pstate, session_id, None if tp is None else int(tp))
-    st.parent = dict(parent)
-    return st
-
-
 EngineFor = Callable[[Mapping[str, Any]], Engine]
 
 
@@ -93,7 +82,7 @@ async def audit_session(source: Runtime | EventLog, session_id: str, *, reexecut
     except ChainBroken as exc:
         report.chain_ok = False
         report.problems.append(str(exc))
-    st = await _base_state(log, evs[0], session_id)
+    st = await base_state(log, evs[0])
     gens: dict[str, RecordedGeneration] = {}
     for e in evs:
         if e.type == T.GENERATION_STARTED:

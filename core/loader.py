@@ -4,10 +4,23 @@ after it; a fork folds its parent up to the fork point first."""
 from __future__ import annotations
 
 from core.errors import SessionNotFound
-from core.events import T
+from core.events import Event, T
 from core.log.store import EventLog
 from core.snapshot import state_from_json
 from core.state import SessionState, apply, fork_state
+
+
+async def base_state(log: EventLog, first: Event) -> SessionState:
+    """The state a session's own events fold onto: empty, or for a fork the
+    parent's state at the fork version, cut at the fork's token position."""
+    parent = first.body.get("parent") if first.type == T.SESSION_OPENED else None
+    if not parent:
+        return SessionState(first.session_id)
+    pstate = await load_state(log, str(parent["session_id"]), int(parent["version"]))
+    tp = parent.get("token_position")
+    st = fork_state(pstate, first.session_id, None if tp is None else int(tp))
+    st.parent = dict(parent)
+    return st
 
 
 async def load_state(log: EventLog, session_id: str, upto_version: int | None = None) -> SessionState:
@@ -22,14 +35,7 @@ async def load_state(log: EventLog, session_id: str, upto_version: int | None = 
     if base is None:
         if not evs:
             raise SessionNotFound(session_id)
-        base = SessionState(session_id)
-        first = evs[0]
-        parent = first.body.get("parent") if first.type == T.SESSION_OPENED else None
-        if parent:
-            pstate = await load_state(log, str(parent["session_id"]), int(parent["version"]))
-            tp = parent.get("token_position")
-            base = fork_state(pstate, session_id, None if tp is None else int(tp))
-            base.parent = dict(parent)
+        base = await base_state(log, evs[0])
     for e in evs:
         apply(base, e)
     return base
