@@ -9,6 +9,7 @@ first patch to last), the ratio to the bare endpoint, and the server's RSS
 growth per connected watcher. Medians of ``--repeats`` runs.
 
     .venv/bin/python bench/bench_sse.py [--tokens 300] [--repeats 3]
+    .venv/bin/python bench/bench_sse.py --fold [100 8000 30000]   # per-token fold vs history length
 """
 
 from __future__ import annotations
@@ -207,15 +208,74 @@ async def run(tokens: int, repeats: int, counts: list[int]) -> None:
     await rt.aclose()
 
 
+async def fold(histories: list[int], tokens: int, repeats: int) -> None:
+    """The document fold per generated token, against the history's length.
+
+    For each history length a session gets that many (ASCII) tokens in one
+    append, then generates ``tokens``; the generation's token events are
+    then folded from the log: into the session document with its patch
+    serialised (what a live feed does per event), and, as the baseline, into
+    the runtime's own state (``core.state.apply``). Medians of ``repeats``.
+    """
+    from core.config import Config
+    from core.document import DocumentBuilder
+    from core.engine import SamplingParams
+    from core.runtime import Runtime
+    from core.state import SessionState, apply
+    from engines.reference import ReferenceEngine
+    from transports.sse.feeds import dumps
+
+    tmp = tempfile.mkdtemp()
+    cfg = Config.load(environ={}, overrides={"database": {"url": f"sqlite+aiosqlite:///{tmp}/fold.db"}})
+    rt = await Runtime.create(cfg, engine=ReferenceEngine(max_length=max(histories) + tokens + 8, eos_bias=-100.0))
+    text = ("The quick brown fox jumps over the lazy dog; " * (max(histories) // 45 + 1)).encode()
+    rows = []
+    for n in histories:
+        s = await rt.open_session("bench")
+        await rt.append_tokens(s.session_id, list(text[:n]))
+        async for _e in rt.generate(s.session_id, SamplingParams(max_tokens=tokens, seed=1)):
+            pass
+        evs = await rt.log.read(s.session_id)
+        first = next(i for i, e in enumerate(evs) if e.type == "generation.token")
+        prefix, toks = evs[:first], [e for e in evs[first:] if e.type == "generation.token"]
+        doc_us, state_us = [], []
+        for _ in range(repeats):
+            b = DocumentBuilder(s.session_id, detokenize=rt.engine.detokenize)
+            b.apply_all(prefix)
+            t0 = time.perf_counter()
+            for e in toks:
+                dumps(b.apply(e))
+            doc_us.append((time.perf_counter() - t0) / len(toks) * 1e6)
+            st = SessionState(s.session_id)
+            for e in prefix:
+                apply(st, e)
+            t0 = time.perf_counter()
+            for e in toks:
+                apply(st, e)
+            state_us.append((time.perf_counter() - t0) / len(toks) * 1e6)
+        rows.append((n, statistics.median(doc_us), statistics.median(state_us)))
+    await rt.aclose()
+    print(f"\nDocument fold per generated token ({tokens} tokens folded from the log, median of {repeats})")
+    print(f"{'history tokens':>14} | {'document fold + patch JSON':>27} | {'state fold (baseline)':>22} | {'ratio':>6}")
+    print("-" * 80)
+    for n, d, b_ in rows:
+        print(f"{n:>14,} | {d:>24.1f} us | {b_:>19.1f} us | {d / b_:>6.1f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--watchers", type=int, nargs="*", default=[1, 100])
+    ap.add_argument("--fold", type=int, nargs="*", metavar="HISTORY", default=None,
+                    help="only the per-token document fold at these history lengths (default 100 8000 30000)")
     ap.add_argument("--client", nargs=2, metavar=("URL", "N"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.client:
         asyncio.run(client(args.client[0], int(args.client[1])))
+        return
+    if args.fold is not None:
+        asyncio.run(fold(args.fold or [100, 8000, 30_000], args.tokens, max(args.repeats, 5)))
         return
     asyncio.run(run(args.tokens, args.repeats, args.watchers))
 

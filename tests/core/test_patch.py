@@ -106,6 +106,8 @@ def test_apply_diff_round_trips(a: Any, b: Any) -> None:
     assert apply_patch(a, rfc) == b
     assert jsonpatch.apply_patch(copy.deepcopy(a), rfc) == b
     assert jsonpatch.apply_patch(copy.deepcopy(a), diff(a, b, plus=False)) == b
+    # the same change, made to a value inside a larger document
+    assert apply_patch({"k": [0, a]}, diff(a, b, path="/k/1")) == {"k": [0, b]}
 
 
 def _paths(doc: Any, prefix: str = "") -> list[str]:

@@ -43,6 +43,9 @@ def _obj(**props: Any) -> dict[str, Any]:
 
 _INT = {"type": "integer"}
 _STR = {"type": "string"}
+_PROTOCOL = {"type": "string", "maxLength": 32}
+_LABEL = {"type": "string", "maxLength": 1000}
+_BOOL = {"type": "boolean"}
 _GEN = _obj(max_tokens=_INT, temperature={"type": "number"}, top_p={"type": "number"}, top_k=_INT,
             seed={"type": ["integer", "string"]}, stop_token_ids={"type": "array", "items": _INT},
             logprob_top_k=_INT, logprob_ranges={"type": "array"}, readout_ranges={"type": "array"},
@@ -68,7 +71,7 @@ def spec() -> dict[str, Any]:
                                  "responses": {"200": {"description": "text exposition format"}}}},
             "/v1/sessions": {
                 "post": _op("open a session", {"201": _json(_DOC)},
-                            body=_obj(protocol=_STR, label=_STR, mode=_STR, ttl_s={"type": "number"},
+                            body=_obj(protocol=_PROTOCOL, label=_LABEL, mode=_STR, ttl_s={"type": "number"},
                                       eos_token_ids={"type": "array", "items": _INT}, meta={"type": "object"})),
                 "get": _op("list sessions", {"200": _json(_obj(sessions={"type": "array"}))}, params=[
                     {"name": n, "in": "query", "schema": _STR} for n in ("status", "protocol", "parent")
@@ -84,20 +87,24 @@ def spec() -> dict[str, Any]:
                 params=[_SID, _PATCH, {"name": "Last-Event-ID", "in": "header", "schema": _INT}])},
             "/v1/sessions/{sid}/append": {"post": _op("append text or tokens", {"200": _json(_obj(length=_INT, version=_INT))},
                                                       params=[_SID], body=_obj(text=_STR, tokens={"type": "array", "items": _INT},
-                                                                               offset=_INT, truncating={"type": "boolean"}))},
+                                                                               offset={"type": "integer", "minimum": 0},
+                                                                               truncating=_BOOL))},
             "/v1/sessions/{sid}/generate": {"post": _op(
                 "generate: an SSE stream of patches (default), JSON (stream=false) or 202 (background=true)",
                 {"200": _sse("snapshot, patches, end"), "202": _json(_obj(generation_id=_STR))},
                 params=[_SID, _PATCH], body=_GEN)},
             "/v1/sessions/{sid}/fork": {"post": _op("fork at a token position or event version", {"201": _json(_DOC)},
-                                                    params=[_SID], body=_obj(at_position=_INT, at_version=_INT, label=_STR))},
+                                                    params=[_SID], body=_obj(at_position=_INT, at_version=_INT, label=_LABEL,
+                                                                             protocol=_PROTOCOL))},
             "/v1/sessions/{sid}/close": {"post": _op("close", {"200": _json(_DOC)}, params=[_SID], body=_obj(reason=_STR))},
             "/v1/sessions/{sid}/feedback": {"post": _op("record feedback", {"201": _json(_obj(version=_INT))},
                                                         params=[_SID], body={"type": "object"})},
             "/v1/sessions/{sid}/export": {"get": _op("the session's events as NDJSON",
                                                      {"200": {"description": "application/x-ndjson"}}, params=[_SID])},
-            "/v1/sessions/{sid}/audit": {"get": _op("verify the hash chain and the fold",
-                                                    {"200": _json(_obj(chain=_STR, fold=_STR, events=_INT))}, params=[_SID])},
+            "/v1/sessions/{sid}/audit": {"get": _op(
+                "verify the hash chain and the fold's invariants (core.audit.audit_session)",
+                {"200": _json(_obj(session_id=_STR, chain_ok=_BOOL, invariants_ok=_BOOL,
+                                   problems={"type": "array", "items": _STR}, ok=_BOOL))}, params=[_SID])},
             "/v1/sessions/{sid}/replay": {"get": _op("base document and one patch per event (the scrubber)",
                                                      {"200": _json(_obj(base=_DOC, steps={"type": "array"}))}, params=[_SID])},
         },
