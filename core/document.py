@@ -30,10 +30,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from core.events import GENESIS_HASH, Event, T, event_hash
-from core.loader import load_state
+from core.loader import base_state
 from core.log.store import EventLog
 from core.patch import Op, diff, escape
-from core.state import Node, SessionState, apply, fork_state
+from core.state import Node, SessionState, apply
 
 Detokenize = Callable[[Sequence[int]], str]
 Doc = dict[str, Any]
@@ -154,14 +154,9 @@ async def fork_base(log: EventLog, first: Event) -> SessionState | None:
     :func:`core.loader.load_state` (snapshot, then events) at the fork's
     version and cut at its token position, as the runtime does.
     """
-    parent = first.body.get("parent") if first.type == T.SESSION_OPENED else None
-    if not parent:
+    if not (first.type == T.SESSION_OPENED and first.body.get("parent")):
         return None
-    pstate = await load_state(log, str(parent["session_id"]), int(parent["version"]))
-    tp = parent.get("token_position")
-    base = fork_state(pstate, first.session_id, None if tp is None else int(tp))
-    base.parent = dict(parent)
-    return base
+    return await base_state(log, first)
 
 
 class DocumentBuilder:
