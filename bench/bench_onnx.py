@@ -119,6 +119,88 @@ def bare_rate(folder: Path, threads: int) -> Rate:
     return rate
 
 
+def engine_at_rev(rev: str, folder: Path, threads: int, **options: Any) -> Any:
+    """``OnnxEngine`` as committed at git revision ``rev``, imported under another package name."""
+    import importlib
+    import io
+    import subprocess
+    import sys
+    import tarfile
+    import tempfile
+
+    root = Path(__file__).resolve().parent.parent
+    tar = subprocess.run(["git", "-C", str(root), "archive", rev, "engines/onnx"], check=True,
+                         capture_output=True).stdout
+    name = "onnx_at_" + "".join(c if c.isalnum() else "_" for c in rev)
+    dest = Path(tempfile.mkdtemp(prefix="bench_onnx_"))
+    with tarfile.open(fileobj=io.BytesIO(tar)) as t:
+        for m in t.getmembers():
+            if m.isfile() and m.name.endswith(".py"):
+                data = t.extractfile(m)
+                assert data is not None
+                text = data.read().decode().replace("engines.onnx", name)
+                out = dest / name / Path(m.name).name
+                out.parent.mkdir(exist_ok=True)
+                out.write_text(text)
+    sys.path.insert(0, str(dest))
+    cls = importlib.import_module(f"{name}.engine").OnnxEngine
+    return cls(model_dir=folder, intra_op_threads=threads, **options)
+
+
+def matmul_probe(threads: int, rounds: int = 5) -> tuple[dict[int, float], int, int]:
+    """ORT MatMul cost by row count over 101 MB of constant weights, and whether rows keep their bits.
+
+    Returns ({rows: seconds}, trials where a row differs between a 1-row and a 4-row run against a
+    constant weight (of 50), the same with both operands runtime tensors (of 30)).
+    """
+    from onnx import TensorProto, helper, numpy_helper
+
+    ort = quiet_ort()
+    rng = np.random.default_rng(0)
+
+    def session(graph: Any) -> Any:
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+        model.ir_version = 8
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+    nodes, inits, x = [], [], "x"
+    for i in range(16):  # like the demo's MLP, and far larger than the L3 cache
+        for w, shape in ((f"w{i}", (512, 1536)), (f"v{i}", (1536, 512))):
+            inits.append(numpy_helper.from_array((rng.standard_normal(shape) * 0.01).astype(np.float32), w))
+            nodes.append(helper.make_node("MatMul", [x, w], [w + "_out"]))
+            x = w + "_out"
+    chain = session(helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", 512])],
+                                      [helper.make_tensor_value_info(x, TensorProto.FLOAT, ["m", 512])], inits))
+    times: dict[int, list[float]] = {}
+    for _ in range(rounds):
+        for m in (1, 2, 4):
+            feed = {"x": rng.standard_normal((m, 512)).astype(np.float32)}
+            best = []
+            for _ in range(20):
+                t0 = time.perf_counter()
+                chain.run(None, feed)
+                best.append(time.perf_counter() - t0)
+            times.setdefault(m, []).append(min(best))
+    const_diff = 0
+    for _ in range(50):
+        a = rng.standard_normal((4, 512)).astype(np.float32)
+        const_diff += int((chain.run(None, {"x": a[:1]})[0][0] != chain.run(None, {"x": a})[0][0]).any())
+    f32 = TensorProto.FLOAT
+    both = session(helper.make_graph(
+        [helper.make_node("MatMul", ["a", "b"], ["y"])], "mm",
+        [helper.make_tensor_value_info("a", f32, ["m", "k"]), helper.make_tensor_value_info("b", f32, ["k", "n"])],
+        [helper.make_tensor_value_info("y", f32, ["m", "n"])]))
+    input_diff = 0
+    for _ in range(30):
+        a = rng.standard_normal((4, 64)).astype(np.float32)
+        b = rng.standard_normal((64, 100)).astype(np.float32)
+        input_diff += int((both.run(None, {"a": a[:1], "b": b})[0][0] != both.run(None, {"a": a, "b": b})[0][0]).any())
+    return {m: statistics.median(v) for m, v in times.items()}, const_diff, input_diff
+
+
 async def interleaved(contenders: dict[str, Rate], prompt: list[int], n: int, rounds: int) -> dict[str, list[float]]:
     names = list(contenders)
     got: dict[str, list[float]] = {k: [] for k in names}
@@ -148,6 +230,8 @@ async def main() -> None:
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--long", type=int, default=2048, help="prompt length of the long-context decode rows")
+    ap.add_argument("--against-rev", default=None,
+                    help="also run the engine as committed at this git revision (its default options)")
     args = ap.parse_args()
 
     folder = ensure_demo("small")
@@ -166,8 +250,12 @@ async def main() -> None:
     unpadded = OnnxEngine(model_dir=folder, intra_op_threads=threads, min_rows=1)
     # onnxruntime-genai computes on one thread by default (its intra-op pool stays idle)
     single = OnnxEngine(model_dir=folder, intra_op_threads=1, lookahead=False)
+    spinning = OnnxEngine(model_dir=folder, intra_op_threads=threads, spinning=True)
     contenders = {"ours": engine_rate(engine), "noguess": engine_rate(no_guess), "ours1": engine_rate(unpadded),
-                  "single": engine_rate(single), "genai": genai_rate(folder), "bare": bare_rate(folder, threads)}
+                  "single": engine_rate(single), "spin": engine_rate(spinning), "genai": genai_rate(folder),
+                  "bare": bare_rate(folder, threads)}
+    if args.against_rev:
+        contenders["rev"] = engine_rate(engine_at_rev(args.against_rev, folder, threads))
     await interleaved(contenders, prompt, 8, 1)  # warm-up: arenas, page cache
     hits0, passes0 = engine.lookahead_hits, engine.passes
     got = await interleaved(contenders, prompt, args.decode, args.rounds)
@@ -185,22 +273,30 @@ async def main() -> None:
                  f"{ratio(got['ours1'], got['genai']):.2f}x"))
     rows.append(("decode tok/s, 32-token prompt (bit-exact, lookahead off, 1 intra-op thread)",
                  f"{med['single']:.1f}", g, f"{ratio(got['single'], got['genai']):.2f}x"))
+    rows.append(("decode tok/s, 32-token prompt (bit-exact, spinning=True)", f"{med['spin']:.1f}", g,
+                 f"{ratio(got['spin'], got['genai']):.2f}x"))
     rows.append(("decode tok/s, 32-token prompt (bit-exact, lookahead off) vs bare ORT loop",
                  f"{med['noguess']:.1f}", f"bare 1-row run {med['bare']:.1f}",
                  f"{ratio(got['noguess'], got['bare']):.2f}x"))
+    if args.against_rev:
+        rows.append((f"decode tok/s, 32-token prompt, engine at {args.against_rev} (its defaults)",
+                     f"{med['rev']:.1f}", g, f"{ratio(got['rev'], got['genai']):.2f}x"))
     rows.append(("decode vs bandwidth ceiling", f"{med['ours']:.1f}",
                  f"ceiling {ceiling:.1f} ({bw / 1e9:.1f} GB/s, {weight_bytes / 1e6:.0f} MB)",
                  f"{med['ours'] / ceiling:.0%}"))
 
     if args.long:
         long_prompt = [int(t) for t in rng.integers(32, 127, args.long)]
-        lgot = await interleaved({"ours": contenders["ours"], "noguess": contenders["noguess"],
-                                  "genai": contenders["genai"]}, long_prompt, args.decode, max(3, args.rounds // 2))
+        lc: dict[str, Rate] = {k: contenders[k] for k in ("ours", "noguess", "genai", "rev") if k in contenders}
+        lgot = await interleaved(lc, long_prompt, args.decode, max(3, args.rounds // 2))
         lg = f"genai {statistics.median(lgot['genai']):.1f}"
         rows.append((f"decode tok/s, {args.long}-token prompt (bit-exact)", f"{statistics.median(lgot['ours']):.1f}",
                      lg, f"{ratio(lgot['ours'], lgot['genai']):.2f}x"))
         rows.append((f"decode tok/s, {args.long}-token prompt (bit-exact, lookahead off)",
                      f"{statistics.median(lgot['noguess']):.1f}", lg, f"{ratio(lgot['noguess'], lgot['genai']):.2f}x"))
+        if "rev" in lgot:
+            rows.append((f"decode tok/s, {args.long}-token prompt, engine at {args.against_rev}",
+                         f"{statistics.median(lgot['rev']):.1f}", lg, f"{ratio(lgot['rev'], lgot['genai']):.2f}x"))
 
     hist = [int(t) for t in rng.integers(32, 127, args.history)]
     _, out = await turn(engine, hist, "c", stateless=True)  # the session so far
@@ -214,6 +310,14 @@ async def main() -> None:
     c = statistics.median(cached)
     rows.append((f"turn latency, {args.history}-token history + 16 new, 8 out", f"{c * 1e3:.0f} ms",
                  f"stateless {stateless * 1e3:.0f} ms", f"{stateless / c:.1f}x"))
+
+    for n_threads in sorted({1, threads}):
+        mm, const_diff, input_diff = matmul_probe(n_threads)
+        rows.append((f"ORT MatMul over 101 MB of constant weights, 2 rows vs 1 row ({n_threads} thread"
+                     f"{'s' if n_threads > 1 else ''})", f"{mm[2] * 1e3:.2f} ms",
+                     f"1 row {mm[1] * 1e3:.2f} ms (4 rows {mm[4] * 1e3:.2f} ms)", f"{mm[2] / mm[1]:.2f}x"))
+    rows.append(("row bits, 1-row vs 4-row MatMul: constant weight / runtime operands",
+                 f"{const_diff}/50 differ", f"{input_diff}/30 differ", ""))
 
     load = os.getloadavg()[0]
     print(f"small demo model: {spec.params():,} params, {spec.layers} layers, hidden {spec.hidden}; "
