@@ -1,6 +1,7 @@
 """ONNX engine benchmarks: decode speed vs onnxruntime-genai, cached turns vs stateless re-prefill.
 
-Run: ``.venv/bin/python bench/bench_onnx.py [--threads N] [--rounds 7] [--history 4096]``
+Run: ``.venv/bin/python bench/bench_onnx.py [--threads N] [--rounds 7] [--history 4096]
+[--against-rev GIT_REV]``
 
 Prints one table. Every baseline is measured in the same run on the same
 model file (the ``small`` demo):
@@ -10,7 +11,12 @@ model file (the ``small`` demo):
   costs per step;
 - a stateless re-prefill of the whole history;
 - numpy's copy bandwidth (the memory-bandwidth ceiling for a decode step
-  that must read every weight once).
+  that must read every weight once);
+- with ``--against-rev``, the engine as committed at that revision (before/after
+  in the same rounds);
+- a MatMul probe: what a second query row costs in ORT's MatMul against
+  constant weights, and whether a row keeps its bits between 1-row and
+  4-row runs (the reason bit-exact passes have 2 rows).
 
 The machine this runs on is shared and noisy, so decode contenders are
 measured in interleaved rounds (each round runs every contender once, in a
