@@ -130,7 +130,8 @@ class OnnxEngine(Engine):
             provider=provider, runtime_version=str(ort.__version__),
             extra={"model_dir": str(folder), "providers": list(self._sess.get_providers()),
                    "io_binding": bind, "layers": self.spec.layers, "kv_heads": self.spec.kv_heads,
-                   "head_dim": self.spec.head_dim},
+                   "head_dim": self.spec.head_dim, "intra_op_threads": threads, "spinning": bool(spinning),
+                   "min_rows": self.runner.min_rows, "lookahead": self.lookahead},
         )
         log.info("onnx engine: %s on %s (onnxruntime %s, io_binding=%s)",
                  self._info.model_id, provider, ort.__version__, bind)

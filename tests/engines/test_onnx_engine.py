@@ -87,6 +87,17 @@ def test_model_without_the_convention_is_rejected(tmp_path: Path) -> None:
         OnnxEngine(model_dir=tmp_path)
 
 
+def test_session_options_are_applied_and_reported(tiny_dir: Path) -> None:
+    eng = OnnxEngine(model_dir=tiny_dir, intra_op_threads=1, spinning=True)
+    opts = eng._sess.get_session_options()
+    assert opts.intra_op_num_threads == 1
+    assert opts.get_session_config_entry("session.intra_op.allow_spinning") == "1"
+    default = OnnxEngine(model_dir=tiny_dir)
+    assert default._sess.get_session_options().get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    extra = default.info.extra
+    assert (extra["spinning"], extra["min_rows"], extra["lookahead"]) == (False, 2, True)
+
+
 def test_bad_options_are_config_errors(tiny_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError):
         OnnxEngine(model_dir=tiny_dir, no_such_option=1)
@@ -455,13 +466,16 @@ async def test_steady_decoding_never_copies_the_kv(tiny_dir: Path, monkeypatch: 
 async def test_lookahead_hits_give_the_same_results_as_no_lookahead(tiny_dir: Path) -> None:
     on = OnnxEngine(model_dir=tiny_dir, intra_op_threads=1)
     off = OnnxEngine(model_dir=tiny_dir, intra_op_threads=1, lookahead=False)
+    bound = OnnxEngine(model_dir=tiny_dir, intra_op_threads=1, io_binding=True)
     hist = list(b"abcabcabcabc xyz abcabc") + history(21, 5)
     cases = [(SamplingParams(max_tokens=40, temperature=0), OutputOptions()),
              (SamplingParams(max_tokens=40, temperature=0.6, seed=3), OutputOptions(logprob_top_k=3)),
              (SamplingParams(max_tokens=30, temperature=0), OutputOptions(readout_ranges=((35, 40),)))]
     for params, opts in cases:
-        assert await collect(on, "x", hist, params, opts) == await collect(off, "x", hist, params, opts)
-    assert on.lookahead_hits > 0 and off.lookahead_hits == 0
+        want = await collect(off, "x", hist, params, opts)
+        assert await collect(on, "x", hist, params, opts) == want
+        assert await collect(bound, "x", hist, params, opts) == want  # OrtValue snapshots, same scheme
+    assert on.lookahead_hits > 0 and bound.lookahead_hits == on.lookahead_hits and off.lookahead_hits == 0
     assert on.passes < off.passes  # every hit saved a pass
     # a session whose KV came from guessed rows continues exactly like a cold one
     turn2 = hist + [s.token_id for s in await collect(on, "y", hist, cases[0][0])] + list(b"abc")
