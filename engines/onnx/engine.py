@@ -157,6 +157,9 @@ class OnnxEngine(Engine):
     def kv_live_bytes(self, session_key: str) -> int:
         return self.cache.live_bytes(session_key)
 
+    def kv_total_bytes(self) -> int:
+        return int(self.cache.total_bytes)
+
     def cached_length(self, session_key: str) -> int | None:
         return self.cache.cached_length(session_key)
 

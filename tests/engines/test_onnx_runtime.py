@@ -86,3 +86,25 @@ async def test_contract_same_seed_same_tokens(engine: Engine) -> None:
     a = [s async for s in engine.generate("a", hist, p)]
     b = [s async for s in engine.generate("b", hist, p)]
     assert a == b
+
+
+async def test_kv_bytes_gauge_follows_the_engine_caches(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from core import metrics
+    from core.engine import SamplingParams
+    from core.runtime import Runtime
+    from engines.onnx import OnnxEngine
+    from tests.conftest import make_config
+
+    engine = OnnxEngine(size="tiny")
+    rt = await Runtime.create(make_config(f"sqlite+aiosqlite:///{tmp_path / 'kv.db'}"), engine=engine)
+    try:
+        sid = (await rt.open_session("t")).session_id
+        await rt.append_text(sid, "Hello there")
+        async for _ in rt.generate(sid, SamplingParams(max_tokens=4, seed=1)):
+            pass
+        live = engine.kv_live_bytes(sid)
+        assert live > 0
+        assert engine.kv_total_bytes() >= live
+        assert metrics.KV_BYTES._value.get() == engine.kv_total_bytes()
+    finally:
+        await rt.aclose()
