@@ -61,6 +61,8 @@ def test_sigkill_loses_nothing_a_subscriber_saw(tmp_path: Path) -> None:
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
     assert len(seen) >= 300
 
     async def check() -> None:
