@@ -81,7 +81,7 @@ class HttpTransport(Transport):
                 err = self._task.exception()
                 raise ConfigError(f"HTTP transport could not start on {self.host}:{self.port}: {err}")
             await asyncio.sleep(0.01)
-        return f"http: listening on http://{self.host}:{self.port} (viewer at /, API at /v1, /metrics)"
+        return f"HTTP on http://{self.host}:{self.port} (viewer at /, API at /v1, /metrics)"
 
     async def stop(self, grace: float = 5.0) -> None:
         if self._server is None or self._task is None:
