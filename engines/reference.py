@@ -49,7 +49,6 @@ class ReferenceEngine(Engine):
             readout_manifest=ReadoutManifest(concepts=("bytes", "letters"), layers=(0, 1), hidden_size=8),
             provider="python", runtime_version="1",
         )
-        self._cached: dict[str, int] = {}
 
     @property
     def info(self) -> EngineInfo:
@@ -93,7 +92,6 @@ class ReferenceEngine(Engine):
                 top_logprobs=() if lp is None else top_logprobs(lp, options.logprob_top_k),
                 readout=self.readout(hist, p) if want_ro else None,
             )
-        self._cached[session_key] = n
         stops = set(params.stop_token_ids)
         for i in range(params.max_tokens):
             if self.step_delay_s:
@@ -104,7 +102,6 @@ class ReferenceEngine(Engine):
             logits = self.logits(hist, p)
             tok, tok_lp = sample(logits, params, p)
             hist.append(tok)
-            self._cached[session_key] = len(hist)
             want_ro = options.wants_readout(p)
             yield Step(
                 token_id=tok, position=p, is_prefill=False,
@@ -114,9 +111,6 @@ class ReferenceEngine(Engine):
             )
             if tok in stops:
                 return
-
-    def forget(self, session_key: str) -> None:
-        self._cached.pop(session_key, None)
 
     def cached_length(self, session_key: str) -> int | None:
         return None
