@@ -65,6 +65,12 @@ DEFAULTS: dict[str, Any] = {
         "inline_max_bytes": 4096,
         "poll_interval_s": 0.5,
     },
+    "generation": {
+        # decoded steps that may wait uncommitted (a full queue pauses the engine)
+        "run_ahead": 256,
+        # most steps committed in one append
+        "max_run": 256,
+    },
     "logging": {"level": "INFO"},
 }
 
@@ -146,7 +152,8 @@ class Config:
         if not isinstance(self.db_url, str) or "://" not in self.db_url:
             raise ConfigError(f"database.url must be a SQLAlchemy URL, got {self.db_url!r}")
         numbers = {"sessions": ("sweep_interval_s", "max_nesting_depth", "max_nodes", "state_cache_size"),
-                   "log": ("batch_max", "snapshot_every", "inline_max_bytes", "poll_interval_s")}
+                   "log": ("batch_max", "snapshot_every", "inline_max_bytes", "poll_interval_s"),
+                   "generation": ("run_ahead", "max_run")}
         for section, keys in numbers.items():
             for key in keys:
                 value = self.section(section).get(key, DEFAULTS[section][key])
@@ -202,6 +209,9 @@ class Config:
 
     def log_opt(self, key: str) -> Any:
         return self.section("log").get(key, DEFAULTS["log"][key])
+
+    def generation_opt(self, key: str) -> Any:
+        return self.section("generation").get(key, DEFAULTS["generation"][key])
 
 
 def _numeric(value: Any) -> bool:

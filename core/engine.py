@@ -13,6 +13,7 @@ history, so an engine that lost its cache (eviction, restart) recomputes it.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -60,6 +61,10 @@ class EngineInfo:
         }
 
 
+#: the largest ``max_tokens`` a request may ask for (engines stop at their max length anyway)
+MAX_TOKENS_LIMIT = 2**31
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling parameters, already defaulted (temperature 0 means greedy)."""
@@ -81,6 +86,33 @@ class SamplingParams:
             "seed": None if self.seed is None else str(self.seed),
             "stop_token_ids": list(self.stop_token_ids),
         }
+
+    def check(self) -> None:
+        """Raise InvalidParameters unless every field is in its range.
+
+        temperature finite and >= 0, top_p in (0, 1], top_k >= 0,
+        0 <= max_tokens <= 2**31, seed in [0, 2**64) when given, stop ids >= 0.
+        """
+        from core.errors import InvalidParameters
+
+        def integer(value: Any) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        def number(value: Any) -> bool:
+            return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+        if not number(self.temperature) or self.temperature < 0:
+            raise InvalidParameters(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not number(self.top_p) or not 0 < self.top_p <= 1:
+            raise InvalidParameters(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not integer(self.top_k) or self.top_k < 0:
+            raise InvalidParameters(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not integer(self.max_tokens) or not 0 <= self.max_tokens <= MAX_TOKENS_LIMIT:
+            raise InvalidParameters(f"max_tokens must be an integer in [0, 2**31], got {self.max_tokens!r}")
+        if self.seed is not None and (not integer(self.seed) or not 0 <= self.seed < 2**64):
+            raise InvalidParameters(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+        if any(not integer(t) or not 0 <= t < 2**63 for t in self.stop_token_ids):
+            raise InvalidParameters("stop_token_ids must be integers >= 0")
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> SamplingParams:
@@ -176,6 +208,15 @@ class Engine(ABC):
 
     def forget(self, session_key: str) -> None:  # noqa: B027
         """Hint: drop any cache for ``session_key`` (closed, expired)."""
+
+    def rewind(self, session_key: str, length: int) -> None:  # noqa: B027
+        """Trim any cache for ``session_key`` to its first ``length`` positions.
+
+        The runtime pulls steps ahead of committing them; when a generation
+        stops early it drops the steps the log never got and calls this with
+        the committed history length, so the cache never holds a token the
+        log does not.
+        """
 
     def kv_live_bytes(self, session_key: str) -> int:
         """Bytes of cache held for ``session_key`` now (0 when none)."""

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import secrets
 import time
@@ -33,19 +32,17 @@ from core import metrics
 from core.config import Config
 from core.engine import DEFAULT_OUTPUT, Engine, OutputOptions, SamplingParams
 from core.errors import (
-    CacheInvariantViolation,
     ConcurrencyError,
     InvalidAction,
     InvalidParameters,
-    InvalidRange,
     ResourceExhausted,
     SessionBusy,
     SessionClosed,
     SessionExpired,
     SessionNotFound,
-    SessiontapeError,
 )
 from core.events import Event, NewEvent, T
+from core.generation import PipelineLimits, generate_runs
 from core.loader import load_state
 from core.log import EventLog
 from core.nodes import FragmentIn, check_fragment
@@ -66,11 +63,9 @@ from core.tokens import (
     check_fork_point,
     check_images,
     check_length,
-    check_ranges,
     check_vocab,
     length_after,
     rewind_point,
-    sink_window_keep,
 )
 
 log = logging.getLogger("sessiontape.runtime")
@@ -122,6 +117,8 @@ class Runtime:
         self._stop_requested: set[str] = set()
         self.cache_size = int(config.sessions_opt("state_cache_size"))
         self.snapshot_every = int(config.log_opt("snapshot_every"))
+        self.pipeline = PipelineLimits(run_ahead=int(config.generation_opt("run_ahead")),
+                                       max_run=int(config.generation_opt("max_run")))
 
     # -- construction ------------------------------------------------------
 
@@ -230,11 +227,16 @@ class Runtime:
         async with self._lock(session_id):
             return await self._open_locked(session_id)
 
-    async def _commit(self, st: SessionState, new: Sequence[NewEvent]) -> list[Event]:
-        """Append ``new`` after ``st.version`` and fold the committed events into ``st``."""
-        length = st.length
-        for ne in new:
-            length = length_after(length, ne.type, dict(ne.body))
+    async def _commit(self, st: SessionState, new: Sequence[NewEvent], *, length: int | None = None) -> list[Event]:
+        """Append ``new`` after ``st.version`` and fold the committed events into ``st``.
+
+        ``length``: the history length after ``new``, when the caller knows it
+        (the token path does; otherwise it is computed from the events).
+        """
+        if length is None:
+            length = st.length
+            for ne in new:
+                length = length_after(length, ne.type, dict(ne.body))
         index = {"history_length": length, "last_active_at": self.clock()}
 
         if st.status != OPEN and any(ne.type in _NEEDS_OPEN for ne in new):
@@ -572,168 +574,43 @@ class Runtime:
         iterating, the generation is recorded as ``cancelled``; an engine
         failure as ``error`` with an ``error.recorded`` event. Without a seed,
         one is drawn and recorded, so every generation can be re-executed.
-        """
-        if params.max_tokens < 0 or params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 0:
-            raise InvalidParameters("max_tokens, temperature and top_k must be >= 0 and top_p in (0, 1]")
-        if options.readout_ranges and self.engine.info.readout_manifest is None:
-            raise InvalidRange(f"engine {self.engine.info.name!r} has no readouts")
-        if params.seed is None:
-            params = dataclasses.replace(params, seed=secrets.randbits(63))
-        gid = "g_" + secrets.token_hex(6)
-        async with self._lock(session_id):
-            st = await self._open_locked(session_id)
-            if session_id in self._generating:
-                raise SessionBusy(session_id)
-            new: list[NewEvent] = []
-            stale = st.active_generation
-            if stale is not None:
-                # A generation left open by a crashed process: close it so the
-                # log says what happened, then carry on.
-                new.append(NewEvent(T.GENERATION_FINISHED, {
-                    "generation_id": stale.id, "finish_reason": "interrupted",
-                    "prompt_tokens": stale.prompt_length, "completion_tokens": len(stale.tokens),
-                    "prefill_s": None, "total_s": None, "ttft_s": None}))
-            if append or images or offset is not None:
-                notes, shas = await self._image_events(images)
-                appended = self._append_events(st, append, offset, truncating, images, shas)
-                if appended:
-                    new += notes + appended
-            length = st.length
-            for ne in new:
-                length = length_after(length, ne.type, dict(ne.body))
-            if sink_window is not None:
-                keep = sink_window_keep(length, *sink_window)
-                if keep is not None:
-                    dropped = length - sum(b - a for a, b in keep)
-                    new.append(NewEvent(T.TOKENS_TRUNCATED, {
-                        "reason": "sink_window", "keep": keep, "dropped": dropped,
-                        "sink": sink_window[0], "window": sink_window[1]}))
-                    length -= dropped
-            check_ranges(options.logprob_ranges, length + params.max_tokens, "logprobs")
-            check_ranges(options.readout_ranges, length + params.max_tokens, "readout")
-            new.append(NewEvent(T.GENERATION_STARTED, {
-                "generation_id": gid, "params": params.to_json(), "prompt_length": length,
-                "priority": priority, "action_id": action_id,
-                "options": {"logprob_top_k": options.logprob_top_k,
-                            "logprob_ranges": [list(r) for r in options.logprob_ranges],
-                            "readout_ranges": [list(r) for r in options.readout_ranges],
-                            "generated_logprobs": options.generated_logprobs}}))
-            committed = await self._commit(st, new)
-            self._generating.add(session_id)
-            self._gen_idle[session_id] = asyncio.Event()
-        finished = False
-        produced = 0
-        t0 = time.perf_counter()
-        ttft: float | None = None
-        prefill_s = 0.0
-        failure: BaseException | None = None
-        try:
-            for e in committed:
-                if e.type in (T.TOKENS_TRUNCATED, T.GENERATION_STARTED):
-                    yield e
-            max_tokens = min(params.max_tokens, self.engine.info.max_length - st.length)
-            # open_session records the engine's ids when none were given, so an
-            # empty list is a deliberate "no EOS" (Kakeya), not a missing value.
-            eos = set(st.eos_token_ids)
-            stops = set(params.stop_token_ids)
-            eparams = SamplingParams(max_tokens=max_tokens, temperature=params.temperature, top_p=params.top_p,
-                                     top_k=params.top_k, seed=params.seed,
-                                     stop_token_ids=tuple(sorted(eos | stops)))
-            prompt_len = st.length
-            history = list(st.tokens)
-            reason = "length"
-            last_pos = -1
-            steps = self.engine.generate(session_id, history, eparams, options)
-            try:
-                while True:
-                    async with self.gate.slot(priority):
-                        try:
-                            step = await anext(steps)
-                        except StopAsyncIteration:
-                            break
-                    if step.position <= last_pos:
-                        self._violation(session_id, 2)
-                        raise CacheInvariantViolation(
-                            f"INV-2: position {step.position} after {last_pos} in {session_id}")
-                    last_pos = step.position
-                    body: dict[str, Any] = {"generation_id": gid, "token": step.token_id, "position": step.position,
-                                            "is_prefill": step.is_prefill, "t": round(time.perf_counter() - t0, 6)}
-                    if step.logprob is not None:
-                        body["logprob"] = step.logprob
-                    if step.top_logprobs:
-                        body["top"] = [[i, lp] for i, lp in step.top_logprobs]
-                    if step.readout is not None:
-                        body["readout"] = list(step.readout)
-                    async with self._lock(session_id):
-                        [ev] = await self._commit(st, [NewEvent(T.GENERATION_TOKEN, body)])
-                    if not step.is_prefill:
-                        produced += 1
-                        if ttft is None:
-                            ttft = time.perf_counter() - t0
-                            prefill_s = ttft
-                            metrics.TTFT_SECONDS.observe(ttft)
-                        metrics.TOKENS_GENERATED.inc()
-                    elif ttft is None:
-                        prefill_s = time.perf_counter() - t0
-                    yield ev
-                    if session_id in self._stop_requested:
-                        reason = "aborted"
-                        break
-                    if not step.is_prefill:
-                        if step.token_id in eos:
-                            reason = "eos"
-                            break
-                        if step.token_id in stops:
-                            reason = "stop"
-                            break
-            finally:
-                await steps.aclose()  # type: ignore[attr-defined]
-            cached = self.engine.cached_length(session_id)
-            if cached is not None and cached > st.length:
-                self._violation(session_id, 1)
-                raise CacheInvariantViolation(f"INV-1: cache holds {cached} positions, history {st.length}")
-            total = time.perf_counter() - t0
-            metrics.KV_BYTES.set(self.engine.kv_total_bytes())
-            if produced and total > 0:
-                metrics.TOKENS_PER_SECOND.observe(produced / total)
-            async with self._lock(session_id):
-                [fin] = await self._commit(st, [NewEvent(T.GENERATION_FINISHED, {
-                    "generation_id": gid, "finish_reason": reason, "prompt_tokens": prompt_len,
-                    "completion_tokens": produced, "prefill_s": round(prefill_s, 6), "total_s": round(total, 6),
-                    "ttft_s": None if ttft is None else round(ttft, 6)})])
-            finished = True
-            yield fin
-        except Exception as exc:
-            failure = exc
-            raise
-        finally:
-            try:
-                active = st.active_generation
-                if not finished and active is not None and active.id == gid:
-                    with contextlib.suppress(Exception):
-                        await asyncio.shield(self._finish_unfinished(st, gid, produced, t0, failure))
-            finally:
-                # even when cancelled again while recording the cancel
-                self._generating.discard(session_id)
-                self._stop_requested.discard(session_id)
-                idle = self._gen_idle.pop(session_id, None)
-                if idle is not None:
-                    idle.set()
 
-    async def _finish_unfinished(self, st: SessionState, gid: str, produced: int, t0: float,
-                                 failure: BaseException | None) -> None:
-        """Close a generation that did not finish: ``cancelled``, or ``error`` when the engine failed."""
-        new = []
-        if failure is not None:
-            code = failure.code if isinstance(failure, SessiontapeError) else "internal"
-            new.append(NewEvent(T.ERROR, {"code": code, "message": str(failure) or type(failure).__name__,
-                                          "generation_id": gid}))
-        new.append(NewEvent(T.GENERATION_FINISHED, {
-            "generation_id": gid, "finish_reason": "error" if failure is not None else "cancelled",
-            "prompt_tokens": st.generations[gid].prompt_length, "completion_tokens": produced,
-            "prefill_s": None, "total_s": round(time.perf_counter() - t0, 6), "ttft_s": None}))
-        async with self._lock(st.session_id):
-            await self._commit(st, new)
+        The same as :meth:`generate_runs`, one event at a time.
+        """
+        runs = self.generate_runs(session_id, params, options, append=append, offset=offset,
+                                  truncating=truncating, images=images, priority=priority,
+                                  action_id=action_id, sink_window=sink_window)
+        try:
+            async for run in runs:
+                for e in run:
+                    yield e
+        finally:
+            await runs.aclose()  # type: ignore[attr-defined]
+
+    def generate_runs(self, session_id: str, params: SamplingParams, options: OutputOptions = DEFAULT_OUTPUT, *,
+                      append: Sequence[int] = (), offset: int | None = None, truncating: bool = False,
+                      images: Sequence[ImageIn] = (), priority: int = 0, action_id: str | None = None,
+                      sink_window: tuple[int, int] | None = None) -> AsyncIterator[list[Event]]:
+        """:meth:`generate` in runs: each item is the events of one commit.
+
+        The engine decodes ahead of the log (at most ``generation.run_ahead``
+        steps) while runs commit; a transport that writes a whole run at once
+        pays its per-message cost once per run (core/generation.py).
+        """
+        return generate_runs(self, session_id, params, options, append=append, offset=offset,
+                             truncating=truncating, images=images, priority=priority, action_id=action_id,
+                             sink_window=sink_window)
+
+    def _begin_generation(self, session_id: str) -> None:
+        self._generating.add(session_id)
+        self._gen_idle[session_id] = asyncio.Event()
+
+    def _end_generation(self, session_id: str) -> None:
+        self._generating.discard(session_id)
+        self._stop_requested.discard(session_id)
+        idle = self._gen_idle.pop(session_id, None)
+        if idle is not None:
+            idle.set()
 
     def _violation(self, session_id: str, which: int) -> None:
         counts = self.invariant_violations.setdefault(session_id, [0, 0])

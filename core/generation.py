@@ -1,0 +1,364 @@
+"""The generation loop: engine steps through the log to the caller, pipelined.
+
+Three stages run at once for one generation::
+
+    engine ──steps──▶ [run-ahead queue] ──▶ committer ──runs──▶ caller
+    (producer task)    (bounded)           (one append per run) (yields a run
+                                                                  after its commit)
+
+- The **producer** task pulls steps from ``Engine.generate`` (through the
+  runtime's priority gate) into a queue bounded by ``generation.run_ahead``:
+  when commits fall behind, the queue fills and the engine waits
+  (back-pressure), so memory stays bounded whatever the disk does.
+- The **committer** takes every step that is ready (at least one, at most
+  ``generation.max_run``), appends them as one ``log.append`` (one
+  transaction; the log's writer still groups concurrent sessions' appends
+  into one commit) and starts the next append as soon as the previous one
+  settled.
+- The **caller** receives a run of committed events while the next run
+  commits. Nothing is yielded before its commit: durable before visible.
+
+When the caller stops (cancel, client gone), an abort is requested, or the
+engine fails, steps that were decoded but not committed are dropped, the
+producer is stopped, the engine is told to rewind its cache to the committed
+history (``Engine.rewind``), and ``generation.finished`` counts exactly the
+generated tokens the log holds (the fold's count, not the loop's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import secrets
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from core import metrics
+from core.engine import OutputOptions, SamplingParams, Step
+from core.errors import CacheInvariantViolation, InvalidRange, SessionBusy, SessiontapeError
+from core.events import Event, NewEvent, T
+from core.state import SessionState
+from core.tokens import ImageIn, check_ranges, length_after, sink_window_keep
+
+if TYPE_CHECKING:
+    from core.runtime import Runtime
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineLimits:
+    """``[generation]`` configuration: how far the engine may run ahead of the log."""
+
+    #: decoded steps that may wait uncommitted; a full queue pauses the engine
+    run_ahead: int = 256
+    #: most steps committed in one append
+    max_run: int = 256
+
+
+class _End:
+    """The engine finished (or failed, when ``error`` is set)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException | None = None) -> None:
+        self.error = error
+
+
+class Generation:
+    """One running generation of a session (created by :meth:`Runtime.generate_runs`)."""
+
+    def __init__(self, rt: Runtime, st: SessionState, gid: str, params: SamplingParams, options: OutputOptions,
+                 priority: int, limits: PipelineLimits) -> None:
+        self.rt = rt
+        self.st = st
+        self.gid = gid
+        self.params = params
+        self.options = options
+        self.priority = priority
+        self.limits = limits
+        self.sid = st.session_id
+        self.eos = set(st.eos_token_ids)
+        self.stops = set(params.stop_token_ids)
+        self.t0 = time.perf_counter()
+        self.ttft: float | None = None
+        self.prefill_s: float | None = None
+        self.reason = "length"
+        self.last_pos = -1
+        self.ended = False  # no step will follow (stop token, abort, engine done)
+        self.dropped = 0
+        self._queue: asyncio.Queue[Step | _End] = asyncio.Queue(maxsize=limits.run_ahead)
+        self._producer: asyncio.Task[None] | None = None
+
+    # -- stages --------------------------------------------------------------
+
+    def start_engine(self) -> None:
+        st = self.st
+        max_tokens = min(self.params.max_tokens, self.rt.engine.info.max_length - st.length)
+        # open_session records the engine's ids when none were given, so an
+        # empty list is a deliberate "no EOS" (Kakeya), not a missing value.
+        eparams = dataclasses.replace(self.params, max_tokens=max_tokens,
+                                      stop_token_ids=tuple(sorted(self.eos | self.stops)))
+        steps = self.rt.engine.generate(self.sid, list(st.tokens), eparams, self.options)
+        self._producer = asyncio.create_task(self._produce(steps), name=f"engine-{self.sid}")
+
+    async def _produce(self, steps: AsyncIterator[Step]) -> None:
+        gate, q = self.rt.gate, self._queue
+        try:
+            while True:
+                async with gate.slot(self.priority):
+                    try:
+                        step = await anext(steps)
+                    except StopAsyncIteration:
+                        break
+                await q.put(step)
+            await q.put(_End())
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            await q.put(_End(exc))
+        finally:
+            await steps.aclose()  # type: ignore[attr-defined]
+
+    async def stop_engine(self) -> None:
+        """Stop the producer and drop what it decoded beyond the log."""
+        task = self._producer
+        if task is not None and not task.done():
+            task.cancel()
+        if task is not None:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        while not self._queue.empty():
+            item = self._queue.get_nowait()
+            if isinstance(item, Step):
+                self.dropped += 1
+
+    async def _take(self) -> list[Step]:
+        """Every ready step (waiting for the first), cut after a stop token.
+
+        Raises what the engine raised once the steps before the failure
+        were taken (and so get committed).
+        """
+        q = self._queue
+        out: list[Step] = []
+        item = await q.get()
+        while True:
+            if isinstance(item, _End):
+                self.ended = True
+                if item.error is not None and not out:
+                    raise item.error
+                if item.error is not None:
+                    self._queue.put_nowait(item)  # raise it after committing what came first
+                    self.ended = False
+                break
+            out.append(item)
+            if not item.is_prefill and (item.token_id in self.eos or item.token_id in self.stops):
+                self.reason = "eos" if item.token_id in self.eos else "stop"
+                self.ended = True
+                break
+            if len(out) >= self.limits.max_run or q.empty():
+                break
+            item = q.get_nowait()
+        return out
+
+    def _events(self, steps: list[Step]) -> tuple[list[NewEvent], int]:
+        gid, t0 = self.gid, self.t0
+        new: list[NewEvent] = []
+        generated = 0
+        now = round(time.perf_counter() - t0, 6)
+        for step in steps:
+            if step.position <= self.last_pos:
+                self.rt._violation(self.sid, 2)
+                raise CacheInvariantViolation(
+                    f"INV-2: position {step.position} after {self.last_pos} in {self.sid}")
+            self.last_pos = step.position
+            body: dict[str, Any] = {"generation_id": gid, "token": step.token_id, "position": step.position,
+                                    "is_prefill": step.is_prefill, "t": now}
+            if step.logprob is not None:
+                body["logprob"] = step.logprob
+            if step.top_logprobs:
+                body["top"] = [[i, lp] for i, lp in step.top_logprobs]
+            if step.readout is not None:
+                body["readout"] = list(step.readout)
+            new.append(NewEvent(T.GENERATION_TOKEN, body))
+            generated += not step.is_prefill
+        if generated and self.prefill_s is None:
+            self.prefill_s = now
+        return new, generated
+
+    async def _commit_run(self, steps: list[Step]) -> list[Event]:
+        new, generated = self._events(steps)
+        rt = self.rt
+        async with rt._lock(self.sid):
+            evs = await rt._commit(self.st, new, length=self.st.length + generated)
+        if generated:
+            metrics.TOKENS_GENERATED.inc(generated)
+            if self.ttft is None:
+                self.ttft = time.perf_counter() - self.t0
+                metrics.TTFT_SECONDS.observe(self.ttft)
+        return evs
+
+    async def runs(self) -> AsyncIterator[list[Event]]:
+        """Committed runs of ``generation.token`` events, the next one committing while
+        the caller handles this one."""
+        pending: asyncio.Task[list[Event]] | None = None
+        try:
+            while True:
+                if pending is None:
+                    if self.ended:
+                        return
+                    if self.sid in self.rt._stop_requested:
+                        self.reason = "aborted"
+                        return
+                    steps = await self._take()
+                    pending = asyncio.ensure_future(self._commit_run(steps))
+                evs = await _settled(pending)
+                pending = None
+                # start the next commit before handing this run over
+                if not self.ended and self.sid not in self.rt._stop_requested and not self._queue.empty():
+                    steps = await self._take()
+                    pending = asyncio.ensure_future(self._commit_run(steps))
+                yield evs
+        finally:
+            if pending is not None:
+                # committed or not, the run is settled before anyone looks at the state
+                with contextlib.suppress(BaseException):
+                    await _settled(pending)
+
+    def finished_event(self, reason: str, failure: BaseException | None) -> list[NewEvent]:
+        g = self.st.generations[self.gid]
+        total = round(time.perf_counter() - self.t0, 6)
+        new: list[NewEvent] = []
+        if failure is not None:
+            code = failure.code if isinstance(failure, SessiontapeError) else "internal"
+            new.append(NewEvent(T.ERROR, {"code": code, "message": str(failure) or type(failure).__name__,
+                                          "generation_id": self.gid}))
+        new.append(finished(self.gid, reason, g.prompt_length, len(g.tokens), self.prefill_s, total,
+                            None if self.ttft is None else round(self.ttft, 6)))
+        return new
+
+
+def finished(gid: str, reason: str, prompt_tokens: int, completion_tokens: int, prefill_s: float | None,
+             total_s: float | None, ttft_s: float | None) -> NewEvent:
+    """The one place a ``generation.finished`` event is built."""
+    return NewEvent(T.GENERATION_FINISHED, {
+        "generation_id": gid, "finish_reason": reason, "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens, "prefill_s": prefill_s, "total_s": total_s, "ttft_s": ttft_s})
+
+
+async def _settled(task: asyncio.Future[list[Event]]) -> list[Event]:
+    """``await task``, but a cancel of the waiter lets the commit settle first
+    (the task is never cancelled: a half-seen commit would desync the state)."""
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        while not task.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(task)
+        raise
+
+
+async def generate_runs(rt: Runtime, session_id: str, params: SamplingParams, options: OutputOptions, *,
+                        append: Sequence[int], offset: int | None, truncating: bool, images: Sequence[ImageIn],
+                        priority: int, action_id: str | None,
+                        sink_window: tuple[int, int] | None) -> AsyncIterator[list[Event]]:
+    """:meth:`Runtime.generate_runs` (see there)."""
+    params.check()
+    if options.readout_ranges and rt.engine.info.readout_manifest is None:
+        raise InvalidRange(f"engine {rt.engine.info.name!r} has no readouts")
+    if params.seed is None:
+        params = dataclasses.replace(params, seed=secrets.randbits(63))
+    gid = "g_" + secrets.token_hex(6)
+    async with rt._lock(session_id):
+        st = await rt._open_locked(session_id)
+        if rt.is_generating(session_id):
+            raise SessionBusy(session_id)
+        new: list[NewEvent] = []
+        stale = st.active_generation
+        if stale is not None:
+            # A generation left open by a crashed process: close it so the
+            # log says what happened, then carry on.
+            new.append(finished(stale.id, "interrupted", stale.prompt_length, len(stale.tokens), None, None, None))
+        if append or images or offset is not None:
+            notes, shas = await rt._image_events(images)
+            appended = rt._append_events(st, append, offset, truncating, images, shas)
+            if appended:
+                new += notes + appended
+        length = st.length
+        for ne in new:
+            length = length_after(length, ne.type, dict(ne.body))
+        if sink_window is not None:
+            keep = sink_window_keep(length, *sink_window)
+            if keep is not None:
+                dropped = length - sum(b - a for a, b in keep)
+                new.append(NewEvent(T.TOKENS_TRUNCATED, {
+                    "reason": "sink_window", "keep": keep, "dropped": dropped,
+                    "sink": sink_window[0], "window": sink_window[1]}))
+                length -= dropped
+        check_ranges(options.logprob_ranges, length + params.max_tokens, "logprobs")
+        check_ranges(options.readout_ranges, length + params.max_tokens, "readout")
+        new.append(NewEvent(T.GENERATION_STARTED, {
+            "generation_id": gid, "params": params.to_json(), "prompt_length": length,
+            "priority": priority, "action_id": action_id,
+            "options": {"logprob_top_k": options.logprob_top_k,
+                        "logprob_ranges": [list(r) for r in options.logprob_ranges],
+                        "readout_ranges": [list(r) for r in options.readout_ranges],
+                        "generated_logprobs": options.generated_logprobs}}))
+        committed = await rt._commit(st, new)
+        rt._begin_generation(session_id)
+    gen = Generation(rt, st, gid, params, options, priority, rt.pipeline)
+    done = False
+    failure: BaseException | None = None
+    try:
+        head = [e for e in committed if e.type in (T.TOKENS_TRUNCATED, T.GENERATION_STARTED)]
+        gen.start_engine()
+        yield head
+        runs = gen.runs()
+        try:
+            async for run in runs:
+                yield run
+        finally:
+            await runs.aclose()  # type: ignore[attr-defined]
+        await gen.stop_engine()
+        rt.engine.rewind(session_id, st.length)
+        cached = rt.engine.cached_length(session_id)
+        if cached is not None and cached > st.length:
+            rt._violation(session_id, 1)
+            raise CacheInvariantViolation(f"INV-1: cache holds {cached} positions, history {st.length}")
+        total = time.perf_counter() - gen.t0
+        metrics.KV_BYTES.set(rt.engine.kv_total_bytes())
+        produced = len(st.generations[gid].tokens)
+        if produced and total > 0:
+            metrics.TOKENS_PER_SECOND.observe(produced / total)
+        async with rt._lock(session_id):
+            fin = await rt._commit(st, gen.finished_event(gen.reason, None))
+        done = True
+        yield fin
+    except Exception as exc:
+        failure = exc
+        raise
+    finally:
+        try:
+            await asyncio.shield(_settle_unfinished(rt, gen, st, done, failure))
+        finally:
+            # even when cancelled again while recording the cancel
+            rt._end_generation(session_id)
+
+
+async def _settle_unfinished(rt: Runtime, gen: Generation, st: SessionState, done: bool,
+                             failure: BaseException | None) -> None:
+    """Stop the engine, rewind its cache to the log, and record a generation that did
+    not finish: ``cancelled``, or ``error`` when something failed."""
+    await gen.stop_engine()
+    if done:
+        return
+    with contextlib.suppress(Exception):
+        rt.engine.rewind(gen.sid, st.length)
+    active = st.active_generation
+    if active is None or active.id != gen.gid:
+        return
+    reason = "error" if failure is not None else ("aborted" if gen.reason == "aborted" else "cancelled")
+    with contextlib.suppress(Exception):
+        async with rt._lock(gen.sid):
+            await rt._commit(st, gen.finished_event(reason, failure))
+
