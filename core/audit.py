@@ -44,10 +44,17 @@ class AuditReport:
     generations: int = 0
     divergences: list[dict[str, Any]] = field(default_factory=list)
     reexecuted: bool = False
+    #: False when a generation could not be re-run at all (its problem says why)
+    reexecution_ok: bool = True
 
     @property
     def ok(self) -> bool:
-        return self.chain_ok and self.invariants_ok and not self.divergences
+        return self.chain_ok and self.invariants_ok and self.reexecution_ok and not self.divergences
+
+    @classmethod
+    def failed(cls, session_id: str, reason: str) -> AuditReport:
+        """A session the audit could not even read: reported failing, with the reason."""
+        return cls(session_id, invariants_ok=False, problems=[reason])
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -57,6 +64,7 @@ class AuditReport:
         if self.reexecuted:
             out["generations"] = self.generations
             out["divergences"] = self.divergences
+            out["reexecution_ok"] = self.reexecution_ok
         return out
 
 
@@ -82,32 +90,28 @@ async def audit_session(source: Runtime | EventLog, session_id: str, *, reexecut
     except ChainBroken as exc:
         report.chain_ok = False
         report.problems.append(str(exc))
-    st = await base_state(log, evs[0])
+    try:
+        st = await base_state(log, evs[0])
+    except (SessiontapeError, TypeError, ValueError, KeyError) as exc:
+        report.invariants_ok = False
+        report.problems.append(f"v1 {evs[0].type}: fork base cannot be rebuilt: {_reason(exc)}")
+        return report
     gens: dict[str, RecordedGeneration] = {}
     for e in evs:
-        if e.type == T.GENERATION_STARTED:
-            opts = e.body.get("options", {})
-            gens[str(e.body["generation_id"])] = RecordedGeneration(
-                generation_id=str(e.body["generation_id"]),
-                history=list(st.tokens),
-                params=SamplingParams.from_json(e.body.get("params", {})),
-                options=OutputOptions(
-                    logprob_top_k=int(opts.get("logprob_top_k", 0)),
-                    logprob_ranges=tuple(tuple(r) for r in opts.get("logprob_ranges", ())),
-                    readout_ranges=tuple(tuple(r) for r in opts.get("readout_ranges", ())),
-                    generated_logprobs=bool(opts.get("generated_logprobs", True)),
-                ),
-                eos=tuple(st.eos_token_ids),
-            )
-        elif e.type == T.GENERATION_TOKEN and str(e.body.get("generation_id")) in gens:
-            gens[str(e.body["generation_id"])].steps.append(dict(e.body))
-        elif e.type == T.GENERATION_FINISHED and str(e.body.get("generation_id")) in gens:
-            gens[str(e.body["generation_id"])].finish_reason = str(e.body.get("finish_reason"))
         try:
+            if e.type == T.GENERATION_STARTED:
+                g = _recorded(e.body, st.tokens, st.eos_token_ids)
+                gens[g.generation_id] = g
+            elif e.type == T.GENERATION_TOKEN and str(e.body.get("generation_id")) in gens:
+                gens[str(e.body["generation_id"])].steps.append(dict(e.body))
+            elif e.type == T.GENERATION_FINISHED and str(e.body.get("generation_id")) in gens:
+                gens[str(e.body["generation_id"])].finish_reason = str(e.body.get("finish_reason"))
             apply(st, e)
-        except SessiontapeError as exc:
+        except (SessiontapeError, TypeError, ValueError, KeyError, AttributeError) as exc:
+            # A body the fold or the parameter check cannot take is the session failing a check,
+            # never the audit crashing (one bad session must not stop a multi-session audit).
             report.invariants_ok = False
-            report.problems.append(f"v{e.version} {e.type}: {exc}")
+            report.problems.append(f"v{e.version} {e.type}: {_reason(exc)}")
             break
     if reexecute:
         report.reexecuted = True
@@ -121,10 +125,38 @@ async def audit_session(source: Runtime | EventLog, session_id: str, *, reexecut
             raise ValueError("re-execution needs an engine")
         for g in gens.values():
             report.generations += 1
-            div = await reexecute_generation(eng, session_id, g)
+            try:
+                div = await reexecute_generation(eng, session_id, g)
+            except (SessiontapeError, TypeError, ValueError, KeyError) as exc:
+                report.reexecution_ok = False
+                report.problems.append(f"generation {g.generation_id}: cannot be re-executed: {_reason(exc)}")
+                continue
             if div is not None:
                 report.divergences.append(div)
     return report
+
+
+def _reason(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if not isinstance(exc, SessiontapeError) else str(exc)
+
+
+def _recorded(body: Mapping[str, Any], tokens: Sequence[int], eos: Sequence[int]) -> RecordedGeneration:
+    """A ``generation.started`` body as a re-executable generation; raises when its parameters are unusable."""
+    opts = body.get("options", {})
+    params = SamplingParams.from_json(body.get("params", {}))
+    params.check()
+    return RecordedGeneration(
+        generation_id=str(body["generation_id"]),
+        history=list(tokens),
+        params=params,
+        options=OutputOptions(
+            logprob_top_k=int(opts.get("logprob_top_k", 0)),
+            logprob_ranges=tuple((int(a), int(b)) for a, b in opts.get("logprob_ranges", ())),
+            readout_ranges=tuple((int(a), int(b)) for a, b in opts.get("readout_ranges", ())),
+            generated_logprobs=bool(opts.get("generated_logprobs", True)),
+        ),
+        eos=tuple(eos),
+    )
 
 
 async def reexecute_generation(engine: Engine, session_id: str, g: RecordedGeneration) -> dict[str, Any] | None:

@@ -216,7 +216,7 @@ async def cmd_replay(args: argparse.Namespace) -> int:
 
 
 async def cmd_audit(args: argparse.Namespace) -> int:
-    from core.audit import audit_session
+    from core.audit import AuditReport, audit_session
     from core.engine import Engine
     from core.registry import ENGINES, load
 
@@ -236,7 +236,13 @@ async def cmd_audit(args: argparse.Namespace) -> int:
     try:
         ids = list(args.ids)
         for i, sid in enumerate(ids, 1):
-            reports.append(await audit_session(log_, sid, reexecute=args.reexecute, engine_for=engine_for))
+            try:
+                report = await audit_session(log_, sid, reexecute=args.reexecute, engine_for=engine_for)
+            except SessiontapeError as exc:
+                report = AuditReport.failed(sid, str(exc))
+            except Exception as exc:  # one bad session never stops the others
+                report = AuditReport.failed(sid, f"audit failed: {type(exc).__name__}: {exc}")
+            reports.append(report)
             if len(ids) > 1 and not args.json:
                 _progress(i, len(ids))
     finally:

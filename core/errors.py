@@ -17,6 +17,7 @@ each; ``code`` is the stable machine-readable name they all share.
     │   ├── InvalidRange
     │   ├── InvalidImage             wrong pad run, or engine takes no images
     │   ├── InvalidParameters        bad sampling parameters
+    │   ├── InvalidValue             a value JSON cannot store exactly (NaN, >64-bit int, lone surrogate)
     │   └── InvalidPatch             a malformed or failing JSON Patch+ document
     ├── FailedPrecondition
     │   ├── OffsetMismatch           Salience offset drift
@@ -107,6 +108,14 @@ class InvalidImage(InvalidArgument):
 
 class InvalidParameters(InvalidArgument):
     code = "invalid_parameters"
+
+
+class InvalidValue(InvalidArgument):
+    """A value the log refuses to store: a non-finite float, an integer beyond
+    64 bits, a string that is not valid Unicode, or nesting deeper than the
+    encoder allows. Raised before anything is written."""
+
+    code = "invalid_value"
 
 
 class InvalidEvent(SessiontapeError):

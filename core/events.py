@@ -26,6 +26,8 @@ from typing import Any
 
 import orjson
 
+from core.errors import InvalidValue
+
 GENESIS_HASH = "0" * 64
 
 
@@ -56,13 +58,48 @@ class T:
 ALL_TYPES = frozenset(v for k, v in vars(T).items() if not k.startswith("_"))
 
 
+#: event types whose bodies the engine fills (logprobs may be -inf): not client input, not checked
+UNCHECKED_TYPES = frozenset({T.GENERATION_TOKEN})
+
+
 @dataclass(frozen=True)
 class NewEvent:
-    """An event to append: the caller's part, before the log numbers it."""
+    """An event to append: the caller's part, before the log numbers it.
+
+    Its body is checked on construction (:func:`check_body`), so a value the
+    log cannot store exactly raises InvalidValue before anything is queued.
+    """
 
     type: str
     body: Mapping[str, Any] = field(default_factory=dict)
     data: bytes | None = None
+
+    def __post_init__(self) -> None:
+        if self.type not in UNCHECKED_TYPES:
+            check_body(self.body)
+
+
+def check_body(body: Any) -> None:
+    """Raise InvalidValue unless ``body`` stores as strict JSON, unchanged.
+
+    Refused: NaN and infinities (the encoder would write ``null``), integers
+    outside 64 bits, strings with lone surrogates, nesting beyond the
+    encoder's limit. Reading old logs never calls this.
+    """
+    try:
+        out: bytes | None = orjson.dumps(body)
+    except orjson.JSONEncodeError as exc:
+        if "not JSON serializable" not in str(exc):
+            raise InvalidValue(f"value cannot be stored as JSON: {exc}") from None
+        out = None  # a type orjson does not know: canonical_json falls back to the standard library
+    if out is None or b"null" in out:
+        # orjson writes NaN as null: only then is the slower strict check needed
+        try:
+            json.dumps(body, allow_nan=False, default=str)
+        except ValueError as exc:
+            raise InvalidValue(f"value cannot be stored as JSON: {exc} (NaN and infinities are refused)") from None
+        except RecursionError:
+            raise InvalidValue("value is nested too deeply to store") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,9 +154,10 @@ def canonical_json(value: Any) -> str:
     """The canonical text of a JSON value: what is stored and what is hashed.
 
     orjson with sorted keys (compact, UTF-8, shortest float repr; NaN and
-    infinities become null). Integers beyond 64 bits, which orjson refuses,
-    fall back to the standard library with the same key order and separators:
-    still a pure function of the value.
+    infinities would become null, which is why :class:`NewEvent` refuses them
+    up front). Integers beyond 64 bits, which orjson refuses (new events may
+    not carry them; old logs may), fall back to the standard library with the
+    same key order and separators: still a pure function of the value.
     """
     try:
         return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
