@@ -72,6 +72,18 @@ DEFAULTS: dict[str, Any] = {
         "max_run": 256,
     },
     "logging": {"level": "INFO"},
+    # what one request may cost (docs/security.md); every wire reads these
+    "limits": {
+        "max_body_bytes": 16 * 1024 * 1024,  # HTTP body and gRPC message, refused while streaming in
+        "max_json_depth": 64,  # nesting of a JSON request body
+        "max_meta_bytes": 64 * 1024,  # session meta and one feedback body, as JSON
+        "body_timeout_s": 30.0,  # a body that sends nothing for this long is refused (408)
+        "header_timeout_s": 10.0,  # request line and headers must arrive within this (slowloris)
+        "keep_alive_s": 5.0,  # idle keep-alive connections are closed after this
+        "max_header_bytes": 16 * 1024,  # request line + headers
+        "max_connections": 1000,  # concurrent HTTP connections and tasks before 503s
+        "max_streams_per_connection": 100,  # concurrent gRPC streams on one client connection
+    },
 }
 
 ALIASES = {
@@ -153,7 +165,8 @@ class Config:
             raise ConfigError(f"database.url must be a SQLAlchemy URL, got {self.db_url!r}")
         numbers = {"sessions": ("sweep_interval_s", "max_nesting_depth", "max_nodes", "state_cache_size"),
                    "log": ("batch_max", "snapshot_every", "inline_max_bytes", "poll_interval_s"),
-                   "generation": ("run_ahead", "max_run")}
+                   "generation": ("run_ahead", "max_run"),
+                   "limits": tuple(DEFAULTS["limits"])}
         for section, keys in numbers.items():
             for key in keys:
                 value = self.section(section).get(key, DEFAULTS[section][key])
@@ -209,6 +222,10 @@ class Config:
 
     def log_opt(self, key: str) -> Any:
         return self.section("log").get(key, DEFAULTS["log"][key])
+
+    def limit(self, key: str) -> float:
+        """One of the ``[limits]`` (validated positive numbers)."""
+        return float(self.section("limits").get(key, DEFAULTS["limits"][key]))
 
     def generation_opt(self, key: str) -> Any:
         return self.section("generation").get(key, DEFAULTS["generation"][key])
