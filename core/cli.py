@@ -52,12 +52,49 @@ def load_config(args: argparse.Namespace, extra: dict[str, Any] | None = None) -
     return Config.load(path, overrides=overrides)
 
 
-async def _log_only(args: argparse.Namespace, *, follow: bool = False) -> Any:
-    """A log (no engine) for read-only commands."""
+async def _log_only(args: argparse.Namespace, *, follow: bool = False, must_exist: bool = True) -> Any:
+    """A log (no engine) for commands that read or edit an existing database.
+
+    A SQLite file that is not there is an error rather than a new, empty
+    database (only ``serve``, ``import`` and ``db upgrade`` create one).
+    """
     from core.log import EventLog
 
     cfg = load_config(args)
+    check_database_url(cfg.db_url, must_exist=must_exist)
     return await EventLog.open(cfg.db_url, follow=follow)
+
+
+def check_database_url(url: str, *, must_exist: bool) -> None:
+    """Raise ConfigError for a URL SQLAlchemy cannot use, NotFound for a missing SQLite file."""
+    from pathlib import Path
+
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    from core.errors import NotFound
+
+    try:
+        parsed = make_url(url)
+    except ArgumentError as exc:
+        raise ConfigError(f"not a database URL: {url!r} (expected e.g. sqlite+aiosqlite:///FILE)") from exc
+    shown = parsed.render_as_string(hide_password=True)
+    hint = "use sqlite+aiosqlite:///FILE or postgresql+asyncpg://HOST/DB"
+    try:
+        dialect = parsed.get_dialect()
+    except NoSuchModuleError as exc:
+        raise ConfigError(f"unknown database driver {parsed.drivername!r} in {shown} ({hint})") from exc
+    if not getattr(dialect, "is_async", False):
+        raise ConfigError(f"{parsed.drivername!r} in {shown} is not an asyncio driver ({hint})")
+    try:
+        dialect.import_dbapi()
+    except ImportError as exc:
+        raise ConfigError(f"the driver for {shown} is not installed: {exc}") from exc
+    if not must_exist or parsed.get_backend_name() != "sqlite":
+        return
+    path = parsed.database or ""
+    if path and path != ":memory:" and not path.startswith("file:") and not Path(path).exists():
+        raise NotFound(f"no database at {path} (`sessiontape db upgrade --db {shown}` creates one)")
 
 
 # -- serve -------------------------------------------------------------------
@@ -91,6 +128,7 @@ async def cmd_serve(args: argparse.Namespace) -> int:
     from core.transport import Transport
 
     cfg = load_config(args, serve_overrides(args))
+    check_database_url(cfg.db_url, must_exist=False)
     runtime = await Runtime.create(cfg)
     log.info("log: %s", _redact(cfg.db_url))
     runtime.start_sweeper()
@@ -223,19 +261,24 @@ async def cmd_audit(args: argparse.Namespace) -> int:
     cfg = load_config(args)
     log_ = await _log_only(args)
     engines: dict[str, Engine] = {}
+    used: dict[str, str] = {}
 
     def engine_for(provenance: Any) -> Engine:
         """The engine a session recorded (or --engine), built once per name."""
-        name = args.engine or str(provenance.get("engine") or cfg.engine_name)
+        recorded = str(provenance.get("engine") or cfg.engine_name)
+        name = args.engine or recorded
+        used.update(engine=name, recorded=recorded)
         if name not in engines:
             options = cfg.engine_options if name == cfg.engine_name else {}
             engines[name] = load(ENGINES, name)(**options)
         return engines[name]
 
     reports = []
+    engine_of: dict[str, dict[str, str]] = {}
     try:
         ids = list(args.ids)
         for i, sid in enumerate(ids, 1):
+            used.clear()
             try:
                 report = await audit_session(log_, sid, reexecute=args.reexecute, engine_for=engine_for)
             except SessiontapeError as exc:
@@ -243,6 +286,7 @@ async def cmd_audit(args: argparse.Namespace) -> int:
             except Exception as exc:  # one bad session never stops the others
                 report = AuditReport.failed(sid, f"audit failed: {type(exc).__name__}: {exc}")
             reports.append(report)
+            engine_of[sid] = dict(used)
             if len(ids) > 1 and not args.json:
                 _progress(i, len(ids))
     finally:
@@ -250,21 +294,75 @@ async def cmd_audit(args: argparse.Namespace) -> int:
             await eng.aclose()
         await log_.close()
     if args.json:
-        print(json.dumps([r.to_json() for r in reports]))
+        out = []
+        for r in reports:
+            row = r.to_json()
+            if r.reexecuted and engine_of.get(r.session_id):
+                row.update(engine=engine_of[r.session_id].get("engine"),
+                           recorded_engine=engine_of[r.session_id].get("recorded"))
+            if not r.ok:
+                row["reason"] = audit_reason(r, engine_of.get(r.session_id, {}))
+            out.append(row)
+        print(json.dumps(out))
     else:
         for r in reports:
-            mark = "ok" if r.ok else "FAILED"
+            mark = "ok" if r.ok else "FAILED: " + audit_reason(r, engine_of.get(r.session_id, {}))
             extra = f", {r.generations} generations re-run, {len(r.divergences)} diverged" if r.reexecuted else ""
             print(f"{r.session_id}: {mark} (chain {'ok' if r.chain_ok else 'BROKEN'}, invariants "
                   f"{'ok' if r.invariants_ok else 'BROKEN'}{extra})")
             for p in r.problems:
                 print(f"  {p}")
             for d in r.divergences:
-                print(f"  first divergence in {d['generation_id']} at index {d['index']}: {d['recorded']} != {d['reexecuted']}")
+                print(f"  {divergence_text(d)}")
     return 0 if all(r.ok for r in reports) else 1
 
 
+def audit_reason(r: Any, engines: dict[str, str]) -> str:
+    """Why an audit failed, in one sentence."""
+    why = []
+    if not r.chain_ok:
+        why.append("the hash chain is broken")
+    if not r.invariants_ok:
+        why.append("an event breaks the session's invariants")
+    if r.divergences:
+        on, rec = engines.get("engine"), engines.get("recorded")
+        where = ""
+        if on:
+            where = f" on engine {on}" + (f" (recorded on {rec})" if rec and rec != on else "")
+        why.append(f"re-execution{where} differs from the recording in {len(r.divergences)} of "
+                   f"{r.generations} generation{'' if r.generations == 1 else 's'}")
+    if not why:
+        why = [str(p) for p in r.problems[:1]] or ["see the problems listed"]
+    return "; ".join(why)
+
+
+def _tok(d: dict[str, Any]) -> str:
+    lp = d.get("logprob")
+    return f"token {d.get('token')}" + ("" if lp is None else f" (logprob {float(lp):.6g})")
+
+
+def divergence_text(d: dict[str, Any]) -> str:
+    """One divergence as a sentence (the CLI's plain output; --json keeps the raw fields)."""
+    gid, rec, got = d.get("generation_id"), d.get("recorded"), d.get("reexecuted")
+    if isinstance(rec, dict) and isinstance(got, dict) and "count" in rec:
+        return (f"generation {gid}: the recording has {rec['count']} steps, "
+                f"re-execution produced {got.get('count')}")
+    if isinstance(rec, dict) and isinstance(got, dict) and "token" in rec:
+        at = f"step {d.get('index')}" + (f" (token position {d['position']})" if d.get("position") is not None else "")
+        if rec.get("token") == got.get("token"):
+            return (f"generation {gid}: first divergence at {at}: same token {rec['token']}, logprob "
+                    f"{rec.get('logprob')!r} recorded, {got.get('logprob')!r} re-executed")
+        return f"generation {gid}: first divergence at {at}: recorded {_tok(rec)}, re-executed {_tok(got)}"
+    reason = d.get("reason") or d.get("message") or d.get("error")
+    if reason:
+        return f"generation {gid}: {reason}"
+    return f"generation {gid}: " + json.dumps({k: v for k, v in d.items() if k != "generation_id"}, default=str)
+
+
 def _progress(i: int, n: int) -> None:
+    """A progress bar on stderr, drawn only on a terminal (no carriage-return frames in files or pipes)."""
+    if not sys.stderr.isatty():
+        return
     width = 30
     done = int(width * i / n)
     sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {i}/{n}")
@@ -287,7 +385,7 @@ async def cmd_export(args: argparse.Namespace) -> int:
 
 
 async def cmd_import(args: argparse.Namespace) -> int:
-    from core.errors import InvalidEvent
+    from core.errors import FailedPrecondition, InvalidEvent
     from core.events import Event
     from core.tokens import length_after
 
@@ -303,8 +401,15 @@ async def cmd_import(args: argparse.Namespace) -> int:
         except (ValueError, KeyError, TypeError) as exc:
             raise InvalidEvent(f"{args.file}:{n}: not an exported event ({exc})") from exc
         by_session.setdefault(e.session_id, []).append(e)
-    log_ = await _log_only(args)
+    log_ = await _log_only(args, must_exist=False)
     try:
+        # Refuse before writing anything: an import either adds every session or none.
+        existing = [sid for sid in by_session if await _exists(log_, sid)]
+        if existing:
+            raise FailedPrecondition(
+                f"session {existing[0]} already exists in this database"
+                + (f" (and {len(existing) - 1} more of the file's sessions)" if len(existing) > 1 else "")
+                + "; purge it first or import into another database")
         for sid, evs in by_session.items():
             evs.sort(key=lambda e: e.version)
             length = 0
@@ -315,6 +420,16 @@ async def cmd_import(args: argparse.Namespace) -> int:
     finally:
         await log_.close()
     return 0
+
+
+async def _exists(log_: Any, sid: str) -> bool:
+    from core.errors import SessionNotFound
+
+    try:
+        await log_.get_session(sid)
+    except SessionNotFound:
+        return False
+    return True
 
 
 async def cmd_purge(args: argparse.Namespace) -> int:
@@ -341,6 +456,10 @@ async def cmd_purge(args: argparse.Namespace) -> int:
             print(f"purged {sid}: {tomb.body['through_version']} events, tombstone v{tomb.version}")
     finally:
         await log_.close()
+    if args.older_than_days is not None:
+        print(f"purged {len(ids)} session{'' if len(ids) == 1 else 's'}"
+              f" ({len(ids) - len(args.ids)} closed, aborted or expired ones idle for more than"
+              f" {args.older_than_days:g} days)")
     return 0
 
 
@@ -349,6 +468,7 @@ async def cmd_db_upgrade(args: argparse.Namespace) -> int:
     from migrations.runner import current_revision
 
     cfg = load_config(args)
+    check_database_url(cfg.db_url, must_exist=False)
     log_ = await EventLog.open(cfg.db_url, migrate=True)
     try:
         async with log_.engine.connect() as conn:
@@ -365,67 +485,71 @@ async def cmd_db_upgrade(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sessiontape", description="Event-sourced session store for generative-AI sessions.")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}",
+                   help="print the version and exit")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="run the server with the enabled transports")
     _common(s)
     s.add_argument("--engine", help="engine name (reference, onnx, ...)")
-    s.add_argument("--grpc", metavar="HOST:PORT")
-    s.add_argument("--http", metavar="HOST:PORT")
-    s.add_argument("--no-grpc", action="store_true")
-    s.add_argument("--no-http", action="store_true")
-    s.add_argument("--nostr-relay", metavar="URL", action="append", default=[])
-    s.add_argument("--nostr-key-file", metavar="FILE")
-    s.add_argument("--auth-token", metavar="TOKEN")
+    s.add_argument("--grpc", metavar="HOST:PORT", help="gRPC listen address (default 127.0.0.1:50051)")
+    s.add_argument("--http", metavar="HOST:PORT", help="HTTP listen address (default 127.0.0.1:8080)")
+    s.add_argument("--no-grpc", action="store_true", help="do not start the gRPC transport")
+    s.add_argument("--no-http", action="store_true", help="do not start the HTTP transport")
+    s.add_argument("--nostr-relay", metavar="URL", action="append", default=[],
+                   help="serve D4 calls from this nostr relay (repeatable; enables the nostr transport)")
+    s.add_argument("--nostr-key-file", metavar="FILE", help="the D4 worker's secret key (nsec or hex)")
+    s.add_argument("--auth-token", metavar="TOKEN", help="require this bearer token on gRPC and HTTP")
     s.set_defaults(func=cmd_serve)
 
     ss = sub.add_parser("sessions", help="list or show sessions").add_subparsers(dest="sub", required=True)
     ls = ss.add_parser("ls", help="list sessions")
     _common(ls)
-    ls.add_argument("--json", action="store_true")
-    ls.add_argument("--status")
-    ls.add_argument("--protocol")
-    ls.add_argument("--limit", type=int, default=1000)
+    ls.add_argument("--json", action="store_true", help="one JSON array instead of a table")
+    ls.add_argument("--status", help="only sessions with this status (open, closed, aborted, expired, purged)")
+    ls.add_argument("--protocol", help="only sessions opened over this protocol (http, salience, kakeya, ...)")
+    ls.add_argument("--limit", type=int, default=1000, help="at most N sessions, newest first (default 1000)")
     ls.set_defaults(func=cmd_sessions_ls)
     sh = ss.add_parser("show", help="show one session")
     _common(sh)
-    sh.add_argument("id")
-    sh.add_argument("--json", action="store_true")
+    sh.add_argument("id", help="session id")
+    sh.add_argument("--json", action="store_true", help="one JSON object instead of text")
     sh.set_defaults(func=cmd_sessions_show)
 
     r = sub.add_parser("replay", help="re-render a session from the log")
     _common(r)
-    r.add_argument("id")
+    r.add_argument("id", help="session id")
     g = r.add_mutually_exclusive_group()
-    g.add_argument("--speed", type=float, default=1.0)
-    g.add_argument("--instant", action="store_true")
+    g.add_argument("--speed", type=float, default=1.0, help="play back X times as fast as recorded (default 1)")
+    g.add_argument("--instant", action="store_true", help="print everything at once, without pauses")
     r.add_argument("--follow", action="store_true", help="keep following a live session")
     r.set_defaults(func=cmd_replay)
 
     a = sub.add_parser("audit", help="verify chains and invariants; optionally re-execute generations")
     _common(a)
-    a.add_argument("ids", nargs="+", metavar="ID")
-    a.add_argument("--reexecute", action="store_true")
-    a.add_argument("--engine", help="re-execute on this engine instead of the configured one")
-    a.add_argument("--json", action="store_true")
+    a.add_argument("ids", nargs="+", metavar="ID", help="session ids")
+    a.add_argument("--reexecute", action="store_true",
+                   help="run every recorded generation again and compare the tokens bitwise")
+    a.add_argument("--engine", help="re-execute on this engine instead of the one each session recorded")
+    a.add_argument("--json", action="store_true", help="one JSON array of reports instead of text")
     a.set_defaults(func=cmd_audit)
 
     e = sub.add_parser("export", help="write a session's events as NDJSON to stdout")
     _common(e)
-    e.add_argument("id")
+    e.add_argument("id", help="session id")
     e.set_defaults(func=cmd_export)
 
     i = sub.add_parser("import", help="import sessions from an NDJSON export")
     _common(i)
-    i.add_argument("file")
+    i.add_argument("file", help="an NDJSON file written by `sessiontape export`")
     i.set_defaults(func=cmd_import)
 
     pg = sub.add_parser("purge", help="delete sessions' events, leaving a tombstone the chain verifies from")
     _common(pg)
-    pg.add_argument("ids", nargs="*", metavar="ID")
+    pg.add_argument("ids", nargs="*", metavar="ID", help="session ids to purge")
     pg.add_argument("--older-than-days", type=float, metavar="N",
                     help="also purge closed, aborted and expired sessions idle for N days")
-    pg.add_argument("--reason", default="retention")
+    pg.add_argument("--reason", default="retention", help="recorded in the tombstone (default: retention)")
     pg.add_argument("--force", action="store_true", help="purge open sessions too")
     pg.set_defaults(func=cmd_purge)
 
@@ -436,6 +560,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     _plugin_commands(sub)
     return p
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sessiontape")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def _plugin_commands(sub: Any) -> None:
@@ -479,6 +612,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except OSError as exc:
         print(f"sessiontape: error: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:
+        from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+
+        if not isinstance(exc, SQLAlchemyError) or args.verbose:
+            raise
+        # The driver's own message, without SQLAlchemy's SQL echo and link (-v shows the traceback).
+        cause = exc.orig if isinstance(exc, DBAPIError) else exc
+        msg = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        print(f"sessiontape: error: database: {msg}", file=sys.stderr)
         return 1
 
 

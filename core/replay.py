@@ -1,37 +1,98 @@
 """Re-render a session in the terminal as it happened, from the log alone.
 
 No engine is called: token ids below 256 render as their bytes (the byte-level
-convention of the built-in engines), others as ``<id>``. Pacing follows the
-recorded times divided by ``speed``; ``instant`` prints without waiting.
+convention of the built-in engines), others as ``<id>``. A generation's bytes
+are decoded incrementally, so a character split across tokens prints whole
+once its last byte arrives. Control characters (other than newline and tab)
+and bidirectional overrides are printed as escapes (``\\x1b``, ``\\u202e``), so
+a recorded session cannot drive the terminal. Pacing follows the recorded
+times divided by ``speed``; ``instant`` prints without waiting.
 """
 
 from __future__ import annotations
 
 import asyncio
+import codecs
+import json
+import re
 from collections.abc import AsyncIterator, Callable, Iterable
-from typing import TextIO
+from typing import Any, TextIO
 
 from core.events import Event, T
 
+#: C0 and C1 controls except \t and \n, DEL, and the bidirectional embedding/override/isolate marks
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def _escape_char(m: re.Match[str]) -> str:
+    c = ord(m.group())
+    return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
+
+
+def escape_controls(text: str) -> str:
+    """``text`` with the characters that would steer a terminal written as escapes."""
+    return _UNSAFE.sub(_escape_char, text)
+
+
+class TokenText:
+    """Token ids to text, decoding UTF-8 across token boundaries."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, ids: Iterable[int]) -> str:
+        out: list[str] = []
+        for t in ids:
+            if 0 <= t < 256:
+                out.append(self._decoder.decode(bytes((t,))))
+            else:
+                out.append(self.flush())
+                out.append(f"<{t}>")
+        return "".join(out)
+
+    def flush(self) -> str:
+        """Whatever bytes are pending (an unfinished character becomes U+FFFD)."""
+        return self._decoder.decode(b"", final=True)
+
 
 def render_tokens(ids: Iterable[int]) -> str:
-    out: list[str] = []
-    buf = bytearray()
-    for t in ids:
-        if 0 <= t < 256:
-            buf.append(t)
-            continue
-        if buf:
-            out.append(buf.decode("utf-8", errors="replace"))
-            buf.clear()
-        out.append(f"<{t}>")
-    if buf:
-        out.append(buf.decode("utf-8", errors="replace"))
-    return "".join(out)
+    text = TokenText()
+    return text.feed(ids) + text.flush()
+
+
+def _body_text(body: Any) -> str:
+    return json.dumps(body, ensure_ascii=False, sort_keys=True, default=str)
+
+
+class Renderer:
+    """Events to terminal text, keeping the decoder state a generation's tokens share."""
+
+    def __init__(self) -> None:
+        self._model = TokenText()
+
+    def render(self, e: Event) -> str | None:
+        """One event as terminal text (None for events with nothing to show)."""
+        if e.type == T.GENERATION_TOKEN:
+            if e.body.get("is_prefill"):
+                return None
+            return escape_controls(self._model.feed([int(e.body["token"])])) or None
+        pending = self._model.flush()
+        text = _render_other(e)
+        if pending:
+            text = pending + (text or "")
+        return None if text is None else escape_controls(text)
+
+    def flush(self) -> str:
+        """The end of a generation whose last character never completed."""
+        return escape_controls(self._model.flush())
 
 
 def render_event(e: Event) -> str | None:
-    """One event as terminal text (None for events with nothing to show)."""
+    """One event on its own (a generation token split mid-character shows as U+FFFD; prefer :class:`Renderer`)."""
+    return Renderer().render(e)
+
+
+def _render_other(e: Event) -> str | None:
     b = e.body
     if e.type == T.SESSION_OPENED:
         eng = b.get("engine", {})
@@ -44,8 +105,6 @@ def render_event(e: Event) -> str | None:
         return f"\n[truncated: {b.get('reason')}, dropped {b.get('dropped')}]"
     if e.type == T.GENERATION_STARTED:
         return "\n[model] "
-    if e.type == T.GENERATION_TOKEN and not b.get("is_prefill"):
-        return render_tokens([int(b["token"])])
     if e.type == T.GENERATION_FINISHED:
         return f"  ⟨{b.get('finish_reason')}, {b.get('completion_tokens')} tokens⟩"
     if e.type == T.NODE_FRAGMENT:
@@ -59,11 +118,11 @@ def render_event(e: Event) -> str | None:
     if e.type in (T.ACTION_COMPLETED, T.ACTION_FAILED):
         return f"\n[action {b['action_id']} {e.type.split('.')[1]}] {b.get('message', '')}".rstrip()
     if e.type == T.FEEDBACK:
-        return f"\n[feedback] {b}"
+        return f"\n[feedback] {_body_text(b)}"
     if e.type == T.ERROR:
         return f"\n[error {b.get('code')}] {b.get('message')}"
     if e.type in (T.SESSION_CLOSED, T.SESSION_ABORTED, T.SESSION_EXPIRED, T.SESSION_PURGED):
-        return f"\n── {e.type.split('.')[1]} {dict(b) if b else ''}\n"
+        return f"\n── {e.type.split('.')[1]} {_body_text(b) if b else ''}\n"
     return None
 
 
@@ -73,6 +132,7 @@ async def replay(events: AsyncIterator[Event] | Iterable[Event], out: TextIO, *,
     """Write ``events`` to ``out`` paced by their recorded times; returns how many were rendered."""
     prev: float | None = None
     n = 0
+    renderer = Renderer()
 
     async def each() -> AsyncIterator[Event]:
         if hasattr(events, "__aiter__"):
@@ -88,10 +148,10 @@ async def replay(events: AsyncIterator[Event] | Iterable[Event], out: TextIO, *,
             if gap > 0:
                 await sleep(gap)  # type: ignore[misc]
         prev = e.recorded_at
-        text = render_event(e)
+        text = renderer.render(e)
         if text is not None:
             out.write(text)
             out.flush()
             n += 1
-    out.write("\n")
+    out.write(renderer.flush() + "\n")
     return n

@@ -14,7 +14,7 @@ def register(subparsers: Any) -> None:
     model = subparsers.add_parser("model", help="manage the ONNX demo model")
     sub = model.add_subparsers(dest="model_command", required=True)
     build = sub.add_parser("build-demo", help="build the deterministic demo model")
-    build.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    build.add_argument("--size", choices=sorted(SIZES), default="tiny", help="model size (default: tiny)")
     build.add_argument("--out", type=Path, default=None,
                        help="target folder (default: the engine's model cache)")
     build.set_defaults(func=build_demo_cmd)
