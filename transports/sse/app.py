@@ -26,9 +26,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from core.audit import audit_session
 from core.document import DocumentBuilder, fork_base
-from core.engine import OutputOptions, SamplingParams
+from core.engine import MAX_TOKENS_LIMIT, OutputOptions, SamplingParams
 from core.errors import (
-    InvalidArgument,
     InvalidParameters,
     NodeNotFound,
     NotFound,
@@ -37,7 +36,7 @@ from core.errors import (
 )
 from core.events import T
 from core.runtime import Runtime
-from transports.sse import errors
+from transports.sse import errors, inputs
 from transports.sse.feeds import (
     Feeds,
     dumps,
@@ -46,6 +45,9 @@ from transports.sse.feeds import (
     load_builder,
     session_stream,
 )
+from transports.sse.openai import PREFIXES as OPENAI_PREFIXES
+from transports.sse.openai import error_response as openai_error
+from transports.sse.openai import routes as openai_routes
 from transports.sse.openapi import spec
 
 STATIC = Path(__file__).parent / "static"
@@ -58,67 +60,39 @@ MAX_LABEL = 1000
 # -- request helpers ------------------------------------------------------------
 
 
-async def _body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    if not raw:
-        return {}
-    try:
-        value = json.loads(raw)
-    except ValueError as exc:
-        raise InvalidArgument(f"request body is not JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise InvalidArgument("request body must be a JSON object")
-    return value
-
-
-def _opt_int(value: Any, name: str) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        raise InvalidParameters(f"{name} must be an integer")
-    if isinstance(value, str):
-        if not value.strip().lstrip("-").isdigit():
-            raise InvalidParameters(f"{name} must be an integer, got {value!r}")
-        return int(value)
-    if isinstance(value, int):
-        return value
-    raise InvalidParameters(f"{name} must be an integer")
-
-
-def _opt_str(value: Any, name: str, max_len: int) -> str | None:
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise InvalidParameters(f"{name} must be a string")
-    if len(value) > max_len:
-        raise InvalidParameters(f"{name} must be at most {max_len} characters, got {len(value)}")
-    return value
-
-
-def _int_list(value: Any, name: str) -> list[int]:
-    if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
-        raise InvalidParameters(f"{name} must be an array of integers")
-    return list(value)
-
-
-def _ranges(value: Any, name: str) -> tuple[tuple[int, int], ...]:
-    if value is None:
-        return ()
-    if not isinstance(value, list) or any(not isinstance(r, list) or len(r) != 2 for r in value):
-        raise InvalidParameters(f"{name} must be an array of [start, end] pairs")
-    return tuple((int(a), int(b)) for a, b in (_int_list(r, name) for r in value))
+#: the fields each JSON route takes; anything else is a 400 naming it (inputs.UnknownFields)
+CREATE_FIELDS = frozenset({"protocol", "label", "mode", "ttl_s", "eos_token_ids", "meta"})
+APPEND_FIELDS = frozenset({"text", "tokens", "offset", "truncating"})
+GENERATE_FIELDS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids",
+                             "logprob_top_k", "logprob_ranges", "readout_ranges", "text", "tokens", "stream",
+                             "background"})
+FORK_FIELDS = frozenset({"at_position", "at_version", "label", "protocol"})
+CLOSE_FIELDS = frozenset({"reason"})
+#: ten years: a longer idle TTL is a mistake, not a policy
+MAX_TTL_S = 10 * 365 * 86400.0
+MAX_REASON = 1000
 
 
 def _sampling(b: Mapping[str, Any]) -> tuple[SamplingParams, OutputOptions]:
-    try:
-        params = SamplingParams.from_json(b)
-        options = OutputOptions(logprob_top_k=int(b.get("logprob_top_k", 0)),
-                                logprob_ranges=_ranges(b.get("logprob_ranges"), "logprob_ranges"),
-                                readout_ranges=_ranges(b.get("readout_ranges"), "readout_ranges"))
-    except (TypeError, ValueError) as exc:
-        raise InvalidParameters(f"bad generation parameters: {exc}") from exc
-    if options.logprob_top_k < 0:
-        raise InvalidParameters("logprob_top_k must be >= 0")
+    """Generation parameters, strictly typed and in range (SamplingParams.check), or InvalidParameters."""
+    defaults = SamplingParams()
+    max_tokens = inputs.integer(b.get("max_tokens"), "max_tokens", lo=0, hi=MAX_TOKENS_LIMIT)
+    top_k = inputs.integer(b.get("top_k"), "top_k", lo=0)
+    temperature = inputs.number(b.get("temperature"), "temperature", lo=0.0, hi=1e6)
+    top_p = inputs.number(b.get("top_p"), "top_p", lo=0.0, hi=1.0, lo_open=True)
+    params = SamplingParams(
+        max_tokens=defaults.max_tokens if max_tokens is None else max_tokens,
+        temperature=defaults.temperature if temperature is None else temperature,
+        top_p=defaults.top_p if top_p is None else top_p,
+        top_k=defaults.top_k if top_k is None else top_k,
+        seed=inputs.seed(b.get("seed")),
+        stop_token_ids=tuple(inputs.int_list(b.get("stop_token_ids", []), "stop_token_ids", lo=0)),
+    )
+    params.check()
+    options = OutputOptions(
+        logprob_top_k=inputs.integer(b.get("logprob_top_k"), "logprob_top_k", lo=0, hi=2**31) or 0,
+        logprob_ranges=inputs.ranges(b.get("logprob_ranges"), "logprob_ranges"),
+        readout_ranges=inputs.ranges(b.get("readout_ranges"), "readout_ranges"))
     return params, options
 
 
@@ -140,8 +114,9 @@ class Api:
     """Route handlers bound to one runtime."""
 
     def __init__(self, runtime: Runtime, *, heartbeat_s: float = 15.0, ring: int = 4096,
-                 linger_s: float = 30.0) -> None:
+                 linger_s: float = 30.0, limits: inputs.Limits | None = None) -> None:
         self.runtime = runtime
+        self.limits = limits or inputs.Limits()
         self.heartbeat_s = heartbeat_s
         self.feeds = Feeds(runtime, ring=ring, linger_s=linger_s)
         self.background: set[asyncio.Task[Any]] = set()
@@ -161,30 +136,31 @@ class Api:
 
     # sessions
 
+    async def _body(self, request: Request, fields: frozenset[str] | None) -> dict[str, Any]:
+        return await inputs.body(request, self.limits, fields)
+
     async def create(self, request: Request) -> Response:
-        b = await _body(request)
+        b = await self._body(request, CREATE_FIELDS)
         eos = b.get("eos_token_ids")
-        ttl = b.get("ttl_s")
-        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl <= 0):
-            raise InvalidParameters("ttl_s must be a positive number")
+        ttl = inputs.number(b.get("ttl_s"), "ttl_s", lo=0.0, hi=MAX_TTL_S, lo_open=True)
         meta = b.get("meta", {})
         if not isinstance(meta, dict):
             raise InvalidParameters("meta must be an object")
-        protocol = _opt_str(b.get("protocol"), "protocol", MAX_PROTOCOL)
-        label = _opt_str(b.get("label"), "label", MAX_LABEL)
+        meta = inputs.sized(meta, "meta", self.limits.max_meta_bytes)
+        protocol = inputs.text(b.get("protocol"), "protocol", MAX_PROTOCOL)
+        label = inputs.text(b.get("label"), "label", MAX_LABEL)
+        mode = inputs.text(b.get("mode"), "mode", 32)
         st = await self.runtime.open_session(
-            protocol or "http", mode=str(b.get("mode", "offset")), label=label or "",
-            eos_token_ids=None if eos is None else _int_list(eos, "eos_token_ids"),
-            ttl_s=None if ttl is None else float(ttl), meta=meta)
+            protocol or "http", mode=mode or "offset", label=label or "",
+            eos_token_ids=None if eos is None else inputs.int_list(eos, "eos_token_ids", lo=0),
+            ttl_s=ttl, meta=meta)
         return JSONResponse(await self.document(st.session_id), status_code=201,
                             headers={"Location": f"/v1/sessions/{st.session_id}"})
 
     async def list(self, request: Request) -> Response:
         q = request.query_params
-        limit = _opt_int(q.get("limit"), "limit") or 100
-        offset = _opt_int(q.get("offset"), "offset") or 0
-        if not 1 <= limit <= 10_000 or offset < 0:
-            raise InvalidParameters("limit must be in [1, 10000] and offset >= 0")
+        limit = inputs.integer(q.get("limit"), "limit", lo=1, hi=10_000) or 100
+        offset = inputs.integer(q.get("offset"), "offset", lo=0) or 0
         rows = await self.runtime.log.list_sessions(status=q.get("status"), protocol=q.get("protocol"),
                                                     parent_id=q.get("parent"), limit=limit, offset=offset)
         out = []
@@ -195,20 +171,18 @@ class Api:
         return JSONResponse({"sessions": out})
 
     async def get(self, request: Request) -> Response:
-        version = _opt_int(request.query_params.get("version"), "version")
+        version = inputs.integer(request.query_params.get("version"), "version", lo=1)
         return JSONResponse(await self.document(request.path_params["sid"], version))
 
     async def list_events(self, request: Request) -> Response:
-        limit = _opt_int(request.query_params.get("limit"), "limit") or 200
+        limit = inputs.integer(request.query_params.get("limit"), "limit", lo=1, hi=10_000) or 200
         return _sse(list_stream(self.runtime, limit=limit, heartbeat_s=self.heartbeat_s, rfc=_rfc(request)))
 
     async def events(self, request: Request) -> Response:
         sid = request.path_params["sid"]
         rfc = _rfc(request)
         raw = request.headers.get("last-event-id") or request.query_params.get("last_event_id")
-        last = _opt_int(raw, "Last-Event-ID")
-        if last is not None and last < 0:
-            raise InvalidParameters("Last-Event-ID must be >= 0")
+        last = inputs.integer(raw, "Last-Event-ID", lo=0)
         # Fail before the 200 goes out: unknown sessions and bad positions are HTTP errors.
         await self.runtime.log.get_session(sid)
         if last is not None and last > await self.runtime.log.last_position():
@@ -217,17 +191,19 @@ class Api:
 
     async def append(self, request: Request) -> Response:
         sid = request.path_params["sid"]
-        b = await _body(request)
+        b = await self._body(request, APPEND_FIELDS)
+        offset = inputs.integer(b.get("offset"), "offset", lo=0)
+        truncating = inputs.boolean(b.get("truncating"), "truncating")
         if "text" in b:
             if not isinstance(b["text"], str) or "tokens" in b:
                 raise InvalidParameters("text must be a string (and not combined with tokens)")
-            length = await self.runtime.append_text(sid, b["text"])
+            text = inputs.check_text(b["text"], "text")
+            # offset and truncating apply to text as to tokens (the Salience rule), never ignored
+            length = await self.runtime.append_tokens(sid, self.runtime.engine.tokenize(text), offset=offset,
+                                                      truncating=truncating)
         elif "tokens" in b:
-            offset = _opt_int(b.get("offset"), "offset")
-            if offset is not None and offset < 0:
-                raise InvalidParameters(f"offset must be >= 0, got {offset}")
             length = await self.runtime.append_tokens(
-                sid, _int_list(b["tokens"], "tokens"), offset=offset, truncating=bool(b.get("truncating", False)))
+                sid, inputs.int_list(b["tokens"], "tokens"), offset=offset, truncating=truncating)
         else:
             raise InvalidParameters("append needs 'text' or 'tokens'")
         st = await self.runtime.get(sid)
@@ -235,17 +211,18 @@ class Api:
 
     async def generate(self, request: Request) -> Response:
         sid = request.path_params["sid"]
-        b = await _body(request)
+        b = await self._body(request, GENERATE_FIELDS)
         params, options = _sampling(b)
         rfc = _rfc(request)
         append: list[int] = []
         if "text" in b:
-            if not isinstance(b["text"], str):
-                raise InvalidParameters("text must be a string")
-            append = self.runtime.engine.tokenize(b["text"])
+            if not isinstance(b["text"], str) or "tokens" in b:
+                raise InvalidParameters("text must be a string (and not combined with tokens)")
+            append = self.runtime.engine.tokenize(inputs.check_text(b["text"], "text"))
         elif "tokens" in b:
-            append = _int_list(b["tokens"], "tokens")
-        mode = "background" if b.get("background") else ("json" if b.get("stream") is False else "stream")
+            append = inputs.int_list(b["tokens"], "tokens")
+        background = inputs.boolean(b.get("background"), "background")
+        mode = "background" if background else ("stream" if inputs.boolean(b.get("stream"), "stream", True) else "json")
         # Subscribe before the generation starts, so the stream's snapshot precedes its first event.
         stream = None
         if mode == "stream":
@@ -300,26 +277,28 @@ class Api:
 
     async def fork(self, request: Request) -> Response:
         sid = request.path_params["sid"]
-        b = await _body(request)
-        protocol = _opt_str(b.get("protocol"), "protocol", MAX_PROTOCOL)
-        label = _opt_str(b.get("label"), "label", MAX_LABEL)
-        st = await self.runtime.fork(sid, at_position=_opt_int(b.get("at_position"), "at_position"),
-                                     at_version=_opt_int(b.get("at_version"), "at_version"),
+        b = await self._body(request, FORK_FIELDS)
+        protocol = inputs.text(b.get("protocol"), "protocol", MAX_PROTOCOL)
+        label = inputs.text(b.get("label"), "label", MAX_LABEL)
+        st = await self.runtime.fork(sid, at_position=inputs.integer(b.get("at_position"), "at_position", lo=0),
+                                     at_version=inputs.integer(b.get("at_version"), "at_version", lo=1),
                                      protocol=protocol, label=label or "")
         return JSONResponse(await self.document(st.session_id), status_code=201,
                             headers={"Location": f"/v1/sessions/{st.session_id}"})
 
     async def close(self, request: Request) -> Response:
         sid = request.path_params["sid"]
-        b = await _body(request)
-        await self.runtime.close(sid, str(b.get("reason", "client")))
+        b = await self._body(request, CLOSE_FIELDS)
+        reason = inputs.text(b.get("reason"), "reason", MAX_REASON)
+        await self.runtime.close(sid, "client" if reason is None else reason)
         return JSONResponse(await self.document(sid))
 
     async def feedback(self, request: Request) -> Response:
         sid = request.path_params["sid"]
-        b = await _body(request)
+        b = await self._body(request, None)
         if not b:
             raise InvalidParameters("feedback must be a non-empty object")
+        b = inputs.sized(b, "feedback", self.limits.max_meta_bytes)
         await self.runtime.log.get_session(sid)
         e = await self.runtime.record_feedback(sid, b)
         return JSONResponse({"session_id": sid, "version": e.version}, status_code=201)
@@ -447,14 +426,15 @@ class BearerAuth:
         given = auth[7:].strip() if auth.lower().startswith("bearer ") else request.query_params.get("access_token", "")
         if not hmac.compare_digest(given.encode(), self.token):
             exc = Unauthenticated("missing or wrong bearer token")
-            await errors.to_response(exc)(scope, receive, send)
+            shape = openai_error if path.startswith(OPENAI_PREFIXES) else errors.to_response
+            await shape(exc)(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
 
 def create_app(runtime: Runtime, *, auth_token: str = "", heartbeat_s: float = 15.0, ring: int = 4096,
-               linger_s: float = 30.0) -> Starlette:
-    api = Api(runtime, heartbeat_s=heartbeat_s, ring=ring, linger_s=linger_s)
+               linger_s: float = 30.0, limits: inputs.Limits | None = None) -> Starlette:
+    api = Api(runtime, heartbeat_s=heartbeat_s, ring=ring, linger_s=linger_s, limits=limits)
     sid = "/v1/sessions/{sid}"
     routes = [
         Route("/", api.index),
@@ -476,6 +456,7 @@ def create_app(runtime: Runtime, *, auth_token: str = "", heartbeat_s: float = 1
         Route(sid + "/replay", api.replay),
         Route(sid + "/images/{sha}", api.image),
         Route(sid + "/nodes/{nid}/content", api.node_content),
+        *openai_routes(api),
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
     ]
 
@@ -486,11 +467,12 @@ def create_app(runtime: Runtime, *, auth_token: str = "", heartbeat_s: float = 1
 
     app = Starlette(
         routes=routes,
-        exception_handlers={SessiontapeError: errors.handle_core, HTTPException: errors.handle_http,
-                            Exception: errors.handle_unexpected},
+        exception_handlers={SessiontapeError: errors.handle_core, HTTPException: errors.handle_http},
         lifespan=lifespan,
     )
     app.state.api = api
     if auth_token:
         app.add_middleware(BearerAuth, token=auth_token)
+    # outermost of ours: whatever escapes a handler or the auth check is one logged 500 without its text
+    app.add_middleware(errors.LastResort)
     return app
