@@ -54,6 +54,10 @@ class PipelineLimits:
     run_ahead: int = 256
     #: most steps committed in one append
     max_run: int = 256
+    #: while the engine produces steps on the event loop, gather up to this many per append ...
+    min_run: int = 32
+    #: ... waiting at most this long for them
+    linger_s: float = 0.002
 
 
 class _End:
@@ -88,6 +92,8 @@ class Generation:
         self.ended = False  # no step will follow (stop token, abort, engine done)
         self.dropped = 0
         self._queue: asyncio.Queue[Step | _End] = asyncio.Queue(maxsize=limits.run_ahead)
+        #: committed runs not yet handed to the caller (a slow caller pauses the committer)
+        self._out: asyncio.Queue[list[Event] | Exception | None] = asyncio.Queue(maxsize=4)
         self._producer: asyncio.Task[None] | None = None
 
     # -- stages --------------------------------------------------------------
@@ -136,12 +142,29 @@ class Generation:
     async def _take(self) -> list[Step]:
         """Every ready step (waiting for the first), cut after a stop token.
 
+        While the engine keeps producing in this thread (the queue grows from
+        one loop turn to the next), wait a little longer so one append carries
+        many steps: at most ``min_run`` steps or ``linger_s``. An engine that
+        computes elsewhere (a worker thread) is never waited for.
+
         Raises what the engine raised once the steps before the failure
         were taken (and so get committed).
         """
         q = self._queue
+        first = await q.get()
+        limits = self.limits
+        if limits.min_run > 1 and not isinstance(first, _End):
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + limits.linger_s
+            n = q.qsize()
+            while n + 1 < limits.min_run and not q.full():
+                await asyncio.sleep(0)
+                m = q.qsize()
+                if m == n or loop.time() > deadline:
+                    break
+                n = m
         out: list[Step] = []
-        item = await q.get()
+        item = first
         while True:
             if isinstance(item, _End):
                 self.ended = True
@@ -156,7 +179,7 @@ class Generation:
                 self.reason = "eos" if item.token_id in self.eos else "stop"
                 self.ended = True
                 break
-            if len(out) >= self.limits.max_run or q.empty():
+            if len(out) >= limits.max_run or q.empty():
                 break
             item = q.get_nowait()
         return out
@@ -198,32 +221,40 @@ class Generation:
                 metrics.TTFT_SECONDS.observe(self.ttft)
         return evs
 
+    async def _commit_loop(self) -> None:
+        out = self._out
+        try:
+            while not self.ended:
+                if self.sid in self.rt._stop_requested:
+                    self.reason = "aborted"
+                    break
+                steps = await self._take()
+                # never cancelled half-way: a cancel waits for the commit to settle
+                await out.put(await _settled(asyncio.ensure_future(self._commit_run(steps))))
+            await out.put(None)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            await out.put(exc)
+
     async def runs(self) -> AsyncIterator[list[Event]]:
-        """Committed runs of ``generation.token`` events, the next one committing while
-        the caller handles this one."""
-        pending: asyncio.Task[list[Event]] | None = None
+        """Committed runs of ``generation.token`` events, as soon as each commits (the
+        committer goes on with the next run while the caller handles this one)."""
+        committer = asyncio.create_task(self._commit_loop(), name=f"committer-{self.sid}")
         try:
             while True:
-                if pending is None:
-                    if self.ended:
-                        return
-                    if self.sid in self.rt._stop_requested:
-                        self.reason = "aborted"
-                        return
-                    steps = await self._take()
-                    pending = asyncio.ensure_future(self._commit_run(steps))
-                evs = await _settled(pending)
-                pending = None
-                # start the next commit before handing this run over
-                if not self.ended and self.sid not in self.rt._stop_requested and not self._queue.empty():
-                    steps = await self._take()
-                    pending = asyncio.ensure_future(self._commit_run(steps))
-                yield evs
+                item = await self._out.get()
+                if item is None:
+                    return
+                if isinstance(item, Exception):
+                    raise item
+                yield item
         finally:
-            if pending is not None:
-                # committed or not, the run is settled before anyone looks at the state
-                with contextlib.suppress(BaseException):
-                    await _settled(pending)
+            if not committer.done():
+                committer.cancel()
+            # a commit in flight settles before anyone looks at the state
+            with contextlib.suppress(BaseException):
+                await committer
 
     def finished_event(self, reason: str, failure: BaseException | None) -> list[NewEvent]:
         g = self.st.generations[self.gid]

@@ -27,6 +27,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -34,6 +35,7 @@ import sqlalchemy as sa
 from sqlalchemy import event as sa_event
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.util import await_only
 
 from core import metrics
 from core.errors import (
@@ -126,8 +128,11 @@ class EventLog:
     """The log. Create with :meth:`open`; one instance per process and database."""
 
     def __init__(self, engine: AsyncEngine, *, batch_max: int = 2000, inline_max_bytes: int = 4096,
-                 poll_interval_s: float = 0.5) -> None:
+                 poll_interval_s: float = 0.5, sync_engine: sa.Engine | None = None) -> None:
         self.engine = engine
+        #: SQLite: the writer commits on its own synchronous connection in one thread
+        self._sync_engine = sync_engine
+        self._write_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sessiontape-log-writer")
         self.dialect = engine.dialect.name
         self.batch_max = batch_max
         self.inline_max_bytes = inline_max_bytes
@@ -163,10 +168,10 @@ class EventLog:
         if url.startswith("sqlite"):
             kwargs["connect_args"] = {"timeout": 30}
         engine = create_async_engine(url, **kwargs)
+        sync_engine: sa.Engine | None = None
         if engine.dialect.name == "sqlite":
             sync_mode = sqlite_synchronous
 
-            @sa_event.listens_for(engine.sync_engine, "connect")
             def _pragmas(dbapi_conn: Any, _rec: Any) -> None:
                 cur = dbapi_conn.cursor()
                 cur.execute("PRAGMA journal_mode=WAL")
@@ -174,8 +179,14 @@ class EventLog:
                 cur.execute("PRAGMA foreign_keys=ON")
                 cur.close()
 
+            sa_event.listen(engine.sync_engine, "connect", _pragmas)
+            # The writer's own connection, used only from the writer thread.
+            sync_engine = sa.create_engine(engine.url.set(drivername="sqlite"), echo=echo, poolclass=sa.pool.StaticPool,
+                                           connect_args={"timeout": 30, "check_same_thread": False})
+            sa_event.listen(sync_engine, "connect", _pragmas)
+
         self = cls(engine, batch_max=batch_max, inline_max_bytes=inline_max_bytes,
-                   poll_interval_s=poll_interval_s)
+                   poll_interval_s=poll_interval_s, sync_engine=sync_engine)
         if migrate:
             from migrations.runner import upgrade_connection
 
@@ -220,6 +231,9 @@ class EventLog:
             with contextlib.suppress(Exception):
                 await self._listen_conn.close()
             self._listen_conn = None
+        self._write_thread.shutdown(wait=True)
+        if self._sync_engine is not None:
+            self._sync_engine.dispose()
         await self.engine.dispose()
 
     # -- writing -----------------------------------------------------------
@@ -335,14 +349,13 @@ class EventLog:
             else:
                 self._publish(all_events)
 
-    async def _head(self, conn: AsyncConnection, session_id: str) -> tuple[int, str] | None:
+    def _head(self, cur: Any, session_id: str) -> tuple[int, str] | None:
         head = self._heads.get(session_id)
         if head is not None:
             self._heads.move_to_end(session_id)
             return head
-        row = (await conn.execute(
-            sa.select(sessions.c.version, sessions.c.head_hash).where(sessions.c.id == session_id)
-        )).first()
+        cur.execute(self._sql("SELECT version, head_hash FROM sessions WHERE id = ?"), (session_id,))
+        row = cur.fetchone()
         if row is None:
             return None
         return int(row[0]), str(row[1])
@@ -354,28 +367,55 @@ class EventLog:
             self._heads.popitem(last=False)
 
     async def _run_tx(self, batch: list[_Request]) -> list[list[Event]]:
-        async with self.engine.connect() as conn:
-            tx = await conn.begin()
-            try:
-                results = await self._write(conn, batch)
-                if self.before_commit is not None:
-                    await self.before_commit([e for r in results for e in r])
-                await tx.commit()
-            except BaseException:
-                await tx.rollback()
-                raise
+        """One transaction for ``batch``. The whole transaction is one synchronous
+        function: on SQLite it runs in the writer thread on its own connection
+        (one thread hop per commit instead of one per statement); on PostgreSQL
+        it runs through ``run_sync`` on an asyncpg connection."""
+        if self._sync_engine is not None:
+            loop = asyncio.get_running_loop()
+            results = await loop.run_in_executor(self._write_thread, self._tx_sync, loop, batch)
+        else:
+            async with self.engine.connect() as conn:
+                results = await conn.run_sync(self._tx, batch, None)
         for evs in results:
             if evs:
                 self._remember(evs[-1].session_id, (evs[-1].version, evs[-1].hash))
         return results
 
-    async def _write(self, conn: AsyncConnection, batch: list[_Request]) -> list[list[Event]]:
+    def _tx_sync(self, loop: asyncio.AbstractEventLoop, batch: list[_Request]) -> list[list[Event]]:
+        assert self._sync_engine is not None
+        with self._sync_engine.connect() as conn:
+            return self._tx(conn, batch, loop)
+
+    def _tx(self, conn: sa.Connection, batch: list[_Request],
+            loop: asyncio.AbstractEventLoop | None) -> list[list[Event]]:
+        tx = conn.begin()
+        try:
+            results = self._write(conn, batch)
+            hook = self.before_commit
+            if hook is not None:
+                evs = [e for r in results for e in r]
+                if loop is not None:  # the writer thread: run the hook on the loop and wait
+                    asyncio.run_coroutine_threadsafe(hook(evs), loop).result()  # type: ignore[arg-type]
+                else:  # inside run_sync's greenlet
+                    await_only(hook(evs))
+            tx.commit()
+        except BaseException:
+            tx.rollback()
+            raise
+        return results
+
+    def _write(self, conn: sa.Connection, batch: list[_Request]) -> list[list[Event]]:
+        # The hot statements go to the DBAPI cursor: SQLAlchemy's per-statement
+        # machinery costs more than the statements themselves here.
+        cur: Any = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
         if self.dialect == "postgresql":
-            await conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": PG_LOCK_KEY})
+            cur.execute(self._sql("SELECT pg_advisory_xact_lock(?)"), (PG_LOCK_KEY,))
         elif self.dialect == "sqlite":
             # Take the write lock now so MAX(position) below is read under it.
-            await conn.exec_driver_sql("UPDATE sessions SET version = version WHERE 0")
-        pos = int((await conn.execute(sa.select(sa.func.coalesce(sa.func.max(events.c.position), 0)))).scalar_one())
+            cur.execute("UPDATE sessions SET version = version WHERE 0")
+        cur.execute("SELECT COALESCE(MAX(position), 0) FROM events")
+        pos = int(cur.fetchone()[0])
         now = time.time()
         rows: list[tuple[Any, ...]] = []
         blob_rows: dict[str, dict[str, Any]] = {}
@@ -386,7 +426,7 @@ class EventLog:
         inline_max = self.inline_max_bytes
         for req in batch:
             sid = req.session_id
-            head = pending.get(sid) or await self._head(conn, sid)
+            head = pending.get(sid) or self._head(cur, sid)
             if req.kind == "touch":
                 if head is not None:
                     upd = updates.setdefault(sid, {"n": 0})
@@ -415,8 +455,8 @@ class EventLog:
             else:
                 version = cur_version
                 if req.kind == "purge":
-                    await conn.execute(events.delete().where(events.c.session_id == sid))
-                    await conn.execute(snapshots.delete().where(snapshots.c.session_id == sid))
+                    conn.execute(events.delete().where(events.c.session_id == sid))
+                    conn.execute(snapshots.delete().where(snapshots.c.session_id == sid))
                 for ne in req.events:
                     assert isinstance(ne, NewEvent)
                     body = ne.body
@@ -437,15 +477,15 @@ class EventLog:
                 pending[sid] = (out[-1].version, out[-1].hash)
             results.append(out)
         if blob_rows:
-            await self._put_blobs(conn, list(blob_rows.values()))
+            self._put_blobs(conn, list(blob_rows.values()))
         if new_sessions:
-            await conn.execute(sessions.insert(), list(new_sessions.values()))
+            conn.execute(sessions.insert(), list(new_sessions.values()))
         if rows:
-            await conn.exec_driver_sql(self._insert_sql, rows)
+            cur.executemany(self._insert_sql, rows)
         if updates:
-            await self._apply_updates(conn, updates)
+            self._apply_updates(cur, updates)
         if self.dialect == "postgresql" and rows:
-            await conn.execute(sa.text("SELECT pg_notify(:c, :p)"), {"c": PG_CHANNEL, "p": str(pos)})
+            cur.execute(self._sql("SELECT pg_notify(?, ?)"), (PG_CHANNEL, str(pos)))
         return results
 
     @property
@@ -465,13 +505,13 @@ class EventLog:
         return (e.position, e.session_id, e.version, e.type, body_json, data, blob_sha, e.recorded_at,
                 e.hash, e.prev_hash)
 
-    async def _put_blobs(self, conn: AsyncConnection, rows: list[dict[str, Any]]) -> None:
-        have = set((await conn.execute(
+    def _put_blobs(self, conn: sa.Connection, rows: list[dict[str, Any]]) -> None:
+        have = set((conn.execute(
             sa.select(blobs.c.sha256).where(blobs.c.sha256.in_([r["sha256"] for r in rows]))
         )).scalars())
         fresh = [r for r in rows if r["sha256"] not in have]
         if fresh:
-            await conn.execute(blobs.insert(), fresh)
+            conn.execute(blobs.insert(), fresh)
 
     def _index(self, req: _Request, head: tuple[int, str] | None, out: list[Event], now: float,
                new_sessions: dict[str, dict[str, Any]], updates: dict[str, dict[str, Any]]) -> None:
@@ -520,7 +560,7 @@ class EventLog:
             upd["n"] += len(out)
         upd.update(values)
 
-    async def _apply_updates(self, conn: AsyncConnection, updates: dict[str, dict[str, Any]]) -> None:
+    def _apply_updates(self, cur: Any, updates: dict[str, dict[str, Any]]) -> None:
         """One executemany for every touched session: columns not given keep their value."""
         pg = self.dialect == "postgresql"
 
@@ -540,7 +580,7 @@ class EventLog:
              u.get("history_length"), bool(u.get("reset")), u["n"], u["n"], sid)
             for sid, u in updates.items()
         ]
-        await conn.exec_driver_sql(sql, params)
+        cur.executemany(sql, params)
 
     # -- reading -----------------------------------------------------------
 

@@ -63,9 +63,12 @@ async def test_cancel_in_the_commit_window_is_recorded_as_cancelled(runtime: Run
     await runtime.append_text(sid, "hi")
     parked = asyncio.Event()
     release = asyncio.Event()
+    in_window: list[int] = []
 
     async def hold(evs: list) -> None:  # type: ignore[type-arg]
-        if any(e.type == T.GENERATION_TOKEN for e in evs):
+        toks = [e for e in evs if e.type == T.GENERATION_TOKEN]
+        if toks and not parked.is_set():
+            in_window.append(len(toks))
             parked.set()
             await release.wait()
 
@@ -81,8 +84,13 @@ async def test_cancel_in_the_commit_window_is_recorded_as_cancelled(runtime: Run
     release.set()
     with pytest.raises(asyncio.CancelledError):
         await task
-    [g] = (await runtime.load(sid)).generations.values()
-    assert g.finish_reason == "cancelled" and len(g.tokens) == 1
+    st = await runtime.load(sid)
+    [g] = st.generations.values()
+    # the run whose commit was parked is in the log though nobody saw it, and
+    # generation.finished counts exactly those tokens (never 0)
+    assert g.finish_reason == "cancelled" and len(g.tokens) == in_window[0] >= 1
+    fin = [e for e in await runtime.log.read(sid) if e.type == T.GENERATION_FINISHED]
+    assert fin[-1].body["completion_tokens"] == len(g.tokens)
     assert not runtime.is_generating(sid)
 
 

@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from core.errors import ConfigError
 from core.events import T
 from core.registry import TRANSPORTS, load
+from engines.reference import ReferenceEngine
 from tests.conftest import make_config
 from tests.transports.grpc.conftest import Serve, Served
 from transports.grpc.client import EvergreenClient, action, sampling_config, text_fragments
@@ -132,6 +133,10 @@ async def test_graceful_shutdown_lets_a_short_stream_finish(serve: Serve) -> Non
 
 async def test_shutdown_cancels_a_generation_still_running_at_the_deadline(serve: Serve) -> None:
     served = await serve()
+    # a generation that cannot end by itself before the deadline: no EOS, a paced engine
+    engine = served.runtime.engine
+    assert isinstance(engine, ReferenceEngine)
+    engine.eos_bias, engine.step_delay_s = -1000.0, 0.002
     async with served.client() as c, c.session() as s:
         sid = await s.session_id()
         await s.send(actions=[action("GENERATE", inputs={"p": "p"}, outputs={"text": "r"},
