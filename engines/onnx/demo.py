@@ -9,6 +9,16 @@ helper API (no torch). It follows the common decoder-only I/O convention::
     -> logits [b, s, vocab], present.N.key|value [b, kv_heads, t, head_dim],
        hidden_states.N [b, s, hidden]   (N = 0 embeddings, N = i after layer i)
 
+That is the ``concat`` layout. The default ``static`` layout keeps the names
+but not the growth: ``past_key_values.N.*`` and ``present.N.*`` are both
+``[b, kv_heads, max_sequence_length, head_dim]``, one preallocated buffer;
+the pass writes its new keys and values into it at ``position_ids``
+(ScatterElements) and masks key slot j for the query at position q unless
+j <= q. Bound to the same device buffer as past, present is updated in
+place, and every pass has the same shapes however the history was built up
+(what bit-exactness on a GPU needs; see docs/engines.md). onnxruntime-genai
+runs it with ``past_present_share_buffer``.
+
 RMSNorm, rotary positions (rotate-half), grouped-query attention (queries of
 a KV group are folded into the row dimension, so the KV is never repeated)
 and a SwiGLU MLP. Beside ``model.onnx`` the builder writes ``config.json``
@@ -35,7 +45,11 @@ import numpy.typing as npt
 #: byte tokenizer specials (the same ids as the reference engine)
 BOS, EOS, PAD = 256, 257, 258
 VOCAB = 259
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2
+#: KV layouts the builder emits: ``static`` (default) keeps one preallocated
+#: buffer per layer and kind that a pass writes into at its positions (past
+#: and present are the same tensor); ``concat`` is the classic growing cache
+LAYOUTS = ("static", "concat")
 
 
 @dataclass(frozen=True)
@@ -124,9 +138,10 @@ class _Graph:
         return name
 
 
-def _build_graph(spec: DemoSpec, w: dict[str, F32]) -> Any:
+def _build_graph(spec: DemoSpec, w: dict[str, F32], layout: str = "static") -> Any:
     from onnx import TensorProto, helper
 
+    static = layout == "static"
     g = _Graph()
     for k, v in w.items():
         g.const(k, v)
@@ -136,11 +151,8 @@ def _build_graph(spec: DemoSpec, w: dict[str, F32]) -> Any:
     def i64(name: str, *vals: int) -> str:
         return g.const(name, np.array(vals, dtype=np.int64))
 
-    i64("c_axis0", 0)
     i64("c_axis1", 1)
     i64("c_axis_neg1", -1)
-    i64("c_one", 1)
-    i64("c_zero", 0)
     g.const("c_eps", np.array(spec.eps, np.float32))
     g.const("c_scale", np.array(hd**-0.5, np.float32))
     g.const("c_neginf", np.array(-np.inf, np.float32))
@@ -150,30 +162,52 @@ def _build_graph(spec: DemoSpec, w: dict[str, F32]) -> Any:
     half = hd // 2
     i64("c_split", half, half)
 
-    ids_shape = g.op("Shape", ["input_ids"])
     g.const("c_zero_s", np.array(0, np.int64))
-    g.const("c_one_s", np.array(1, np.int64))
-    batch = g.op("Gather", [ids_shape, "c_zero_s"], axis=0)
-    seq = g.op("Gather", [ids_shape, "c_one_s"], axis=0)
-    total = g.op("Gather", [g.op("Shape", ["attention_mask"]), "c_one_s"], axis=0)
-    past = g.op("Sub", [total, seq])
-    batch1 = g.op("Unsqueeze", [batch, "c_axis0"])
-    seq1 = g.op("Unsqueeze", [seq, "c_axis0"])
-    total1 = g.op("Unsqueeze", [total, "c_axis0"])
-    # [b, kv_heads, group * s, head_dim]: the queries of one KV group as rows
-    gq_shape = g.op("Concat", [batch1, i64("c_nkv", nkv), g.op("Mul", [seq1, i64("c_group", group)]),
-                               i64("c_hd", hd)], axis=0)
-    score5_shape = g.op("Concat", [batch1, i64("c_nkv2", nkv), i64("c_group2", group), seq1, total1], axis=0)
-    score4_shape = g.op("Concat", [batch1, i64("c_nkv3", nkv), g.op("Mul", [seq1, "c_group"]), total1], axis=0)
-    out_shape = g.op("Concat", [batch1, i64("c_nh", nh), seq1, i64("c_hd2", hd)], axis=0)
+    if static:
+        i64("c_one", 1)
+        i64("c_zero", 0)
+    else:
+        i64("c_axis0", 0)
+        g.const("c_one_s", np.array(1, np.int64))
+        ids_shape = g.op("Shape", ["input_ids"])
+        batch = g.op("Gather", [ids_shape, "c_zero_s"], axis=0)
+        seq = g.op("Gather", [ids_shape, "c_one_s"], axis=0)
+        total = g.op("Gather", [g.op("Shape", ["attention_mask"]), "c_one_s"], axis=0)
+        past = g.op("Sub", [total, seq])
+        batch1 = g.op("Unsqueeze", [batch, "c_axis0"])
+        seq1 = g.op("Unsqueeze", [seq, "c_axis0"])
+        total1 = g.op("Unsqueeze", [total, "c_axis0"])
+        # [b, kv_heads, group * s, head_dim]: the queries of one KV group as rows
+        gq_shape = g.op("Concat", [batch1, i64("c_nkv", nkv), g.op("Mul", [seq1, i64("c_group", group)]),
+                                   i64("c_hd", hd)], axis=0)
+        score5_shape = g.op("Concat", [batch1, i64("c_nkv2", nkv), i64("c_group2", group), seq1, total1], axis=0)
+        score4_shape = g.op("Concat", [batch1, i64("c_nkv3", nkv), g.op("Mul", [seq1, "c_group"]), total1], axis=0)
+        out_shape = g.op("Concat", [batch1, i64("c_nh", nh), seq1, i64("c_hd2", hd)], axis=0)
 
-    # mask [b, 1, 1, s, t]: key j visible to query i iff j <= past + i and attention_mask[b, j]
-    keys = g.op("Range", ["c_zero_s", total, "c_one_s"])
-    qpos = g.op("Add", [g.op("Range", ["c_zero_s", seq, "c_one_s"]), past])
-    causal = g.op("LessOrEqual", [g.op("Unsqueeze", [keys, "c_axis0"]), g.op("Unsqueeze", [qpos, "c_axis_neg1"])])
-    padm = g.op("Cast", ["attention_mask"], to=TensorProto.BOOL)
-    padm = g.op("Unsqueeze", [padm, i64("c_axes_123", 1, 2, 3)])
-    allowed = g.op("And", [causal, padm])
+    if static:
+        # No shape arithmetic (every node stays on the device, so a CUDA graph can capture the
+        # pass). Slot j of the buffer holds position j, and key j is visible to the query at
+        # position q iff j <= q: masked by position alone. attention_mask is accepted for the
+        # convention but not read (a one-sequence pass has no left padding, and onnxruntime-genai
+        # passes it shorter than the buffer). The mask is [b, 1, group * s, t] with the query
+        # rows of a KV group stacked like the scores' rows.
+        col = g.op("Gather", [g.op("Gather", [g.op("Gather", ["past_key_values.0.key", "c_zero_s"], axis=0),
+                                              "c_zero_s"], axis=0), "c_zero_s"], axis=1)
+        ones = g.op("Add", [g.op("Mul", [g.op("Cast", [col], to=TensorProto.INT64), "c_zero"]), "c_one"])
+        slots = g.op("Sub", [g.op("CumSum", [ones, "c_zero_s"]), "c_one"])
+        causal = g.op("LessOrEqual", [slots, g.op("Unsqueeze", ["position_ids", "c_axis_neg1"])])
+        allowed = g.op("Tile", [g.op("Unsqueeze", [causal, "c_axis1"]), i64("c_tile_group", 1, 1, group, 1)])
+        scatter_at = g.op("Expand", [g.op("Reshape", ["position_ids", i64("c_pos4", 0, 1, -1, 1)]),
+                                     i64("c_kv_expand", 1, nkv, 1, hd)])
+    else:
+        # mask [b, 1, 1, s, t]: key j visible to query i iff j <= past + i and attention_mask[b, j]
+        keys = g.op("Range", ["c_zero_s", total, "c_one_s"])
+        qpos = g.op("Add", [g.op("Range", ["c_zero_s", seq, "c_one_s"]), past])
+        causal = g.op("LessOrEqual", [g.op("Unsqueeze", [keys, "c_axis0"]),
+                                      g.op("Unsqueeze", [qpos, "c_axis_neg1"])])
+        padm = g.op("Cast", ["attention_mask"], to=TensorProto.BOOL)
+        padm = g.op("Unsqueeze", [padm, i64("c_axes_123", 1, 2, 3)])
+        allowed = g.op("And", [causal, padm])
 
     cos = g.op("Unsqueeze", [g.op("Gather", ["rope_cos", "position_ids"], axis=0), "c_axis1"])
     sin = g.op("Unsqueeze", [g.op("Gather", ["rope_sin", "position_ids"], axis=0), "c_axis1"])
@@ -199,13 +233,24 @@ def _build_graph(spec: DemoSpec, w: dict[str, F32]) -> Any:
         v = g.op("Transpose", [g.op("Reshape", [g.op("MatMul", [xn, p + "wv"]), "c_shape_kv"])], perm=[0, 2, 1, 3])
         q = g.op("Mul", [rope(q), "c_scale"])
         k = rope(k)
-        pk = g.op("Concat", [f"past_key_values.{i}.key", k], axis=2, name=f"present.{i}.key")
-        pv = g.op("Concat", [f"past_key_values.{i}.value", v], axis=2, name=f"present.{i}.value")
-        qg = g.op("Reshape", [q, gq_shape])
-        scores = g.op("MatMul", [qg, g.op("Transpose", [pk], perm=[0, 1, 3, 2])])
-        scores = g.op("Where", [allowed, g.op("Reshape", [scores, score5_shape]), "c_neginf"])
-        probs = g.op("Reshape", [g.op("Softmax", [scores], axis=-1), score4_shape])
-        att = g.op("Reshape", [g.op("MatMul", [probs, pv]), out_shape])
+        if static:
+            # written at their positions into the buffer (in place when present is bound to past)
+            pk = g.op("ScatterElements", [f"past_key_values.{i}.key", scatter_at, k], axis=2,
+                      name=f"present.{i}.key")
+            pv = g.op("ScatterElements", [f"past_key_values.{i}.value", scatter_at, v], axis=2,
+                      name=f"present.{i}.value")
+            qg = g.op("Reshape", [q, i64(f"c_gq{i}", 0, nkv, -1, hd)])
+            scores = g.op("MatMul", [qg, g.op("Transpose", [pk], perm=[0, 1, 3, 2])])
+            probs = g.op("Softmax", [g.op("Where", [allowed, scores, "c_neginf"])], axis=-1)
+            att = g.op("Reshape", [g.op("MatMul", [probs, pv]), i64(f"c_att{i}", 0, nh, -1, hd)])
+        else:
+            pk = g.op("Concat", [f"past_key_values.{i}.key", k], axis=2, name=f"present.{i}.key")
+            pv = g.op("Concat", [f"past_key_values.{i}.value", v], axis=2, name=f"present.{i}.value")
+            qg = g.op("Reshape", [q, gq_shape])
+            scores = g.op("MatMul", [qg, g.op("Transpose", [pk], perm=[0, 1, 3, 2])])
+            scores = g.op("Where", [allowed, g.op("Reshape", [scores, score5_shape]), "c_neginf"])
+            probs = g.op("Reshape", [g.op("Softmax", [scores], axis=-1), score4_shape])
+            att = g.op("Reshape", [g.op("MatMul", [probs, pv]), out_shape])
         att = g.op("Reshape", [g.op("Transpose", [att], perm=[0, 2, 1, 3]), "c_shape_h"])
         x = g.op("Add", [x, g.op("MatMul", [att, p + "wo"])])
         xn = rmsnorm(x, p + "mlp_norm")
@@ -216,11 +261,13 @@ def _build_graph(spec: DemoSpec, w: dict[str, F32]) -> Any:
     g.op("MatMul", [rmsnorm(x, "final_norm"), "lm_head"], name="logits")
 
     f32, i64t = TensorProto.FLOAT, TensorProto.INT64
-    kv_shape_in: list[str | int] = ["batch", nkv, "past_sequence_length", hd]
-    kv_shape_out: list[str | int] = ["batch", nkv, "total_sequence_length", hd]
+    kv_in = "max_sequence_length" if static else "past_sequence_length"
+    kv_out = "max_sequence_length" if static else "total_sequence_length"
+    kv_shape_in: list[str | int] = ["batch", nkv, kv_in, hd]
+    kv_shape_out: list[str | int] = ["batch", nkv, kv_out, hd]
     inputs = [
         helper.make_tensor_value_info("input_ids", i64t, ["batch", "sequence_length"]),
-        helper.make_tensor_value_info("attention_mask", i64t, ["batch", "total_sequence_length"]),
+        helper.make_tensor_value_info("attention_mask", i64t, ["batch", kv_out]),
         helper.make_tensor_value_info("position_ids", i64t, ["batch", "sequence_length"]),
     ]
     outs = [helper.make_tensor_value_info("logits", f32, ["batch", "sequence_length", spec.vocab])]
@@ -255,8 +302,8 @@ def default_concepts(spec: DemoSpec, w: dict[str, F32]) -> dict[str, Any]:
     return {"concepts": list(classes), "layers": layers, "hidden_size": spec.hidden, "directions": vecs}
 
 
-def build_demo(size: str, out_dir: Path) -> Path:
-    """Build the demo model of ``size`` into ``out_dir``; returns the model file path.
+def build_demo(size: str, out_dir: Path, layout: str = "static") -> Path:
+    """Build the demo model of ``size`` and KV ``layout`` into ``out_dir``; returns the model file path.
 
     Deterministic: the same size gives the same bytes. Writes to temporary
     names and renames, so a concurrent reader never sees a half-written file.
@@ -265,10 +312,12 @@ def build_demo(size: str, out_dir: Path) -> Path:
 
     if size not in SIZES:
         raise ValueError(f"unknown demo size {size!r}; choose one of {sorted(SIZES)}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown KV layout {layout!r}; choose one of {LAYOUTS}")
     spec = SIZES[size]
     out_dir.mkdir(parents=True, exist_ok=True)
     w = _weights(spec)
-    model = _build_graph(spec, w)
+    model = _build_graph(spec, w, layout)
     onnx.checker.check_model(model)
     tmp = f".tmp{os.getpid()}"
     files: dict[str, bytes] = {
@@ -276,8 +325,8 @@ def build_demo(size: str, out_dir: Path) -> Path:
         "config.json": _json({"model_type": "sessiontape-demo", "builder_version": BUILDER_VERSION,
                               **asdict(spec), "head_dim": spec.head_dim, "params": spec.params(),
                               "bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": PAD,
-                              "vocab_size": spec.vocab, "tokenizer": "bytes"}),
-        "genai_config.json": _json(_genai_config(spec)),
+                              "vocab_size": spec.vocab, "tokenizer": "bytes", "kv_layout": layout}),
+        "genai_config.json": _json(_genai_config(spec, layout)),
         "readout_concepts.json": _json(default_concepts(spec, w)),
     }
     # model.onnx last: its presence marks a complete build
@@ -292,7 +341,7 @@ def _json(obj: Any) -> bytes:
     return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
 
 
-def _genai_config(spec: DemoSpec) -> dict[str, Any]:
+def _genai_config(spec: DemoSpec, layout: str) -> dict[str, Any]:
     return {
         "model": {
             "bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": PAD,
@@ -311,7 +360,7 @@ def _genai_config(spec: DemoSpec) -> dict[str, Any]:
             },
         },
         "search": {"do_sample": False, "max_length": spec.max_length, "min_length": 0, "num_beams": 1,
-                   "num_return_sequences": 1, "past_present_share_buffer": False,
+                   "num_return_sequences": 1, "past_present_share_buffer": layout == "static",
                    "repetition_penalty": 1.0, "temperature": 1.0, "top_k": 1, "top_p": 1.0},
     }
 
@@ -322,9 +371,10 @@ def cache_root() -> Path:
     return base / "models"
 
 
-def ensure_demo(size: str, root: Path | None = None) -> Path:
-    """The demo model folder for ``size``, building it on first use."""
-    folder = (root or cache_root()) / f"{size}-v{BUILDER_VERSION}"
+def ensure_demo(size: str, root: Path | None = None, layout: str = "static") -> Path:
+    """The demo model folder for ``size`` and ``layout``, building it on first use."""
+    suffix = "" if layout == "static" else f"-{layout}"
+    folder = (root or cache_root()) / f"{size}-v{BUILDER_VERSION}{suffix}"
     if not (folder / "model.onnx").exists():
-        build_demo(size, folder)
+        build_demo(size, folder, layout)
     return folder

@@ -29,6 +29,13 @@ Options (all keyword, as ``[engine.options]`` in the config):
   (default on; results are the same either way).
 - ``spinning``: let ONNX Runtime's intra-op threads spin while idle (default off:
   on a shared machine spinning threads starve each other and the event loop).
+- ``pass_rows``, ``kv_capacity``: for a static-layout model (the demo's default),
+  run every pass with exactly ``pass_rows`` query rows over a KV buffer of
+  ``kv_capacity`` slots (default on CUDA: 16 rows, ``max_length + 1`` slots; on the
+  CPU both unset: passes of ``min_rows``.. rows over a buffer that grows in
+  256-slot steps). Setting either fixes the shape on any provider.
+- ``cuda_graph``: capture the fixed-shape pass as a CUDA graph and replay it
+  (default: on with CUDA and a fixed shape).
 
 See docs/engines.md for why results are bit-identical however a history
 was built up.
@@ -59,6 +66,7 @@ from engines.onnx.model import (
     model_facts,
 )
 from engines.onnx.session import CUDA, PassResult, Runner, choose_providers, open_session, quiet_ort
+from engines.onnx.static import StaticRunner
 from engines.sampling import log_softmax, sample, top_logprobs
 
 log = logging.getLogger("sessiontape.engines.onnx")
@@ -71,7 +79,8 @@ class OnnxEngine(Engine):
                  readout_concepts: str | Path | None = None, max_length: int | None = None,
                  prefill_chunk: int = 256, io_binding: bool | None = None, workers: int = 1,
                  min_rows: int = 2, decode_batch: int = 8, spinning: bool = False, lookahead: bool = True,
-                 **unknown: Any) -> None:
+                 pass_rows: int | None = None, kv_capacity: int | None = None,
+                 cuda_graph: bool | None = None, **unknown: Any) -> None:
         if unknown:
             raise ConfigError(f"unknown onnx engine options: {sorted(unknown)}")
         if model_dir is None:
@@ -86,15 +95,21 @@ class OnnxEngine(Engine):
         if min(int(prefill_chunk), int(workers), int(decode_batch), int(min_rows)) < 1 or int(kv_cache_bytes) < 0:
             raise ConfigError("prefill_chunk, workers, decode_batch and min_rows must be >= 1 "
                               "and kv_cache_bytes >= 0")
+        if (pass_rows is not None and int(pass_rows) < 1) or (kv_capacity is not None and int(kv_capacity) < 2):
+            raise ConfigError("pass_rows must be >= 1 and kv_capacity >= 2")
         ort = quiet_ort()
+        preload = getattr(ort, "preload_dlls", None)
+        if preload is not None and providers != "CPUExecutionProvider":
+            try:  # the CUDA libraries of the `cuda` extra (nvidia-* wheels), where installed
+                preload()
+            except Exception as exc:  # pragma: no cover - depends on the machine's CUDA install
+                log.debug("onnxruntime.preload_dlls failed: %s", exc)
         chosen = choose_providers(providers)
         # onnxruntime's own default counts physical cores, which leaves half of a hyper-threaded VM idle
         threads = (os.cpu_count() or 1) if intra_op_threads is None else int(intra_op_threads)
         self._sess = open_session(str(path), chosen, threads, int(inter_op_threads), bool(spinning))
         self.spec: GraphSpec = infer_graph(self._sess.get_inputs(), self._sess.get_outputs())
         provider = str(self._sess.get_providers()[0])
-        bind = provider == CUDA if io_binding is None else bool(io_binding)
-        self.runner = Runner(self._sess, self.spec, io_binding=bind, min_rows=min_rows, pad_token=PAD)
         facts = model_facts(folder)
         vocab = self.spec.vocab_size or facts["vocab_size"]
         if not vocab:
@@ -103,6 +118,30 @@ class OnnxEngine(Engine):
         model_max = facts["max_length"] or 4096
         if max_length is not None and not 1 <= int(max_length) <= model_max:
             raise ConfigError(f"max_length {max_length} is outside [1, {model_max}] for this model")
+        limit = int(max_length or model_max)
+        bind = provider == CUDA if io_binding is None else bool(io_binding)
+        self.runner: Runner | StaticRunner
+        if self.spec.static:
+            fixed = provider == CUDA or pass_rows is not None or kv_capacity is not None
+            rows = (int(pass_rows) if pass_rows is not None else 16) if fixed else None
+            capacity = (int(kv_capacity) if kv_capacity is not None else limit + 1) if fixed else None
+            if capacity is not None:
+                # the last slot takes the padding rows' writes; no valid position reaches it
+                limit = min(limit, capacity - 1)
+            graph = fixed and provider == CUDA and (cuda_graph is None or bool(cuda_graph))
+            if graph:
+                self._sess = open_session(str(path), chosen, threads, int(inter_op_threads), bool(spinning),
+                                          cuda_graph=True)
+            self.runner = StaticRunner(self._sess, self.spec, rows=rows, capacity=capacity,
+                                       min_rows=min_rows, pad_token=PAD, cuda_graph=graph)
+            bind = True
+            if rows is not None:
+                prefill_chunk = min(int(prefill_chunk), rows)
+        else:
+            if pass_rows is not None or kv_capacity is not None or cuda_graph:
+                raise ConfigError("pass_rows, kv_capacity and cuda_graph need a static-layout model "
+                                  "(past and present sharing one [batch, kv_heads, capacity, head_dim] buffer)")
+            self.runner = Runner(self._sess, self.spec, io_binding=bind, min_rows=min_rows, pad_token=PAD)
         self.concepts: Concepts | None = None
         cpath = Path(readout_concepts) if readout_concepts else folder / "readout_concepts.json"
         if readout_concepts and not cpath.exists():
@@ -116,7 +155,7 @@ class OnnxEngine(Engine):
         #: decode steps whose token had already been run as the previous pass's guess
         self.lookahead_hits = 0
         self._readout_layers = () if self.concepts is None else self.concepts.manifest.layers
-        self.cache = KVCache(int(kv_cache_bytes))
+        self.cache = KVCache(int(kv_cache_bytes), on_free=self.runner.release)
         self._pool = ThreadPoolExecutor(max_workers=int(workers), thread_name_prefix="onnx-engine")
         #: new positions run through the model (padding and re-run rows excluded), and forward passes
         self.positions_computed = 0
@@ -124,14 +163,18 @@ class OnnxEngine(Engine):
         self.model_dir = folder
         self._info = EngineInfo(
             name="onnx", model_id=str(facts["model_id"]), model_hash=file_sha256(path),
-            vocab_size=int(vocab), max_length=int(max_length or model_max),
+            vocab_size=int(vocab), max_length=limit,
             eos_token_ids=tuple(facts["eos_token_ids"]), image_block_tokens=None,
             readout_manifest=None if self.concepts is None else self.concepts.manifest,
             provider=provider, runtime_version=str(ort.__version__),
             extra={"model_dir": str(folder), "providers": list(self._sess.get_providers()),
                    "io_binding": bind, "layers": self.spec.layers, "kv_heads": self.spec.kv_heads,
                    "head_dim": self.spec.head_dim, "intra_op_threads": threads, "spinning": bool(spinning),
-                   "min_rows": self.runner.min_rows, "lookahead": self.lookahead},
+                   "min_rows": self.runner.min_rows, "lookahead": self.lookahead,
+                   "kv_layout": "static" if self.spec.static else "concat",
+                   "pass_rows": getattr(self.runner, "rows", None),
+                   "kv_capacity": getattr(self.runner, "capacity", None),
+                   "cuda_graph": bool(getattr(self.runner, "cuda_graph", False))},
         )
         log.info("onnx engine: %s on %s (onnxruntime %s, io_binding=%s)",
                  self._info.model_id, provider, ort.__version__, bind)
@@ -153,6 +196,11 @@ class OnnxEngine(Engine):
 
     def forget(self, session_key: str) -> None:
         self.cache.forget(session_key)
+
+    def rewind(self, session_key: str, length: int) -> None:
+        e = self.cache.get(session_key)
+        if e is not None and e.kv is not None and 0 <= length < e.length:
+            self.cache.truncate(e, length, keep_buffer=self.runner.static)
 
     def kv_live_bytes(self, session_key: str) -> int:
         return self.cache.live_bytes(session_key)
@@ -178,10 +226,11 @@ class OnnxEngine(Engine):
         a padding row.
         """
         start = r.base_len
-        if r.base.length != start:
+        if r.base.length != start and not self.runner.static:
             r.base = self.runner.trim(r.base, start)
         res = self.runner.run(r.base, start, [*r.hist[start:upto], *guesses], tuple(hidden_layers))
-        if res.kv.length == upto:
+        if res.end == upto or self.runner.static:
+            # a static buffer holds every real position the pass wrote; padding lies past them
             r.base, r.base_len = res.kv, upto
         return res, start
 
@@ -234,10 +283,10 @@ class OnnxEngine(Engine):
             res, start, ran = g.res, g.start, 0
             if len(g.tokens) > 1:
                 r.guess = _Guess(res, start, g.tokens[1:])
-            elif res.kv.length == p + 1:
+            if self.runner.static or (len(g.tokens) == 1 and res.end == p + 1):
                 r.base, r.base_len = res.kv, p + 1
         else:
-            pads = self.runner.min_rows - (p + 1 - r.base_len)
+            pads = min(self.runner.min_rows - (p + 1 - r.base_len), self._info.max_length - 1 - p)
             guesses = r.guesses(pads) if self.lookahead and pads > 0 else []
             flush()
             res, start = self._advance(r, p + 1, self._readout_layers if want else (), guesses)
@@ -276,9 +325,16 @@ class OnnxEngine(Engine):
         loop = asyncio.get_running_loop()
         entry = self.cache.checkout(session_key)
         keep = min(entry.length, first_row, common_prefix(entry.tokens, hist))
-        r = _Run(hist, n, entry.kv if entry.kv is not None and keep > 0 else self.runner.empty(), keep)
+        static = self.runner.static
+        r: _Run | None = None
         try:
-            self.cache.truncate(entry, keep)
+            base = entry.kv
+            if base is not None and static and self.cache.shared(base):
+                base = self.runner.copy(base) if keep > 0 else None  # a fork's buffer: write into our own
+            if base is None or (keep == 0 and not static):
+                base = self.runner.empty()
+            r = _Run(hist, n, base, keep)
+            self.cache.truncate(entry, keep, keep_buffer=static)
             lp: dict[int, tuple[float, tuple[tuple[int, float], ...]]] = {}
             ro: dict[int, tuple[float, ...]] = {}
             pos = keep
@@ -332,7 +388,8 @@ class OnnxEngine(Engine):
                             yield item
                 await hop  # raises what the worker raised
         finally:
-            r.stop = True
+            if r is not None:
+                r.stop = True
             self.cache.release(entry)
 
 

@@ -25,7 +25,7 @@ still does not hold.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,8 +65,10 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class KVCache:
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, on_free: Callable[[KV], None] | None = None) -> None:
         self.max_bytes = int(max_bytes)
+        #: called with a snapshot no entry holds any more (static buffers go back to a pool)
+        self.on_free = on_free
         self._entries: OrderedDict[str, Entry] = OrderedDict()
         self._refs: dict[int, list[Any]] = {}  # id(KV) -> [KV, count]
         self.total_bytes = 0
@@ -89,11 +91,15 @@ class KVCache:
 
     def release(self, entry: Entry) -> None:
         entry.users -= 1
+        if not entry.live and entry.users == 0:
+            # forgotten while a generation used it: its buffer is free only now
+            self._unref(entry.kv)
+            entry.kv = None
         self._enforce()
 
     def store(self, entry: Entry, tokens: list[int], kv: KV | None) -> None:
         """Point ``entry`` at ``kv``, which caches ``tokens``; then honour the bound."""
-        if entry.live:
+        if kv is not entry.kv:
             self._ref(kv)
             self._unref(entry.kv)
         entry.tokens, entry.kv = tokens, kv
@@ -101,10 +107,17 @@ class KVCache:
             self._entries.move_to_end(entry.key)
             self._enforce()
 
-    def truncate(self, entry: Entry, length: int) -> None:
+    def truncate(self, entry: Entry, length: int, keep_buffer: bool = False) -> None:
+        """Keep the first ``length`` tokens; an emptied entry drops its snapshot unless
+        ``keep_buffer`` (a static buffer the caller goes on writing into)."""
         del entry.tokens[length:]
-        if not entry.tokens:
+        if not entry.tokens and not keep_buffer:
             self.store(entry, [], None)
+
+    def shared(self, kv: KV) -> bool:
+        """Whether another entry (a fork) holds ``kv`` too."""
+        slot = self._refs.get(id(kv))
+        return slot is not None and slot[1] > 1
 
     def fork(self, parent: str, child: str, at: int) -> None:
         p = self._entries.get(parent)
@@ -119,8 +132,10 @@ class KVCache:
     def forget(self, key: str) -> None:
         e = self._entries.pop(key, None)
         if e is not None:
-            self._unref(e.kv)
             e.live = False
+            if e.users == 0:
+                self._unref(e.kv)
+                e.kv = None
 
     def live_bytes(self, key: str) -> int:
         e = self._entries.get(key)
@@ -148,6 +163,8 @@ class KVCache:
         if slot[1] == 0:
             del self._refs[id(kv)]
             self.total_bytes -= kv.nbytes
+            if self.on_free is not None:
+                self.on_free(kv)
 
     def _enforce(self) -> None:
         if self.total_bytes <= self.max_bytes:

@@ -6,7 +6,10 @@ The engine serves any model exported with the common names::
     -> logits, present.N.key|value  [, hidden_states.N]
 
 Layers, KV heads, head size and the KV element type are read from the
-``past_key_values`` inputs; the vocabulary from the ``logits`` output (or
+``past_key_values`` inputs, and the KV layout from their sequence dimension:
+when ``present`` has the same one (a fixed size or the same symbol) the model
+writes into one static buffer (:mod:`engines.onnx.static`), otherwise it
+concatenates (:class:`engines.onnx.session.Runner`); the vocabulary from the ``logits`` output (or
 ``config.json`` when that dimension is symbolic). Everything else about the
 model folder (tokenizer, EOS ids, context length, readout concepts) is read
 here too, so the engine itself only deals with sessions and caches.
@@ -49,6 +52,9 @@ class GraphSpec:
     #: indices N of the ``hidden_states.N`` outputs, sorted
     hidden_layers: tuple[int, ...]
     hidden_size: int | None
+    #: past and present are one [batch, kv_heads, capacity, head_dim] buffer written at the
+    #: pass's positions (the ``static`` layout), not a cache that grows by concatenation
+    static: bool = False
 
     def kv_bytes_per_position(self) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * int(np.dtype(self.kv_dtype).itemsize)
@@ -88,12 +94,14 @@ def infer_graph(inputs: Sequence[_NodeArg], outputs: Sequence[_NodeArg]) -> Grap
     if dtype is None:
         raise EngineError(f"unsupported KV element type {first.type}")
     vocab = outs["logits"].shape[-1] if outs["logits"].shape else None
+    present_len = list(outs["present.0.key"].shape)[2:3]
+    static = present_len == shape[2:3] and shape[2] is not None
     hidden = sorted(int(m.group(1)) for name in outs if (m := _HIDDEN.match(name)))
     hsize = outs[f"hidden_states.{hidden[0]}"].shape[-1] if hidden else None
     return GraphSpec(
         layers=layers, kv_heads=int(shape[1]), head_dim=int(shape[3]), kv_dtype=dtype,
         vocab_size=vocab if isinstance(vocab, int) else None,
-        hidden_layers=tuple(hidden), hidden_size=hsize if isinstance(hsize, int) else None,
+        hidden_layers=tuple(hidden), hidden_size=hsize if isinstance(hsize, int) else None, static=static,
     )
 
 

@@ -65,15 +65,17 @@ def choose_providers(requested: str | Sequence[str]) -> list[str]:
 
 
 def open_session(path: str, providers: Sequence[str], intra_op_threads: int, inter_op_threads: int,
-                 spinning: bool = True) -> Any:
+                 spinning: bool = True, cuda_graph: bool = False) -> Any:
+    """An InferenceSession; ``cuda_graph`` turns on ONNX Runtime's CUDA graph capture."""
     ort = quiet_ort()
     so = ort.SessionOptions()
     so.log_severity_level = 3
     so.intra_op_num_threads = int(intra_op_threads)
     so.inter_op_num_threads = int(inter_op_threads)
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    chosen: list[Any] = [(p, {"enable_cuda_graph": "1"}) if p == CUDA and cuda_graph else p for p in providers]
     try:
-        sess = ort.InferenceSession(path, so, providers=list(providers))
+        sess = ort.InferenceSession(path, so, providers=chosen)
     except Exception as exc:
         if CUDA in providers and providers != [CPU]:
             # the CUDA libraries can be missing even when the build offers the provider
@@ -93,9 +95,15 @@ class PassResult:
     #: hidden_states.N -> [rows, hidden] for the requested layers
     hidden: dict[int, F32]
     kv: KV
+    #: one past the last position the pass wrote (real, guessed and padding rows)
+    end: int
 
 
 class Runner:
+    """Passes over a ``concat``-layout model: immutable snapshots, ``present`` = past + new."""
+
+    static = False
+
     def __init__(self, sess: Any, spec: GraphSpec, *, io_binding: bool, min_rows: int = 2,
                  pad_token: int = 0) -> None:
         self.sess = sess
@@ -163,7 +171,15 @@ class Runner:
             logits=np.asarray(logits[0, :n]),
             hidden={i: np.asarray(h[0, :n]) for i, h in zip(hidden_layers, hidden, strict=True)},
             kv=KV(tuple(present), keep + rows, self._nbytes(keep + rows)),
+            end=keep + rows,
         )
+
+    def release(self, kv: KV) -> None:
+        """Snapshots are freed with their last reference."""
+
+    def copy(self, kv: KV) -> KV:
+        """Snapshots are never written to, so sharing one needs no copy."""
+        return kv
 
     def _run_bound(self, kv: KV, keep: int, small: dict[str, Any],
                    hidden_names: list[str]) -> tuple[Any, list[Any], tuple[Any, ...]]:

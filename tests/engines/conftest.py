@@ -17,7 +17,11 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-@pytest.fixture
-def onnx_engine(tiny_dir: Path) -> OnnxEngine:
+@pytest.fixture(params=["default", "fixed"])
+def onnx_engine(tiny_dir: Path, request: pytest.FixtureRequest) -> OnnxEngine:
+    """The provider's default pass shape, and a fixed one (4 rows over a full-length buffer,
+    updated in place: the CUDA scheme) on whatever provider is present."""
     # one intra-op thread: the test machine is shared
+    if request.param == "fixed":
+        return OnnxEngine(model_dir=tiny_dir, intra_op_threads=1, pass_rows=4)
     return OnnxEngine(model_dir=tiny_dir, intra_op_threads=1)

@@ -36,11 +36,12 @@ def history(seed: int, n: int) -> list[int]:
 
 
 def raw_prefill(model_dir: Path, tokens: Sequence[int]) -> dict[str, Any]:
-    """One full prefill through a plain onnxruntime session: the oracle."""
+    """One full prefill through a plain onnxruntime session on the CPU: the oracle."""
     ort = quiet_ort()
     sess = ort.InferenceSession(str(model_dir / "model.onnx"), providers=["CPUExecutionProvider"])
     spec = infer_graph(sess.get_inputs(), sess.get_outputs())
     n = len(tokens)
+    past = n if spec.static else 0  # a static buffer of exactly n slots, or an empty cache
     feeds: dict[str, Any] = {
         "input_ids": np.asarray([tokens], np.int64),
         "attention_mask": np.ones((1, n), np.int64),
@@ -48,9 +49,19 @@ def raw_prefill(model_dir: Path, tokens: Sequence[int]) -> dict[str, Any]:
     }
     for i in range(spec.layers):
         for k in ("key", "value"):
-            feeds[f"past_key_values.{i}.{k}"] = np.zeros((1, spec.kv_heads, 0, spec.head_dim), np.float32)
+            feeds[f"past_key_values.{i}.{k}"] = np.zeros((1, spec.kv_heads, past, spec.head_dim), np.float32)
     names = [o.name for o in sess.get_outputs()]
     return dict(zip(names, sess.run(None, feeds), strict=True))
+
+
+def on_cpu(engine: OnnxEngine) -> bool:
+    return engine.info.provider == "CPUExecutionProvider"
+
+
+def agrees(engine: OnnxEngine, got: float, want: float) -> bool:
+    """The CPU oracle's number: bit for bit on the CPU, to float32 rounding on another provider
+    (whose kernels sum in another order; bit-exactness there is warm vs cold, tested below)."""
+    return got == want if on_cpu(engine) else bool(np.isclose(got, want, rtol=1e-4, atol=1e-4))
 
 
 # -- the model -------------------------------------------------------------
@@ -62,7 +73,7 @@ def test_graph_io_is_inferred(onnx_engine: OnnxEngine) -> None:
     assert spec.vocab_size == tiny.vocab and spec.hidden_size == tiny.hidden
     assert spec.hidden_layers == tuple(range(tiny.layers + 1))
     info = onnx_engine.info
-    assert info.provider == "CPUExecutionProvider" and info.runtime_version
+    assert info.provider in onnx_engine._sess.get_providers() and info.runtime_version
     assert info.eos_token_ids == (EOS,) and info.image_block_tokens is None
     assert info.readout_manifest is not None and info.readout_manifest.layers == (1, 2)
 
@@ -128,8 +139,8 @@ async def test_prompt_logprobs_prefill_only(onnx_engine: OnnxEngine, tiny_dir: P
     logits = raw_prefill(tiny_dir, hist)["logits"][0]
     for s in steps[1:]:
         lp = log_softmax(logits[s.position - 1])
-        assert s.logprob == float(lp[hist[s.position]])
-        assert s.top_logprobs[0][1] == float(lp.max())
+        assert s.logprob is not None and agrees(onnx_engine, s.logprob, float(lp[hist[s.position]]))
+        assert agrees(onnx_engine, s.top_logprobs[0][1], float(lp.max()))
 
 
 async def test_readouts_are_concept_cosines(onnx_engine: OnnxEngine, tiny_dir: Path) -> None:
@@ -151,7 +162,7 @@ async def test_readouts_are_concept_cosines(onnx_engine: OnnxEngine, tiny_dir: P
             want.extend(d @ h / np.linalg.norm(h))
         got = by_pos[p].readout
         assert got is not None and len(got) == len(manifest.layers) * len(manifest.concepts)
-        assert np.allclose(got, want, rtol=0, atol=1e-12)
+        assert np.allclose(got, want, rtol=0, atol=1e-12 if on_cpu(onnx_engine) else 1e-4)
 
 
 async def test_custom_readout_concepts(tiny_dir: Path, tmp_path: Path) -> None:
@@ -243,7 +254,8 @@ async def test_decode_steps_equal_prefill_logits(onnx_engine: OnnxEngine, tiny_d
     full = hist + [s.token_id for s in steps]
     logits = raw_prefill(tiny_dir, full)["logits"][0]
     for s in steps:
-        assert s.logprob == float(log_softmax(logits[s.position - 1])[s.token_id])
+        assert s.logprob is not None
+        assert agrees(onnx_engine, s.logprob, float(log_softmax(logits[s.position - 1])[s.token_id]))
 
 
 async def test_io_binding_path_gives_the_same_results(onnx_engine: OnnxEngine, tiny_dir: Path) -> None:
@@ -298,15 +310,17 @@ async def test_truncation_rewinds_to_the_common_prefix(onnx_engine: OnnxEngine) 
 
 
 async def test_eviction_under_a_memory_bound_then_transparent_recompute(tiny_dir: Path) -> None:
-    eng = OnnxEngine(model_dir=tiny_dir, kv_cache_bytes=40_000, intra_op_threads=1)
+    eng = OnnxEngine(model_dir=tiny_dir, intra_op_threads=1)
     per_pos = eng.spec.kv_bytes_per_position()
     a, b = history(11, 60), history(12, 60)
     params = SamplingParams(max_tokens=4, seed=3)
     first = await collect(eng, "a", a, params)
-    assert eng.kv_live_bytes("a") >= 60 * per_pos
+    one = eng.kv_live_bytes("a")
+    assert one >= 60 * per_pos  # a static buffer counts its whole capacity
+    eng.cache.max_bytes = bound = one * 3 // 2  # room for one session's cache, not two
     await collect(eng, "b", b, params)
     assert eng.cached_length("a") is None and eng.cache.evictions >= 1
-    assert eng.cache.total_bytes <= 40_000
+    assert eng.cache.total_bytes <= bound
     before = eng.positions_computed
     again = await collect(eng, "a", a, params)
     assert again == first
