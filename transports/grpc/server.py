@@ -3,7 +3,8 @@
 It hosts, on one port, each service module in :data:`SERVICE_MODULES` that
 is importable (a module that does not exist is skipped, so the services can
 land independently), the standard health service (``grpc.health.v1.Health``)
-and server reflection (``grpc.reflection.v1alpha.ServerReflection``) listing
+and server reflection (``grpc.reflection.v1`` and ``v1alpha``, see
+:mod:`transports.grpc.reflection`) listing
 all of them. A service module exposes::
 
     def add_to_server(server: grpc.aio.Server, runtime: Runtime,
@@ -33,11 +34,11 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection
 
 from core.config import parse_listen
 from core.errors import ConfigError, Unauthenticated
 from core.runtime import Runtime
+from transports.grpc import reflection
 from transports.grpc.status import code_for, message_for
 
 log = logging.getLogger("sessiontape.grpc")
@@ -159,7 +160,7 @@ class GrpcServer:
         self._load_services(server)
         self._health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection([*self.services, HEALTH_SERVICE, reflection.SERVICE_NAME], server)
+        reflection.enable(server, [*self.services, HEALTH_SERVICE])
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
             bound = server.add_secure_port(address, creds) if creds is not None else server.add_insecure_port(address)
