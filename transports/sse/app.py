@@ -45,6 +45,9 @@ from transports.sse.feeds import (
     load_builder,
     session_stream,
 )
+from transports.sse.openai import PREFIXES as OPENAI_PREFIXES
+from transports.sse.openai import error_response as openai_error
+from transports.sse.openai import routes as openai_routes
 from transports.sse.openapi import spec
 
 STATIC = Path(__file__).parent / "static"
@@ -423,7 +426,8 @@ class BearerAuth:
         given = auth[7:].strip() if auth.lower().startswith("bearer ") else request.query_params.get("access_token", "")
         if not hmac.compare_digest(given.encode(), self.token):
             exc = Unauthenticated("missing or wrong bearer token")
-            await errors.to_response(exc)(scope, receive, send)
+            shape = openai_error if path.startswith(OPENAI_PREFIXES) else errors.to_response
+            await shape(exc)(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
@@ -452,6 +456,7 @@ def create_app(runtime: Runtime, *, auth_token: str = "", heartbeat_s: float = 1
         Route(sid + "/replay", api.replay),
         Route(sid + "/images/{sha}", api.image),
         Route(sid + "/nodes/{nid}/content", api.node_content),
+        *openai_routes(api),
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
     ]
 

@@ -1,0 +1,4 @@
+"""sessiontape's Python client: ``from sessiontape import Client, AsyncClient``.
+
+See :mod:`sessiontape.client` and docs/clients.md.
+"""

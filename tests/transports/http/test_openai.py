@@ -1,0 +1,361 @@
+"""The OpenAI-compatible routes, driven by the official ``openai`` package against a live server.
+
+The sync client blocks, so it runs in a worker thread while the server's
+event loop serves it. Every reply is checked against the log: a response's
+id names its session and the version of its ``generation.started``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from core.events import T
+from core.runtime import Runtime
+from engines.reference import ReferenceEngine
+from tests.conftest import make_config
+from transports.sse.chat_template import ROLE_MARKERS
+from transports.sse.plugin import HttpTransport
+from transports.sse.turns import load_turn
+
+from .conftest import Served
+
+TOKEN = "sekret"
+MODEL = "reference-bigram-v1"
+
+
+async def _serve(url: str, port: int, engine: ReferenceEngine) -> AsyncIterator[Served]:
+    cfg = make_config(url, auth={"token": TOKEN})
+    rt = await Runtime.create(cfg, engine=engine)
+    tr = HttpTransport(rt, {"listen": f"127.0.0.1:{port}", "heartbeat_s": 1.0}, cfg)
+    await tr.start()
+    try:
+        yield Served(rt, tr, f"http://127.0.0.1:{port}")
+    finally:
+        await tr.stop(grace=1.0)
+        await rt.aclose()
+
+
+@pytest.fixture
+async def live(sqlite_url: str, port: int) -> AsyncIterator[Served]:
+    """A server with a bearer token; the reference engine sleeps 20 ms a step (streams can be cut)."""
+    async for s in _serve(sqlite_url, port, ReferenceEngine(step_delay_s=0.02)):
+        yield s
+
+
+@pytest.fixture
+async def eager(sqlite_url: str, port: int) -> AsyncIterator[Served]:
+    """The reference engine biased towards EOS: replies end by themselves within a few tokens."""
+    async for s in _serve(sqlite_url, port, ReferenceEngine(eos_bias=6.0)):
+        yield s
+
+
+def sync_client(s: Served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=s.url + "/v1", api_key=TOKEN, max_retries=0)
+
+
+def async_client(s: Served) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=s.url + "/v1", api_key=TOKEN, max_retries=0)
+
+
+def session_of(rid: str) -> tuple[str, int]:
+    body = rid.split("_", 1)[1]
+    sid, _, version = body.rpartition("_")
+    return sid, int(version)
+
+
+async def test_models(live: Served) -> None:
+    def run() -> tuple[list[str], str]:
+        with sync_client(live) as c:
+            return [m.id for m in c.models.list()], c.models.retrieve(MODEL).owned_by
+
+    ids, owner = await asyncio.to_thread(run)
+    assert ids == [MODEL] and owner == "sessiontape"
+    async with async_client(live) as c:
+        with pytest.raises(openai.NotFoundError) as exc:
+            await c.models.retrieve("gpt-4o")
+    assert exc.value.code == "model_not_found"
+
+
+async def test_response_sync_is_a_generation_in_the_log(live: Served) -> None:
+    def run() -> Any:
+        with sync_client(live) as c:
+            return c.responses.create(model=MODEL, input="Hello", instructions="Be brief.",
+                                      max_output_tokens=6, temperature=0, metadata={"k": "v"}, extra_body={"seed": 7})
+
+    r = await asyncio.to_thread(run)
+    assert r.status in ("completed", "incomplete") and r.object == "response" and r.model == MODEL
+    assert r.metadata == {"k": "v"} and r.instructions == "Be brief."
+    assert r.usage is not None and 1 <= r.usage.output_tokens <= 6
+    sid, version = session_of(r.id)
+    assert r.model_extra is not None and r.model_extra["session_id"] == sid
+    evs = await live.runtime.log.read(sid)
+    started = next(e for e in evs if e.version == version)
+    assert started.type == T.GENERATION_STARTED
+    st = await live.runtime.get(sid)
+    # the chat template was applied once and recorded with the session and the request
+    prompt = ROLE_MARKERS.render([("system", "Be brief."), ("user", "Hello")], at_start=True, after_generation=False)
+    assert live.runtime.engine.detokenize(st.tokens[:r.usage.input_tokens]) == prompt
+    assert st.meta["chat_template"] == ROLE_MARKERS.to_json()
+    wire = next(e for e in evs if e.type == T.WIRE)
+    assert wire.body["payload"]["request"]["template"] == ROLE_MARKERS.to_json()
+    gen = st.generations[started.body["generation_id"]]
+    assert r.output_text == live.runtime.engine.detokenize(gen.tokens)
+    assert r.usage.output_tokens == len(gen.tokens)
+    # GET rebuilds the same response from the log
+    async with async_client(live) as c:
+        again = await c.responses.retrieve(r.id)
+    assert again.model_dump() == r.model_dump()
+    # and the session audits like any other
+    async with httpx.AsyncClient(base_url=live.url, headers={"Authorization": f"Bearer {TOKEN}"}) as h:
+        audit = (await h.get(f"/v1/sessions/{sid}/audit")).json()
+    assert audit["ok"] is True
+
+
+async def test_same_seed_same_text(live: Served) -> None:
+    async with async_client(live) as c:
+        a = await c.responses.create(model=MODEL, input="Hi", max_output_tokens=8, extra_body={"seed": 42})
+        b = await c.responses.create(model=MODEL, input="Hi", max_output_tokens=8, extra_body={"seed": 42})
+        d = await c.responses.create(model=MODEL, input="Hi", max_output_tokens=8, extra_body={"seed": 43})
+    assert a.output_text == b.output_text and a.id != b.id
+    assert (a.output_text, a.usage and a.usage.output_tokens) != (d.output_text, d.usage and d.usage.output_tokens) \
+        or a.output_text == d.output_text  # different seeds may agree; the ids never do
+    assert session_of(a.id)[0] != session_of(b.id)[0]
+
+
+async def test_previous_response_chain_continues_the_session(live: Served) -> None:
+    async with async_client(live) as c:
+        r1 = await c.responses.create(model=MODEL, input="one", max_output_tokens=4, temperature=0)
+        r2 = await c.responses.create(model=MODEL, input="two", max_output_tokens=4, temperature=0,
+                                      previous_response_id=r1.id)
+        r3 = await c.responses.create(model=MODEL, input="three", max_output_tokens=4, temperature=0,
+                                      previous_response_id=r2.id)
+    sids = {session_of(r.id)[0] for r in (r1, r2, r3)}
+    assert len(sids) == 1 and r3.previous_response_id == r2.id
+    sid = sids.pop()
+    st = await live.runtime.get(sid)
+    assert len(st.generations) == 3
+    text = live.runtime.engine.detokenize(st.tokens)
+    assert text.index("<|user|>\none") < text.index("<|user|>\ntwo") < text.index("<|user|>\nthree")
+    # the earlier turns were cached: only this turn's tokens are new input
+    assert r3.usage is not None and r3.usage.input_tokens_details.cached_tokens > 0
+    assert r3.usage.input_tokens > r1.usage.input_tokens  # type: ignore[union-attr]
+
+
+async def test_previous_response_that_is_not_the_latest_forks(live: Served) -> None:
+    async with async_client(live) as c:
+        r1 = await c.responses.create(model=MODEL, input="root", max_output_tokens=4, temperature=0)
+        r2 = await c.responses.create(model=MODEL, input="left", max_output_tokens=4, previous_response_id=r1.id)
+        sid = session_of(r1.id)[0]
+        before = [e.hash for e in await live.runtime.log.read(sid)]
+        r3 = await c.responses.create(model=MODEL, input="right", max_output_tokens=4, previous_response_id=r1.id)
+        listed = await c.responses.input_items.list(r3.id)
+    child = session_of(r3.id)[0]
+    assert session_of(r2.id)[0] == sid and child != sid
+    assert [e.hash for e in await live.runtime.log.read(sid)] == before  # the original is intact
+    parent_st = await live.runtime.get(sid)
+    child_st = await live.runtime.get(child)
+    turn1 = await load_turn(live.runtime, sid, session_of(r1.id)[1], "responses")
+    assert child_st.parent is not None and child_st.parent["session_id"] == sid
+    assert child_st.parent["token_position"] == turn1.end
+    assert list(child_st.tokens[:turn1.end]) == list(parent_st.tokens[:turn1.end])
+    detok = live.runtime.engine.detokenize
+    assert "right" in detok(child_st.tokens) and "left" not in detok(child_st.tokens)
+    assert [it.content[0].text for it in listed.data] == ["right"]  # type: ignore[union-attr]
+
+
+async def test_stream_events_and_resume(live: Served) -> None:
+    async with async_client(live) as c:
+        stream = await c.responses.create(model=MODEL, input="stream me", max_output_tokens=12, stream=True,
+                                          temperature=0)
+        events = [e async for e in stream]
+    types = [e.type for e in events]
+    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert types[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert types[-1] in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    rid = events[0].response.id  # type: ignore[union-attr]
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")  # type: ignore[union-attr]
+    final = events[-1].response  # type: ignore[union-attr]
+    assert final.output_text == deltas and deltas
+    # resume: the same events after N, rebuilt from the log
+    async with async_client(live) as c:
+        resumed = [e async for e in await c.responses.retrieve(rid, stream=True, starting_after=3)]
+    assert [e.model_dump() for e in resumed] == [e.model_dump() for e in events[4:]]
+
+
+async def test_stream_helper_accumulates(eager: Served) -> None:
+    async with async_client(eager) as c:
+        async with c.responses.stream(model=MODEL, input="x", max_output_tokens=200) as s:
+            async for _ in s:
+                pass
+            final = await s.get_final_response()
+        assert final.status == "completed"
+        assert final.output_text == (await c.responses.retrieve(final.id)).output_text
+        chat = await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                               max_tokens=200)
+        assert chat.choices[0].finish_reason == "stop"
+
+
+async def test_background_resume_while_running_and_cancel(live: Served) -> None:
+    async with async_client(live) as c:
+        bg = await c.responses.create(model=MODEL, input="long", max_output_tokens=40, background=True,
+                                      temperature=0)
+        assert bg.status == "in_progress" and bg.background is True
+        # follow it live from the start, drop the connection after a few events, resume from there
+        cut = []
+        async with await c.responses.retrieve(bg.id, stream=True) as s:
+            async for e in s:
+                cut.append(e)
+                if len(cut) == 6:
+                    break
+        assert [e.sequence_number for e in cut] == list(range(6))
+        rest = [e async for e in await c.responses.retrieve(bg.id, stream=True, starting_after=5)]
+        assert rest[0].sequence_number == 6 and rest[-1].type in ("response.completed", "response.incomplete")
+        done = await c.responses.retrieve(bg.id)
+        text = "".join(e.delta for e in cut + rest if e.type == "response.output_text.delta")  # type: ignore[union-attr]
+        assert done.output_text == text
+        # cancel: a finished one comes back as it is; a running one stops and says so
+        assert (await c.responses.cancel(bg.id)).status == done.status
+        slow = await c.responses.create(model=MODEL, input="slow", max_output_tokens=400, background=True)
+        cancelled = await c.responses.cancel(slow.id)
+        assert cancelled.status == "cancelled"
+        assert (await c.responses.retrieve(slow.id)).status == "cancelled"
+        fg = await c.responses.create(model=MODEL, input="fg", max_output_tokens=2)
+        with pytest.raises(openai.BadRequestError):
+            await c.responses.cancel(fg.id)
+    sid, _ = session_of(slow.id)
+    st = await live.runtime.get(sid)
+    assert [g.finish_reason for g in st.generations.values()] == ["cancelled"]
+
+
+async def test_store_false_is_not_retrievable_and_closes(live: Served) -> None:
+    async with async_client(live) as c:
+        r = await c.responses.create(model=MODEL, input="x", max_output_tokens=2, store=False)
+        with pytest.raises(openai.NotFoundError):
+            await c.responses.retrieve(r.id)
+        with pytest.raises(openai.NotFoundError):
+            await c.responses.create(model=MODEL, input="y", previous_response_id=r.id)
+        with pytest.raises(openai.BadRequestError):
+            await c.responses.create(model=MODEL, input="y", store=False, background=True)
+    sid, _ = session_of(r.id)
+    for _ in range(100):
+        if (await live.runtime.get(sid)).status == "closed":
+            break
+        await asyncio.sleep(0.02)
+    assert (await live.runtime.get(sid)).status == "closed"
+
+
+async def test_chat_completions(live: Served) -> None:
+    def run() -> Any:
+        with sync_client(live) as c:
+            return c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                             max_tokens=6, seed=3, logprobs=True, top_logprobs=2)
+
+    r = await asyncio.to_thread(run)
+    choice = r.choices[0]
+    assert r.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length")
+    assert choice.logprobs is not None and len(choice.logprobs.content) == r.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
+    sid = r.model_extra["session_id"]
+    assert r.id.startswith(f"chatcmpl-{sid}_")
+    st = await live.runtime.get(sid)
+    [gen] = st.generations.values()
+    assert choice.message.content == live.runtime.engine.detokenize(gen.tokens)
+    assert [t.logprob for t in choice.logprobs.content] == [
+        e.body["logprob"] for e in await live.runtime.log.read(sid)
+        if e.type == T.GENERATION_TOKEN and not e.body["is_prefill"]]
+    # continue the same session by id, without resending history
+    length = len(st.tokens)
+    async with async_client(live) as c:
+        r2 = await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "More"}],
+                                             max_completion_tokens=4, extra_body={"session_id": sid})
+    assert r2.model_extra is not None and r2.model_extra["session_id"] == sid
+    assert r2.usage is not None and r2.usage.prompt_tokens_details is not None
+    assert r2.usage.prompt_tokens_details.cached_tokens == length
+    assert len((await live.runtime.get(sid)).generations) == 2
+
+
+async def test_chat_stream_with_usage(live: Served) -> None:
+    async with async_client(live) as c:
+        stream = await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Go"}],
+                                                 max_tokens=8, stream=True, stream_options={"include_usage": True},
+                                                 temperature=0)
+        chunks = [ch async for ch in stream]
+        plain = await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Go"}],
+                                                max_tokens=8, temperature=0)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == plain.choices[0].message.content
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finishes == [plain.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens  # type: ignore[union-attr]
+
+
+async def test_chat_stop_string_cuts_the_text(live: Served) -> None:
+    async with async_client(live) as c:
+        full = await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "s"}],
+                                               max_tokens=30, seed=5)
+        text = full.choices[0].message.content or ""
+        stop = next((ch for ch in text[3:] if ch.isprintable() and ch != "\ufffd"), None)
+        if stop is None:
+            pytest.skip("no printable character to stop at")  # pragma: no cover
+        cut = await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "s"}],
+                                              max_tokens=30, seed=5, stop=[stop])
+    assert cut.choices[0].message.content == text[:text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+async def test_errors_have_openai_shape(live: Served) -> None:
+    async with async_client(live) as c:
+        with pytest.raises(openai.BadRequestError) as bad:
+            await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=2)
+        assert bad.value.param == "n" and bad.value.code == "invalid_parameters"
+        with pytest.raises(openai.NotFoundError) as nf:
+            await c.responses.retrieve("resp_s_nope_3")
+        assert nf.value.code == "response_not_found"
+        with pytest.raises(openai.NotFoundError):
+            await c.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
+    bad_key = openai.AsyncOpenAI(base_url=live.url + "/v1", api_key="wrong", max_retries=0)
+    async with bad_key:
+        with pytest.raises(openai.AuthenticationError) as auth:
+            await bad_key.models.list()
+    assert auth.value.body == {"message": "missing or wrong bearer token", "type": "authentication_error",
+                               "param": None, "code": "unauthenticated"}
+    async with httpx.AsyncClient(base_url=live.url, headers={"Authorization": f"Bearer {TOKEN}"}) as h:
+        r = await h.post("/v1/responses", content=b"{nope")
+        assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+        r = await h.post("/v1/responses", json={"model": MODEL, "input": "x", "temperature": 3})
+        assert r.json()["error"]["param"] == "temperature"
+        n_sessions = len((await h.get("/v1/sessions")).json()["sessions"])
+        assert n_sessions == 0  # refused requests left nothing behind
+
+
+async def test_stream_dropped_mid_way_cancels_foreground(live: Served) -> None:
+    body = {"model": MODEL, "input": "x", "stream": True, "max_output_tokens": 400}
+    rid = None
+    async with httpx.AsyncClient(base_url=live.url, headers={"Authorization": f"Bearer {TOKEN}"}) as h, \
+            h.stream("POST", "/v1/responses", json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and rid is None:
+                rid = json.loads(line[6:])["response"]["id"]
+            if line.startswith("event: response.output_text.delta"):
+                break
+    assert rid is not None
+    sid, _ = session_of(rid)
+    for _ in range(200):
+        st = await live.runtime.get(sid)
+        if st.active_generation is None:
+            break
+        await asyncio.sleep(0.02)
+    [gen] = (await live.runtime.get(sid)).generations.values()
+    assert gen.finish_reason == "cancelled" and len(gen.tokens) < 400

@@ -1,0 +1,191 @@
+"""Chat templates: how OpenAI-style messages become the text a model continues.
+
+A template is plain data (no code), so it can be recorded in the log with
+every turn it rendered and re-applied by anyone replaying the session::
+
+    message = "<|{role}|>\\n{content}\\n"     # one message
+    generation_prompt = "<|assistant|>\\n"    # opens the assistant's turn
+    after_generation = "\\n"                  # closes a generated turn before the next message
+    prefix = ""                              # once, at the start of a session
+    stop = ["<|user|>", "<|system|>"]         # text that ends an assistant turn
+
+Where it comes from, first match wins: ``[transports.http.chat_template]``
+in the config (a table, or the path of a JSON file), then
+``chat_template.json`` in the engine's model folder
+(``[engine.options] model_dir``), then :data:`ROLE_MARKERS`, the plain
+role-marker template of the demo models.
+
+The template is applied once, when a request's messages are turned into
+tokens; the tokens are what the log keeps, and the template itself is
+recorded in the session's ``meta`` and in each request's ``wire.message``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from core.config import Config
+from core.errors import ConfigError, InvalidParameters
+
+ROLES = ("system", "developer", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    name: str = "role-markers"
+    message: str = "<|{role}|>\n{content}\n"
+    generation_prompt: str = "<|assistant|>\n"
+    after_generation: str = "\n"
+    prefix: str = ""
+    stop: tuple[str, ...] = field(default=("<|user|>", "<|system|>", "<|developer|>", "<|assistant|>"))
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], source: str = "config") -> ChatTemplate:
+        known = {"name", "message", "generation_prompt", "after_generation", "prefix", "stop"}
+        unknown = set(data) - known
+        if unknown:
+            raise ConfigError(f"chat template ({source}): unknown keys {sorted(unknown)}")
+        try:
+            tpl = cls(
+                name=str(data.get("name", "custom")),
+                message=str(data.get("message", cls.message)),
+                generation_prompt=str(data.get("generation_prompt", cls.generation_prompt)),
+                after_generation=str(data.get("after_generation", cls.after_generation)),
+                prefix=str(data.get("prefix", "")),
+                stop=tuple(str(s) for s in data.get("stop", ())),
+            )
+            tpl.message.format(role="user", content="x")
+        except (KeyError, IndexError, ValueError, TypeError) as exc:
+            raise ConfigError(f"chat template ({source}): 'message' must use only {{role}} and {{content}}: {exc}") from exc
+        return tpl
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "message": self.message, "generation_prompt": self.generation_prompt,
+                "after_generation": self.after_generation, "prefix": self.prefix, "stop": list(self.stop)}
+
+    def render(self, messages: Sequence[tuple[str, str]], *, at_start: bool, after_generation: bool) -> str:
+        """The text of one request's messages, ending with the generation prompt.
+
+        ``at_start``: the session holds no tokens yet (the prefix goes first);
+        ``after_generation``: the session ends with a generated turn, which is
+        closed first.
+        """
+        parts = [self.prefix if at_start else "", self.after_generation if after_generation else ""]
+        for role, content in messages:
+            parts.append(self.message.format(role=role, content=content))
+        parts.append(self.generation_prompt)
+        return "".join(parts)
+
+
+ROLE_MARKERS = ChatTemplate()
+
+
+def load_template(config: Config) -> ChatTemplate:
+    """The chat template for the configured model (see the module docstring)."""
+    configured = config.section("transports", "http").get("chat_template")
+    if isinstance(configured, Mapping):
+        return ChatTemplate.from_json(configured, "transports.http.chat_template")
+    if isinstance(configured, str) and configured:
+        return _from_file(Path(configured))
+    if configured not in (None, ""):
+        raise ConfigError("transports.http.chat_template must be a table or a file path")
+    model_dir = config.engine_options.get("model_dir")
+    if model_dir:
+        path = Path(str(model_dir)) / "chat_template.json"
+        if path.is_file():
+            return _from_file(path)
+    return ROLE_MARKERS
+
+
+def _from_file(path: Path) -> ChatTemplate:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"chat template {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"chat template {path}: not a JSON object")
+    return ChatTemplate.from_json(data, str(path))
+
+
+def message_text(content: Any, where: str) -> str:
+    """The text of an OpenAI message's ``content``: a string or a list of text parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out = []
+        for part in content:
+            if isinstance(part, str):
+                out.append(part)
+                continue
+            if not isinstance(part, dict) or part.get("type") not in ("text", "input_text", "output_text"):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise InvalidParameters(f"{where}: content part of type {kind!r} is not supported (text only)")
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise InvalidParameters(f"{where}: a text part needs a string 'text'")
+            out.append(text)
+        return "".join(out)
+    raise InvalidParameters(f"{where}: content must be a string or an array of text parts")
+
+
+class TextStream:
+    """Generated tokens to text deltas: multi-byte characters split across tokens
+    are held back until complete, and text that may start a stop string is held
+    back until it cannot. ``stopped`` is set once a stop string appeared; the
+    text ends before it. A pure function of the tokens, so a stream replayed
+    from the log gives the same deltas as the live one."""
+
+    def __init__(self, detokenize: Any, stops: Sequence[str] = ()) -> None:
+        self._detok = detokenize
+        self._stops = tuple(s for s in stops if s)
+        self._tokens: list[int] = []
+        self._prefix = 0  # tokens before this were decoded into self._text for good
+        self._text = ""  # decoded, stable text
+        self._sent = 0  # characters of self._text already handed out
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        if self.stopped:
+            return ""
+        self._tokens.append(token)
+        window = self._detok(self._tokens[self._prefix:])
+        if window.endswith("\ufffd"):
+            return ""  # an incomplete character: wait for the next token
+        self._text += window
+        self._prefix = len(self._tokens)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        if not self.stopped and self._prefix < len(self._tokens):
+            self._text += self._detok(self._tokens[self._prefix:])
+            self._prefix = len(self._tokens)
+        return self._release(final=True)
+
+    @property
+    def text(self) -> str:
+        return self._text[:self._sent]
+
+    def _release(self, final: bool) -> str:
+        if self.stopped:
+            return ""
+        end = len(self._text)
+        for s in self._stops:
+            i = self._text.find(s, self._sent)
+            if i != -1 and i < end:
+                end = i
+                self.stopped = True
+        if self.stopped:
+            self._text = self._text[:end]
+        elif not final:
+            for s in self._stops:  # hold back a suffix that may begin a stop string
+                for k in range(min(len(s) - 1, end - self._sent), 0, -1):
+                    if self._text.endswith(s[:k]):
+                        end = min(end, len(self._text) - k)
+                        break
+        delta = self._text[self._sent:end]
+        self._sent = end
+        return delta

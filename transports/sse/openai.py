@@ -1,0 +1,237 @@
+"""The OpenAI-compatible routes: ``/v1/responses``, ``/v1/chat/completions``, ``/v1/models``.
+
+They are views of the log like every other transport: a response or a chat
+completion is one generation in a session, its id names the session and the
+version of its ``generation.started`` event (``resp_<session>_<version>``,
+``chatcmpl-<session>_<version>``), and everything a reply shows is rebuilt
+from the log, so any response can be replayed, audited and exported with
+its session. docs/protocols/openai.md describes the mapping.
+
+Errors on these routes have OpenAI's shape,
+``{"error": {"message", "type", "param", "code"}}``, with the status of the
+native API (:mod:`transports.sse.errors`) and the core error's code.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from core import errors as E
+from core import metrics
+from core.errors import InvalidParameters, NotFound, SessiontapeError
+from transports.sse import errors
+
+if TYPE_CHECKING:
+    from transports.sse.app import Api
+
+log = logging.getLogger("sessiontape.http.openai")
+
+#: paths whose errors (401s from the auth middleware included) take OpenAI's shape
+PREFIXES = ("/v1/responses", "/v1/chat/completions", "/v1/models")
+
+#: completion budget when a request names none
+DEFAULT_MAX_TOKENS = 256
+
+
+class BadParam(InvalidParameters):
+    """A request field OpenAI's error names in ``param``."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"The model {model!r} does not exist on this server")
+        self.param = "model"
+
+
+def error_type(status: int) -> str:
+    if status == 401:
+        return "authentication_error"
+    if status == 429:
+        return "rate_limit_error"
+    return "server_error" if status >= 500 else "invalid_request_error"
+
+
+def error_response(exc: SessiontapeError) -> JSONResponse:
+    status = errors.status_for(exc)
+    metrics.ERRORS.labels(exc.code).inc()
+    body = {"error": {"message": exc.message, "type": error_type(status),
+                      "param": getattr(exc, "param", None), "code": exc.code}}
+    headers = {"WWW-Authenticate": 'Bearer realm="sessiontape"'} if status == 401 else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def error_event(exc: BaseException) -> dict[str, Any]:
+    """The body of an ``error`` event ending a stream that failed after it began."""
+    if isinstance(exc, SessiontapeError):
+        return {"message": exc.message, "type": error_type(errors.status_for(exc)),
+                "param": None, "code": exc.code}
+    return {"message": "internal server error", "type": "server_error", "param": None, "code": "internal"}
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def openai_errors(fn: Handler) -> Handler:
+    """Core errors (and anything unexpected) become OpenAI-shaped error responses."""
+
+    @functools.wraps(fn)
+    async def wrapper(request: Request) -> Response:
+        try:
+            return await fn(request)
+        except SessiontapeError as exc:
+            return error_response(exc)
+        except Exception:
+            log.exception("unhandled error on %s", request.url.path)
+            return error_response(E.SessiontapeError("internal server error"))
+
+    return wrapper
+
+
+# -- request fields ------------------------------------------------------------
+
+
+async def json_body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        value = json.loads(raw) if raw else None
+    except ValueError as exc:
+        raise E.InvalidArgument(f"request body is not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise E.InvalidArgument("request body must be a JSON object")
+    return value
+
+
+def number(b: Mapping[str, Any], name: str, default: float, lo: float, hi: float, *,
+           lo_open: bool = False) -> float:
+    v = b.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise BadParam(name, f"{name} must be a number")
+    if v > hi or v < lo or (lo_open and v == lo):
+        raise BadParam(name, f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}")
+    return float(v)
+
+
+def integer(b: Mapping[str, Any], name: str, lo: int, hi: int) -> int | None:
+    v = b.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise BadParam(name, f"{name} must be an integer")
+    if not lo <= v <= hi:
+        raise BadParam(name, f"{name} must be in [{lo}, {hi}], got {v}")
+    return v
+
+
+def flag(b: Mapping[str, Any], name: str, default: bool) -> bool:
+    v = b.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise BadParam(name, f"{name} must be a boolean")
+    return v
+
+
+def metadata(b: Mapping[str, Any]) -> dict[str, str]:
+    """OpenAI's metadata: at most 16 string pairs, keys up to 64 characters, values up to 512."""
+    v = b.get("metadata")
+    if v is None:
+        return {}
+    if not isinstance(v, dict) or len(v) > 16 or any(
+            not isinstance(k, str) or not isinstance(x, str) or len(k) > 64 or len(x) > 512 for k, x in v.items()):
+        raise BadParam("metadata", "metadata must be an object of at most 16 string pairs "
+                                   "(keys up to 64 characters, values up to 512)")
+    return dict(v)
+
+
+def reject_unsupported(b: Mapping[str, Any], names: Iterable[str]) -> None:
+    """Features this server does not have are refused, not silently dropped."""
+    for name in names:
+        v = b.get(name)
+        if v not in (None, [], {}, 0, 0.0, "auto", "none", False):
+            raise BadParam(name, f"{name} is not supported by this server")
+
+
+def split_id(value: str, prefix: str) -> tuple[str, int]:
+    """``<prefix><session id>_<version>`` to (session id, version); NotFound otherwise."""
+    body = value[len(prefix):] if value.startswith(prefix) else ""
+    sid, _, version = body.rpartition("_")
+    if not sid or not version.isdigit() or len(version) > 12:
+        raise NotFound(f"no response with id {value!r}")
+    return sid, int(version)
+
+
+# -- models ----------------------------------------------------------------------
+
+
+class Models:
+    def __init__(self, api: Api) -> None:
+        self.runtime = api.runtime
+
+    @property
+    def model_id(self) -> str:
+        return self.runtime.engine.info.model_id
+
+    def check(self, b: Mapping[str, Any]) -> str:
+        """The request's ``model``: the served model's id, or its engine's name as an alias."""
+        model = b.get("model")
+        if not isinstance(model, str) or not model:
+            raise BadParam("model", "model is required (GET /v1/models lists the served model)")
+        info = self.runtime.engine.info
+        if model not in (info.model_id, info.name):
+            raise ModelNotFound(model)
+        return info.model_id
+
+    def card(self) -> dict[str, Any]:
+        info = self.runtime.engine.info
+        return {"id": info.model_id, "object": "model", "created": 0, "owned_by": "sessiontape",
+                "engine": info.name, "provider": info.provider, "max_length": info.max_length,
+                "model_hash": info.model_hash}
+
+    async def list(self, _: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self.card()]})
+
+    async def get(self, request: Request) -> Response:
+        model = request.path_params["model"]
+        info = self.runtime.engine.info
+        if model not in (info.model_id, info.name):
+            raise ModelNotFound(model)
+        return JSONResponse(self.card())
+
+
+def routes(api: Api) -> list[BaseRoute]:
+    """The OpenAI-compatible routes, bound to the native API's runtime and task set."""
+    from transports.sse.chat import ChatCompletions
+    from transports.sse.chat_template import load_template
+    from transports.sse.responses import Responses
+    from transports.sse.turns import Turns
+
+    models = Models(api)
+    turns = Turns(api.runtime, load_template(api.runtime.config), api.background)
+    resp = Responses(api, models, turns)
+    chat = ChatCompletions(api, models, turns)
+    table: list[tuple[str, Handler, str]] = [
+        ("/v1/models", models.list, "GET"),
+        ("/v1/models/{model:path}", models.get, "GET"),
+        ("/v1/responses", resp.create, "POST"),
+        ("/v1/responses/{rid}", resp.retrieve, "GET"),
+        ("/v1/responses/{rid}/cancel", resp.cancel, "POST"),
+        ("/v1/responses/{rid}/input_items", resp.input_items, "GET"),
+        ("/v1/chat/completions", chat.create, "POST"),
+    ]
+    return [Route(path, openai_errors(fn), methods=[method]) for path, fn, method in table]

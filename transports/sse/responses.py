@@ -1,0 +1,316 @@
+"""``/v1/responses``: OpenAI's Responses API over sessions.
+
+Each response is a turn (:mod:`transports.sse.turns`) in a session; its id
+is ``resp_<session id>_<version of generation.started>``. Without
+``previous_response_id`` a response opens a session; with one, it continues
+that response's session when the response is the session's latest (the
+engine's cached KV is reused), and otherwise forks the session at the
+token right after that response (``Runtime.fork``; the original stays as it
+was). Stored streams are rebuilt from the log, so ``GET ...?stream=true&
+starting_after=N`` resumes any response, live or finished, with the same
+sequence numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from core import errors as E
+from core.engine import OutputOptions, SamplingParams
+from core.state import OPEN
+from transports.sse.chat_template import ROLES, TextStream, message_text
+from transports.sse.openai import (
+    DEFAULT_MAX_TOKENS,
+    BadParam,
+    Models,
+    error_event,
+    flag,
+    integer,
+    json_body,
+    metadata,
+    number,
+    reject_unsupported,
+    split_id,
+)
+from transports.sse.turns import Turn, Turns, follow, load_turn
+
+if TYPE_CHECKING:
+    from transports.sse.app import Api
+
+API = "responses"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def response_id(turn: Turn) -> str:
+    return f"resp_{turn.session_id}_{turn.version}"
+
+
+def _input(b: dict[str, Any]) -> list[dict[str, str]]:
+    raw = b.get("input")
+    if isinstance(raw, str):
+        return [{"role": "user", "content": raw}]
+    if not isinstance(raw, list) or not raw:
+        raise BadParam("input", "input must be a string or a non-empty array of messages")
+    out = []
+    for i, item in enumerate(raw):
+        if not isinstance(item, dict) or item.get("type", "message") != "message":
+            kind = item.get("type") if isinstance(item, dict) else type(item).__name__
+            raise BadParam(f"input[{i}]", f"input[{i}]: items of type {kind!r} are not supported (messages only)")
+        role = item.get("role")
+        if role not in ROLES:
+            raise BadParam(f"input[{i}].role", f"input[{i}].role must be one of {list(ROLES)}")
+        out.append({"role": str(role), "content": message_text(item.get("content"), f"input[{i}]")})
+    return out
+
+
+class Responses:
+    def __init__(self, api: Api, models: Models, turns: Turns) -> None:
+        self.runtime = api.runtime
+        self.models = models
+        self.turns = turns
+        self.template = turns.template
+
+    def _detok(self) -> Any:
+        return self.runtime.engine.detokenize
+
+    # -- POST /v1/responses -----------------------------------------------------
+
+    async def create(self, request: Request) -> Response:
+        b = await json_body(request)
+        model = self.models.check(b)
+        reject_unsupported(b, ("tools", "conversation", "prompt"))
+        items = _input(b)
+        instructions = b.get("instructions")
+        if instructions is not None and not isinstance(instructions, str):
+            raise BadParam("instructions", "instructions must be a string")
+        store = flag(b, "store", True)
+        background = flag(b, "background", False)
+        stream = flag(b, "stream", False)
+        if background and not store:
+            raise BadParam("background", "background responses need store=true")
+        max_out = integer(b, "max_output_tokens", 1, 1 << 20)
+        seed = integer(b, "seed", 0, (1 << 63) - 1)
+        params = SamplingParams(max_tokens=max_out or DEFAULT_MAX_TOKENS,
+                                temperature=number(b, "temperature", 1.0, 0.0, 2.0),
+                                top_p=number(b, "top_p", 1.0, 0.0, 1.0, lo_open=True), seed=seed)
+        prev = b.get("previous_response_id")
+        if prev is not None and not isinstance(prev, str):
+            raise BadParam("previous_response_id", "previous_response_id must be a string")
+        req = {"model": model, "input": items, "instructions": instructions, "metadata": metadata(b),
+               "store": store, "background": background, "stream": stream, "previous_response_id": prev,
+               "max_output_tokens": max_out, "temperature": params.temperature, "top_p": params.top_p,
+               "seed": None if seed is None else str(seed)}
+        sid, forked_from = await self._session(prev)
+        if forked_from is not None:
+            req["forked_from"] = forked_from
+        messages = ([("system", instructions)] if instructions else []) + [(m["role"], m["content"]) for m in items]
+        turn = await self.turns.start(sid, API, messages, req, params, OutputOptions(),
+                                      close_after=not store)
+        if stream:
+            return self._sse(turn, -1, cancel_on_disconnect=not background)
+        if background:
+            return JSONResponse(await self._json(turn, reload=False))
+        with contextlib.suppress(Exception):  # a failure is in the log: the response shows "failed"
+            await self.turns.wait(turn)
+        return JSONResponse(await self._json(turn))
+
+    async def _session(self, prev: str | None) -> tuple[str, dict[str, Any] | None]:
+        """The session this response goes into, and what it forked, if it did."""
+        if prev is None:
+            st = await self.runtime.open_session(
+                "openai", label="openai responses",
+                meta={"openai": API, "chat_template": self.template.to_json()})
+            return st.session_id, None
+        pturn = await self._stored(prev, "previous_response_id")
+        if pturn.finished is None:
+            raise E.SessionBusy(pturn.session_id)
+        st = await self.runtime.get(pturn.session_id)
+        last = next(reversed(st.generations.values()), None)
+        if st.status == OPEN and last is not None and last.id == pturn.generation_id and st.length == pturn.end:
+            return pturn.session_id, None
+        child = await self.runtime.fork(pturn.session_id, at_position=pturn.end, protocol="openai",
+                                        label="openai responses (fork)")
+        return child.session_id, {"session_id": pturn.session_id, "token_position": pturn.end,
+                                  "response_id": prev}
+
+    async def _stored(self, rid: str, param: str = "response_id") -> Turn:
+        try:
+            sid, version = split_id(rid, "resp_")
+            turn = await load_turn(self.runtime, sid, version, API)
+        except E.NotFound as exc:
+            raise _NoResponse(rid, param) from exc
+        if not turn.request.get("store", True):
+            raise _NoResponse(rid, param)
+        return turn
+
+    # -- GET, cancel, input items -------------------------------------------------
+
+    async def retrieve(self, request: Request) -> Response:
+        turn = await self._stored(request.path_params["rid"])
+        q = request.query_params
+        if q.get("stream", "false").lower() in ("1", "true"):
+            after = q.get("starting_after")
+            if after is not None and not after.lstrip("-").isdigit():
+                raise BadParam("starting_after", "starting_after must be an integer")
+            return self._sse(turn, int(after) if after is not None else -1, cancel_on_disconnect=False)
+        return JSONResponse(await self._json(turn, reload=False))
+
+    async def cancel(self, request: Request) -> Response:
+        turn = await self._stored(request.path_params["rid"])
+        if not turn.request.get("background"):
+            raise BadParam("response_id", "only responses created with background=true can be cancelled")
+        await self.turns.cancel(turn)
+        return JSONResponse(await self._json(turn))
+
+    async def input_items(self, request: Request) -> Response:
+        turn = await self._stored(request.path_params["rid"])
+        q = request.query_params
+        try:
+            limit = int(q.get("limit", "20"))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= 100:
+            raise BadParam("limit", "limit must be an integer in [1, 100]")
+        order = q.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise BadParam("order", "order must be 'asc' or 'desc'")
+        rid = response_id(turn)
+        items = [{"id": f"msg_{rid[5:]}_{i}", "type": "message", "role": m["role"], "status": "completed",
+                  "content": [{"type": "output_text" if m["role"] == "assistant" else "input_text",
+                               "text": m["content"]}]}
+                 for i, m in enumerate(turn.request.get("input", []))]
+        if order == "desc":
+            items.reverse()
+        after = q.get("after")
+        if after is not None:
+            ids = [it["id"] for it in items]
+            if after not in ids:
+                raise BadParam("after", f"no input item {after!r} in this response")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                             "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
+
+    # -- shapes -------------------------------------------------------------------
+
+    async def _json(self, turn: Turn, *, reload: bool = True) -> dict[str, Any]:
+        if reload or turn.finished is None:
+            turn = await load_turn(self.runtime, turn.session_id, turn.version, API)
+        return self.render(turn)
+
+    def render(self, turn: Turn, *, snapshot: bool = False) -> dict[str, Any]:
+        """The response object; ``snapshot`` gives the in-progress one a stream starts with."""
+        r = turn.request
+        rid = response_id(turn)
+        text, stopped = turn.text(self._detok())
+        status, incomplete, error = _status(turn.finish_reason, stopped)
+        if snapshot:
+            status, incomplete, error = "in_progress", None, None
+        item_status = {"completed": "completed", "in_progress": "in_progress"}.get(status, "incomplete")
+        output = [] if snapshot else [{
+            "type": "message", "id": "msg_" + rid[5:], "status": item_status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}]
+        usage = None
+        if not snapshot and turn.finished is not None:
+            cached = max(0, turn.prompt_tokens - turn.appended)
+            usage = {"input_tokens": turn.prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
+                     "output_tokens": len(turn.tokens), "output_tokens_details": {"reasoning_tokens": 0},
+                     "total_tokens": turn.prompt_tokens + len(turn.tokens)}
+        seed = r.get("seed")
+        return {
+            "id": rid, "object": "response", "created_at": int(turn.started.recorded_at),
+            "status": status, "background": bool(r.get("background")), "error": error,
+            "incomplete_details": incomplete, "instructions": r.get("instructions"),
+            "max_output_tokens": r.get("max_output_tokens"), "model": r.get("model"), "output": output,
+            "parallel_tool_calls": False, "previous_response_id": r.get("previous_response_id"),
+            "reasoning": {"effort": None, "summary": None}, "store": bool(r.get("store", True)),
+            "temperature": r.get("temperature"), "text": {"format": {"type": "text"}}, "tool_choice": "none",
+            "tools": [], "top_p": r.get("top_p"), "truncation": "disabled", "usage": usage, "user": None,
+            "metadata": r.get("metadata") or {},
+            "completed_at": None if snapshot or turn.finished is None else int(turn.finished.recorded_at),
+            # extensions: where the response lives in the log
+            "session_id": turn.session_id, "seed": seed if seed is not None else turn.started.body["params"].get("seed"),
+        }
+
+    def _sse(self, turn: Turn, starting_after: int, *, cancel_on_disconnect: bool) -> Response:
+        async def body() -> AsyncIterator[bytes]:
+            done = False
+            try:
+                async for seq, event in self.events(turn):
+                    if seq > starting_after:
+                        yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
+                done = True
+            except Exception as exc:
+                done = True
+                yield f"event: error\ndata: {json.dumps({'type': 'error', **error_event(exc)})}\n\n".encode()
+            finally:
+                if cancel_on_disconnect and not done:  # the client went away mid-stream
+                    await self.turns.cancel(turn)
+
+        return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+    async def events(self, turn: Turn) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+        """The response's event stream, numbered; a function of the log alone."""
+        seq = -1
+
+        def ev(type_: str, **fields: Any) -> tuple[int, dict[str, Any]]:
+            nonlocal seq
+            seq += 1
+            return seq, {"type": type_, "sequence_number": seq, **fields}
+
+        rid = response_id(turn)
+        item_id = "msg_" + rid[5:]
+        snap = self.render(turn, snapshot=True)
+        yield ev("response.created", response=snap)
+        yield ev("response.in_progress", response=snap)
+        yield ev("response.output_item.added", output_index=0,
+                 item={"type": "message", "id": item_id, "status": "in_progress", "role": "assistant", "content": []})
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        yield ev("response.content_part.added", item_id=item_id, output_index=0, content_index=0, part=part)
+        ts = TextStream(self._detok(), turn.stops())
+        async for e in follow(self.runtime, turn):
+            if "token" in e.body and not ts.stopped:
+                delta = ts.push(int(e.body["token"]))
+                if delta:
+                    yield ev("response.output_text.delta", item_id=item_id, output_index=0, content_index=0,
+                             delta=delta, logprobs=[])
+        delta = ts.finish()
+        if delta:
+            yield ev("response.output_text.delta", item_id=item_id, output_index=0, content_index=0,
+                     delta=delta, logprobs=[])
+        final = await self._json(turn)
+        yield ev("response.output_text.done", item_id=item_id, output_index=0, content_index=0,
+                 text=ts.text, logprobs=[])
+        yield ev("response.content_part.done", item_id=item_id, output_index=0, content_index=0,
+                 part={**part, "text": ts.text})
+        yield ev("response.output_item.done", output_index=0, item=final["output"][0])
+        terminal = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(
+            final["status"], "response.failed")
+        yield ev(terminal, response=final)
+
+
+class _NoResponse(E.NotFound):
+    code = "response_not_found"
+
+    def __init__(self, rid: str, param: str) -> None:
+        super().__init__(f"Response with id {rid!r} not found.")
+        self.param = param
+
+
+def _status(reason: str | None, stopped: bool) -> tuple[str, dict[str, Any] | None, dict[str, Any] | None]:
+    """(status, incomplete_details, error) for a generation's finish reason."""
+    if reason is None:
+        return "in_progress", None, None
+    if stopped or reason in ("eos", "stop"):
+        return "completed", None, None
+    if reason == "length":
+        return "incomplete", {"reason": "max_output_tokens"}, None
+    if reason in ("cancelled", "aborted"):
+        return "cancelled", None, None
+    return "failed", None, {"code": "server_error", "message": f"the generation ended: {reason}"}
