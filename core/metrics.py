@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import Counter, Gauge, Histogram
 
 EVENTS_APPENDED = Counter("sessiontape_events_appended_total", "Events committed to the log")
@@ -15,7 +17,21 @@ BATCH_SIZE = Histogram(
 )
 SUBSCRIBERS = Gauge("sessiontape_subscribers", "Live log subscribers")
 SESSIONS_OPEN = Gauge("sessiontape_sessions_open", "Sessions open in this process")
-SESSIONS_OPENED = Counter("sessiontape_sessions_opened_total", "Sessions opened", ["protocol"])
+#: protocols a session may be labelled with in metrics; any other client-chosen name counts as "other"
+KNOWN_PROTOCOLS = frozenset({"http", "evergreen", "salience", "kakeya", "nostr", "openai", "d4"})
+
+
+class _ProtocolCounter(Counter):
+    """A counter whose one label is a protocol from a closed set: a client cannot grow the series."""
+
+    def labels(self, *values: Any, **kw: Any) -> Any:
+        if values:
+            values = tuple(v if v in KNOWN_PROTOCOLS else "other" for v in values)
+        kw = {k: (v if v in KNOWN_PROTOCOLS else "other") for k, v in kw.items()}
+        return super().labels(*values, **kw)
+
+
+SESSIONS_OPENED = _ProtocolCounter("sessiontape_sessions_opened_total", "Sessions opened", ["protocol"])
 TTFT_SECONDS = Histogram(
     "sessiontape_time_to_first_token_seconds", "Time from generate to first committed token",
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0),

@@ -4,6 +4,7 @@ Options (``[transports.http]``): ``listen`` (HOST:PORT, default
 127.0.0.1:8080), ``heartbeat_s`` (SSE comment interval, default 15),
 ``ring`` (patches a live feed keeps for fast resume, default 4096),
 ``linger_s`` (how long a feed outlives its last watcher, default 30).
+Request limits and timeouts come from ``[limits]`` (docs/security.md).
 """
 
 from __future__ import annotations
@@ -23,6 +24,47 @@ if TYPE_CHECKING:
 
     from core.config import Config
     from core.runtime import Runtime
+
+
+def guarded_h11(header_timeout_s: float) -> type[Any]:
+    """uvicorn's h11 protocol plus a header deadline: a connection whose request line and headers
+    have not all arrived ``header_timeout_s`` after it opened (or after the first byte of a
+    keep-alive request) is closed. uvicorn has no such timeout of its own (slowloris)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class GuardedH11(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            if self._header_timer is None and self.conn.their_state is h11.IDLE:
+                self._arm()
+            super().data_received(data)
+            if self.conn.their_state is not h11.IDLE:
+                self._disarm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._header_timer = self.loop.call_later(header_timeout_s, self._headers_late)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_late(self) -> None:
+            self._header_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+    return GuardedH11
 
 
 def _quiet_server(uvicorn: Any) -> Any:
@@ -57,9 +99,13 @@ class HttpTransport(Transport):
         import uvicorn
 
         from transports.sse.app import create_app
+        from transports.sse.inputs import Limits
 
+        limit = self.config.limit
+        limits = Limits(max_body_bytes=int(limit("max_body_bytes")), max_json_depth=int(limit("max_json_depth")),
+                        max_meta_bytes=int(limit("max_meta_bytes")), body_timeout_s=limit("body_timeout_s"))
         app = create_app(self.runtime, auth_token=self.config.auth_token, heartbeat_s=self.heartbeat_s,
-                         ring=self.ring, linger_s=self.linger_s)
+                         ring=self.ring, linger_s=self.linger_s, limits=limits)
         # Bind here so a taken port is a ConfigError, not uvicorn's sys.exit inside a task.
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -72,7 +118,10 @@ class HttpTransport(Transport):
         sock.set_inheritable(True)
         self.port = sock.getsockname()[1]
         cfg = uvicorn.Config(app, log_level="warning", lifespan="on", access_log=False,
-                             timeout_graceful_shutdown=5)
+                             timeout_graceful_shutdown=5, http=guarded_h11(limit("header_timeout_s")),
+                             timeout_keep_alive=max(1, round(limit("keep_alive_s"))),
+                             h11_max_incomplete_event_size=int(limit("max_header_bytes")),
+                             limit_concurrency=int(limit("max_connections")))
         server = _quiet_server(uvicorn)(cfg)
         self._server = server
         self._task = asyncio.create_task(server.serve(sockets=[sock]), name="sessiontape-http")
