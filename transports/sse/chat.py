@@ -75,6 +75,7 @@ def _stop(b: dict[str, Any]) -> list[str]:
 class ChatCompletions:
     def __init__(self, api: Api, models: Models, turns: Turns) -> None:
         self.runtime = api.runtime
+        self.limits = api.limits
         self.models = models
         self.turns = turns
 
@@ -82,7 +83,7 @@ class ChatCompletions:
         return self.runtime.engine.detokenize
 
     async def create(self, request: Request) -> Response:
-        b = await json_body(request)
+        b = await json_body(request, self.limits)
         model = self.models.check(b)
         reject_unsupported(b, ("tools", "functions", "logit_bias", "audio", "prediction",
                                "frequency_penalty", "presence_penalty"))

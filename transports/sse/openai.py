@@ -15,7 +15,6 @@ native API (:mod:`transports.sse.errors`) and the core error's code.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -27,7 +26,7 @@ from starlette.routing import BaseRoute, Route
 from core import errors as E
 from core import metrics
 from core.errors import InvalidParameters, NotFound, SessiontapeError
-from transports.sse import errors
+from transports.sse import errors, inputs
 
 if TYPE_CHECKING:
     from transports.sse.app import Api
@@ -104,14 +103,11 @@ def openai_errors(fn: Handler) -> Handler:
 # -- request fields ------------------------------------------------------------
 
 
-async def json_body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    try:
-        value = json.loads(raw) if raw else None
-    except ValueError as exc:
-        raise E.InvalidArgument(f"request body is not JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise E.InvalidArgument("request body must be a JSON object")
+async def json_body(request: Request, limits: inputs.Limits) -> dict[str, Any]:
+    """The JSON object body, read within the native API's size, time and depth limits."""
+    value = await inputs.body(request, limits, None)
+    if not value:
+        raise E.InvalidArgument("request body must be a non-empty JSON object")
     return value
 
 

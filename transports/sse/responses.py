@@ -72,6 +72,7 @@ def _input(b: dict[str, Any]) -> list[dict[str, str]]:
 class Responses:
     def __init__(self, api: Api, models: Models, turns: Turns) -> None:
         self.runtime = api.runtime
+        self.limits = api.limits
         self.models = models
         self.turns = turns
         self.template = turns.template
@@ -82,7 +83,7 @@ class Responses:
     # -- POST /v1/responses -----------------------------------------------------
 
     async def create(self, request: Request) -> Response:
-        b = await json_body(request)
+        b = await json_body(request, self.limits)
         model = self.models.check(b)
         reject_unsupported(b, ("tools", "conversation", "prompt"))
         items = _input(b)
