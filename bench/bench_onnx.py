@@ -1,7 +1,11 @@
 """ONNX engine benchmarks: decode speed vs onnxruntime-genai, cached turns vs stateless re-prefill.
 
-Run: ``.venv/bin/python bench/bench_onnx.py [--threads N] [--rounds 7] [--history 4096]
-[--against-rev GIT_REV]``
+Run: ``.venv/bin/python bench/bench_onnx.py [--provider cpu|cuda] [--threads N] [--rounds 7]
+[--history 4096] [--against-rev GIT_REV]``
+
+``--provider cuda`` (on a machine with onnxruntime-gpu and a GPU) measures the
+engine's fixed-shape passes with and without CUDA graphs against
+onnxruntime-genai-cuda and a bare ONNX Runtime CUDA loop on the same file.
 
 Prints one table. Every baseline is measured in the same run on the same
 model file (the ``small`` demo):
@@ -72,10 +76,14 @@ def engine_rate(engine: OnnxEngine) -> Rate:
     return rate
 
 
-def genai_rate(folder: Path) -> Rate:
+def genai_rate(folder: Path, provider: str = "cpu") -> Rate:
     import onnxruntime_genai as og
 
-    model = og.Model(str(folder))
+    config = og.Config(str(folder))
+    config.clear_providers()
+    if provider == "cuda":
+        config.append_provider("cuda")
+    model = og.Model(config)
 
     async def rate(prompt: list[int], n: int) -> float:
         params = og.GeneratorParams(model)
@@ -93,40 +101,64 @@ def genai_rate(folder: Path) -> Rate:
     return rate
 
 
-def bare_rate(folder: Path, threads: int) -> Rate:
-    """A plain ORT decode loop: 1-row passes, present fed back as past, argmax only."""
+def bare_rate(folder: Path, threads: int, provider: str = "cpu") -> Rate:
+    """A plain ORT decode loop: 1-row passes, argmax only. A static-layout file gets one buffer of
+    exactly prompt + n slots, bound as past and present (in place, on the device with CUDA); a
+    concat-layout file gets present fed back as past."""
     ort = quiet_ort()
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")  # as the engine's default
-    sess = ort.InferenceSession(str(folder / "model.onnx"), so, providers=["CPUExecutionProvider"])
+    ep = "CUDAExecutionProvider" if provider == "cuda" else "CPUExecutionProvider"
+    sess = ort.InferenceSession(str(folder / "model.onnx"), so, providers=[ep])
     spec = SIZES["small"]
     past_names = [f"past_key_values.{i}.{k}" for i in range(spec.layers) for k in ("key", "value")]
-    outs = ["logits", *(n.replace("past_key_values", "present") for n in past_names)]
+    present = [n.replace("past_key_values", "present") for n in past_names]
+    static = "max_sequence_length" in str(sess.get_inputs()[3].shape)
+    dev = "cuda" if provider == "cuda" else "cpu"
 
     async def rate(prompt: list[int], n: int) -> float:
-        past = [np.zeros((1, spec.kv_heads, 0, spec.head_dim), np.float32) for _ in past_names]
+        cap = len(prompt) + n
+        shape = (1, spec.kv_heads, cap if static else 0, spec.head_dim)
+        zero = np.zeros(shape, np.float32)
+        past: list[Any] = []
+        for _ in past_names:
+            v = ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32, dev, 0)
+            if static:
+                v.update_inplace(zero)
+            past.append(v)
         ids, pos = list(prompt), 0
         t0 = 0.0
         for i in range(n):
             if i == 1:
                 t0 = time.perf_counter()
-            feeds: dict[str, Any] = {
-                "input_ids": np.asarray([ids], np.int64),
-                "attention_mask": np.ones((1, pos + len(ids)), np.int64),
-                "position_ids": np.arange(pos, pos + len(ids), dtype=np.int64)[None],
-            }
-            feeds.update(zip(past_names, past, strict=True))
-            out = sess.run(outs, feeds)
+            b = sess.io_binding()
+            b.bind_cpu_input("input_ids", np.asarray([ids], np.int64))
+            b.bind_cpu_input("attention_mask", np.ones((1, cap if static else pos + len(ids)), np.int64))
+            b.bind_cpu_input("position_ids", np.arange(pos, pos + len(ids), dtype=np.int64)[None])
+            for name, out_name, v in zip(past_names, present, past, strict=True):
+                b.bind_ortvalue_input(name, v)
+                if static:
+                    b.bind_ortvalue_output(out_name, v)
+                else:
+                    b.bind_output(out_name, dev, 0)
+            b.bind_output("logits", "cpu")
+            sess.run_with_iobinding(b)
+            out = b.get_outputs()
+            logits = out[-1].numpy()
+            if not static:
+                past = list(out[: len(present)])
             pos += len(ids)
-            ids, past = [int(np.argmax(out[0][0, -1]))], out[1:]
+            ids = [int(np.argmax(logits[0, -1]))]
         return (n - 1) / (time.perf_counter() - t0)
 
     return rate
 
 
 def engine_at_rev(rev: str, folder: Path, threads: int, **options: Any) -> Any:
-    """``OnnxEngine`` as committed at git revision ``rev``, imported under another package name."""
+    """``OnnxEngine`` as committed at git revision ``rev``, imported under another package name.
+
+    Revisions before the static KV layout need a ``concat``-layout model folder."""
     import importlib
     import io
     import subprocess
@@ -238,7 +270,13 @@ async def main() -> None:
     ap.add_argument("--long", type=int, default=2048, help="prompt length of the long-context decode rows")
     ap.add_argument("--against-rev", default=None,
                     help="also run the engine as committed at this git revision (its default options)")
+    ap.add_argument("--rev-layout", default="concat", choices=["concat", "static"],
+                    help="KV layout of the model file the --against-rev engine runs (default: concat)")
+    ap.add_argument("--provider", default="cpu", choices=["cpu", "cuda"])
     args = ap.parse_args()
+    if args.provider == "cuda":
+        await cuda_main(args)
+        return
 
     folder = ensure_demo("small")
     spec = SIZES["small"]
@@ -261,7 +299,8 @@ async def main() -> None:
                   "single": engine_rate(single), "spin": engine_rate(spinning), "genai": genai_rate(folder),
                   "bare": bare_rate(folder, threads)}
     if args.against_rev:
-        contenders["rev"] = engine_rate(engine_at_rev(args.against_rev, folder, threads))
+        contenders["rev"] = engine_rate(engine_at_rev(args.against_rev, ensure_demo("small", layout=args.rev_layout),
+                                                      threads))
     await interleaved(contenders, prompt, 8, 1)  # warm-up: arenas, page cache
     hits0, passes0 = engine.lookahead_hits, engine.passes
     got = await interleaved(contenders, prompt, args.decode, args.rounds)
@@ -330,11 +369,75 @@ async def main() -> None:
           f"provider {engine.info.provider}; onnxruntime {engine.info.runtime_version}; "
           f"intra-op threads {threads} (no spinning); {args.rounds} interleaved rounds of {args.decode} tokens; "
           f"load average {load:.1f}")
+    table(rows)
+
+
+def table(rows: list[tuple[str, str, str, str]]) -> None:
     w = [max(len(r[i]) for r in rows) for i in range(4)]
     head = ("measure", "sessiontape onnx", "baseline (same run)", "ratio")
     w = [max(a, len(b)) for a, b in zip(w, head, strict=True)]
     for r in (head, tuple("-" * x for x in w), *rows):
         print(" | ".join(c.ljust(x) for c, x in zip(r, w, strict=True)))
+
+
+async def cuda_main(args: argparse.Namespace) -> None:
+    """The GPU rows: fixed-shape passes with and without CUDA graphs, genai-cuda, a bare loop."""
+    folder = ensure_demo("small")
+    spec = SIZES["small"]
+    rng = np.random.default_rng(0)
+    prompt = [int(t) for t in rng.integers(32, 127, 32)]
+    rows: list[tuple[str, str, str, str]] = []
+    engine = OnnxEngine(model_dir=folder, providers="CUDAExecutionProvider")
+    assert engine.info.provider == "CUDAExecutionProvider", engine.info.provider
+    nograph = OnnxEngine(model_dir=folder, providers="CUDAExecutionProvider", cuda_graph=False)
+    noguess = OnnxEngine(model_dir=folder, providers="CUDAExecutionProvider", lookahead=False)
+    contenders: dict[str, Rate] = {"ours": engine_rate(engine), "nograph": engine_rate(nograph),
+                                   "noguess": engine_rate(noguess), "bare": bare_rate(folder, 1, "cuda")}
+    try:
+        contenders["genai"] = genai_rate(folder, "cuda")
+    except Exception as exc:  # onnxruntime-genai-cuda missing: report without that baseline
+        print(f"no onnxruntime-genai-cuda baseline: {exc}")
+    await interleaved(contenders, prompt, 8, 1)
+    hits0 = engine.lookahead_hits
+    got = await interleaved(contenders, prompt, args.decode, args.rounds)
+    hit_rate = (engine.lookahead_hits - hits0) / (args.rounds * (args.decode - 1))
+    med = {k: statistics.median(v) for k, v in got.items()}
+    base = "genai" if "genai" in got else "bare"
+    g = f"{base} {med[base]:.1f}"
+    x = engine.info.extra
+    shape = f"{x['pass_rows']} rows x {x['kv_capacity']} slots"
+    rows.append((f"decode tok/s, 32-token prompt ({shape}, CUDA graph; guesses hit {hit_rate:.0%})",
+                 f"{med['ours']:.1f}", g, f"{ratio(got['ours'], got[base]):.2f}x"))
+    rows.append(("decode tok/s, 32-token prompt (lookahead off)", f"{med['noguess']:.1f}", g,
+                 f"{ratio(got['noguess'], got[base]):.2f}x"))
+    rows.append(("decode tok/s, 32-token prompt (no CUDA graph)", f"{med['nograph']:.1f}", g,
+                 f"{ratio(got['nograph'], got[base]):.2f}x"))
+    rows.append(("decode tok/s, 32-token prompt vs bare ORT CUDA loop (1 row, in place, no graph)",
+                 f"{med['ours']:.1f}", f"bare {med['bare']:.1f}", f"{ratio(got['ours'], got['bare']):.2f}x"))
+    if args.long:
+        long_prompt = [int(t) for t in rng.integers(32, 127, args.long)]
+        lc: dict[str, Rate] = {k: contenders[k] for k in ("ours", "noguess", "genai") if k in contenders}
+        lgot = await interleaved(lc, long_prompt, args.decode, max(3, args.rounds // 2))
+        lb = "genai" if "genai" in lgot else "noguess"
+        for k in ("ours", "noguess"):
+            rows.append((f"decode tok/s, {args.long}-token prompt ({k})", f"{statistics.median(lgot[k]):.1f}",
+                         f"{lb} {statistics.median(lgot[lb]):.1f}", f"{ratio(lgot[k], lgot[lb]):.2f}x"))
+    hist = [int(t) for t in rng.integers(32, 127, args.history)]
+    _, out = await turn(engine, hist, "c", stateless=True)
+    cached, stateless_t = [], []
+    for _ in range(3):
+        hist = hist + out + [int(t) for t in rng.integers(32, 127, 16)]
+        took, out = await turn(engine, hist, "c", stateless=False)
+        cached.append(took)
+        took_s, again = await turn(engine, hist, "s", stateless=True)
+        stateless_t.append(took_s)
+        assert again == out, "a stateless re-prefill must give the same tokens as the cached turn"
+    rows.append((f"turn latency, {args.history}-token history + 16 new, 8 out",
+                 f"{statistics.median(cached) * 1e3:.1f} ms", f"stateless {statistics.median(stateless_t) * 1e3:.1f} ms",
+                 f"{ratio(stateless_t, cached):.1f}x"))
+    print(f"small demo model: {spec.params():,} params; provider {engine.info.provider}; onnxruntime "
+          f"{engine.info.runtime_version}; {args.rounds} interleaved rounds of {args.decode} tokens")
+    table(rows)
 
 
 if __name__ == "__main__":
