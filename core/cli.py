@@ -1,7 +1,7 @@
 """The ``sessiontape`` command line.
 
     sessiontape serve [--engine NAME] [--grpc H:P] [--http H:P] [--no-grpc] [--no-http]
-                      [--nostr-relay URL ...] [--nostr-key-file F] [--auth-token T]
+                      [--nostr-relay URL ...] [--nostr-key-file F] [--auth-token T] [--log-format json]
     sessiontape sessions ls [--json] [--status S] [--limit N]
     sessiontape sessions show ID [--json]
     sessiontape replay ID [--speed X | --instant] [--follow]
@@ -500,6 +500,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve D4 calls from this nostr relay (repeatable; enables the nostr transport)")
     s.add_argument("--nostr-key-file", metavar="FILE", help="the D4 worker's secret key (nsec or hex)")
     s.add_argument("--auth-token", metavar="TOKEN", help="require this bearer token on gRPC and HTTP")
+    s.add_argument("--log-format", choices=("text", "json"),
+                   help="log lines as text or as one JSON object per line (default: [logging] format, text)")
     s.set_defaults(func=cmd_serve)
 
     ss = sub.add_parser("sessions", help="list or show sessions").add_subparsers(dest="sub", required=True)
@@ -583,23 +585,30 @@ def _plugin_commands(sub: Any) -> None:
         register(sub)
 
 
-def _config_level(args: argparse.Namespace) -> str:
-    """``[logging] level`` from the config, read before logging starts (INFO when unreadable)."""
+def _config_logging(args: argparse.Namespace) -> dict[str, Any]:
+    """``[logging]`` from the config, read before logging starts (defaults when unreadable)."""
     try:
-        return str(load_config(args).section("logging").get("level", "INFO"))
+        return load_config(args).section("logging")
     except SessiontapeError:
-        return "INFO"
+        return {}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    level = "DEBUG" if args.verbose else str(_config_level(args))
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr,
-    )
+    from core.logformat import configure
+
+    settings = _config_logging(args)
+    level = "DEBUG" if args.verbose else str(settings.get("level", "INFO"))
+    fmt = getattr(args, "log_format", None) or str(settings.get("format", "text"))
+    try:
+        configure(level, fmt)
+    except ConfigError as exc:
+        print(f"sessiontape: error: {exc.message}", file=sys.stderr)
+        return 2
     logging.getLogger("alembic").setLevel(logging.WARNING)
+    if not settings.get("access_log", True):
+        logging.getLogger("sessiontape.access").setLevel(logging.WARNING)
     try:
         result = args.func(args)
         if inspect.isawaitable(result):

@@ -71,7 +71,7 @@ DEFAULTS: dict[str, Any] = {
         # most steps committed in one append
         "max_run": 256,
     },
-    "logging": {"level": "INFO"},
+    "logging": {"level": "INFO", "format": "text", "access_log": True},
     # what one request may cost (docs/security.md); every wire reads these
     "limits": {
         "max_body_bytes": 16 * 1024 * 1024,  # HTTP body and gRPC message, refused while streaming in

@@ -37,6 +37,7 @@ from core.errors import (
 from core.events import T
 from core.runtime import Runtime
 from transports.sse import errors, inputs
+from transports.sse.accesslog import AccessLog
 from transports.sse.feeds import (
     Feeds,
     dumps,
@@ -475,4 +476,6 @@ def create_app(runtime: Runtime, *, auth_token: str = "", heartbeat_s: float = 1
         app.add_middleware(BearerAuth, token=auth_token)
     # outermost of ours: whatever escapes a handler or the auth check is one logged 500 without its text
     app.add_middleware(errors.LastResort)
+    # outermost: one access-log record per request, with the request id LastResort assigned
+    app.add_middleware(AccessLog)
     return app
