@@ -55,9 +55,11 @@ class PipelineLimits:
     #: most steps committed in one append
     max_run: int = 256
     #: while the engine produces steps on the event loop, gather up to this many per append ...
-    min_run: int = 32
+    min_run: int = 64
     #: ... waiting at most this long for them
-    linger_s: float = 0.002
+    linger_s: float = 0.005
+    #: engine steps a generation takes in one turn of the priority gate
+    burst: int = 16
 
 
 class _End:
@@ -95,6 +97,11 @@ class Generation:
         #: committed runs not yet handed to the caller (a slow caller pauses the committer)
         self._out: asyncio.Queue[list[Event] | Exception | None] = asyncio.Queue(maxsize=4)
         self._producer: asyncio.Task[None] | None = None
+        #: moving average of the time between engine steps (None before the second)
+        self.interval: float | None = None
+        #: set by the producer once ``_enough_at`` steps wait (the committer lingers on it)
+        self._enough: asyncio.Event | None = None
+        self._enough_at = 0
 
     # -- stages --------------------------------------------------------------
 
@@ -109,22 +116,50 @@ class Generation:
         self._producer = asyncio.create_task(self._produce(steps), name=f"engine-{self.sid}")
 
     async def _produce(self, steps: AsyncIterator[Step]) -> None:
-        gate, q = self.rt.gate, self._queue
+        """Engine steps into the run-ahead queue, a burst at a time through the gate.
+
+        Holding the gate for up to ``burst`` steps (while nothing more urgent
+        waits and the queue has room) keeps equal-priority generations
+        taking turns without a hand-over per token.
+        """
+        gate, q, burst = self.rt.gate, self._queue, self.limits.burst
+        last = time.perf_counter()
         try:
-            while True:
+            done = False
+            step: Step | None = None
+            while not done:
                 async with gate.slot(self.priority):
-                    try:
-                        step = await anext(steps)
-                    except StopAsyncIteration:
-                        break
-                await q.put(step)
-            await q.put(_End())
+                    for _ in range(burst):
+                        try:
+                            step = await anext(steps)
+                        except StopAsyncIteration:
+                            done = True
+                            break
+                        now = time.perf_counter()
+                        self.interval = now - last if self.interval is None else 0.8 * self.interval + 0.2 * (now - last)
+                        last = now
+                        if q.full():
+                            break  # wait for room outside the gate
+                        q.put_nowait(step)
+                        step = None
+                        if self._enough is not None and q.qsize() >= self._enough_at:
+                            self._enough.set()
+                        if gate.more_urgent_waiting(self.priority):
+                            break
+                if not done and step is not None:
+                    await q.put(step)
+            await self._put_end(_End())
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            await q.put(_End(exc))
+            await self._put_end(_End(exc))
         finally:
             await steps.aclose()  # type: ignore[attr-defined]
+
+    async def _put_end(self, end: _End) -> None:
+        await self._queue.put(end)
+        if self._enough is not None:
+            self._enough.set()
 
     async def stop_engine(self) -> None:
         """Stop the producer and drop what it decoded beyond the log."""
@@ -142,10 +177,10 @@ class Generation:
     async def _take(self) -> list[Step]:
         """Every ready step (waiting for the first), cut after a stop token.
 
-        While the engine keeps producing in this thread (the queue grows from
-        one loop turn to the next), wait a little longer so one append carries
-        many steps: at most ``min_run`` steps or ``linger_s``. An engine that
-        computes elsewhere (a worker thread) is never waited for.
+        When the engine is fast (a step every quarter of ``linger_s`` or
+        less), wait a little longer so one append carries many steps: until
+        ``min_run`` steps wait or ``linger_s`` passed. A slow engine's steps
+        are committed as they come.
 
         Raises what the engine raised once the steps before the failure
         were taken (and so get committed).
@@ -153,16 +188,19 @@ class Generation:
         q = self._queue
         first = await q.get()
         limits = self.limits
-        if limits.min_run > 1 and not isinstance(first, _End):
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + limits.linger_s
-            n = q.qsize()
-            while n + 1 < limits.min_run and not q.full():
-                await asyncio.sleep(0)
-                m = q.qsize()
-                if m == n or loop.time() > deadline:
-                    break
-                n = m
+        interval = self.interval
+        if (limits.min_run > 1 and not isinstance(first, _End) and interval is not None
+                and interval * 4 < limits.linger_s and q.qsize() + 1 < limits.min_run):
+            # a fast engine: let a few more steps arrive (woken early when enough did)
+            enough = self._enough = asyncio.Event()
+            self._enough_at = limits.min_run - 1
+            wait = min(limits.linger_s, interval * (limits.min_run - 1 - q.qsize()))
+            timer = asyncio.get_running_loop().call_later(wait, enough.set)
+            try:
+                await enough.wait()
+            finally:
+                timer.cancel()
+                self._enough = None
         out: list[Step] = []
         item = first
         while True:

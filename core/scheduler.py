@@ -42,6 +42,14 @@ class PriorityGate:
         finally:
             self._release()
 
+    def more_urgent_waiting(self, priority: int) -> bool:
+        """Whether a waiter with a lower priority number than ``priority`` is queued
+        (a holder running a burst of steps should hand over)."""
+        return bool(self._waiters) and self._waiters[0][0] < priority
+
+    def waiting(self) -> bool:
+        return bool(self._waiters)
+
     def _release(self) -> None:
         while self._waiters:
             _, _, fut = heapq.heappop(self._waiters)

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import sqlite3
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -128,10 +129,13 @@ class EventLog:
     """The log. Create with :meth:`open`; one instance per process and database."""
 
     def __init__(self, engine: AsyncEngine, *, batch_max: int = 2000, inline_max_bytes: int = 4096,
-                 poll_interval_s: float = 0.5, sync_engine: sa.Engine | None = None) -> None:
+                 poll_interval_s: float = 0.5, sqlite_path: str | None = None,
+                 sqlite_synchronous: str = "NORMAL") -> None:
         self.engine = engine
-        #: SQLite: the writer commits on its own synchronous connection in one thread
-        self._sync_engine = sync_engine
+        #: SQLite: the writer commits on its own sqlite3 connection, in one thread
+        self._sqlite_path = sqlite_path
+        self._sqlite_synchronous = sqlite_synchronous
+        self._raw: sqlite3.Connection | None = None
         self._write_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sessiontape-log-writer")
         self.dialect = engine.dialect.name
         self.batch_max = batch_max
@@ -168,7 +172,7 @@ class EventLog:
         if url.startswith("sqlite"):
             kwargs["connect_args"] = {"timeout": 30}
         engine = create_async_engine(url, **kwargs)
-        sync_engine: sa.Engine | None = None
+        sqlite_path: str | None = None
         if engine.dialect.name == "sqlite":
             sync_mode = sqlite_synchronous
 
@@ -180,13 +184,11 @@ class EventLog:
                 cur.close()
 
             sa_event.listen(engine.sync_engine, "connect", _pragmas)
-            # The writer's own connection, used only from the writer thread.
-            sync_engine = sa.create_engine(engine.url.set(drivername="sqlite"), echo=echo, poolclass=sa.pool.StaticPool,
-                                           connect_args={"timeout": 30, "check_same_thread": False})
-            sa_event.listen(sync_engine, "connect", _pragmas)
+            sqlite_path = engine.url.database or ":memory:"
 
         self = cls(engine, batch_max=batch_max, inline_max_bytes=inline_max_bytes,
-                   poll_interval_s=poll_interval_s, sync_engine=sync_engine)
+                   poll_interval_s=poll_interval_s, sqlite_path=sqlite_path,
+                   sqlite_synchronous=sqlite_synchronous)
         if migrate:
             from migrations.runner import upgrade_connection
 
@@ -231,9 +233,8 @@ class EventLog:
             with contextlib.suppress(Exception):
                 await self._listen_conn.close()
             self._listen_conn = None
+        self._write_thread.submit(self._close_raw).result()
         self._write_thread.shutdown(wait=True)
-        if self._sync_engine is not None:
-            self._sync_engine.dispose()
         await self.engine.dispose()
 
     # -- writing -----------------------------------------------------------
@@ -322,7 +323,9 @@ class EventLog:
         self._finish(batch, results, t0)
 
     def _fail(self, req: _Request, exc: BaseException) -> None:
-        if isinstance(exc, IntegrityError):
+        dbapi = self.engine.dialect.dbapi
+        if isinstance(exc, IntegrityError | sqlite3.IntegrityError) or (
+                dbapi is not None and isinstance(exc, dbapi.IntegrityError)):
             exc = ConcurrencyError(f"session {req.session_id}: concurrent append (version conflict)")
         elif isinstance(exc, DBAPIError) and not isinstance(exc, OperationalError):
             exc = InvalidArgument(f"session {req.session_id}: the database refused the write: {exc.orig}")
@@ -371,49 +374,71 @@ class EventLog:
         function: on SQLite it runs in the writer thread on its own connection
         (one thread hop per commit instead of one per statement); on PostgreSQL
         it runs through ``run_sync`` on an asyncpg connection."""
-        if self._sync_engine is not None:
+        if self._sqlite_path is not None:
             loop = asyncio.get_running_loop()
             results = await loop.run_in_executor(self._write_thread, self._tx_sync, loop, batch)
         else:
             async with self.engine.connect() as conn:
-                results = await conn.run_sync(self._tx, batch, None)
+                results = await conn.run_sync(self._tx_pg, batch)
         for evs in results:
             if evs:
                 self._remember(evs[-1].session_id, (evs[-1].version, evs[-1].hash))
         return results
 
     def _tx_sync(self, loop: asyncio.AbstractEventLoop, batch: list[_Request]) -> list[list[Event]]:
-        assert self._sync_engine is not None
-        with self._sync_engine.connect() as conn:
-            return self._tx(conn, batch, loop)
+        """SQLite, in the writer thread: one transaction on the writer's own connection."""
+        raw = self._raw
+        if raw is None:
+            raw = self._raw = self._raw_connect()
+        # IMMEDIATE takes the write lock now, so MAX(position) is read under it
+        raw.execute("BEGIN IMMEDIATE")
+        try:
+            results = self._write(raw.cursor(), batch)
+            hook = self.before_commit
+            if hook is not None:  # run the test hook on the loop and wait for it
+                asyncio.run_coroutine_threadsafe(hook([e for r in results for e in r]), loop).result()  # type: ignore[arg-type]
+            raw.execute("COMMIT")
+        except BaseException:
+            if raw.in_transaction:
+                raw.execute("ROLLBACK")
+            raise
+        return results
 
-    def _tx(self, conn: sa.Connection, batch: list[_Request],
-            loop: asyncio.AbstractEventLoop | None) -> list[list[Event]]:
+    def _close_raw(self) -> None:
+        if self._raw is not None:
+            self._raw.close()
+            self._raw = None
+
+    def _raw_connect(self) -> sqlite3.Connection:
+        assert self._sqlite_path is not None
+        raw = sqlite3.connect(self._sqlite_path, timeout=30, isolation_level=None, check_same_thread=False)
+        raw.execute("PRAGMA journal_mode=WAL")
+        raw.execute(f"PRAGMA synchronous={self._sqlite_synchronous}")
+        raw.execute("PRAGMA foreign_keys=ON")
+        return raw
+
+    def _tx_pg(self, conn: sa.Connection, batch: list[_Request]) -> list[list[Event]]:
+        """PostgreSQL, inside ``run_sync``: the same statements on the asyncpg connection."""
         tx = conn.begin()
         try:
-            results = self._write(conn, batch)
+            results = self._write(conn.connection.dbapi_connection.cursor(), batch)  # type: ignore[union-attr]
             hook = self.before_commit
             if hook is not None:
-                evs = [e for r in results for e in r]
-                if loop is not None:  # the writer thread: run the hook on the loop and wait
-                    asyncio.run_coroutine_threadsafe(hook(evs), loop).result()  # type: ignore[arg-type]
-                else:  # inside run_sync's greenlet
-                    await_only(hook(evs))
+                await_only(hook([e for r in results for e in r]))
             tx.commit()
         except BaseException:
             tx.rollback()
             raise
         return results
 
-    def _write(self, conn: sa.Connection, batch: list[_Request]) -> list[list[Event]]:
-        # The hot statements go to the DBAPI cursor: SQLAlchemy's per-statement
-        # machinery costs more than the statements themselves here.
-        cur: Any = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+    def _write(self, cur: Any, batch: list[_Request]) -> list[list[Event]]:
+        """The batch's statements on a DBAPI cursor, inside the caller's transaction.
+
+        Plain SQL on the driver's cursor: SQLAlchemy's per-statement machinery
+        costs more than the statements themselves on this path.
+        """
         if self.dialect == "postgresql":
             cur.execute(self._sql("SELECT pg_advisory_xact_lock(?)"), (PG_LOCK_KEY,))
-        elif self.dialect == "sqlite":
-            # Take the write lock now so MAX(position) below is read under it.
-            cur.execute("UPDATE sessions SET version = version WHERE 0")
         cur.execute("SELECT COALESCE(MAX(position), 0) FROM events")
         pos = int(cur.fetchone()[0])
         now = time.time()
@@ -455,8 +480,8 @@ class EventLog:
             else:
                 version = cur_version
                 if req.kind == "purge":
-                    conn.execute(events.delete().where(events.c.session_id == sid))
-                    conn.execute(snapshots.delete().where(snapshots.c.session_id == sid))
+                    cur.execute(self._sql("DELETE FROM events WHERE session_id = ?"), (sid,))
+                    cur.execute(self._sql("DELETE FROM snapshots WHERE session_id = ?"), (sid,))
                 for ne in req.events:
                     assert isinstance(ne, NewEvent)
                     body = ne.body
@@ -477,9 +502,11 @@ class EventLog:
                 pending[sid] = (out[-1].version, out[-1].hash)
             results.append(out)
         if blob_rows:
-            self._put_blobs(conn, list(blob_rows.values()))
+            self._put_blobs(cur, list(blob_rows.values()))
         if new_sessions:
-            conn.execute(sessions.insert(), list(new_sessions.values()))
+            cols = [c.name for c in sessions.columns]
+            cur.executemany(self._sql(f"INSERT INTO sessions ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})"),
+                            [tuple(row[c] for c in cols) for row in new_sessions.values()])
         if rows:
             cur.executemany(self._insert_sql, rows)
         if updates:
@@ -505,13 +532,13 @@ class EventLog:
         return (e.position, e.session_id, e.version, e.type, body_json, data, blob_sha, e.recorded_at,
                 e.hash, e.prev_hash)
 
-    def _put_blobs(self, conn: sa.Connection, rows: list[dict[str, Any]]) -> None:
-        have = set((conn.execute(
-            sa.select(blobs.c.sha256).where(blobs.c.sha256.in_([r["sha256"] for r in rows]))
-        )).scalars())
-        fresh = [r for r in rows if r["sha256"] not in have]
+    def _put_blobs(self, cur: Any, rows: list[dict[str, Any]]) -> None:
+        shas = [r["sha256"] for r in rows]
+        cur.execute(self._sql(f"SELECT sha256 FROM blobs WHERE sha256 IN ({', '.join('?' * len(shas))})"), shas)
+        have = {r[0] for r in cur.fetchall()}
+        fresh = [(r["sha256"], r["size"], r["data"], r["created_at"]) for r in rows if r["sha256"] not in have]
         if fresh:
-            conn.execute(blobs.insert(), fresh)
+            cur.executemany(self._sql("INSERT INTO blobs (sha256, size, data, created_at) VALUES (?, ?, ?, ?)"), fresh)
 
     def _index(self, req: _Request, head: tuple[int, str] | None, out: list[Event], now: float,
                new_sessions: dict[str, dict[str, Any]], updates: dict[str, dict[str, Any]]) -> None:
