@@ -32,7 +32,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-from google.protobuf import json_format, struct_pb2
+from google.protobuf import json_format, message, struct_pb2
 
 from core.engine import SamplingParams
 from core.errors import (
@@ -80,7 +80,10 @@ def _metadata_dict(m: evergreen_pb2.ChunkMetadata) -> dict[str, Any]:
     if m.original_file_name:
         out["original_file_name"] = m.original_file_name
     if m.HasField("capture_time"):
-        out["capture_time"] = m.capture_time.ToJsonString()
+        try:
+            out["capture_time"] = m.capture_time.ToJsonString()
+        except ValueError as exc:  # seconds/nanos outside the Timestamp range
+            raise InvalidFragment(f"capture_time is not a valid timestamp: {exc}") from None
     if m.experimental:
         out["experimental"] = [
             {"type_url": a.type_url, "value": base64.b64encode(a.value).decode()} for a in m.experimental
@@ -119,10 +122,19 @@ def fragment_out(f: FragmentIn) -> evergreen_pb2.NodeFragment:
 
 def _config_json(a: Any) -> dict[str, Any]:
     if a.type_url == STRUCT_TYPE_URL:
-        s = struct_pb2.Struct()
-        if a.Unpack(s):
-            return {"type_url": a.type_url, "json": json_format.MessageToDict(s)}
+        return {"type_url": a.type_url, "json": _struct(a)}
     return {"type_url": a.type_url, "value": base64.b64encode(a.value).decode()}
+
+
+def _struct(a: Any) -> dict[str, Any]:
+    """A packed Struct as JSON; a corrupt ``Any`` or a NaN/Infinity inside is InvalidParameters."""
+    s = struct_pb2.Struct()
+    try:
+        if not a.Unpack(s):
+            raise InvalidParameters("GENERATE config does not decode as google.protobuf.Struct")
+        return dict(json_format.MessageToDict(s))
+    except (message.DecodeError, ValueError) as exc:  # corrupt bytes; NaN/Infinity number_value
+        raise InvalidParameters(f"GENERATE config is not a valid Struct: {exc}") from None
 
 
 _PARAM_TYPES: Mapping[str, type | tuple[type, ...]] = {
@@ -141,10 +153,7 @@ def sampling_params(configs: Sequence[Any]) -> SamplingParams:
     for a in configs:
         if a.type_url != STRUCT_TYPE_URL:
             raise InvalidParameters(f"GENERATE config of type {a.type_url!r}: only {STRUCT_TYPE_URL} is accepted")
-        s = struct_pb2.Struct()
-        if not a.Unpack(s):
-            raise InvalidParameters("GENERATE config does not decode as google.protobuf.Struct")
-        merged.update(json_format.MessageToDict(s))
+        merged.update(_struct(a))
     for key, value in merged.items():
         want = _PARAM_TYPES.get(key)
         if want is None:

@@ -17,7 +17,9 @@ generation) is recorded before the runtime closes.
 Options (``[transports.grpc]``): ``listen`` (HOST:PORT, default
 127.0.0.1:50051; port 0 picks a free one), ``tls_cert``/``tls_key`` (PEM file
 paths; both or neither), ``max_message_bytes`` (receive and send limit,
-default 4 MiB), ``grace_s`` (default 5). When ``config.auth_token`` is set
+default ``[limits] max_body_bytes``), ``max_concurrent_streams`` (per client
+connection, default ``[limits] max_streams_per_connection``), ``grace_s``
+(default 5). Every handler is wrapped by :class:`transports.grpc.guard.GuardInterceptor`. When ``config.auth_token`` is set
 every call but health needs ``authorization: Bearer <token>``.
 """
 
@@ -39,13 +41,13 @@ from core.config import parse_listen
 from core.errors import ConfigError, Unauthenticated
 from core.runtime import Runtime
 from transports.grpc import reflection
+from transports.grpc.guard import GuardInterceptor
 from transports.grpc.status import code_for, message_for
 
 log = logging.getLogger("sessiontape.grpc")
 
 SERVICE_MODULES = ("transports.grpc.evergreen", "transports.grpc.salience", "transports.grpc.kakeya")
 DEFAULT_LISTEN = "127.0.0.1:50051"
-DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 DEFAULT_GRACE_S = 5.0
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 #: Methods answered without a token: load balancers and orchestrators probe these.
@@ -56,13 +58,15 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Requires ``authorization: Bearer <token>`` on every call outside OPEN_PREFIXES."""
 
     def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+        self._expected = token.encode()
 
     def _authorized(self, metadata: Any) -> bool:
         for key, value in metadata or ():
             if key.lower() == "authorization":
-                got = value.encode() if isinstance(value, str) else bytes(value)
-                return hmac.compare_digest(got, self._expected)
+                got = value.encode(errors="replace") if isinstance(value, str) else bytes(value)
+                # the scheme is case-insensitive (RFC 9110 section 11.1); the token is not
+                scheme, _, token = got.strip().partition(b" ")
+                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._expected)
         return False
 
     async def intercept_service(
@@ -111,7 +115,9 @@ class GrpcServer:
         self.options = dict(options)
         self.auth_token = auth_token
         self.listen = str(self.options.get("listen") or DEFAULT_LISTEN)
-        self.max_message_bytes = int(self.options.get("max_message_bytes") or DEFAULT_MAX_MESSAGE_BYTES)
+        limit = runtime.config.limit
+        self.max_message_bytes = int(self.options.get("max_message_bytes") or limit("max_body_bytes"))
+        self.max_streams = int(self.options.get("max_concurrent_streams") or limit("max_streams_per_connection"))
         self.grace_s = float(self.options.get("grace_s", DEFAULT_GRACE_S))
         self.services: list[str] = []
         self.port: int | None = None
@@ -148,12 +154,15 @@ class GrpcServer:
             raise ConfigError("transports.grpc.max_message_bytes must be positive")
         host, port = parse_listen(self.listen)
         creds = self._credentials()
-        interceptors = [BearerAuthInterceptor(self.auth_token)] if self.auth_token else []
+        interceptors: list[Any] = [GuardInterceptor()]
+        if self.auth_token:
+            interceptors.append(BearerAuthInterceptor(self.auth_token))
         server = grpc.aio.server(
             interceptors=interceptors,
             options=[
                 ("grpc.max_receive_message_length", self.max_message_bytes),
                 ("grpc.max_send_message_length", self.max_message_bytes),
+                ("grpc.max_concurrent_streams", self.max_streams),
                 ("grpc.so_reuseport", 0),
             ],
         )

@@ -10,7 +10,7 @@ same over Evergreen, Salience and Kakeya::
     ResourceExhausted   -> RESOURCE_EXHAUSTED
     Aborted             -> ABORTED            (SessionBusy, ConcurrencyError)
     Unauthenticated     -> UNAUTHENTICATED
-    anything else       -> INTERNAL
+    anything else       -> INTERNAL, "internal error (request id ...)", logged once
 
 Usage in an async servicer::
 
@@ -22,11 +22,17 @@ Usage in an async servicer::
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import secrets
 from typing import NoReturn
 
 import grpc
 
 from core import errors
+
+log = logging.getLogger("sessiontape.grpc")
+_REQUEST_ID = "_sessiontape_request_id"
 
 _CODES: tuple[tuple[type[errors.SessiontapeError], grpc.StatusCode], ...] = (
     (errors.NotFound, grpc.StatusCode.NOT_FOUND),
@@ -50,11 +56,21 @@ def code_for(exc: BaseException) -> grpc.StatusCode:
 
 
 def message_for(exc: BaseException) -> str:
-    """The status details: the error's message, prefixed with its stable ``code``."""
+    """The status details: the error's message, prefixed with its stable ``code``.
+
+    The last resort for anything else: ``internal`` with a request id and no
+    exception text (which may hold SQL or paths); the exception is logged
+    once, with that id, however many times its message is asked for.
+    """
     if isinstance(exc, errors.SessiontapeError):
         return f"{exc.code}: {exc.message}"
-    # Unexpected failures keep their type but not internals beyond the message.
-    return f"internal: {type(exc).__name__}: {exc}"
+    rid = getattr(exc, _REQUEST_ID, None)
+    if rid is None:
+        rid = "req_" + secrets.token_hex(8)
+        with contextlib.suppress(AttributeError, TypeError):
+            setattr(exc, _REQUEST_ID, rid)
+        log.error("internal error request_id=%s", rid, exc_info=exc)
+    return f"internal: internal error (request id {rid})"
 
 
 async def abort_with(context: grpc.aio.ServicerContext[object, object], exc: BaseException) -> NoReturn:

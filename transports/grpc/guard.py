@@ -1,0 +1,134 @@
+"""The gRPC input boundary and last resort, for every method of every service.
+
+:class:`GuardInterceptor` wraps each handler so that
+
+- a request that does not decode (bad protobuf bytes, invalid UTF-8 in a
+  string field) ends the call with ``INVALID_ARGUMENT``, not the ``UNKNOWN``
+  or ``INTERNAL`` grpc answers by itself;
+- a core error that escapes a servicer ends it with its mapped status
+  (:mod:`transports.grpc.status`);
+- anything else ends it with ``INTERNAL`` and a request id, logged once with
+  that id; the exception's text never reaches the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from core.errors import InvalidArgument
+from transports.grpc.status import code_for, message_for
+
+
+class _Undecodable:
+    """What the wrapped deserializer returns for bytes that are not the request message."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _deserializer(inner: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if inner is None:
+        return None
+
+    def decode(data: bytes) -> Any:
+        try:
+            return inner(data)
+        except Exception as exc:  # DecodeError, UnicodeDecodeError, ...: the client's bytes, not a bug
+            return _Undecodable(f"{type(exc).__name__}: {str(exc)[:200]}")
+
+    return decode
+
+
+def _refuse(request: _Undecodable) -> InvalidArgument:
+    return InvalidArgument(f"request message does not decode ({request.reason})")
+
+
+async def _checked(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for request in requests:
+        if isinstance(request, _Undecodable):
+            raise _refuse(request)
+        yield request
+
+
+async def _end(context: Any, exc: BaseException) -> None:
+    await context.abort(code_for(exc), message_for(exc))
+
+
+def _is_abort(exc: BaseException) -> bool:
+    # context.abort raises grpc.aio.AbortError; it must pass through untouched
+    return isinstance(exc, grpc.aio.AbortError | asyncio.CancelledError)
+
+
+def _unary_response(behavior: Callable[..., Awaitable[Any]], streaming_request: bool) -> Callable[..., Any]:
+    async def call(request: Any, context: Any) -> Any:
+        try:
+            if streaming_request:
+                request = _checked(request)
+            elif isinstance(request, _Undecodable):
+                raise _refuse(request)
+            return await behavior(request, context)
+        except BaseException as exc:
+            if _is_abort(exc) or not isinstance(exc, Exception):
+                raise
+            await _end(context, exc)
+
+    return call
+
+
+def _stream_response(behavior: Callable[..., AsyncIterator[Any]], streaming_request: bool) -> Callable[..., Any]:
+    async def call(request: Any, context: Any) -> AsyncIterator[Any]:
+        try:
+            if streaming_request:
+                request = _checked(request)
+            elif isinstance(request, _Undecodable):
+                raise _refuse(request)
+            async for response in behavior(request, context):
+                yield response
+        except BaseException as exc:
+            if _is_abort(exc) or not isinstance(exc, Exception):
+                raise
+            await _end(context, exc)
+
+    return call
+
+
+_MAKERS = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def guarded(handler: Any) -> Any:
+    """``handler`` with the decode check and the last-resort mapping around its behavior."""
+    streaming_request, streaming_response = bool(handler.request_streaming), bool(handler.response_streaming)
+    behavior = {
+        (False, False): handler.unary_unary, (True, False): handler.stream_unary,
+        (False, True): handler.unary_stream, (True, True): handler.stream_stream,
+    }[(streaming_request, streaming_response)]
+    if behavior is None:
+        return handler
+    wrap = _stream_response if streaming_response else _unary_response
+    return _MAKERS[(streaming_request, streaming_response)](
+        wrap(behavior, streaming_request),
+        request_deserializer=_deserializer(handler.request_deserializer),
+        response_serializer=handler.response_serializer,
+    )
+
+
+class GuardInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Installed first, so it wraps every handler, the auth interceptor's refusals included."""
+
+    async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]], details: Any) -> Any:
+        handler = await continuation(details)
+        return None if handler is None else guarded(handler)
+
+
+__all__ = ["GuardInterceptor", "guarded"]
