@@ -18,7 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from core.errors import InvalidParameters
+from core.errors import InvalidParameters, InvalidValue
+from core.events import check_body
 
 VERSION = "0.1.0"
 _VERSION_RE = re.compile(r"^0\.1\.\d+$")
@@ -71,6 +72,11 @@ def parse_object(content: str) -> dict[str, Any]:
         raise InvalidParameters(f"content is not JSON: {exc}") from exc
     if not isinstance(obj, dict):
         raise InvalidParameters("content must be a JSON object")
+    try:
+        # strict like every wire: no NaN/Infinity, 64-bit integers, no lone surrogates ("\ud800")
+        check_body(obj)
+    except InvalidValue as exc:
+        raise InvalidParameters(f"content: {exc.message}") from None
     return obj
 
 
