@@ -138,10 +138,8 @@ class Turns:
         self.running: dict[tuple[str, int], asyncio.Task[None]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
-    def render(self, session_id: str, messages: Sequence[tuple[str, str]], length: int,
-               last_generation_end: int | None) -> list[int]:
-        text = self.template.render(messages, at_start=length == 0,
-                                    after_generation=last_generation_end == length and length > 0)
+    def render(self, messages: Sequence[tuple[str, str]], length: int, after_generation: bool) -> list[int]:
+        text = self.template.render(messages, at_start=length == 0, after_generation=after_generation and length > 0)
         return self.runtime.engine.tokenize(text)
 
     async def start(self, session_id: str, api: str, messages: Sequence[tuple[str, str]],
@@ -153,9 +151,10 @@ class Turns:
         try:
             async with lock:
                 st = await self.runtime.get(session_id)
-                last = next(reversed(st.generations.values()), None)
-                last_end = None if last is None else last.prompt_length + len(last.tokens)
-                tokens = self.render(session_id, messages, st.length, last_end)
+                # a fork copies its parent's generations, later ones included: ask whether
+                # any of them ends exactly where the history ends
+                after = any(g.prompt_length + len(g.tokens) == st.length for g in st.generations.values())
+                tokens = self.render(messages, st.length, after)
                 agen = self.runtime.generate(session_id, params, options, append=tokens)
                 started = None
                 try:

@@ -166,7 +166,10 @@ async def test_previous_response_that_is_not_the_latest_forks(live: Served) -> N
     assert child_st.parent["token_position"] == turn1.end
     assert list(child_st.tokens[:turn1.end]) == list(parent_st.tokens[:turn1.end])
     detok = live.runtime.engine.detokenize
-    assert "right" in detok(child_st.tokens) and "left" not in detok(child_st.tokens)
+    r1_text = detok(parent_st.tokens[:turn1.end])
+    # the fork closes r1's turn and renders the new message after it, as continuing would
+    assert detok(child_st.tokens).startswith(r1_text + "\n<|user|>\nright\n<|assistant|>\n")
+    assert "left" not in detok(child_st.tokens)
     assert [it.content[0].text for it in listed.data] == ["right"]  # type: ignore[union-attr]
 
 
