@@ -362,3 +362,35 @@ async def test_stream_dropped_mid_way_cancels_foreground(live: Served) -> None:
         await asyncio.sleep(0.02)
     [gen] = (await live.runtime.get(sid)).generations.values()
     assert gen.finish_reason == "cancelled" and len(gen.tokens) < 400
+
+
+async def test_sync_streams(live: Served) -> None:
+    def run() -> tuple[list[Any], list[Any], Any]:
+        with sync_client(live) as c:
+            events = list(c.responses.create(model=MODEL, input="sync", max_output_tokens=5, stream=True))
+            chunks = list(c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "sync"}],
+                                                    max_tokens=5, stream=True, temperature=0))
+            plain = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "sync"}],
+                                              max_tokens=5, temperature=0)
+            return events, chunks, plain
+
+    events, chunks, plain = await asyncio.to_thread(run)
+    assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert events[-1].response.output_text == text
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == plain.choices[0].message.content
+
+
+async def test_chat_session_id_must_exist_and_be_open(live: Served) -> None:
+    async with async_client(live) as c:
+        with pytest.raises(openai.NotFoundError) as nf:
+            await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                            extra_body={"session_id": "s_missing"})
+        assert nf.value.code == "session_not_found"
+        r = await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2)
+        sid = r.model_extra["session_id"]  # type: ignore[index]
+        await live.runtime.close(sid)
+        with pytest.raises(openai.ConflictError) as closed:
+            await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                            extra_body={"session_id": sid})
+        assert closed.value.code == "session_closed"
