@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from core.config import Config
 from core.engine import Engine, SamplingParams
 from core.events import T
-from core.registry import ENGINES, load
+from core.registry import ENGINES, TRANSPORTS, load
 from core.runtime import Runtime
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 2
@@ -111,36 +111,127 @@ async def compare(name: str, rounds: int, alone: Callable[[], Awaitable[float]],
 # -- wires -----------------------------------------------------------------
 
 class _Clock:
-    """Commit times of generated tokens (the log's before-commit hook) and arrival times at a client."""
+    """Commit times of generated tokens (taken when the log's writer settles a
+    commit, before anything sees it) and their arrival at a client."""
 
     def __init__(self) -> None:
-        self.committed: dict[int, float] = {}
+        self.by_position: dict[int, float] = {}  # log position -> commit time
+        self.in_order: list[float] = []  # commit times of this generation's tokens, in order
         self.lat: list[float] = []
 
-    def arrived(self, position: int) -> None:
-        t = self.committed.get(position)
+    def watch(self, rt: Runtime) -> None:
+        log = rt.log
+        finish = log._finish
+
+        def timed(batch: Any, results: list[list[Any]], t0: float) -> None:
+            self.committed([e for r in results for e in r])
+            finish(batch, results, t0)
+
+        log._finish = timed  # type: ignore[method-assign]
+
+    def committed(self, evs: list[Any]) -> None:
+        now = time.perf_counter()
+        for e in evs:
+            if e.type == T.GENERATION_TOKEN and not e.body["is_prefill"]:
+                self.by_position[e.position] = now
+                self.in_order.append(now)
+
+    def start(self) -> None:
+        self.in_order.clear()
+        self.by_position.clear()
+
+    def nth(self, k: int) -> None:
+        if k < len(self.in_order):
+            self.lat.append(time.perf_counter() - self.in_order[k])
+
+    def at(self, position: int) -> bool:
+        t = self.by_position.get(position)
         if t is not None:
             self.lat.append(time.perf_counter() - t)
+        return t is not None
 
 
-async def wire_rows(engine: Engine, url: str, tokens: int, rounds: int) -> None:
+async def wire_client(wire: str, gport: int, hport: int, tokens: int) -> dict[str, Any]:
+    """One generation received over ``wire`` (run in a separate process, as a real client is).
+
+    Returns the token count, the time from request to last token, and each
+    token's arrival time (``time.perf_counter``, one clock for every process on
+    this machine) keyed by its index (gRPC) or its log position (SSE)."""
     import grpc
     import httpx
 
-    from core.config import parse_listen
+    from engines.tokenizer import ByteTokenizer
+    from transports.grpc.client import EvergreenClient, action, sampling_config, text_fragments
     from transports.grpc.gen.kakeya.v1 import runtime_pb2 as kpb
     from transports.grpc.gen.kakeya.v1 import runtime_pb2_grpc as kgrpc
     from transports.grpc.gen.salience.v1 import salience_pb2 as spb
     from transports.grpc.gen.salience.v1 import salience_pb2_grpc as sgrpc
-    from transports.grpc.plugin import GrpcTransport
-    from transports.sse.plugin import HttpTransport
+
+    prompt = ByteTokenizer(259).encode(PROMPT)
+    arrivals: list[tuple[int, float]] = []
+    n = 0
+    if wire == "sse":
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{hport}", timeout=60) as http:
+            sid = (await http.post("/v1/sessions", json={"eos_token_ids": []})).json()["id"]
+            await http.post(f"/v1/sessions/{sid}/append", json={"tokens": prompt})
+            t0 = time.perf_counter()
+            async with http.stream("POST", f"/v1/sessions/{sid}/generate",
+                                   json={"max_tokens": tokens, "temperature": 0, "seed": 1}) as resp:
+                async for line in resp.aiter_lines():
+                    if line.startswith("id:"):
+                        arrivals.append((int(line[3:].strip()), time.perf_counter()))
+            dt = time.perf_counter() - t0
+            doc = (await http.get(f"/v1/sessions/{sid}")).json()
+            n = len(doc["generations"][-1]["tokens"])
+        return {"n": n, "dt": dt, "arrivals": arrivals}
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{gport}") as chan:
+        if wire == "kakeya":
+            kakeya = kgrpc.RuntimeServiceStub(chan)
+            sid = (await kakeya.CreateSession(kpb.CreateSessionRequest(eos_token_ids=[]))).session_id
+            await kakeya.AppendTokens(kpb.AppendTokensRequest(session_id=sid, token_ids=prompt))
+            t0 = time.perf_counter()
+            async for m in kakeya.Generate(kpb.GenerateRequest(session_id=sid, max_tokens=tokens, seed=1,
+                                                               temperature=0.0)):
+                if m.WhichOneof("payload") == "token_id":
+                    arrivals.append((n, time.perf_counter()))
+                    n += 1
+        elif wire == "salience":
+            salience = sgrpc.SalienceStub(chan)
+            sid = (await salience.OpenSession(spb.OpenSessionRequest())).session_id
+            t0 = time.perf_counter()
+            async for m in salience.Generate(spb.GenerateRequest(
+                    session_id=sid, offset=0, append_tokens=prompt, max_tokens=tokens, top_k=1)):
+                if m.WhichOneof("event") == "token" and not m.token.is_prefill:
+                    arrivals.append((n, time.perf_counter()))
+                    n += 1
+        else:
+            async with EvergreenClient(f"127.0.0.1:{gport}") as ev, ev.session() as s:
+                t0 = time.perf_counter()
+                await s.send(actions=[action("GENERATE", inputs={"p": "p"}, outputs={"text": "r"},
+                                             configs=[sampling_config(max_tokens=tokens, seed=1, temperature=0.0)])],
+                             fragments=text_fragments("p", PROMPT))
+                await s.done_writing()
+                async for m in s:
+                    for f in m.node_fragments:
+                        if f.id == "r" and f.HasField("chunk_fragment") and f.chunk_fragment.data:
+                            # the reference engine's text tokens are single bytes
+                            n += len(f.chunk_fragment.data.decode("utf-8", "replace"))
+                            arrivals.append((n - 1, time.perf_counter()))
+        dt = time.perf_counter() - t0
+    return {"n": n, "dt": dt, "arrivals": arrivals}
+
+
+async def wire_rows(engine: Engine, url: str, tokens: int, rounds: int) -> None:
+    import json
 
     def free() -> int:
         import socket
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return int(s.getsockname()[1])
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return int(sock.getsockname()[1])
 
+    if hasattr(engine, "eos_bias"):
+        engine.eos_bias = -1000.0  # every wire generates its full count (Salience has no "no EOS")
     gport, hport = free(), free()
     cfg = Config.load(environ={}, overrides={
         "database": {"url": url},
@@ -148,84 +239,37 @@ async def wire_rows(engine: Engine, url: str, tokens: int, rounds: int) -> None:
                        "http": {"enabled": True, "listen": f"127.0.0.1:{hport}"}}})
     rt = await Runtime.create(cfg, engine=engine)
     clock = _Clock()
-
-    async def hook(evs: list[Any]) -> None:
-        now = time.perf_counter()
-        for e in evs:
-            if e.type == T.GENERATION_TOKEN:
-                clock.committed[int(e.body["position"])] = now
-
-    rt.log.before_commit = hook
-    grpc_t = GrpcTransport(rt, cfg.transports["grpc"])
-    http_t = HttpTransport(rt, cfg.transports["http"])
+    clock.watch(rt)
+    grpc_t = load(TRANSPORTS, "grpc")(rt, cfg.transports["grpc"], cfg)
+    http_t = load(TRANSPORTS, "http")(rt, cfg.transports["http"], cfg)
     await grpc_t.start()
     await http_t.start()
-    host, _ = parse_listen(f"127.0.0.1:{gport}")
-    chan = grpc.aio.insecure_channel(f"{host}:{gport}")
-    kakeya = kgrpc.RuntimeServiceStub(chan)
-    salience = sgrpc.SalienceStub(chan)
-    http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{hport}", timeout=60)
-    prompt = engine.tokenize(PROMPT)
     try:
-        async def via_sse() -> float:
-            r = await http.post("/v1/sessions", json={"eos_token_ids": []})
-            sid = r.json()["id"]
-            await http.post(f"/v1/sessions/{sid}/append", json={"tokens": prompt})
-            n = 0
-            t0 = time.perf_counter()
-            async with http.stream("POST", f"/v1/sessions/{sid}/generate",
-                                   json={"max_tokens": tokens, "temperature": 0, "seed": 1}) as resp:
-                async for line in resp.aiter_lines():
-                    if (line.startswith("data:") and '"/tokens/' in line) or '"tokens"' in line:
-                        pass
-                    if line.startswith("data:") and "generated" in line:
-                        n += line.count('"op":"append"') or 0
-                    if line.startswith("event: end") or line.startswith("event:end"):
-                        break
-            dt = time.perf_counter() - t0
-            doc = (await http.get(f"/v1/sessions/{sid}")).json()
-            n = len(doc["generations"][-1]["tokens"]) if doc.get("generations") else n
-            return n / dt
-
-        async def via_kakeya() -> float:
-            sid = (await kakeya.CreateSession(kpb.CreateSessionRequest(eos_token_ids=[]))).session_id
-            await kakeya.AppendTokens(kpb.AppendTokensRequest(session_id=sid, tokens=prompt))
-            n = 0
-            t0 = time.perf_counter()
-            pos = len(prompt)
-            async for m in kakeya.Generate(kpb.GenerateRequest(session_id=sid, max_tokens=tokens, temperature=0.0,
-                                                               seed=1)):
-                if m.HasField("token_id") if hasattr(m, "HasField") else False:
-                    pass
-                if m.WhichOneof("event") == "token_id":
-                    clock.arrived(pos)
-                    pos += 1
-                    n += 1
-            return n / (time.perf_counter() - t0)
-
-        async def via_salience() -> float:
-            r = await salience.OpenSession(spb.OpenSessionRequest())
-            sid = r.session_id
-            n = 0
-            t0 = time.perf_counter()
-            async for m in salience.Generate(spb.GenerateRequest(
-                    session_id=sid, offset=0, append_tokens=prompt, max_tokens=tokens, temperature=1e-9)):
-                if m.WhichOneof("event") == "token" and not m.token.is_prefill:
-                    clock.arrived(m.token.position)
-                    n += 1
-            return n / (time.perf_counter() - t0)
+        def via(wire: str) -> Callable[[], Awaitable[float]]:
+            async def run() -> float:
+                clock.start()
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable, __file__, "--client", wire, "--ports", f"{gport},{hport}",
+                    "--tokens", str(tokens), stdout=asyncio.subprocess.PIPE)
+                out, _ = await proc.communicate()
+                res = json.loads(out)
+                for key, t in res["arrivals"]:
+                    committed = clock.by_position.get(key) if wire == "sse" else (
+                        clock.in_order[key] if key < len(clock.in_order) else None)
+                    if committed is not None:
+                        clock.lat.append(t - committed)
+                return float(res["n"]) / float(res["dt"])
+            return run
 
         async def alone() -> float:
             return await engine_alone(engine, 1, tokens)
 
-        for name, fn in (("Kakeya Generate", via_kakeya), ("Salience Generate", via_salience),
-                         ("SSE generate stream", via_sse)):
+        for name, wire in (("SSE generate stream", "sse"), ("Kakeya Generate", "kakeya"),
+                           ("Salience Generate", "salience"), ("Evergreen GENERATE", "evergreen")):
             clock.lat.clear()
-            await compare(f"{name}, 1 session", rounds, alone, fn,
-                          lambda: f"{statistics.median(clock.lat) * 1e3:.2f} ms" if clock.lat else "")
+            await compare(f"{name}, 1 session", rounds, alone, via(wire),
+                          lambda: f"{statistics.median(clock.lat) * 1e3:.2f} ms" if clock.lat else "n/a")
     finally:
-        await http.aclose()
-        await chan.close()
         await http_t.stop()
         await grpc_t.stop()
         await rt.aclose()
@@ -241,8 +285,17 @@ async def main() -> None:
     ap.add_argument("--pg", default=os.environ.get("BENCH_PG_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test"),
                     help="PostgreSQL URL for the PostgreSQL rows")
     ap.add_argument("--no-pg", action="store_true", help="skip the PostgreSQL rows")
-    ap.add_argument("--wires", action="store_true", help="add one row per transport (client over loopback)")
+    ap.add_argument("--wires", action="store_true",
+                    help="add one row per transport (a client process over loopback)")
+    ap.add_argument("--client", help=argparse.SUPPRESS)  # internal: be the client of one wire
+    ap.add_argument("--ports", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.client:
+        import json
+
+        gport, hport = (int(p) for p in args.ports.split(","))
+        print(json.dumps(await wire_client(args.client, gport, hport, args.tokens)))
+        return
 
     engine = make_engine(args.engine, args.size)
     print(f"engine {engine.info.name} ({engine.info.model_id}, {engine.info.provider}), "

@@ -365,16 +365,19 @@ class _Stream:
         produced: list[int] = []
         sent = ""
         seq = 0
-        # Runtime.generate is an async generator; aclosing needs to know that.
-        gen = cast(AsyncGenerator[Event, None], self.runtime.generate(
+        # One output fragment per committed run of tokens (not one per token):
+        # each fragment is one append and one message, whatever the engine's speed.
+        runs = cast(AsyncGenerator[list[Event], None], self.runtime.generate_runs(
             self.sid, act.params, append=prompt[common:], offset=common, truncating=True, action_id=act.id))
-        async with contextlib.aclosing(gen):
-            async for ev in gen:
+        async with contextlib.aclosing(runs):
+            async for run in runs:
                 if self.stopping:
                     raise _Stopped
-                if ev.type != T.GENERATION_TOKEN or ev.body.get("is_prefill"):
+                new = [int(ev.body["token"]) for ev in run
+                       if ev.type == T.GENERATION_TOKEN and not ev.body.get("is_prefill")]
+                if not new:
                     continue
-                produced.append(int(ev.body["token"]))
+                produced += new
                 text = engine.detokenize(produced)
                 if text.endswith("\ufffd"):
                     continue  # an incomplete UTF-8 sequence: wait for its last byte

@@ -399,16 +399,31 @@ async def session_stream(feeds: Feeds, session_id: str, last_id: int | None, *, 
                 if until is None or not until.done():
                     yield b": ping\n\n"
                 continue
+            # Every patch already waiting goes out in one write (a committed run of
+            # tokens arrives together): one chunk, one flush, not one per token.
+            chunks: list[bytes] = []
+            ended = False
             en = nxt
-            if en is END:
+            while True:
+                if en is END:
+                    ended = True
+                    break
+                if en.position > sent:
+                    chunks.append(frame("patch", en.rfc if rfc and en.rfc is not None else en.plus, en.position))
+                    sent = en.position
+                    if until is not None and until.done() and not until.cancelled() \
+                            and until.exception() is None and sent >= until.result():
+                        break
+                if watcher.queue.empty():
+                    break
+                en = watcher.queue.get_nowait()
+            if chunks:
+                yield b"".join(chunks)
+            if ended:
                 if watcher.lagged or feed is None:
                     return
                 yield _end(feed.doc)
                 return
-            if en.position <= sent:
-                continue
-            yield frame("patch", en.rfc if rfc and en.rfc is not None else en.plus, en.position)
-            sent = en.position
     finally:
         if feed is not None:
             feeds.detach(feed, watcher)
