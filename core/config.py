@@ -70,6 +70,11 @@ DEFAULTS: dict[str, Any] = {
         "run_ahead": 256,
         # most steps committed in one append
         "max_run": 256,
+        # a fast engine's steps are gathered for up to linger_s, or until min_run wait
+        "min_run": 64,
+        "linger_s": 0.005,
+        # engine steps a generation takes per turn of the priority gate
+        "burst": 16,
     },
     "logging": {"level": "INFO", "format": "text", "access_log": True},
     # what one request may cost (docs/security.md); every wire reads these

@@ -117,8 +117,10 @@ class Runtime:
         self._stop_requested: set[str] = set()
         self.cache_size = int(config.sessions_opt("state_cache_size"))
         self.snapshot_every = int(config.log_opt("snapshot_every"))
-        self.pipeline = PipelineLimits(run_ahead=int(config.generation_opt("run_ahead")),
-                                       max_run=int(config.generation_opt("max_run")))
+        self.pipeline = PipelineLimits(
+            run_ahead=int(config.generation_opt("run_ahead")), max_run=int(config.generation_opt("max_run")),
+            min_run=int(config.generation_opt("min_run")), linger_s=float(config.generation_opt("linger_s")),
+            burst=int(config.generation_opt("burst")))
 
     # -- construction ------------------------------------------------------
 
