@@ -195,8 +195,10 @@ def _build_graph(spec: DemoSpec, w: dict[str, F32], layout: str = "static") -> A
                                               "c_zero_s"], axis=0), "c_zero_s"], axis=1)
         ones = g.op("Add", [g.op("Mul", [g.op("Cast", [col], to=TensorProto.INT64), "c_zero"]), "c_one"])
         slots = g.op("Sub", [g.op("CumSum", [ones, "c_zero_s"]), "c_one"])
-        causal = g.op("LessOrEqual", [slots, g.op("Unsqueeze", ["position_ids", "c_axis_neg1"])])
-        allowed = g.op("Tile", [g.op("Unsqueeze", [causal, "c_axis1"]), i64("c_tile_group", 1, 1, group, 1)])
+        # the positions tiled before the compare: CUDA has no Tile for bool
+        rows_pos = g.op("Tile", ["position_ids", i64("c_tile_group", 1, group)])
+        causal = g.op("LessOrEqual", [slots, g.op("Unsqueeze", [rows_pos, "c_axis_neg1"])])
+        allowed = g.op("Unsqueeze", [causal, "c_axis1"])
         scatter_at = g.op("Expand", [g.op("Reshape", ["position_ids", i64("c_pos4", 0, 1, -1, 1)]),
                                      i64("c_kv_expand", 1, nkv, 1, hd)])
     else:

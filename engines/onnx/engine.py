@@ -130,8 +130,12 @@ class OnnxEngine(Engine):
                 limit = min(limit, capacity - 1)
             graph = fixed and provider == CUDA and (cuda_graph is None or bool(cuda_graph))
             if graph:
-                self._sess = open_session(str(path), chosen, threads, int(inter_op_threads), bool(spinning),
-                                          cuda_graph=True)
+                try:
+                    self._sess = open_session(str(path), chosen, threads, int(inter_op_threads),
+                                              bool(spinning), cuda_graph=True, fallback=False)
+                except EngineError as exc:
+                    log.warning("no CUDA graph for this model (%s); running passes without one", exc)
+                    graph = False
             self.runner = StaticRunner(self._sess, self.spec, rows=rows, capacity=capacity,
                                        min_rows=min_rows, pad_token=PAD, cuda_graph=graph)
             bind = True

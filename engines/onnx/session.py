@@ -65,19 +65,24 @@ def choose_providers(requested: str | Sequence[str]) -> list[str]:
 
 
 def open_session(path: str, providers: Sequence[str], intra_op_threads: int, inter_op_threads: int,
-                 spinning: bool = True, cuda_graph: bool = False) -> Any:
-    """An InferenceSession; ``cuda_graph`` turns on ONNX Runtime's CUDA graph capture."""
+                 spinning: bool = True, cuda_graph: bool = False, fallback: bool = True) -> Any:
+    """An InferenceSession; ``cuda_graph`` turns on ONNX Runtime's CUDA graph capture.
+
+    With ``fallback``, a CUDA provider that fails to load gives a CPU session instead.
+    """
     ort = quiet_ort()
     so = ort.SessionOptions()
     so.log_severity_level = 3
     so.intra_op_num_threads = int(intra_op_threads)
     so.inter_op_num_threads = int(inter_op_threads)
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
-    chosen: list[Any] = [(p, {"enable_cuda_graph": "1"}) if p == CUDA and cuda_graph else p for p in providers]
+    # TF32 GEMMs would round float32 models to 10-bit mantissas; keep the model's precision
+    cuda_opts = {"use_tf32": "0", **({"enable_cuda_graph": "1"} if cuda_graph else {})}
+    chosen: list[Any] = [(p, cuda_opts) if p == CUDA else p for p in providers]
     try:
         sess = ort.InferenceSession(path, so, providers=chosen)
     except Exception as exc:
-        if CUDA in providers and providers != [CPU]:
+        if fallback and CUDA in providers and providers != [CPU]:
             # the CUDA libraries can be missing even when the build offers the provider
             log.warning("CUDA provider failed to load (%s); using the CPU provider", exc)
             return ort.InferenceSession(path, so, providers=[CPU])

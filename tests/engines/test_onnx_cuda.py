@@ -47,15 +47,21 @@ async def test_the_kv_buffer_lives_on_the_device_and_is_updated_in_place(cuda_en
     assert cuda_engine.cache.get("k") is entry and entry.kv is buf  # the same buffer, written in place
 
 
-async def test_graph_replay_gives_the_bits_of_plain_runs(cuda_engine: OnnxEngine, tiny_dir: Path) -> None:
+async def test_every_pass_is_a_graph_replay_so_buffers_agree(cuda_engine: OnnxEngine, tiny_dir: Path) -> None:
+    """A new buffer's graph is captured before its first real pass: a pass run outside a capture
+    may take other cuBLAS kernels than its replay, so that would break warm == cold."""
     plain = OnnxEngine(model_dir=tiny_dir, providers="auto", cuda_graph=False)
     hist = history(31, 50)
     params = SamplingParams(max_tokens=24, temperature=0.8, seed=4)
     opts = OutputOptions(logprob_top_k=3, logprob_ranges=((10, 80),))
-    want = await collect(plain, "p", hist, params, opts)
-    for key in ("a", "b"):  # a fresh buffer (capture), then another one (its own graph)
-        assert await collect(cuda_engine, key, hist, params, opts) == want
-    assert await collect(cuda_engine, "a", hist, params, opts) == want  # replay on a warm buffer
+    want = await collect(cuda_engine, "a", hist, params, opts)
+    assert await collect(cuda_engine, "b", hist, params, opts) == want  # another buffer, its own graph
+    cuda_engine.forget("a")
+    assert await collect(cuda_engine, "c", hist, params, opts) == want  # a recycled buffer
+    other = await collect(plain, "p", hist, params, opts)
+    assert [s.token_id for s in other] == [s.token_id for s in want]
+    for x, y in zip(other, want, strict=True):
+        assert x.logprob is not None and y.logprob is not None and abs(x.logprob - y.logprob) < 1e-4
 
 
 async def test_cuda_agrees_with_the_cpu_to_float_rounding(cuda_engine: OnnxEngine, tiny_dir: Path) -> None:
@@ -67,4 +73,4 @@ async def test_cuda_agrees_with_the_cpu_to_float_rounding(cuda_engine: OnnxEngin
     assert [s.position for s in a] == [s.position for s in b]
     for x, y in zip(a, b, strict=True):
         assert x.logprob is not None and y.logprob is not None
-        assert abs(x.logprob - y.logprob) < 1e-3
+        assert abs(x.logprob - y.logprob) < 1e-4  # TF32 is off: float32 all the way
