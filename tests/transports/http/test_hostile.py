@@ -334,3 +334,19 @@ async def test_slow_body_is_408_and_a_vanished_client_is_not_an_internal_error(
         async with httpx.AsyncClient(base_url=served.url) as c:
             assert (await c.get("/healthz")).status_code == 200
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+async def test_audit_route_reports_a_poisoned_session(client: httpx.AsyncClient, runtime: Runtime) -> None:
+    """What an older server stored for ``temperature: NaN`` (null): the audit answers, reporting the failure."""
+    from core.engine import SamplingParams
+    from tests.core.test_hostile_input import _poison
+
+    sid = await _open(client)
+    async for _ in runtime.generate(sid, SamplingParams(max_tokens=2, seed=1), append=[1, 2]):
+        pass
+    await _poison(str(runtime.log.engine.url), sid)
+    r = await client.get(f"/v1/sessions/{sid}/audit")
+    assert r.status_code == 200, r.text
+    report = r.json()
+    assert report["ok"] is False and report["chain_ok"] is True
+    assert len(report["problems"]) == 1 and "generation.started" in report["problems"][0]
