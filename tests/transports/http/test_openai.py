@@ -394,3 +394,21 @@ async def test_chat_session_id_must_exist_and_be_open(live: Served) -> None:
             await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
                                             extra_body={"session_id": sid})
         assert closed.value.code == "session_closed"
+
+
+async def test_input_items_pages_and_running_response(live: Served) -> None:
+    items = [{"role": "system", "content": "sys"}, {"role": "user", "content": "a"},
+             {"role": "assistant", "content": "b"}, {"role": "user", "content": [{"type": "input_text", "text": "c"}]}]
+    async with async_client(live) as c:
+        r = await c.responses.create(model=MODEL, input=items, max_output_tokens=200, background=True)  # type: ignore[arg-type]
+        running = await c.responses.retrieve(r.id)
+        assert running.status == "in_progress" and running.usage is None
+        desc = await c.responses.input_items.list(r.id)
+        asc = await c.responses.input_items.list(r.id, order="asc", limit=2)
+        after = await c.responses.input_items.list(r.id, order="asc", after=asc.data[-1].id)
+        await c.responses.cancel(r.id)
+    texts = [it.content[0].text for it in desc.data]  # type: ignore[union-attr]
+    assert texts == ["c", "b", "a", "sys"]
+    assert [it.content[0].text for it in asc.data] == ["sys", "a"] and asc.has_more  # type: ignore[union-attr]
+    assert [it.content[0].text for it in after.data] == ["b", "c"] and not after.has_more  # type: ignore[union-attr]
+    assert [it.role for it in desc.data] == ["user", "assistant", "user", "system"]  # type: ignore[union-attr]
