@@ -35,7 +35,7 @@ from transports.sse.openai import (
     number,
     reject_unsupported,
 )
-from transports.sse.turns import Turn, Turns, follow, load_turn
+from transports.sse.turns import Turn, Turns, follow, load_turn, logprob_entry
 
 if TYPE_CHECKING:
     from transports.sse.app import Api
@@ -143,15 +143,7 @@ class ChatCompletions:
                 "prompt_tokens_details": {"cached_tokens": max(0, turn.prompt_tokens - turn.appended)}}
 
     def _logprob(self, e: Event) -> dict[str, Any]:
-        detok = self._detok()
-
-        def entry(tok: int, lp: float) -> dict[str, Any]:
-            text = detok([tok])
-            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
-
-        tok = int(e.body["token"])
-        top = [entry(int(i), float(lp)) for i, lp in e.body.get("top", [])]
-        return {**entry(tok, float(e.body.get("logprob", 0.0))), "top_logprobs": top}
+        return logprob_entry(self._detok(), e)
 
     async def _json(self, turn: Turn) -> dict[str, Any]:
         turn = await load_turn(self.runtime, turn.session_id, turn.version, API)

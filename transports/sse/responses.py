@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from core import errors as E
 from core.engine import OutputOptions, SamplingParams
+from core.events import Event
 from core.state import OPEN
 from transports.sse.chat_template import ROLES, TextStream, message_text
 from transports.sse.openai import (
@@ -38,12 +39,14 @@ from transports.sse.openai import (
     reject_unsupported,
     split_id,
 )
-from transports.sse.turns import Turn, Turns, follow, load_turn
+from transports.sse.turns import Turn, Turns, follow, load_turn, logprob_entry
 
 if TYPE_CHECKING:
     from transports.sse.app import Api
 
 API = "responses"
+#: the one ``include`` value served: per-token logprobs of the output text
+LOGPROBS = "message.output_text.logprobs"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -100,18 +103,23 @@ class Responses:
         params = SamplingParams(max_tokens=max_out or DEFAULT_MAX_TOKENS,
                                 temperature=number(b, "temperature", 1.0, 0.0, 2.0),
                                 top_p=number(b, "top_p", 1.0, 0.0, 1.0, lo_open=True), seed=seed)
+        include = b.get("include") or []
+        if not isinstance(include, list) or any(i != LOGPROBS for i in include):
+            raise BadParam("include", f"include may only name {LOGPROBS!r}")
+        top = integer(b, "top_logprobs", 0, 20)
         prev = b.get("previous_response_id")
         if prev is not None and not isinstance(prev, str):
             raise BadParam("previous_response_id", "previous_response_id must be a string")
         req = {"model": model, "input": items, "instructions": instructions, "metadata": metadata(b),
                "store": store, "background": background, "stream": stream, "previous_response_id": prev,
                "max_output_tokens": max_out, "temperature": params.temperature, "top_p": params.top_p,
-               "seed": None if seed is None else str(seed)}
+               "seed": None if seed is None else str(seed), "logprobs": bool(include),
+               "top_logprobs": top or 0}
         sid, forked_from = await self._session(prev)
         if forked_from is not None:
             req["forked_from"] = forked_from
         messages = ([("system", instructions)] if instructions else []) + [(m["role"], m["content"]) for m in items]
-        turn = await self.turns.start(sid, API, messages, req, params, OutputOptions(),
+        turn = await self.turns.start(sid, API, messages, req, params, OutputOptions(logprob_top_k=top or 0),
                                       close_after=not store)
         if stream:
             return self._sse(turn, -1, cancel_on_disconnect=not background)
@@ -216,7 +224,8 @@ class Responses:
         item_status = {"completed": "completed", "in_progress": "in_progress"}.get(status, "incomplete")
         output = [] if snapshot else [{
             "type": "message", "id": "msg_" + rid[5:], "status": item_status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}]
+            "content": [{"type": "output_text", "text": text, "annotations": [],
+                         "logprobs": self._logprobs(turn, turn.token_events)}]}]
         usage = None
         if not snapshot and turn.finished is not None:
             cached = max(0, turn.prompt_tokens - turn.appended)
@@ -232,12 +241,19 @@ class Responses:
             "parallel_tool_calls": False, "previous_response_id": r.get("previous_response_id"),
             "reasoning": {"effort": None, "summary": None}, "store": bool(r.get("store", True)),
             "temperature": r.get("temperature"), "text": {"format": {"type": "text"}}, "tool_choice": "none",
-            "tools": [], "top_p": r.get("top_p"), "truncation": "disabled", "usage": usage, "user": None,
+            "tools": [], "top_p": r.get("top_p"), "top_logprobs": r.get("top_logprobs", 0),
+            "truncation": "disabled", "usage": usage, "user": None,
             "metadata": r.get("metadata") or {},
             "completed_at": None if snapshot or turn.finished is None else int(turn.finished.recorded_at),
             # extensions: where the response lives in the log
             "session_id": turn.session_id, "seed": seed if seed is not None else turn.started.body["params"].get("seed"),
         }
+
+    def _logprobs(self, turn: Turn, events: list[Event]) -> list[dict[str, Any]]:
+        if not turn.request.get("logprobs"):
+            return []
+        detok = self._detok()
+        return [logprob_entry(detok, e) for e in events]
 
     def _sse(self, turn: Turn, starting_after: int, *, cancel_on_disconnect: bool) -> Response:
         async def body() -> AsyncIterator[bytes]:
@@ -275,21 +291,25 @@ class Responses:
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         yield ev("response.content_part.added", item_id=item_id, output_index=0, content_index=0, part=part)
         ts = TextStream(self._detok(), turn.stops())
+        behind: list[Event] = []  # token events whose text is not out yet
         async for e in follow(self.runtime, turn):
             if "token" in e.body and not ts.stopped:
+                behind.append(e)
                 delta = ts.push(int(e.body["token"]))
                 if delta:
                     yield ev("response.output_text.delta", item_id=item_id, output_index=0, content_index=0,
-                             delta=delta, logprobs=[])
+                             delta=delta, logprobs=self._logprobs(turn, behind))
+                    behind = []
         delta = ts.finish()
         if delta:
             yield ev("response.output_text.delta", item_id=item_id, output_index=0, content_index=0,
-                     delta=delta, logprobs=[])
+                     delta=delta, logprobs=self._logprobs(turn, behind))
         final = await self._json(turn)
+        content = final["output"][0]["content"][0]
         yield ev("response.output_text.done", item_id=item_id, output_index=0, content_index=0,
-                 text=ts.text, logprobs=[])
+                 text=ts.text, logprobs=content["logprobs"])
         yield ev("response.content_part.done", item_id=item_id, output_index=0, content_index=0,
-                 part={**part, "text": ts.text})
+                 part=content)
         yield ev("response.output_item.done", output_index=0, item=final["output"][0])
         terminal = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(
             final["status"], "response.failed")

@@ -122,6 +122,17 @@ async def follow(runtime: Runtime, turn: Turn) -> AsyncIterator[Event]:
         await sub.aclose()  # type: ignore[attr-defined]
 
 
+def logprob_entry(detokenize: Any, e: Event) -> dict[str, Any]:
+    """OpenAI's logprob object for a ``generation.token`` event (its token, logprob and top ids)."""
+
+    def entry(tok: int, lp: float) -> dict[str, Any]:
+        text = detokenize([tok])
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+    top = [entry(int(i), float(lp)) for i, lp in e.body.get("top", [])]
+    return {**entry(int(e.body["token"]), float(e.body.get("logprob", 0.0))), "top_logprobs": top}
+
+
 def _retrieve(task: asyncio.Task[None]) -> None:
     # the failure is in the log (error.recorded); a waiting request re-raises it
     if not task.cancelled():

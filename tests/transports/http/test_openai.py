@@ -412,3 +412,21 @@ async def test_input_items_pages_and_running_response(live: Served) -> None:
     assert [it.content[0].text for it in asc.data] == ["sys", "a"] and asc.has_more  # type: ignore[union-attr]
     assert [it.content[0].text for it in after.data] == ["b", "c"] and not after.has_more  # type: ignore[union-attr]
     assert [it.role for it in desc.data] == ["user", "assistant", "user", "system"]  # type: ignore[union-attr]
+
+
+async def test_response_logprobs(live: Served) -> None:
+    async with async_client(live) as c:
+        r = await c.responses.create(model=MODEL, input="lp", max_output_tokens=6, top_logprobs=3,
+                                     include=["message.output_text.logprobs"])
+        events = [e async for e in await c.responses.retrieve(r.id, stream=True)]
+        plain = await c.responses.create(model=MODEL, input="lp", max_output_tokens=2)
+        with pytest.raises(openai.BadRequestError):
+            await c.responses.create(model=MODEL, input="lp", include=["reasoning.encrypted_content"])
+    content = r.output[0].content[0]  # type: ignore[union-attr]
+    sid, _ = session_of(r.id)
+    logged = [e.body for e in await live.runtime.log.read(sid) if e.type == T.GENERATION_TOKEN]
+    assert [lp.logprob for lp in content.logprobs] == [b["logprob"] for b in logged]  # type: ignore[union-attr]
+    assert all(len(lp.top_logprobs) == 3 for lp in content.logprobs)  # type: ignore[union-attr]
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]  # type: ignore[union-attr]
+    assert [x.logprob for x in streamed] == [b["logprob"] for b in logged]
+    assert plain.output[0].content[0].logprobs == []  # type: ignore[union-attr]
