@@ -137,8 +137,11 @@ class Responses:
                 meta={"openai": API, "chat_template": self.template.to_json()})
             return st.session_id, None
         pturn = await self._stored(prev, "previous_response_id")
-        if pturn.finished is None:
+        if pturn.finished is None and self.runtime.is_generating(pturn.session_id):
             raise E.SessionBusy(pturn.session_id)
+        # not finished and not running here: left open by a process that stopped (the next
+        # generation records it as interrupted), or running in another process (which the
+        # runtime's one-writer rule refuses)
         st = await self.runtime.get(pturn.session_id)
         last = next(reversed(st.generations.values()), None)
         if st.status == OPEN and last is not None and last.id == pturn.generation_id and st.length == pturn.end:

@@ -430,3 +430,37 @@ async def test_response_logprobs(live: Served) -> None:
     streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]  # type: ignore[union-attr]
     assert [x.logprob for x in streamed] == [b["logprob"] for b in logged]
     assert plain.output[0].content[0].logprobs == []  # type: ignore[union-attr]
+
+
+async def test_a_response_left_running_by_a_stopped_process_can_be_continued(live: Served) -> None:
+    """The log a process leaves when it dies mid-generation: started, two tokens, no finish."""
+    from core.engine import SamplingParams
+    from core.events import NewEvent
+
+    rt = live.runtime
+    sid = "s_orphan"
+    prompt = rt.engine.tokenize(ROLE_MARKERS.render([("user", "hi")], at_start=True, after_generation=False))
+    request = {"model": MODEL, "input": [{"role": "user", "content": "hi"}], "store": True, "background": True,
+               "stop": list(ROLE_MARKERS.stop), "template": ROLE_MARKERS.to_json()}
+    gen = {"generation_id": "g_1", "params": SamplingParams(max_tokens=50, seed=1).to_json(),
+           "prompt_length": len(prompt), "priority": 0, "action_id": None, "options": {}}
+    opened = {"protocol": "openai", "mode": "offset", "label": "", "eos_token_ids": [257], "ttl_s": 1800.0,
+              "engine": rt.engine.info.provenance(), "meta": {}, "parent": None}
+    await rt.log.append(sid, 0, [
+        NewEvent(T.SESSION_OPENED, opened),
+        NewEvent(T.TOKENS_APPENDED, {"start": 0, "tokens": prompt, "images": []}),
+        NewEvent(T.GENERATION_STARTED, gen),
+        NewEvent(T.WIRE, {"transport": "openai", "direction": "in", "payload": {
+            "api": "responses", "generation_id": "g_1", "version": 3, "appended": len(prompt), "request": request}}),
+        *[NewEvent(T.GENERATION_TOKEN, {"generation_id": "g_1", "token": 65 + i, "position": len(prompt) + i,
+                                        "is_prefill": False, "t": 0.0, "logprob": -1.0}) for i in range(2)],
+    ])
+    rid = f"resp_{sid}_3"
+    async with async_client(live) as c:
+        before = await c.responses.retrieve(rid)
+        assert before.status == "in_progress" and before.output_text == "AB"
+        nxt = await c.responses.create(model=MODEL, input="again", max_output_tokens=3, previous_response_id=rid)
+        after = await c.responses.retrieve(rid)
+    assert session_of(nxt.id)[0] == sid  # continued, not forked
+    assert after.status == "failed" and after.output_text == "AB"
+    assert (await rt.get(sid)).generations["g_1"].finish_reason == "interrupted"
