@@ -37,13 +37,22 @@ from typing import TYPE_CHECKING, Any
 
 from core import metrics
 from core.engine import OutputOptions, SamplingParams, Step
-from core.errors import CacheInvariantViolation, InvalidRange, SessionBusy, SessiontapeError
+from core.errors import (
+    CacheInvariantViolation,
+    ConcurrencyError,
+    InvalidRange,
+    SessionBusy,
+    SessiontapeError,
+)
 from core.events import Event, NewEvent, T
 from core.state import SessionState
 from core.tokens import ImageIn, check_ranges, length_after, sink_window_keep
 
 if TYPE_CHECKING:
     from core.runtime import Runtime
+
+#: how often a generation's first append is tried again on a reloaded state
+STALE_RETRIES = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +102,9 @@ class Generation:
         self.last_pos = -1
         self.ended = False  # no step will follow (stop token, abort, engine done)
         self.dropped = 0
+        #: steps pulled from the engine, and steps carried by committed runs
+        self.taken = 0
+        self.committed_steps = 0
         self._queue: asyncio.Queue[Step | _End] = asyncio.Queue(maxsize=limits.run_ahead)
         #: committed runs not yet handed to the caller (a slow caller pauses the committer)
         self._out: asyncio.Queue[list[Event] | Exception | None] = asyncio.Queue(maxsize=4)
@@ -135,6 +147,7 @@ class Generation:
                         except StopAsyncIteration:
                             done = True
                             break
+                        self.taken += 1
                         now = time.perf_counter()
                         self.interval = now - last if self.interval is None else 0.8 * self.interval + 0.2 * (now - last)
                         last = now
@@ -170,9 +183,10 @@ class Generation:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         while not self._queue.empty():
-            item = self._queue.get_nowait()
-            if isinstance(item, Step):
-                self.dropped += 1
+            self._queue.get_nowait()
+        # steps the engine handed out that no commit carried (queued, or held by
+        # the producer when it stopped)
+        self.dropped = self.taken - self.committed_steps
 
     async def _take(self) -> list[Step]:
         """Every ready step (waiting for the first), cut after a stop token.
@@ -252,6 +266,7 @@ class Generation:
         rt = self.rt
         async with rt._lock(self.sid):
             evs = await rt._commit(self.st, new, length=self.st.length + generated)
+        self.committed_steps += len(steps)
         if generated:
             metrics.TOKENS_GENERATED.inc(generated)
             if self.ttft is None:
@@ -338,15 +353,92 @@ async def generate_runs(rt: Runtime, session_id: str, params: SamplingParams, op
     if params.seed is None:
         params = dataclasses.replace(params, seed=secrets.randbits(63))
     gid = "g_" + secrets.token_hex(6)
+    if rt.is_generating(session_id):
+        raise SessionBusy(session_id)
+    # One writer per session across processes (replicas on one PostgreSQL): the
+    # log's session lock is held until the generation ended.
+    if not await rt.log.try_lock_session(session_id):
+        raise SessionBusy(session_id)
+    try:
+        for attempt in range(STALE_RETRIES + 1):
+            try:
+                st, committed = await _begin(rt, session_id, gid, params, options, append=append, offset=offset,
+                                             truncating=truncating, images=images, priority=priority,
+                                             action_id=action_id, sink_window=sink_window)
+                break
+            except ConcurrencyError:
+                # another process moved the session on: nothing was written, the
+                # state was dropped; begin again on a reloaded one
+                if attempt == STALE_RETRIES:
+                    raise
+                metrics.STALE_RETRIES.inc()
+    except BaseException:
+        await rt.log.unlock_session(session_id)
+        raise
+    gen = Generation(rt, st, gid, params, options, priority, rt.pipeline)
+    done = False
+    failure: BaseException | None = None
+    try:
+        head = [e for e in committed if e.type in (T.TOKENS_TRUNCATED, T.GENERATION_STARTED)]
+        gen.start_engine()
+        yield head
+        runs = gen.runs()
+        try:
+            async for run in runs:
+                yield run
+        finally:
+            await runs.aclose()  # type: ignore[attr-defined]
+        await gen.stop_engine()
+        if gen.dropped:
+            rt.engine.rewind(session_id, st.length)
+        cached = rt.engine.cached_length(session_id)
+        if cached is not None and cached > st.length:
+            rt._violation(session_id, 1)
+            raise CacheInvariantViolation(f"INV-1: cache holds {cached} positions, history {st.length}")
+        total = time.perf_counter() - gen.t0
+        metrics.KV_BYTES.set(rt.engine.kv_total_bytes())
+        produced = len(st.generations[gid].tokens)
+        if produced and total > 0:
+            metrics.TOKENS_PER_SECOND.observe(produced / total)
+        async with rt._lock(session_id):
+            fin = await rt._commit(st, gen.finished_event(gen.reason, None))
+        done = True
+        yield fin
+    except Exception as exc:
+        failure = exc
+        raise
+    finally:
+        try:
+            await asyncio.shield(_settle_unfinished(rt, gen, st, done, failure))
+        finally:
+            # even when cancelled again while recording the cancel
+            rt._end_generation(session_id)
+            await asyncio.shield(rt.log.unlock_session(session_id))
+
+
+async def _begin(rt: Runtime, session_id: str, gid: str, params: SamplingParams, options: OutputOptions, *,
+                 append: Sequence[int], offset: int | None, truncating: bool, images: Sequence[ImageIn],
+                 priority: int, action_id: str | None,
+                 sink_window: tuple[int, int] | None) -> tuple[SessionState, list[Event]]:
+    """Check the generation against the session and commit its first append (the
+    optional prompt, truncations and ``generation.started``, together)."""
     async with rt._lock(session_id):
         st = await rt._open_locked(session_id)
         if rt.is_generating(session_id):
             raise SessionBusy(session_id)
+        if rt.log.shared:
+            # other processes write to this database: with the writer lock held,
+            # make sure the cached state is the log's latest
+            row = await rt.log.get_session(session_id)
+            if row.version != st.version:
+                rt._drop(st)
+                st = await rt._open_locked(session_id)
         new: list[NewEvent] = []
         stale = st.active_generation
         if stale is not None:
-            # A generation left open by a crashed process: close it so the
-            # log says what happened, then carry on.
+            # A generation left open by a process that died (this one holds the
+            # session's writer lock, so nobody else runs it): close it so the log
+            # says what happened, then carry on.
             new.append(finished(stale.id, "interrupted", stale.prompt_length, len(stale.tokens), None, None, None))
         if append or images or offset is not None:
             notes, shas = await rt._image_events(images)
@@ -375,43 +467,7 @@ async def generate_runs(rt: Runtime, session_id: str, params: SamplingParams, op
                         "generated_logprobs": options.generated_logprobs}}))
         committed = await rt._commit(st, new)
         rt._begin_generation(session_id)
-    gen = Generation(rt, st, gid, params, options, priority, rt.pipeline)
-    done = False
-    failure: BaseException | None = None
-    try:
-        head = [e for e in committed if e.type in (T.TOKENS_TRUNCATED, T.GENERATION_STARTED)]
-        gen.start_engine()
-        yield head
-        runs = gen.runs()
-        try:
-            async for run in runs:
-                yield run
-        finally:
-            await runs.aclose()  # type: ignore[attr-defined]
-        await gen.stop_engine()
-        rt.engine.rewind(session_id, st.length)
-        cached = rt.engine.cached_length(session_id)
-        if cached is not None and cached > st.length:
-            rt._violation(session_id, 1)
-            raise CacheInvariantViolation(f"INV-1: cache holds {cached} positions, history {st.length}")
-        total = time.perf_counter() - gen.t0
-        metrics.KV_BYTES.set(rt.engine.kv_total_bytes())
-        produced = len(st.generations[gid].tokens)
-        if produced and total > 0:
-            metrics.TOKENS_PER_SECOND.observe(produced / total)
-        async with rt._lock(session_id):
-            fin = await rt._commit(st, gen.finished_event(gen.reason, None))
-        done = True
-        yield fin
-    except Exception as exc:
-        failure = exc
-        raise
-    finally:
-        try:
-            await asyncio.shield(_settle_unfinished(rt, gen, st, done, failure))
-        finally:
-            # even when cancelled again while recording the cancel
-            rt._end_generation(session_id)
+    return st, committed
 
 
 async def _settle_unfinished(rt: Runtime, gen: Generation, st: SessionState, done: bool,
@@ -421,8 +477,9 @@ async def _settle_unfinished(rt: Runtime, gen: Generation, st: SessionState, don
     await gen.stop_engine()
     if done:
         return
-    with contextlib.suppress(Exception):
-        rt.engine.rewind(gen.sid, st.length)
+    if gen.dropped:
+        with contextlib.suppress(Exception):
+            rt.engine.rewind(gen.sid, st.length)
     active = st.active_generation
     if active is None or active.id != gen.gid:
         return

@@ -47,3 +47,8 @@ INVARIANT_VIOLATIONS = Counter(
 )
 ENGINE_PROVIDER = Gauge("sessiontape_engine_info", "Engine in use", ["engine", "provider", "model_id"])
 ERRORS = Counter("sessiontape_errors_total", "Errors returned to clients", ["code"])
+STATE_CACHE = Counter("sessiontape_state_cache_total",
+                      "Session state lookups by this process, by result (hit: cached; miss: loaded from the log)",
+                      ["result"])
+STALE_RETRIES = Counter("sessiontape_stale_retries_total",
+                        "Commands re-run on a reloaded state after another process moved the session on")

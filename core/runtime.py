@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar, cast
 
 from core import metrics
 from core.config import Config
@@ -78,6 +79,35 @@ _NEEDS_OPEN = frozenset({
 })
 
 Clock = Callable[[], float]
+
+#: how often a command whose cached state turned out stale is re-run on a reloaded one
+STALE_RETRIES = 3
+
+_Cmd = TypeVar("_Cmd", bound=Callable[..., Awaitable[Any]])
+
+
+def stale_retry(fn: _Cmd) -> _Cmd:
+    """Re-run a one-commit command when its commit found the session moved on.
+
+    Another process (a replica on the same PostgreSQL) wrote to the session
+    since this process cached its state: ``_commit`` drops the stale state
+    and raises ConcurrencyError before anything of the command was written.
+    The command runs again on the reloaded state, its checks included, so a
+    real conflict (an offset that no longer matches, a closed session) still
+    gets its typed error; after ``STALE_RETRIES`` the ConcurrencyError stands.
+    """
+    @functools.wraps(fn)
+    async def run(self: Runtime, *args: Any, **kwargs: Any) -> Any:
+        for attempt in range(STALE_RETRIES + 1):
+            try:
+                return await fn(self, *args, **kwargs)
+            except ConcurrencyError:
+                if attempt == STALE_RETRIES:
+                    raise
+                metrics.STALE_RETRIES.inc()
+        raise AssertionError("unreachable")
+
+    return cast(_Cmd, run)
 
 
 def new_session_id() -> str:
@@ -177,7 +207,9 @@ class Runtime:
         st = self._states.get(session_id)
         if st is not None:
             self._states.move_to_end(session_id)
+            metrics.STATE_CACHE.labels("hit").inc()
             return st
+        metrics.STATE_CACHE.labels("miss").inc()
         loaded = await self.load(session_id)
         st = self._states.get(session_id)
         if st is None:
@@ -349,6 +381,7 @@ class Runtime:
         metrics.SESSIONS_OPEN.inc()
         return st
 
+    @stale_retry
     async def close(self, session_id: str, reason: str = "client") -> SessionState:
         """Close a session; closing a closed one is a no-op. Raises SessionNotFound,
         SessionBusy while it generates."""
@@ -373,12 +406,17 @@ class Runtime:
         if idle is not None:
             self._stop_requested.add(session_id)
             await idle.wait()
+        st = await self._record_abort(session_id, code, message)
+        self.engine.forget(session_id)
+        return st
+
+    @stale_retry
+    async def _record_abort(self, session_id: str, code: str, message: str) -> SessionState:
         async with self._lock(session_id):
             st = await self.get(session_id)
             if st.status == OPEN:
                 await self._commit(st, [NewEvent(T.SESSION_ABORTED, {"code": code, "message": message})])
                 metrics.SESSIONS_OPEN.dec()
-        self.engine.forget(session_id)
         return st
 
     async def _expire_locked(self, st: SessionState, idle_s: float) -> None:
@@ -417,7 +455,12 @@ class Runtime:
                 st = await self.get(row.id)
                 if st.status != OPEN or row.id in self._generating:
                     continue
-                await self._expire_locked(st, now - last)
+                try:
+                    await self._expire_locked(st, now - last)
+                except ConcurrencyError:
+                    # another replica wrote to it (or expired it) first: it is no
+                    # longer this sweep's to expire; the next sweep looks again
+                    continue
             expired.append(row.id)
         return expired
 
@@ -436,6 +479,7 @@ class Runtime:
 
     # -- content -----------------------------------------------------------
 
+    @stale_retry
     async def record(self, session_id: str, new: Sequence[NewEvent]) -> list[Event]:
         """Append events that carry no model rule (wire messages, notes, feedback)
         to a session in any state but purged."""
@@ -454,6 +498,7 @@ class Runtime:
     async def record_error(self, session_id: str, code: str, message: str) -> Event:
         return (await self.record(session_id, [NewEvent(T.ERROR, {"code": code, "message": message})]))[0]
 
+    @stale_retry
     async def append_fragments(self, session_id: str, fragments: Sequence[FragmentIn],
                                direction: str = "in") -> list[bool]:
         """Record Evergreen fragments; returns, per fragment, False for an ignored duplicate.
@@ -484,6 +529,7 @@ class Runtime:
                 await self._commit(st, new)
             return kept
 
+    @stale_retry
     async def submit_action(self, session_id: str, name: str, inputs: Sequence[tuple[str, str]],
                             outputs: Sequence[tuple[str, str]], *, target: str = "",
                             configs: Sequence[Any] = (), action_id: str | None = None) -> Event:
@@ -502,6 +548,7 @@ class Runtime:
                     "outputs": [{"name": n, "id": i} for n, i in outputs], "target": target, "configs": list(configs)}
             return (await self._commit(st, [NewEvent(T.ACTION_SUBMITTED, body)]))[0]
 
+    @stale_retry
     async def finish_action(self, session_id: str, action_id: str, error: tuple[str, str] | None = None) -> Event:
         async with self._lock(session_id):
             st = await self.get(session_id)
@@ -543,6 +590,7 @@ class Runtime:
             notes.append(NewEvent(T.IMAGE_ATTACHED, {"sha256": sha, "mime": im.mime, "size": len(im.data)}, im.data))
         return notes, shas
 
+    @stale_retry
     async def append_tokens(self, session_id: str, tokens: Sequence[int], *, offset: int | None = None,
                             truncating: bool = False, images: Sequence[ImageIn] = ()) -> int:
         """Append tokens (Salience offset rule when ``offset`` is given); returns the new length."""

@@ -153,6 +153,9 @@ class EventLog:
         #: read other processes' commits by polling/notification (always on
         #: PostgreSQL; on SQLite for read-only followers such as `replay --follow`)
         self._tail = False
+        #: PostgreSQL: the connection holding this process's session writer locks
+        self._lock_conn: AsyncConnection | None = None
+        self._lock_mutex = asyncio.Lock()
         #: test hook: awaited inside the write transaction, just before COMMIT
         self.before_commit: Callable[[list[Event]], Awaitable[None]] | None = None
 
@@ -233,6 +236,10 @@ class EventLog:
             with contextlib.suppress(Exception):
                 await self._listen_conn.close()
             self._listen_conn = None
+        if self._lock_conn is not None:
+            with contextlib.suppress(Exception):
+                await self._lock_conn.close()
+            self._lock_conn = None
         self._write_thread.submit(self._close_raw).result()
         self._write_thread.shutdown(wait=True)
         await self.engine.dispose()
@@ -274,6 +281,50 @@ class EventLog:
         row = await self.get_session(session_id)
         req = _Request("purge", session_id, row.version, [NewEvent(T.SESSION_PURGED, {"reason": reason})])
         return (await self._submit(req))[0]
+
+    # -- one writer per session across processes -----------------------------
+
+    @property
+    def shared(self) -> bool:
+        """Whether other server processes may write to this database (PostgreSQL)."""
+        return self.dialect == "postgresql"
+
+    async def try_lock_session(self, session_id: str) -> bool:
+        """Take the cross-process writer lock of a session (a generation holds it).
+
+        PostgreSQL: a session-level advisory lock on one connection kept for
+        all of this process's locks, so a process that dies releases them with
+        its connection. False when another process holds it. SQLite has one
+        writing process: always True.
+        """
+        if self.dialect != "postgresql":
+            return True
+        async with self._lock_mutex:
+            conn = await self._lock_connection()
+            got = (await conn.execute(sa.text("SELECT pg_try_advisory_lock(:k)"),
+                                      {"k": session_lock_key(session_id)})).scalar()
+        return bool(got)
+
+    async def unlock_session(self, session_id: str) -> None:
+        if self.dialect != "postgresql":
+            return
+        async with self._lock_mutex:
+            conn = self._lock_conn
+            if conn is None:
+                return  # the connection went away, and its locks with it
+            try:
+                await conn.execute(sa.text("SELECT pg_advisory_unlock(:k)"), {"k": session_lock_key(session_id)})
+            except Exception:
+                log.warning("releasing the writer lock of %s failed; dropping the lock connection", session_id)
+                self._lock_conn = None
+                with contextlib.suppress(Exception):
+                    await conn.close()
+
+    async def _lock_connection(self) -> AsyncConnection:
+        if self._lock_conn is None:
+            conn = await self.engine.connect()
+            self._lock_conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+        return self._lock_conn
 
     async def _submit(self, req: _Request) -> list[Event]:
         if self._writer is None or self._closing:
@@ -459,6 +510,11 @@ class EventLog:
                 results.append([])
                 continue
             cur_version = head[0] if head else 0
+            if req.kind != "purge" and cur_version != req.expected_version and sid not in pending \
+                    and self._heads.pop(sid, None) is not None:
+                # the cached head may be stale (another process wrote): ask the database
+                head = self._head(cur, sid)
+                cur_version = head[0] if head else 0
             if req.kind != "purge" and cur_version != req.expected_version:
                 raise ConcurrencyError(
                     f"session {sid}: expected version {req.expected_version}, log is at {cur_version}"
@@ -774,6 +830,12 @@ class EventLog:
         finally:
             self._subscribers.discard(sub)
             metrics.SUBSCRIBERS.dec()
+
+
+def session_lock_key(session_id: str) -> int:
+    """The 64-bit advisory-lock key of a session's writer lock."""
+    return int.from_bytes(hashlib.sha256(b"sessiontape-writer:" + session_id.encode()).digest()[:8], "big",
+                          signed=True)
 
 
 def verify_chain(evs: Sequence[Event], start_hash: str | None = None) -> None:
