@@ -76,8 +76,7 @@ def open_session(path: str, providers: Sequence[str], intra_op_threads: int, int
     so.intra_op_num_threads = int(intra_op_threads)
     so.inter_op_num_threads = int(inter_op_threads)
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
-    # TF32 GEMMs would round float32 models to 10-bit mantissas; keep the model's precision
-    cuda_opts = {"use_tf32": "0", **({"enable_cuda_graph": "1"} if cuda_graph else {})}
+    cuda_opts = {"enable_cuda_graph": "1"} if cuda_graph else {}
     chosen: list[Any] = [(p, cuda_opts) if p == CUDA else p for p in providers]
     try:
         sess = ort.InferenceSession(path, so, providers=chosen)

@@ -59,9 +59,10 @@ def on_cpu(engine: OnnxEngine) -> bool:
 
 
 def agrees(engine: OnnxEngine, got: float, want: float) -> bool:
-    """The CPU oracle's number: bit for bit on the CPU, to float32 rounding on another provider
-    (whose kernels sum in another order; bit-exactness there is warm vs cold, tested below)."""
-    return got == want if on_cpu(engine) else bool(np.isclose(got, want, rtol=1e-4, atol=1e-4))
+    """The CPU oracle's number: bit for bit on the CPU, to TF32 rounding on another provider
+    (cuBLAS multiplies float32 in TF32 by default, and its kernels sum in another order;
+    bit-exactness there is warm vs cold, tested below)."""
+    return got == want if on_cpu(engine) else bool(np.isclose(got, want, rtol=1e-2, atol=1e-2))
 
 
 # -- the model -------------------------------------------------------------
@@ -164,7 +165,7 @@ async def test_readouts_are_concept_cosines(onnx_engine: OnnxEngine, tiny_dir: P
             want.extend(d @ h / np.linalg.norm(h))
         got = by_pos[p].readout
         assert got is not None and len(got) == len(manifest.layers) * len(manifest.concepts)
-        assert np.allclose(got, want, rtol=0, atol=1e-12 if on_cpu(onnx_engine) else 1e-4)
+        assert np.allclose(got, want, rtol=0, atol=1e-12 if on_cpu(onnx_engine) else 1e-2)
 
 
 async def test_custom_readout_concepts(tiny_dir: Path, tmp_path: Path) -> None:
