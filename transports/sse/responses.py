@@ -89,6 +89,11 @@ class Responses:
         b = await json_body(request, self.limits)
         model = self.models.check(b)
         reject_unsupported(b, ("tools", "conversation", "prompt"))
+        text_cfg = b.get("text")
+        fmt = text_cfg.get("format") if isinstance(text_cfg, dict) else None
+        if text_cfg is not None and (not isinstance(text_cfg, dict) or (
+                fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"))):
+            raise BadParam("text.format", "only text output is supported (text.format {\"type\": \"text\"})")
         items = _input(b)
         instructions = b.get("instructions")
         if instructions is not None and not isinstance(instructions, str):

@@ -339,6 +339,11 @@ async def test_errors_have_openai_shape(live: Served) -> None:
         assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
         r = await h.post("/v1/responses", json={"model": MODEL, "input": "x", "temperature": 3})
         assert r.json()["error"]["param"] == "temperature"
+        r = await h.post("/v1/responses", json={"model": MODEL, "input": "x",
+                                                "text": {"format": {"type": "json_object"}}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "text.format"
+        r = await h.post("/v1/responses", json={"model": MODEL, "input": "x", "tools": [{"type": "web_search"}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
         n_sessions = len((await h.get("/v1/sessions")).json()["sessions"])
         assert n_sessions == 0  # refused requests left nothing behind
 
