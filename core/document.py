@@ -159,6 +159,20 @@ async def fork_base(log: EventLog, first: Event) -> SessionState | None:
     return await base_state(log, first)
 
 
+#: the largest integer every JSON reader holds exactly (an IEEE double, JavaScript's Number)
+MAX_EXACT_JSON_INT = 2**53
+
+
+def _params(recorded: Any) -> dict[str, Any]:
+    """A generation's recorded parameters for the document: the seed (recorded as a string, since
+    it may need 64 bits) as a number where JSON holds it exactly, else still a string."""
+    out = dict(recorded)
+    seed = out.get("seed")
+    if isinstance(seed, str) and seed.isascii() and seed.isdigit() and int(seed) <= MAX_EXACT_JSON_INT:
+        out["seed"] = int(seed)
+    return out
+
+
 class DocumentBuilder:
     """Folds events into the session document; ``doc`` is the current one.
 
@@ -408,7 +422,7 @@ class DocumentBuilder:
         if self.detokenize is not None:
             self._gen_runs[gid] = TextRun(self.detokenize)
         self._push(doc["generations"], {
-            "id": gid, "status": "running", "params": dict(b.get("params", {})),
+            "id": gid, "status": "running", "params": _params(b.get("params", {})),
             "options": dict(b.get("options", {})), "prompt_length": b.get("prompt_length"),
             "priority": b.get("priority", 0), "action_id": b.get("action_id"),
             "started_at": e.recorded_at, "finished_at": None, "finish_reason": None,

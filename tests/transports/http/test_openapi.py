@@ -1,0 +1,139 @@
+"""The OpenAPI document is complete: every route the app serves is in it (and nothing else is), it is
+a valid OpenAPI 3.1 document, and what the native routes answer is what it says they answer.
+
+Generic over the app's routing table, so routes added later (the OpenAI-compatible ones, or any
+other) fail here until they are described in transports/sse/openapi.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import re
+from collections.abc import Iterator
+
+import httpx
+from openapi_spec_validator import validate
+from starlette.routing import BaseRoute, Mount, Route
+
+from core.nodes import FragmentIn
+from core.runtime import Runtime
+from core.tokens import ImageIn
+from engines.reference import IMAGE_PAD
+from tests.transports.http.conftest import Served
+from transports.sse.app import create_app
+from transports.sse.openapi import spec
+
+_CONVERTER = re.compile(r"\{(\w+)(?::\w+)?\}")
+
+
+def served(routes: list[BaseRoute], prefix: str = "") -> Iterator[tuple[str, str]]:
+    """(OpenAPI path template, lower-case method) for every route in a Starlette routing table."""
+    for r in routes:
+        if isinstance(r, Route):
+            for m in sorted((r.methods or {"GET"}) - {"HEAD"}):
+                yield _CONVERTER.sub(r"{\1}", prefix + r.path), m.lower()
+        elif isinstance(r, Mount) and r.routes:
+            yield from served(list(r.routes), prefix + r.path)
+        elif isinstance(r, Mount):  # an ASGI app such as StaticFiles: everything under it
+            yield prefix + r.path + "/{path}", "get"
+        else:
+            raise AssertionError(f"a route of a kind this test does not know: {r!r}")
+
+
+def documented(doc: dict[str, object]) -> set[tuple[str, str]]:
+    paths = doc["paths"]
+    assert isinstance(paths, dict)
+    return {(p, m) for p, ops in paths.items() for m in ops if m in ("get", "post", "put", "patch", "delete")}
+
+
+async def test_every_served_route_is_documented_and_nothing_else(runtime: Runtime) -> None:
+    app = create_app(runtime)
+    try:
+        routes = set(served(list(app.routes)))
+    finally:
+        await app.state.api.aclose()
+    doc = spec()
+    validate(doc)  # type: ignore[arg-type]
+    assert not routes - documented(doc), "served but not in openapi.py"
+    assert not documented(doc) - routes, "in openapi.py but not served"
+    for p, m in routes:
+        op = doc["paths"][p][m]  # type: ignore[index]
+        names = {x["name"] for x in op.get("parameters", []) if x["in"] == "path"}
+        assert names == set(re.findall(r"\{(\w+)\}", p)), (p, m, "path parameters")
+
+
+async def test_answers_are_what_the_document_says(server: Served) -> None:
+    """Each native route, driven once over loopback: its status and content type are documented."""
+    async with httpx.AsyncClient(base_url=server.url, timeout=20) as c:
+        await _drive(server.runtime, c)
+
+
+async def _drive(runtime: Runtime, c: httpx.AsyncClient) -> None:
+    doc = spec()
+    seen: list[tuple[str, str, int, str]] = []
+
+    def template(path: str) -> str:
+        for p in doc["paths"]:
+            if re.fullmatch(re.sub(r"\\\{\w+\\\}", "[^/]+", re.escape(p)), path):
+                return p
+        raise AssertionError(f"{path} matches no documented path")
+
+    async def record(r: httpx.Response) -> None:
+        if r.request.url.path == "/v1/sessions/events":
+            return  # endless: recorded by hand below
+        await r.aread()
+        seen.append((template(r.request.url.path), r.request.method.lower(), r.status_code,
+                     r.headers.get("content-type", "").split(";")[0]))
+
+    c.event_hooks["response"].append(record)
+    sid = (await c.post("/v1/sessions", json={"label": "spec"})).json()["id"]
+    await c.get("/v1/sessions")
+    await c.post(f"/v1/sessions/{sid}/append", json={"text": "Hi"})
+    await c.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 2, "seed": 1, "stream": False})
+    await c.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 2, "seed": 2})
+    await c.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 2, "seed": 3, "background": True})
+    for _ in range(500):
+        if not runtime.is_generating(sid):
+            break
+        await asyncio.sleep(0.01)
+    await c.get(f"/v1/sessions/{sid}")
+    await c.get("/v1/sessions/s_nope")
+    await c.post(f"/v1/sessions/{sid}/feedback", json={"score": 1})
+    child = (await c.post(f"/v1/sessions/{sid}/fork", json={"at_position": 1})).json()["id"]
+    await c.get(f"/v1/sessions/{sid}/export")
+    await c.get(f"/v1/sessions/{sid}/audit")
+    await c.get(f"/v1/sessions/{child}/replay")
+    await c.post(f"/v1/sessions/{child}/close", json={})
+    async with c.stream("GET", f"/v1/sessions/{child}/events") as r:  # closed: snapshot, then end
+        await r.aread()
+    async with c.stream("GET", "/v1/sessions/events") as r:  # endless: its head is enough
+        seen.append(("/v1/sessions/events", "get", r.status_code, r.headers["content-type"].split(";")[0]))
+        await asyncio.wait_for(anext(r.aiter_bytes()), 10)
+    data = b"\x89PNG" + bytes(range(256)) * 40
+    im = (await runtime.open_session("salience")).session_id
+    await runtime.append_tokens(im, [200] + [IMAGE_PAD] * 8 + [201], images=[ImageIn(data, "image/png", 0, 10)])
+    await c.get(f"/v1/sessions/{im}/images/{hashlib.sha256(data).hexdigest()}")
+    ev = (await runtime.open_session("evergreen")).session_id
+    await runtime.append_fragments(ev, [FragmentIn(id="n", has_chunk=True, data=b"hello",
+                                                   metadata={"mimetype": "text/plain"})])
+    await c.get(f"/v1/sessions/{ev}/nodes/n/content")
+    for path in ("/", "/healthz", "/metrics", "/openapi.json", "/static/app.js"):
+        await c.get(path)
+
+    for p, m, status, ctype in seen:
+        responses = doc["paths"][p][m]["responses"]  # type: ignore[index]
+        entry = responses.get(str(status)) or responses.get(f"{str(status)[0]}XX")
+        assert entry is not None, (p, m, status, "status not documented")
+        content = entry.get("content")
+        if content:
+            ok = any(t == ctype or (t.endswith("/*") and ctype.startswith(t[:-1])) or t == "*/*" for t in content)
+            assert ok, (p, m, status, ctype, sorted(content))
+    got = {(p, m, s, t) for p, m, s, t in seen}
+    assert ("/v1/sessions/{sid}/generate", "post", 200, "application/json") in got
+    assert ("/v1/sessions/{sid}/generate", "post", 200, "text/event-stream") in got
+    assert ("/v1/sessions/{sid}/export", "get", 200, "application/x-ndjson") in got
+    assert ("/v1/sessions/{sid}/images/{sha}", "get", 200, "image/png") in got
+    assert ("/v1/sessions/{sid}/nodes/{nid}/content", "get", 200, "text/plain") in got
+    native = {(p, m) for p, m in documented(doc) if not doc["paths"][p][m].get("tags")}  # type: ignore[index]
+    assert native <= {(p, m) for p, m, _, _ in seen}, "a native route this test never drove"
