@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from core.config import Config
+from core.document import TextRun
 from core.errors import ConfigError, InvalidParameters
 
 ROLES = ("system", "developer", "user", "assistant")
@@ -140,10 +141,11 @@ class TextStream:
     from the log gives the same deltas as the live one."""
 
     def __init__(self, detokenize: Any, stops: Sequence[str] = ()) -> None:
-        self._detok = detokenize
+        # the session document's incremental decoder: a short window with context in
+        # front, so tokenizers that render a token differently at the start of a text
+        # (SentencePiece's leading space) decode as they would in the whole run
+        self._run = TextRun(detokenize)
         self._stops = tuple(s for s in stops if s)
-        self._tokens: list[int] = []
-        self._prefix = 0  # tokens before this were decoded into self._text for good
         self._text = ""  # decoded, stable text
         self._sent = 0  # characters of self._text already handed out
         self.stopped = False
@@ -151,18 +153,12 @@ class TextStream:
     def push(self, token: int) -> str:
         if self.stopped:
             return ""
-        self._tokens.append(token)
-        window = self._detok(self._tokens[self._prefix:])
-        if window.endswith("\ufffd"):
-            return ""  # an incomplete character: wait for the next token
-        self._text += window
-        self._prefix = len(self._tokens)
+        self._text += self._run.push([token])
         return self._release(final=False)
 
     def finish(self) -> str:
-        if not self.stopped and self._prefix < len(self._tokens):
-            self._text += self._detok(self._tokens[self._prefix:])
-            self._prefix = len(self._tokens)
+        if not self.stopped:
+            self._text += self._run.flush()
         return self._release(final=True)
 
     @property

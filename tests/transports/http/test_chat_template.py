@@ -87,3 +87,16 @@ def test_text_stream_stops_before_a_stop_string() -> None:
     # a prefix of a stop string is held back until it cannot be one
     out, _ = deltas("a<|b", ("<|user|>",))
     assert out[1:3] == ["", ""] and "".join(out) == "a<|b"
+
+
+def test_text_stream_keeps_sentencepiece_spaces() -> None:
+    """A tokenizer that drops a word's leading space at the start of a text: deltas still
+    add up to the decode of the whole run."""
+    pieces = {1: "▁Hello", 2: "▁big", 3: "▁world", 4: "!"}
+
+    def detok(ids: list[int]) -> str:
+        return "".join(pieces[i] for i in ids).replace("▁", " ").removeprefix(" ")
+
+    ts = TextStream(detok)
+    out = [ts.push(i) for i in (1, 2, 3, 4)] + [ts.finish()]
+    assert "".join(out) == "Hello big world!" == detok([1, 2, 3, 4])
