@@ -136,6 +136,7 @@ class Runtime:
         self._last_active: dict[str, float] = {}
         self._snapshotted: dict[str, int] = {}
         self._sweeper: asyncio.Task[None] | None = None
+        self._follower: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self.gate = PriorityGate()
         #: Kakeya counters: session id -> [INV-1 violations, INV-2 violations]
@@ -172,9 +173,40 @@ class Runtime:
             inline_max_bytes=int(config.log_opt("inline_max_bytes")),
             poll_interval_s=float(config.log_opt("poll_interval_s")),
         )
-        return cls(log_, engine, config, clock=clock)
+        rt = cls(log_, engine, config, clock=clock)
+        if log_.shared:
+            rt._follower = asyncio.create_task(rt._follow(), name="sessiontape-state-follower")
+        return rt
+
+    async def _follow(self) -> None:
+        """Replicas: drop a cached state as soon as another process writes to its session.
+
+        The log is tailed anyway (LISTEN/NOTIFY plus polling); an event whose
+        version is past the cached state's is another process's, so the state
+        is reloaded on next use instead of failing a commit first. A state
+        under its lock or generating is left alone: its commit finds out and
+        retries (``stale_retry``).
+        """
+        while True:
+            try:
+                async for e in self.log.subscribe(await self.log.last_position()):
+                    st = self._states.get(e.session_id)
+                    if st is None or e.version <= st.version or e.session_id in self._generating:
+                        continue
+                    lock = self._locks.get(e.session_id)
+                    if lock is None or not lock.locked():
+                        self._drop(st)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("following the log for other processes' writes failed; retrying")
+                await asyncio.sleep(1.0)
 
     async def aclose(self) -> None:
+        if self._follower is not None:
+            self._follower.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._follower
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
