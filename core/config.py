@@ -87,6 +87,7 @@ DEFAULTS: dict[str, Any] = {
         "keep_alive_s": 5.0,  # idle keep-alive connections are closed after this
         "max_header_bytes": 16 * 1024,  # request line + headers
         "max_connections": 1000,  # concurrent HTTP connections and tasks before 503s
+        "max_requests_per_client": 64,  # concurrent HTTP requests (SSE streams included) per client address
         "max_streams_per_connection": 100,  # concurrent gRPC streams on one client connection
     },
 }

@@ -46,6 +46,7 @@ from transports.sse.feeds import (
     load_builder,
     session_stream,
 )
+from transports.sse.limits import PerClientLimit
 from transports.sse.openai import PREFIXES as OPENAI_PREFIXES
 from transports.sse.openai import error_response as openai_error
 from transports.sse.openai import routes as openai_routes
@@ -474,6 +475,7 @@ def create_app(runtime: Runtime, *, auth_token: str = "", heartbeat_s: float = 1
     app.state.api = api
     if auth_token:
         app.add_middleware(BearerAuth, token=auth_token)
+    app.add_middleware(PerClientLimit, max_requests=api.limits.max_requests_per_client)
     # outermost of ours: whatever escapes a handler or the auth check is one logged 500 without its text
     app.add_middleware(errors.LastResort)
     # outermost: one access-log record per request, with the request id LastResort assigned

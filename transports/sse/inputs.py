@@ -55,6 +55,7 @@ class Limits:
     max_json_depth: int = 64
     max_meta_bytes: int = 64 * 1024
     body_timeout_s: float = 30.0
+    max_requests_per_client: int = 64
 
 
 # -- the body -------------------------------------------------------------------

@@ -103,7 +103,8 @@ class HttpTransport(Transport):
 
         limit = self.config.limit
         limits = Limits(max_body_bytes=int(limit("max_body_bytes")), max_json_depth=int(limit("max_json_depth")),
-                        max_meta_bytes=int(limit("max_meta_bytes")), body_timeout_s=limit("body_timeout_s"))
+                        max_meta_bytes=int(limit("max_meta_bytes")), body_timeout_s=limit("body_timeout_s"),
+                        max_requests_per_client=int(limit("max_requests_per_client")))
         app = create_app(self.runtime, auth_token=self.config.auth_token, heartbeat_s=self.heartbeat_s,
                          ring=self.ring, linger_s=self.linger_s, limits=limits)
         # Bind here so a taken port is a ConfigError, not uvicorn's sys.exit inside a task.

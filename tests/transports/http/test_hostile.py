@@ -350,3 +350,26 @@ async def test_audit_route_reports_a_poisoned_session(client: httpx.AsyncClient,
     report = r.json()
     assert report["ok"] is False and report["chain_ok"] is True
     assert len(report["problems"]) == 1 and "generation.started" in report["problems"][0]
+
+
+async def test_concurrent_requests_per_client_are_bounded(sqlite_url: str, port: int) -> None:
+    """Three open SSE streams from one address are its limit here: the fourth request is 429 at once,
+    and once a stream closes the client is served again."""
+    cfg = make_config(sqlite_url, limits={"max_requests_per_client": 3})
+    rt = await Runtime.create(cfg, engine=ReferenceEngine())
+    tr = HttpTransport(rt, {"listen": f"127.0.0.1:{port}", "heartbeat_s": 1.0}, cfg)
+    await tr.start()
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as c:
+            sid = (await c.post("/v1/sessions", json={})).json()["id"]
+            async with contextlib.AsyncExitStack() as streams:
+                for _ in range(3):
+                    r = await streams.enter_async_context(c.stream("GET", f"/v1/sessions/{sid}/events"))
+                    assert r.status_code == 200
+                over = await c.get("/v1/sessions")
+                assert over.status_code == 429 and over.json()["error"]["code"] == "too_many_requests"
+                assert (await c.get("/healthz")).status_code == 200  # probes are exempt
+            assert (await c.get("/v1/sessions")).status_code == 200
+    finally:
+        await tr.stop(grace=1.0)
+        await rt.aclose()
