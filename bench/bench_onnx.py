@@ -87,7 +87,8 @@ def genai_rate(folder: Path, provider: str = "cpu") -> Rate:
 
     async def rate(prompt: list[int], n: int) -> float:
         params = og.GeneratorParams(model)
-        params.set_search_options(max_length=len(prompt) + n, do_sample=False)
+        # a static-layout file's buffer is max_length slots, which must be a multiple of 64
+        params.set_search_options(max_length=-(-(len(prompt) + n) // 64) * 64, do_sample=False)
         gen = og.Generator(model, params)
         gen.append_tokens(prompt)
         gen.generate_next_token()
@@ -118,7 +119,7 @@ def bare_rate(folder: Path, threads: int, provider: str = "cpu") -> Rate:
     dev = "cuda" if provider == "cuda" else "cpu"
 
     async def rate(prompt: list[int], n: int) -> float:
-        cap = len(prompt) + n
+        cap = -(-(len(prompt) + n) // 64) * 64
         shape = (1, spec.kv_heads, cap if static else 0, spec.head_dim)
         zero = np.zeros(shape, np.float32)
         past: list[Any] = []

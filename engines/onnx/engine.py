@@ -31,7 +31,8 @@ Options (all keyword, as ``[engine.options]`` in the config):
   on a shared machine spinning threads starve each other and the event loop).
 - ``pass_rows``, ``kv_capacity``: for a static-layout model (the demo's default),
   run every pass with exactly ``pass_rows`` query rows over a KV buffer of
-  ``kv_capacity`` slots (default on CUDA: 16 rows, ``max_length + 1`` slots; on the
+  ``kv_capacity`` slots, rounded up to a multiple of 64 (default on CUDA: 16 rows,
+  ``max_length + 1`` slots; on the
   CPU both unset: passes of ``min_rows``.. rows over a buffer that grows in
   256-slot steps). Setting either fixes the shape on any provider.
 - ``cuda_graph``: capture the fixed-shape pass as a CUDA graph and replay it
@@ -54,7 +55,7 @@ from typing import Any
 
 from core.engine import Engine, EngineInfo, OutputOptions, SamplingParams, Step
 from core.errors import ConfigError, ContextOverflow, EngineError, InvalidParameters
-from engines.onnx.demo import PAD, SIZES, ensure_demo
+from engines.onnx.demo import PAD, SIZES, SLOT_BLOCK, ensure_demo
 from engines.onnx.kvcache import KV, KVCache, common_prefix
 from engines.onnx.model import (
     Concepts,
@@ -125,6 +126,8 @@ class OnnxEngine(Engine):
             fixed = provider == CUDA or pass_rows is not None or kv_capacity is not None
             rows = (int(pass_rows) if pass_rows is not None else 16) if fixed else None
             capacity = (int(kv_capacity) if kv_capacity is not None else limit + 1) if fixed else None
+            if capacity is not None:  # the demo graph builds slot indices in blocks of SLOT_BLOCK
+                capacity = -(-capacity // SLOT_BLOCK) * SLOT_BLOCK
             if capacity is not None:
                 # the last slot takes the padding rows' writes; no valid position reaches it
                 limit = min(limit, capacity - 1)

@@ -32,7 +32,7 @@ def cuda_engine(tiny_dir: Path) -> OnnxEngine:
 def test_auto_picks_cuda_with_a_fixed_shape_and_a_cuda_graph(cuda_engine: OnnxEngine) -> None:
     extra = cuda_engine.info.extra
     assert extra["kv_layout"] == "static" and extra["cuda_graph"] is True
-    assert extra["pass_rows"] == 16 and extra["kv_capacity"] == cuda_engine.info.max_length + 1
+    assert extra["pass_rows"] == 16 and extra["kv_capacity"] == -(-(cuda_engine.info.max_length + 1) // 64) * 64
 
 
 async def test_the_kv_buffer_lives_on_the_device_and_is_updated_in_place(cuda_engine: OnnxEngine) -> None:
@@ -42,7 +42,7 @@ async def test_the_kv_buffer_lives_on_the_device_and_is_updated_in_place(cuda_en
     assert entry is not None and entry.kv is not None
     buf = entry.kv
     assert all(t.device_name().lower() == "cuda" for t in buf.tensors)
-    assert cuda_engine.kv_live_bytes("k") == cuda_engine.runner.nbytes(cuda_engine.info.max_length + 1)
+    assert cuda_engine.kv_live_bytes("k") == cuda_engine.runner.nbytes(cuda_engine.info.extra["kv_capacity"])
     await collect(cuda_engine, "k", hist + list(b" more"), SamplingParams(max_tokens=5, temperature=0))
     assert cuda_engine.cache.get("k") is entry and entry.kv is buf  # the same buffer, written in place
 
