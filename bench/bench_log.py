@@ -61,6 +61,27 @@ async def append_throughput(url: str, sessions: int, per_session: int, batch: in
     return sessions * per_session / dt
 
 
+async def replica_throughput(url: str, replicas: int, sessions: int, per_session: int, batch: int) -> float:
+    """Events/s appended by ``replicas`` separate processes (each its own EventLog and
+    writer, as ``sessiontape serve`` replicas are) to one database at once."""
+    procs = [await asyncio.create_subprocess_exec(
+        sys.executable, __file__, "--append-worker", url, str(sessions), str(per_session), str(batch),
+        stdout=asyncio.subprocess.PIPE) for _ in range(replicas)]
+    spans = [tuple(float(x) for x in (await p.communicate())[0].split()) for p in procs]
+    start, end = min(s[0] for s in spans), max(s[1] for s in spans)
+    return replicas * sessions * per_session / (end - start)
+
+
+async def append_worker(url: str, sessions: int, per_session: int, batch: int) -> None:
+    log = await EventLog.open(url)
+    await log.close()  # migrated; the timed part opens its own
+    # start together: each worker waits for the next whole 0.5 s of the shared monotonic clock
+    await asyncio.sleep(0.5 - time.perf_counter() % 0.5 + 0.5)
+    t0 = time.perf_counter()
+    await append_throughput(url, sessions, per_session, batch)
+    print(t0, time.perf_counter())
+
+
 def raw_sqlite_ceiling(n: int) -> float:
     with tempfile.TemporaryDirectory() as d:
         db = sqlite3.connect(os.path.join(d, "raw.db"))
@@ -207,7 +228,15 @@ async def main() -> None:
     ap.add_argument("--no-pg", action="store_true")
     ap.add_argument("--events", type=int, default=200_000)
     ap.add_argument("--long", type=int, default=1_000_000)
+    ap.add_argument("--replicas", default="1,2,3",
+                    help="PostgreSQL: numbers of concurrent appending processes (replicas) to measure")
+    ap.add_argument("--append-worker", nargs=4, metavar=("URL", "SESSIONS", "PER_SESSION", "BATCH"),
+                    help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.append_worker:
+        url, *nums = args.append_worker
+        await append_worker(url, *(int(n) for n in nums))
+        return
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} cpus")
     print(f"| {'measurement':58} | {'value':>18} | {'ratio':>10} |")
     print(f"|{'-' * 60}|{'-' * 20}|{'-' * 12}|")
@@ -231,6 +260,11 @@ async def main() -> None:
                     r = statistics.median(rates)
                     row(f"log API, PostgreSQL, {sessions} appenders x {batch} ev/append", f"{r:,.0f} ev/s",
                         f"{r / pg_ceiling:.2f}x")
+                for k in (int(x) for x in args.replicas.split(",")):
+                    r = statistics.median([await replica_throughput(args.pg, k, 50, args.events // 8 // 50, 100)
+                                           for _ in range(3)])
+                    row(f"PostgreSQL, {k} replica process{'es' if k > 1 else ''} x 50 appenders x 100 ev",
+                        f"{r:,.0f} ev/s", f"{r / pg_ceiling:.2f}x")
         f = statistics.median([fold_speed(300_000) for _ in range(3)])
         row("fold (rebuild state from decoded events)", f"{f:,.0f} ev/s", "")
         rebuild, cold_ms, snap_ms = await long_session(f"sqlite+aiosqlite:///{d}/long.db", args.long)
