@@ -175,6 +175,7 @@ async def test_three_replicas_on_one_postgresql(replicas: list[Replica], pg_url:
         fork = await http["C"].post(f"/v1/sessions/{sid}/fork", json={})
         assert fork.status_code in (200, 201), fork.text
         child = fork.json()["id"]
+        forked_at = (await read_all(pg_url, child))[0].position
 
         # gRPC too: a Kakeya session created on A, appended on B, generated on C
         chans = {r.name: grpc.aio.insecure_channel(f"127.0.0.1:{r.grpc_port}") for r in replicas}
@@ -220,6 +221,18 @@ async def test_three_replicas_on_one_postgresql(replicas: list[Replica], pg_url:
         close = await http["C"].post(f"/v1/sessions/{sid}/close", json={})
         assert close.status_code == 200, close.text
 
+        # operations from another host while the replicas run: migrations and retention
+        for cmd in (["db", "upgrade"], ["purge", child, "--force"]):
+            proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "core.cli", *cmd, "--db", pg_url,
+                                                        stderr=asyncio.subprocess.PIPE,
+                                                        stdout=asyncio.subprocess.DEVNULL)
+            _, err = await asyncio.wait_for(proc.communicate(), 120)
+            assert proc.returncode == 0, err
+        statuses = {(await http[r.name].get(f"/v1/sessions/{child}")).json()["status"] for r in (b, c)}
+        assert statuses == {"purged"}
+        refused = await http["B"].post(f"/v1/sessions/{child}/append", json={"text": "x"})
+        assert refused.status_code in (404, 409), refused.text
+
         evs = await read_all(pg_url, sid)
         for _ in range(100):
             if all(len(seen[n]) >= len(evs) - 1 for n in ("B", "C")):
@@ -231,12 +244,11 @@ async def test_three_replicas_on_one_postgresql(replicas: list[Replica], pg_url:
         await asyncio.gather(*tailers, return_exceptions=True)
 
         verify_chain(evs)
-        verify_chain(await read_all(pg_url, child))
+        verify_chain(await read_all(pg_url, child))  # the tombstone vouches for the purged chain
         assert [e.version for e in evs] == list(range(1, len(evs) + 1))
         fins = [e.body["finish_reason"] for e in evs if e.type == T.GENERATION_FINISHED]
         assert fins.count("interrupted") == 1 and fins[-1] == "length"
         # the session's document also shows its forks: the child's session.opened is in its stream
-        forked_at = (await read_all(pg_url, child))[0].position
         positions = sorted([e.position for e in evs] + [forked_at])
         for name in ("B", "C"):
             got = seen[name]
