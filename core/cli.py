@@ -192,7 +192,7 @@ async def cmd_sessions_ls(args: argparse.Namespace) -> int:
 
 async def cmd_sessions_show(args: argparse.Namespace) -> int:
     from core.loader import load_state
-    from core.replay import render_tokens
+    from core.replay import escape_controls, render_tokens
 
     log_ = await _log_only(args)
     try:
@@ -220,10 +220,10 @@ async def cmd_sessions_show(args: argparse.Namespace) -> int:
     for f in st.feedback:
         print(f"{'feedback':14} score {f.get('score')} {json.dumps(f)}")
     for e in st.errors:
-        print(f"{'error':14} {e.get('code')}: {e.get('message')}")
+        print(escape_controls(f"{'error':14} {e.get('code')}: {e.get('message')}"))
     if st.abort:
-        print(f"{'aborted':14} {st.abort.get('code')}: {st.abort.get('message')}")
-    print(f"{'text':14} {info['text']}")
+        print(escape_controls(f"{'aborted':14} {st.abort.get('code')}: {st.abort.get('message')}"))
+    print(f"{'text':14} {escape_controls(info['text'])}")
     return 0
 
 

@@ -73,6 +73,8 @@ def test_replay_cli_escapes_what_would_steer_the_terminal(tmp_path: Path) -> Non
     assert "\x1b" not in out and "\x07" not in out
     assert "[user] Hé \\x1b[2J\\x1b]0;pwned\\x07 日本語" in out
     assert '── closed {"reason": "client"}' in out  # JSON, not a Python dict repr
+    shown = cli("sessions", "show", sid, db=url).stdout
+    assert "\x1b" not in shown and "Hé \\x1b[2J" in shown
 
 
 def test_a_wrong_database_url_is_one_line(tmp_path: Path) -> None:
