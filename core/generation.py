@@ -69,6 +69,8 @@ class PipelineLimits:
     linger_s: float = 0.005
     #: engine steps a generation takes in one turn of the priority gate
     burst: int = 16
+    #: a caller slower than the engine gets runs it handles in about this long
+    pace_s: float = 0.002
 
 
 class _End:
@@ -107,7 +109,14 @@ class Generation:
         self.committed_steps = 0
         self._queue: asyncio.Queue[Step | _End] = asyncio.Queue(maxsize=limits.run_ahead)
         #: committed runs not yet handed to the caller (a slow caller pauses the committer)
-        self._out: asyncio.Queue[list[Event] | Exception | None] = asyncio.Queue(maxsize=4)
+        self._out: asyncio.Queue[list[Event] | Exception | None] = asyncio.Queue()
+        #: committed runs the caller has not taken yet may be at most one: the next run
+        #: commits while the caller handles this one, never further ahead (a slow client
+        #: leaves steps uncommitted, where the run-ahead bound holds the engine back)
+        self._credit = asyncio.Semaphore(1)
+        #: moving average of the time the caller spends per event of a run (None before
+        #: the second run): runs are cut so one takes the caller about ``pace_s``
+        self.consume_per_event: float | None = None
         self._producer: asyncio.Task[None] | None = None
         #: moving average of the time between engine steps (None before the second)
         self.interval: float | None = None
@@ -203,12 +212,17 @@ class Generation:
         first = await q.get()
         limits = self.limits
         interval = self.interval
-        if (limits.min_run > 1 and not isinstance(first, _End) and interval is not None
-                and interval * 4 < limits.linger_s and q.qsize() + 1 < limits.min_run):
+        max_run, min_run = limits.max_run, limits.min_run
+        if self.consume_per_event:
+            # a caller slower than the engine: runs it handles in about pace_s each
+            max_run = max(1, min(max_run, int(limits.pace_s / self.consume_per_event)))
+            min_run = min(min_run, max_run)
+        if (min_run > 1 and not isinstance(first, _End) and interval is not None
+                and interval * 4 < limits.linger_s and q.qsize() + 1 < min_run):
             # a fast engine: let a few more steps arrive (woken early when enough did)
             enough = self._enough = asyncio.Event()
-            self._enough_at = limits.min_run - 1
-            wait = min(limits.linger_s, interval * (limits.min_run - 1 - q.qsize()))
+            self._enough_at = min_run - 1
+            wait = min(limits.linger_s, interval * (min_run - 1 - q.qsize()))
             timer = asyncio.get_running_loop().call_later(wait, enough.set)
             try:
                 await enough.wait()
@@ -231,7 +245,7 @@ class Generation:
                 self.reason = "eos" if item.token_id in self.eos else "stop"
                 self.ended = True
                 break
-            if len(out) >= limits.max_run or q.empty():
+            if len(out) >= max_run or q.empty():
                 break
             item = q.get_nowait()
         return out
@@ -281,9 +295,10 @@ class Generation:
                 if self.sid in self.rt._stop_requested:
                     self.reason = "aborted"
                     break
+                await self._credit.acquire()
                 steps = await self._take()
                 # never cancelled half-way: a cancel waits for the commit to settle
-                await out.put(await _settled(asyncio.ensure_future(self._commit_run(steps))))
+                out.put_nowait(await _settled(asyncio.ensure_future(self._commit_run(steps))))
             await out.put(None)
         except asyncio.CancelledError:
             raise
@@ -297,11 +312,16 @@ class Generation:
         try:
             while True:
                 item = await self._out.get()
+                self._credit.release()
                 if item is None:
                     return
                 if isinstance(item, Exception):
                     raise item
+                given = time.perf_counter()
                 yield item
+                per = (time.perf_counter() - given) / max(1, len(item))
+                c = self.consume_per_event
+                self.consume_per_event = per if c is None else 0.7 * c + 0.3 * per
         finally:
             if not committer.done():
                 committer.cancel()
