@@ -147,12 +147,12 @@ class _Graph:
 
 
 def _build_graph(spec: DemoSpec, w: dict[str, F32], layout: str = "static") -> Any:
+    """The model of ``layout``: :func:`_build_static`, or here the classic concat graph."""
     from onnx import TensorProto, helper
 
-    static = layout == "static"
-    g = _Graph()
-    if static:
+    if layout == "static":
         return _build_static(spec, w)
+    g = _Graph()
     for k, v in w.items():
         g.const(k, v)
     h, nh, nkv, hd = spec.hidden, spec.heads, spec.kv_heads, spec.head_dim
@@ -173,53 +173,31 @@ def _build_graph(spec: DemoSpec, w: dict[str, F32], layout: str = "static") -> A
     i64("c_split", half, half)
 
     g.const("c_zero_s", np.array(0, np.int64))
-    if static:
-        i64("c_one", 1)
-        i64("c_zero", 0)
-    else:
-        i64("c_axis0", 0)
-        g.const("c_one_s", np.array(1, np.int64))
-        ids_shape = g.op("Shape", ["input_ids"])
-        batch = g.op("Gather", [ids_shape, "c_zero_s"], axis=0)
-        seq = g.op("Gather", [ids_shape, "c_one_s"], axis=0)
-        total = g.op("Gather", [g.op("Shape", ["attention_mask"]), "c_one_s"], axis=0)
-        past = g.op("Sub", [total, seq])
-        batch1 = g.op("Unsqueeze", [batch, "c_axis0"])
-        seq1 = g.op("Unsqueeze", [seq, "c_axis0"])
-        total1 = g.op("Unsqueeze", [total, "c_axis0"])
-        # [b, kv_heads, group * s, head_dim]: the queries of one KV group as rows
-        gq_shape = g.op("Concat", [batch1, i64("c_nkv", nkv), g.op("Mul", [seq1, i64("c_group", group)]),
-                                   i64("c_hd", hd)], axis=0)
-        score5_shape = g.op("Concat", [batch1, i64("c_nkv2", nkv), i64("c_group2", group), seq1, total1], axis=0)
-        score4_shape = g.op("Concat", [batch1, i64("c_nkv3", nkv), g.op("Mul", [seq1, "c_group"]), total1], axis=0)
-        out_shape = g.op("Concat", [batch1, i64("c_nh", nh), seq1, i64("c_hd2", hd)], axis=0)
+    i64("c_axis0", 0)
+    g.const("c_one_s", np.array(1, np.int64))
+    ids_shape = g.op("Shape", ["input_ids"])
+    batch = g.op("Gather", [ids_shape, "c_zero_s"], axis=0)
+    seq = g.op("Gather", [ids_shape, "c_one_s"], axis=0)
+    total = g.op("Gather", [g.op("Shape", ["attention_mask"]), "c_one_s"], axis=0)
+    past = g.op("Sub", [total, seq])
+    batch1 = g.op("Unsqueeze", [batch, "c_axis0"])
+    seq1 = g.op("Unsqueeze", [seq, "c_axis0"])
+    total1 = g.op("Unsqueeze", [total, "c_axis0"])
+    # [b, kv_heads, group * s, head_dim]: the queries of one KV group as rows
+    gq_shape = g.op("Concat", [batch1, i64("c_nkv", nkv), g.op("Mul", [seq1, i64("c_group", group)]),
+                               i64("c_hd", hd)], axis=0)
+    score5_shape = g.op("Concat", [batch1, i64("c_nkv2", nkv), i64("c_group2", group), seq1, total1], axis=0)
+    score4_shape = g.op("Concat", [batch1, i64("c_nkv3", nkv), g.op("Mul", [seq1, "c_group"]), total1], axis=0)
+    out_shape = g.op("Concat", [batch1, i64("c_nh", nh), seq1, i64("c_hd2", hd)], axis=0)
 
-    if static:
-        # No shape arithmetic (every node stays on the device, so a CUDA graph can capture the
-        # pass). Slot j of the buffer holds position j, and key j is visible to the query at
-        # position q iff j <= q: masked by position alone. attention_mask is accepted for the
-        # convention but not read (a one-sequence pass has no left padding, and onnxruntime-genai
-        # passes it shorter than the buffer). The mask is [b, 1, group * s, t] with the query
-        # rows of a KV group stacked like the scores' rows.
-        col = g.op("Gather", [g.op("Gather", [g.op("Gather", ["past_key_values.0.key", "c_zero_s"], axis=0),
-                                              "c_zero_s"], axis=0), "c_zero_s"], axis=1)
-        ones = g.op("Add", [g.op("Mul", [g.op("Cast", [col], to=TensorProto.INT64), "c_zero"]), "c_one"])
-        slots = g.op("Sub", [g.op("CumSum", [ones, "c_zero_s"]), "c_one"])
-        # the positions tiled before the compare: CUDA has no Tile for bool
-        rows_pos = g.op("Tile", ["position_ids", i64("c_tile_group", 1, group)])
-        causal = g.op("LessOrEqual", [slots, g.op("Unsqueeze", [rows_pos, "c_axis_neg1"])])
-        allowed = g.op("Unsqueeze", [causal, "c_axis1"])
-        scatter_at = g.op("Expand", [g.op("Reshape", ["position_ids", i64("c_pos4", 0, 1, -1, 1)]),
-                                     i64("c_kv_expand", 1, nkv, 1, hd)])
-    else:
-        # mask [b, 1, 1, s, t]: key j visible to query i iff j <= past + i and attention_mask[b, j]
-        keys = g.op("Range", ["c_zero_s", total, "c_one_s"])
-        qpos = g.op("Add", [g.op("Range", ["c_zero_s", seq, "c_one_s"]), past])
-        causal = g.op("LessOrEqual", [g.op("Unsqueeze", [keys, "c_axis0"]),
-                                      g.op("Unsqueeze", [qpos, "c_axis_neg1"])])
-        padm = g.op("Cast", ["attention_mask"], to=TensorProto.BOOL)
-        padm = g.op("Unsqueeze", [padm, i64("c_axes_123", 1, 2, 3)])
-        allowed = g.op("And", [causal, padm])
+    # mask [b, 1, 1, s, t]: key j visible to query i iff j <= past + i and attention_mask[b, j]
+    keys = g.op("Range", ["c_zero_s", total, "c_one_s"])
+    qpos = g.op("Add", [g.op("Range", ["c_zero_s", seq, "c_one_s"]), past])
+    causal = g.op("LessOrEqual", [g.op("Unsqueeze", [keys, "c_axis0"]),
+                                  g.op("Unsqueeze", [qpos, "c_axis_neg1"])])
+    padm = g.op("Cast", ["attention_mask"], to=TensorProto.BOOL)
+    padm = g.op("Unsqueeze", [padm, i64("c_axes_123", 1, 2, 3)])
+    allowed = g.op("And", [causal, padm])
 
     cos = g.op("Unsqueeze", [g.op("Gather", ["rope_cos", "position_ids"], axis=0), "c_axis1"])
     sin = g.op("Unsqueeze", [g.op("Gather", ["rope_sin", "position_ids"], axis=0), "c_axis1"])
@@ -245,24 +223,13 @@ def _build_graph(spec: DemoSpec, w: dict[str, F32], layout: str = "static") -> A
         v = g.op("Transpose", [g.op("Reshape", [g.op("MatMul", [xn, p + "wv"]), "c_shape_kv"])], perm=[0, 2, 1, 3])
         q = g.op("Mul", [rope(q), "c_scale"])
         k = rope(k)
-        if static:
-            # written at their positions into the buffer (in place when present is bound to past)
-            pk = g.op("ScatterElements", [f"past_key_values.{i}.key", scatter_at, k], axis=2,
-                      name=f"present.{i}.key")
-            pv = g.op("ScatterElements", [f"past_key_values.{i}.value", scatter_at, v], axis=2,
-                      name=f"present.{i}.value")
-            qg = g.op("Reshape", [q, i64(f"c_gq{i}", 0, nkv, -1, hd)])
-            scores = g.op("MatMul", [qg, g.op("Transpose", [pk], perm=[0, 1, 3, 2])])
-            probs = g.op("Softmax", [g.op("Where", [allowed, scores, "c_neginf"])], axis=-1)
-            att = g.op("Reshape", [g.op("MatMul", [probs, pv]), i64(f"c_att{i}", 0, nh, -1, hd)])
-        else:
-            pk = g.op("Concat", [f"past_key_values.{i}.key", k], axis=2, name=f"present.{i}.key")
-            pv = g.op("Concat", [f"past_key_values.{i}.value", v], axis=2, name=f"present.{i}.value")
-            qg = g.op("Reshape", [q, gq_shape])
-            scores = g.op("MatMul", [qg, g.op("Transpose", [pk], perm=[0, 1, 3, 2])])
-            scores = g.op("Where", [allowed, g.op("Reshape", [scores, score5_shape]), "c_neginf"])
-            probs = g.op("Reshape", [g.op("Softmax", [scores], axis=-1), score4_shape])
-            att = g.op("Reshape", [g.op("MatMul", [probs, pv]), out_shape])
+        pk = g.op("Concat", [f"past_key_values.{i}.key", k], axis=2, name=f"present.{i}.key")
+        pv = g.op("Concat", [f"past_key_values.{i}.value", v], axis=2, name=f"present.{i}.value")
+        qg = g.op("Reshape", [q, gq_shape])
+        scores = g.op("MatMul", [qg, g.op("Transpose", [pk], perm=[0, 1, 3, 2])])
+        scores = g.op("Where", [allowed, g.op("Reshape", [scores, score5_shape]), "c_neginf"])
+        probs = g.op("Reshape", [g.op("Softmax", [scores], axis=-1), score4_shape])
+        att = g.op("Reshape", [g.op("MatMul", [probs, pv]), out_shape])
         att = g.op("Reshape", [g.op("Transpose", [att], perm=[0, 2, 1, 3]), "c_shape_h"])
         x = g.op("Add", [x, g.op("MatMul", [att, p + "wo"])])
         xn = rmsnorm(x, p + "mlp_norm")
@@ -273,13 +240,11 @@ def _build_graph(spec: DemoSpec, w: dict[str, F32], layout: str = "static") -> A
     g.op("MatMul", [rmsnorm(x, "final_norm"), "lm_head"], name="logits")
 
     f32, i64t = TensorProto.FLOAT, TensorProto.INT64
-    kv_in = "max_sequence_length" if static else "past_sequence_length"
-    kv_out = "max_sequence_length" if static else "total_sequence_length"
-    kv_shape_in: list[str | int] = ["batch", nkv, kv_in, hd]
-    kv_shape_out: list[str | int] = ["batch", nkv, kv_out, hd]
+    kv_shape_in: list[str | int] = ["batch", nkv, "past_sequence_length", hd]
+    kv_shape_out: list[str | int] = ["batch", nkv, "total_sequence_length", hd]
     inputs = [
         helper.make_tensor_value_info("input_ids", i64t, ["batch", "sequence_length"]),
-        helper.make_tensor_value_info("attention_mask", i64t, ["batch", kv_out]),
+        helper.make_tensor_value_info("attention_mask", i64t, ["batch", "total_sequence_length"]),
         helper.make_tensor_value_info("position_ids", i64t, ["batch", "sequence_length"]),
     ]
     outs = [helper.make_tensor_value_info("logits", f32, ["batch", "sequence_length", spec.vocab])]

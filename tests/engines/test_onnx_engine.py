@@ -498,3 +498,44 @@ async def test_lookahead_hits_give_the_same_results_as_no_lookahead(tiny_dir: Pa
     turn2 = hist + [s.token_id for s in await collect(on, "y", hist, cases[0][0])] + list(b"abc")
     assert await collect(on, "y", turn2, cases[1][0], cases[1][1]) == await collect(
         off, "cold", turn2, cases[1][0], cases[1][1])
+
+
+async def test_rewind_trims_the_cache_to_the_committed_length(onnx_engine: OnnxEngine) -> None:
+    hist = history(40, 20)
+    params = SamplingParams(max_tokens=6, temperature=0.7, seed=8)
+    steps = await collect(onnx_engine, "r", hist, params)
+    full = hist + [s.token_id for s in steps]
+    cached = onnx_engine.cached_length("r")
+    assert cached is not None and cached > 22
+    onnx_engine.rewind("r", 22)  # the runtime committed only two of the generated tokens
+    entry = onnx_engine.cache.get("r")
+    assert entry is not None and entry.tokens == full[:22] and onnx_engine.kv_live_bytes("r") > 0
+    onnx_engine.rewind("r", 30)  # past the cache: nothing to trim
+    onnx_engine.rewind("unknown", 3)
+    assert onnx_engine.cached_length("r") == 22
+    other = [*full[:22], (full[22] + 1) % 256]  # the log continued differently
+    before = onnx_engine.positions_computed
+    got = await collect(onnx_engine, "r", other, params)
+    assert onnx_engine.positions_computed - before == 1 + len(got) - 1
+    assert got == await collect(onnx_engine, "cold", other, params)
+
+
+async def test_a_concat_layout_model_takes_the_growing_snapshot_path(tmp_path: Path) -> None:
+    """Generic decoder-only models (present = past + new) still run, bit-exact on the CPU."""
+    build_demo("tiny", tmp_path, layout="concat")
+    eng = OnnxEngine(model_dir=tmp_path, intra_op_threads=1)
+    assert not eng.spec.static and eng.info.extra["kv_layout"] == "concat"
+    if eng.info.provider == "CPUExecutionProvider":
+        with pytest.raises(ConfigError, match="static-layout"):
+            OnnxEngine(model_dir=tmp_path, pass_rows=4)
+    hist = history(41, 30)
+    params = SamplingParams(max_tokens=6, temperature=0.8, seed=2)
+    opts = OutputOptions(logprob_top_k=2, logprob_ranges=((5, 40),))
+    for cut in (7, 19):
+        await collect(eng, "warm", hist[:cut], SamplingParams(max_tokens=1, temperature=0))
+    assert await collect(eng, "warm", hist, params, opts) == await collect(eng, "cold", hist, params, opts)
+    logits = raw_prefill(tmp_path, hist)["logits"][0]
+    steps = await collect(eng, "p", hist, prefill_only(), OutputOptions(logprob_ranges=((1, 30),)))
+    for s in steps:
+        assert s.logprob is not None
+        assert agrees(eng, s.logprob, float(log_softmax(logits[s.position - 1])[hist[s.position]]))
