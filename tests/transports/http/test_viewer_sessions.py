@@ -235,6 +235,27 @@ async def test_fork_and_rerun_from_the_page(server: Served, page: Any) -> None: 
         assert at_v2["parent"]["version"] == 2 and at_v2["history"]["text"] == "Hello viewer"
 
 
+async def test_fork_after_a_node(server: Served, page: Any) -> None:  # noqa: F811
+    rt = server.runtime
+    sid = (await rt.open_session("evergreen", label="nodes")).session_id
+    await rt.append_fragments(sid, [FragmentIn(id="p", has_chunk=True, data=b"first node",
+                                               metadata={"mimetype": "text/plain"})])
+    await rt.append_fragments(sid, [FragmentIn(id="q", has_chunk=True, data=b"second node",
+                                               metadata={"mimetype": "text/plain"})])
+    await rt.close(sid)
+    p_version = next(e.version for e in await rt.log.read(sid) if e.type == "node.fragment" and e.body["id"] == "p")
+
+    await page.goto(f"{server.url}/#/s/{sid}")
+    await page.click(".fork-node[data-node='p']")
+    await page.wait_for_function(f"location.hash.startsWith('#/s/') && !location.hash.includes('{sid}')")
+    child = page.url.split("#/s/")[1].split("?")[0]
+    async with httpx.AsyncClient(base_url=server.url, timeout=20) as c:
+        doc = (await c.get(f"/v1/sessions/{child}")).json()
+    assert doc["parent"]["session_id"] == sid and doc["parent"]["version"] == p_version
+    assert set(doc["nodes"]) == {"p"} and doc["nodes"]["p"]["text"] == "first node"
+    await page.wait_for_selector("li[data-node='p']")
+
+
 @pytest.mark.parametrize(("width", "height"), [(1280, 800), (390, 844)])
 async def test_long_and_forked_sessions_lay_out_cleanly(server: Served, page: Any, width: int,  # noqa: F811
                                                          height: int) -> None:

@@ -243,19 +243,36 @@ function conversation(doc) {
   return out;
 }
 
-function nodeTree(doc, id, seen = new Set()) {
+// node id -> the session's last own event version that touched it (from the /replay steps' patches):
+// forking at that version gives a session that holds the node as it ended up.
+function nodeVersions(rep) {
+  const out = new Map();
+  for (const st of rep.steps) {
+    if (st.version == null || st.session_id !== rep.session_id) continue;
+    for (const op of st.patch) {
+      const parts = (op.path || "").split("/");
+      if (parts[1] === "nodes" && parts[2]) out.set(parts[2].replace(/~1/g, "/").replace(/~0/g, "~"), st.version);
+    }
+  }
+  return out;
+}
+
+function nodeTree(doc, id, seen = new Set(), versions = null) {
   const n = doc.nodes[id];
   if (!n || seen.has(id)) return h("li", {}, h("span", { class: "node-id" }, `${id} (missing)`));
   seen.add(id);
   const label = h("span", { class: "node-id" }, `${id} · ${n.kind}${n.mimetype ? " · " + n.mimetype : ""}${n.role ? " · " + n.role : ""}${n.complete ? "" : " · incomplete"}`);
+  const v = versions?.get(id);
+  const fork = v ? h("button", { class: "fork-node", "data-node": id, title: `fork the session once this node is as shown (event v${v})`,
+    onclick: () => forkAt(doc.id, { at_version: v }) }, "fork after") : null;
   const body = [];
   if (n.kind === "leaf") {
     if (n.text != null) body.push(h("div", { class: "node-text" }, n.text));
     else if ((n.mimetype || "").startsWith("image/")) body.push(h("img", { class: "inline", src: n.ref || url(`/v1/sessions/${doc.id}/nodes/${id}/content`) }));
     else body.push(h("div", { class: "meta" }, n.ref ? n.ref : `${n.size} bytes`));
   }
-  const kids = n.children.length ? h("ul", { class: "nodes" }, n.children.map((c) => nodeTree(doc, c, seen))) : null;
-  return h("li", { "data-node": id }, label, ...body, kids);
+  const kids = n.children.length ? h("ul", { class: "nodes" }, n.children.map((c) => nodeTree(doc, c, seen, versions))) : null;
+  return h("li", { "data-node": id }, label, fork ? " " : null, fork, ...body, kids);
 }
 
 function actionsList(doc) {
@@ -392,6 +409,7 @@ function sessionPage(id, query) {
   follow.addEventListener("click", () => { following = true; convo.scrollTop = convo.scrollHeight; follow.textContent = "following"; follow.className = "follow"; });
 
   let current = null;
+  let versions = null;
   let hits = [];
   let hitAt = -1;
   const applyFind = (scroll) => {
@@ -416,7 +434,7 @@ function sessionPage(id, query) {
   const draw = (d) => {
     head.replaceChildren(...header(d));
     convo.replaceChildren(...conversation(d));
-    nodes.replaceChildren(...(d.roots.length ? [h("h3", {}, "Nodes"), h("ul", { class: "nodes" }, d.roots.map((r) => nodeTree(d, r)))] : []), ...actionsList(d));
+    nodes.replaceChildren(...(d.roots.length ? [h("h3", {}, "Nodes"), h("ul", { class: "nodes" }, d.roots.map((r) => nodeTree(d, r, new Set(), versions)))] : []), ...actionsList(d));
   };
   let pending = null;
   const render = (doc) => {
@@ -435,6 +453,7 @@ function sessionPage(id, query) {
   let disposed = false;
   getJSON(`/v1/sessions/${id}/replay`).then((rep) => {
     if (disposed) return;
+    versions = nodeVersions(rep);
     const live = rep.steps.length && ["open"].includes(docAt(rep, rep.steps.length).status);
     if (live && at == null) {
       controls.replaceChildren(h("span", { class: "meta", id: "mode" }, "live"));
