@@ -23,6 +23,7 @@ machine without a GPU.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -49,14 +50,44 @@ def quiet_ort() -> Any:
     return ort
 
 
+@functools.cache
+def cuda_loads() -> bool:
+    """Whether this build's CUDA provider loads here (libraries and a GPU), asked once, quietly.
+
+    onnxruntime-gpu lists the provider on any machine; without the CUDA libraries every
+    session that asks for it logs errors before falling back to the CPU.
+    """
+    ort = quiet_ort()
+    if CUDA not in ort.get_available_providers():
+        return False
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe", [x],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    ort.set_default_logger_severity(4)
+    try:
+        sess = ort.InferenceSession(model.SerializeToString(), so, providers=[CUDA, CPU])
+        return CUDA in sess.get_providers()
+    except Exception:
+        return False
+    finally:
+        ort.set_default_logger_severity(3)
+
+
 def choose_providers(requested: str | Sequence[str]) -> list[str]:
-    """"auto" asks for CUDA only when this onnxruntime build offers it; otherwise the CPU."""
+    """"auto" asks for CUDA only when this onnxruntime build offers it and it loads here;
+    otherwise the CPU."""
     ort = quiet_ort()
     available = ort.get_available_providers()
     if isinstance(requested, str) and requested != "auto":
         requested = [p.strip() for p in requested.split(",") if p.strip()]
     if requested == "auto":
-        return [CUDA, CPU] if CUDA in available else [CPU]
+        return [CUDA, CPU] if cuda_loads() else [CPU]
     wanted = list(requested)
     missing = [p for p in wanted if p not in available]
     if missing:

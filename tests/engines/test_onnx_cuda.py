@@ -13,7 +13,7 @@ import pytest
 
 from core.engine import OutputOptions, SamplingParams
 from engines.onnx import OnnxEngine
-from engines.onnx.session import CUDA, quiet_ort
+from engines.onnx.session import CUDA, cuda_loads, quiet_ort
 from tests.engines.test_onnx_engine import collect, history
 
 pytestmark = pytest.mark.cuda
@@ -23,6 +23,8 @@ pytestmark = pytest.mark.cuda
 def cuda_engine(tiny_dir: Path) -> OnnxEngine:
     if CUDA not in quiet_ort().get_available_providers():
         pytest.skip("this onnxruntime build has no CUDAExecutionProvider (install onnxruntime-gpu)")
+    if not cuda_loads():
+        pytest.skip("the CUDA provider does not load here (no GPU or no CUDA 13 libraries)")
     eng = OnnxEngine(model_dir=tiny_dir, providers="auto")
     if eng.info.provider != CUDA:
         pytest.skip("the CUDA provider did not load here (no GPU or no CUDA libraries)")
