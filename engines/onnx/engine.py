@@ -45,11 +45,14 @@ was built up.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import logging
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -100,11 +103,16 @@ class OnnxEngine(Engine):
             raise ConfigError("pass_rows must be >= 1 and kv_capacity >= 2")
         ort = quiet_ort()
         preload = getattr(ort, "preload_dlls", None)
-        if preload is not None and providers != "CPUExecutionProvider":
-            try:  # the CUDA libraries of the `cuda` extra (nvidia-* wheels), where installed
-                preload()
+        if preload is not None and providers != "CPUExecutionProvider" and find_spec("nvidia") is not None:
+            # the CUDA libraries of the `cuda` extra (nvidia-* wheels); it prints what it misses
+            out = io.StringIO()
+            try:
+                with contextlib.redirect_stdout(out):
+                    preload()
             except Exception as exc:  # pragma: no cover - depends on the machine's CUDA install
                 log.debug("onnxruntime.preload_dlls failed: %s", exc)
+            if out.getvalue().strip():
+                log.debug("onnxruntime.preload_dlls: %s", out.getvalue().strip())
         chosen = choose_providers(providers)
         # onnxruntime's own default counts physical cores, which leaves half of a hyper-threaded VM idle
         threads = (os.cpu_count() or 1) if intra_op_threads is None else int(intra_op_threads)
