@@ -166,6 +166,36 @@ def test_progress_is_only_drawn_on_a_terminal(populated: tuple[str, list[str]]) 
     assert len(proc.stdout.strip().splitlines()) == 3
 
 
+def test_progress_is_drawn_on_a_terminal(populated: tuple[str, list[str]]) -> None:  # noqa: F811
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    url, ids = populated
+    leader, follower = pty.openpty()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "core.cli", "audit", *ids], stderr=follower,
+                              stdout=subprocess.PIPE, env={**os.environ, "SESSIONTAPE_DB": url}, timeout=60)
+        os.close(follower)
+        follower = -1
+        drawn = b""
+        while True:
+            try:
+                chunk = os.read(leader, 4096)
+            except OSError:  # EIO: the terminal's other end is closed and drained
+                break
+            if not chunk:
+                break
+            drawn += chunk
+    finally:
+        os.close(leader)
+        if follower >= 0:
+            os.close(follower)
+    assert proc.returncode == 0
+    assert b"\r[" in drawn and f"] {len(ids)}/{len(ids)}".encode() in drawn
+
+
 def test_version_and_help_on_every_flag() -> None:
     from importlib.metadata import version
 
