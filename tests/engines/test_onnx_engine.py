@@ -539,3 +539,15 @@ async def test_a_concat_layout_model_takes_the_growing_snapshot_path(tmp_path: P
     for s in steps:
         assert s.logprob is not None
         assert agrees(eng, s.logprob, float(log_softmax(logits[s.position - 1])[hist[s.position]]))
+
+
+async def test_positions_keep_their_bits_when_the_buffer_grows(onnx_engine: OnnxEngine) -> None:
+    """On the CPU the static buffer grows in 256-slot steps: a position computed over 256 slots
+    (cold, first chunk) and over 512 (warm, after growing) must agree (fixed shapes: trivially)."""
+    hist = history(42, 300)
+    params = SamplingParams(max_tokens=4, temperature=0.9, seed=11)
+    opts = OutputOptions(logprob_top_k=2, logprob_ranges=((180, 300),))
+    await collect(onnx_engine, "warm", hist[:200], SamplingParams(max_tokens=1, temperature=0))
+    await collect(onnx_engine, "warm", hist[:270], prefill_only())
+    warm = await collect(onnx_engine, "warm", hist, params, opts)
+    assert warm == await collect(onnx_engine, "cold", hist, params, opts)
