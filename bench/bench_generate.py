@@ -121,14 +121,14 @@ class _Clock:
         self.lat: list[float] = []
 
     def watch(self, rt: Runtime) -> None:
-        log = rt.log
-        finish = log._finish
+        writer = rt.log.writer
+        on_commit = writer.on_commit
 
-        def timed(batch: Any, results: list[list[Any]], t0: float) -> None:
-            self.committed([e for r in results for e in r])
-            finish(batch, results, t0)
+        def timed(evs: list[Any]) -> None:
+            self.committed(evs)
+            on_commit(evs)
 
-        log._finish = timed  # type: ignore[method-assign]
+        writer.on_commit = timed
 
     def committed(self, evs: list[Any]) -> None:
         now = time.perf_counter()

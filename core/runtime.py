@@ -667,7 +667,10 @@ class Runtime:
                 for e in run:
                     yield e
         finally:
-            await runs.aclose()  # type: ignore[attr-defined]
+            # abandoned without aclose, both generators are finalized by the loop at
+            # once: the inner one may be closing already
+            with contextlib.suppress(RuntimeError):
+                await runs.aclose()  # type: ignore[attr-defined]
 
     def generate_runs(self, session_id: str, params: SamplingParams, options: OutputOptions = DEFAULT_OUTPUT, *,
                       append: Sequence[int] = (), offset: int | None = None, truncating: bool = False,

@@ -15,6 +15,7 @@ import pytest
 from core.engine import SamplingParams
 from core.errors import OffsetMismatch, SessionBusy
 from core.events import T
+from core.log.dialect import PostgresDialect
 from core.log.store import verify_chain
 from core.runtime import Runtime
 from engines.reference import ReferenceEngine
@@ -113,9 +114,11 @@ async def test_a_replica_that_died_mid_generation_leaves_it_interrupted(pg_url: 
             if e.type == T.GENERATION_TOKEN:
                 break
         # A "dies": its lock connection drops (as with SIGKILL) and nothing more is recorded
-        conn = a.log._lock_conn
+        dialect = a.log.dialect
+        assert isinstance(dialect, PostgresDialect)
+        conn = dialect._lock_conn
         assert conn is not None
-        a.log._lock_conn = None
+        dialect._lock_conn = None
         raw = await conn.get_raw_connection()
         raw.driver_connection.terminate()  # type: ignore[union-attr]
         await conn.invalidate()

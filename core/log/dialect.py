@@ -1,0 +1,249 @@
+"""What differs between the log's databases, behind one small interface.
+
+The writer (core/log/writer.py), the readers and the subscriptions
+(core/log/store.py, core/log/subscriptions.py) are written once; everything
+that depends on the database is a method of its :class:`Dialect`:
+
+- how a write transaction runs: SQLite in the writer's own thread on its own
+  ``sqlite3`` connection (``BEGIN IMMEDIATE`` takes the write lock, so
+  positions are read and assigned under it; one thread hop per commit),
+  PostgreSQL through ``run_sync`` on an asyncpg connection with a
+  transaction-scoped advisory lock around position assignment;
+- placeholders (``?`` or ``$n``) for the plain SQL of the hot paths;
+- whether other processes write to the database (``shared``: replicas on
+  PostgreSQL), and so whether subscriptions tail the database and
+  generations take a cross-process writer lock (a session-level advisory
+  lock);
+- the wake-up hint for tailers (LISTEN/NOTIFY on PostgreSQL) and the lock
+  that serializes migrations of servers starting together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import sqlite3
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy import event as sa_event
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.util import await_only
+
+log = logging.getLogger("sessiontape.log")
+
+R = TypeVar("R")
+
+PG_LOCK_KEY = 0x5E55_1074  # transaction-scoped advisory lock around position assignment
+PG_CHANNEL = "sessiontape_events"
+PG_MIGRATE_KEY = 0x5E55_1075
+
+#: work done inside a write transaction, on a DBAPI cursor
+Work = Callable[[Any], R]
+#: the test hook awaited inside the write transaction, just before COMMIT
+Hook = Callable[[R], Awaitable[None]] | None
+
+
+def session_lock_key(session_id: str) -> int:
+    """The 64-bit advisory-lock key of a session's writer lock."""
+    return int.from_bytes(hashlib.sha256(b"sessiontape-writer:" + session_id.encode()).digest()[:8], "big",
+                          signed=True)
+
+
+class Dialect(ABC):
+    """One database's way of doing what the log needs."""
+
+    #: other processes may write to the database (several servers share it)
+    shared: bool = False
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    @staticmethod
+    def open(url: str, *, echo: bool = False, sqlite_synchronous: str = "NORMAL") -> Dialect:
+        """The dialect of ``url``, with its SQLAlchemy engine."""
+        if url.startswith("sqlite"):
+            return SQLiteDialect(url, echo=echo, synchronous=sqlite_synchronous)
+        engine = create_async_engine(url, echo=echo)
+        if engine.dialect.name == "postgresql":
+            return PostgresDialect(engine)
+        raise ValueError(f"unsupported database {engine.dialect.name!r} (SQLite or PostgreSQL)")
+
+    @abstractmethod
+    def sql(self, text: str) -> str:
+        """``text`` with ``?`` placeholders in the driver's own style."""
+
+    @abstractmethod
+    async def transaction(self, work: Work[R], before_commit: Hook[R]) -> R:
+        """Run ``work(cursor)`` in one write transaction; COMMIT unless it raised.
+
+        ``work`` must take the position lock first (:meth:`lock_positions`).
+        """
+
+    def lock_positions(self, cur: Any) -> None:  # noqa: B027
+        """Inside a write transaction: serialize position assignment with every other writer."""
+
+    def notify(self, cur: Any, position: int) -> None:  # noqa: B027
+        """Inside a write transaction: wake other processes' tailers once it commits."""
+
+    def is_conflict(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is a uniqueness violation (another writer took the version)."""
+        dbapi = self.engine.dialect.dbapi
+        return isinstance(exc, IntegrityError | sqlite3.IntegrityError) or (
+            dbapi is not None and isinstance(exc, dbapi.IntegrityError))
+
+    async def migration_lock(self, conn: AsyncConnection) -> None:  # noqa: B027
+        """Inside the migration transaction: one server migrates at a time."""
+
+    async def listen(self, wake: Callable[[], None]) -> None:  # noqa: B027
+        """Call ``wake`` when another process commits (a hint; tailers also poll)."""
+
+    async def try_lock_session(self, session_id: str) -> bool:
+        """Take a session's cross-process writer lock; False when another process holds it."""
+        return True
+
+    async def unlock_session(self, session_id: str) -> None:  # noqa: B027
+        """Release what :meth:`try_lock_session` took."""
+
+    async def close(self) -> None:
+        await self.engine.dispose()
+
+
+class SQLiteDialect(Dialect):
+    """SQLite in WAL mode: one server process writes; others (the CLI) read."""
+
+    def __init__(self, url: str, *, echo: bool, synchronous: str) -> None:
+        super().__init__(create_async_engine(url, echo=echo, connect_args={"timeout": 30}))
+        self.synchronous = synchronous
+        sa_event.listen(self.engine.sync_engine, "connect", self._pragmas)
+        self.path = self.engine.url.database or ":memory:"
+        #: the writer's own connection, used only from the writer thread
+        self._raw: sqlite3.Connection | None = None
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sessiontape-log-writer")
+
+    def _pragmas(self, dbapi_conn: Any, _rec: Any = None) -> None:
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute(f"PRAGMA synchronous={self.synchronous}")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.close()
+
+    def sql(self, text: str) -> str:
+        return text
+
+    async def transaction(self, work: Work[R], before_commit: Hook[R]) -> R:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._thread, self._transaction, loop, work, before_commit)
+
+    def _transaction(self, loop: asyncio.AbstractEventLoop, work: Work[R], before_commit: Hook[R]) -> R:
+        raw = self._raw
+        if raw is None:
+            raw = self._raw = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
+            self._pragmas(raw)
+        # IMMEDIATE takes the write lock now: positions are read and assigned under it
+        raw.execute("BEGIN IMMEDIATE")
+        try:
+            result = work(raw.cursor())
+            if before_commit is not None:  # run the hook on the loop and wait for it
+                asyncio.run_coroutine_threadsafe(before_commit(result), loop).result()  # type: ignore[arg-type]
+            raw.execute("COMMIT")
+        except BaseException:
+            if raw.in_transaction:
+                raw.execute("ROLLBACK")
+            raise
+        return result
+
+    def _close_raw(self) -> None:
+        if self._raw is not None:
+            self._raw.close()
+            self._raw = None
+
+    async def close(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._thread, self._close_raw)
+        self._thread.shutdown(wait=True)
+        await super().close()
+
+
+class PostgresDialect(Dialect):
+    """PostgreSQL: several server processes (replicas) share the database."""
+
+    shared = True
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        super().__init__(engine)
+        self._listen_conn: AsyncConnection | None = None
+        #: the connection holding this process's session writer locks
+        self._lock_conn: AsyncConnection | None = None
+        self._lock_mutex = asyncio.Lock()
+
+    def sql(self, text: str) -> str:
+        parts = text.split("?")
+        return "".join(p + (f"${i}" if i < len(parts) else "") for i, p in enumerate(parts, 1))
+
+    async def transaction(self, work: Work[R], before_commit: Hook[R]) -> R:
+        def run(conn: sa.Connection) -> R:
+            tx = conn.begin()
+            try:
+                result = work(conn.connection.dbapi_connection.cursor())  # type: ignore[union-attr]
+                if before_commit is not None:
+                    await_only(before_commit(result))
+                tx.commit()
+            except BaseException:
+                tx.rollback()
+                raise
+            return result
+
+        async with self.engine.connect() as conn:
+            return await conn.run_sync(run)
+
+    def lock_positions(self, cur: Any) -> None:
+        cur.execute(self.sql("SELECT pg_advisory_xact_lock(?)"), (PG_LOCK_KEY,))
+
+    def notify(self, cur: Any, position: int) -> None:
+        cur.execute(self.sql("SELECT pg_notify(?, ?)"), (PG_CHANNEL, str(position)))
+
+    async def migration_lock(self, conn: AsyncConnection) -> None:
+        await conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": PG_MIGRATE_KEY})
+
+    async def listen(self, wake: Callable[[], None]) -> None:
+        self._listen_conn = await self.engine.connect()
+        raw = await self._listen_conn.get_raw_connection()
+        await raw.driver_connection.add_listener(PG_CHANNEL, lambda *_: wake())  # type: ignore[union-attr]
+
+    async def try_lock_session(self, session_id: str) -> bool:
+        """A session-level advisory lock on one connection kept for all of this
+        process's locks, so a process that dies releases them with its connection."""
+        async with self._lock_mutex:
+            if self._lock_conn is None:
+                conn = await self.engine.connect()
+                self._lock_conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+            got = (await self._lock_conn.execute(sa.text("SELECT pg_try_advisory_lock(:k)"),
+                                                 {"k": session_lock_key(session_id)})).scalar()
+        return bool(got)
+
+    async def unlock_session(self, session_id: str) -> None:
+        async with self._lock_mutex:
+            conn = self._lock_conn
+            if conn is None:
+                return  # the connection went away, and its locks with it
+            try:
+                await conn.execute(sa.text("SELECT pg_advisory_unlock(:k)"), {"k": session_lock_key(session_id)})
+            except Exception:
+                log.warning("releasing the writer lock of %s failed; dropping the lock connection", session_id)
+                self._lock_conn = None
+                with contextlib.suppress(Exception):
+                    await conn.close()
+
+    async def close(self) -> None:
+        for conn in (self._listen_conn, self._lock_conn):
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    await conn.close()
+        self._listen_conn = self._lock_conn = None
+        await super().close()

@@ -1,0 +1,136 @@
+"""Subscriptions: committed events to every reader, catch-up from the database then live.
+
+In a process that is the only writer (SQLite), events are handed to live
+subscribers straight from the writer after COMMIT. When other processes write
+too (PostgreSQL replicas, or a read-only follower such as ``replay
+--follow``), a tailer task reads everything committed after the last
+position it published, in position order, woken by the dialect's hint
+(LISTEN/NOTIFY) or by polling; positions are assigned under a lock held to
+COMMIT, so a tailer never skips an event that commits late.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from core import metrics
+from core.events import Event
+
+log = logging.getLogger("sessiontape.log")
+
+#: reads committed events after a position: ``(after, limit, session_id) -> events``
+Reader = Callable[[int, int, "str | None"], Awaitable[list[Event]]]
+
+PAGE = 1000
+
+
+class _Subscriber:
+    def __init__(self, session_id: str | None) -> None:
+        self.session_id = session_id
+        self.queue: asyncio.Queue[Event] = asyncio.Queue(maxsize=10_000)
+        self.overflowed = False
+
+    def offer(self, e: Event) -> None:
+        if self.session_id is not None and e.session_id != self.session_id:
+            return
+        try:
+            self.queue.put_nowait(e)
+        except asyncio.QueueFull:
+            self.overflowed = True
+
+
+class Subscriptions:
+    def __init__(self, read: Reader, *, tail: bool, poll_interval_s: float) -> None:
+        self._read = read
+        #: read other processes' commits from the database (instead of only our own, handed over)
+        self.tail = tail
+        self.poll_interval_s = poll_interval_s
+        self._subscribers: set[_Subscriber] = set()
+        self._published = 0
+        self._wake = asyncio.Event()
+        self._tailer: asyncio.Task[None] | None = None
+
+    def start(self, last_position: int) -> None:
+        if self.tail:
+            self._published = last_position
+            self._tailer = asyncio.create_task(self._tail_loop(), name="sessiontape-log-tailer")
+
+    def wake(self) -> None:
+        """A hint that another process committed (LISTEN/NOTIFY)."""
+        self._wake.set()
+
+    async def close(self) -> None:
+        if self._tailer is not None:
+            self._tailer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._tailer
+            self._tailer = None
+
+    def committed(self, evs: list[Event]) -> None:
+        """This process's writer committed ``evs``."""
+        if not self.tail:
+            self._publish(evs)
+        elif self._subscribers:
+            self._wake.set()
+        else:
+            # Nobody listens: skip reading our own writes back. A new
+            # subscriber catches up from the database anyway.
+            self._published = max(self._published, evs[-1].position)
+
+    def _publish(self, evs: list[Event]) -> None:
+        for e in evs:
+            self._published = max(self._published, e.position)
+            for sub in list(self._subscribers):
+                sub.offer(e)
+
+    async def _tail_loop(self) -> None:
+        """Pick up committed events from every process, in position order."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.poll_interval_s)
+            self._wake.clear()
+            if not self._subscribers:
+                continue
+            try:
+                while True:
+                    evs = await self._read(self._published, PAGE, None)
+                    if evs:
+                        self._publish(evs)
+                    if len(evs) < PAGE:
+                        break
+            except Exception:
+                log.exception("tailing the log failed; retrying")
+                await asyncio.sleep(self.poll_interval_s)
+
+    async def subscribe(self, from_position: int = 0, session_id: str | None = None) -> AsyncIterator[Event]:
+        """Events with position > ``from_position``: the past from the log, then live."""
+        sub = _Subscriber(session_id)
+        self._subscribers.add(sub)
+        metrics.SUBSCRIBERS.inc()
+        last = from_position
+        try:
+            while True:
+                # catch up from the database
+                while True:
+                    evs = await self._read(last, PAGE, session_id)
+                    for e in evs:
+                        yield e
+                        last = e.position
+                    if len(evs) < PAGE:
+                        break
+                sub.overflowed = False
+                # live
+                while not sub.overflowed:
+                    e = await sub.queue.get()
+                    if e.position <= last:
+                        continue
+                    yield e
+                    last = e.position
+                while not sub.queue.empty():
+                    sub.queue.get_nowait()
+        finally:
+            self._subscribers.discard(sub)
+            metrics.SUBSCRIBERS.dec()

@@ -1,0 +1,376 @@
+"""The log's single writer: group commit of every session's appends.
+
+Appends from every session queue up as requests; the writer task drains
+what is queued (up to ``batch_max`` events) and commits it in one
+transaction (:meth:`Dialect.transaction`): position lock, one ``executemany``
+for the events and one for the sessions index, blobs deduplicated by sha256.
+Each body is encoded to canonical JSON once, for both the hash and the
+stored column. Only after COMMIT are the appenders' futures resolved and
+the events handed on (``on_commit``): durable before visible. A batch that
+fails is retried request by request, so only the guilty request fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy.exc import DBAPIError, OperationalError
+
+from core import metrics
+from core.errors import (
+    ChainBroken,
+    ConcurrencyError,
+    InvalidArgument,
+    InvalidEvent,
+    LogClosed,
+    SessionNotFound,
+)
+from core.events import (
+    GENESIS_HASH,
+    Event,
+    NewEvent,
+    T,
+    canonical_json,
+    chain_hash_json,
+    parse_json,
+)
+from core.log.dialect import Dialect
+from core.log.schema import sessions
+
+_STATUS_BY_TYPE = {
+    T.SESSION_CLOSED: "closed",
+    T.SESSION_ABORTED: "aborted",
+    T.SESSION_EXPIRED: "expired",
+    T.SESSION_PURGED: "purged",
+}
+
+
+@dataclass
+class Request:
+    kind: str  # "append" | "import" | "purge" | "touch"
+    session_id: str
+    expected_version: int
+    events: Sequence[NewEvent] | Sequence[Event] = ()
+    index: Mapping[str, Any] | None = None
+    at: float = 0.0
+    future: asyncio.Future[list[Event]] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class Writer:
+    """One per log: the task that commits every append of this process."""
+
+    def __init__(self, dialect: Dialect, on_commit: Callable[[list[Event]], None], *, batch_max: int,
+                 inline_max_bytes: int) -> None:
+        self.dialect = dialect
+        self.on_commit = on_commit
+        self.batch_max = batch_max
+        self.inline_max_bytes = inline_max_bytes
+        self._queue: asyncio.Queue[Request | None] = asyncio.Queue()
+        #: session heads this writer knows (version, hash); read from the database when not
+        self._heads: OrderedDict[str, tuple[int, str]] = OrderedDict()
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+        #: test hook: awaited inside the write transaction, just before COMMIT
+        self.before_commit: Callable[[list[Event]], Awaitable[None]] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._write_loop(), name="sessiontape-log-writer")
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._closing
+
+    async def close(self) -> None:
+        """Commit what is queued, refuse what comes after, stop."""
+        if self._task is None:
+            return
+        self._closing = True
+        await self._queue.put(None)
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self._task = None
+        while not self._queue.empty():
+            left = self._queue.get_nowait()
+            if left is not None and not left.future.done():
+                left.future.set_exception(LogClosed("the event log closed before this append committed"))
+
+    async def submit(self, req: Request) -> list[Event]:
+        if not self.running:
+            raise LogClosed("the event log is closed")
+        await self._queue.put(req)
+        return await req.future
+
+    async def _write_loop(self) -> None:
+        while True:
+            first = await self._queue.get()
+            if first is None:
+                return
+            batch, n = [first], len(first.events)
+            stop = False
+            while n < self.batch_max and not self._queue.empty():
+                nxt = self._queue.get_nowait()
+                if nxt is None:
+                    stop = True
+                    break
+                batch.append(nxt)
+                n += len(nxt.events)
+            await self._commit_batch(batch)
+            if stop:
+                return
+
+    async def _commit_batch(self, batch: list[Request]) -> None:
+        t0 = time.perf_counter()
+        try:
+            results = await self._run_tx(batch)
+        except Exception as exc:
+            # Something in the batch failed (a conflict with another process,
+            # a stale cache, one bad request): retry each request alone so
+            # only the guilty one fails.
+            self._heads.clear()
+            if len(batch) == 1:
+                self._fail(batch[0], exc)
+                return
+            for req in batch:
+                try:
+                    res = await self._run_tx([req])
+                except Exception as one_exc:
+                    self._heads.pop(req.session_id, None)
+                    self._fail(req, one_exc)
+                else:
+                    self._finish([req], [res[0]], t0)
+            return
+        self._finish(batch, results, t0)
+
+    def _fail(self, req: Request, exc: BaseException) -> None:
+        if self.dialect.is_conflict(exc):
+            exc = ConcurrencyError(f"session {req.session_id}: concurrent append (version conflict)")
+        elif isinstance(exc, DBAPIError) and not isinstance(exc, OperationalError):
+            exc = InvalidArgument(f"session {req.session_id}: the database refused the write: {exc.orig}")
+        if not req.future.done():
+            req.future.set_exception(exc)
+
+    def _finish(self, batch: list[Request], results: list[list[Event]], t0: float) -> None:
+        all_events: list[Event] = []
+        for req, evs in zip(batch, results, strict=True):
+            all_events.extend(evs)
+            if not req.future.done():
+                req.future.set_result(evs)
+        if all_events:
+            metrics.EVENTS_APPENDED.inc(len(all_events))
+            metrics.COMMIT_SECONDS.observe(time.perf_counter() - t0)
+            metrics.BATCH_SIZE.observe(len(all_events))
+            self.on_commit(all_events)
+
+    def _head(self, cur: Any, session_id: str) -> tuple[int, str] | None:
+        head = self._heads.get(session_id)
+        if head is not None:
+            self._heads.move_to_end(session_id)
+            return head
+        cur.execute(self.dialect.sql("SELECT version, head_hash FROM sessions WHERE id = ?"), (session_id,))
+        row = cur.fetchone()
+        if row is None:
+            return None
+        return int(row[0]), str(row[1])
+
+    def _remember(self, session_id: str, head: tuple[int, str]) -> None:
+        self._heads[session_id] = head
+        self._heads.move_to_end(session_id)
+        while len(self._heads) > 100_000:
+            self._heads.popitem(last=False)
+
+    async def _run_tx(self, batch: list[Request]) -> list[list[Event]]:
+        hook = self.before_commit
+
+        async def before(results: list[list[Event]]) -> None:
+            assert hook is not None
+            await hook([e for r in results for e in r])
+
+        results = await self.dialect.transaction(lambda cur: self._write(cur, batch),
+                                                 None if hook is None else before)
+        for evs in results:
+            if evs:
+                self._remember(evs[-1].session_id, (evs[-1].version, evs[-1].hash))
+        return results
+
+    def _write(self, cur: Any, batch: list[Request]) -> list[list[Event]]:
+        """The batch's statements on a DBAPI cursor, inside the caller's transaction.
+
+        Plain SQL on the driver's cursor: SQLAlchemy's per-statement machinery
+        costs more than the statements themselves on this path.
+        """
+        self.dialect.lock_positions(cur)
+        cur.execute("SELECT COALESCE(MAX(position), 0) FROM events")
+        pos = int(cur.fetchone()[0])
+        now = time.time()
+        rows: list[tuple[Any, ...]] = []
+        blob_rows: dict[str, dict[str, Any]] = {}
+        results: list[list[Event]] = []
+        pending: dict[str, tuple[int, str]] = {}
+        new_sessions: dict[str, dict[str, Any]] = {}
+        updates: dict[str, dict[str, Any]] = {}
+        inline_max = self.inline_max_bytes
+        for req in batch:
+            sid = req.session_id
+            head = pending.get(sid) or self._head(cur, sid)
+            if req.kind == "touch":
+                if head is not None:
+                    upd = updates.setdefault(sid, {"n": 0})
+                    upd["last_active_at"] = req.at
+                results.append([])
+                continue
+            cur_version = head[0] if head else 0
+            if req.kind != "purge" and cur_version != req.expected_version and sid not in pending \
+                    and self._heads.pop(sid, None) is not None:
+                # the cached head may be stale (another process wrote): ask the database
+                head = self._head(cur, sid)
+                cur_version = head[0] if head else 0
+            if req.kind != "purge" and cur_version != req.expected_version:
+                raise ConcurrencyError(
+                    f"session {sid}: expected version {req.expected_version}, log is at {cur_version}"
+                )
+            if req.kind == "purge" and head is None:
+                raise SessionNotFound(sid)
+            prev = head[1] if head else GENESIS_HASH
+            out: list[Event] = []
+            if req.kind == "import":
+                for e in req.events:
+                    assert isinstance(e, Event)
+                    if e.prev_hash != prev:
+                        raise ChainBroken(f"import of {sid} v{e.version} does not continue the chain")
+                    pos += 1
+                    ev = Event(pos, sid, e.version, e.type, e.body, e.data, e.recorded_at, e.hash, e.prev_hash)
+                    out.append(ev)
+                    rows.append(self._row(ev, canonical_json(ev.body), blob_rows, now, inline_max))
+                    prev = e.hash
+            else:
+                version = cur_version
+                if req.kind == "purge":
+                    cur.execute(self.dialect.sql("DELETE FROM events WHERE session_id = ?"), (sid,))
+                    cur.execute(self.dialect.sql("DELETE FROM snapshots WHERE session_id = ?"), (sid,))
+                for ne in req.events:
+                    assert isinstance(ne, NewEvent)
+                    body = ne.body
+                    if req.kind == "purge":
+                        body = {**body, "through_version": cur_version, "last_hash": prev}
+                    version += 1
+                    pos += 1
+                    body_json = canonical_json(body)
+                    h = chain_hash_json(prev, sid, version, ne.type, body_json, ne.data, now)
+                    # The body as a reader of the log will see it (lists, not
+                    # tuples; null for non-finite floats): live == replay.
+                    ev = Event(pos, sid, version, ne.type, parse_json(body_json), ne.data, now, h, prev)
+                    out.append(ev)
+                    rows.append(self._row(ev, body_json, blob_rows, now, inline_max))
+                    prev = h
+            if out:
+                self._index(req, head, out, now, new_sessions, updates)
+                pending[sid] = (out[-1].version, out[-1].hash)
+            results.append(out)
+        if blob_rows:
+            self._put_blobs(cur, list(blob_rows.values()))
+        if new_sessions:
+            cols = [c.name for c in sessions.columns]
+            cur.executemany(self.dialect.sql(f"INSERT INTO sessions ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})"),
+                            [tuple(row[c] for c in cols) for row in new_sessions.values()])
+        if rows:
+            cur.executemany(self._insert_sql, rows)
+        if updates:
+            self._apply_updates(cur, updates)
+        if rows:
+            self.dialect.notify(cur, pos)
+        return results
+
+    @property
+    def _insert_sql(self) -> str:
+        cols = "position, session_id, version, type, body, data, blob_sha, recorded_at, hash, prev_hash"
+        return self.dialect.sql(f"INSERT INTO events ({cols}) VALUES ({', '.join('?' * 10)})")
+
+    @staticmethod
+    def _row(e: Event, body_json: str, blob_rows: dict[str, dict[str, Any]], now: float,
+             inline_max: int) -> tuple[Any, ...]:
+        data, blob_sha = e.data, None
+        if data is not None and len(data) > inline_max:
+            blob_sha = hashlib.sha256(data).hexdigest()
+            blob_rows[blob_sha] = {"sha256": blob_sha, "size": len(data), "data": data, "created_at": now}
+            data = None
+        return (e.position, e.session_id, e.version, e.type, body_json, data, blob_sha, e.recorded_at,
+                e.hash, e.prev_hash)
+
+    def _put_blobs(self, cur: Any, rows: list[dict[str, Any]]) -> None:
+        shas = [r["sha256"] for r in rows]
+        cur.execute(self.dialect.sql(f"SELECT sha256 FROM blobs WHERE sha256 IN ({', '.join('?' * len(shas))})"), shas)
+        have = {r[0] for r in cur.fetchall()}
+        fresh = [(r["sha256"], r["size"], r["data"], r["created_at"]) for r in rows if r["sha256"] not in have]
+        if fresh:
+            cur.executemany(self.dialect.sql("INSERT INTO blobs (sha256, size, data, created_at) VALUES (?, ?, ?, ?)"), fresh)
+
+    def _index(self, req: Request, head: tuple[int, str] | None, out: list[Event], now: float,
+               new_sessions: dict[str, dict[str, Any]], updates: dict[str, dict[str, Any]]) -> None:
+        """Fold this request into the batch's sessions-table writes (one per session)."""
+        sid = req.session_id
+        last = out[-1]
+        values: dict[str, Any] = {"version": last.version, "head_hash": last.hash,
+                                  "updated_at": last.recorded_at, "last_active_at": now}
+        for e in out:
+            st = _STATUS_BY_TYPE.get(e.type)
+            if st is not None:
+                values["status"] = st
+        if req.index:
+            values.update({k: v for k, v in req.index.items() if k in ("history_length", "status", "last_active_at")})
+        if req.kind == "import":
+            values["last_active_at"] = last.recorded_at
+        if head is None and sid not in new_sessions:
+            opened = out[0] if out[0].type == T.SESSION_OPENED else None
+            if opened is None or opened.version != 1:
+                raise InvalidEvent(f"session {sid}: the first event must be session.opened")
+            b = opened.body
+            eng = b.get("engine", {}) or {}
+            parent = b.get("parent") or {}
+            row = {
+                "id": sid, "protocol": str(b.get("protocol", "")), "status": "open",
+                "label": str(b.get("label", "")), "engine": str(eng.get("engine", "")),
+                "model_id": str(eng.get("model_id", "")), "parent_id": parent.get("session_id"),
+                "parent_version": parent.get("version"), "fork_position": parent.get("token_position"),
+                "created_at": opened.recorded_at, "ttl_s": b.get("ttl_s"), "event_count": len(out),
+                "history_length": 0,
+            }
+            row.update(values)
+            new_sessions[sid] = row
+            return
+        if sid in new_sessions:
+            row = new_sessions[sid]
+            row.update(values)
+            row["event_count"] += len(out)
+            return
+        upd = updates.setdefault(sid, {"n": 0})
+        if req.kind == "purge":
+            upd["reset"] = True
+            upd["n"] = len(out)
+            values.setdefault("history_length", 0)
+        else:
+            upd["n"] += len(out)
+        upd.update(values)
+
+    def _apply_updates(self, cur: Any, updates: dict[str, dict[str, Any]]) -> None:
+        """One executemany for every touched session: columns not given keep their value."""
+        sql = self.dialect.sql(
+            "UPDATE sessions SET "
+            "version = COALESCE(?, version), head_hash = COALESCE(?, head_hash), "
+            "updated_at = COALESCE(?, updated_at), last_active_at = COALESCE(?, last_active_at), "
+            "status = COALESCE(?, status), history_length = COALESCE(?, history_length), "
+            "event_count = CASE WHEN ? THEN ? ELSE event_count + ? END "
+            "WHERE id = ?"
+        )
+        params = [
+            (u.get("version"), u.get("head_hash"), u.get("updated_at"), u.get("last_active_at"), u.get("status"),
+             u.get("history_length"), bool(u.get("reset")), u["n"], u["n"], sid)
+            for sid, u in updates.items()
+        ]
+        cur.executemany(sql, params)
