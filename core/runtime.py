@@ -363,7 +363,10 @@ class Runtime:
         sid = session_id or new_session_id()
         info = self.engine.info
         eos = list(info.eos_token_ids if eos_token_ids is None else eos_token_ids)
-        check_vocab(eos, info.vocab_size)
+        # opaque ids the application supplies (kakeya.v1): an id the model never
+        # emits never matches; only the history's tokens are range-checked
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < 2**32 for t in eos):
+            raise InvalidParameters("eos_token_ids must be integers in [0, 2**32)")
         body = {
             "protocol": protocol, "mode": mode, "label": label, "eos_token_ids": eos,
             "ttl_s": self.config.idle_ttl(protocol) if ttl_s is None else ttl_s,

@@ -99,7 +99,9 @@ async def test_out_of_vocabulary_append_changes_nothing(serve: Serve) -> None:
         details = await expect_code(Code.INVALID_ARGUMENT, s.kakeya.AppendTokens(
             kpb.AppendTokensRequest(session_id=sid, token_ids=bad)))
         assert "token_out_of_vocabulary" in details
-    await expect_code(Code.INVALID_ARGUMENT, s.kakeya.CreateSession(kpb.CreateSessionRequest(eos_token_ids=[300])))
+    # eos ids are the application's opaque ids: one outside the vocabulary is accepted (it never matches)
+    opaque = (await s.kakeya.CreateSession(kpb.CreateSessionRequest(eos_token_ids=[300, 2**32 - 1]))).session_id
+    assert list((await s.runtime.get(opaque)).eos_token_ids) == [300, 2**32 - 1]
     assert (await info(s.kakeya, sid)).history_length == 3
     assert await version(s.runtime, sid) == v
     assert list((await s.runtime.get(sid)).tokens) == [1, 2, 3]
