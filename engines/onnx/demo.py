@@ -45,7 +45,7 @@ import numpy.typing as npt
 #: byte tokenizer specials (the same ids as the reference engine)
 BOS, EOS, PAD = 256, 257, 258
 VOCAB = 259
-BUILDER_VERSION = 3
+BUILDER_VERSION = 4
 #: KV layouts the builder emits: ``static`` (default) keeps one preallocated
 #: buffer per layer and kind that a pass writes into at its positions (past
 #: and present are the same tensor); ``concat`` is the classic growing cache
@@ -303,6 +303,9 @@ def _build_static(spec: DemoSpec, w: dict[str, F32]) -> Any:
     i64("c_shape_h", 0, 0, h)
     i64("c_gq", 0, nkv, -1, hd)
     i64("c_att", 0, nh, -1, hd)
+    i64("c_axis2", 2)
+    i64("c_prob_blocks", 0, 0, 0, -1, SLOT_BLOCK)
+    i64("c_v_blocks", 0, 0, -1, SLOT_BLOCK, hd)
 
     # Slot j of the buffer holds position j; key j is visible to the query at position q iff
     # j <= q (masked by position alone: attention_mask is accepted for the convention but not
@@ -346,7 +349,11 @@ def _build_static(spec: DemoSpec, w: dict[str, F32]) -> Any:
         qg = g.op("Reshape", [heads(q, "c_shape_q"), "c_gq"])
         scores = g.op("MatMul", [qg, g.op("Transpose", [pk], perm=[0, 1, 3, 2])])
         probs = g.op("Softmax", [g.op("Where", [allowed, scores, "c_neginf"])], axis=-1)
-        att = g.op("Reshape", [g.op("MatMul", [probs, pv]), "c_att"])
+        # probs . V over blocks of SLOT_BLOCK slots, then a sum over the blocks: one GEMM over all
+        # slots gets a handful of thread blocks (M = N = 64); this split has one per block
+        pb = g.op("Transpose", [g.op("Reshape", [probs, "c_prob_blocks"])], perm=[0, 1, 3, 2, 4])
+        part = g.op("MatMul", [pb, g.op("Reshape", [pv, "c_v_blocks"])])
+        att = g.op("Reshape", [g.op("ReduceSum", [part, "c_axis2"], keepdims=0), "c_att"])
         att = g.op("Reshape", [g.op("Transpose", [att], perm=[0, 2, 1, 3]), "c_shape_h"])
         xn, _, _, x = g.op("SkipSimplifiedLayerNormalization", [x, g.op("MatMul", [att, p + "wo"]), p + "mlp_norm"],
                            outputs=4, domain=ms, epsilon=spec.eps)
