@@ -3,7 +3,15 @@
 A session's cache is an :class:`Entry`: the tokens whose keys and values
 are cached (``tokens``; ``len(tokens)`` is the cached length) and a
 :class:`KV` snapshot holding one tensor per layer and kind, each at least
-that long. Snapshots are immutable: every forward pass produces new
+that long.
+
+With a static-layout model the snapshot is the session's buffer, written in
+place by every pass; the engine copies a buffer that a fork shares before
+writing into it (:meth:`KVCache.shared`), truncation keeps the buffer
+(``keep_buffer``), and ``on_free`` hands a buffer no entry holds back to the
+runner's pool. The rest of this docstring is the concat layout's story.
+
+Concat snapshots are immutable: every forward pass produces new
 ``present`` tensors (the model concatenates past and new anyway), and the
 entry then points at the new snapshot. That makes forks copy-on-write for
 free: a fork points at its parent's snapshot with a shorter token list,
