@@ -36,6 +36,7 @@ each; ``code`` is the stable machine-readable name they all share.
     ├── ChainBroken                  the hash chain does not verify
     ├── InvalidEvent                 a stored event the fold cannot apply (a corrupt log)
     ├── LogClosed                    the event log is shutting down
+    ├── LogUnavailable               the database went away or stays locked
     ├── ConfigError
     ├── PluginNotFound               no engine/transport of that name
     └── EngineError                  the engine failed
@@ -199,6 +200,14 @@ class ChainBroken(SessiontapeError):
 
 class LogClosed(SessiontapeError):
     code = "log_closed"
+
+
+class LogUnavailable(SessiontapeError):
+    """The database cannot be reached or is locked: try again later (nothing was written)."""
+
+    code = "log_unavailable"
+    #: seconds a client should wait before retrying (HTTP ``Retry-After``)
+    retry_after_s = 1
 
 
 class ConfigError(SessiontapeError):

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy import event as sa_event
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.util import await_only
 
@@ -97,6 +97,21 @@ class Dialect(ABC):
         dbapi = self.engine.dialect.dbapi
         return isinstance(exc, IntegrityError | sqlite3.IntegrityError) or (
             dbapi is not None and isinstance(exc, dbapi.IntegrityError))
+
+    def is_unavailable(self, exc: BaseException) -> bool:
+        """Whether ``exc`` says the database cannot be used now (gone, unreachable, locked)."""
+        dbapi = self.engine.dialect.dbapi
+        kinds: tuple[type[BaseException], ...] = (OperationalError, InterfaceError, sqlite3.OperationalError,
+                                                  OSError)
+        if dbapi is not None:
+            kinds += tuple(k for k in (getattr(dbapi, "OperationalError", None), getattr(dbapi, "InterfaceError", None))
+                           if isinstance(k, type))
+        return isinstance(exc, kinds) or (isinstance(exc, DBAPIError) and exc.connection_invalidated)
+
+    async def reset_pool(self) -> None:
+        """After an unavailable error: drop pooled connections (all may be dead; the next
+        use connects afresh) instead of handing each dead one out in turn."""
+        await self.engine.dispose(close=False)
 
     async def migration_lock(self, conn: AsyncConnection) -> None:  # noqa: B027
         """Inside the migration transaction: one server migrates at a time."""

@@ -20,20 +20,21 @@ gapless and become visible in order (docs/architecture.md).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from core.errors import ChainBroken, InvalidEvent, SessionNotFound
+from core.errors import ChainBroken, InvalidEvent, SessionNotFound, SessiontapeError
 from core.events import GENESIS_HASH, Event, NewEvent, T, event_hash, parse_json
 from core.log.dialect import Dialect, session_lock_key
 from core.log.schema import blobs, events, sessions, snapshots
 from core.log.subscriptions import Subscriptions
-from core.log.writer import Request, Writer
+from core.log.writer import Request, Writer, unavailable
 
 __all__ = ["EventLog", "SessionRow", "session_lock_key", "verify_chain"]
 
@@ -62,6 +63,27 @@ class SessionRow:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _reading(fn: Callable[Concatenate[EventLog, P], Awaitable[R]]) -> Callable[Concatenate[EventLog, P], Awaitable[R]]:
+    """A read whose database went away raises LogUnavailable, not the driver's error."""
+    @functools.wraps(fn)
+    async def read(self: EventLog, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return await fn(self, *args, **kwargs)
+        except SessiontapeError:
+            raise
+        except Exception as exc:
+            if self.dialect.is_unavailable(exc):
+                await self.dialect.reset_pool()
+                raise unavailable(exc) from exc
+            raise
+
+    return read
 
 
 class EventLog:
@@ -204,6 +226,7 @@ class EventLog:
             out.append(Event(pos, sid, version, type_, loads(body), data, recorded_at, h, prev))
         return out
 
+    @_reading
     async def read(self, session_id: str, from_version: int = 1, to_version: int | None = None) -> list[Event]:
         """A session's events in version order, ``from_version`` to ``to_version`` inclusive."""
         top = 2**31 - 1 if to_version is None else to_version
@@ -211,6 +234,7 @@ class EventLog:
             f"SELECT {self._COLUMNS} FROM events WHERE session_id = ? AND version >= ? AND version <= ?"
             " ORDER BY version", (session_id, from_version, top))
 
+    @_reading
     async def read_all(self, after_position: int = 0, limit: int = 1000,
                        session_id: str | None = None) -> list[Event]:
         """Events with position > ``after_position`` in position order."""
@@ -222,15 +246,18 @@ class EventLog:
             f"SELECT {self._COLUMNS} FROM events WHERE position > ? AND session_id = ? ORDER BY position LIMIT ?",
             (after_position, session_id, limit))
 
+    @_reading
     async def last_position(self) -> int:
         async with self.engine.connect() as conn:
             return int((await conn.execute(sa.select(sa.func.coalesce(sa.func.max(events.c.position), 0)))).scalar_one())
 
+    @_reading
     async def get_blob(self, sha256: str) -> bytes | None:
         async with self.engine.connect() as conn:
             data = (await conn.execute(sa.select(blobs.c.data).where(blobs.c.sha256 == sha256))).scalar()
             return None if data is None else bytes(data)
 
+    @_reading
     async def get_session(self, session_id: str) -> SessionRow:
         async with self.engine.connect() as conn:
             row = (await conn.execute(sa.select(sessions).where(sessions.c.id == session_id))).first()
@@ -238,6 +265,7 @@ class EventLog:
             raise SessionNotFound(session_id)
         return SessionRow(**row._mapping)
 
+    @_reading
     async def list_sessions(self, *, status: str | None = None, protocol: str | None = None,
                             parent_id: str | None = None, limit: int = 1000, offset: int = 0,
                             newest_first: bool = True, active_after: float | None = None) -> list[SessionRow]:
@@ -257,6 +285,7 @@ class EventLog:
         async with self.engine.connect() as conn:
             return [SessionRow(**r._mapping) for r in (await conn.execute(q)).all()]
 
+    @_reading
     async def idle_sessions(self, now: float, default_ttl: float) -> list[SessionRow]:
         """Open sessions whose idle TTL ran out at ``now``."""
         ttl = sa.func.coalesce(sessions.c.ttl_s, default_ttl)
@@ -266,12 +295,14 @@ class EventLog:
 
     # -- snapshots ---------------------------------------------------------
 
+    @_reading
     async def save_snapshot(self, session_id: str, version: int, state: str, data: bytes | None) -> None:
         async with self.engine.begin() as conn:
             await conn.execute(snapshots.delete().where(snapshots.c.session_id == session_id))
             await conn.execute(snapshots.insert().values(
                 session_id=session_id, version=version, state=state, data=data, created_at=time.time()))
 
+    @_reading
     async def load_snapshot(self, session_id: str, max_version: int | None = None) -> tuple[int, str, bytes | None] | None:
         q = sa.select(snapshots.c.version, snapshots.c.state, snapshots.c.data).where(snapshots.c.session_id == session_id)
         if max_version is not None:

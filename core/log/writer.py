@@ -30,6 +30,7 @@ from core.errors import (
     InvalidArgument,
     InvalidEvent,
     LogClosed,
+    LogUnavailable,
     SessionNotFound,
 )
 from core.events import (
@@ -61,6 +62,13 @@ class Request:
     index: Mapping[str, Any] | None = None
     at: float = 0.0
     future: asyncio.Future[list[Event]] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+def unavailable(exc: BaseException) -> LogUnavailable:
+    """The error a caller gets when the database cannot be used: no SQL, no driver text."""
+    err = LogUnavailable(f"the event log's database is unavailable ({type(exc).__name__}); try again")
+    err.__cause__ = exc
+    return err
 
 
 class Writer:
@@ -130,6 +138,13 @@ class Writer:
         try:
             results = await self._run_tx(batch)
         except Exception as exc:
+            if self.dialect.is_unavailable(exc):
+                # the database went away: nothing of the batch was written, and
+                # no request of it is to blame
+                await self.dialect.reset_pool()
+                for req in batch:
+                    self._fail(req, exc)
+                return
             # Something in the batch failed (a conflict with another process,
             # a stale cache, one bad request): retry each request alone so
             # only the guilty one fails.
@@ -151,6 +166,8 @@ class Writer:
     def _fail(self, req: Request, exc: BaseException) -> None:
         if self.dialect.is_conflict(exc):
             exc = ConcurrencyError(f"session {req.session_id}: concurrent append (version conflict)")
+        elif self.dialect.is_unavailable(exc):
+            exc = unavailable(exc)
         elif isinstance(exc, DBAPIError) and not isinstance(exc, OperationalError):
             exc = InvalidArgument(f"session {req.session_id}: the database refused the write: {exc.orig}")
         if not req.future.done():

@@ -44,6 +44,7 @@ _CODES: tuple[tuple[type[errors.SessiontapeError], grpc.StatusCode], ...] = (
     (errors.InvalidEvent, grpc.StatusCode.DATA_LOSS),
     (errors.ChainBroken, grpc.StatusCode.DATA_LOSS),
     (errors.LogClosed, grpc.StatusCode.UNAVAILABLE),
+    (errors.LogUnavailable, grpc.StatusCode.UNAVAILABLE),
 )
 
 

@@ -56,6 +56,7 @@ STATUS: dict[type[E.SessiontapeError], int] = {
     E.ChainBroken: 500,
     E.InvalidEvent: 500,
     E.LogClosed: 503,
+    E.LogUnavailable: 503,
     E.ConfigError: 500,
     E.EngineError: 502,
     E.SessiontapeError: 500,
@@ -79,8 +80,17 @@ def error_response(code: str, message: str, status: int, headers: dict[str, str]
     return JSONResponse(error_body(code, message, **extra), status_code=status, headers=headers)
 
 
+def headers_for(exc: E.SessiontapeError) -> dict[str, str] | None:
+    """Headers an error's answer carries: the auth challenge, or when to retry."""
+    if isinstance(exc, E.Unauthenticated):
+        return {"WWW-Authenticate": 'Bearer realm="sessiontape"'}
+    if isinstance(exc, E.LogUnavailable | E.LogClosed):
+        return {"Retry-After": str(E.LogUnavailable.retry_after_s)}
+    return None
+
+
 def to_response(exc: E.SessiontapeError) -> JSONResponse:
-    headers = {"WWW-Authenticate": 'Bearer realm="sessiontape"'} if isinstance(exc, E.Unauthenticated) else None
+    headers = headers_for(exc)
     fields = getattr(exc, "fields", None)
     extra = {"fields": fields} if isinstance(fields, list) else {}
     return error_response(exc.code, exc.message, status_for(exc), headers, **extra)

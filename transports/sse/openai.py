@@ -69,8 +69,7 @@ def error_response(exc: SessiontapeError) -> JSONResponse:
     metrics.ERRORS.labels(exc.code).inc()
     body = {"error": {"message": exc.message, "type": error_type(status),
                       "param": getattr(exc, "param", None), "code": exc.code}}
-    headers = {"WWW-Authenticate": 'Bearer realm="sessiontape"'} if status == 401 else None
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(body, status_code=status, headers=errors.headers_for(exc))
 
 
 def error_event(exc: BaseException) -> dict[str, Any]:

@@ -76,6 +76,7 @@ async def test_service_endpoints(client: httpx.AsyncClient) -> None:
 def test_every_core_error_has_a_status() -> None:
     expected = {E.NotFound: 404, E.InvalidArgument: 400, E.FailedPrecondition: 409, E.ContextOverflow: 413,
                 E.ResourceExhausted: 429, E.Aborted: 409, E.Unauthenticated: 401, E.ChainBroken: 500, E.InvalidEvent: 500, E.LogClosed: 503,
+                E.LogUnavailable: 503,
                 E.ConfigError: 500, E.EngineError: 502,
                 PayloadTooLarge: 413, RequestTimeout: 408, ClientGone: 499}
     seen = set()
