@@ -215,8 +215,10 @@ class StaticRunner:
             raise
         except Exception as exc:
             raise EngineError(f"onnxruntime run failed: {exc}") from exc
-        return PassResult(logits=logits[:n], hidden={i: h[:n] for i, h in hidden.items()}, kv=kv,
-                          end=keep + rows)
+        # copies: on the CPU an OrtValue's numpy() is a view of the bound output, which the next
+        # pass (of any session) overwrites
+        return PassResult(logits=np.array(logits[:n]), hidden={i: np.array(h[:n]) for i, h in hidden.items()},
+                          kv=kv, end=keep + rows)
 
     def _bind_kv(self, b: Any, kv: KV) -> None:
         for past, present, t in zip(self.names, self.present, kv.tensors, strict=True):

@@ -551,3 +551,30 @@ async def test_positions_keep_their_bits_when_the_buffer_grows(onnx_engine: Onnx
     await collect(onnx_engine, "warm", hist[:270], prefill_only())
     warm = await collect(onnx_engine, "warm", hist, params, opts)
     assert warm == await collect(onnx_engine, "cold", hist, params, opts)
+
+
+async def test_a_fork_writing_its_copy_leaves_the_parent_intact(onnx_engine: OnnxEngine) -> None:
+    hist = history(43, 40)
+    params = SamplingParams(max_tokens=5, temperature=0.8, seed=6)
+    await collect(onnx_engine, "p", hist, prefill_only())
+    onnx_engine.fork("p", "c", 20)
+    await collect(onnx_engine, "c", hist[:20] + history(44, 15), params)  # writes slots 20.. of its copy
+    before = onnx_engine.positions_computed
+    got = await collect(onnx_engine, "p", hist, params)
+    assert onnx_engine.positions_computed - before == 1 + 4  # the parent's 40 positions were kept
+    assert got == await collect(onnx_engine, "cold", hist, params)
+
+
+async def test_forgetting_a_generating_session_keeps_its_buffer_until_it_ends(onnx_engine: OnnxEngine) -> None:
+    hist = history(45, 25)
+    params = SamplingParams(max_tokens=12, temperature=0.9, seed=7)
+    want = await collect(onnx_engine, "ref", hist, params)
+    gen = cast(AsyncGenerator[Step, None], onnx_engine.generate("g", hist, params))
+    got = []
+    async for step in gen:
+        got.append(step)
+        if len(got) == 3:
+            onnx_engine.forget("g")  # the session closed while generating
+            await collect(onnx_engine, "other", history(46, 30), params)  # takes a buffer meanwhile
+    assert got == want
+    assert onnx_engine.cached_length("g") is None
