@@ -406,6 +406,8 @@ class OnnxEngine(Engine):
             if r is not None:
                 r.stop = True
             self.cache.release(entry)
+            if r is not None and static and not self.cache.holds(r.base):
+                self.runner.release(r.base)  # a buffer that no pass stored (the first one failed)
 
 
 @dataclass(eq=False)

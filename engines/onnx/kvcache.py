@@ -122,6 +122,10 @@ class KVCache:
         if not entry.tokens and not keep_buffer:
             self.store(entry, [], None)
 
+    def holds(self, kv: KV) -> bool:
+        """Whether any entry holds ``kv``."""
+        return id(kv) in self._refs
+
     def shared(self, kv: KV) -> bool:
         """Whether another entry (a fork) holds ``kv`` too."""
         slot = self._refs.get(id(kv))

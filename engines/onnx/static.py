@@ -76,6 +76,7 @@ class StaticRunner:
         self.hidden_names = [f"hidden_states.{i}" for i in spec.hidden_layers]
         self.dtype = np.dtype(spec.kv_dtype)
         self._free: list[tuple[Any, ...]] = []
+        self._sets: list[tuple[Any, ...]] = []
         self._ids: dict[int, int] = {}  # id(first tensor of a set) -> graph id
         self._copy: Any = None
         self._lock = threading.Lock()
@@ -115,7 +116,9 @@ class StaticRunner:
             if self._free:
                 return KV(self._free.pop(), self.capacity, self.nbytes(self.capacity))
             kv = KV(self._zeros(self.capacity), self.capacity, self.nbytes(self.capacity))
-            self._ids.setdefault(id(kv.tensors[0]), len(self._ids))
+            # held for good: a graph id is keyed by the tensors' id(), which a freed set would hand on
+            self._sets.append(kv.tensors)
+            self._ids[id(kv.tensors[0])] = len(self._ids)
             if self.cuda_graph:
                 self._capture(kv)
             return kv
@@ -123,7 +126,8 @@ class StaticRunner:
 
     def release(self, kv: KV) -> None:
         """The cache no longer holds ``kv``: keep a fixed buffer set for reuse."""
-        if self.fixed and kv.tensors and id(kv.tensors[0]) in self._ids:
+        if self.fixed and kv.tensors and id(kv.tensors[0]) in self._ids and not any(
+                t is kv.tensors for t in self._free):
             self._free.append(kv.tensors)
 
     def copy(self, kv: KV) -> KV:
