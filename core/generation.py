@@ -104,9 +104,8 @@ class Generation:
         self.last_pos = -1
         self.ended = False  # no step will follow (stop token, abort, engine done)
         self.dropped = 0
-        #: steps pulled from the engine, and steps carried by committed runs
+        #: steps pulled from the engine
         self.taken = 0
-        self.committed_steps = 0
         self._queue: asyncio.Queue[Step | _End] = asyncio.Queue(maxsize=limits.run_ahead)
         #: committed runs not yet handed to the caller (a slow caller pauses the committer)
         self._out: asyncio.Queue[list[Event] | Exception | None] = asyncio.Queue()
@@ -194,8 +193,10 @@ class Generation:
         while not self._queue.empty():
             self._queue.get_nowait()
         # steps the engine handed out that no commit carried (queued, or held by
-        # the producer when it stopped)
-        self.dropped = self.taken - self.committed_steps
+        # the producer when it stopped): the fold counts what the log holds
+        g = self.st.generations.get(self.gid)
+        committed = 0 if g is None else g.scored + len(g.tokens)
+        self.dropped = self.taken - committed
 
     async def _take(self) -> list[Step]:
         """Every ready step (waiting for the first), cut after a stop token.
@@ -280,7 +281,6 @@ class Generation:
         rt = self.rt
         async with rt._lock(self.sid):
             evs = await rt._commit(self.st, new, length=self.st.length + generated)
-        self.committed_steps += len(steps)
         if generated:
             metrics.TOKENS_GENERATED.inc(generated)
             if self.ttft is None:
@@ -297,8 +297,8 @@ class Generation:
                     break
                 await self._credit.acquire()
                 steps = await self._take()
-                # never cancelled half-way: a cancel waits for the commit to settle
-                out.put_nowait(await _settled(asyncio.ensure_future(self._commit_run(steps))))
+                # a cancel that lands during the commit waits for it to settle (_commit)
+                out.put_nowait(await self._commit_run(steps))
             await out.put(None)
         except asyncio.CancelledError:
             raise
@@ -348,18 +348,6 @@ def finished(gid: str, reason: str, prompt_tokens: int, completion_tokens: int, 
     return NewEvent(T.GENERATION_FINISHED, {
         "generation_id": gid, "finish_reason": reason, "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens, "prefill_s": prefill_s, "total_s": total_s, "ttft_s": ttft_s})
-
-
-async def _settled(task: asyncio.Future[list[Event]]) -> list[Event]:
-    """``await task``, but a cancel of the waiter lets the commit settle first
-    (the task is never cancelled: a half-seen commit would desync the state)."""
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        while not task.done():
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.shield(task)
-        raise
 
 
 async def generate_runs(rt: Runtime, session_id: str, params: SamplingParams, options: OutputOptions, *,
