@@ -9,7 +9,7 @@ configured limit abort; refs are URIs.
 
 ``check_fragment`` decides (no mutation): it returns False for a duplicate
 to ignore, True for a fragment to record, and raises otherwise. The fold
-calls ``apply_fragment`` with the recorded body.
+applies the recorded body with :func:`core.state.apply_fragment`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
-from core.errors import InvalidEvent, InvalidFragment, NodeNotFound, ProtocolViolation
-from core.state import Fragment, Node, SessionState
+from core.errors import InvalidFragment, NodeNotFound, ProtocolViolation
+from core.state import Node, SessionState
 
 
 @dataclass(frozen=True)
@@ -153,36 +153,6 @@ def _depth_above(state: SessionState, node_id: str) -> int:
                 seen.add((p, d + 1))
                 frontier.append((p, d + 1))
     return best
-
-
-def apply_fragment(state: SessionState, body: Mapping[str, Any], data: bytes | None) -> None:
-    nid = str(body["id"])
-    seq = int(body.get("seq", 0))
-    node = state.nodes.get(nid)
-    if node is None:
-        node = state.nodes[nid] = Node(id=nid, direction=str(body.get("direction", "in")))
-    if seq in node.fragments:
-        return  # first wins
-    chunk = body.get("chunk")
-    children = [str(c) for c in body.get("child_ids", ())]
-    if chunk is not None and children:
-        raise InvalidEvent(f"node {nid}: fragment is both parent and leaf")
-    frag = Fragment(
-        seq=seq,
-        continued=bool(body.get("continued", False)),
-        child_ids=children,
-        metadata=None if chunk is None or chunk.get("metadata") is None else dict(chunk["metadata"]),
-        ref=None if chunk is None else chunk.get("ref"),
-        data=data,
-        has_chunk=chunk is not None,
-    )
-    node.fragments[seq] = frag
-    if not frag.continued:
-        node.final_seq = seq if node.final_seq is None else min(node.final_seq, seq)
-    if seq == 0 or node.kind is None:
-        node.kind = "leaf" if frag.has_chunk else "parent" if (frag.child_ids or seq == 0) else None
-    for c in children:
-        state.parents_of.setdefault(c, set()).add(nid)
 
 
 def is_complete(state: SessionState, node_id: str) -> bool:

@@ -250,10 +250,39 @@ def _purged(state: SessionState, e: Event) -> None:
     state.images.clear()
 
 
+def apply_fragment(state: SessionState, body: Mapping[str, Any], data: bytes | None) -> None:
+    """Record a fragment that :func:`core.nodes.check_fragment` accepted (first wins)."""
+    nid = str(body["id"])
+    seq = int(body.get("seq", 0))
+    node = state.nodes.get(nid)
+    if node is None:
+        node = state.nodes[nid] = Node(id=nid, direction=str(body.get("direction", "in")))
+    if seq in node.fragments:
+        return  # first wins
+    chunk = body.get("chunk")
+    children = [str(c) for c in body.get("child_ids", ())]
+    if chunk is not None and children:
+        raise InvalidEvent(f"node {nid}: fragment is both parent and leaf")
+    frag = Fragment(
+        seq=seq,
+        continued=bool(body.get("continued", False)),
+        child_ids=children,
+        metadata=None if chunk is None or chunk.get("metadata") is None else dict(chunk["metadata"]),
+        ref=None if chunk is None else chunk.get("ref"),
+        data=data,
+        has_chunk=chunk is not None,
+    )
+    node.fragments[seq] = frag
+    if not frag.continued:
+        node.final_seq = seq if node.final_seq is None else min(node.final_seq, seq)
+    if seq == 0 or node.kind is None:
+        node.kind = "leaf" if frag.has_chunk else "parent" if (frag.child_ids or seq == 0) else None
+    for c in children:
+        state.parents_of.setdefault(c, set()).add(nid)
+
+
 @_on(T.NODE_FRAGMENT)
 def _fragment(state: SessionState, e: Event) -> None:
-    from core.nodes import apply_fragment
-
     _require_open(state, e)
     apply_fragment(state, e.body, e.data)
 
@@ -417,8 +446,6 @@ def overlay(st: SessionState) -> SessionState:
 
 
 def overlay_apply(scratch: SessionState, base: SessionState, body: Mapping[str, Any], data: bytes | None) -> None:
-    from core.nodes import apply_fragment
-
     nid = str(body["id"])
     node = scratch.nodes.get(nid)
     if node is not None and node is base.nodes.get(nid):
