@@ -1,4 +1,7 @@
-"""Run Alembic programmatically on a connection (used at start and by ``db upgrade``)."""
+"""Run Alembic programmatically on a connection (used at start and by ``db upgrade``).
+
+``core.log`` calls this; nothing in ``migrations`` imports ``core`` back.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +9,20 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
+from sqlalchemy import MetaData
 from sqlalchemy.engine import Connection
 
 HERE = Path(__file__).resolve().parent
 
 
-def alembic_config(connection: Connection | None = None) -> Config:
+def alembic_config(connection: Connection | None = None, metadata: MetaData | None = None) -> Config:
+    """An Alembic config for this folder; ``metadata`` is the models' (for autogenerate)."""
     cfg = Config()
     cfg.set_main_option("script_location", str(HERE))
     if connection is not None:
         cfg.attributes["connection"] = connection
+    if metadata is not None:
+        cfg.attributes["target_metadata"] = metadata
     return cfg
 
 
