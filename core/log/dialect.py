@@ -80,10 +80,12 @@ class Dialect(ABC):
         """``text`` with ``?`` placeholders in the driver's own style."""
 
     @abstractmethod
-    async def transaction(self, work: Work[R], before_commit: Hook[R]) -> R:
+    async def transaction(self, work: Work[R], before_commit: Hook[R], *, small: bool = False) -> R:
         """Run ``work(cursor)`` in one write transaction; COMMIT unless it raised.
 
         ``work`` must take the position lock first (:meth:`lock_positions`).
+        ``small``: the transaction carries one request (nothing else was
+        waiting to be committed with it).
         """
 
     def lock_positions(self, cur: Any) -> None:  # noqa: B027
@@ -130,6 +132,10 @@ class Dialect(ABC):
         await self.engine.dispose()
 
 
+class _Locked(Exception):
+    """Another connection holds SQLite's write lock (a try that does not wait)."""
+
+
 class SQLiteDialect(Dialect):
     """SQLite in WAL mode: one server process writes; others (the CLI) read."""
 
@@ -152,17 +158,40 @@ class SQLiteDialect(Dialect):
     def sql(self, text: str) -> str:
         return text
 
-    async def transaction(self, work: Work[R], before_commit: Hook[R]) -> R:
+    async def transaction(self, work: Work[R], before_commit: Hook[R], *, small: bool = False) -> R:
         loop = asyncio.get_running_loop()
+        if small and before_commit is None and self._raw is not None:
+            # One request alone: a WAL commit without fsync takes less than handing
+            # it to the writer thread and back (two GIL hand-offs and several loop
+            # turns), so try it right here, unless another connection holds the
+            # write lock, which the writer thread then waits for instead (the loop
+            # never waits on it). Larger batches go to the thread, where SQLite's
+            # work overlaps the loop's.
+            try:
+                return self._transaction(loop, work, None, wait=False)
+            except _Locked:
+                pass
         return await loop.run_in_executor(self._thread, self._transaction, loop, work, before_commit)
 
-    def _transaction(self, loop: asyncio.AbstractEventLoop, work: Work[R], before_commit: Hook[R]) -> R:
+    def _transaction(self, loop: asyncio.AbstractEventLoop, work: Work[R], before_commit: Hook[R],
+                     wait: bool = True) -> R:
         raw = self._raw
         if raw is None:
             raw = self._raw = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
             self._pragmas(raw)
         # IMMEDIATE takes the write lock now: positions are read and assigned under it
-        raw.execute("BEGIN IMMEDIATE")
+        if wait:
+            raw.execute("BEGIN IMMEDIATE")
+        else:
+            raw.execute("PRAGMA busy_timeout = 0")
+            try:
+                raw.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError as exc:
+                if "locked" in str(exc) or "busy" in str(exc):
+                    raise _Locked from exc
+                raise
+            finally:
+                raw.execute("PRAGMA busy_timeout = 30000")
         try:
             result = work(raw.cursor())
             if before_commit is not None:  # run the hook on the loop and wait for it
@@ -201,7 +230,7 @@ class PostgresDialect(Dialect):
         parts = text.split("?")
         return "".join(p + (f"${i}" if i < len(parts) else "") for i, p in enumerate(parts, 1))
 
-    async def transaction(self, work: Work[R], before_commit: Hook[R]) -> R:
+    async def transaction(self, work: Work[R], before_commit: Hook[R], *, small: bool = False) -> R:
         def run(conn: sa.Connection) -> R:
             tx = conn.begin()
             try:

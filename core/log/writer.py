@@ -210,7 +210,7 @@ class Writer:
             await hook([e for r in results for e in r])
 
         results = await self.dialect.transaction(lambda cur: self._write(cur, batch),
-                                                 None if hook is None else before)
+                                                 None if hook is None else before, small=len(batch) == 1)
         for evs in results:
             if evs:
                 self._remember(evs[-1].session_id, (evs[-1].version, evs[-1].hash))
