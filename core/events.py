@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -198,6 +198,24 @@ def chain_hash_json(
         f"{_STRING(repr(recorded_at))}]"
     )
     return hashlib.sha256((prev_hash + payload).encode()).hexdigest()
+
+
+def chain_hasher(session_id: str, recorded_at: float) -> Callable[[str, int, str, str, bytes | None], str]:
+    """:func:`chain_hash_json` for many events of one session recorded at one time
+    (one append): the parts they share are encoded once.
+
+    ``hasher(prev_hash, version, type_, body_json, data) -> hash``
+    """
+    head = "[" + _dumps(session_id) + ","
+    tail = "," + _STRING(repr(recorded_at)) + "]"
+    sha256 = hashlib.sha256
+
+    def hasher(prev_hash: str, version: int, type_: str, body_json: str, data: bytes | None) -> str:
+        digest = "null" if data is None else '"' + sha256(data).hexdigest() + '"'
+        payload = f"{prev_hash}{head}{int(version)},{_dumps(type_)},{body_json},{digest}{tail}"
+        return sha256(payload.encode()).hexdigest()
+
+    return hasher
 
 
 @functools.lru_cache(maxsize=65536)

@@ -39,7 +39,7 @@ from core.events import (
     NewEvent,
     T,
     canonical_json,
-    chain_hash_json,
+    chain_hasher,
     parse_json,
 )
 from core.log.dialect import Dialect
@@ -271,6 +271,7 @@ class Writer:
                 if req.kind == "purge":
                     cur.execute(self.dialect.sql("DELETE FROM events WHERE session_id = ?"), (sid,))
                     cur.execute(self.dialect.sql("DELETE FROM snapshots WHERE session_id = ?"), (sid,))
+                hasher = chain_hasher(sid, now)
                 for ne in req.events:
                     assert isinstance(ne, NewEvent)
                     body = ne.body
@@ -279,7 +280,7 @@ class Writer:
                     version += 1
                     pos += 1
                     body_json = canonical_json(body)
-                    h = chain_hash_json(prev, sid, version, ne.type, body_json, ne.data, now)
+                    h = hasher(prev, version, ne.type, body_json, ne.data)
                     # The body as a reader of the log will see it (lists, not
                     # tuples; null for non-finite floats): live == replay.
                     ev = Event(pos, sid, version, ne.type, parse_json(body_json), ne.data, now, h, prev)

@@ -199,3 +199,17 @@ async def test_follower_sees_another_process_on_sqlite(sqlite_url: str) -> None:
     finally:
         await follower.close()
         await writer.close()
+
+
+def test_the_append_hasher_is_the_chain_hash() -> None:
+    """The writer's per-append hasher (shared parts encoded once) computes exactly
+    chain_hash_json, for every kind of body, payload and time."""
+    from core.events import canonical_json, chain_hash_json, chain_hasher
+
+    cases = [({"a": 1, "t": "é\u2028"}, None), ({}, b""), ({"x": [1.5, -0.0, 1e-300]}, b"\x00" * 5000)]
+    for recorded_at in (0.0, 1763880000.123456, 1e-7):
+        h = chain_hasher("s_\u00fc", recorded_at)
+        for v, (body, data) in enumerate(cases, 1):
+            bj = canonical_json(body)
+            assert h("0" * 64, v, "note.recorded", bj, data) == chain_hash_json(
+                "0" * 64, "s_\u00fc", v, "note.recorded", bj, data, recorded_at)
