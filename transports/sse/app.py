@@ -38,6 +38,7 @@ from core.events import T
 from core.runtime import Runtime
 from transports.sse import errors, inputs
 from transports.sse.accesslog import AccessLog
+from transports.sse.drain import Drain, Inflight
 from transports.sse.feeds import (
     Feeds,
     dumps,
@@ -478,6 +479,9 @@ def create_app(runtime: Runtime, *, auth_token: str = "", heartbeat_s: float = 1
     app.add_middleware(PerClientLimit, max_requests=api.limits.max_requests_per_client)
     # outermost of ours: whatever escapes a handler or the auth check is one logged 500 without its text
     app.add_middleware(errors.LastResort)
+    # requests in flight, ended quietly when the server stops (HttpTransport.stop)
+    app.state.inflight = Inflight()
+    app.add_middleware(Drain, inflight=app.state.inflight)
     # outermost: one access-log record per request, with the request id LastResort assigned
     app.add_middleware(AccessLog)
     return app

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
     from core.config import Config
     from core.runtime import Runtime
+    from transports.sse.drain import Inflight
 
 
 def guarded_h11(header_timeout_s: float) -> type[Any]:
@@ -94,6 +95,7 @@ class HttpTransport(Transport):
             raise ConfigError("transports.http: heartbeat_s must be > 0 and ring >= 1")
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None
+        self._inflight: Inflight | None = None
 
     async def start(self) -> str:
         import uvicorn
@@ -125,6 +127,7 @@ class HttpTransport(Transport):
                              limit_concurrency=int(limit("max_connections")))
         server = _quiet_server(uvicorn)(cfg)
         self._server = server
+        self._inflight = app.state.inflight
         self._task = asyncio.create_task(server.serve(sockets=[sock]), name="sessiontape-http")
         while not server.started:
             if self._task.done():
@@ -134,12 +137,22 @@ class HttpTransport(Transport):
         return f"HTTP on http://{self.host}:{self.port} (viewer at /, API at /v1, /metrics)"
 
     async def stop(self, grace: float = 5.0) -> None:
+        """Watch streams end at once, other requests get ``grace`` seconds, then end too (transports/sse/drain.py);
+        uvicorn's own deadline comes later, so it never has to cancel (and log) a request itself."""
         if self._server is None or self._task is None:
             return
+        self._server.config.timeout_graceful_shutdown = int(grace) + 3
+        if self._inflight is not None:
+            self._inflight.end(watchers_only=True)
         self._server.should_exit = True
         try:
             await asyncio.wait_for(asyncio.shield(self._task), grace)
         except TimeoutError:
+            if self._inflight is not None:
+                self._inflight.end()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._task), 2.0)
+        if not self._task.done():
             self._server.force_exit = True
             with contextlib.suppress(TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(self._task, 1.0)
