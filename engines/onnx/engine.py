@@ -332,8 +332,11 @@ class OnnxEngine(Engine):
         if (options.readout_ranges and self.concepts is None):
             raise InvalidParameters("the served model has no readout concepts")
         readout_layers = () if self.concepts is None else self.concepts.manifest.layers
-        want_lp = [p for p in range(1, n) if options.wants_logprobs(p, generated=False)]
-        want_ro = [p for p in range(n) if options.wants_readout(p)]
+        # from the ranges, not by asking about every position: a cached turn on a long history
+        # must not cost O(history) Python calls
+        want_lp = _positions(options.logprob_ranges, 1, n)
+        want_ro = _positions(options.readout_ranges, 0, n)
+        lp_set, ro_set = set(want_lp), set(want_ro)
         # rows that must be recomputed: logits of p-1 score p; hidden states of p give its readout
         first_row = min([n - 1 if params.max_tokens else n, *(p - 1 for p in want_lp), *want_ro])
 
@@ -355,21 +358,21 @@ class OnnxEngine(Engine):
             pos = keep
             while pos < n:
                 end = min(n, pos + self.prefill_chunk)
-                layers = readout_layers if any(pos <= p < end for p in want_ro) else ()
+                layers = readout_layers if _positions(options.readout_ranges, pos, end) else ()
                 res, start = await loop.run_in_executor(self._pool, self._advance, r, end, layers)
                 self.passes += 1
                 self.positions_computed += end - pos
                 self.cache.store(entry, hist[:end], res.kv)
                 for p in range(pos, end):
                     row = p - start
-                    if p + 1 < n and options.wants_logprobs(p + 1, generated=False):
+                    if p + 1 in lp_set:
                         logp = log_softmax(res.logits[row])
                         lp[p + 1] = (float(logp[hist[p + 1]]), top_logprobs(logp, options.logprob_top_k))
-                    if layers and options.wants_readout(p):
+                    if layers and p in ro_set:
                         ro[p] = self._readout(res, row)
                 r.last = res.logits[end - 1 - start]
                 pos = end
-            for p in sorted(set(want_lp) | set(want_ro) | ({0} if options.wants_logprobs(0, False) else set())):
+            for p in sorted(lp_set | ro_set | ({0} if options.wants_logprobs(0, False) else set())):
                 lpv, top = lp.get(p, (None, ()))
                 yield Step(token_id=hist[p], position=p, is_prefill=True, logprob=lpv, top_logprobs=top,
                            readout=ro.get(p))
@@ -410,6 +413,19 @@ class OnnxEngine(Engine):
                 self.runner.release(r.base)  # a buffer that no pass stored (the first one failed)
 
 
+#: lookahead guesses come from the last this many tokens of the history (building the
+#: index is Python work per call; results never depend on it, only the hit rate)
+LOOKAHEAD_WINDOW = 2048
+
+
+def _positions(ranges: Sequence[tuple[int, int]], lo: int, hi: int) -> list[int]:
+    """The positions in [lo, hi) that the half-open ``ranges`` cover, sorted."""
+    got: set[int] = set()
+    for a, b in ranges:
+        got.update(range(max(a, lo), min(b, hi)))
+    return sorted(got)
+
+
 @dataclass(eq=False)
 class _Guess:
     """A pass that ran guessed tokens after the real ones; ``tokens`` are the guesses not yet checked."""
@@ -441,7 +457,7 @@ class _Run:
     follow1: dict[int, int] = field(default_factory=dict)
 
     def index(self) -> None:
-        h = self.hist
+        h = self.hist[-LOOKAHEAD_WINDOW:]
         self.follow = {(h[i - 2], h[i - 1]): h[i] for i in range(2, len(h))}
         self.follow1 = {h[i - 1]: h[i] for i in range(1, len(h))}
 

@@ -37,6 +37,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 
 @dataclass(eq=False)
 class KV:
@@ -66,6 +68,9 @@ class Entry:
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
+    if n > 64:  # compared in numpy: a long history costs microseconds, not a Python loop
+        diff = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))
+        return int(diff[0]) if diff.size else n
     i = 0
     while i < n and a[i] == b[i]:
         i += 1
