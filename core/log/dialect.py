@@ -106,7 +106,10 @@ class Dialect(ABC):
         kinds: tuple[type[BaseException], ...] = (OperationalError, InterfaceError, sqlite3.OperationalError,
                                                   OSError)
         if dbapi is not None:
-            kinds += tuple(k for k in (getattr(dbapi, "OperationalError", None), getattr(dbapi, "InterfaceError", None))
+            # InternalError too: asyncpg reports a connection the server terminated
+            # mid-protocol as an InternalClientError ("another operation is in progress")
+            kinds += tuple(k for k in (getattr(dbapi, name, None)
+                                       for name in ("OperationalError", "InterfaceError", "InternalError"))
                            if isinstance(k, type))
         return isinstance(exc, kinds) or (isinstance(exc, DBAPIError) and exc.connection_invalidated)
 
