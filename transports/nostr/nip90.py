@@ -13,21 +13,45 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections import Counter
 from collections.abc import AsyncGenerator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Protocol, cast
 
 from core.engine import SamplingParams
 from core.errors import InvalidParameters, SessiontapeError
 from core.events import Event
+from core.runtime import Runtime
 from transports.nostr import d4
 from transports.nostr.errors import to_err
-
-if TYPE_CHECKING:
-    from transports.nostr.worker import D4Worker
+from transports.nostr.settings import Settings
 
 KIND_JOB = 5050
 KIND_RESULT = 6050
 KIND_FEEDBACK = 7000
+
+
+class Host(Protocol):
+    """What a job needs of the worker (:class:`transports.nostr.worker.D4Worker`'s public side)."""
+
+    runtime: Runtime
+    settings: Settings
+    pubkey: str
+    stats: Counter[str]
+
+    def knows_answer(self, call_id: str) -> bool: ...
+
+    def call_slot(self, sid: str) -> AbstractAsyncContextManager[None]: ...
+
+    async def is_answered(self, call_id: str, session_id: str) -> bool: ...
+
+    async def open_call_session(self, sid: str, meta: Mapping[str, Any]) -> None: ...
+
+    async def record_incoming_call(self, sid: str, payload: Mapping[str, Any]) -> None: ...
+
+    async def send(self, sid: str, content: str, tags: list[list[str]], *, kind: int = 1,
+                   call_id: str | None = None, final: bool = False, caller: str = "",
+                   more_results: bool = False, close: str | None = None) -> str: ...
 
 
 def feedback_status(tags: Sequence[Sequence[str]]) -> str | None:
@@ -58,7 +82,7 @@ def parse_job(tags: Sequence[Sequence[str]]) -> tuple[str, dict[str, Any], int |
     return "\n".join(texts), args, bid
 
 
-async def handle_job(worker: D4Worker, payload: Mapping[str, Any]) -> None:
+async def handle_job(worker: Host, payload: Mapping[str, Any]) -> None:
     tags = payload["tags"]
     targets = [t[1] for t in tags if len(t) >= 2 and t[0] == "p"]
     if targets and worker.pubkey not in targets:
@@ -66,21 +90,18 @@ async def handle_job(worker: D4Worker, payload: Mapping[str, Any]) -> None:
         return
     job_id = str(payload["id"])
     customer = str(payload["pubkey"])
-    known = worker._calls.get(job_id)
-    if known is not None and known.answered:
+    if worker.knows_answer(job_id):
         worker.stats["duplicate"] += 1
         return
     sid = "d4_" + job_id[:48]
     reply_tags = [["e", job_id], ["p", customer]]
     price = worker.settings.price_msat
-    async with worker._sem, worker.session_lock(sid):
+    async with worker.call_slot(sid):
         if await worker.is_answered(job_id, sid):
             worker.stats["duplicate"] += 1
             return
         await worker.open_call_session(sid, {"call_id": job_id, "caller": customer, "nip90": True})
-        if job_id not in worker._calls:
-            await worker.runtime.record_wire(sid, "nostr", "in", dict(payload))
-            worker.record_call(sid, payload)
+        await worker.record_incoming_call(sid, dict(payload))
         worker.stats["nip90_jobs"] += 1
         try:
             prompt, raw_args, bid = parse_job(tags)
@@ -88,11 +109,11 @@ async def handle_job(worker: D4Worker, payload: Mapping[str, Any]) -> None:
             wanted = args.max_tokens or worker.settings.default_max_tokens
             n, _ = d4.plan_tokens(price, bid if bid is not None else price * wanted, wanted)
             if n == 0:
-                await worker._send(sid, "", [["status", "payment-required", "bid below one token"],
-                                             *reply_tags, ["amount", str(price * wanted)]],
-                                   kind=KIND_FEEDBACK, close="negotiation")
+                await worker.send(sid, "", [["status", "payment-required", "bid below one token"],
+                                            *reply_tags, ["amount", str(price * wanted)]],
+                                  kind=KIND_FEEDBACK, close="negotiation")
                 return
-            await worker._send(sid, "", [["status", "processing"], *reply_tags], kind=KIND_FEEDBACK)
+            await worker.send(sid, "", [["status", "processing"], *reply_tags], kind=KIND_FEEDBACK)
             st = await worker.runtime.get(sid)
             append = worker.runtime.engine.tokenize(prompt) if st.length == 0 else []
             start = st.length + len(append)
@@ -106,14 +127,14 @@ async def handle_job(worker: D4Worker, payload: Mapping[str, Any]) -> None:
             text = worker.runtime.engine.detokenize(list(st.tokens[start:]))
             produced = st.length - start
             worker.stats["answered"] += 1
-            await worker._send(sid, text, [*reply_tags, ["request", json.dumps(dict(payload))],
-                                           ["amount", str(produced * price)]],
-                               kind=KIND_RESULT, call_id=job_id, final=True, caller=customer, close="complete")
+            await worker.send(sid, text, [*reply_tags, ["request", json.dumps(dict(payload))],
+                                          ["amount", str(produced * price)]],
+                              kind=KIND_RESULT, call_id=job_id, final=True, caller=customer, close="complete")
         except SessiontapeError as exc:
             if await worker.is_answered(job_id, sid):
                 return  # the result is recorded: an error status now would contradict it
             err = to_err(exc)
             await worker.runtime.record_error(sid, err["code"], err["message"])
-            await worker._send(sid, "", [["status", "error", f"{err['code']}: {err['message']}"], *reply_tags],
-                               kind=KIND_FEEDBACK, close="error")
+            await worker.send(sid, "", [["status", "error", f"{err['code']}: {err['message']}"], *reply_tags],
+                              kind=KIND_FEEDBACK, close="error")
 
