@@ -45,10 +45,45 @@ WRITER = textwrap.dedent(
 )
 
 
+#: the pipelined token path: what the generating caller itself received (runs committed
+#: while the engine decodes ahead), long generations killed in the middle
+GENERATOR = textwrap.dedent(
+    """
+    import asyncio, json, sys
+    from core.engine import SamplingParams
+    from core.runtime import Runtime
+    from engines.reference import ReferenceEngine
+    from tests.conftest import make_config
+
+    async def main():
+        rt = await Runtime.create(make_config(sys.argv[1]), engine=ReferenceEngine(eos_bias=-1000.0))
+
+        async def work(i):
+            sid = (await rt.open_session("crash")).session_id
+            await rt.append_tokens(sid, [i % 250, 1, 2])
+            while True:
+                async for e in rt.generate(sid, SamplingParams(max_tokens=2000, seed=i)):
+                    print(json.dumps([e.session_id, e.version, e.hash]), flush=True)
+
+        await asyncio.gather(*(work(i) for i in range(4)))
+
+    asyncio.run(main())
+    """
+)
+
+
+def test_sigkill_mid_generation_loses_no_token_a_caller_saw(tmp_path: Path) -> None:
+    _kill_and_check(tmp_path, GENERATOR, 3000)
+
+
 def test_sigkill_loses_nothing_a_subscriber_saw(tmp_path: Path) -> None:
+    _kill_and_check(tmp_path, WRITER, 300)
+
+
+def _kill_and_check(tmp_path: Path, source: str, count: int) -> None:
     url = f"sqlite+aiosqlite:///{tmp_path / 'crash.db'}"
     script = tmp_path / "writer.py"
-    script.write_text(WRITER)
+    script.write_text(source)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     proc = subprocess.Popen([sys.executable, str(script), url], stdout=subprocess.PIPE, text=True, env=env)
     seen: list[tuple[str, int, str]] = []
@@ -56,14 +91,14 @@ def test_sigkill_loses_nothing_a_subscriber_saw(tmp_path: Path) -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
             seen.append(tuple(json.loads(line)))  # type: ignore[arg-type]
-            if len(seen) >= 300:
+            if len(seen) >= count:
                 break
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         if proc.stdout is not None:
             proc.stdout.close()
-    assert len(seen) >= 300
+    assert len(seen) >= count
 
     async def check() -> None:
         log = await EventLog.open(url)
