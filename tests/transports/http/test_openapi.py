@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import re
 from collections.abc import Iterator
 
@@ -137,3 +138,56 @@ async def _drive(runtime: Runtime, c: httpx.AsyncClient) -> None:
     assert ("/v1/sessions/{sid}/nodes/{nid}/content", "get", 200, "text/plain") in got
     native = {(p, m) for p, m in documented(doc) if not doc["paths"][p][m].get("tags")}  # type: ignore[index]
     assert native <= {(p, m) for p, m, _, _ in seen}, "a native route this test never drove"
+
+
+#: how to make each native route answer 400 (a body that is not JSON does it for every POST)
+BAD_QUERY = {"/v1/sessions": "?limit=0", "/v1/sessions/events": "?patch=zz", "/v1/sessions/{sid}": "?version=abc",
+             "/v1/sessions/{sid}/events": "?patch=zz"}
+#: a valid body per POST route ({} where that is one); 409 is the same request on a closed session
+VALID_BODY = {"/v1/sessions/{sid}/append": {"text": "x"}, "/v1/sessions/{sid}/generate": {"max_tokens": 1, "stream": False},
+              "/v1/sessions/{sid}/feedback": {"score": 1}}
+ON_CLOSED = ("/v1/sessions/{sid}/append", "/v1/sessions/{sid}/generate")
+
+
+async def test_every_documented_error_is_answered(runtime: Runtime) -> None:
+    """Each 4xx the document lists for a native route, produced: 401 without the token, 404 for an unknown
+    session, 400 for a bad body or query, 409 on a closed session."""
+    doc = spec()
+    app = create_app(runtime, auth_token="t0k")
+    auth = {"authorization": "Bearer t0k"}
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=20) as c:
+            sid = (await c.post("/v1/sessions", json={}, headers=auth)).json()["id"]
+            await c.post(f"/v1/sessions/{sid}/append", json={"text": "Hi"}, headers=auth)
+            await c.post(f"/v1/sessions/{sid}/close", json={}, headers=auth)
+            produced = 0
+            for path, ops in doc["paths"].items():
+                for method, op in ops.items():
+                    if op.get("tags"):  # the OpenAI-compatible routes answer in OpenAI's shape, tested with them
+                        continue
+                    for status in sorted(k for k in op["responses"] if k.startswith("4")):
+                        real = path.replace("{sid}", sid).replace("{sha}", "0" * 64).replace("{nid}", "nope")
+                        real = real.replace("{path}", "app.js")
+                        body = json.dumps(VALID_BODY.get(path, {})).encode() if method == "post" else None
+                        headers = dict(auth)
+                        if status == "401":
+                            headers = {}
+                        elif status == "404":
+                            real = real.replace(sid, "s_nope") if "{sid}" in path else real + "/nope"
+                        elif status == "400":
+                            if method == "post":
+                                body = b"{not json"
+                            else:
+                                assert path in BAD_QUERY, f"no recipe for a 400 from GET {path}"
+                                real += BAD_QUERY[path]
+                        elif status == "409":
+                            assert path in ON_CLOSED, f"no recipe for a 409 from {method} {path}"
+                        r = await c.request(method.upper(), real, content=body, headers={
+                            **headers, **({"content-type": "application/json"} if body is not None else {})})
+                        assert r.status_code == int(status), (method, path, status, r.status_code, r.text[:200])
+                        assert r.headers["content-type"].startswith("application/json")
+                        assert set(r.json()["error"]) >= {"code", "message"}
+                        produced += 1
+            assert produced >= 40
+    finally:
+        await app.state.api.aclose()
