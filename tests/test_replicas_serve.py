@@ -220,6 +220,11 @@ async def test_three_replicas_on_one_postgresql(replicas: list[Replica], pg_url:
         await http["A"].post(f"/v1/sessions/{sid}/append", json={"text": " after"})
         close = await http["C"].post(f"/v1/sessions/{sid}/close", json={})
         assert close.status_code == 200, close.text
+        # what affinity would save shows on each replica: state cache hits and misses
+        metrics_text = (await http["B"].get("/metrics")).text
+        assert 'sessiontape_state_cache_total{result="miss"}' in metrics_text
+        assert 'sessiontape_state_cache_total{result="hit"}' in metrics_text
+        assert "sessiontape_stale_retries_total" in metrics_text
 
         # operations from another host while the replicas run: migrations and retention
         for cmd in (["db", "upgrade"], ["purge", child, "--force"]):
