@@ -50,7 +50,7 @@ from transports.sse.feeds import (
 from transports.sse.limits import PerClientLimit
 from transports.sse.openai import PREFIXES as OPENAI_PREFIXES
 from transports.sse.openai import error_response as openai_error
-from transports.sse.openai import routes as openai_routes
+from transports.sse.openai_routes import routes as openai_routes
 from transports.sse.openapi import spec
 
 STATIC = Path(__file__).parent / "static"

@@ -1,4 +1,6 @@
-"""The OpenAI-compatible routes: ``/v1/responses``, ``/v1/chat/completions``, ``/v1/models``.
+"""The OpenAI-compatible routes' shared parts (``/v1/responses``, ``/v1/chat/completions``,
+``/v1/models``): error shapes, request fields, the model card. The route table is
+:mod:`transports.sse.openai_routes`.
 
 They are views of the log like every other transport: a response or a chat
 completion is one generation in a session, its id names the session and the
@@ -21,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import BaseRoute, Route
 
 from core import errors as E
 from core import metrics
@@ -207,26 +208,3 @@ class Models:
         if model not in (info.model_id, info.name):
             raise ModelNotFound(model)
         return JSONResponse(self.card())
-
-
-def routes(api: Api) -> list[BaseRoute]:
-    """The OpenAI-compatible routes, bound to the native API's runtime and task set."""
-    from transports.sse.chat import ChatCompletions
-    from transports.sse.chat_template import load_template
-    from transports.sse.responses import Responses
-    from transports.sse.turns import Turns
-
-    models = Models(api)
-    turns = Turns(api.runtime, load_template(api.runtime.config), api.background)
-    resp = Responses(api, models, turns)
-    chat = ChatCompletions(api, models, turns)
-    table: list[tuple[str, Handler, str]] = [
-        ("/v1/models", models.list, "GET"),
-        ("/v1/models/{model:path}", models.get, "GET"),
-        ("/v1/responses", resp.create, "POST"),
-        ("/v1/responses/{rid}", resp.retrieve, "GET"),
-        ("/v1/responses/{rid}/cancel", resp.cancel, "POST"),
-        ("/v1/responses/{rid}/input_items", resp.input_items, "GET"),
-        ("/v1/chat/completions", chat.create, "POST"),
-    ]
-    return [Route(path, openai_errors(fn), methods=[method]) for path, fn, method in table]

@@ -1,0 +1,164 @@
+"""The import graph of the source packages: no cycles, and core imports no transport or engine.
+
+Read statically (``ast``), so every import counts, those inside functions
+included: a lazy import that closes a cycle is still a tangle. Imports
+under ``if TYPE_CHECKING:`` are annotations only and never run; they count
+for the layering rule (core must not even name a transport or an engine)
+but not as cycles.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("core", "engines", "transports", "migrations", "sessiontape")
+
+
+def _modules() -> dict[str, Path]:
+    out: dict[str, Path] = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.AST, typing_only: bool = False) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
+    """Every import statement with whether it sits under ``if TYPE_CHECKING:``."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.body:
+                yield from _imports(ast.Module(body=[child], type_ignores=[]), True)
+            for child in node.orelse:
+                yield from _imports(ast.Module(body=[child], type_ignores=[]), typing_only)
+            continue
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node, typing_only
+        yield from _imports(node, typing_only)
+
+
+def _known(name: str) -> str | None:
+    """The module of ours that importing ``name`` loads (the longest known prefix)."""
+    while name:
+        if name in MODULES:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def _targets(module: str, node: ast.Import | ast.ImportFrom) -> set[str]:
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            pkg = module.split(".") if MODULES[module].name == "__init__.py" else module.split(".")[:-1]
+            pkg = pkg[: len(pkg) - (node.level - 1)]
+            base = ".".join([*pkg, base] if base else pkg)
+        # ``from pkg import sub`` loads pkg.sub when it is a module, else just pkg
+        names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+    return {t for t in map(_known, names) if t is not None and t != module}
+
+
+def _graph() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """(run-time edges, all edges including annotation-only ones)."""
+    runtime: dict[str, set[str]] = {m: set() for m in MODULES}
+    every: dict[str, set[str]] = {m: set() for m in MODULES}
+    for module, path in MODULES.items():
+        for node, typing_only in _imports(ast.parse(path.read_text(), str(path))):
+            targets = _targets(module, node)
+            every[module] |= targets
+            if not typing_only:
+                runtime[module] |= targets
+    return runtime, every
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one node (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(edges):
+        if root in index:
+            continue
+        work: list[tuple[str, Iterator[str]]] = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges.get(child, ())))))
+                elif child in on_stack:
+                    low[v] = min(low[v], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                component = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    component.append(w)
+                    if w == v:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+RUNTIME, EVERY = _graph()
+
+
+def test_the_walk_sees_the_packages() -> None:
+    assert {"core.runtime", "core.log.store", "transports.nostr.worker", "migrations.runner"} <= set(MODULES)
+    assert "core.state" in RUNTIME["core.nodes"]
+    assert "migrations.runner" in RUNTIME["core.log.store"]  # an import inside a function
+
+
+def test_a_cycle_is_found() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycle_between_modules() -> None:
+    cycles = _cycles(RUNTIME)
+    detail = {" <-> ".join(c): {m: sorted(RUNTIME[m] & set(c)) for m in c} for c in cycles}
+    assert cycles == [], f"import cycles: {detail}"
+
+
+def test_no_import_cycle_between_packages() -> None:
+    top: dict[str, set[str]] = {p: set() for p in PACKAGES}
+    for module, targets in RUNTIME.items():
+        top[module.split(".")[0]] |= {t.split(".")[0] for t in targets} - {module.split(".")[0]}
+    assert _cycles(top) == [], f"packages import each other: {top}"
+
+
+@pytest.mark.parametrize("forbidden", ["engines", "transports"])
+def test_core_imports_no_engine_or_transport(forbidden: str) -> None:
+    bad = {m: sorted(t for t in targets if t.split(".")[0] == forbidden)
+           for m, targets in EVERY.items() if m.split(".")[0] == "core"}
+    assert {m: t for m, t in bad.items() if t} == {}

@@ -1,0 +1,35 @@
+"""The OpenAI-compatible route table (handlers in :mod:`~transports.sse.responses`,
+:mod:`~transports.sse.chat`; shared parts in :mod:`~transports.sse.openai`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from starlette.routing import BaseRoute, Route
+
+from transports.sse.chat import ChatCompletions
+from transports.sse.chat_template import load_template
+from transports.sse.openai import Handler, Models, openai_errors
+from transports.sse.responses import Responses
+from transports.sse.turns import Turns
+
+if TYPE_CHECKING:
+    from transports.sse.app import Api
+
+
+def routes(api: Api) -> list[BaseRoute]:
+    """The OpenAI-compatible routes, bound to the native API's runtime and task set."""
+    models = Models(api)
+    turns = Turns(api.runtime, load_template(api.runtime.config), api.background)
+    resp = Responses(api, models, turns)
+    chat = ChatCompletions(api, models, turns)
+    table: list[tuple[str, Handler, str]] = [
+        ("/v1/models", models.list, "GET"),
+        ("/v1/models/{model:path}", models.get, "GET"),
+        ("/v1/responses", resp.create, "POST"),
+        ("/v1/responses/{rid}", resp.retrieve, "GET"),
+        ("/v1/responses/{rid}/cancel", resp.cancel, "POST"),
+        ("/v1/responses/{rid}/input_items", resp.input_items, "GET"),
+        ("/v1/chat/completions", chat.create, "POST"),
+    ]
+    return [Route(path, openai_errors(fn), methods=[method]) for path, fn, method in table]
