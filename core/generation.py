@@ -36,6 +36,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from core import metrics
+from core.bodies import FinishReason, GenerationFinished
 from core.engine import OutputOptions, SamplingParams, Step
 from core.errors import (
     CacheInvariantViolation,
@@ -100,7 +101,7 @@ class Generation:
         self.t0 = time.perf_counter()
         self.ttft: float | None = None
         self.prefill_s: float | None = None
-        self.reason = "length"
+        self.reason: FinishReason = "length"
         self.last_pos = -1
         self.ended = False  # no step will follow (stop token, abort, engine done)
         self.dropped = 0
@@ -329,7 +330,7 @@ class Generation:
             with contextlib.suppress(BaseException):
                 await committer
 
-    def finished_event(self, reason: str, failure: BaseException | None) -> list[NewEvent]:
+    def finished_event(self, reason: FinishReason, failure: BaseException | None) -> list[NewEvent]:
         g = self.st.generations[self.gid]
         total = round(time.perf_counter() - self.t0, 6)
         new: list[NewEvent] = []
@@ -342,12 +343,13 @@ class Generation:
         return new
 
 
-def finished(gid: str, reason: str, prompt_tokens: int, completion_tokens: int, prefill_s: float | None,
+def finished(gid: str, reason: FinishReason, prompt_tokens: int, completion_tokens: int, prefill_s: float | None,
              total_s: float | None, ttft_s: float | None) -> NewEvent:
     """The one place a ``generation.finished`` event is built."""
-    return NewEvent(T.GENERATION_FINISHED, {
+    b: GenerationFinished = {
         "generation_id": gid, "finish_reason": reason, "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens, "prefill_s": prefill_s, "total_s": total_s, "ttft_s": ttft_s})
+        "completion_tokens": completion_tokens, "prefill_s": prefill_s, "total_s": total_s, "ttft_s": ttft_s}
+    return NewEvent(T.GENERATION_FINISHED, b)
 
 
 async def generate_runs(rt: Runtime, session_id: str, params: SamplingParams, options: OutputOptions, *,
@@ -491,7 +493,8 @@ async def _settle_unfinished(rt: Runtime, gen: Generation, st: SessionState, don
     active = st.active_generation
     if active is None or active.id != gen.gid:
         return
-    reason = "error" if failure is not None else ("aborted" if gen.reason == "aborted" else "cancelled")
+    reason: FinishReason = "error" if failure is not None else (
+        "aborted" if gen.reason == "aborted" else "cancelled")
     with contextlib.suppress(Exception):
         async with rt._lock(gen.sid):
             await rt._commit(st, gen.finished_event(reason, failure))

@@ -1,0 +1,272 @@
+"""The schema of every event body: one read-only TypedDict per event type.
+
+An event's body is stored as canonical JSON and read back as a dict; these
+types say, for the type checker, which keys each kind has and what they
+hold, so a misspelt key or a wrong value type is found by ``mypy`` (strict,
+in ``scripts/check``), not at run time. ``ReadOnly`` keys make a body
+immutable to the checker, as a committed event is.
+
+(Annotations here are evaluated, not postponed, so the runtime knows which
+keys are required: tests/core/test_bodies.py checks real bodies against them.)
+
+Why typed dicts and not a dataclass per event: a body is a JSON object in
+the log, the export and on several wires, and the fold reads about two
+million of them a second (``bench/bench_log.py``). A typed dict is the dict
+itself, so typing costs nothing at run time and old logs load unchanged;
+constructing an object per event would not be free on the token path.
+
+Usage::
+
+    from core.bodies import body
+    b = body(e, GenerationToken)     # e.type must be "generation.token"
+    b["token"], b["position"]        # checked keys and types
+
+``BODIES`` maps each type name to its body type (docs/events.md is checked
+against it by tests/core/test_bodies.py); ``SCHEMA_VERSION`` is the version
+of these body shapes, raised (with a migration) when one changes.
+"""
+
+from collections.abc import Mapping
+from typing import Any, Literal, NotRequired, TypeVar, cast
+
+from typing_extensions import ReadOnly, TypedDict
+
+from core.events import Event, T
+
+SCHEMA_VERSION = 1
+
+
+# -- session lifecycle -----------------------------------------------------
+
+class EngineBinding(TypedDict):
+    engine: ReadOnly[str]
+    model_id: ReadOnly[str]
+    model_hash: ReadOnly[str]
+    provider: ReadOnly[str]
+    runtime_version: ReadOnly[str]
+    vocab_size: ReadOnly[int]
+    max_length: ReadOnly[int]
+
+
+class ForkPoint(TypedDict):
+    session_id: ReadOnly[str]
+    version: ReadOnly[int]
+    token_position: ReadOnly[int | None]
+
+
+class SessionOpened(TypedDict):
+    protocol: ReadOnly[str]
+    mode: ReadOnly[Literal["offset", "append_only"]]
+    label: ReadOnly[str]
+    eos_token_ids: ReadOnly[list[int]]
+    ttl_s: ReadOnly[float | None]
+    engine: ReadOnly[EngineBinding]
+    meta: ReadOnly[dict[str, Any]]
+    parent: ReadOnly[ForkPoint | None]
+
+
+class SessionClosed(TypedDict):
+    reason: ReadOnly[str]
+
+
+class SessionAborted(TypedDict):
+    code: ReadOnly[str]
+    message: ReadOnly[str]
+
+
+class SessionExpired(TypedDict):
+    idle_s: ReadOnly[float]
+
+
+class SessionPurged(TypedDict):
+    reason: ReadOnly[str]
+    through_version: ReadOnly[int]
+    last_hash: ReadOnly[str]
+
+
+# -- Evergreen content -----------------------------------------------------
+
+class ChunkInfo(TypedDict):
+    metadata: ReadOnly[dict[str, Any] | None]
+    ref: ReadOnly[str | None]
+
+
+class NodeFragment(TypedDict):
+    direction: ReadOnly[Literal["in", "out"]]
+    id: ReadOnly[str]
+    seq: ReadOnly[int]
+    continued: ReadOnly[bool]
+    child_ids: ReadOnly[list[str]]
+    chunk: ReadOnly[ChunkInfo | None]
+
+
+class NamedNode(TypedDict):
+    name: ReadOnly[str]
+    id: ReadOnly[str]
+
+
+class ActionSubmitted(TypedDict):
+    action_id: ReadOnly[str]
+    name: ReadOnly[str]
+    inputs: ReadOnly[list[NamedNode]]
+    outputs: ReadOnly[list[NamedNode]]
+    target: ReadOnly[str]
+    configs: ReadOnly[list[Any]]
+
+
+class ActionCompleted(TypedDict):
+    action_id: ReadOnly[str]
+
+
+class ActionFailed(TypedDict):
+    action_id: ReadOnly[str]
+    code: ReadOnly[str]
+    message: ReadOnly[str]
+
+
+# -- token history ---------------------------------------------------------
+
+class ImageSpan(TypedDict):
+    start: ReadOnly[int]
+    end: ReadOnly[int]
+    mime: ReadOnly[str]
+    sha256: ReadOnly[str]
+    size: ReadOnly[int]
+
+
+class TokensAppended(TypedDict):
+    start: ReadOnly[int]
+    tokens: ReadOnly[list[int]]
+    images: ReadOnly[list[ImageSpan]]
+
+
+class ImageAttached(TypedDict):
+    sha256: ReadOnly[str]
+    mime: ReadOnly[str]
+    size: ReadOnly[int]
+
+
+class TokensTruncated(TypedDict):
+    reason: ReadOnly[Literal["rewind", "sink_window"]]
+    keep: ReadOnly[list[list[int]]]
+    dropped: ReadOnly[int]
+    sink: NotRequired[ReadOnly[int]]
+    window: NotRequired[ReadOnly[int]]
+
+
+# -- generation ------------------------------------------------------------
+
+class RecordedParams(TypedDict):
+    max_tokens: ReadOnly[int]
+    temperature: ReadOnly[float]
+    top_p: ReadOnly[float]
+    top_k: ReadOnly[int]
+    #: a decimal string: seeds may exceed 2**53
+    seed: ReadOnly[str | None]
+    stop_token_ids: ReadOnly[list[int]]
+
+
+class RecordedOptions(TypedDict):
+    logprob_top_k: ReadOnly[int]
+    logprob_ranges: ReadOnly[list[list[int]]]
+    readout_ranges: ReadOnly[list[list[int]]]
+    generated_logprobs: ReadOnly[bool]
+
+
+class GenerationStarted(TypedDict):
+    generation_id: ReadOnly[str]
+    params: ReadOnly[RecordedParams]
+    options: ReadOnly[RecordedOptions]
+    prompt_length: ReadOnly[int]
+    priority: ReadOnly[int]
+    action_id: ReadOnly[str | None]
+
+
+class GenerationToken(TypedDict):
+    generation_id: ReadOnly[str]
+    token: ReadOnly[int]
+    position: ReadOnly[int]
+    is_prefill: ReadOnly[bool]
+    #: seconds since the generation started
+    t: ReadOnly[float]
+    logprob: NotRequired[ReadOnly[float | None]]
+    #: ``[[token id, logprob], ...]``
+    top: NotRequired[ReadOnly[list[list[float]]]]
+    readout: NotRequired[ReadOnly[list[float]]]
+
+
+FinishReason = Literal["eos", "stop", "length", "cancelled", "aborted", "error", "interrupted"]
+
+
+class GenerationFinished(TypedDict):
+    generation_id: ReadOnly[str]
+    finish_reason: ReadOnly[FinishReason]
+    prompt_tokens: ReadOnly[int]
+    completion_tokens: ReadOnly[int]
+    prefill_s: ReadOnly[float | None]
+    total_s: ReadOnly[float | None]
+    ttft_s: ReadOnly[float | None]
+
+
+# -- other -----------------------------------------------------------------
+
+class FeedbackRecorded(TypedDict, total=False):
+    """Free-form; these keys are the ones the transports write."""
+
+    score: ReadOnly[float]
+    source: ReadOnly[str]
+    target: ReadOnly[str]
+    version: ReadOnly[int]
+
+
+class ErrorRecorded(TypedDict):
+    code: ReadOnly[str]
+    message: ReadOnly[str]
+    generation_id: NotRequired[ReadOnly[str]]
+
+
+class WireMessage(TypedDict):
+    transport: ReadOnly[str]
+    direction: ReadOnly[Literal["in", "out"]]
+    payload: ReadOnly[Any]
+
+
+class NoteRecorded(TypedDict, total=False):
+    """Free-form."""
+
+
+BODIES: Mapping[str, type] = {
+    T.SESSION_OPENED: SessionOpened,
+    T.SESSION_CLOSED: SessionClosed,
+    T.SESSION_ABORTED: SessionAborted,
+    T.SESSION_EXPIRED: SessionExpired,
+    T.SESSION_PURGED: SessionPurged,
+    T.NODE_FRAGMENT: NodeFragment,
+    T.ACTION_SUBMITTED: ActionSubmitted,
+    T.ACTION_COMPLETED: ActionCompleted,
+    T.ACTION_FAILED: ActionFailed,
+    T.TOKENS_APPENDED: TokensAppended,
+    T.TOKENS_TRUNCATED: TokensTruncated,
+    T.IMAGE_ATTACHED: ImageAttached,
+    T.GENERATION_STARTED: GenerationStarted,
+    T.GENERATION_TOKEN: GenerationToken,
+    T.GENERATION_FINISHED: GenerationFinished,
+    T.FEEDBACK: FeedbackRecorded,
+    T.ERROR: ErrorRecorded,
+    T.WIRE: WireMessage,
+    T.NOTE: NoteRecorded,
+}
+
+B = TypeVar("B")
+
+
+def body(e: Event, kind: type[B]) -> B:
+    """``e``'s body as ``kind`` (the body type registered for ``e.type``).
+
+    Raises TypeError when ``kind`` is not ``e.type``'s body type: the check is
+    one dict lookup, the body itself is not copied or validated (the log
+    validated it when it was written).
+    """
+    if BODIES.get(e.type) is not kind:
+        raise TypeError(f"a {e.type} event's body is not a {getattr(kind, '__name__', kind)}")
+    return cast(B, e.body)
