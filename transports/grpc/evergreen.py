@@ -47,6 +47,7 @@ from core.events import Event, T
 from core.nodes import FragmentIn, flatten, missing
 from core.runtime import Runtime
 from transports.grpc.gen.evergreen.v2 import evergreen_pb2, evergreen_pb2_grpc
+from transports.grpc.service import GrpcService
 from transports.grpc.status import code_for, message_for
 
 log = logging.getLogger("sessiontape.grpc.evergreen")
@@ -187,9 +188,11 @@ class _Stopped(Exception):
 class _Stream:
     """The state of one StartSession call."""
 
-    def __init__(self, runtime: Runtime, session_id: str) -> None:
+    def __init__(self, runtime: Runtime, session_id: str, endings: set[asyncio.Task[None]]) -> None:
         self.runtime = runtime
         self.sid = session_id
+        #: the service's endings still recording (see EvergreenServicer)
+        self._endings = endings
         self.loop = asyncio.get_running_loop()
         self.outbox: asyncio.Queue[evergreen_pb2.SessionMessage | None] = asyncio.Queue()
         self.actions: asyncio.Queue[PendingAction | None] = asyncio.Queue()
@@ -414,8 +417,8 @@ class _Stream:
         """Stop the stream once, in a task of its own so a second cancel cannot cut it short."""
         if self._ending is None:
             self._ending = asyncio.ensure_future(self._finish(cancelled))
-            _ENDINGS.add(self._ending)
-            self._ending.add_done_callback(_ENDINGS.discard)
+            self._endings.add(self._ending)
+            self._ending.add_done_callback(self._endings.discard)
             self.outbox.put_nowait(None)  # wakes the response generator
         return self._ending
 
@@ -438,24 +441,40 @@ class _Stream:
             log.exception("ending evergreen session %s", self.sid)
 
 
-#: Open streams, and endings still recording: after the server's grace period
-#: the grpc core cancels the calls, but the handlers may only notice later, so
-#: drain() ends what is left itself.
-_STREAMS: set[_Stream] = set()
-_ENDINGS: set[asyncio.Task[None]] = set()
-
-
-class EvergreenServicer(evergreen_pb2_grpc.EvergreenServiceServicer):
+class EvergreenServicer(evergreen_pb2_grpc.EvergreenServiceServicer, GrpcService):
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
+        #: Open streams, and endings still recording: after the server's grace period
+        #: the grpc core cancels the calls, but the handlers may only notice later, so
+        #: drain() ends what is left itself.
+        self.streams: set[_Stream] = set()
+        self.endings: set[asyncio.Task[None]] = set()
+
+    @classmethod
+    def create(cls, runtime: Runtime, options: Mapping[str, Any]) -> EvergreenServicer:
+        return cls(runtime)
+
+    def add_to(self, server: Any) -> list[str]:
+        evergreen_pb2_grpc.add_EvergreenServiceServicer_to_server(self, server)
+        return [SERVICE]
+
+    async def drain(self, limit_s: float) -> None:
+        """End the streams still open after the grace period; wait up to ``limit_s`` for the records."""
+        loop = asyncio.get_running_loop()
+        for stream in [s for s in self.streams if s.loop is loop]:
+            self.streams.discard(stream)
+            stream.end(cancelled=True)
+        pending = [t for t in self.endings if not t.done() and t.get_loop() is loop]
+        if pending:
+            await asyncio.wait(pending, timeout=limit_s)
 
     async def StartSession(
         self, request_iterator: AsyncIterator[evergreen_pb2.SessionMessage], context: Any
     ) -> AsyncIterator[evergreen_pb2.SessionMessage]:
         st = await self.runtime.open_session("evergreen", meta={"transport": "grpc", "peer": str(context.peer())})
-        stream = _Stream(self.runtime, st.session_id)
+        stream = _Stream(self.runtime, st.session_id, self.endings)
         await context.send_initial_metadata((("x-session-id", st.session_id),))
-        _STREAMS.add(stream)
+        self.streams.add(stream)
         stream.start(request_iterator)
         ended = False
         try:
@@ -468,23 +487,7 @@ class EvergreenServicer(evergreen_pb2_grpc.EvergreenServiceServicer):
                 yield msg
             ended = True
         finally:
-            _STREAMS.discard(stream)
+            self.streams.discard(stream)
             await asyncio.shield(stream.end(cancelled=not ended))
         if stream.error is not None:
             await context.abort(code_for(stream.error), message_for(stream.error))
-
-
-def add_to_server(server: Any, runtime: Runtime, options: Mapping[str, Any]) -> list[str]:
-    evergreen_pb2_grpc.add_EvergreenServiceServicer_to_server(EvergreenServicer(runtime), server)
-    return [SERVICE]
-
-
-async def drain(server: Any, limit_s: float) -> None:
-    """End the streams still open after the grace period; wait up to ``limit_s`` for the records."""
-    loop = asyncio.get_running_loop()
-    for stream in [s for s in _STREAMS if s.loop is loop]:
-        _STREAMS.discard(stream)
-        stream.end(cancelled=True)
-    pending = [t for t in _ENDINGS if not t.done() and t.get_loop() is loop]
-    if pending:
-        await asyncio.wait(pending, timeout=limit_s)

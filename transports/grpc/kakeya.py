@@ -33,15 +33,15 @@ from core.runtime import Runtime
 from core.state import ABORTED
 from transports.grpc.gen.kakeya.v1 import runtime_pb2 as pb
 from transports.grpc.gen.kakeya.v1 import runtime_pb2_grpc as pb_grpc
+from transports.grpc.service import GrpcService
 from transports.grpc.tokensessions import (
+    Generations,
     closing,
-    drain,
     grpc_errors,
     live_session,
-    track_generation,
 )
 
-__all__ = ["KakeyaService", "add_to_server", "drain"]
+__all__ = ["KakeyaService"]
 
 SERVICE = "kakeya.v1.RuntimeService"
 PROTOCOL = "kakeya"
@@ -71,10 +71,22 @@ def sink_window(options: Mapping[str, Any], config: Config) -> tuple[int, int] |
     return pair
 
 
-class KakeyaService(pb_grpc.RuntimeServiceServicer):
+class KakeyaService(pb_grpc.RuntimeServiceServicer, GrpcService):
     def __init__(self, runtime: Runtime, sink_window: tuple[int, int] | None) -> None:
         self.runtime = runtime
         self.sink_window = sink_window
+        self.generations = Generations()
+
+    @classmethod
+    def create(cls, runtime: Runtime, options: Mapping[str, Any]) -> KakeyaService:
+        return cls(runtime, sink_window(options, runtime.config))
+
+    def add_to(self, server: Any) -> list[str]:
+        pb_grpc.add_RuntimeServiceServicer_to_server(self, server)
+        return [SERVICE]
+
+    async def drain(self, limit_s: float) -> None:
+        await self.generations.drain(limit_s)
 
     async def CreateSession(self, request: pb.CreateSessionRequest, context: Any) -> pb.CreateSessionResponse:
         async with grpc_errors(context):
@@ -119,7 +131,7 @@ class KakeyaService(pb_grpc.RuntimeServiceServicer):
                 top_k=request.top_k if request.HasField("top_k") else 0,
                 seed=request.seed if request.HasField("seed") else None,
             )
-            track_generation()
+            self.generations.track()
             events = self.runtime.generate(sid, params, sink_window=self.sink_window)
             try:
                 async with closing(events):
@@ -147,9 +159,3 @@ def _done(b: Mapping[str, Any], max_tokens: int) -> pb.GenerateDone:
     return _Done(stop_reason=stop, generated_token_count=produced,
                  prefill_duration_seconds=float(b.get("prefill_s") or 0.0),
                  total_duration_seconds=float(b.get("total_s") or 0.0))
-
-
-def add_to_server(server: Any, runtime: Runtime, options: Mapping[str, Any]) -> list[str]:
-    """Register the Kakeya RuntimeService on a ``grpc.aio`` server; returns its full name."""
-    pb_grpc.add_RuntimeServiceServicer_to_server(KakeyaService(runtime, sink_window(options, runtime.config)), server)
-    return [SERVICE]

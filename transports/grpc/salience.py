@@ -34,16 +34,16 @@ from core.runtime import Runtime
 from core.tokens import ImageIn
 from transports.grpc.gen.salience.v1 import salience_pb2 as pb
 from transports.grpc.gen.salience.v1 import salience_pb2_grpc as pb_grpc
+from transports.grpc.service import GrpcService
 from transports.grpc.tokensessions import (
+    Generations,
     closing,
     covered,
-    drain,
     grpc_errors,
     live_session,
-    track_generation,
 )
 
-__all__ = ["SalienceService", "add_to_server", "drain"]
+__all__ = ["SalienceService"]
 
 SERVICE = "salience.v1.Salience"
 PROTOCOL = "salience"
@@ -56,9 +56,21 @@ _FINISH = {
 }
 
 
-class SalienceService(pb_grpc.SalienceServicer):
+class SalienceService(pb_grpc.SalienceServicer, GrpcService):
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
+        self.generations = Generations()
+
+    @classmethod
+    def create(cls, runtime: Runtime, options: Mapping[str, Any]) -> SalienceService:
+        return cls(runtime)
+
+    def add_to(self, server: Any) -> list[str]:
+        pb_grpc.add_SalienceServicer_to_server(self, server)
+        return [SERVICE]
+
+    async def drain(self, limit_s: float) -> None:
+        await self.generations.drain(limit_s)
 
     async def OpenSession(self, request: pb.OpenSessionRequest, context: Any) -> pb.OpenSessionResponse:
         async with grpc_errors(context):
@@ -118,7 +130,7 @@ class SalienceService(pb_grpc.SalienceServicer):
                 generated_logprobs=False,
             )
             images = [ImageIn(im.bytes, im.mime, im.pad_range_start, im.pad_range_end) for im in request.images]
-            track_generation()
+            self.generations.track()
             events = self.runtime.generate(
                 sid, params, options, append=list(request.append_tokens), offset=request.offset,
                 truncating=request.truncating, images=images, priority=request.priority)
@@ -158,9 +170,3 @@ def _event(ev: Event, request: pb.GenerateRequest) -> pb.GenerateEvent | None:
     if ev.type == T.GENERATION_FINISHED:
         return _done(int(b["prompt_tokens"]), int(b["completion_tokens"]), str(b["finish_reason"]))
     return None  # tokens.truncated (a rewind) and generation.started have no wire form
-
-
-def add_to_server(server: Any, runtime: Runtime, options: Mapping[str, Any]) -> list[str]:
-    """Register the Salience service on a ``grpc.aio`` server; returns its full name."""
-    pb_grpc.add_SalienceServicer_to_server(SalienceService(runtime), server)
-    return [SERVICE]

@@ -1,18 +1,13 @@
 """The gRPC server: one ``grpc.aio`` server for every sessiontape service.
 
-It hosts, on one port, each service module in :data:`SERVICE_MODULES` that
-is importable (a module that does not exist is skipped, so the services can
-land independently), the standard health service (``grpc.health.v1.Health``)
-and server reflection (``grpc.reflection.v1`` and ``v1alpha``, see
-:mod:`transports.grpc.reflection`) listing
-all of them. A service module exposes::
-
-    def add_to_server(server: grpc.aio.Server, runtime: Runtime,
-                      options: Mapping[str, Any]) -> list[str]   # full service names added
-
-and may expose ``async def drain(server, limit_s: float) -> None``, awaited after the
-server stopped so that work cancelled at the grace deadline (a running
-generation) is recorded before the runtime closes.
+It hosts, on one port, every service registered under the entry-point group
+``sessiontape.grpc_services`` (a :class:`transports.grpc.service.GrpcService`,
+one instance per server), the standard health service
+(``grpc.health.v1.Health``) and server reflection (``grpc.reflection.v1`` and
+``v1alpha``, see :mod:`transports.grpc.reflection`) listing all of them. After
+the server stopped, each service's ``drain`` is awaited so that work cancelled
+at the grace deadline (a running generation) is recorded before the runtime
+closes.
 
 Options (``[transports.grpc]``): ``listen`` (HOST:PORT, default
 127.0.0.1:50051; port 0 picks a free one), ``tls_cert``/``tls_key`` (PEM file
@@ -26,27 +21,26 @@ every call but health needs ``authorization: Bearer <token>``.
 from __future__ import annotations
 
 import hmac
-import importlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
+from core import registry
 from core.config import parse_listen
 from core.errors import ConfigError, Unauthenticated
 from core.runtime import Runtime
 from transports.grpc import reflection
 from transports.grpc.guard import GuardInterceptor
+from transports.grpc.service import GROUP, GrpcService
 from transports.grpc.status import code_for, message_for
 
 log = logging.getLogger("sessiontape.grpc")
 
-SERVICE_MODULES = ("transports.grpc.evergreen", "transports.grpc.salience", "transports.grpc.kakeya")
 DEFAULT_LISTEN = "127.0.0.1:50051"
 DEFAULT_GRACE_S = 5.0
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
@@ -121,7 +115,7 @@ class GrpcServer:
         self.grace_s = float(self.options.get("grace_s", DEFAULT_GRACE_S))
         self.services: list[str] = []
         self.port: int | None = None
-        self._modules: list[ModuleType] = []
+        self._services: list[GrpcService] = []
         self._server: Any = None
         self._health: HealthServicer | None = None
 
@@ -138,16 +132,17 @@ class GrpcServer:
         return grpc.ssl_server_credentials([pair])
 
     def _load_services(self, server: Any) -> None:
-        for name in SERVICE_MODULES:
-            try:
-                module = importlib.import_module(name)
-            except ModuleNotFoundError as exc:
-                if exc.name == name:
-                    log.info("gRPC service module %s not present; skipped", name)
-                    continue
-                raise
-            self.services.extend(module.add_to_server(server, self.runtime, self.options))
-            self._modules.append(module)
+        names = registry.available(GROUP)
+        if not names:
+            raise ConfigError(f"transports.grpc: no services registered under {GROUP!r}"
+                              " (is the package installed? pip install -e .)")
+        for name in names:
+            factory = registry.load(GROUP, name)
+            if not (isinstance(factory, type) and issubclass(factory, GrpcService)):
+                raise ConfigError(f"transports.grpc: service {name!r} is not a GrpcService")
+            service = factory.create(self.runtime, self.options)
+            self.services.extend(service.add_to(server))
+            self._services.append(service)
 
     async def start(self) -> str:
         if self.max_message_bytes <= 0:
@@ -193,10 +188,8 @@ class GrpcServer:
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
         await self._server.stop(grace)
-        for module in self._modules:
-            drain = getattr(module, "drain", None)
-            if drain is not None:
-                await drain(self._server, max(grace, 1.0))
+        for service in self._services:
+            await service.drain(max(grace, 1.0))
         self._server = None
 
     async def wait(self) -> None:

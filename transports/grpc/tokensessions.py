@@ -61,20 +61,23 @@ def covered(ranges: Any, position: int) -> bool:
     return any(r.start <= position < r.end for r in ranges)
 
 
-#: handler tasks of Generate calls, so ``drain`` can wait for their log records
-_GENERATIONS: weakref.WeakSet[asyncio.Task[Any]] = weakref.WeakSet()
+class Generations:
+    """The handler tasks of one service's Generate calls, so :meth:`drain` can wait for their
+    log records at shutdown. Owned by the service instance (one per server)."""
 
+    def __init__(self) -> None:
+        self._tasks: weakref.WeakSet[asyncio.Task[Any]] = weakref.WeakSet()
 
-def track_generation() -> None:
-    task = asyncio.current_task()
-    if task is not None:
-        _GENERATIONS.add(task)
+    def track(self) -> None:
+        """Called by a Generate handler: the current task is one of them."""
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
 
-
-async def drain(server: Any, limit_s: float) -> None:
-    """Wait (up to ``limit_s``) for Generate calls cancelled at shutdown to record their end."""
-    me = asyncio.current_task()
-    loop = asyncio.get_running_loop()
-    pending = [t for t in _GENERATIONS if not t.done() and t is not me and t.get_loop() is loop]
-    if pending:
-        await asyncio.wait(pending, timeout=limit_s)
+    async def drain(self, limit_s: float) -> None:
+        """Wait (up to ``limit_s``) for Generate calls cancelled at shutdown to record their end."""
+        me = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        pending = [t for t in self._tasks if not t.done() and t is not me and t.get_loop() is loop]
+        if pending:
+            await asyncio.wait(pending, timeout=limit_s)

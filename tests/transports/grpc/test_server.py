@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from core.errors import ConfigError
 from core.events import T
-from core.registry import TRANSPORTS, load
+from core.registry import TRANSPORTS, available, load
 from engines.reference import ReferenceEngine
 from tests.conftest import make_config
 from tests.transports.grpc.conftest import Serve, Served
@@ -157,6 +157,30 @@ async def test_shutdown_cancels_a_generation_still_running_at_the_deadline(serve
     sent = [e for e in evs if e.type == T.NODE_FRAGMENT and e.body["direction"] == "out"]
     assert [(f.id, f.seq) for m in s.received for f in m.node_fragments] == \
         [(e.body["id"], e.body["seq"]) for e in sent][: sum(len(m.node_fragments) for m in s.received)]
+
+
+def test_services_come_from_the_entry_point_group() -> None:
+    from transports.grpc.service import GROUP, GrpcService
+
+    names = available(GROUP)
+    assert {"evergreen", "salience", "kakeya"} <= set(names)
+    assert all(issubclass(load(GROUP, n), GrpcService) for n in names)
+
+
+async def test_two_servers_in_one_process_keep_their_streams_apart(serve: Serve) -> None:
+    """What a server tracks (open streams, endings) is its own: stopping one leaves the other's alone."""
+    a, b = await serve(), await serve()
+    async with a.client() as c, c.session() as s:
+        sid = await s.session_id()
+        await b.transport.stop(0.2)  # drains b's streams: a's open stream is not among them
+        await s.send(actions=[action("GENERATE", inputs={"p": "p"}, outputs={"text": "r"},
+                                     configs=[sampling_config(max_tokens=4, seed=1)])],
+                     fragments=text_fragments("p", "hello"))
+        await s.done_writing()
+        nodes = await s.collect()
+    assert "r" in nodes
+    evs = await a.runtime.log.read(sid, 1, None)
+    assert evs[-1].type == T.SESSION_CLOSED and evs[-1].body["reason"] == "client"
 
 
 def _self_signed(tmp: Path) -> tuple[Path, Path]:
