@@ -1,0 +1,342 @@
+"""Conformance: one scripted session, every transport's view of it is the same log.
+
+One runtime (a real SQLite file, the reference engine) serves HTTP (JSON API
++ SSE, uvicorn on loopback) and gRPC (Kakeya, Salience, Evergreen) at once.
+The script: create, append text, generate with a seed, fork mid-response (at a
+token position), feedback, close. It is driven over HTTP, over Kakeya and
+Salience (token sessions; Salience forks), and over Evergreen (its node DAG),
+and each time the views must describe the log, event for event:
+
+- the SSE stream (snapshot, then JSON Patch+ patches, ids = log positions)
+  folds to the document rebuilt from the log, with one patch per event;
+- the token streams (HTTP generation, Kakeya ``token_id``, Salience ``Token``
+  with logprobs) equal the log's ``generation.token`` events;
+- the NDJSON export verifies, re-imports into a fresh log unchanged, and folds
+  to the same document;
+- a cursor taken on one wire resumes on another: an SSE ``Last-Event-ID``
+  resumes over the HTTP events route with exactly the events after it, and a
+  log position inside a gRPC session's generation resumes its SSE stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+
+from core.document import build_document, fork_base
+from core.events import Event
+from core.log import EventLog
+from core.log.store import verify_chain
+from core.patch import apply_patch
+from core.runtime import Runtime
+from engines.reference import ReferenceEngine
+from tests.conftest import free_port, make_config
+from tests.transports.http.sse_client import SseEvent, events
+from transports.grpc.gen.kakeya.v1 import runtime_pb2 as kpb
+from transports.grpc.gen.kakeya.v1 import runtime_pb2_grpc as kakeya_grpc
+from transports.grpc.gen.salience.v1 import salience_pb2 as spb
+from transports.grpc.gen.salience.v1 import salience_pb2_grpc as salience_grpc
+from transports.grpc.plugin import GrpcTransport
+from transports.sse.plugin import HttpTransport
+
+TOKEN = "conformance-token"
+AUTH = (("authorization", f"Bearer {TOKEN}"),)
+
+
+@dataclass
+class Stack:
+    runtime: Runtime
+    http: httpx.AsyncClient
+    channel: grpc.aio.Channel
+
+    @property
+    def log(self) -> EventLog:
+        return self.runtime.log
+
+
+@pytest.fixture
+async def stack(sqlite_url: str) -> AsyncIterator[Stack]:
+    """HTTP and gRPC servers on loopback over one runtime."""
+    grpc_opts = {"enabled": True, "listen": f"127.0.0.1:{free_port()}", "grace_s": 1.0}
+    cfg = make_config(sqlite_url, auth={"token": TOKEN}, transports={"grpc": grpc_opts})
+    rt = await Runtime.create(cfg, engine=ReferenceEngine(eos_bias=-100.0))
+    http_port = free_port()
+    web = HttpTransport(rt, {"listen": f"127.0.0.1:{http_port}", "heartbeat_s": 1.0}, cfg)
+    rpc = GrpcTransport(rt, cfg.transports["grpc"], cfg)
+    await web.start()
+    await rpc.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{rpc.port}")
+    client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_port}",
+                               headers={"authorization": f"Bearer {TOKEN}"}, timeout=20)
+    try:
+        yield Stack(rt, client, channel)
+    finally:
+        await client.aclose()
+        await channel.close()
+        await rpc.stop(1.0)
+        await web.stop(grace=1.0)
+        await rt.aclose()
+
+
+# -- what the log says ----------------------------------------------------------
+
+
+async def document_from_log(st: Stack, sid: str, upto_position: int | None = None) -> dict[str, Any]:
+    """The session's document folded straight from the log: its events and its forks'
+    ``session.opened`` (which place each fork in the parent), in log order."""
+    own = await st.log.read(sid)
+    children = [(await st.log.read(row.id, 1, 1))[0] for row in await st.log.list_sessions(parent_id=sid)]
+    evs = sorted([*own, *children], key=lambda e: e.position)
+    if upto_position is not None:
+        evs = [e for e in evs if e.position <= upto_position]
+    doc = build_document(sid, evs, detokenize=st.runtime.engine.detokenize, base=await fork_base(st.log, own[0]))
+    return json.loads(json.dumps(doc))
+
+
+async def doc_positions(st: Stack, sid: str) -> list[int]:
+    """Log positions of every event that changes ``sid``'s document."""
+    own = [e.position for e in await st.log.read(sid)]
+    children = [(await st.log.read(row.id, 1, 1))[0].position for row in await st.log.list_sessions(parent_id=sid)]
+    return sorted(own + children)
+
+
+def generated(evs: Sequence[Event], generation_id: str | None = None) -> list[Event]:
+    return [e for e in evs if e.type == "generation.token" and not e.body["is_prefill"]
+            and (generation_id is None or e.body["generation_id"] == generation_id)]
+
+
+# -- what the wires say -----------------------------------------------------------
+
+
+@dataclass
+class Stream:
+    snapshot: SseEvent | None
+    patches: list[SseEvent]
+    end: SseEvent | None
+
+
+async def read_sse(st: Stack, sid: str, last_event_id: int | None = None,
+                   started: asyncio.Event | None = None) -> Stream:
+    """An SSE stream of ``sid``'s document, to its ``end`` event."""
+    headers = {} if last_event_id is None else {"last-event-id": str(last_event_id)}
+    snap, patches, end = None, [], None
+    async with st.http.stream("GET", f"/v1/sessions/{sid}/events", headers=headers) as resp:
+        assert resp.status_code == 200, await resp.aread()
+        if started is not None:
+            started.set()
+        async for ev in events(resp):
+            if ev.event == "snapshot":
+                assert snap is None and not patches
+                snap = ev
+            elif ev.event == "patch":
+                patches.append(ev)
+            elif ev.event == "end":
+                end = ev
+                break
+            else:
+                raise AssertionError(f"unexpected SSE event {ev.event}: {ev.data}")
+    return Stream(snap, patches, end)
+
+
+def fold(doc: Any, patches: Sequence[SseEvent]) -> Any:
+    for p in patches:
+        doc = apply_patch(doc, p.json())
+    return doc
+
+
+async def check_views(st: Stack, sid: str, watched: Stream) -> None:
+    """The SSE stream, the document route and the export all describe the log."""
+    assert watched.snapshot is not None and watched.end is not None
+    ids = [p.id for p in watched.patches]
+    assert all(i is not None for i in ids)
+    # one patch per event that changes the document, in log order, ids = positions
+    after_snapshot = [p for p in await doc_positions(st, sid) if p > (watched.snapshot.id or 0)]
+    assert ids == after_snapshot
+    from_log = await document_from_log(st, sid)
+    assert fold(watched.snapshot.json(), watched.patches) == from_log
+    assert (await st.http.get(f"/v1/sessions/{sid}")).json() == from_log
+    # the export verifies, equals the log line for line, and re-imports unchanged
+    exported = await st.http.get(f"/v1/sessions/{sid}/export")
+    assert exported.status_code == 200
+    lines = [json.loads(line) for line in exported.text.splitlines()]
+    logged = await st.log.read(sid)
+    assert lines == [e.to_json() for e in logged]
+    evs = [Event.from_json(obj) for obj in lines]
+    verify_chain(evs)
+
+
+async def reimport(st: Stack, sid: str, tmp_path: Path) -> None:
+    """An export re-imported into a fresh log reads back identically and folds to the same document."""
+    text = (await st.http.get(f"/v1/sessions/{sid}/export")).text
+    evs = [Event.from_json(json.loads(line)) for line in text.splitlines()]
+    other = await EventLog.open(f"sqlite+aiosqlite:///{tmp_path / 'imported.db'}")
+    try:
+        back = await other.import_events(evs)
+        again = await other.read(sid)
+        assert again == back
+
+        def unplaced(xs: Sequence[Event]) -> list[dict[str, Any]]:
+            return [{k: v for k, v in e.to_json().items() if k != "position"} for e in xs]
+
+        assert unplaced(again) == unplaced(evs)
+        detok = st.runtime.engine.detokenize
+        mine = build_document(sid, await st.log.read(sid), detokenize=detok)
+        theirs = build_document(sid, again, detokenize=detok)
+        for doc in (mine, theirs):
+            doc.pop("children")
+        assert json.loads(json.dumps(theirs)) == json.loads(json.dumps(mine))
+    finally:
+        await other.close()
+
+
+async def check_resume(st: Stack, sid: str, watched: Stream, cursor: int) -> None:
+    """Resuming ``sid``'s SSE stream at log position ``cursor`` yields exactly the events after it,
+    and folds from the document at ``cursor`` to the final document."""
+    resumed = await read_sse(st, sid, last_event_id=cursor)
+    assert resumed.snapshot is None  # a resume gets no fresh snapshot, only what it missed
+    assert [p.id for p in resumed.patches] == [p for p in await doc_positions(st, sid) if p > cursor]
+    at_cursor = await document_from_log(st, sid, upto_position=cursor)
+    final = fold(at_cursor, resumed.patches)
+    assert final == await document_from_log(st, sid)
+    # and equals the tail of the live stream, patch for patch
+    live_tail = [(p.id, p.json()) for p in watched.patches if (p.id or 0) > cursor]
+    if live_tail:
+        assert [(p.id, p.json()) for p in resumed.patches] == live_tail
+
+
+# -- the script over HTTP ----------------------------------------------------------
+
+
+async def test_http_script_reads_the_same_over_sse_export_and_resume(stack: Stack, tmp_path: Path) -> None:
+    st = stack
+    created = await st.http.post("/v1/sessions", json={"label": "conformance"})
+    assert created.status_code == 201, created.text
+    sid = created.json()["id"]
+    listening = asyncio.Event()
+    watch = asyncio.create_task(read_sse(st, sid, started=listening))
+    await asyncio.wait_for(listening.wait(), 10)
+
+    r = await st.http.post(f"/v1/sessions/{sid}/append", json={"text": "Hello, tape. "})
+    assert r.status_code == 200, r.text
+    prompt_len = r.json()["length"]
+    r = await st.http.post(f"/v1/sessions/{sid}/generate", json={
+        "max_tokens": 12, "seed": 7, "temperature": 0.8, "logprob_top_k": 2, "stream": False})
+    assert r.status_code == 200, r.text
+    gen = r.json()["generation"]
+    at = prompt_len + 5  # inside the response
+    r = await st.http.post(f"/v1/sessions/{sid}/fork", json={"at_position": at, "label": "child"})
+    assert r.status_code == 201, r.text
+    child = r.json()["id"]
+    r = await st.http.post(f"/v1/sessions/{sid}/feedback", json={"score": 8, "comment": "good"})
+    assert r.status_code == 201, r.text
+    r = await st.http.post(f"/v1/sessions/{sid}/close", json={"reason": "done"})
+    assert r.status_code == 200, r.text
+    watched = await asyncio.wait_for(watch, 20)
+
+    logged = await st.log.read(sid)
+    assert [e.type for e in logged] == [
+        "session.opened", "tokens.appended", "generation.started", *["generation.token"] * 12,
+        "generation.finished", "feedback.recorded", "session.closed"]
+    # the HTTP generation's tokens are the log's, logprobs and top-k included
+    toks = generated(logged)
+    assert [(t["id"], t["position"], t["logprob"]) for t in gen["tokens"]] == [
+        (e.body["token"], e.body["position"], e.body["logprob"]) for e in toks]
+    assert [[[x["id"], x["logprob"]] for x in t["top"]] for t in gen["tokens"]] == [e.body["top"] for e in toks]
+    # the fork holds the parent's first `at` tokens
+    child_doc = await document_from_log(st, child)
+    assert child_doc["history"]["ids"] == (await document_from_log(st, sid))["history"]["ids"][:at]
+
+    await check_views(st, sid, watched)
+    await reimport(st, sid, tmp_path)
+    # a cursor from the live SSE stream (mid-generation) resumes over the events route
+    cursor = watched.patches[6].id
+    assert cursor is not None
+    await check_resume(st, sid, watched, cursor)
+
+
+# -- the script over gRPC token sessions -------------------------------------------
+
+
+async def test_kakeya_and_salience_streams_are_the_logged_tokens(stack: Stack, tmp_path: Path) -> None:
+    st = stack
+    kakeya = kakeya_grpc.RuntimeServiceStub(st.channel)
+    salience = salience_grpc.SalienceStub(st.channel)
+    prompt = list(b"Hello, tape. ")
+
+    # Kakeya: create, append, seeded generate, close (feedback over HTTP: Kakeya has none)
+    ksid = (await kakeya.CreateSession(kpb.CreateSessionRequest(client_label="k"), metadata=AUTH)).session_id
+    await kakeya.AppendTokens(kpb.AppendTokensRequest(session_id=ksid, token_ids=prompt), metadata=AUTH)
+    streamed: list[int] = []
+    async for msg in kakeya.Generate(kpb.GenerateRequest(session_id=ksid, max_tokens=10, seed=7, temperature=0.8),
+                                     metadata=AUTH):
+        if msg.WhichOneof("payload") == "token_id":
+            streamed.append(msg.token_id)
+        else:
+            assert msg.WhichOneof("payload") == "done" and msg.done.generated_token_count == 10
+    assert streamed == [e.body["token"] for e in generated(await st.log.read(ksid))]
+    # the same seed over HTTP on a copy of the history gives the same tokens (one engine, one fold)
+    r = await st.http.post("/v1/sessions", json={})
+    hsid = r.json()["id"]
+    await st.http.post(f"/v1/sessions/{hsid}/append", json={"tokens": prompt})
+    r = await st.http.post(f"/v1/sessions/{hsid}/generate", json={
+        "max_tokens": 10, "seed": 7, "temperature": 0.8, "stream": False})
+    assert [t["id"] for t in r.json()["generation"]["tokens"]] == streamed
+
+    # Salience: open, generate with logprobs, fork mid-response, generate on the fork
+    ssid = (await salience.OpenSession(spb.OpenSessionRequest(), metadata=AUTH)).session_id
+    stoks: list[Any] = []
+    async for ev in salience.Generate(spb.GenerateRequest(
+            session_id=ssid, append_tokens=prompt, offset=0, max_tokens=10, logprob_top_k=2,
+            logprobs_ranges=[spb.PositionRange(start=len(prompt), end=len(prompt) + 10)]), metadata=AUTH):
+        if ev.WhichOneof("event") == "token":
+            stoks.append(ev.token)
+    logged = generated(await st.log.read(ssid))
+    assert [(t.id, t.position) for t in stoks if not t.is_prefill] == [
+        (e.body["token"], e.body["position"]) for e in logged]
+    # float32 on the wire: the log's float64 values rounded to float32, top-k included
+    assert [t.sampled_logprob for t in stoks if not t.is_prefill] == [
+        float(np.float32(e.body["logprob"])) for e in logged]
+    assert [[(x.id, x.logprob) for x in t.logprobs] for t in stoks if not t.is_prefill] == [
+        [(i, float(np.float32(lp))) for i, lp in e.body["top"]] for e in logged]
+    at = len(prompt) + 4
+    fsid = (await salience.ForkSession(spb.ForkSessionRequest(session_id=ssid, at_position=at),
+                                       metadata=AUTH)).session_id
+    dumped = (await salience.DumpSession(spb.DumpSessionRequest(session_id=fsid), metadata=AUTH)).tokens
+    assert list(dumped) == prompt + [e.body["token"] for e in logged][:4]
+    async for _ in salience.Generate(spb.GenerateRequest(session_id=fsid, offset=at, max_tokens=3), metadata=AUTH):
+        pass
+    # the token history every wire reports is the document's, folded from the log
+    for sid in (ssid, fsid):
+        dumped = (await salience.DumpSession(spb.DumpSessionRequest(session_id=sid), metadata=AUTH)).tokens
+        assert (await document_from_log(st, sid))["history"]["ids"] == list(dumped)
+        assert (await st.http.get(f"/v1/sessions/{sid}")).json()["history"]["ids"] == list(dumped)
+    info = await kakeya.GetSessionInfo(kpb.GetSessionInfoRequest(session_id=ksid), metadata=AUTH)
+    assert info.history_length == len((await document_from_log(st, ksid))["history"]["ids"]) == len(prompt) + 10
+    r = await st.http.post(f"/v1/sessions/{ssid}/feedback", json={"score": 3})
+    assert r.status_code == 201
+    await salience.CloseSession(spb.CloseSessionRequest(session_id=ssid), metadata=AUTH)
+    await kakeya.CloseSession(kpb.CloseSessionRequest(session_id=ksid), metadata=AUTH)
+
+    for sid in (ksid, ssid):
+        finished = await read_sse(st, sid)
+        assert finished.patches == []  # a closed session: snapshot, then end
+        assert finished.snapshot is not None
+        # its id: the log position the document is complete up to (at or past the session's last event)
+        assert (finished.snapshot.id or 0) >= (await st.log.read(sid))[-1].position
+        await check_views(st, sid, finished)
+    await reimport(st, ksid, tmp_path)
+
+    # a log position inside the gRPC-made generation resumes the session's SSE stream
+    for sid in (ksid, ssid):
+        toks = generated(await st.log.read(sid))
+        cursor = toks[3].position
+        await check_resume(st, sid, Stream(None, [], None), cursor)
