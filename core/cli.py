@@ -90,11 +90,13 @@ def check_database_url(url: str, *, must_exist: bool) -> None:
         dialect.import_dbapi()
     except ImportError as exc:
         raise ConfigError(f"the driver for {shown} is not installed: {exc}") from exc
-    if not must_exist or parsed.get_backend_name() != "sqlite":
+    path = (parsed.database or "") if parsed.get_backend_name() == "sqlite" else ""
+    if not path or path == ":memory:" or path.startswith("file:"):
         return
-    path = parsed.database or ""
-    if path and path != ":memory:" and not path.startswith("file:") and not Path(path).exists():
+    if must_exist and not Path(path).exists():
         raise NotFound(f"no database at {path} (`sessiontape db upgrade --db {shown}` creates one)")
+    if not Path(path).parent.is_dir():
+        raise NotFound(f"no directory {Path(path).parent} for the database {path}")
 
 
 # -- serve -------------------------------------------------------------------

@@ -100,6 +100,10 @@ def test_read_only_commands_do_not_create_a_database(tmp_path: Path) -> None:
         assert proc.stderr.strip() == f"sessiontape: error: no database at {path} " \
                                       f"(`sessiontape db upgrade --db {url}` creates one)"
         assert not path.exists(), args
+    proc = cli("db", "upgrade", db=f"sqlite+aiosqlite:///{tmp_path / 'no-such-dir' / 'x.db'}", check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == f"sessiontape: error: no directory {tmp_path / 'no-such-dir'} for the database " \
+                                  f"{tmp_path / 'no-such-dir' / 'x.db'}"
     cli("db", "upgrade", db=url)
     assert path.exists()
     assert cli("sessions", "ls", "--json", db=url).stdout.strip() == "[]"
