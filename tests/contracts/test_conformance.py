@@ -1,6 +1,6 @@
 """Conformance: one scripted session, every transport's view of it is the same log.
 
-One runtime (a real SQLite file, the reference engine) serves HTTP (JSON API
+One runtime (the reference engine, on each log backend) serves HTTP (JSON API
 + SSE, uvicorn on loopback) and gRPC (Kakeya, Salience, Evergreen) at once.
 The script: create, append text, generate with a seed, fork mid-response (at a
 token position), feedback, close. It is driven over HTTP, over Kakeya and
@@ -41,6 +41,13 @@ from core.runtime import Runtime
 from engines.reference import ReferenceEngine
 from tests.conftest import free_port, make_config
 from tests.transports.http.sse_client import SseEvent, events
+from transports.grpc.client import (
+    EvergreenClient,
+    action,
+    assemble,
+    sampling_config,
+    text_fragments,
+)
 from transports.grpc.gen.kakeya.v1 import runtime_pb2 as kpb
 from transports.grpc.gen.kakeya.v1 import runtime_pb2_grpc as kakeya_grpc
 from transports.grpc.gen.salience.v1 import salience_pb2 as spb
@@ -57,6 +64,7 @@ class Stack:
     runtime: Runtime
     http: httpx.AsyncClient
     channel: grpc.aio.Channel
+    grpc_target: str
 
     @property
     def log(self) -> EventLog:
@@ -64,10 +72,10 @@ class Stack:
 
 
 @pytest.fixture
-async def stack(sqlite_url: str) -> AsyncIterator[Stack]:
-    """HTTP and gRPC servers on loopback over one runtime."""
+async def stack(db_url: str) -> AsyncIterator[Stack]:
+    """HTTP and gRPC servers on loopback over one runtime (on each log backend)."""
     grpc_opts = {"enabled": True, "listen": f"127.0.0.1:{free_port()}", "grace_s": 1.0}
-    cfg = make_config(sqlite_url, auth={"token": TOKEN}, transports={"grpc": grpc_opts})
+    cfg = make_config(db_url, auth={"token": TOKEN}, transports={"grpc": grpc_opts})
     rt = await Runtime.create(cfg, engine=ReferenceEngine(eos_bias=-100.0))
     http_port = free_port()
     web = HttpTransport(rt, {"listen": f"127.0.0.1:{http_port}", "heartbeat_s": 1.0}, cfg)
@@ -78,7 +86,7 @@ async def stack(sqlite_url: str) -> AsyncIterator[Stack]:
     client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_port}",
                                headers={"authorization": f"Bearer {TOKEN}"}, timeout=20)
     try:
-        yield Stack(rt, client, channel)
+        yield Stack(rt, client, channel, f"127.0.0.1:{rpc.port}")
     finally:
         await client.aclose()
         await channel.close()
@@ -207,10 +215,11 @@ async def check_resume(st: Stack, sid: str, watched: Stream, cursor: int) -> Non
     at_cursor = await document_from_log(st, sid, upto_position=cursor)
     final = fold(at_cursor, resumed.patches)
     assert final == await document_from_log(st, sid)
-    # and equals the tail of the live stream, patch for patch
-    live_tail = [(p.id, p.json()) for p in watched.patches if (p.id or 0) > cursor]
-    if live_tail:
-        assert [(p.id, p.json()) for p in resumed.patches] == live_tail
+    # and, past where the live stream began, equals it patch for patch
+    if watched.snapshot is not None:
+        since = max(cursor, watched.snapshot.id or 0)
+        assert [(p.id, p.json()) for p in resumed.patches if (p.id or 0) > since] == [
+            (p.id, p.json()) for p in watched.patches if (p.id or 0) > since]
 
 
 # -- the script over HTTP ----------------------------------------------------------
@@ -340,3 +349,64 @@ async def test_kakeya_and_salience_streams_are_the_logged_tokens(stack: Stack, t
         toks = generated(await st.log.read(sid))
         cursor = toks[3].position
         await check_resume(st, sid, Stream(None, [], None), cursor)
+
+
+# -- the script over Evergreen (node DAG) ------------------------------------------
+
+
+async def test_evergreen_fragments_and_dag_read_the_same_over_sse_and_http(stack: Stack, tmp_path: Path) -> None:
+    st = stack
+    prompt = "Hello, tape. "
+    async with EvergreenClient(st.grpc_target, token=TOKEN) as client, client.session() as ev:
+        # create (the stream), append (the prompt node), generate (an action) with a seed
+        await ev.send(actions=[action("GENERATE", inputs={"text": "prompt"}, outputs={"text": "reply"},
+                                      configs=[sampling_config(max_tokens=12, seed=7, temperature=0.8)])],
+                      fragments=text_fragments("prompt", prompt, parts=2))
+        sid = await ev.session_id()
+        listening = asyncio.Event()
+        watch = asyncio.create_task(read_sse(st, sid, started=listening))
+        await asyncio.wait_for(listening.wait(), 10)
+        async with asyncio.timeout(10):
+            async for e in st.runtime.subscribe(0, session_id=sid):
+                if e.type == "action.completed":
+                    break
+        # fork mid-response and feedback over HTTP while the Evergreen stream is open; close by half-closing
+        at = len(st.runtime.engine.tokenize(prompt)) + 4
+        r = await st.http.post(f"/v1/sessions/{sid}/fork", json={"at_position": at})
+        assert r.status_code == 201, r.text
+        child = r.json()["id"]
+        r = await st.http.post(f"/v1/sessions/{sid}/feedback", json={"score": 5})
+        assert r.status_code == 201, r.text
+        await ev.done_writing()
+        nodes = await ev.collect()
+        received = [f for m in ev.received for f in m.node_fragments]
+    watched = await asyncio.wait_for(watch, 20)
+
+    logged = await st.log.read(sid)
+    assert logged[-1].type == "session.closed"
+    # the streamed fragments are the log's outbound node.fragment events, bytes included
+    outbound = [e for e in logged if e.type == "node.fragment" and e.body["direction"] == "out"]
+    assert [(e.body["id"], e.body["seq"], e.body["continued"], e.data or b"") for e in outbound] == [
+        (f.id, f.seq, f.continued, f.chunk_fragment.data) for f in received]
+    reply_tokens = [e.body["token"] for e in generated(logged)]
+    assert nodes["reply"] == assemble(ev.received)["reply"]
+    assert nodes["reply"].decode() == st.runtime.engine.detokenize(reply_tokens)
+    # the node DAG every view shows: the document's nodes, the node-content route, the fork's history
+    doc = await document_from_log(st, sid)
+    assert set(doc["nodes"]) == {"prompt", "reply"}
+    content = await st.http.get(f"/v1/sessions/{sid}/nodes/reply/content")
+    assert content.status_code == 200 and content.content == nodes["reply"]
+    assert (await st.http.get(f"/v1/sessions/{sid}/nodes/prompt/content")).content == prompt.encode()
+    assert (await document_from_log(st, child))["history"]["ids"] == doc["history"]["ids"][:at]
+    # the same prompt, seed and parameters over HTTP generate the same tokens
+    r = await st.http.post("/v1/sessions", json={})
+    hsid = r.json()["id"]
+    await st.http.post(f"/v1/sessions/{hsid}/append", json={"text": prompt})
+    r = await st.http.post(f"/v1/sessions/{hsid}/generate", json={
+        "max_tokens": 12, "seed": 7, "temperature": 0.8, "stream": False})
+    assert [t["id"] for t in r.json()["generation"]["tokens"]] == reply_tokens
+
+    await check_views(st, sid, watched)
+    await reimport(st, sid, tmp_path)
+    cursor = generated(logged)[5].position
+    await check_resume(st, sid, watched, cursor)
