@@ -410,3 +410,83 @@ async def test_evergreen_fragments_and_dag_read_the_same_over_sse_and_http(stack
     await reimport(st, sid, tmp_path)
     cursor = generated(logged)[5].position
     await check_resume(st, sid, watched, cursor)
+
+
+# -- the script over D4 (Nostr kind-1 events through a loopback relay) ------------
+
+
+async def test_d4_results_and_feedback_read_the_same_over_sse_and_http(stack: Stack, tmp_path: Path) -> None:
+    import nostr_sdk as ns
+
+    from tests.transports.nostr.conftest import Caller, LocalRelay, call_body, eventually
+    from transports.nostr.plugin import NostrTransport
+
+    st = stack
+    ns.uniffi_set_event_loop(asyncio.get_running_loop())
+    relay = await LocalRelay().start()
+    key_file = tmp_path / "worker.key"
+    key_file.write_text(ns.Keys.generate().secret_key().to_bech32())
+    d4 = NostrTransport(st.runtime, {"relays": [relay.url], "key_file": str(key_file), "price_msat": 1000,
+                                     "stream_every_tokens": 4, "stream_every_ms": 10_000,
+                                     "reconnect_min_s": 0.5, "retry_base_s": 0.05}, st.runtime.config)
+    caller: Caller | None = None
+    try:
+        await d4.start()
+        assert d4.worker is not None
+        [fid] = d4.worker.functions
+        caller = await Caller(d4.worker.pubkey).connect(relay.url)
+        # create + append + generate with a seed: one call (the reference engine here never samples EOS,
+        # so the call stops for length: more_results, the session stays open for a funded continuation)
+        call_id = await caller.call(fid, call_body("Hello, tape. ", args={"temperature": 0.8, "seed": 7}))
+        final = await caller.wait_final(call_id)
+        sid = "d4_" + call_id[:48]
+        # feedback over Nostr on the final result
+        fb = await caller.publish(caller.sign(json.dumps({"score": 7, "version": "0.1.0"}),
+                                              [["e", final["id"]], ["e", fid]]))
+        await eventually(lambda: d4.worker is not None and d4.worker.stats["feedback"] == 1)
+        assert final["body"]["more_results"] is True
+        # fork mid-response and close over HTTP
+        logged = await st.log.read(sid)
+        [started] = [e for e in logged if e.type == "generation.started"]
+        at = started.body["prompt_length"] + 3
+        r = await st.http.post(f"/v1/sessions/{sid}/fork", json={"at_position": at})
+        assert r.status_code == 201, r.text
+        child = r.json()["id"]
+        assert (await st.http.post(f"/v1/sessions/{sid}/close", json={})).status_code == 200
+        logged = await st.log.read(sid)
+        assert [e.type for e in logged if e.type.startswith("session.")] == ["session.opened", "session.closed"]
+        [feedback] = [e for e in logged if e.type == "feedback.recorded"]
+        assert (feedback.body["score"], feedback.body["event_id"]) == (7, fb)
+
+        # every result the caller got for the call is a wire.message (out) the log recorded first, verbatim
+        replies = {r["id"]: {k: v for k, v in r.items() if k != "body"} for r in caller.replies(call_id)}
+        outs = {e.body["payload"]["id"]: e.body["payload"] for e in logged
+                if e.type == "wire.message" and e.body["direction"] == "out"}
+        assert replies and all(outs.get(i) == r for i, r in replies.items())
+        # the final result's completion is the log's generated tokens
+        toks = [e.body["token"] for e in generated(logged)]
+        completion = json.loads(final["body"]["result"])
+        assert completion["usage"]["completion_tokens"] == len(toks)
+        assert completion["choices"][0]["message"]["content"] == st.runtime.engine.detokenize(toks)
+        # the recorded prompt and parameters, driven over HTTP, generate the same tokens
+        [appended] = [e for e in logged if e.type == "tokens.appended"]
+        hsid = (await st.http.post("/v1/sessions", json={})).json()["id"]
+        await st.http.post(f"/v1/sessions/{hsid}/append", json={"tokens": appended.body["tokens"]})
+        p = started.body["params"]
+        r = await st.http.post(f"/v1/sessions/{hsid}/generate", json={
+            "max_tokens": p["max_tokens"], "temperature": p["temperature"], "top_p": p["top_p"],
+            "top_k": p["top_k"], "seed": int(p["seed"]), "stop_token_ids": p["stop_token_ids"], "stream": False})
+        assert [t["id"] for t in r.json()["generation"]["tokens"]] == toks
+        doc = await document_from_log(st, sid)
+        assert (await document_from_log(st, child))["history"]["ids"] == doc["history"]["ids"][:at]
+        assert [f["score"] for f in doc["feedback"]] == [7]
+
+        finished = await read_sse(st, sid)
+        await check_views(st, sid, finished)
+        await reimport(st, sid, tmp_path)
+        await check_resume(st, sid, finished, generated(logged)[2].position)
+    finally:
+        if caller is not None:
+            await caller.close()
+        await d4.stop(1.0)
+        relay.stop()
