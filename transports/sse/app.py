@@ -25,7 +25,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from core.audit import audit_session
-from core.document import DocumentBuilder, fork_base
+from core.document import DocumentBuilder
 from core.engine import MAX_TOKENS_LIMIT, OutputOptions, SamplingParams
 from core.errors import (
     InvalidParameters,
@@ -164,7 +164,7 @@ class Api:
         q = request.query_params
         limit = inputs.integer(q.get("limit"), "limit", lo=1, hi=10_000) or 100
         offset = inputs.integer(q.get("offset"), "offset", lo=0) or 0
-        rows = await self.runtime.log.list_sessions(status=q.get("status"), protocol=q.get("protocol"),
+        rows = await self.runtime.list_sessions(status=q.get("status"), protocol=q.get("protocol"),
                                                     parent_id=q.get("parent"), limit=limit, offset=offset)
         out = []
         for r in rows:
@@ -187,8 +187,8 @@ class Api:
         raw = request.headers.get("last-event-id") or request.query_params.get("last_event_id")
         last = inputs.integer(raw, "Last-Event-ID", lo=0)
         # Fail before the 200 goes out: unknown sessions and bad positions are HTTP errors.
-        await self.runtime.log.get_session(sid)
-        if last is not None and last > await self.runtime.log.last_position():
+        await self.runtime.session_row(sid)
+        if last is not None and last > await self.runtime.last_position():
             raise InvalidParameters(f"Last-Event-ID {last} is past the end of the log")
         return _sse(session_stream(self.feeds, sid, last, rfc=rfc, heartbeat_s=self.heartbeat_s))
 
@@ -229,7 +229,7 @@ class Api:
         # Subscribe before the generation starts, so the stream's snapshot precedes its first event.
         stream = None
         if mode == "stream":
-            await self.runtime.log.get_session(sid)
+            await self.runtime.session_row(sid)
             fin: asyncio.Future[int] = asyncio.get_running_loop().create_future()
             stream = session_stream(self.feeds, sid, None, rfc=rfc, heartbeat_s=self.heartbeat_s, until=fin)
             first_frame = await anext(stream)
@@ -302,13 +302,13 @@ class Api:
         if not b:
             raise InvalidParameters("feedback must be a non-empty object")
         b = inputs.sized(b, "feedback", self.limits.max_meta_bytes)
-        await self.runtime.log.get_session(sid)
+        await self.runtime.session_row(sid)
         e = await self.runtime.record_feedback(sid, b)
         return JSONResponse({"session_id": sid, "version": e.version}, status_code=201)
 
     async def export(self, request: Request) -> Response:
         sid = request.path_params["sid"]
-        evs = await self.runtime.log.read(sid)
+        evs = await self.runtime.read_events(sid)
         if not evs:
             raise NotFound(f"session {sid!r} not found")
         lines = "".join(json.dumps(e.to_json(), separators=(",", ":")) + "\n" for e in evs)
@@ -326,10 +326,10 @@ class Api:
         serialised as they are made; the body is assembled from those.
         """
         sid = request.path_params["sid"]
-        own = await self.runtime.log.read(sid, 1, 1)
+        own = await self.runtime.read_events(sid, 1, 1)
         if not own:
             raise NotFound(f"session {sid!r} not found")
-        builder = DocumentBuilder(sid, detokenize=self._detok(), base=await fork_base(self.runtime.log, own[0]))
+        builder = DocumentBuilder(sid, detokenize=self._detok(), base=await self.runtime.fork_base(own[0]))
         base = dumps(builder.doc)
         steps = []
         for e in await events_after(self.runtime, self.feeds.forks, sid, 0):
@@ -347,8 +347,8 @@ class Api:
         image = next((im for im in st.images if im.sha256 == sha), None)
         if image is None:
             raise NotFound(f"image {sha!r} not found in session {sid!r}")
-        data = await self.runtime.log.get_blob(sha)
-        if data is None and image.size <= self.runtime.log.inline_max_bytes:
+        data = await self.runtime.get_blob(sha)
+        if data is None and image.size <= self.runtime.inline_max_bytes:
             # Small images are stored inline in their image.attached event, not in the blob table.
             data = await self._inline_image(st.session_id, sha)
         if data is None:
@@ -360,7 +360,7 @@ class Api:
         session: str | None = sid
         upto: int | None = None
         while session is not None:
-            evs = await self.runtime.log.read(session, 1, upto)
+            evs = await self.runtime.read_events(session, 1, upto)
             for e in evs:
                 if e.type == T.IMAGE_ATTACHED and e.body.get("sha256") == sha and e.data is not None:
                     return e.data

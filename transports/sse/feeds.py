@@ -20,7 +20,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.document import TERMINAL, DocumentBuilder, SessionListBuilder, fork_base
+from core.document import TERMINAL, DocumentBuilder, SessionListBuilder
 from core.errors import InvalidParameters, SessionNotFound
 from core.events import Event, T
 from core.patch import diff, to_rfc6902
@@ -63,12 +63,12 @@ class Forks:
     async def of(self, session_id: str, after: int = 0) -> list[Event]:
         """The forks' ``session.opened`` events past log position ``after``."""
         out = []
-        for row in await self.runtime.log.list_sessions(parent_id=session_id, limit=100_000):
+        for row in await self.runtime.list_sessions(parent_id=session_id, limit=100_000):
             if row.status == "purged":  # its events, the opening one included, are gone
                 continue
             e = self._opened.get(row.id)
             if e is None:
-                first = await self.runtime.log.read(row.id, 1, 1)
+                first = await self.runtime.read_events(row.id, 1, 1)
                 if not first:
                     continue
                 e = first[0]
@@ -86,12 +86,12 @@ async def load_builder(runtime: Runtime, forks: Forks, session_id: str, *, upto_
     committed at. Raises SessionNotFound, or InvalidParameters for a version
     the session does not have.
     """
-    own = await runtime.log.read(session_id, 1, upto_version)
+    own = await runtime.read_events(session_id, 1, upto_version)
     if not own:
         raise SessionNotFound(session_id)
     if upto_version is not None and (upto_version < 1 or own[-1].version < upto_version):
         raise InvalidParameters(f"version {upto_version} is outside [1, {own[-1].version}]")
-    base = await fork_base(runtime.log, own[0])
+    base = await runtime.fork_base(own[0])
     if upto_position is not None:
         own = [e for e in own if e.position <= upto_position]
     limit = upto_position if upto_position is not None else (own[-1].position if upto_version is not None else None)
@@ -106,7 +106,7 @@ async def load_builder(runtime: Runtime, forks: Forks, session_id: str, *, upto_
 
 async def events_after(runtime: Runtime, forks: Forks, session_id: str, after: int) -> list[Event]:
     """Every event past ``after`` that can change the session's document, in log order."""
-    own = await runtime.log.read_all(after, limit=1_000_000, session_id=session_id)
+    own = await runtime.read_after(after, limit=1_000_000, session_id=session_id)
     return sorted([*own, *await forks.of(session_id, after)], key=lambda e: e.position)
 
 
@@ -243,7 +243,7 @@ class Feeds:
         fut: asyncio.Future[SessionFeed] = asyncio.get_running_loop().create_future()
         self._building[session_id] = fut
         try:
-            position = await self.runtime.log.last_position()
+            position = await self.runtime.last_position()
             builder = await load_builder(self.runtime, self.forks, session_id, upto_position=position)
             feed = SessionFeed(self.runtime, builder, position, self.ring, self.forks)
             if not feed.ended:
@@ -442,9 +442,9 @@ async def list_stream(runtime: Runtime, *, limit: int = 200, heartbeat_s: float 
     a fold from genesis), so a client more than ``queue_max`` list changes
     behind is not buffered for: its stream ends and it reconnects.
     """
-    position = await runtime.log.last_position()
+    position = await runtime.last_position()
     rows = []
-    for r in await runtime.log.list_sessions(limit=limit):
+    for r in await runtime.list_sessions(limit=limit):
         row = r.to_json()
         row["generating"] = runtime.is_generating(r.id)
         rows.append(row)

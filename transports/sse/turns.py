@@ -75,7 +75,7 @@ class Turn:
 async def load_turn(runtime: Runtime, session_id: str, version: int, api: str) -> Turn:
     """The turn whose ``generation.started`` is ``version`` of ``session_id``; NotFound
     unless an OpenAI request of kind ``api`` recorded it."""
-    evs = await runtime.log.read(session_id, version)
+    evs = await runtime.read_events(session_id, version)
     if not evs or evs[0].version != version or evs[0].type != T.GENERATION_STARTED:
         raise NotFound(f"no {api} response at version {version} of session {session_id!r}")
     started = evs[0]
