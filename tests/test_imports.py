@@ -162,3 +162,17 @@ def test_core_imports_no_engine_or_transport(forbidden: str) -> None:
     bad = {m: sorted(t for t in targets if t.split(".")[0] == forbidden)
            for m, targets in EVERY.items() if m.split(".")[0] == "core"}
     assert {m: t for m, t in bad.items() if t} == {}
+
+
+def test_transports_reach_the_log_only_through_the_runtime() -> None:
+    """No ``runtime.log`` in transports: they ask the runtime (read_events, last_position, ...)."""
+
+    def names_runtime(node: ast.expr) -> bool:
+        return (isinstance(node, ast.Name) and node.id in ("runtime", "rt")) or (
+            isinstance(node, ast.Attribute) and node.attr == "runtime")
+
+    found = [f"{path.relative_to(ROOT)}:{node.lineno}"
+             for module, path in MODULES.items() if module.startswith("transports.")
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Attribute) and node.attr == "log" and names_runtime(node.value)]
+    assert found == []
