@@ -55,9 +55,6 @@ class T:
     NOTE = "note.recorded"
 
 
-ALL_TYPES = frozenset(v for k, v in vars(T).items() if not k.startswith("_"))
-
-
 #: event types whose bodies the engine fills (logprobs may be -inf): not client input, not checked
 UNCHECKED_TYPES = frozenset({T.GENERATION_TOKEN})
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 from array import array
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,10 +142,6 @@ class SessionState:
         return len(self.tokens)
 
     @property
-    def is_open(self) -> bool:
-        return self.status == OPEN
-
-    @property
     def active_generation(self) -> Generation | None:
         for g in reversed(self.generations.values()):
             return g if g.finish_reason is None else None
@@ -153,10 +149,6 @@ class SessionState:
 
     def copy(self) -> SessionState:
         return copy.deepcopy(self)
-
-    def index(self) -> dict[str, Any]:
-        """The sessions-table columns this state implies."""
-        return {"status": self.status, "history_length": self.length}
 
 
 Applier = Callable[[SessionState, Event], None]
@@ -189,12 +181,6 @@ def apply(state: SessionState, event: Event) -> SessionState:
     state.head_hash = event.hash
     state.updated_at = event.recorded_at
     state.event_count += 1
-    return state
-
-
-def fold(state: SessionState, events: Iterable[Event]) -> SessionState:
-    for e in events:
-        apply(state, e)
     return state
 
 
@@ -471,7 +457,3 @@ def fork_state(parent: SessionState, child_id: str, token_position: int | None) 
         st.tokens = st.tokens[:token_position]
         st.images = [im for im in st.images if im.end <= token_position]
     return st
-
-
-def body_of(mapping: Mapping[str, Any]) -> dict[str, Any]:
-    return dict(mapping)
