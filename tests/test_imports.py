@@ -3,8 +3,8 @@
 Read statically (``ast``), so every import counts, those inside functions
 included: a lazy import that closes a cycle is still a tangle. Imports
 under ``if TYPE_CHECKING:`` are annotations only and never run; they count
-for the layering rule (core must not even name a transport or an engine)
-but not as cycles.
+for the layering rule (core must not even name a transport or an engine);
+cycles they close are held to a shrinking list (ANNOTATION_CYCLES_LEFT).
 """
 
 from __future__ import annotations
@@ -148,6 +148,16 @@ def test_no_import_cycle_between_modules() -> None:
     cycles = _cycles(RUNTIME)
     detail = {" <-> ".join(c): {m: sorted(RUNTIME[m] & set(c)) for m in c} for c in cycles}
     assert cycles == [], f"import cycles: {detail}"
+
+
+#: cycles closed only by annotation imports, left to untangle (a ratchet: the test fails on a new
+#: one, and on a listed one that is gone, so the list only shrinks). core.generation names the
+#: Runtime it is handed; a Protocol of what it uses would end it.
+ANNOTATION_CYCLES_LEFT = [["core.generation", "core.runtime"]]
+
+
+def test_no_new_cycle_through_annotations() -> None:
+    assert _cycles(EVERY) == ANNOTATION_CYCLES_LEFT
 
 
 def test_no_import_cycle_between_packages() -> None:

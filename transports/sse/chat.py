@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -25,6 +25,7 @@ from core.events import Event, T
 from transports.sse.chat_template import ROLES, TextStream, message_text
 from transports.sse.openai import (
     DEFAULT_MAX_TOKENS,
+    Api,
     BadParam,
     Models,
     error_event,
@@ -36,9 +37,6 @@ from transports.sse.openai import (
     reject_unsupported,
 )
 from transports.sse.turns import Turn, Turns, follow, load_turn, logprob_entry
-
-if TYPE_CHECKING:
-    from transports.sse.app import Api
 
 API = "chat.completions"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -16,10 +16,11 @@ native API (:mod:`transports.sse.errors`) and the core error's code.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -27,12 +28,19 @@ from starlette.responses import JSONResponse, Response
 from core import errors as E
 from core import metrics
 from core.errors import InvalidParameters, NotFound, SessiontapeError
+from core.runtime import Runtime
 from transports.sse import errors, inputs
 
-if TYPE_CHECKING:
-    from transports.sse.app import Api
-
 log = logging.getLogger("sessiontape.http.openai")
+
+
+class Api(Protocol):
+    """What these routes use of the native API (:class:`transports.sse.app.Api`)."""
+
+    runtime: Runtime
+    limits: inputs.Limits
+    #: tasks that outlive their request; the API waits for them when it closes
+    background: set[asyncio.Task[Any]]
 
 #: paths whose errors (401s from the auth middleware included) take OpenAI's shape
 PREFIXES = ("/v1/responses", "/v1/chat/completions", "/v1/models")

@@ -3,18 +3,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from starlette.routing import BaseRoute, Route
 
 from transports.sse.chat import ChatCompletions
 from transports.sse.chat_template import load_template
-from transports.sse.openai import Handler, Models, openai_errors
+from transports.sse.openai import Api, Handler, Models, openai_errors
 from transports.sse.responses import Responses
 from transports.sse.turns import Turns
-
-if TYPE_CHECKING:
-    from transports.sse.app import Api
 
 
 def routes(api: Api) -> list[BaseRoute]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -28,6 +28,7 @@ from core.state import OPEN
 from transports.sse.chat_template import ROLES, TextStream, message_text
 from transports.sse.openai import (
     DEFAULT_MAX_TOKENS,
+    Api,
     BadParam,
     Models,
     error_event,
@@ -40,9 +41,6 @@ from transports.sse.openai import (
     split_id,
 )
 from transports.sse.turns import Turn, Turns, follow, load_turn, logprob_entry
-
-if TYPE_CHECKING:
-    from transports.sse.app import Api
 
 API = "responses"
 #: the one ``include`` value served: per-token logprobs of the output text
