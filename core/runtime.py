@@ -25,7 +25,6 @@ import functools
 import logging
 import secrets
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
@@ -38,23 +37,18 @@ from core.errors import (
     InvalidParameters,
     ResourceExhausted,
     SessionBusy,
-    SessionClosed,
-    SessionExpired,
     SessionNotFound,
 )
 from core.events import Event, NewEvent, T
 from core.generation import PipelineLimits, generate_runs
-from core.loader import load_state
 from core.log import EventLog, SessionRow
 from core.nodes import FragmentIn, check_fragment
 from core.scheduler import PriorityGate
-from core.snapshot import state_to_json
+from core.sessions import SessionStates
 from core.state import (
-    EXPIRED,
     OPEN,
     PURGED,
     SessionState,
-    apply,
     fork_state,
     overlay,
     overlay_apply,
@@ -65,18 +59,11 @@ from core.tokens import (
     check_images,
     check_length,
     check_vocab,
-    length_after,
     rewind_point,
 )
 
 log = logging.getLogger("sessiontape.runtime")
 
-#: event types the fold only accepts on an open session (core/state.py)
-_NEEDS_OPEN = frozenset({
-    T.SESSION_CLOSED, T.SESSION_ABORTED, T.SESSION_EXPIRED, T.NODE_FRAGMENT, T.ACTION_SUBMITTED,
-    T.TOKENS_APPENDED, T.TOKENS_TRUNCATED, T.IMAGE_ATTACHED, T.GENERATION_STARTED, T.GENERATION_TOKEN,
-    T.GENERATION_FINISHED,
-})
 
 Clock = Callable[[], float]
 
@@ -124,20 +111,13 @@ def check_labels(protocol: str, label: str, session_id: str | None) -> None:
         raise InvalidParameters("session id must be 1 to 64 characters")
 
 
-class Runtime:
+class Runtime(SessionStates):
+    """The API every transport calls (session states, locks and expiry: core/sessions.py;
+    the generation loop: core/generation.py)."""
+
     def __init__(self, log_: EventLog, engine: Engine, config: Config, *, clock: Clock = time.time) -> None:
-        self.log = log_
-        self.engine = engine
-        self.config = config
-        self.clock = clock
-        self._states: OrderedDict[str, SessionState] = OrderedDict()
-        self._locks: dict[str, asyncio.Lock] = {}
-        self._generating: set[str] = set()
-        self._last_active: dict[str, float] = {}
-        self._snapshotted: dict[str, int] = {}
-        self._sweeper: asyncio.Task[None] | None = None
+        super().__init__(log_, engine, config, clock)
         self._follower: asyncio.Task[None] | None = None
-        self._background: set[asyncio.Task[Any]] = set()
         self.gate = PriorityGate()
         #: Kakeya counters: session id -> [INV-1 violations, INV-2 violations]
         self.invariant_violations: dict[str, list[int]] = {}
@@ -146,8 +126,6 @@ class Runtime:
         #: generating sessions -> set when their generation ends (abort waits on it)
         self._gen_idle: dict[str, asyncio.Event] = {}
         self._stop_requested: set[str] = set()
-        self.cache_size = int(config.sessions_opt("state_cache_size"))
-        self.snapshot_every = int(config.log_opt("snapshot_every"))
         self.pipeline = PipelineLimits(
             run_ahead=int(config.generation_opt("run_ahead")), max_run=int(config.generation_opt("max_run")),
             min_run=int(config.generation_opt("min_run")), linger_s=float(config.generation_opt("linger_s")),
@@ -216,140 +194,6 @@ class Runtime:
                 await t
         await self.engine.aclose()
         await self.log.close()
-
-    # -- state -------------------------------------------------------------
-
-    def _lock(self, sid: str) -> asyncio.Lock:
-        lock = self._locks.get(sid)
-        if lock is None:
-            lock = self._locks[sid] = asyncio.Lock()
-        return lock
-
-    async def load(self, session_id: str, upto_version: int | None = None) -> SessionState:
-        """Rebuild a session's state from the log (snapshot, then events; forks via the parent)."""
-        return await load_state(self.log, session_id, upto_version)
-
-    async def get(self, session_id: str) -> SessionState:
-        """The session's current state (any status). Raises SessionNotFound.
-
-        There is one cached state object per session: when two callers load
-        the same session concurrently, the first to finish is kept and the
-        other gets that one too.
-        """
-        st = self._states.get(session_id)
-        if st is not None:
-            self._states.move_to_end(session_id)
-            metrics.STATE_CACHE.labels("hit").inc()
-            return st
-        metrics.STATE_CACHE.labels("miss").inc()
-        loaded = await self.load(session_id)
-        st = self._states.get(session_id)
-        if st is None:
-            st = loaded
-            self._cache(st)
-        return st
-
-    def _cache(self, st: SessionState) -> None:
-        self._states[st.session_id] = st
-        self._states.move_to_end(st.session_id)
-        if len(self._states) <= self.cache_size:
-            return
-        # Evict least recently used states that nobody is working on: a state
-        # under its lock or generating must stay the one object writers share.
-        for sid in list(self._states):
-            if len(self._states) <= self.cache_size:
-                break
-            lock = self._locks.get(sid)
-            if sid in self._generating or (lock is not None and lock.locked()) or sid == st.session_id:
-                continue
-            del self._states[sid]
-            self._locks.pop(sid, None)
-            self._last_active.pop(sid, None)
-            self._snapshotted.pop(sid, None)
-
-    def _drop(self, st: SessionState) -> None:
-        """Forget a cached state that no longer matches the log (reloaded on next use)."""
-        if self._states.get(st.session_id) is st:
-            del self._states[st.session_id]
-
-    async def _open_locked(self, session_id: str) -> SessionState:
-        """Under the session's lock: the open, unexpired state, or the error a client should see."""
-        st = await self.get(session_id)
-        if st.status == EXPIRED:
-            raise SessionExpired(session_id)
-        if st.status == PURGED:
-            raise SessionNotFound(session_id)
-        if st.status != OPEN:
-            raise SessionClosed(f"session {session_id} is {st.status}")
-        ttl = st.ttl_s
-        last = self._last_active.get(session_id, st.updated_at)
-        idle = self.clock() - last
-        if ttl is not None and idle > ttl and session_id not in self._generating:
-            await self._expire_locked(st, idle)
-            raise SessionExpired(session_id)
-        return st
-
-    async def _live(self, session_id: str) -> SessionState:
-        async with self._lock(session_id):
-            return await self._open_locked(session_id)
-
-    async def _commit(self, st: SessionState, new: Sequence[NewEvent], *, length: int | None = None) -> list[Event]:
-        """Append ``new`` after ``st.version`` and fold the committed events into ``st``.
-
-        ``length``: the history length after ``new``, when the caller knows it
-        (the token path does; otherwise it is computed from the events).
-        """
-        if length is None:
-            length = st.length
-            for ne in new:
-                length = length_after(length, ne.type, dict(ne.body))
-        index = {"history_length": length, "last_active_at": self.clock()}
-
-        if st.status != OPEN and any(ne.type in _NEEDS_OPEN for ne in new):
-            # never append what the fold would refuse
-            raise SessionClosed(f"session {st.session_id} is {st.status}")
-
-        async def append_and_apply() -> list[Event]:
-            try:
-                evs = await self.log.append(st.session_id, st.version, new, index=index)
-            except ConcurrencyError:
-                self._drop(st)  # another writer moved the log on: reload next time
-                raise
-            try:
-                for e in evs:
-                    apply(st, e)
-            except Exception:
-                self._drop(st)
-                raise
-            return evs
-
-        # A caller cancelled mid-commit must neither leave an event in the log
-        # that the cached state never saw, nor release the session's lock
-        # before the commit settled: wait for it, then let the cancel through.
-        task = asyncio.ensure_future(append_and_apply())
-        try:
-            evs = await asyncio.shield(task)
-        except asyncio.CancelledError:
-            while not task.done():
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.shield(task)
-            raise
-        self._last_active[st.session_id] = self.clock()
-        if self.snapshot_every and st.version - self._snapshotted.get(st.session_id, 0) >= self.snapshot_every:
-            self._snapshotted[st.session_id] = st.version
-            self._spawn(self._snapshot(st.session_id, state_to_json(st)))
-        return evs
-
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _snapshot(self, sid: str, snap: tuple[int, str, bytes | None]) -> None:
-        try:
-            await self.log.save_snapshot(sid, *snap)
-        except Exception:
-            log.exception("snapshot of %s failed", sid)
 
     # -- sessions ----------------------------------------------------------
 
@@ -453,64 +297,6 @@ class Runtime:
                 await self._commit(st, [NewEvent(T.SESSION_ABORTED, {"code": code, "message": message})])
                 metrics.SESSIONS_OPEN.dec()
         return st
-
-    async def _expire_locked(self, st: SessionState, idle_s: float) -> None:
-        if st.status == OPEN and st.session_id not in self._generating:
-            await self._commit(st, [NewEvent(T.SESSION_EXPIRED, {"idle_s": round(idle_s, 3)})])
-            metrics.SESSIONS_OPEN.dec()
-            self.engine.forget(st.session_id)
-
-    async def live(self, session_id: str) -> SessionState:
-        """An open, unexpired session (expiring it if its TTL ran out); no TTL refresh.
-
-        Raises SessionNotFound, SessionExpired or SessionClosed.
-        """
-        return await self._live(session_id)
-
-    async def touch(self, session_id: str) -> None:
-        """Refresh the idle TTL without recording an event."""
-        async with self._lock(session_id):
-            await self._open_locked(session_id)
-            now = self.clock()
-            self._last_active[session_id] = now
-            await self.log.touch(session_id, now)
-
-    async def expire_idle(self) -> list[str]:
-        """One sweeper pass: expire open sessions idle past their TTL."""
-        now = self.clock()
-        default = self.config.idle_ttl("default")
-        expired = []
-        for row in await self.log.idle_sessions(now, default):
-            if row.id in self._generating:
-                continue
-            last = max(self._last_active.get(row.id, row.last_active_at), row.last_active_at)
-            if now - last <= (row.ttl_s if row.ttl_s is not None else default):
-                continue
-            async with self._lock(row.id):
-                st = await self.get(row.id)
-                if st.status != OPEN or row.id in self._generating:
-                    continue
-                try:
-                    await self._expire_locked(st, now - last)
-                except ConcurrencyError:
-                    # another replica wrote to it (or expired it) first: it is no
-                    # longer this sweep's to expire; the next sweep looks again
-                    continue
-            expired.append(row.id)
-        return expired
-
-    def start_sweeper(self) -> None:
-        interval = float(self.config.sessions_opt("sweep_interval_s"))
-
-        async def loop() -> None:
-            while True:
-                await asyncio.sleep(interval)
-                try:
-                    await self.expire_idle()
-                except Exception:
-                    log.exception("TTL sweep failed")
-
-        self._sweeper = asyncio.create_task(loop(), name="sessiontape-ttl-sweeper")
 
     # -- content -----------------------------------------------------------
 
