@@ -212,6 +212,10 @@ async def check_resume(st: Stack, sid: str, watched: Stream, cursor: int) -> Non
     resumed = await read_sse(st, sid, last_event_id=cursor)
     assert resumed.snapshot is None  # a resume gets no fresh snapshot, only what it missed
     assert [p.id for p in resumed.patches] == [p for p in await doc_positions(st, sid) if p > cursor]
+    # the same cursor over the HTTP export: its events past the cursor are the session's own patches
+    exported = [json.loads(line) for line in (await st.http.get(f"/v1/sessions/{sid}/export")).text.splitlines()]
+    own_after = [obj["position"] for obj in exported if obj["position"] > cursor]
+    assert own_after and set(own_after) <= {p.id for p in resumed.patches}
     at_cursor = await document_from_log(st, sid, upto_position=cursor)
     final = fold(at_cursor, resumed.patches)
     assert final == await document_from_log(st, sid)
