@@ -172,8 +172,10 @@ class EventLog:
     async def import_events(self, evs: Sequence[Event], *, index: Mapping[str, Any] | None = None) -> list[Event]:
         """Insert exported events verbatim (new positions, same chain).
 
-        Raises ChainBroken (nothing written) when the events do not chain, and
-        ConcurrencyError when the session already has events.
+        Raises ChainBroken (nothing written) when the events do not chain,
+        InvalidEvent when they do not start a session (a purged session's
+        export holds only its tombstone: it verifies, but there is nothing left
+        to import), and ConcurrencyError when the session already has events.
         """
         if not evs:
             return []
@@ -181,6 +183,10 @@ class EventLog:
         if any(e.session_id != sid for e in evs):
             raise InvalidEvent("an import batch must hold one session")
         verify_chain(evs)
+        if evs[0].type != T.SESSION_OPENED or evs[0].version != 1:
+            what = "was purged (its export is only the tombstone)" if evs[0].type == T.SESSION_PURGED else (
+                f"starts at version {evs[0].version} with {evs[0].type}")
+            raise InvalidEvent(f"session {sid} {what}: an import must start with session.opened at version 1")
         return await self.writer.submit(Request("import", sid, evs[0].version - 1, list(evs), index))
 
     async def purge(self, session_id: str, reason: str = "retention") -> Event:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import ChainBroken, ConcurrencyError
+from core.errors import ChainBroken, ConcurrencyError, InvalidEvent
 from core.events import Event, NewEvent
 from core.log import EventLog
 from core.log.store import verify_chain
@@ -159,6 +159,10 @@ async def test_purge_leaves_a_tombstone_that_verifies_alone(log: EventLog) -> No
         verify_chain([bad])
     # the tombstone alone is what an export of the session holds, and it verifies after the trip
     verify_chain(from_ndjson(ndjson(rest)))
+    # ... but there is nothing left to import: a clear refusal, nothing written
+    with pytest.raises(InvalidEvent, match="purged"):
+        await log.import_events(from_ndjson(ndjson([Event.from_json({**tomb.to_json(), "session_id": "gone"})])))
+    assert await log.read("gone") == [tomb]
 
 
 async def test_ndjson_export_reimports_identically_both_ways(log: EventLog, tmp_path: Path) -> None:
