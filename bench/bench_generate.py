@@ -96,8 +96,13 @@ async def open_runtime(url: str, engine: Engine) -> Runtime:
     return await Runtime.create(cfg, engine=engine)
 
 
-async def compare(name: str, rounds: int, alone: Callable[[], Awaitable[float]],
-                  through: Callable[[], Awaitable[float]], extra: Callable[[], str] = lambda: "") -> float:
+async def compare(
+    name: str,
+    rounds: int,
+    alone: Callable[[], Awaitable[float]],
+    through: Callable[[], Awaitable[float]],
+    extra: Callable[[], str] = lambda: "",
+) -> float:
     a, b = [], []
     await alone()  # warm up both paths once
     await through()
@@ -110,6 +115,7 @@ async def compare(name: str, rounds: int, alone: Callable[[], Awaitable[float]],
 
 
 # -- wires -----------------------------------------------------------------
+
 
 class _Clock:
     """Commit times of generated tokens (taken when the log's writer settles a
@@ -178,8 +184,11 @@ async def wire_client(wire: str, gport: int, hport: int, tokens: int) -> dict[st
             t0 = time.perf_counter()
             ids = re.compile(rb"(?:^|\n)id: ?(\d+)")
             tail = b""
-            async with http.stream("POST", f"/v1/sessions/{sid}/generate",
-                                   json={"max_tokens": tokens, "temperature": 0, "seed": 1}) as resp:
+            async with http.stream(
+                "POST",
+                f"/v1/sessions/{sid}/generate",
+                json={"max_tokens": tokens, "temperature": 0, "seed": 1},
+            ) as resp:
                 # a client that reads what it needs from each chunk (event ids), as a browser's
                 # EventSource does in native code, rather than a Python line iterator
                 async for chunk in resp.aiter_raw():
@@ -195,11 +204,14 @@ async def wire_client(wire: str, gport: int, hport: int, tokens: int) -> dict[st
     async with grpc.aio.insecure_channel(f"127.0.0.1:{gport}") as chan:
         if wire == "kakeya":
             kakeya = kgrpc.RuntimeServiceStub(chan)
-            sid = (await kakeya.CreateSession(kpb.CreateSessionRequest(eos_token_ids=[]))).session_id
+            sid = (
+                await kakeya.CreateSession(kpb.CreateSessionRequest(eos_token_ids=[]))
+            ).session_id
             await kakeya.AppendTokens(kpb.AppendTokensRequest(session_id=sid, token_ids=prompt))
             t0 = time.perf_counter()
-            async for m in kakeya.Generate(kpb.GenerateRequest(session_id=sid, max_tokens=tokens, seed=1,
-                                                               temperature=0.0)):
+            async for m in kakeya.Generate(
+                kpb.GenerateRequest(session_id=sid, max_tokens=tokens, seed=1, temperature=0.0)
+            ):
                 if m.WhichOneof("payload") == "token_id":
                     arrivals.append((n, time.perf_counter()))
                     n += 1
@@ -207,17 +219,28 @@ async def wire_client(wire: str, gport: int, hport: int, tokens: int) -> dict[st
             salience = sgrpc.SalienceStub(chan)
             sid = (await salience.OpenSession(spb.OpenSessionRequest())).session_id
             t0 = time.perf_counter()
-            async for m in salience.Generate(spb.GenerateRequest(
-                    session_id=sid, offset=0, append_tokens=prompt, max_tokens=tokens, top_k=1)):
+            async for m in salience.Generate(
+                spb.GenerateRequest(
+                    session_id=sid, offset=0, append_tokens=prompt, max_tokens=tokens, top_k=1
+                )
+            ):
                 if m.WhichOneof("event") == "token" and not m.token.is_prefill:
                     arrivals.append((n, time.perf_counter()))
                     n += 1
         else:
             async with EvergreenClient(f"127.0.0.1:{gport}") as ev, ev.session() as s:
                 t0 = time.perf_counter()
-                await s.send(actions=[action("GENERATE", inputs={"p": "p"}, outputs={"text": "r"},
-                                             configs=[sampling_config(max_tokens=tokens, seed=1, temperature=0.0)])],
-                             fragments=text_fragments("p", PROMPT))
+                await s.send(
+                    actions=[
+                        action(
+                            "GENERATE",
+                            inputs={"p": "p"},
+                            outputs={"text": "r"},
+                            configs=[sampling_config(max_tokens=tokens, seed=1, temperature=0.0)],
+                        )
+                    ],
+                    fragments=text_fragments("p", PROMPT),
+                )
                 await s.done_writing()
                 async for m in s:
                     for f in m.node_fragments:
@@ -234,6 +257,7 @@ async def wire_rows(engine: Engine, url: str, tokens: int, rounds: int) -> None:
 
     def free() -> int:
         import socket
+
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             return int(sock.getsockname()[1])
@@ -241,10 +265,16 @@ async def wire_rows(engine: Engine, url: str, tokens: int, rounds: int) -> None:
     if hasattr(engine, "eos_bias"):
         engine.eos_bias = -1000.0  # every wire generates its full count (Salience has no "no EOS")
     gport, hport = free(), free()
-    cfg = Config.load(environ={}, overrides={
-        "database": {"url": url},
-        "transports": {"grpc": {"enabled": True, "listen": f"127.0.0.1:{gport}"},
-                       "http": {"enabled": True, "listen": f"127.0.0.1:{hport}"}}})
+    cfg = Config.load(
+        environ={},
+        overrides={
+            "database": {"url": url},
+            "transports": {
+                "grpc": {"enabled": True, "listen": f"127.0.0.1:{gport}"},
+                "http": {"enabled": True, "listen": f"127.0.0.1:{hport}"},
+            },
+        },
+    )
     rt = await Runtime.create(cfg, engine=engine)
     clock = _Clock()
     clock.watch(rt)
@@ -253,30 +283,52 @@ async def wire_rows(engine: Engine, url: str, tokens: int, rounds: int) -> None:
     await grpc_t.start()
     await http_t.start()
     try:
+
         def via(wire: str) -> Callable[[], Awaitable[float]]:
             async def run() -> float:
                 clock.start()
                 proc = await asyncio.create_subprocess_exec(
-                    sys.executable, __file__, "--client", wire, "--ports", f"{gport},{hport}",
-                    "--tokens", str(tokens), stdout=asyncio.subprocess.PIPE)
+                    sys.executable,
+                    __file__,
+                    "--client",
+                    wire,
+                    "--ports",
+                    f"{gport},{hport}",
+                    "--tokens",
+                    str(tokens),
+                    stdout=asyncio.subprocess.PIPE,
+                )
                 out, _ = await proc.communicate()
                 res = json.loads(out)
                 for key, t in res["arrivals"]:
-                    committed = clock.by_position.get(key) if wire == "sse" else (
-                        clock.in_order[key] if key < len(clock.in_order) else None)
+                    committed = (
+                        clock.by_position.get(key)
+                        if wire == "sse"
+                        else (clock.in_order[key] if key < len(clock.in_order) else None)
+                    )
                     if committed is not None:
                         clock.lat.append(t - committed)
                 return float(res["n"]) / float(res["dt"])
+
             return run
 
         async def alone() -> float:
             return await engine_alone(engine, 1, tokens)
 
-        for name, wire in (("SSE generate stream", "sse"), ("Kakeya Generate", "kakeya"),
-                           ("Salience Generate", "salience"), ("Evergreen GENERATE", "evergreen")):
+        for name, wire in (
+            ("SSE generate stream", "sse"),
+            ("Kakeya Generate", "kakeya"),
+            ("Salience Generate", "salience"),
+            ("Evergreen GENERATE", "evergreen"),
+        ):
             clock.lat.clear()
-            await compare(f"{name}, 1 session", rounds, alone, via(wire),
-                          lambda: f"{statistics.median(clock.lat) * 1e3:.2f} ms" if clock.lat else "n/a")
+            await compare(
+                f"{name}, 1 session",
+                rounds,
+                alone,
+                via(wire),
+                lambda: f"{statistics.median(clock.lat) * 1e3:.2f} ms" if clock.lat else "n/a",
+            )
     finally:
         await http_t.stop()
         await grpc_t.stop()
@@ -290,11 +342,17 @@ async def main() -> None:
     ap.add_argument("--tokens", type=int, default=400, help="tokens per generation")
     ap.add_argument("--sessions", default="1,8", help="comma-separated concurrent session counts")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per row (median)")
-    ap.add_argument("--pg", default=os.environ.get("BENCH_PG_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test"),
-                    help="PostgreSQL URL for the PostgreSQL rows")
+    ap.add_argument(
+        "--pg",
+        default=os.environ.get("BENCH_PG_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test"),
+        help="PostgreSQL URL for the PostgreSQL rows",
+    )
     ap.add_argument("--no-pg", action="store_true", help="skip the PostgreSQL rows")
-    ap.add_argument("--wires", action="store_true",
-                    help="add one row per transport (a client process over loopback)")
+    ap.add_argument(
+        "--wires",
+        action="store_true",
+        help="add one row per transport (a client process over loopback)",
+    )
     ap.add_argument("--client", help=argparse.SUPPRESS)  # internal: be the client of one wire
     ap.add_argument("--ports", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -306,9 +364,11 @@ async def main() -> None:
         return
 
     engine = make_engine(args.engine, args.size)
-    print(f"engine {engine.info.name} ({engine.info.model_id}, {engine.info.provider}), "
-          f"{args.tokens} greedy tokens per generation, {args.rounds} interleaved rounds, medians; "
-          f"{os.cpu_count()} CPUs\n")
+    print(
+        f"engine {engine.info.name} ({engine.info.model_id}, {engine.info.provider}), "
+        f"{args.tokens} greedy tokens per generation, {args.rounds} interleaved rounds, medians; "
+        f"{os.cpu_count()} CPUs\n"
+    )
     row("path", "engine alone", "through log", "ratio", "commit->client")
     row("-" * 44, "-" * 14, "-" * 14, "-" * 7, "-" * 16)
     counts = [int(x) for x in args.sessions.split(",")]
@@ -324,15 +384,22 @@ async def main() -> None:
                 continue
             try:
                 for n in counts:
-                    await compare(f"{label}, {n} session{'s' if n > 1 else ''}", args.rounds,
-                                  lambda n=n: engine_alone(engine, n, args.tokens),  # type: ignore[misc]
-                                  lambda n=n, rt=rt: through_log(rt, n, args.tokens))  # type: ignore[misc]
+                    await compare(
+                        f"{label}, {n} session{'s' if n > 1 else ''}",
+                        args.rounds,
+                        lambda n=n: engine_alone(engine, n, args.tokens),  # type: ignore[misc]
+                        lambda n=n, rt=rt: through_log(rt, n, args.tokens),
+                    )  # type: ignore[misc]
             finally:
                 with contextlib.suppress(Exception):
                     await rt.aclose()
             if args.wires and label == "SQLite":
-                await wire_rows(make_engine(args.engine, args.size), f"sqlite+aiosqlite:///{tmp}/wires.db",
-                                args.tokens, args.rounds)
+                await wire_rows(
+                    make_engine(args.engine, args.size),
+                    f"sqlite+aiosqlite:///{tmp}/wires.db",
+                    args.tokens,
+                    args.rounds,
+                )
 
 
 if __name__ == "__main__":

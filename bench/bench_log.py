@@ -43,6 +43,7 @@ def token_event(start: int, tok: int) -> NewEvent:
 async def append_throughput(url: str, sessions: int, per_session: int, batch: int) -> float:
     log = await EventLog.open(url)
     try:
+
         async def writer(i: int) -> None:
             sid = f"b{i}-{os.getpid()}-{time.monotonic_ns()}"
             await log.append(sid, 0, [NewEvent(T.SESSION_OPENED, {"protocol": "bench"})])
@@ -61,12 +62,24 @@ async def append_throughput(url: str, sessions: int, per_session: int, batch: in
     return sessions * per_session / dt
 
 
-async def replica_throughput(url: str, replicas: int, sessions: int, per_session: int, batch: int) -> float:
+async def replica_throughput(
+    url: str, replicas: int, sessions: int, per_session: int, batch: int
+) -> float:
     """Events/s appended by ``replicas`` separate processes (each its own EventLog and
     writer, as ``sessiontape serve`` replicas are) to one database at once."""
-    procs = [await asyncio.create_subprocess_exec(
-        sys.executable, __file__, "--append-worker", url, str(sessions), str(per_session), str(batch),
-        stdout=asyncio.subprocess.PIPE) for _ in range(replicas)]
+    procs = [
+        await asyncio.create_subprocess_exec(
+            sys.executable,
+            __file__,
+            "--append-worker",
+            url,
+            str(sessions),
+            str(per_session),
+            str(batch),
+            stdout=asyncio.subprocess.PIPE,
+        )
+        for _ in range(replicas)
+    ]
     spans = [tuple(float(x) for x in (await p.communicate())[0].split()) for p in procs]
     start, end = min(s[0] for s in spans), max(s[1] for s in spans)
     return replicas * sessions * per_session / (end - start)
@@ -87,11 +100,16 @@ def raw_sqlite_ceiling(n: int) -> float:
         db = sqlite3.connect(os.path.join(d, "raw.db"))
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
-        db.execute("CREATE TABLE events (position INTEGER PRIMARY KEY, session_id TEXT, version INTEGER, type TEXT,"
-                   " body TEXT, data BLOB, blob_sha TEXT, recorded_at REAL, hash TEXT, prev_hash TEXT,"
-                   " UNIQUE(session_id, version))")
+        db.execute(
+            "CREATE TABLE events (position INTEGER PRIMARY KEY, session_id TEXT, version INTEGER, type TEXT,"
+            " body TEXT, data BLOB, blob_sha TEXT, recorded_at REAL, hash TEXT, prev_hash TEXT,"
+            " UNIQUE(session_id, version))"
+        )
         body = canonical_json({"start": 0, "tokens": [1]})
-        rows = [(i + 1, "s", i + 1, T.TOKENS_APPENDED, body, None, None, 1.0, "h" * 64, "p" * 64) for i in range(n)]
+        rows = [
+            (i + 1, "s", i + 1, T.TOKENS_APPENDED, body, None, None, 1.0, "h" * 64, "p" * 64)
+            for i in range(n)
+        ]
         t0 = time.perf_counter()
         with db:
             db.executemany("INSERT INTO events VALUES (?,?,?,?,?,?,?,?,?,?)", rows)
@@ -106,14 +124,21 @@ async def raw_pg_ceiling(url: str, n: int) -> float:
     dsn = url.replace("postgresql+asyncpg", "postgresql")
     conn = await asyncpg.connect(dsn)
     try:
-        await conn.execute("CREATE TEMP TABLE raw_events (position bigint primary key, session_id text, version int,"
-                           " type text, body text, data bytea, blob_sha text, recorded_at float8, hash text,"
-                           " prev_hash text, unique(session_id, version))")
+        await conn.execute(
+            "CREATE TEMP TABLE raw_events (position bigint primary key, session_id text, version int,"
+            " type text, body text, data bytea, blob_sha text, recorded_at float8, hash text,"
+            " prev_hash text, unique(session_id, version))"
+        )
         body = canonical_json({"start": 0, "tokens": [1]})
-        rows = [(i + 1, "s", i + 1, T.TOKENS_APPENDED, body, None, None, 1.0, "h" * 64, "p" * 64) for i in range(n)]
+        rows = [
+            (i + 1, "s", i + 1, T.TOKENS_APPENDED, body, None, None, 1.0, "h" * 64, "p" * 64)
+            for i in range(n)
+        ]
         t0 = time.perf_counter()
         async with conn.transaction():
-            await conn.executemany("INSERT INTO raw_events VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10)", rows)
+            await conn.executemany(
+                "INSERT INTO raw_events VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10)", rows
+            )
         return n / (time.perf_counter() - t0)
     finally:
         await conn.close()
@@ -122,7 +147,19 @@ async def raw_pg_ceiling(url: str, n: int) -> float:
 def synthetic_events(n: int) -> list[Event]:
     out = [Event(1, "s", 1, T.SESSION_OPENED, {"protocol": "bench"}, None, 0.0, "h", "p")]
     for i in range(1, n):
-        out.append(Event(i + 1, "s", i + 1, T.TOKENS_APPENDED, {"start": i - 1, "tokens": [i % 250]}, None, 0.0, "h", "p"))
+        out.append(
+            Event(
+                i + 1,
+                "s",
+                i + 1,
+                T.TOKENS_APPENDED,
+                {"start": i - 1, "tokens": [i % 250]},
+                None,
+                0.0,
+                "h",
+                "p",
+            )
+        )
     return out
 
 
@@ -223,15 +260,25 @@ async def drop_pg_database(server: str, url: str) -> None:
 
 async def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--pg", default=os.environ.get("BENCH_PG_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test"),
-                    help="an existing database on the server; the bench creates and drops its own beside it")
+    ap.add_argument(
+        "--pg",
+        default=os.environ.get("BENCH_PG_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test"),
+        help="an existing database on the server; the bench creates and drops its own beside it",
+    )
     ap.add_argument("--no-pg", action="store_true")
     ap.add_argument("--events", type=int, default=200_000)
     ap.add_argument("--long", type=int, default=1_000_000)
-    ap.add_argument("--replicas", default="1,2,3",
-                    help="PostgreSQL: numbers of concurrent appending processes (replicas) to measure")
-    ap.add_argument("--append-worker", nargs=4, metavar=("URL", "SESSIONS", "PER_SESSION", "BATCH"),
-                    help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--replicas",
+        default="1,2,3",
+        help="PostgreSQL: numbers of concurrent appending processes (replicas) to measure",
+    )
+    ap.add_argument(
+        "--append-worker",
+        nargs=4,
+        metavar=("URL", "SESSIONS", "PER_SESSION", "BATCH"),
+        help=argparse.SUPPRESS,
+    )
     args = ap.parse_args()
     if args.append_worker:
         url, *nums = args.append_worker
@@ -244,40 +291,79 @@ async def main() -> None:
         ceiling = statistics.median([raw_sqlite_ceiling(args.events) for _ in range(3)])
         row("raw sqlite3 executemany, one transaction (baseline)", f"{ceiling:,.0f} ev/s", "1.00x")
         for sessions, batch in ((200, 1), (100, 100)):
-            rates = [await append_throughput(f"sqlite+aiosqlite:///{d}/a{sessions}{batch}{i}.db", sessions,
-                                             args.events // sessions, batch) for i in range(3)]
+            rates = [
+                await append_throughput(
+                    f"sqlite+aiosqlite:///{d}/a{sessions}{batch}{i}.db",
+                    sessions,
+                    args.events // sessions,
+                    batch,
+                )
+                for i in range(3)
+            ]
             r = statistics.median(rates)
-            row(f"log API, SQLite, {sessions} appenders x {batch} ev/append", f"{r:,.0f} ev/s", f"{r / ceiling:.2f}x")
+            row(
+                f"log API, SQLite, {sessions} appenders x {batch} ev/append",
+                f"{r:,.0f} ev/s",
+                f"{r / ceiling:.2f}x",
+            )
         if not args.no_pg:
             try:
                 pg_ceiling = await raw_pg_ceiling(args.pg, args.events // 4)
             except Exception as exc:
                 print(f"(PostgreSQL skipped: {exc})")
             else:
-                row("raw asyncpg executemany, one transaction (PG baseline)", f"{pg_ceiling:,.0f} ev/s", "1.00x")
+                row(
+                    "raw asyncpg executemany, one transaction (PG baseline)",
+                    f"{pg_ceiling:,.0f} ev/s",
+                    "1.00x",
+                )
                 for sessions, batch in ((200, 1), (100, 100)):
-                    rates = [await append_throughput(args.pg, sessions, args.events // 4 // sessions, batch) for _ in range(3)]
+                    rates = [
+                        await append_throughput(
+                            args.pg, sessions, args.events // 4 // sessions, batch
+                        )
+                        for _ in range(3)
+                    ]
                     r = statistics.median(rates)
-                    row(f"log API, PostgreSQL, {sessions} appenders x {batch} ev/append", f"{r:,.0f} ev/s",
-                        f"{r / pg_ceiling:.2f}x")
+                    row(
+                        f"log API, PostgreSQL, {sessions} appenders x {batch} ev/append",
+                        f"{r:,.0f} ev/s",
+                        f"{r / pg_ceiling:.2f}x",
+                    )
                 for k in (int(x) for x in args.replicas.split(",")):
-                    r = statistics.median([await replica_throughput(args.pg, k, 50, args.events // 8 // 50, 100)
-                                           for _ in range(3)])
-                    row(f"PostgreSQL, {k} replica process{'es' if k > 1 else ''} x 50 appenders x 100 ev",
-                        f"{r:,.0f} ev/s", f"{r / pg_ceiling:.2f}x")
+                    r = statistics.median(
+                        [
+                            await replica_throughput(args.pg, k, 50, args.events // 8 // 50, 100)
+                            for _ in range(3)
+                        ]
+                    )
+                    row(
+                        f"PostgreSQL, {k} replica process{'es' if k > 1 else ''} x 50 appenders x 100 ev",
+                        f"{r:,.0f} ev/s",
+                        f"{r / pg_ceiling:.2f}x",
+                    )
         f = statistics.median([fold_speed(300_000) for _ in range(3)])
         row("fold (rebuild state from decoded events)", f"{f:,.0f} ev/s", "")
-        rebuild, cold_ms, snap_ms = await long_session(f"sqlite+aiosqlite:///{d}/long.db", args.long)
+        rebuild, cold_ms, snap_ms = await long_session(
+            f"sqlite+aiosqlite:///{d}/long.db", args.long
+        )
         row(f"read + rebuild a {args.long:,}-event session, SQLite", f"{rebuild:,.0f} ev/s", "")
         row(f"load {args.long:,}-event session, no snapshot", f"{cold_ms:,.0f} ms", "1.00x")
-        row(f"load {args.long:,}-event session, with snapshot (median of 5)", f"{snap_ms:,.1f} ms",
-            f"{cold_ms / snap_ms:.0f}x faster")
+        row(
+            f"load {args.long:,}-event session, with snapshot (median of 5)",
+            f"{snap_ms:,.1f} ms",
+            f"{cold_ms / snap_ms:.0f}x faster",
+        )
         med, p99 = await subscriber_latency(f"sqlite+aiosqlite:///{d}/lat.db")
         row("commit -> subscriber latency, SQLite (median / p99)", f"{med:.2f} / {p99:.2f} ms", "")
         if not args.no_pg:
             try:
                 med, p99 = await subscriber_latency(args.pg)
-                row("commit -> subscriber latency, PostgreSQL (median / p99)", f"{med:.2f} / {p99:.2f} ms", "")
+                row(
+                    "commit -> subscriber latency, PostgreSQL (median / p99)",
+                    f"{med:.2f} / {p99:.2f} ms",
+                    "",
+                )
             except Exception as exc:
                 print(f"(PostgreSQL latency skipped: {exc})")
 

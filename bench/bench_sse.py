@@ -81,7 +81,8 @@ async def client(url: str, n: int) -> None:
 
 async def spawn_client(url: str, n: int) -> asyncio.subprocess.Process:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, __file__, "--client", url, str(n), stdout=subprocess.PIPE, cwd=str(ROOT))
+        sys.executable, __file__, "--client", url, str(n), stdout=subprocess.PIPE, cwd=str(ROOT)
+    )
     assert proc.stdout is not None
     line = await asyncio.wait_for(proc.stdout.readline(), 60)
     assert line.strip() == b"ready", line
@@ -112,7 +113,9 @@ async def run(tokens: int, repeats: int, counts: list[int]) -> None:
     from transports.sse.plugin import HttpTransport
 
     tmp = tempfile.mkdtemp()
-    cfg = Config.load(environ={}, overrides={"database": {"url": f"sqlite+aiosqlite:///{tmp}/bench.db"}})
+    cfg = Config.load(
+        environ={}, overrides={"database": {"url": f"sqlite+aiosqlite:///{tmp}/bench.db"}}
+    )
     rt = await Runtime.create(cfg, engine=ReferenceEngine(eos_bias=-100.0))
     http = HttpTransport(rt, {"listen": f"127.0.0.1:{free_port()}"}, cfg)
     await http.start()
@@ -133,8 +136,15 @@ async def run(tokens: int, repeats: int, counts: list[int]) -> None:
         return StreamingResponse(body(), media_type="text/event-stream")
 
     bport = free_port()
-    bserver = uvicorn.Server(uvicorn.Config(Starlette(routes=[Route("/bare", bare)]), host="127.0.0.1",
-                                            port=bport, log_level="warning", access_log=False))
+    bserver = uvicorn.Server(
+        uvicorn.Config(
+            Starlette(routes=[Route("/bare", bare)]),
+            host="127.0.0.1",
+            port=bport,
+            log_level="warning",
+            access_log=False,
+        )
+    )
     btask = asyncio.create_task(bserver.serve())
     for _ in range(1000):
         if bserver.started:
@@ -183,25 +193,35 @@ async def run(tokens: int, repeats: int, counts: list[int]) -> None:
             results.setdefault(("bare", n), []).append(r["patches"] / r["span_s"])
 
             # the finished session replayed from the log: a resume from its second event
-            proc = await spawn_client(f"{base}/v1/sessions/{sid}/events?last_event_id={evs[1].position}", n)
+            proc = await spawn_client(
+                f"{base}/v1/sessions/{sid}/events?last_event_id={evs[1].position}", n
+            )
             r = await finish_client(proc)
             results.setdefault(("replay", n), []).append(r["patches"] / r["span_s"])
 
-    print(f"\nSSE delivery, {tokens} generated tokens per run, median of {repeats} runs "
-          f"(reference engine, SQLite; clients in a separate process)")
+    print(
+        f"\nSSE delivery, {tokens} generated tokens per run, median of {repeats} runs "
+        f"(reference engine, SQLite; clients in a separate process)"
+    )
     print(f"generation alone (no watchers): {statistics.median(gen_only):,.0f} tokens/s\n")
-    print(f"{'watchers':>8} | {'live patches/s':>15} | {'resume-from-log patches/s':>26} | "
-          f"{'bare starlette patches/s':>25} | {'ratio resume/bare':>17} | {'RSS/watcher':>12} | {'bare RSS/w':>11}")
+    print(
+        f"{'watchers':>8} | {'live patches/s':>15} | {'resume-from-log patches/s':>26} | "
+        f"{'bare starlette patches/s':>25} | {'ratio resume/bare':>17} | {'RSS/watcher':>12} | {'bare RSS/w':>11}"
+    )
     print("-" * 135)
     for n in counts:
         live = statistics.median(results[("sessiontape", n)])
         replay = statistics.median(results[("replay", n)])
         bare_r = statistics.median(results[("bare", n)])
-        print(f"{n:>8} | {live:>15,.0f} | {replay:>26,.0f} | {bare_r:>25,.0f} | {replay / bare_r:>17.2f} | "
-              f"{statistics.median(mem[('sessiontape', n)]):>8,.1f} KiB | {statistics.median(mem[('bare', n)]):>7,.1f} KiB")
-    print("\nlive: watchers of the generating session (bounded by the generation rate x watchers);"
-          "\nresume-from-log: the same patches rebuilt from the log as fast as they go out;"
-          "\nbare: a Starlette endpoint sending the same frames from memory.")
+        print(
+            f"{n:>8} | {live:>15,.0f} | {replay:>26,.0f} | {bare_r:>25,.0f} | {replay / bare_r:>17.2f} | "
+            f"{statistics.median(mem[('sessiontape', n)]):>8,.1f} KiB | {statistics.median(mem[('bare', n)]):>7,.1f} KiB"
+        )
+    print(
+        "\nlive: watchers of the generating session (bounded by the generation rate x watchers);"
+        "\nresume-from-log: the same patches rebuilt from the log as fast as they go out;"
+        "\nbare: a Starlette endpoint sending the same frames from memory."
+    )
     bserver.should_exit = True
     await btask
     await http.stop(1.0)
@@ -226,8 +246,12 @@ async def fold(histories: list[int], tokens: int, repeats: int) -> None:
     from transports.sse.feeds import dumps
 
     tmp = tempfile.mkdtemp()
-    cfg = Config.load(environ={}, overrides={"database": {"url": f"sqlite+aiosqlite:///{tmp}/fold.db"}})
-    rt = await Runtime.create(cfg, engine=ReferenceEngine(max_length=max(histories) + tokens + 8, eos_bias=-100.0))
+    cfg = Config.load(
+        environ={}, overrides={"database": {"url": f"sqlite+aiosqlite:///{tmp}/fold.db"}}
+    )
+    rt = await Runtime.create(
+        cfg, engine=ReferenceEngine(max_length=max(histories) + tokens + 8, eos_bias=-100.0)
+    )
     text = ("The quick brown fox jumps over the lazy dog; " * (max(histories) // 45 + 1)).encode()
     rows = []
     for n in histories:
@@ -255,20 +279,32 @@ async def fold(histories: list[int], tokens: int, repeats: int) -> None:
             state_us.append((time.perf_counter() - t0) / len(toks) * 1e6)
         rows.append((n, statistics.median(doc_us), statistics.median(state_us)))
     await rt.aclose()
-    print(f"\nDocument fold per generated token ({tokens} tokens folded from the log, median of {repeats})")
-    print(f"{'history tokens':>14} | {'document fold + patch JSON':>27} | {'state fold (baseline)':>22} | {'ratio':>6}")
+    print(
+        f"\nDocument fold per generated token ({tokens} tokens folded from the log, median of {repeats})"
+    )
+    print(
+        f"{'history tokens':>14} | {'document fold + patch JSON':>27} | {'state fold (baseline)':>22} | {'ratio':>6}"
+    )
     print("-" * 80)
     for n, d, b_ in rows:
         print(f"{n:>14,} | {d:>24.1f} us | {b_:>19.1f} us | {d / b_:>6.1f}")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--tokens", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--watchers", type=int, nargs="*", default=[1, 100])
-    ap.add_argument("--fold", type=int, nargs="*", metavar="HISTORY", default=None,
-                    help="only the per-token document fold at these history lengths (default 100 8000 30000)")
+    ap.add_argument(
+        "--fold",
+        type=int,
+        nargs="*",
+        metavar="HISTORY",
+        default=None,
+        help="only the per-token document fold at these history lengths (default 100 8000 30000)",
+    )
     ap.add_argument("--client", nargs=2, metavar=("URL", "N"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.client:

@@ -58,8 +58,11 @@ class AuditReport:
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "session_id": self.session_id, "chain_ok": self.chain_ok,
-            "invariants_ok": self.invariants_ok, "problems": self.problems, "ok": self.ok,
+            "session_id": self.session_id,
+            "chain_ok": self.chain_ok,
+            "invariants_ok": self.invariants_ok,
+            "problems": self.problems,
+            "ok": self.ok,
         }
         if self.reexecuted:
             out["generations"] = self.generations
@@ -71,8 +74,14 @@ class AuditReport:
 EngineFor = Callable[[Mapping[str, Any]], Engine]
 
 
-async def audit_session(source: Runtime | EventLog, session_id: str, *, reexecute: bool = False,
-                        engine: Engine | None = None, engine_for: EngineFor | None = None) -> AuditReport:
+async def audit_session(
+    source: Runtime | EventLog,
+    session_id: str,
+    *,
+    reexecute: bool = False,
+    engine: Engine | None = None,
+    engine_for: EngineFor | None = None,
+) -> AuditReport:
     """Audit one session from the log.
 
     Re-execution runs on ``engine`` when given, else on ``engine_for(provenance)``
@@ -129,7 +138,9 @@ async def audit_session(source: Runtime | EventLog, session_id: str, *, reexecut
                 div = await reexecute_generation(eng, session_id, g)
             except (SessiontapeError, TypeError, ValueError, KeyError) as exc:
                 report.reexecution_ok = False
-                report.problems.append(f"generation {g.generation_id}: cannot be re-executed: {_reason(exc)}")
+                report.problems.append(
+                    f"generation {g.generation_id}: cannot be re-executed: {_reason(exc)}"
+                )
                 continue
             if div is not None:
                 report.divergences.append(div)
@@ -140,7 +151,9 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if not isinstance(exc, SessiontapeError) else str(exc)
 
 
-def _recorded(body: Mapping[str, Any], tokens: Sequence[int], eos: Sequence[int]) -> RecordedGeneration:
+def _recorded(
+    body: Mapping[str, Any], tokens: Sequence[int], eos: Sequence[int]
+) -> RecordedGeneration:
     """A ``generation.started`` body as a re-executable generation; raises when its parameters are unusable."""
     opts = body.get("options", {})
     params = SamplingParams.from_json(body.get("params", {}))
@@ -159,7 +172,9 @@ def _recorded(body: Mapping[str, Any], tokens: Sequence[int], eos: Sequence[int]
     )
 
 
-async def reexecute_generation(engine: Engine, session_id: str, g: RecordedGeneration) -> dict[str, Any] | None:
+async def reexecute_generation(
+    engine: Engine, session_id: str, g: RecordedGeneration
+) -> dict[str, Any] | None:
     """Run ``g`` again; None when every recorded step matches bitwise."""
     eos = set(g.eos)
     recorded_decode = [s for s in g.steps if not s.get("is_prefill")]
@@ -168,15 +183,24 @@ async def reexecute_generation(engine: Engine, session_id: str, g: RecordedGener
         max_tokens = len(recorded_decode)
     params = SamplingParams(
         max_tokens=min(max_tokens, engine.info.max_length - len(g.history)),
-        temperature=g.params.temperature, top_p=g.params.top_p, top_k=g.params.top_k, seed=g.params.seed,
+        temperature=g.params.temperature,
+        top_p=g.params.top_p,
+        top_k=g.params.top_k,
+        seed=g.params.seed,
         stop_token_ids=tuple(sorted(eos | set(g.params.stop_token_ids))),
     )
     key = f"audit:{session_id}:{g.generation_id}"
     got: list[dict[str, Any]] = []
     try:
         async for step in engine.generate(key, g.history, params, g.options):
-            got.append({"token": step.token_id, "position": step.position, "is_prefill": step.is_prefill,
-                        "logprob": step.logprob})
+            got.append(
+                {
+                    "token": step.token_id,
+                    "position": step.position,
+                    "is_prefill": step.is_prefill,
+                    "logprob": step.logprob,
+                }
+            )
             if len(got) >= len(g.steps) and g.finish_reason == "cancelled":
                 break
     finally:
@@ -184,18 +208,35 @@ async def reexecute_generation(engine: Engine, session_id: str, g: RecordedGener
     return first_divergence(g.generation_id, g.steps, got, complete=g.finish_reason != "cancelled")
 
 
-def first_divergence(gid: str, recorded: Sequence[dict[str, Any]], got: Sequence[dict[str, Any]],
-                     complete: bool) -> dict[str, Any] | None:
+def first_divergence(
+    gid: str, recorded: Sequence[dict[str, Any]], got: Sequence[dict[str, Any]], complete: bool
+) -> dict[str, Any] | None:
     for i, (r, x) in enumerate(zip(recorded, got, strict=False)):
-        same = (int(r["token"]) == x["token"] and int(r["position"]) == x["position"]
-                and bool(r.get("is_prefill")) == x["is_prefill"]
-                and (r.get("logprob") is None or x["logprob"] is None or float(r["logprob"]) == float(x["logprob"])))
+        same = (
+            int(r["token"]) == x["token"]
+            and int(r["position"]) == x["position"]
+            and bool(r.get("is_prefill")) == x["is_prefill"]
+            and (
+                r.get("logprob") is None
+                or x["logprob"] is None
+                or float(r["logprob"]) == float(x["logprob"])
+            )
+        )
         if not same:
-            return {"generation_id": gid, "index": i, "position": int(r["position"]),
-                    "recorded": {"token": int(r["token"]), "logprob": r.get("logprob")},
-                    "reexecuted": {"token": x["token"], "logprob": x["logprob"]}}
+            return {
+                "generation_id": gid,
+                "index": i,
+                "position": int(r["position"]),
+                "recorded": {"token": int(r["token"]), "logprob": r.get("logprob")},
+                "reexecuted": {"token": x["token"], "logprob": x["logprob"]},
+            }
     if len(recorded) > len(got) or (complete and len(got) != len(recorded)):
         i = min(len(recorded), len(got))
-        return {"generation_id": gid, "index": i, "position": None,
-                "recorded": {"count": len(recorded)}, "reexecuted": {"count": len(got)}}
+        return {
+            "generation_id": gid,
+            "index": i,
+            "position": None,
+            "recorded": {"count": len(recorded)},
+            "reexecuted": {"count": len(got)},
+        }
     return None

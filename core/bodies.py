@@ -38,6 +38,7 @@ SCHEMA_VERSION = 1
 
 # -- session lifecycle -----------------------------------------------------
 
+
 class EngineBinding(TypedDict):
     engine: ReadOnly[str]
     model_id: ReadOnly[str]
@@ -86,6 +87,7 @@ class SessionPurged(TypedDict):
 
 # -- Evergreen content -----------------------------------------------------
 
+
 class ChunkInfo(TypedDict):
     metadata: ReadOnly[dict[str, Any] | None]
     ref: ReadOnly[str | None]
@@ -126,6 +128,7 @@ class ActionFailed(TypedDict):
 
 # -- token history ---------------------------------------------------------
 
+
 class ImageSpan(TypedDict):
     start: ReadOnly[int]
     end: ReadOnly[int]
@@ -155,6 +158,7 @@ class TokensTruncated(TypedDict):
 
 
 # -- generation ------------------------------------------------------------
+
 
 class RecordedParams(TypedDict):
     max_tokens: ReadOnly[int]
@@ -209,6 +213,7 @@ class GenerationFinished(TypedDict):
 
 
 # -- other -----------------------------------------------------------------
+
 
 class FeedbackRecorded(TypedDict, total=False):
     """Free-form; these keys are the ones the transports write."""

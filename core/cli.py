@@ -36,7 +36,9 @@ log = logging.getLogger("sessiontape")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", help="TOML config file (default: ./sessiontape.toml if present)")
+    p.add_argument(
+        "--config", metavar="FILE", help="TOML config file (default: ./sessiontape.toml if present)"
+    )
     p.add_argument("--db", metavar="URL", help="database URL (SQLAlchemy async)")
 
 
@@ -52,7 +54,9 @@ def load_config(args: argparse.Namespace, extra: dict[str, Any] | None = None) -
     return Config.load(path, overrides=overrides)
 
 
-async def _log_only(args: argparse.Namespace, *, follow: bool = False, must_exist: bool = True) -> Any:
+async def _log_only(
+    args: argparse.Namespace, *, follow: bool = False, must_exist: bool = True
+) -> Any:
     """A log (no engine) for commands that read or edit an existing database.
 
     A SQLite file that is not there is an error rather than a new, empty
@@ -77,13 +81,17 @@ def check_database_url(url: str, *, must_exist: bool) -> None:
     try:
         parsed = make_url(url)
     except ArgumentError as exc:
-        raise ConfigError(f"not a database URL: {url!r} (expected e.g. sqlite+aiosqlite:///FILE)") from exc
+        raise ConfigError(
+            f"not a database URL: {url!r} (expected e.g. sqlite+aiosqlite:///FILE)"
+        ) from exc
     shown = parsed.render_as_string(hide_password=True)
     hint = "use sqlite+aiosqlite:///FILE or postgresql+asyncpg://HOST/DB"
     try:
         dialect = parsed.get_dialect()
     except NoSuchModuleError as exc:
-        raise ConfigError(f"unknown database driver {parsed.drivername!r} in {shown} ({hint})") from exc
+        raise ConfigError(
+            f"unknown database driver {parsed.drivername!r} in {shown} ({hint})"
+        ) from exc
     if not getattr(dialect, "is_async", False):
         raise ConfigError(f"{parsed.drivername!r} in {shown} is not an asyncio driver ({hint})")
     try:
@@ -180,15 +188,21 @@ def _redact(url: str) -> str:
 async def cmd_sessions_ls(args: argparse.Namespace) -> int:
     log_ = await _log_only(args)
     try:
-        rows = await log_.list_sessions(status=args.status, protocol=args.protocol, limit=args.limit)
+        rows = await log_.list_sessions(
+            status=args.status, protocol=args.protocol, limit=args.limit
+        )
     finally:
         await log_.close()
     if args.json:
         print(json.dumps([r.to_json() for r in rows], indent=None))
         return 0
-    print(f"{'ID':28} {'STATUS':8} {'PROTOCOL':10} {'ENGINE':10} {'TOKENS':>7} {'EVENTS':>7}  PARENT")
+    print(
+        f"{'ID':28} {'STATUS':8} {'PROTOCOL':10} {'ENGINE':10} {'TOKENS':>7} {'EVENTS':>7}  PARENT"
+    )
     for r in rows:
-        print(f"{r.id:28} {r.status:8} {r.protocol:10} {r.engine:10} {r.history_length:>7} {r.event_count:>7}  {r.parent_id or ''}")
+        print(
+            f"{r.id:28} {r.status:8} {r.protocol:10} {r.engine:10} {r.history_length:>7} {r.event_count:>7}  {r.parent_id or ''}"
+        )
     return 0
 
 
@@ -203,18 +217,40 @@ async def cmd_sessions_show(args: argparse.Namespace) -> int:
     finally:
         await log_.close()
     info = row.to_json()
-    info.update({
-        "mode": st.mode, "tokens": len(st.tokens), "text": render_tokens(st.tokens[-2000:]),
-        "generations": [{"id": g.id, "tokens": len(g.tokens), "finish_reason": g.finish_reason}
-                        for g in st.generations.values()],
-        "nodes": len(st.nodes), "actions": len(st.actions), "feedback": st.feedback,
-        "errors": st.errors, "provenance": st.engine, "abort": st.abort,
-    })
+    info.update(
+        {
+            "mode": st.mode,
+            "tokens": len(st.tokens),
+            "text": render_tokens(st.tokens[-2000:]),
+            "generations": [
+                {"id": g.id, "tokens": len(g.tokens), "finish_reason": g.finish_reason}
+                for g in st.generations.values()
+            ],
+            "nodes": len(st.nodes),
+            "actions": len(st.actions),
+            "feedback": st.feedback,
+            "errors": st.errors,
+            "provenance": st.engine,
+            "abort": st.abort,
+        }
+    )
     if args.json:
         print(json.dumps(info))
         return 0
-    for key in ("id", "status", "protocol", "mode", "engine", "model_id", "parent_id", "fork_position",
-                "event_count", "tokens", "nodes", "actions"):
+    for key in (
+        "id",
+        "status",
+        "protocol",
+        "mode",
+        "engine",
+        "model_id",
+        "parent_id",
+        "fork_position",
+        "event_count",
+        "tokens",
+        "nodes",
+        "actions",
+    ):
         print(f"{key:14} {info[key]}")
     print(f"{'provenance':14} {json.dumps(st.engine)}")
     for g in info["generations"]:
@@ -244,11 +280,13 @@ async def cmd_replay(args: argparse.Namespace) -> int:
             last = evs[-1].position if evs else 0
             terminal = {"session.closed", "session.aborted", "session.expired", "session.purged"}
             if not evs or evs[-1].type not in terminal:
+
                 async def live() -> Any:
                     async for e in log_.subscribe(last, args.id):
                         yield e
                         if e.type in terminal:
                             return
+
                 await replay(live(), sys.stdout, instant=True)
     finally:
         await log_.close()
@@ -282,7 +320,9 @@ async def cmd_audit(args: argparse.Namespace) -> int:
         for i, sid in enumerate(ids, 1):
             used.clear()
             try:
-                report = await audit_session(log_, sid, reexecute=args.reexecute, engine_for=engine_for)
+                report = await audit_session(
+                    log_, sid, reexecute=args.reexecute, engine_for=engine_for
+                )
             except SessiontapeError as exc:
                 report = AuditReport.failed(sid, str(exc))
             except Exception as exc:  # one bad session never stops the others
@@ -300,8 +340,10 @@ async def cmd_audit(args: argparse.Namespace) -> int:
         for r in reports:
             row = r.to_json()
             if r.reexecuted and engine_of.get(r.session_id):
-                row.update(engine=engine_of[r.session_id].get("engine"),
-                           recorded_engine=engine_of[r.session_id].get("recorded"))
+                row.update(
+                    engine=engine_of[r.session_id].get("engine"),
+                    recorded_engine=engine_of[r.session_id].get("recorded"),
+                )
             if not r.ok:
                 row["reason"] = audit_reason(r, engine_of.get(r.session_id, {}))
             out.append(row)
@@ -309,9 +351,15 @@ async def cmd_audit(args: argparse.Namespace) -> int:
     else:
         for r in reports:
             mark = "ok" if r.ok else "FAILED: " + audit_reason(r, engine_of.get(r.session_id, {}))
-            extra = f", {r.generations} generations re-run, {len(r.divergences)} diverged" if r.reexecuted else ""
-            print(f"{r.session_id}: {mark} (chain {'ok' if r.chain_ok else 'BROKEN'}, invariants "
-                  f"{'ok' if r.invariants_ok else 'BROKEN'}{extra})")
+            extra = (
+                f", {r.generations} generations re-run, {len(r.divergences)} diverged"
+                if r.reexecuted
+                else ""
+            )
+            print(
+                f"{r.session_id}: {mark} (chain {'ok' if r.chain_ok else 'BROKEN'}, invariants "
+                f"{'ok' if r.invariants_ok else 'BROKEN'}{extra})"
+            )
             for p in r.problems:
                 print(f"  {p}")
             for d in r.divergences:
@@ -331,8 +379,10 @@ def audit_reason(r: Any, engines: dict[str, str]) -> str:
         where = ""
         if on:
             where = f" on engine {on}" + (f" (recorded on {rec})" if rec and rec != on else "")
-        why.append(f"re-execution{where} differs from the recording in {len(r.divergences)} of "
-                   f"{r.generations} generation{'' if r.generations == 1 else 's'}")
+        why.append(
+            f"re-execution{where} differs from the recording in {len(r.divergences)} of "
+            f"{r.generations} generation{'' if r.generations == 1 else 's'}"
+        )
     if not why:
         why = [str(p) for p in r.problems[:1]] or ["see the problems listed"]
     return "; ".join(why)
@@ -347,18 +397,26 @@ def divergence_text(d: dict[str, Any]) -> str:
     """One divergence as a sentence (the CLI's plain output; --json keeps the raw fields)."""
     gid, rec, got = d.get("generation_id"), d.get("recorded"), d.get("reexecuted")
     if isinstance(rec, dict) and isinstance(got, dict) and "count" in rec:
-        return (f"generation {gid}: the recording has {rec['count']} steps, "
-                f"re-execution produced {got.get('count')}")
+        return (
+            f"generation {gid}: the recording has {rec['count']} steps, "
+            f"re-execution produced {got.get('count')}"
+        )
     if isinstance(rec, dict) and isinstance(got, dict) and "token" in rec:
-        at = f"step {d.get('index')}" + (f" (token position {d['position']})" if d.get("position") is not None else "")
+        at = f"step {d.get('index')}" + (
+            f" (token position {d['position']})" if d.get("position") is not None else ""
+        )
         if rec.get("token") == got.get("token"):
-            return (f"generation {gid}: first divergence at {at}: same token {rec['token']}, logprob "
-                    f"{rec.get('logprob')!r} recorded, {got.get('logprob')!r} re-executed")
+            return (
+                f"generation {gid}: first divergence at {at}: same token {rec['token']}, logprob "
+                f"{rec.get('logprob')!r} recorded, {got.get('logprob')!r} re-executed"
+            )
         return f"generation {gid}: first divergence at {at}: recorded {_tok(rec)}, re-executed {_tok(got)}"
     reason = d.get("reason") or d.get("message") or d.get("error")
     if reason:
         return f"generation {gid}: {reason}"
-    return f"generation {gid}: " + json.dumps({k: v for k, v in d.items() if k != "generation_id"}, default=str)
+    return f"generation {gid}: " + json.dumps(
+        {k: v for k, v in d.items() if k != "generation_id"}, default=str
+    )
 
 
 def _progress(i: int, n: int) -> None:
@@ -410,8 +468,13 @@ async def cmd_import(args: argparse.Namespace) -> int:
         if existing:
             raise FailedPrecondition(
                 f"session {existing[0]} already exists in this database"
-                + (f" (and {len(existing) - 1} more of the file's sessions)" if len(existing) > 1 else "")
-                + "; purge it first or import into another database")
+                + (
+                    f" (and {len(existing) - 1} more of the file's sessions)"
+                    if len(existing) > 1
+                    else ""
+                )
+                + "; purge it first or import into another database"
+            )
         for sid, evs in by_session.items():
             evs.sort(key=lambda e: e.version)
             length = 0
@@ -459,9 +522,11 @@ async def cmd_purge(args: argparse.Namespace) -> int:
     finally:
         await log_.close()
     if args.older_than_days is not None:
-        print(f"purged {len(ids)} session{'' if len(ids) == 1 else 's'}"
-              f" ({len(ids) - len(args.ids)} closed, aborted or expired ones idle for more than"
-              f" {args.older_than_days:g} days)")
+        print(
+            f"purged {len(ids)} session{'' if len(ids) == 1 else 's'}"
+            f" ({len(ids) - len(args.ids)} closed, aborted or expired ones idle for more than"
+            f" {args.older_than_days:g} days)"
+        )
     return 0
 
 
@@ -485,34 +550,64 @@ async def cmd_db_upgrade(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sessiontape", description="Event-sourced session store for generative-AI sessions.")
+    p = argparse.ArgumentParser(
+        prog="sessiontape", description="Event-sourced session store for generative-AI sessions."
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}",
-                   help="print the version and exit")
+    p.add_argument(
+        "--version",
+        action="version",
+        version=f"%(prog)s {_version()}",
+        help="print the version and exit",
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="run the server with the enabled transports")
     _common(s)
     s.add_argument("--engine", help="engine name (reference, onnx, ...)")
-    s.add_argument("--grpc", metavar="HOST:PORT", help="gRPC listen address (default 127.0.0.1:50051)")
-    s.add_argument("--http", metavar="HOST:PORT", help="HTTP listen address (default 127.0.0.1:8080)")
+    s.add_argument(
+        "--grpc", metavar="HOST:PORT", help="gRPC listen address (default 127.0.0.1:50051)"
+    )
+    s.add_argument(
+        "--http", metavar="HOST:PORT", help="HTTP listen address (default 127.0.0.1:8080)"
+    )
     s.add_argument("--no-grpc", action="store_true", help="do not start the gRPC transport")
     s.add_argument("--no-http", action="store_true", help="do not start the HTTP transport")
-    s.add_argument("--nostr-relay", metavar="URL", action="append", default=[],
-                   help="serve D4 calls from this nostr relay (repeatable; enables the nostr transport)")
-    s.add_argument("--nostr-key-file", metavar="FILE", help="the D4 worker's secret key (nsec or hex)")
-    s.add_argument("--auth-token", metavar="TOKEN", help="require this bearer token on gRPC and HTTP")
-    s.add_argument("--log-format", choices=("text", "json"),
-                   help="log lines as text or as one JSON object per line (default: [logging] format, text)")
+    s.add_argument(
+        "--nostr-relay",
+        metavar="URL",
+        action="append",
+        default=[],
+        help="serve D4 calls from this nostr relay (repeatable; enables the nostr transport)",
+    )
+    s.add_argument(
+        "--nostr-key-file", metavar="FILE", help="the D4 worker's secret key (nsec or hex)"
+    )
+    s.add_argument(
+        "--auth-token", metavar="TOKEN", help="require this bearer token on gRPC and HTTP"
+    )
+    s.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        help="log lines as text or as one JSON object per line (default: [logging] format, text)",
+    )
     s.set_defaults(func=cmd_serve)
 
-    ss = sub.add_parser("sessions", help="list or show sessions").add_subparsers(dest="sub", required=True)
+    ss = sub.add_parser("sessions", help="list or show sessions").add_subparsers(
+        dest="sub", required=True
+    )
     ls = ss.add_parser("ls", help="list sessions")
     _common(ls)
     ls.add_argument("--json", action="store_true", help="one JSON array instead of a table")
-    ls.add_argument("--status", help="only sessions with this status (open, closed, aborted, expired, purged)")
-    ls.add_argument("--protocol", help="only sessions opened over this protocol (http, salience, kakeya, ...)")
-    ls.add_argument("--limit", type=int, default=1000, help="at most N sessions, newest first (default 1000)")
+    ls.add_argument(
+        "--status", help="only sessions with this status (open, closed, aborted, expired, purged)"
+    )
+    ls.add_argument(
+        "--protocol", help="only sessions opened over this protocol (http, salience, kakeya, ...)"
+    )
+    ls.add_argument(
+        "--limit", type=int, default=1000, help="at most N sessions, newest first (default 1000)"
+    )
     ls.set_defaults(func=cmd_sessions_ls)
     sh = ss.add_parser("show", help="show one session")
     _common(sh)
@@ -524,17 +619,28 @@ def build_parser() -> argparse.ArgumentParser:
     _common(r)
     r.add_argument("id", help="session id")
     g = r.add_mutually_exclusive_group()
-    g.add_argument("--speed", type=float, default=1.0, help="play back X times as fast as recorded (default 1)")
-    g.add_argument("--instant", action="store_true", help="print everything at once, without pauses")
+    g.add_argument(
+        "--speed", type=float, default=1.0, help="play back X times as fast as recorded (default 1)"
+    )
+    g.add_argument(
+        "--instant", action="store_true", help="print everything at once, without pauses"
+    )
     r.add_argument("--follow", action="store_true", help="keep following a live session")
     r.set_defaults(func=cmd_replay)
 
-    a = sub.add_parser("audit", help="verify chains and invariants; optionally re-execute generations")
+    a = sub.add_parser(
+        "audit", help="verify chains and invariants; optionally re-execute generations"
+    )
     _common(a)
     a.add_argument("ids", nargs="+", metavar="ID", help="session ids")
-    a.add_argument("--reexecute", action="store_true",
-                   help="run every recorded generation again and compare the tokens bitwise")
-    a.add_argument("--engine", help="re-execute on this engine instead of the one each session recorded")
+    a.add_argument(
+        "--reexecute",
+        action="store_true",
+        help="run every recorded generation again and compare the tokens bitwise",
+    )
+    a.add_argument(
+        "--engine", help="re-execute on this engine instead of the one each session recorded"
+    )
     a.add_argument("--json", action="store_true", help="one JSON array of reports instead of text")
     a.set_defaults(func=cmd_audit)
 
@@ -548,12 +654,20 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("file", help="an NDJSON file written by `sessiontape export`")
     i.set_defaults(func=cmd_import)
 
-    pg = sub.add_parser("purge", help="delete sessions' events, leaving a tombstone the chain verifies from")
+    pg = sub.add_parser(
+        "purge", help="delete sessions' events, leaving a tombstone the chain verifies from"
+    )
     _common(pg)
     pg.add_argument("ids", nargs="*", metavar="ID", help="session ids to purge")
-    pg.add_argument("--older-than-days", type=float, metavar="N",
-                    help="also purge closed, aborted and expired sessions idle for N days")
-    pg.add_argument("--reason", default="retention", help="recorded in the tombstone (default: retention)")
+    pg.add_argument(
+        "--older-than-days",
+        type=float,
+        metavar="N",
+        help="also purge closed, aborted and expired sessions idle for N days",
+    )
+    pg.add_argument(
+        "--reason", default="retention", help="recorded in the tombstone (default: retention)"
+    )
     pg.add_argument("--force", action="store_true", help="purge open sessions too")
     pg.set_defaults(func=cmd_purge)
 

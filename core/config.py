@@ -79,7 +79,9 @@ DEFAULTS: dict[str, Any] = {
     "logging": {"level": "INFO", "format": "text", "access_log": True},
     # what one request may cost (docs/security.md); every wire reads these
     "limits": {
-        "max_body_bytes": 16 * 1024 * 1024,  # HTTP body and gRPC message, refused while streaming in
+        "max_body_bytes": 16
+        * 1024
+        * 1024,  # HTTP body and gRPC message, refused while streaming in
         "max_json_depth": 64,  # nesting of a JSON request body
         "max_meta_bytes": 64 * 1024,  # session meta and one feedback body, as JSON
         "body_timeout_s": 30.0,  # a body that sends nothing for this long is refused (408)
@@ -169,21 +171,27 @@ class Config:
     def validate(self) -> None:
         if not isinstance(self.db_url, str) or "://" not in self.db_url:
             raise ConfigError(f"database.url must be a SQLAlchemy URL, got {self.db_url!r}")
-        numbers = {"sessions": ("sweep_interval_s", "max_nesting_depth", "max_nodes", "state_cache_size"),
-                   "log": ("batch_max", "snapshot_every", "inline_max_bytes", "poll_interval_s"),
-                   "generation": ("run_ahead", "max_run"),
-                   "limits": tuple(DEFAULTS["limits"])}
+        numbers = {
+            "sessions": ("sweep_interval_s", "max_nesting_depth", "max_nodes", "state_cache_size"),
+            "log": ("batch_max", "snapshot_every", "inline_max_bytes", "poll_interval_s"),
+            "generation": ("run_ahead", "max_run"),
+            "limits": tuple(DEFAULTS["limits"]),
+        }
         for section, keys in numbers.items():
             for key in keys:
                 value = self.section(section).get(key, DEFAULTS[section][key])
-                if isinstance(value, bool) or (not isinstance(value, int | float) and not _numeric(value)):
+                if isinstance(value, bool) or (
+                    not isinstance(value, int | float) and not _numeric(value)
+                ):
                     raise ConfigError(f"{section}.{key} must be a number, got {value!r}")
                 if float(value) <= 0 and key != "snapshot_every":
                     raise ConfigError(f"{section}.{key} must be positive, got {value!r}")
         ttls = self.section("sessions").get("idle_ttl_s", {})
-        for proto, value in (ttls.items() if isinstance(ttls, dict) else [("default", ttls)]):
+        for proto, value in ttls.items() if isinstance(ttls, dict) else [("default", ttls)]:
             if isinstance(value, bool) or not _numeric(value) or float(value) <= 0:
-                raise ConfigError(f"sessions.idle_ttl_s.{proto} must be a positive number, got {value!r}")
+                raise ConfigError(
+                    f"sessions.idle_ttl_s.{proto} must be a positive number, got {value!r}"
+                )
         for name, opts in self.transports.items():
             if not isinstance(opts, dict):
                 raise ConfigError(f"transports.{name} must be a table")

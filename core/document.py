@@ -86,7 +86,7 @@ class TextRun:
         w.extend(ids)
         t = self._detok(w)
         end = len(t) - 1 if t.endswith(REPLACEMENT) else len(t)
-        piece = t[self._done:end] if end > self._done else ""
+        piece = t[self._done : end] if end > self._done else ""
         self._done = max(self._done, end)
         if len(w) > self.LIMIT:
             self._trim(t)
@@ -95,7 +95,7 @@ class TextRun:
     def flush(self) -> str:
         """The held-back text, if any: the run is complete."""
         t = self._detok(self._window)
-        piece = t[self._done:]
+        piece = t[self._done :]
         self._done = len(t)
         return piece
 
@@ -135,7 +135,14 @@ def empty_document(session_id: str) -> Doc:
         "end": None,
         "parent": None,
         "children": [],
-        "history": {"ids": [], "text": None, "segments": [], "images": [], "truncations": 0, "dropped": 0},
+        "history": {
+            "ids": [],
+            "text": None,
+            "segments": [],
+            "images": [],
+            "truncations": 0,
+            "dropped": 0,
+        },
         "nodes": {},
         "roots": [],
         "actions": [],
@@ -168,7 +175,12 @@ def _params(recorded: Any) -> dict[str, Any]:
     it may need 64 bits) as a number where JSON holds it exactly, else still a string."""
     out = dict(recorded)
     seed = out.get("seed")
-    if isinstance(seed, str) and seed.isascii() and seed.isdigit() and int(seed) <= MAX_EXACT_JSON_INT:
+    if (
+        isinstance(seed, str)
+        and seed.isascii()
+        and seed.isdigit()
+        and int(seed) <= MAX_EXACT_JSON_INT
+    ):
         out["seed"] = int(seed)
     return out
 
@@ -182,8 +194,13 @@ class DocumentBuilder:
     adds a child (fork) entry.
     """
 
-    def __init__(self, session_id: str, *, detokenize: Detokenize | None = None,
-                 base: SessionState | None = None) -> None:
+    def __init__(
+        self,
+        session_id: str,
+        *,
+        detokenize: Detokenize | None = None,
+        base: SessionState | None = None,
+    ) -> None:
         self.session_id = session_id
         self.detokenize = detokenize
         self.state = base if base is not None else SessionState(session_id)
@@ -203,7 +220,9 @@ class DocumentBuilder:
             ids = list(base.tokens)
             h["ids"] = ids
             h["text"] = self._start_history(ids)
-            h["segments"] = [{"source": "inherited", "start": 0, "text": self._text(ids)}] if ids else []
+            h["segments"] = (
+                [{"source": "inherited", "start": 0, "text": self._text(ids)}] if ids else []
+            )
             h["images"] = [self._image(im) for im in base.images]
             doc["nodes"] = {nid: self._node(n) for nid, n in base.nodes.items()}
             doc["roots"] = self._roots()
@@ -219,17 +238,35 @@ class DocumentBuilder:
 
     @staticmethod
     def _image(im: Any) -> dict[str, Any]:
-        return {"start": im.start, "end": im.end, "mime": im.mime, "sha256": im.sha256, "size": im.size}
+        return {
+            "start": im.start,
+            "end": im.end,
+            "mime": im.mime,
+            "sha256": im.sha256,
+            "size": im.size,
+        }
 
     def _node(self, n: Node) -> dict[str, Any]:
         meta = dict(n.metadata or {})
         mimetype = str(meta.get("mimetype", ""))
         data = n.data() if n.kind == "leaf" else b""
-        text = data.decode("utf-8", "replace") if n.kind == "leaf" and n.ref is None and _is_text(mimetype) else None
+        text = (
+            data.decode("utf-8", "replace")
+            if n.kind == "leaf" and n.ref is None and _is_text(mimetype)
+            else None
+        )
         return {
-            "id": n.id, "kind": n.kind, "direction": n.direction, "mimetype": mimetype,
-            "role": str(meta.get("role", "")), "metadata": meta, "children": n.child_ids,
-            "ref": n.ref, "text": text, "size": len(data), "complete": n.fragments_complete,
+            "id": n.id,
+            "kind": n.kind,
+            "direction": n.direction,
+            "mimetype": mimetype,
+            "role": str(meta.get("role", "")),
+            "metadata": meta,
+            "children": n.child_ids,
+            "ref": n.ref,
+            "text": text,
+            "size": len(data),
+            "complete": n.fragments_complete,
             "fragments": len(n.fragments),
         }
 
@@ -238,10 +275,20 @@ class DocumentBuilder:
 
     def _token(self, b: Mapping[str, Any], at: float) -> dict[str, Any]:
         tok = int(b["token"])
-        top = [{"id": int(i), "text": self._text([int(i)]), "logprob": lp} for i, lp in b.get("top", ())]
-        return {"id": tok, "position": int(b["position"]), "text": self._text([tok]),
-                "logprob": b.get("logprob"), "top": top, "readout": b.get("readout"),
-                "t": b.get("t"), "at": at}
+        top = [
+            {"id": int(i), "text": self._text([int(i)]), "logprob": lp}
+            for i, lp in b.get("top", ())
+        ]
+        return {
+            "id": tok,
+            "position": int(b["position"]),
+            "text": self._text([tok]),
+            "logprob": b.get("logprob"),
+            "top": top,
+            "readout": b.get("readout"),
+            "t": b.get("t"),
+            "at": at,
+        }
 
     # Every change to ``doc`` goes through these, which record its op.
 
@@ -270,14 +317,32 @@ class DocumentBuilder:
             self._ops.append({"op": "append", "path": path, "value": piece})
 
     def _audit(self, doc: Doc, e: Event) -> None:
-        expected = e.prev_hash if (self.state.version == 0 and e.type == T.SESSION_PURGED) else self._head
+        expected = (
+            e.prev_hash if (self.state.version == 0 and e.type == T.SESSION_PURGED) else self._head
+        )
         audit = doc["audit"]
         if audit["chain"] == "verified" and e.prev_hash != expected:
-            self._set(doc, "audit", {"chain": "broken", "head_hash": e.hash,
-                                     "error": f"v{e.version}: prev_hash does not match the previous event"}, "/audit")
+            self._set(
+                doc,
+                "audit",
+                {
+                    "chain": "broken",
+                    "head_hash": e.hash,
+                    "error": f"v{e.version}: prev_hash does not match the previous event",
+                },
+                "/audit",
+            )
         elif audit["chain"] == "verified" and event_hash(e) != e.hash:
-            self._set(doc, "audit", {"chain": "broken", "head_hash": e.hash,
-                                     "error": f"v{e.version}: hash does not match the event's content"}, "/audit")
+            self._set(
+                doc,
+                "audit",
+                {
+                    "chain": "broken",
+                    "head_hash": e.hash,
+                    "error": f"v{e.version}: hash does not match the event's content",
+                },
+                "/audit",
+            )
         else:
             self._set(audit, "head_hash", e.hash, "/audit/head_hash")
         self._head = e.hash
@@ -297,10 +362,17 @@ class DocumentBuilder:
         if e.session_id != self.session_id:
             parent = e.body.get("parent") if e.type == T.SESSION_OPENED else None
             if parent and parent.get("session_id") == self.session_id:
-                self._push(doc["children"], {
-                    "session_id": e.session_id, "version": parent.get("version"),
-                    "token_position": parent.get("token_position"), "created_at": e.recorded_at,
-                    "position": e.position}, "/children")
+                self._push(
+                    doc["children"],
+                    {
+                        "session_id": e.session_id,
+                        "version": parent.get("version"),
+                        "token_position": parent.get("token_position"),
+                        "created_at": e.recorded_at,
+                        "position": e.position,
+                    },
+                    "/children",
+                )
                 self.position = max(self.position, e.position)
             return ops
         st = self.state
@@ -326,11 +398,18 @@ class DocumentBuilder:
 
     def _opened(self, doc: Doc, e: Event, _: int) -> None:
         st = self.state
-        for key, value in (("status", st.status), ("protocol", st.protocol), ("mode", st.mode),
-                           ("label", st.label), ("engine", dict(st.engine)), ("meta", dict(st.meta)),
-                           ("ttl_s", st.ttl_s), ("eos_token_ids", list(st.eos_token_ids)),
-                           ("created_at", e.recorded_at),
-                           ("parent", None if e.body.get("parent") is None else dict(e.body["parent"]))):
+        for key, value in (
+            ("status", st.status),
+            ("protocol", st.protocol),
+            ("mode", st.mode),
+            ("label", st.label),
+            ("engine", dict(st.engine)),
+            ("meta", dict(st.meta)),
+            ("ttl_s", st.ttl_s),
+            ("eos_token_ids", list(st.eos_token_ids)),
+            ("created_at", e.recorded_at),
+            ("parent", None if e.body.get("parent") is None else dict(e.body["parent"])),
+        ):
             self._set(doc, key, value, "/" + key)
 
     def _ended(self, doc: Doc, e: Event, _: int) -> None:
@@ -340,7 +419,12 @@ class DocumentBuilder:
             self._replace(doc, "nodes", {}, "/nodes")
             self._replace(doc, "roots", [], "/roots")
             h = doc["history"]
-            for key, value in (("ids", []), ("text", self._start_history([])), ("segments", []), ("images", [])):
+            for key, value in (
+                ("ids", []),
+                ("text", self._start_history([])),
+                ("segments", []),
+                ("images", []),
+            ):
                 self._replace(h, key, value, "/history/" + key)
             self._gen_runs.clear()
 
@@ -365,16 +449,30 @@ class DocumentBuilder:
         if aid in self._action_index:
             i = self._action_index[aid]
             item = doc["actions"][i]
-            for key, value in (("status", act.status), ("error", act.error), ("finished_at", e.recorded_at)):
+            for key, value in (
+                ("status", act.status),
+                ("error", act.error),
+                ("finished_at", e.recorded_at),
+            ):
                 self._set(item, key, value, f"/actions/{i}/{key}")
             return
         self._action_index[aid] = len(doc["actions"])
-        self._push(doc["actions"], {
-            "id": act.id, "name": act.name, "target": act.target, "configs": act.configs,
-            "inputs": [{"name": n, "id": i} for n, i in act.inputs],
-            "outputs": [{"name": n, "id": i} for n, i in act.outputs],
-            "status": act.status, "error": act.error, "submitted_at": e.recorded_at,
-            "finished_at": None}, "/actions")
+        self._push(
+            doc["actions"],
+            {
+                "id": act.id,
+                "name": act.name,
+                "target": act.target,
+                "configs": act.configs,
+                "inputs": [{"name": n, "id": i} for n, i in act.inputs],
+                "outputs": [{"name": n, "id": i} for n, i in act.outputs],
+                "status": act.status,
+                "error": act.error,
+                "submitted_at": e.recorded_at,
+                "finished_at": None,
+            },
+            "/actions",
+        )
 
     def _appended(self, doc: Doc, e: Event, prev_len: int) -> None:
         b = e.body
@@ -385,11 +483,17 @@ class DocumentBuilder:
         if toks:
             if self._history_run is not None:
                 self._grow(h, "text", self._history_run.push(toks), "/history/text")
-            self._push(h["segments"], {"source": "input", "start": prev_len, "text": self._text(toks)},
-                       "/history/segments")
+            self._push(
+                h["segments"],
+                {"source": "input", "start": prev_len, "text": self._text(toks)},
+                "/history/segments",
+            )
         for im in b.get("images") or ():
-            self._push(h["images"], {k: im[k] for k in ("start", "end", "mime", "sha256", "size")},
-                       "/history/images")
+            self._push(
+                h["images"],
+                {k: im[k] for k in ("start", "end", "mime", "sha256", "size")},
+                "/history/images",
+            )
 
     def _truncated(self, doc: Doc, e: Event, _: int) -> None:
         st = self.state
@@ -405,7 +509,10 @@ class DocumentBuilder:
             del old[cut:]
             kept = [s for s in h["segments"] if s["start"] < cut]
             ends = [s["start"] for s in kept[1:]] + [cut]
-            segs = [{**s, "text": self._text(ids[s["start"]:end])} for s, end in zip(kept, ends, strict=True)]
+            segs = [
+                {**s, "text": self._text(ids[s["start"] : end])}
+                for s, end in zip(kept, ends, strict=True)
+            ]
         else:
             self._replace(h, "ids", ids, "/history/ids")
             segs = [{"source": "truncated", "start": 0, "text": self._text(ids)}] if ids else []
@@ -421,12 +528,26 @@ class DocumentBuilder:
         self._gen_index[gid] = len(doc["generations"])
         if self.detokenize is not None:
             self._gen_runs[gid] = TextRun(self.detokenize)
-        self._push(doc["generations"], {
-            "id": gid, "status": "running", "params": _params(b.get("params", {})),
-            "options": dict(b.get("options", {})), "prompt_length": b.get("prompt_length"),
-            "priority": b.get("priority", 0), "action_id": b.get("action_id"),
-            "started_at": e.recorded_at, "finished_at": None, "finish_reason": None,
-            "text": "" if self.detokenize else None, "tokens": [], "prefill": [], "timing": None}, "/generations")
+        self._push(
+            doc["generations"],
+            {
+                "id": gid,
+                "status": "running",
+                "params": _params(b.get("params", {})),
+                "options": dict(b.get("options", {})),
+                "prompt_length": b.get("prompt_length"),
+                "priority": b.get("priority", 0),
+                "action_id": b.get("action_id"),
+                "started_at": e.recorded_at,
+                "finished_at": None,
+                "finish_reason": None,
+                "text": "" if self.detokenize else None,
+                "tokens": [],
+                "prefill": [],
+                "timing": None,
+            },
+            "/generations",
+        )
         self._set(doc, "active_generation", gid, "/active_generation")
 
     def _gen_token(self, doc: Doc, e: Event, _: int) -> None:
@@ -451,8 +572,16 @@ class DocumentBuilder:
         segs = h["segments"]
         last = segs[-1] if segs else None
         if last is None or last.get("generation_id") != gid:
-            self._push(segs, {"source": "generation", "start": entry["position"], "generation_id": gid,
-                              "text": piece if run is not None else None}, "/history/segments")
+            self._push(
+                segs,
+                {
+                    "source": "generation",
+                    "start": entry["position"],
+                    "generation_id": gid,
+                    "text": piece if run is not None else None,
+                },
+                "/history/segments",
+            )
         else:
             self._grow(last, "text", piece, f"/history/segments/{len(segs) - 1}/text")
 
@@ -470,17 +599,30 @@ class DocumentBuilder:
             segs = doc["history"]["segments"]
             if segs and segs[-1].get("generation_id") == gid:
                 self._grow(segs[-1], "text", piece, f"/history/segments/{len(segs) - 1}/text")
-        timing = {k: b.get(k) for k in ("prompt_tokens", "completion_tokens", "prefill_s", "ttft_s", "total_s")}
-        for key, value in (("status", "finished"), ("finish_reason", b.get("finish_reason")),
-                           ("finished_at", e.recorded_at), ("timing", timing)):
+        timing = {
+            k: b.get(k)
+            for k in ("prompt_tokens", "completion_tokens", "prefill_s", "ttft_s", "total_s")
+        }
+        for key, value in (
+            ("status", "finished"),
+            ("finish_reason", b.get("finish_reason")),
+            ("finished_at", e.recorded_at),
+            ("timing", timing),
+        ):
             self._set(g, key, value, f"{gpath}/{key}")
         self._set(doc, "active_generation", None, "/active_generation")
 
     def _feedback(self, doc: Doc, e: Event, _: int) -> None:
-        self._push(doc["feedback"], {**dict(e.body), "at": e.recorded_at, "version": e.version}, "/feedback")
+        self._push(
+            doc["feedback"],
+            {**dict(e.body), "at": e.recorded_at, "version": e.version},
+            "/feedback",
+        )
 
     def _error(self, doc: Doc, e: Event, _: int) -> None:
-        self._push(doc["errors"], {**dict(e.body), "at": e.recorded_at, "version": e.version}, "/errors")
+        self._push(
+            doc["errors"], {**dict(e.body), "at": e.recorded_at, "version": e.version}, "/errors"
+        )
 
 
 _Handler = Callable[[DocumentBuilder, Doc, Event, int], None]
@@ -504,8 +646,13 @@ _HANDLERS: dict[str, _Handler] = {
 }
 
 
-def build_document(session_id: str, events: Iterable[Event], *, detokenize: Detokenize | None = None,
-                   base: SessionState | None = None) -> Doc:
+def build_document(
+    session_id: str,
+    events: Iterable[Event],
+    *,
+    detokenize: Detokenize | None = None,
+    base: SessionState | None = None,
+) -> Doc:
     """The document after ``events`` (a pure function of its inputs)."""
     return DocumentBuilder(session_id, detokenize=detokenize, base=base).apply_all(events)
 
@@ -515,9 +662,16 @@ def build_document(session_id: str, events: Iterable[Event], *, detokenize: Deto
 
 def session_summary(row: Mapping[str, Any]) -> dict[str, Any]:
     """A sessions-list entry from a sessions-index row (``SessionRow.to_json()``)."""
-    return {"id": row["id"], "protocol": row["protocol"], "status": row["status"], "label": row["label"],
-            "parent_id": row.get("parent_id"), "model_id": row.get("model_id", ""),
-            "created_at": row["created_at"], "generating": bool(row.get("generating", False))}
+    return {
+        "id": row["id"],
+        "protocol": row["protocol"],
+        "status": row["status"],
+        "label": row["label"],
+        "parent_id": row.get("parent_id"),
+        "model_id": row.get("model_id", ""),
+        "created_at": row["created_at"],
+        "generating": bool(row.get("generating", False)),
+    }
 
 
 class SessionListBuilder:
@@ -546,10 +700,17 @@ class SessionListBuilder:
             if e.session_id not in self.doc["sessions"]:
                 b = e.body
                 parent = b.get("parent") or {}
-                entry = session_summary({
-                    "id": e.session_id, "protocol": b.get("protocol", ""), "status": "open",
-                    "label": b.get("label", ""), "parent_id": parent.get("session_id"),
-                    "model_id": (b.get("engine") or {}).get("model_id", ""), "created_at": e.recorded_at})
+                entry = session_summary(
+                    {
+                        "id": e.session_id,
+                        "protocol": b.get("protocol", ""),
+                        "status": "open",
+                        "label": b.get("label", ""),
+                        "parent_id": parent.get("session_id"),
+                        "model_id": (b.get("engine") or {}).get("model_id", ""),
+                        "created_at": e.recorded_at,
+                    }
+                )
                 self.doc = {**self.doc, "sessions": {**self.doc["sessions"], e.session_id: entry}}
         elif t in (T.SESSION_CLOSED, T.SESSION_ABORTED, T.SESSION_EXPIRED, T.SESSION_PURGED):
             self._set(e.session_id, status=t.split(".", 1)[1], generating=False)

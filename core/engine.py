@@ -99,16 +99,24 @@ class SamplingParams:
             return isinstance(value, int) and not isinstance(value, bool)
 
         def number(value: Any) -> bool:
-            return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+            return (
+                isinstance(value, int | float)
+                and not isinstance(value, bool)
+                and math.isfinite(value)
+            )
 
         if not number(self.temperature) or self.temperature < 0:
-            raise InvalidParameters(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            raise InvalidParameters(
+                f"temperature must be a finite number >= 0, got {self.temperature!r}"
+            )
         if not number(self.top_p) or not 0 < self.top_p <= 1:
             raise InvalidParameters(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not integer(self.top_k) or self.top_k < 0:
             raise InvalidParameters(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if not integer(self.max_tokens) or not 0 <= self.max_tokens <= MAX_TOKENS_LIMIT:
-            raise InvalidParameters(f"max_tokens must be an integer in [0, 2**31], got {self.max_tokens!r}")
+            raise InvalidParameters(
+                f"max_tokens must be an integer in [0, 2**31], got {self.max_tokens!r}"
+            )
         if self.seed is not None and (not integer(self.seed) or not 0 <= self.seed < 2**64):
             raise InvalidParameters(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
         if any(not integer(t) or not 0 <= t < 2**63 for t in self.stop_token_ids):

@@ -94,7 +94,9 @@ def check_body(body: Any) -> None:
         try:
             json.dumps(body, allow_nan=False, default=str)
         except ValueError as exc:
-            raise InvalidValue(f"value cannot be stored as JSON: {exc} (NaN and infinities are refused)") from None
+            raise InvalidValue(
+                f"value cannot be stored as JSON: {exc} (NaN and infinities are refused)"
+            ) from None
         except RecursionError:
             raise InvalidValue("value is nested too deeply to store") from None
 
@@ -175,7 +177,9 @@ def chain_hash(
     data: bytes | None,
     recorded_at: float,
 ) -> str:
-    return chain_hash_json(prev_hash, session_id, version, type_, canonical_json(body), data, recorded_at)
+    return chain_hash_json(
+        prev_hash, session_id, version, type_, canonical_json(body), data, recorded_at
+    )
 
 
 def chain_hash_json(
@@ -197,7 +201,9 @@ def chain_hash_json(
     return hashlib.sha256((prev_hash + payload).encode()).hexdigest()
 
 
-def chain_hasher(session_id: str, recorded_at: float) -> Callable[[str, int, str, str, bytes | None], str]:
+def chain_hasher(
+    session_id: str, recorded_at: float
+) -> Callable[[str, int, str, str, bytes | None], str]:
     """:func:`chain_hash_json` for many events of one session recorded at one time
     (one append): the parts they share are encoded once.
 

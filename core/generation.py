@@ -86,8 +86,16 @@ class _End:
 class Generation:
     """One running generation of a session (created by :meth:`Runtime.generate_runs`)."""
 
-    def __init__(self, rt: Runtime, st: SessionState, gid: str, params: SamplingParams, options: OutputOptions,
-                 priority: int, limits: PipelineLimits) -> None:
+    def __init__(
+        self,
+        rt: Runtime,
+        st: SessionState,
+        gid: str,
+        params: SamplingParams,
+        options: OutputOptions,
+        priority: int,
+        limits: PipelineLimits,
+    ) -> None:
         self.rt = rt
         self.st = st
         self.gid = gid
@@ -131,8 +139,9 @@ class Generation:
         max_tokens = min(self.params.max_tokens, self.rt.engine.info.max_length - st.length)
         # open_session records the engine's ids when none were given, so an
         # empty list is a deliberate "no EOS" (Kakeya), not a missing value.
-        eparams = dataclasses.replace(self.params, max_tokens=max_tokens,
-                                      stop_token_ids=tuple(sorted(self.eos | self.stops)))
+        eparams = dataclasses.replace(
+            self.params, max_tokens=max_tokens, stop_token_ids=tuple(sorted(self.eos | self.stops))
+        )
         steps = self.rt.engine.generate(self.sid, list(st.tokens), eparams, self.options)
         self._producer = asyncio.create_task(self._produce(steps), name=f"engine-{self.sid}")
 
@@ -158,7 +167,11 @@ class Generation:
                             break
                         self.taken += 1
                         now = time.perf_counter()
-                        self.interval = now - last if self.interval is None else 0.8 * self.interval + 0.2 * (now - last)
+                        self.interval = (
+                            now - last
+                            if self.interval is None
+                            else 0.8 * self.interval + 0.2 * (now - last)
+                        )
                         last = now
                         if q.full():
                             break  # wait for room outside the gate
@@ -219,8 +232,13 @@ class Generation:
             # a caller slower than the engine: runs it handles in about pace_s each
             max_run = max(1, min(max_run, int(limits.pace_s / self.consume_per_event)))
             min_run = min(min_run, max_run)
-        if (min_run > 1 and not isinstance(first, _End) and interval is not None
-                and interval * 4 < limits.linger_s and q.qsize() + 1 < min_run):
+        if (
+            min_run > 1
+            and not isinstance(first, _End)
+            and interval is not None
+            and interval * 4 < limits.linger_s
+            and q.qsize() + 1 < min_run
+        ):
             # a fast engine: let a few more steps arrive (woken early when enough did)
             enough = self._enough = asyncio.Event()
             self._enough_at = min_run - 1
@@ -261,10 +279,16 @@ class Generation:
             if step.position <= self.last_pos:
                 self.rt._violation(self.sid, 2)
                 raise CacheInvariantViolation(
-                    f"INV-2: position {step.position} after {self.last_pos} in {self.sid}")
+                    f"INV-2: position {step.position} after {self.last_pos} in {self.sid}"
+                )
             self.last_pos = step.position
-            body: dict[str, Any] = {"generation_id": gid, "token": step.token_id, "position": step.position,
-                                    "is_prefill": step.is_prefill, "t": now}
+            body: dict[str, Any] = {
+                "generation_id": gid,
+                "token": step.token_id,
+                "position": step.position,
+                "is_prefill": step.is_prefill,
+                "t": now,
+            }
             if step.logprob is not None:
                 body["logprob"] = step.logprob
             if step.top_logprobs:
@@ -336,26 +360,66 @@ class Generation:
         new: list[NewEvent] = []
         if failure is not None:
             code = failure.code if isinstance(failure, SessiontapeError) else "internal"
-            new.append(NewEvent(T.ERROR, {"code": code, "message": str(failure) or type(failure).__name__,
-                                          "generation_id": self.gid}))
-        new.append(finished(self.gid, reason, g.prompt_length, len(g.tokens), self.prefill_s, total,
-                            None if self.ttft is None else round(self.ttft, 6)))
+            new.append(
+                NewEvent(
+                    T.ERROR,
+                    {
+                        "code": code,
+                        "message": str(failure) or type(failure).__name__,
+                        "generation_id": self.gid,
+                    },
+                )
+            )
+        new.append(
+            finished(
+                self.gid,
+                reason,
+                g.prompt_length,
+                len(g.tokens),
+                self.prefill_s,
+                total,
+                None if self.ttft is None else round(self.ttft, 6),
+            )
+        )
         return new
 
 
-def finished(gid: str, reason: FinishReason, prompt_tokens: int, completion_tokens: int, prefill_s: float | None,
-             total_s: float | None, ttft_s: float | None) -> NewEvent:
+def finished(
+    gid: str,
+    reason: FinishReason,
+    prompt_tokens: int,
+    completion_tokens: int,
+    prefill_s: float | None,
+    total_s: float | None,
+    ttft_s: float | None,
+) -> NewEvent:
     """The one place a ``generation.finished`` event is built."""
     b: GenerationFinished = {
-        "generation_id": gid, "finish_reason": reason, "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens, "prefill_s": prefill_s, "total_s": total_s, "ttft_s": ttft_s}
+        "generation_id": gid,
+        "finish_reason": reason,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "prefill_s": prefill_s,
+        "total_s": total_s,
+        "ttft_s": ttft_s,
+    }
     return NewEvent(T.GENERATION_FINISHED, b)
 
 
-async def generate_runs(rt: Runtime, session_id: str, params: SamplingParams, options: OutputOptions, *,
-                        append: Sequence[int], offset: int | None, truncating: bool, images: Sequence[ImageIn],
-                        priority: int, action_id: str | None,
-                        sink_window: tuple[int, int] | None) -> AsyncIterator[list[Event]]:
+async def generate_runs(
+    rt: Runtime,
+    session_id: str,
+    params: SamplingParams,
+    options: OutputOptions,
+    *,
+    append: Sequence[int],
+    offset: int | None,
+    truncating: bool,
+    images: Sequence[ImageIn],
+    priority: int,
+    action_id: str | None,
+    sink_window: tuple[int, int] | None,
+) -> AsyncIterator[list[Event]]:
     """:meth:`Runtime.generate_runs` (see there)."""
     params.check()
     if options.readout_ranges and rt.engine.info.readout_manifest is None:
@@ -372,9 +436,20 @@ async def generate_runs(rt: Runtime, session_id: str, params: SamplingParams, op
     try:
         for attempt in range(STALE_RETRIES + 1):
             try:
-                st, committed = await _begin(rt, session_id, gid, params, options, append=append, offset=offset,
-                                             truncating=truncating, images=images, priority=priority,
-                                             action_id=action_id, sink_window=sink_window)
+                st, committed = await _begin(
+                    rt,
+                    session_id,
+                    gid,
+                    params,
+                    options,
+                    append=append,
+                    offset=offset,
+                    truncating=truncating,
+                    images=images,
+                    priority=priority,
+                    action_id=action_id,
+                    sink_window=sink_window,
+                )
                 break
             except ConcurrencyError:
                 # another process moved the session on: nothing was written, the
@@ -404,7 +479,9 @@ async def generate_runs(rt: Runtime, session_id: str, params: SamplingParams, op
         cached = rt.engine.cached_length(session_id)
         if cached is not None and cached > st.length:
             rt._violation(session_id, 1)
-            raise CacheInvariantViolation(f"INV-1: cache holds {cached} positions, history {st.length}")
+            raise CacheInvariantViolation(
+                f"INV-1: cache holds {cached} positions, history {st.length}"
+            )
         total = time.perf_counter() - gen.t0
         metrics.KV_BYTES.set(rt.engine.kv_total_bytes())
         produced = len(st.generations[gid].tokens)
@@ -426,10 +503,21 @@ async def generate_runs(rt: Runtime, session_id: str, params: SamplingParams, op
             await asyncio.shield(rt.log.unlock_session(session_id))
 
 
-async def _begin(rt: Runtime, session_id: str, gid: str, params: SamplingParams, options: OutputOptions, *,
-                 append: Sequence[int], offset: int | None, truncating: bool, images: Sequence[ImageIn],
-                 priority: int, action_id: str | None,
-                 sink_window: tuple[int, int] | None) -> tuple[SessionState, list[Event]]:
+async def _begin(
+    rt: Runtime,
+    session_id: str,
+    gid: str,
+    params: SamplingParams,
+    options: OutputOptions,
+    *,
+    append: Sequence[int],
+    offset: int | None,
+    truncating: bool,
+    images: Sequence[ImageIn],
+    priority: int,
+    action_id: str | None,
+    sink_window: tuple[int, int] | None,
+) -> tuple[SessionState, list[Event]]:
     """Check the generation against the session and commit its first append (the
     optional prompt, truncations and ``generation.started``, together)."""
     async with rt._lock(session_id):
@@ -449,7 +537,17 @@ async def _begin(rt: Runtime, session_id: str, gid: str, params: SamplingParams,
             # A generation left open by a process that died (this one holds the
             # session's writer lock, so nobody else runs it): close it so the log
             # says what happened, then carry on.
-            new.append(finished(stale.id, "interrupted", stale.prompt_length, len(stale.tokens), None, None, None))
+            new.append(
+                finished(
+                    stale.id,
+                    "interrupted",
+                    stale.prompt_length,
+                    len(stale.tokens),
+                    None,
+                    None,
+                    None,
+                )
+            )
         if append or images or offset is not None:
             notes, shas = await rt._image_events(images)
             appended = rt._append_events(st, append, offset, truncating, images, shas)
@@ -462,26 +560,47 @@ async def _begin(rt: Runtime, session_id: str, gid: str, params: SamplingParams,
             keep = sink_window_keep(length, *sink_window)
             if keep is not None:
                 dropped = length - sum(b - a for a, b in keep)
-                new.append(NewEvent(T.TOKENS_TRUNCATED, {
-                    "reason": "sink_window", "keep": keep, "dropped": dropped,
-                    "sink": sink_window[0], "window": sink_window[1]}))
+                new.append(
+                    NewEvent(
+                        T.TOKENS_TRUNCATED,
+                        {
+                            "reason": "sink_window",
+                            "keep": keep,
+                            "dropped": dropped,
+                            "sink": sink_window[0],
+                            "window": sink_window[1],
+                        },
+                    )
+                )
                 length -= dropped
         check_ranges(options.logprob_ranges, length + params.max_tokens, "logprobs")
         check_ranges(options.readout_ranges, length + params.max_tokens, "readout")
-        new.append(NewEvent(T.GENERATION_STARTED, {
-            "generation_id": gid, "params": params.to_json(), "prompt_length": length,
-            "priority": priority, "action_id": action_id,
-            "options": {"logprob_top_k": options.logprob_top_k,
+        new.append(
+            NewEvent(
+                T.GENERATION_STARTED,
+                {
+                    "generation_id": gid,
+                    "params": params.to_json(),
+                    "prompt_length": length,
+                    "priority": priority,
+                    "action_id": action_id,
+                    "options": {
+                        "logprob_top_k": options.logprob_top_k,
                         "logprob_ranges": [list(r) for r in options.logprob_ranges],
                         "readout_ranges": [list(r) for r in options.readout_ranges],
-                        "generated_logprobs": options.generated_logprobs}}))
+                        "generated_logprobs": options.generated_logprobs,
+                    },
+                },
+            )
+        )
         committed = await rt._commit(st, new)
         rt._begin_generation(session_id)
     return st, committed
 
 
-async def _settle_unfinished(rt: Runtime, gen: Generation, st: SessionState, done: bool,
-                             failure: BaseException | None) -> None:
+async def _settle_unfinished(
+    rt: Runtime, gen: Generation, st: SessionState, done: bool, failure: BaseException | None
+) -> None:
     """Stop the engine, rewind its cache to the log, and record a generation that did
     not finish: ``cancelled``, or ``error`` when something failed."""
     await gen.stop_engine()
@@ -493,9 +612,9 @@ async def _settle_unfinished(rt: Runtime, gen: Generation, st: SessionState, don
     active = st.active_generation
     if active is None or active.id != gen.gid:
         return
-    reason: FinishReason = "error" if failure is not None else (
-        "aborted" if gen.reason == "aborted" else "cancelled")
+    reason: FinishReason = (
+        "error" if failure is not None else ("aborted" if gen.reason == "aborted" else "cancelled")
+    )
     with contextlib.suppress(Exception):
         async with rt._lock(gen.sid):
             await rt._commit(st, gen.finished_event(reason, failure))
-

@@ -23,7 +23,9 @@ async def base_state(log: EventLog, first: Event) -> SessionState:
     return st
 
 
-async def load_state(log: EventLog, session_id: str, upto_version: int | None = None) -> SessionState:
+async def load_state(
+    log: EventLog, session_id: str, upto_version: int | None = None
+) -> SessionState:
     base: SessionState | None = None
     from_version = 1
     snap = await log.load_snapshot(session_id, upto_version)

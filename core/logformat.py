@@ -28,7 +28,9 @@ class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
             "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
-            "level": record.levelname, "logger": record.name, "msg": record.getMessage(),
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
         }
         for key, value in vars(record).items():
             if key not in _STANDARD and not key.startswith("_"):
@@ -48,7 +50,9 @@ def configure(level: str = "INFO", fmt: str = "text", stream: TextIO | None = No
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
     handler.set_name(_HANDLER)
     root = logging.getLogger()
-    for old in [h for h in root.handlers if h.get_name() == _HANDLER]:  # ours from an earlier call only
+    for old in [
+        h for h in root.handlers if h.get_name() == _HANDLER
+    ]:  # ours from an earlier call only
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(getattr(logging, level.upper(), logging.INFO))

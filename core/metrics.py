@@ -8,11 +8,13 @@ from prometheus_client import Counter, Gauge, Histogram
 
 EVENTS_APPENDED = Counter("sessiontape_events_appended_total", "Events committed to the log")
 COMMIT_SECONDS = Histogram(
-    "sessiontape_commit_seconds", "Group-commit latency",
+    "sessiontape_commit_seconds",
+    "Group-commit latency",
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
 )
 BATCH_SIZE = Histogram(
-    "sessiontape_commit_batch_events", "Events per group commit",
+    "sessiontape_commit_batch_events",
+    "Events per group commit",
     buckets=(1, 2, 5, 10, 50, 100, 500, 1000, 2000, 5000),
 )
 SUBSCRIBERS = Gauge("sessiontape_subscribers", "Live log subscribers")
@@ -31,24 +33,34 @@ class _ProtocolCounter(Counter):
         return super().labels(*values, **kw)
 
 
-SESSIONS_OPENED = _ProtocolCounter("sessiontape_sessions_opened_total", "Sessions opened", ["protocol"])
+SESSIONS_OPENED = _ProtocolCounter(
+    "sessiontape_sessions_opened_total", "Sessions opened", ["protocol"]
+)
 TTFT_SECONDS = Histogram(
-    "sessiontape_time_to_first_token_seconds", "Time from generate to first committed token",
+    "sessiontape_time_to_first_token_seconds",
+    "Time from generate to first committed token",
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0),
 )
 TOKENS_GENERATED = Counter("sessiontape_tokens_generated_total", "Tokens generated and committed")
 TOKENS_PER_SECOND = Histogram(
-    "sessiontape_generation_tokens_per_second", "Decode speed per generation",
+    "sessiontape_generation_tokens_per_second",
+    "Decode speed per generation",
     buckets=(1, 5, 10, 25, 50, 100, 250, 500, 1000, 5000),
 )
 KV_BYTES = Gauge("sessiontape_kv_cache_bytes", "Bytes held in engine KV caches")
 INVARIANT_VIOLATIONS = Counter(
     "sessiontape_cache_invariant_violations_total", "Kakeya INV-1/INV-2 violations", ["invariant"]
 )
-ENGINE_PROVIDER = Gauge("sessiontape_engine_info", "Engine in use", ["engine", "provider", "model_id"])
+ENGINE_PROVIDER = Gauge(
+    "sessiontape_engine_info", "Engine in use", ["engine", "provider", "model_id"]
+)
 ERRORS = Counter("sessiontape_errors_total", "Errors returned to clients", ["code"])
-STATE_CACHE = Counter("sessiontape_state_cache_total",
-                      "Session state lookups by this process, by result (hit: cached; miss: loaded from the log)",
-                      ["result"])
-STALE_RETRIES = Counter("sessiontape_stale_retries_total",
-                        "Commands re-run on a reloaded state after another process moved the session on")
+STATE_CACHE = Counter(
+    "sessiontape_state_cache_total",
+    "Session state lookups by this process, by result (hit: cached; miss: loaded from the log)",
+    ["result"],
+)
+STALE_RETRIES = Counter(
+    "sessiontape_stale_retries_total",
+    "Commands re-run on a reloaded state after another process moved the session on",
+)

@@ -45,7 +45,10 @@ class FragmentIn:
             "continued": self.continued,
             "child_ids": list(self.child_ids),
             "chunk": (
-                {"metadata": None if self.metadata is None else dict(self.metadata), "ref": self.ref}
+                {
+                    "metadata": None if self.metadata is None else dict(self.metadata),
+                    "ref": self.ref,
+                }
                 if self.has_chunk
                 else None
             ),
@@ -105,7 +108,9 @@ def check_fragment(state: SessionState, f: FragmentIn, max_depth: int) -> bool:
     return True
 
 
-def _check_children(state: SessionState, node_id: str, children: tuple[str, ...], max_depth: int) -> None:
+def _check_children(
+    state: SessionState, node_id: str, children: tuple[str, ...], max_depth: int
+) -> None:
     for c in children:
         if c == node_id or _reaches(state, c, node_id):
             raise ProtocolViolation(f"node {node_id}: child {c} would create a cycle")

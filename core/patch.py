@@ -192,7 +192,9 @@ def _append(doc: Any, ptr: str, value: Any) -> Any:
         return doc
     if isinstance(target, str):
         if not isinstance(value, str):
-            raise InvalidPatch(f"append to the string at {ptr!r} needs a string value, got {_kind(value)}")
+            raise InvalidPatch(
+                f"append to the string at {ptr!r} needs a string value, got {_kind(value)}"
+            )
         return _replace(doc, ptr, target + value)
     raise InvalidPatch(f"append at {ptr!r}: target is a {_kind(target)}, not a string or array")
 
@@ -286,7 +288,7 @@ def _diff(a: Any, b: Any, path: str, out: list[Op], plus: bool) -> None:
                 out.append({"op": "remove", "path": f"{path}/{i}"})
         return
     if plus and isinstance(a, str) and isinstance(b, str) and len(b) > len(a) and b.startswith(a):
-        out.append({"op": "append", "path": path, "value": b[len(a):]})
+        out.append({"op": "append", "path": path, "value": b[len(a) :]})
         return
     if not json_equal(a, b):
         out.append({"op": "replace", "path": path, "value": b})

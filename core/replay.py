@@ -110,8 +110,15 @@ def _render_other(e: Event) -> str | None:
     if e.type == T.NODE_FRAGMENT:
         arrow = "→" if b.get("direction") == "out" else "←"
         chunk = b.get("chunk")
-        what = f"children {b.get('child_ids')}" if not chunk else (
-            f"ref {chunk.get('ref')}" if chunk.get("ref") else (e.data or b"").decode("utf-8", errors="replace"))
+        what = (
+            f"children {b.get('child_ids')}"
+            if not chunk
+            else (
+                f"ref {chunk.get('ref')}"
+                if chunk.get("ref")
+                else (e.data or b"").decode("utf-8", errors="replace")
+            )
+        )
         return f"\n{arrow} node {b['id']}#{b.get('seq', 0)}: {what}"
     if e.type == T.ACTION_SUBMITTED:
         return f"\n[action {b['action_id']}] {b['name']} {b.get('inputs')} -> {b.get('outputs')}"
@@ -126,9 +133,15 @@ def _render_other(e: Event) -> str | None:
     return None
 
 
-async def replay(events: AsyncIterator[Event] | Iterable[Event], out: TextIO, *, speed: float = 1.0,
-                 instant: bool = False, sleep: Callable[[float], object] = asyncio.sleep,
-                 max_gap_s: float = 5.0) -> int:
+async def replay(
+    events: AsyncIterator[Event] | Iterable[Event],
+    out: TextIO,
+    *,
+    speed: float = 1.0,
+    instant: bool = False,
+    sleep: Callable[[float], object] = asyncio.sleep,
+    max_gap_s: float = 5.0,
+) -> int:
     """Write ``events`` to ``out`` paced by their recorded times; returns how many were rendered."""
     prev: float | None = None
     n = 0

@@ -83,6 +83,7 @@ def stale_retry(fn: _Cmd) -> _Cmd:
     real conflict (an offset that no longer matches, a closed session) still
     gets its typed error; after ``STALE_RETRIES`` the ConcurrencyError stands.
     """
+
     @functools.wraps(fn)
     async def run(self: Runtime, *args: Any, **kwargs: Any) -> Any:
         for attempt in range(STALE_RETRIES + 1):
@@ -115,7 +116,9 @@ class Runtime(SessionStates):
     """The API every transport calls (session states, locks and expiry: core/sessions.py;
     the generation loop: core/generation.py)."""
 
-    def __init__(self, log_: EventLog, engine: Engine, config: Config, *, clock: Clock = time.time) -> None:
+    def __init__(
+        self, log_: EventLog, engine: Engine, config: Config, *, clock: Clock = time.time
+    ) -> None:
         super().__init__(log_, engine, config, clock)
         self._follower: asyncio.Task[None] | None = None
         self.gate = PriorityGate()
@@ -127,14 +130,19 @@ class Runtime(SessionStates):
         self._gen_idle: dict[str, asyncio.Event] = {}
         self._stop_requested: set[str] = set()
         self.pipeline = PipelineLimits(
-            run_ahead=int(config.generation_opt("run_ahead")), max_run=int(config.generation_opt("max_run")),
-            min_run=int(config.generation_opt("min_run")), linger_s=float(config.generation_opt("linger_s")),
-            burst=int(config.generation_opt("burst")))
+            run_ahead=int(config.generation_opt("run_ahead")),
+            max_run=int(config.generation_opt("max_run")),
+            min_run=int(config.generation_opt("min_run")),
+            linger_s=float(config.generation_opt("linger_s")),
+            burst=int(config.generation_opt("burst")),
+        )
 
     # -- construction ------------------------------------------------------
 
     @classmethod
-    async def create(cls, config: Config, *, engine: Engine | None = None, clock: Clock = time.time) -> Runtime:
+    async def create(
+        cls, config: Config, *, engine: Engine | None = None, clock: Clock = time.time
+    ) -> Runtime:
         """Open the log (migrating a fresh database) and load the configured engine."""
         from core.registry import ENGINES, load
 
@@ -197,9 +205,17 @@ class Runtime(SessionStates):
 
     # -- sessions ----------------------------------------------------------
 
-    async def open_session(self, protocol: str, *, mode: str = "offset", label: str = "",
-                           eos_token_ids: Sequence[int] | None = None, ttl_s: float | None = None,
-                           meta: Mapping[str, Any] | None = None, session_id: str | None = None) -> SessionState:
+    async def open_session(
+        self,
+        protocol: str,
+        *,
+        mode: str = "offset",
+        label: str = "",
+        eos_token_ids: Sequence[int] | None = None,
+        ttl_s: float | None = None,
+        meta: Mapping[str, Any] | None = None,
+        session_id: str | None = None,
+    ) -> SessionState:
         """Start a session bound to the configured engine; the server issues its id."""
         if mode not in ("offset", "append_only"):
             raise InvalidParameters(f"unknown session mode {mode!r}")
@@ -212,9 +228,14 @@ class Runtime(SessionStates):
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < 2**32 for t in eos):
             raise InvalidParameters("eos_token_ids must be integers in [0, 2**32)")
         body = {
-            "protocol": protocol, "mode": mode, "label": label, "eos_token_ids": eos,
+            "protocol": protocol,
+            "mode": mode,
+            "label": label,
+            "eos_token_ids": eos,
             "ttl_s": self.config.idle_ttl(protocol) if ttl_s is None else ttl_s,
-            "engine": info.provenance(), "meta": dict(meta or {}), "parent": None,
+            "engine": info.provenance(),
+            "meta": dict(meta or {}),
+            "parent": None,
         }
         st = SessionState(sid)
         await self._commit(st, [NewEvent(T.SESSION_OPENED, body)])
@@ -223,8 +244,15 @@ class Runtime(SessionStates):
         metrics.SESSIONS_OPEN.inc()
         return st
 
-    async def fork(self, session_id: str, *, at_position: int | None = None, at_version: int | None = None,
-                   protocol: str | None = None, label: str = "") -> SessionState:
+    async def fork(
+        self,
+        session_id: str,
+        *,
+        at_position: int | None = None,
+        at_version: int | None = None,
+        protocol: str | None = None,
+        label: str = "",
+    ) -> SessionState:
         """A new session continuing ``session_id`` at a token position or an event version.
 
         Nothing is copied in the log: the child's ``session.opened`` names the
@@ -237,7 +265,9 @@ class Runtime(SessionStates):
             raise SessionNotFound(session_id)
         if at_version is not None:
             if not 1 <= at_version <= parent.version:
-                raise InvalidParameters(f"fork version {at_version} is outside [1, {parent.version}]")
+                raise InvalidParameters(
+                    f"fork version {at_version} is outside [1, {parent.version}]"
+                )
             base = await self.load(session_id, at_version)
         else:
             base = parent
@@ -248,9 +278,14 @@ class Runtime(SessionStates):
         pinfo = {"session_id": session_id, "version": base.version, "token_position": at_position}
         st.parent = pinfo
         body = {
-            "protocol": protocol or parent.protocol, "mode": parent.mode, "label": label or parent.label,
-            "eos_token_ids": parent.eos_token_ids, "ttl_s": parent.ttl_s, "engine": self.engine.info.provenance(),
-            "meta": dict(parent.meta), "parent": pinfo,
+            "protocol": protocol or parent.protocol,
+            "mode": parent.mode,
+            "label": label or parent.label,
+            "eos_token_ids": parent.eos_token_ids,
+            "ttl_s": parent.ttl_s,
+            "engine": self.engine.info.provenance(),
+            "meta": dict(parent.meta),
+            "parent": pinfo,
         }
         await self._commit(st, [NewEvent(T.SESSION_OPENED, body)])
         self._cache(st)
@@ -294,7 +329,9 @@ class Runtime(SessionStates):
         async with self._lock(session_id):
             st = await self.get(session_id)
             if st.status == OPEN:
-                await self._commit(st, [NewEvent(T.SESSION_ABORTED, {"code": code, "message": message})])
+                await self._commit(
+                    st, [NewEvent(T.SESSION_ABORTED, {"code": code, "message": message})]
+                )
                 metrics.SESSIONS_OPEN.dec()
         return st
 
@@ -310,18 +347,32 @@ class Runtime(SessionStates):
                 raise SessionNotFound(session_id)
             return await self._commit(st, new)
 
-    async def record_wire(self, session_id: str, transport: str, direction: str, payload: Any) -> Event:
-        return (await self.record(session_id, [NewEvent(T.WIRE, {"transport": transport, "direction": direction, "payload": payload})]))[0]
+    async def record_wire(
+        self, session_id: str, transport: str, direction: str, payload: Any
+    ) -> Event:
+        return (
+            await self.record(
+                session_id,
+                [
+                    NewEvent(
+                        T.WIRE, {"transport": transport, "direction": direction, "payload": payload}
+                    )
+                ],
+            )
+        )[0]
 
     async def record_feedback(self, session_id: str, feedback: Mapping[str, Any]) -> Event:
         return (await self.record(session_id, [NewEvent(T.FEEDBACK, dict(feedback))]))[0]
 
     async def record_error(self, session_id: str, code: str, message: str) -> Event:
-        return (await self.record(session_id, [NewEvent(T.ERROR, {"code": code, "message": message})]))[0]
+        return (
+            await self.record(session_id, [NewEvent(T.ERROR, {"code": code, "message": message})])
+        )[0]
 
     @stale_retry
-    async def append_fragments(self, session_id: str, fragments: Sequence[FragmentIn],
-                               direction: str = "in") -> list[bool]:
+    async def append_fragments(
+        self, session_id: str, fragments: Sequence[FragmentIn], direction: str = "in"
+    ) -> list[bool]:
         """Record Evergreen fragments; returns, per fragment, False for an ignored duplicate.
 
         All-or-nothing: if any fragment breaks a rule nothing is recorded.
@@ -345,15 +396,25 @@ class Runtime(SessionStates):
                     if scratch is not st:
                         overlay_apply(scratch, st, ne.body, ne.data)
             if len(st.nodes) + len(fresh) > self.max_nodes:
-                raise ResourceExhausted(f"session {session_id} would hold more than {self.max_nodes} nodes")
+                raise ResourceExhausted(
+                    f"session {session_id} would hold more than {self.max_nodes} nodes"
+                )
             if new:
                 await self._commit(st, new)
             return kept
 
     @stale_retry
-    async def submit_action(self, session_id: str, name: str, inputs: Sequence[tuple[str, str]],
-                            outputs: Sequence[tuple[str, str]], *, target: str = "",
-                            configs: Sequence[Any] = (), action_id: str | None = None) -> Event:
+    async def submit_action(
+        self,
+        session_id: str,
+        name: str,
+        inputs: Sequence[tuple[str, str]],
+        outputs: Sequence[tuple[str, str]],
+        *,
+        target: str = "",
+        configs: Sequence[Any] = (),
+        action_id: str | None = None,
+    ) -> Event:
         """Record an action; output ids must be new node ids."""
         async with self._lock(session_id):
             st = await self._open_locked(session_id)
@@ -361,26 +422,47 @@ class Runtime(SessionStates):
                 raise InvalidAction("action without a name")
             seen: set[str] = set()
             for _, nid in outputs:
-                if nid in st.nodes or nid in seen or any(nid in [o for _, o in a.outputs] for a in st.actions.values()):
+                if (
+                    nid in st.nodes
+                    or nid in seen
+                    or any(nid in [o for _, o in a.outputs] for a in st.actions.values())
+                ):
                     raise InvalidAction(f"output id {nid!r} is not new")
                 seen.add(nid)
             aid = action_id or f"a{len(st.actions) + 1}"
-            body = {"action_id": aid, "name": name, "inputs": [{"name": n, "id": i} for n, i in inputs],
-                    "outputs": [{"name": n, "id": i} for n, i in outputs], "target": target, "configs": list(configs)}
+            body = {
+                "action_id": aid,
+                "name": name,
+                "inputs": [{"name": n, "id": i} for n, i in inputs],
+                "outputs": [{"name": n, "id": i} for n, i in outputs],
+                "target": target,
+                "configs": list(configs),
+            }
             return (await self._commit(st, [NewEvent(T.ACTION_SUBMITTED, body)]))[0]
 
     @stale_retry
-    async def finish_action(self, session_id: str, action_id: str, error: tuple[str, str] | None = None) -> Event:
+    async def finish_action(
+        self, session_id: str, action_id: str, error: tuple[str, str] | None = None
+    ) -> Event:
         async with self._lock(session_id):
             st = await self.get(session_id)
             if error is None:
                 ne = NewEvent(T.ACTION_COMPLETED, {"action_id": action_id})
             else:
-                ne = NewEvent(T.ACTION_FAILED, {"action_id": action_id, "code": error[0], "message": error[1]})
+                ne = NewEvent(
+                    T.ACTION_FAILED, {"action_id": action_id, "code": error[0], "message": error[1]}
+                )
             return (await self._commit(st, [ne]))[0]
 
-    def _append_events(self, st: SessionState, tokens: Sequence[int], offset: int | None, truncating: bool,
-                       images: Sequence[ImageIn], image_blobs: list[tuple[str, int]]) -> list[NewEvent]:
+    def _append_events(
+        self,
+        st: SessionState,
+        tokens: Sequence[int],
+        offset: int | None,
+        truncating: bool,
+        images: Sequence[ImageIn],
+        image_blobs: list[tuple[str, int]],
+    ) -> list[NewEvent]:
         """Check an append against ``st`` and build its events (no mutation)."""
         info = self.engine.info
         tokens = [int(t) for t in tokens]
@@ -390,30 +472,58 @@ class Runtime(SessionStates):
         new_len = base + len(tokens)
         check_length(new_len, info.max_length)
         if images:
-            block = None if info.image_block_tokens is None else self.engine.image_block_length(images[0].data, images[0].mime)
+            block = (
+                None
+                if info.image_block_tokens is None
+                else self.engine.image_block_length(images[0].data, images[0].mime)
+            )
             check_images(images, base, new_len, block, tokens, info.image_pad_token_id)
         out: list[NewEvent] = []
         if cut is not None:
-            out.append(NewEvent(T.TOKENS_TRUNCATED, {"reason": "rewind", "keep": [[0, cut]], "dropped": st.length - cut}))
+            out.append(
+                NewEvent(
+                    T.TOKENS_TRUNCATED,
+                    {"reason": "rewind", "keep": [[0, cut]], "dropped": st.length - cut},
+                )
+            )
         if tokens or images:
-            imgs = [{"start": im.start, "end": im.end, "mime": im.mime, "sha256": sha, "size": size}
-                    for im, (sha, size) in zip(images, image_blobs, strict=True)]
-            out.append(NewEvent(T.TOKENS_APPENDED, {"start": base, "tokens": tokens, "images": imgs}))
+            imgs = [
+                {"start": im.start, "end": im.end, "mime": im.mime, "sha256": sha, "size": size}
+                for im, (sha, size) in zip(images, image_blobs, strict=True)
+            ]
+            out.append(
+                NewEvent(T.TOKENS_APPENDED, {"start": base, "tokens": tokens, "images": imgs})
+            )
         return out
 
-    async def _image_events(self, images: Sequence[ImageIn]) -> tuple[list[NewEvent], list[tuple[str, int]]]:
+    async def _image_events(
+        self, images: Sequence[ImageIn]
+    ) -> tuple[list[NewEvent], list[tuple[str, int]]]:
         import hashlib
 
         notes, shas = [], []
         for im in images:
             sha = hashlib.sha256(im.data).hexdigest()
             shas.append((sha, len(im.data)))
-            notes.append(NewEvent(T.IMAGE_ATTACHED, {"sha256": sha, "mime": im.mime, "size": len(im.data)}, im.data))
+            notes.append(
+                NewEvent(
+                    T.IMAGE_ATTACHED,
+                    {"sha256": sha, "mime": im.mime, "size": len(im.data)},
+                    im.data,
+                )
+            )
         return notes, shas
 
     @stale_retry
-    async def append_tokens(self, session_id: str, tokens: Sequence[int], *, offset: int | None = None,
-                            truncating: bool = False, images: Sequence[ImageIn] = ()) -> int:
+    async def append_tokens(
+        self,
+        session_id: str,
+        tokens: Sequence[int],
+        *,
+        offset: int | None = None,
+        truncating: bool = False,
+        images: Sequence[ImageIn] = (),
+    ) -> int:
         """Append tokens (Salience offset rule when ``offset`` is given); returns the new length."""
         async with self._lock(session_id):
             st = await self._open_locked(session_id)
@@ -430,10 +540,20 @@ class Runtime(SessionStates):
 
     # -- generation --------------------------------------------------------
 
-    async def generate(self, session_id: str, params: SamplingParams, options: OutputOptions = DEFAULT_OUTPUT, *,
-                       append: Sequence[int] = (), offset: int | None = None, truncating: bool = False,
-                       images: Sequence[ImageIn] = (), priority: int = 0, action_id: str | None = None,
-                       sink_window: tuple[int, int] | None = None) -> AsyncIterator[Event]:
+    async def generate(
+        self,
+        session_id: str,
+        params: SamplingParams,
+        options: OutputOptions = DEFAULT_OUTPUT,
+        *,
+        append: Sequence[int] = (),
+        offset: int | None = None,
+        truncating: bool = False,
+        images: Sequence[ImageIn] = (),
+        priority: int = 0,
+        action_id: str | None = None,
+        sink_window: tuple[int, int] | None = None,
+    ) -> AsyncIterator[Event]:
         """Append (optionally), prefill and decode; yields each committed event.
 
         Yields ``tokens.truncated`` (a rewind, or sink+window at most once),
@@ -448,9 +568,18 @@ class Runtime(SessionStates):
 
         The same as :meth:`generate_runs`, one event at a time.
         """
-        runs = self.generate_runs(session_id, params, options, append=append, offset=offset,
-                                  truncating=truncating, images=images, priority=priority,
-                                  action_id=action_id, sink_window=sink_window)
+        runs = self.generate_runs(
+            session_id,
+            params,
+            options,
+            append=append,
+            offset=offset,
+            truncating=truncating,
+            images=images,
+            priority=priority,
+            action_id=action_id,
+            sink_window=sink_window,
+        )
         try:
             async for run in runs:
                 for e in run:
@@ -461,19 +590,39 @@ class Runtime(SessionStates):
             with contextlib.suppress(RuntimeError):
                 await runs.aclose()  # type: ignore[attr-defined]
 
-    def generate_runs(self, session_id: str, params: SamplingParams, options: OutputOptions = DEFAULT_OUTPUT, *,
-                      append: Sequence[int] = (), offset: int | None = None, truncating: bool = False,
-                      images: Sequence[ImageIn] = (), priority: int = 0, action_id: str | None = None,
-                      sink_window: tuple[int, int] | None = None) -> AsyncIterator[list[Event]]:
+    def generate_runs(
+        self,
+        session_id: str,
+        params: SamplingParams,
+        options: OutputOptions = DEFAULT_OUTPUT,
+        *,
+        append: Sequence[int] = (),
+        offset: int | None = None,
+        truncating: bool = False,
+        images: Sequence[ImageIn] = (),
+        priority: int = 0,
+        action_id: str | None = None,
+        sink_window: tuple[int, int] | None = None,
+    ) -> AsyncIterator[list[Event]]:
         """:meth:`generate` in runs: each item is the events of one commit.
 
         The engine decodes ahead of the log (at most ``generation.run_ahead``
         steps) while runs commit; a transport that writes a whole run at once
         pays its per-message cost once per run (core/generation.py).
         """
-        return generate_runs(self, session_id, params, options, append=append, offset=offset,
-                             truncating=truncating, images=images, priority=priority, action_id=action_id,
-                             sink_window=sink_window)
+        return generate_runs(
+            self,
+            session_id,
+            params,
+            options,
+            append=append,
+            offset=offset,
+            truncating=truncating,
+            images=images,
+            priority=priority,
+            action_id=action_id,
+            sink_window=sink_window,
+        )
 
     def _begin_generation(self, session_id: str) -> None:
         self._generating.add(session_id)
@@ -501,20 +650,24 @@ class Runtime(SessionStates):
 
     # -- reading -----------------------------------------------------------
 
-    def subscribe(self, from_position: int = 0, session_id: str | None = None) -> AsyncIterator[Event]:
+    def subscribe(
+        self, from_position: int = 0, session_id: str | None = None
+    ) -> AsyncIterator[Event]:
         """Committed events after ``from_position`` (catch-up, then live)."""
         return self.log.subscribe(from_position, session_id)
 
     # -- the log, for transports (they ask the runtime, never the log) ---------
 
-    async def read_events(self, session_id: str, from_version: int = 1,
-                          to_version: int | None = None) -> list[Event]:
+    async def read_events(
+        self, session_id: str, from_version: int = 1, to_version: int | None = None
+    ) -> list[Event]:
         """A session's committed events in version order, ``from_version`` to ``to_version`` inclusive
         (empty for an unknown session)."""
         return await self.log.read(session_id, from_version, to_version)
 
-    async def read_after(self, after_position: int = 0, *, limit: int = 1000,
-                         session_id: str | None = None) -> list[Event]:
+    async def read_after(
+        self, after_position: int = 0, *, limit: int = 1000, session_id: str | None = None
+    ) -> list[Event]:
         """Committed events with position > ``after_position`` in position order (one session's, or all)."""
         return await self.log.read_all(after_position, limit=limit, session_id=session_id)
 
@@ -526,12 +679,27 @@ class Runtime(SessionStates):
         """The session's row in the sessions index; raises SessionNotFound."""
         return await self.log.get_session(session_id)
 
-    async def list_sessions(self, *, status: str | None = None, protocol: str | None = None,
-                            parent_id: str | None = None, limit: int = 1000, offset: int = 0,
-                            newest_first: bool = True, active_after: float | None = None) -> list[SessionRow]:
+    async def list_sessions(
+        self,
+        *,
+        status: str | None = None,
+        protocol: str | None = None,
+        parent_id: str | None = None,
+        limit: int = 1000,
+        offset: int = 0,
+        newest_first: bool = True,
+        active_after: float | None = None,
+    ) -> list[SessionRow]:
         """Rows of the sessions index (see :meth:`core.log.EventLog.list_sessions`)."""
-        return await self.log.list_sessions(status=status, protocol=protocol, parent_id=parent_id, limit=limit,
-                                            offset=offset, newest_first=newest_first, active_after=active_after)
+        return await self.log.list_sessions(
+            status=status,
+            protocol=protocol,
+            parent_id=parent_id,
+            limit=limit,
+            offset=offset,
+            newest_first=newest_first,
+            active_after=active_after,
+        )
 
     async def get_blob(self, sha256: str) -> bytes | None:
         """A content-addressed payload (chunk or image bytes), None when the log has none."""

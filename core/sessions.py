@@ -33,17 +33,29 @@ from core.tokens import length_after
 log = logging.getLogger("sessiontape.runtime")
 
 #: event types the fold only accepts on an open session (core/state.py)
-_NEEDS_OPEN = frozenset({
-    T.SESSION_CLOSED, T.SESSION_ABORTED, T.SESSION_EXPIRED, T.NODE_FRAGMENT, T.ACTION_SUBMITTED,
-    T.TOKENS_APPENDED, T.TOKENS_TRUNCATED, T.IMAGE_ATTACHED, T.GENERATION_STARTED, T.GENERATION_TOKEN,
-    T.GENERATION_FINISHED,
-})
+_NEEDS_OPEN = frozenset(
+    {
+        T.SESSION_CLOSED,
+        T.SESSION_ABORTED,
+        T.SESSION_EXPIRED,
+        T.NODE_FRAGMENT,
+        T.ACTION_SUBMITTED,
+        T.TOKENS_APPENDED,
+        T.TOKENS_TRUNCATED,
+        T.IMAGE_ATTACHED,
+        T.GENERATION_STARTED,
+        T.GENERATION_TOKEN,
+        T.GENERATION_FINISHED,
+    }
+)
 
 
 class SessionStates:
     """The session-state half of the runtime (see the module docstring)."""
 
-    def __init__(self, log_: EventLog, engine: Engine, config: Config, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, log_: EventLog, engine: Engine, config: Config, clock: Callable[[], float]
+    ) -> None:
         self.log = log_
         self.engine = engine
         self.config = config
@@ -99,7 +111,11 @@ class SessionStates:
             if len(self._states) <= self.cache_size:
                 break
             lock = self._locks.get(sid)
-            if sid in self._generating or (lock is not None and lock.locked()) or sid == st.session_id:
+            if (
+                sid in self._generating
+                or (lock is not None and lock.locked())
+                or sid == st.session_id
+            ):
                 continue
             del self._states[sid]
             self._locks.pop(sid, None)
@@ -132,7 +148,9 @@ class SessionStates:
         async with self._lock(session_id):
             return await self._open_locked(session_id)
 
-    async def _commit(self, st: SessionState, new: Sequence[NewEvent], *, length: int | None = None) -> list[Event]:
+    async def _commit(
+        self, st: SessionState, new: Sequence[NewEvent], *, length: int | None = None
+    ) -> list[Event]:
         """Append ``new`` after ``st.version`` and fold the committed events into ``st``.
 
         ``length``: the history length after ``new``, when the caller knows it
@@ -174,7 +192,10 @@ class SessionStates:
                     await asyncio.shield(task)
             raise
         self._last_active[st.session_id] = self.clock()
-        if self.snapshot_every and st.version - self._snapshotted.get(st.session_id, 0) >= self.snapshot_every:
+        if (
+            self.snapshot_every
+            and st.version - self._snapshotted.get(st.session_id, 0) >= self.snapshot_every
+        ):
             self._snapshotted[st.session_id] = st.version
             self._spawn(self._snapshot(st.session_id, state_to_json(st)))
         return evs

@@ -253,7 +253,9 @@ def apply_fragment(state: SessionState, body: Mapping[str, Any], data: bytes | N
         seq=seq,
         continued=bool(body.get("continued", False)),
         child_ids=children,
-        metadata=None if chunk is None or chunk.get("metadata") is None else dict(chunk["metadata"]),
+        metadata=None
+        if chunk is None or chunk.get("metadata") is None
+        else dict(chunk["metadata"]),
         ref=None if chunk is None else chunk.get("ref"),
         data=data,
         has_chunk=chunk is not None,
@@ -323,7 +325,13 @@ def _tokens(state: SessionState, e: Event) -> None:
     state.tokens.extend(toks)
     for im in b.get("images", ()):
         state.images.append(
-            Image(int(im["start"]), int(im["end"]), str(im["mime"]), str(im["sha256"]), int(im["size"]))
+            Image(
+                int(im["start"]),
+                int(im["end"]),
+                str(im["mime"]),
+                str(im["sha256"]),
+                int(im["size"]),
+            )
         )
 
 
@@ -431,12 +439,19 @@ def overlay(st: SessionState) -> SessionState:
     return scratch
 
 
-def overlay_apply(scratch: SessionState, base: SessionState, body: Mapping[str, Any], data: bytes | None) -> None:
+def overlay_apply(
+    scratch: SessionState, base: SessionState, body: Mapping[str, Any], data: bytes | None
+) -> None:
     nid = str(body["id"])
     node = scratch.nodes.get(nid)
     if node is not None and node is base.nodes.get(nid):
-        scratch.nodes[nid] = Node(id=node.id, fragments=dict(node.fragments), final_seq=node.final_seq,
-                                  kind=node.kind, direction=node.direction)
+        scratch.nodes[nid] = Node(
+            id=node.id,
+            fragments=dict(node.fragments),
+            final_seq=node.final_seq,
+            kind=node.kind,
+            direction=node.direction,
+        )
     for c in body.get("child_ids", ()):
         parents = scratch.parents_of.get(c)
         if parents is not None and parents is base.parents_of.get(c):

@@ -70,8 +70,14 @@ def rewind_point(state: SessionState, offset: int | None, truncating: bool) -> i
     )
 
 
-def check_images(images: Sequence[ImageIn], base: int, new_length: int, block_len: int | None,
-                 tokens: Sequence[int], pad_token: int | None) -> None:
+def check_images(
+    images: Sequence[ImageIn],
+    base: int,
+    new_length: int,
+    block_len: int | None,
+    tokens: Sequence[int],
+    pad_token: int | None,
+) -> None:
     """Each image must cover a run of pad tokens inside the appended span."""
     spans: list[tuple[int, int]] = []
     for im in images:
@@ -88,7 +94,9 @@ def check_images(images: Sequence[ImageIn], base: int, new_length: int, block_le
         if pad_token is not None:
             inner = tokens[im.start - base + 1 : im.end - base - 1]
             if any(t != pad_token for t in inner):
-                raise InvalidImage(f"image block [{im.start}, {im.end}) is not a run of pad token {pad_token}")
+                raise InvalidImage(
+                    f"image block [{im.start}, {im.end}) is not a run of pad token {pad_token}"
+                )
         if not im.data:
             raise InvalidImage("image without bytes")
         spans.append((im.start, im.end))
@@ -103,7 +111,9 @@ def check_fork_point(state: SessionState, at: int) -> None:
         raise InvalidRange(f"fork position {at} is outside [0, {state.length}]")
     for im in state.images:
         if im.start < at < im.end:
-            raise ImageBlockSplit(f"fork position {at} falls inside the image block [{im.start}, {im.end})")
+            raise ImageBlockSplit(
+                f"fork position {at} falls inside the image block [{im.start}, {im.end})"
+            )
 
 
 def check_length(new_length: int, max_length: int) -> None:

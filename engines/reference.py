@@ -34,20 +34,33 @@ VOCAB = 259
 
 
 class ReferenceEngine(Engine):
-    def __init__(self, max_length: int = 4096, image_tokens: int | None = 10, eos_bias: float = 0.0,
-                 step_delay_s: float = 0.0, **unknown: Any) -> None:
+    def __init__(
+        self,
+        max_length: int = 4096,
+        image_tokens: int | None = 10,
+        eos_bias: float = 0.0,
+        step_delay_s: float = 0.0,
+        **unknown: Any,
+    ) -> None:
         if unknown:
             raise ConfigError(f"unknown reference engine options: {sorted(unknown)}")
         self._tok = ByteTokenizer(VOCAB)
         self.step_delay_s = float(step_delay_s)
         self.eos_bias = float(eos_bias)
         self._info = EngineInfo(
-            name="reference", model_id="reference-bigram-v1",
+            name="reference",
+            model_id="reference-bigram-v1",
             model_hash=hashlib.sha256(b"reference-bigram-v1").hexdigest(),
-            vocab_size=VOCAB, max_length=int(max_length), eos_token_ids=(EOS,),
-            image_block_tokens=None if image_tokens is None else int(image_tokens), image_pad_token_id=IMAGE_PAD,
-            readout_manifest=ReadoutManifest(concepts=("bytes", "letters"), layers=(0, 1), hidden_size=8),
-            provider="python", runtime_version="1",
+            vocab_size=VOCAB,
+            max_length=int(max_length),
+            eos_token_ids=(EOS,),
+            image_block_tokens=None if image_tokens is None else int(image_tokens),
+            image_pad_token_id=IMAGE_PAD,
+            readout_manifest=ReadoutManifest(
+                concepts=("bytes", "letters"), layers=(0, 1), hidden_size=8
+            ),
+            provider="python",
+            runtime_version="1",
         )
 
     @property
@@ -60,11 +73,17 @@ class ReferenceEngine(Engine):
     def detokenize(self, tokens: Sequence[int]) -> str:
         return self._tok.decode(tokens)
 
-    def logits(self, history: Sequence[int], position: int) -> np.ndarray[Any, np.dtype[np.float32]]:
+    def logits(
+        self, history: Sequence[int], position: int
+    ) -> np.ndarray[Any, np.dtype[np.float32]]:
         a = history[position - 2] if position >= 2 else BOS
         b = history[position - 1] if position >= 1 else BOS
-        seed = int.from_bytes(hashlib.blake2b(f"{a},{b}".encode(), digest_size=8).digest(), "little")
-        out = np.random.default_rng(seed).standard_normal(VOCAB).astype(np.float32) * np.float32(3.0)
+        seed = int.from_bytes(
+            hashlib.blake2b(f"{a},{b}".encode(), digest_size=8).digest(), "little"
+        )
+        out = np.random.default_rng(seed).standard_normal(VOCAB).astype(np.float32) * np.float32(
+            3.0
+        )
         out[EOS] += np.float32(self.eos_bias)
         out[IMAGE_PAD] = np.float32(-30.0)
         out[BOS] = np.float32(-30.0)
@@ -74,12 +93,19 @@ class ReferenceEngine(Engine):
         tok = history[position]
         return (float(tok < 256), float(65 <= tok <= 122), float(tok) / VOCAB, float(position % 7))
 
-    async def generate(self, session_key: str, history: Sequence[int], params: SamplingParams,
-                       options: OutputOptions = DEFAULT_OUTPUT) -> AsyncIterator[Step]:
+    async def generate(
+        self,
+        session_key: str,
+        history: Sequence[int],
+        params: SamplingParams,
+        options: OutputOptions = DEFAULT_OUTPUT,
+    ) -> AsyncIterator[Step]:
         hist = list(history)
         n = len(hist)
         if n + (1 if params.max_tokens else 0) > self._info.max_length:
-            raise ContextOverflow(f"history of {n} tokens leaves no room in {self._info.max_length}")
+            raise ContextOverflow(
+                f"history of {n} tokens leaves no room in {self._info.max_length}"
+            )
         for p in range(n):
             want_lp = options.wants_logprobs(p, generated=False)
             want_ro = options.wants_readout(p)
@@ -87,7 +113,9 @@ class ReferenceEngine(Engine):
                 continue
             lp = log_softmax(self.logits(hist, p)) if want_lp else None
             yield Step(
-                token_id=hist[p], position=p, is_prefill=True,
+                token_id=hist[p],
+                position=p,
+                is_prefill=True,
                 logprob=None if lp is None else float(lp[hist[p]]),
                 top_logprobs=() if lp is None else top_logprobs(lp, options.logprob_top_k),
                 readout=self.readout(hist, p) if want_ro else None,
@@ -104,7 +132,9 @@ class ReferenceEngine(Engine):
             hist.append(tok)
             want_ro = options.wants_readout(p)
             yield Step(
-                token_id=tok, position=p, is_prefill=False,
+                token_id=tok,
+                position=p,
+                is_prefill=False,
                 logprob=tok_lp if options.wants_logprobs(p, generated=True) else None,
                 top_logprobs=top_logprobs(log_softmax(logits), options.logprob_top_k),
                 readout=self.readout(hist, p) if want_ro else None,

@@ -13,7 +13,10 @@ connection = context.config.attributes.get("connection")
 if connection is None:
     raise RuntimeError("run migrations through `sessiontape db upgrade` (migrations.runner)")
 
-context.configure(connection=connection, target_metadata=context.config.attributes.get("target_metadata"),
-                  render_as_batch=True)
+context.configure(
+    connection=connection,
+    target_metadata=context.config.attributes.get("target_metadata"),
+    render_as_batch=True,
+)
 with context.begin_transaction():
     context.run_migrations()

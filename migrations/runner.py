@@ -15,7 +15,9 @@ from sqlalchemy.engine import Connection
 HERE = Path(__file__).resolve().parent
 
 
-def alembic_config(connection: Connection | None = None, metadata: MetaData | None = None) -> Config:
+def alembic_config(
+    connection: Connection | None = None, metadata: MetaData | None = None
+) -> Config:
     """An Alembic config for this folder; ``metadata`` is the models' (for autogenerate)."""
     cfg = Config()
     cfg.set_main_option("script_location", str(HERE))

@@ -29,12 +29,18 @@ from sessiontape.errors import APIError, ClientError
 
 def register(subparsers: Any) -> None:
     remote = subparsers.add_parser("remote", help="talk to a running server over its HTTP API")
-    remote.add_argument("--url", default=None, help=f"server URL (default: $SESSIONTAPE_URL or {DEFAULT_URL})")
-    remote.add_argument("--token", default=None, help="bearer token (default: $SESSIONTAPE_AUTH_TOKEN)")
+    remote.add_argument(
+        "--url", default=None, help=f"server URL (default: $SESSIONTAPE_URL or {DEFAULT_URL})"
+    )
+    remote.add_argument(
+        "--token", default=None, help="bearer token (default: $SESSIONTAPE_AUTH_TOKEN)"
+    )
     sub = remote.add_subparsers(dest="remote_command", required=True)
 
     ls = sub.add_parser("ls", help="list sessions, newest first")
-    ls.add_argument("--status", default=None, help="only sessions in this status (open, closed, ...)")
+    ls.add_argument(
+        "--status", default=None, help="only sessions in this status (open, closed, ...)"
+    )
     ls.add_argument("--limit", type=int, default=50, help="at most this many (default 50)")
     ls.add_argument("--json", action="store_true", help="one JSON object per line")
     ls.set_defaults(remote=_ls)
@@ -43,24 +49,36 @@ def register(subparsers: Any) -> None:
     show.add_argument("session_id", help="the session id")
     show.set_defaults(remote=_show)
 
-    gen = sub.add_parser("generate", help="append text (optional) and generate, printing the text as it comes")
+    gen = sub.add_parser(
+        "generate", help="append text (optional) and generate, printing the text as it comes"
+    )
     gen.add_argument("session_id", help="the session id")
     gen.add_argument("--text", default=None, help="text to append first")
-    gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most (default 32)")
-    gen.add_argument("--seed", type=int, default=None, help="sampling seed (default: the server draws one)")
-    gen.add_argument("--temperature", type=float, default=None, help="sampling temperature (0: greedy)")
+    gen.add_argument(
+        "--max-tokens", type=int, default=32, help="tokens to generate at most (default 32)"
+    )
+    gen.add_argument(
+        "--seed", type=int, default=None, help="sampling seed (default: the server draws one)"
+    )
+    gen.add_argument(
+        "--temperature", type=float, default=None, help="sampling temperature (0: greedy)"
+    )
     gen.set_defaults(remote=_generate)
 
     tail = sub.add_parser("tail", help="follow a session live (resuming dropped connections)")
     tail.add_argument("session_id", help="the session id")
     tail.add_argument("--until-generation", default=None, help="stop when this generation finishes")
-    tail.add_argument("--json", action="store_true", help="print each update (kind, position, patch) as JSON")
+    tail.add_argument(
+        "--json", action="store_true", help="print each update (kind, position, patch) as JSON"
+    )
     tail.set_defaults(remote=_tail)
 
     fork = sub.add_parser("fork", help="fork a session at a token position or event version")
     fork.add_argument("session_id", help="the session id")
     fork.add_argument("--at-position", type=int, default=None, help="keep the first N tokens")
-    fork.add_argument("--at-version", type=int, default=None, help="fork the session as of event version N")
+    fork.add_argument(
+        "--at-version", type=int, default=None, help="fork the session as of event version N"
+    )
     fork.set_defaults(remote=_fork)
 
     close = sub.add_parser("close", help="close a session")
@@ -80,7 +98,9 @@ def run(args: argparse.Namespace) -> int:
     token = args.token or os.environ.get("SESSIONTAPE_AUTH_TOKEN") or None
     command: Callable[[Client, argparse.Namespace], None] = args.remote
     if not getattr(args, "verbose", False):
-        logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is -v's business
+        logging.getLogger("httpx").setLevel(
+            logging.WARNING
+        )  # one line per request is -v's business
     try:
         with Client(url, token=token) as client:
             command(client, args)
@@ -99,8 +119,10 @@ def _ls(client: Client, args: argparse.Namespace) -> None:
         if args.json:
             print(json.dumps(row))
         else:
-            print(f"{row['id']}  {row.get('status', ''):8} {row.get('protocol', ''):10} "
-                  f"{row.get('history_length', 0):>7} tokens  {row.get('label') or ''}")
+            print(
+                f"{row['id']}  {row.get('status', ''):8} {row.get('protocol', ''):10} "
+                f"{row.get('history_length', 0):>7} tokens  {row.get('label') or ''}"
+            )
 
 
 def _show(client: Client, args: argparse.Namespace) -> None:
@@ -119,7 +141,9 @@ def _texts(updates: Iterator[Update], pick: Callable[[dict[str, Any]], str]) -> 
             sys.stdout.flush()
             shown = len(text)
         if u.kind == "end":
-            sys.stdout.write(f"\n[session {u.data.get('status') if isinstance(u.data, dict) else 'ended'}]\n")
+            sys.stdout.write(
+                f"\n[session {u.data.get('status') if isinstance(u.data, dict) else 'ended'}]\n"
+            )
     sys.stdout.write("\n")
 
 
@@ -144,7 +168,11 @@ def _tail(client: Client, args: argparse.Namespace) -> None:
     updates = client.tail(args.session_id, until_generation=args.until_generation)
     if args.json:
         for u in updates:
-            print(json.dumps({"kind": u.kind, "position": u.position, "patch": u.patch, "data": u.data}))
+            print(
+                json.dumps(
+                    {"kind": u.kind, "position": u.position, "patch": u.patch, "data": u.data}
+                )
+            )
         return
     _texts(updates, lambda doc: str((doc.get("history") or {}).get("text") or ""))
 

@@ -49,8 +49,21 @@ from sessiontape.errors import APIError, TransportError, from_body, from_respons
 DEFAULT_URL = "http://127.0.0.1:8080"
 
 #: the generation fields the server takes (docs/protocols/http.md)
-GENERATE_FIELDS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids",
-                             "logprob_top_k", "logprob_ranges", "readout_ranges", "text", "tokens"})
+GENERATE_FIELDS = frozenset(
+    {
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop_token_ids",
+        "logprob_top_k",
+        "logprob_ranges",
+        "readout_ranges",
+        "text",
+        "tokens",
+    }
+)
 
 
 # -- requests (shared by both clients) ----------------------------------------------
@@ -72,7 +85,9 @@ def _given(**fields: Any) -> dict[str, Any]:
 def _generation(params: Mapping[str, Any], **mode: Any) -> dict[str, Any]:
     unknown = set(params) - GENERATE_FIELDS
     if unknown:
-        raise TypeError(f"unknown generation parameters: {sorted(unknown)} (known: {sorted(GENERATE_FIELDS)})")
+        raise TypeError(
+            f"unknown generation parameters: {sorted(unknown)} (known: {sorted(GENERATE_FIELDS)})"
+        )
     return {**_given(**params), **mode}
 
 
@@ -84,31 +99,72 @@ class _Calls:
     """The requests behind each method, built once for both clients."""
 
     @staticmethod
-    def create(protocol: str | None, label: str | None, mode: str | None, ttl_s: float | None,
-               eos_token_ids: list[int] | None, meta: Mapping[str, Any] | None) -> Call:
-        return Call("POST", "/v1/sessions", _given(protocol=protocol, label=label, mode=mode, ttl_s=ttl_s,
-                                                   eos_token_ids=eos_token_ids,
-                                                   meta=None if meta is None else dict(meta)))
+    def create(
+        protocol: str | None,
+        label: str | None,
+        mode: str | None,
+        ttl_s: float | None,
+        eos_token_ids: list[int] | None,
+        meta: Mapping[str, Any] | None,
+    ) -> Call:
+        return Call(
+            "POST",
+            "/v1/sessions",
+            _given(
+                protocol=protocol,
+                label=label,
+                mode=mode,
+                ttl_s=ttl_s,
+                eos_token_ids=eos_token_ids,
+                meta=None if meta is None else dict(meta),
+            ),
+        )
 
     @staticmethod
-    def listing(status: str | None, protocol: str | None, parent: str | None, limit: int | None,
-             offset: int | None) -> Call:
-        return Call("GET", "/v1/sessions", params=_given(status=status, protocol=protocol, parent=parent,
-                                                         limit=limit, offset=offset))
+    def listing(
+        status: str | None,
+        protocol: str | None,
+        parent: str | None,
+        limit: int | None,
+        offset: int | None,
+    ) -> Call:
+        return Call(
+            "GET",
+            "/v1/sessions",
+            params=_given(
+                status=status, protocol=protocol, parent=parent, limit=limit, offset=offset
+            ),
+        )
 
     @staticmethod
-    def append(sid: str, text: str | None, tokens: list[int] | None, offset: int | None,
-               truncating: bool | None) -> Call:
+    def append(
+        sid: str,
+        text: str | None,
+        tokens: list[int] | None,
+        offset: int | None,
+        truncating: bool | None,
+    ) -> Call:
         if text is None and tokens is None:
             raise TypeError("append needs text or tokens")
-        return Call("POST", _session(sid, "/append"),
-                    _given(text=text, tokens=tokens, offset=offset, truncating=truncating))
+        return Call(
+            "POST",
+            _session(sid, "/append"),
+            _given(text=text, tokens=tokens, offset=offset, truncating=truncating),
+        )
 
     @staticmethod
-    def fork(sid: str, at_position: int | None, at_version: int | None, label: str | None,
-             protocol: str | None) -> Call:
-        return Call("POST", _session(sid, "/fork"), _given(at_position=at_position, at_version=at_version,
-                                                           label=label, protocol=protocol))
+    def fork(
+        sid: str,
+        at_position: int | None,
+        at_version: int | None,
+        label: str | None,
+        protocol: str | None,
+    ) -> Call:
+        return Call(
+            "POST",
+            _session(sid, "/fork"),
+            _given(at_position=at_position, at_version=at_version, label=label, protocol=protocol),
+        )
 
 
 @dataclass
@@ -209,7 +265,9 @@ class _Follow:
             update = Update("patch", position, doc, patch=ops)
         if position is not None:
             self.last_event_id = position
-        if self.until_generation is not None and _generation_done(update.document, self.until_generation):
+        if self.until_generation is not None and _generation_done(
+            update.document, self.until_generation
+        ):
             self.done = True
         return update
 
@@ -218,11 +276,15 @@ def _json(data: str) -> Any:
     try:
         return json.loads(data)
     except ValueError as exc:
-        raise APIError(0, "protocol", f"the server sent an event that is not JSON: {data[:200]!r}") from exc
+        raise APIError(
+            0, "protocol", f"the server sent an event that is not JSON: {data[:200]!r}"
+        ) from exc
 
 
 def _generation_done(doc: Mapping[str, Any], gid: str) -> bool:
-    return any(g.get("id") == gid and g.get("status") == "finished" for g in doc.get("generations", ()))
+    return any(
+        g.get("id") == gid and g.get("status") == "finished" for g in doc.get("generations", ())
+    )
 
 
 def _headers(token: str | None) -> dict[str, str]:
@@ -249,8 +311,16 @@ class Client:
     15 s by default) before it counts as dropped.
     """
 
-    def __init__(self, base_url: str = DEFAULT_URL, *, token: str | None = None, timeout: float = 30.0,
-                 stream_timeout: float = 60.0, retries: int = 5, backoff_s: float = 0.2) -> None:
+    def __init__(
+        self,
+        base_url: str = DEFAULT_URL,
+        *,
+        token: str | None = None,
+        timeout: float = 30.0,
+        stream_timeout: float = 60.0,
+        retries: int = 5,
+        backoff_s: float = 0.2,
+    ) -> None:
         self._http = httpx.Client(base_url=base_url, headers=_headers(token), timeout=timeout)
         self.stream_timeout = stream_timeout
         self.retries = retries
@@ -268,7 +338,9 @@ class Client:
 
     def _send(self, call: Call) -> Any:
         try:
-            response = self._http.request(call.method, call.path, json=call.json, params=call.params)
+            response = self._http.request(
+                call.method, call.path, json=call.json, params=call.params
+            )
         except httpx.TransportError as exc:
             raise TransportError(f"{call.method} {call.path}: {exc!r}") from exc
         return _parse(call, response)
@@ -278,27 +350,52 @@ class Client:
     def health(self) -> dict[str, Any]:
         return dict(self._send(Call("GET", "/healthz")))
 
-    def create_session(self, *, protocol: str | None = None, label: str | None = None, mode: str | None = None,
-                       ttl_s: float | None = None, eos_token_ids: list[int] | None = None,
-                       meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    def create_session(
+        self,
+        *,
+        protocol: str | None = None,
+        label: str | None = None,
+        mode: str | None = None,
+        ttl_s: float | None = None,
+        eos_token_ids: list[int] | None = None,
+        meta: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
         """Open a session; returns its document (``["id"]`` is the session id)."""
         return dict(self._send(_Calls.create(protocol, label, mode, ttl_s, eos_token_ids, meta)))
 
-    def list_sessions(self, *, status: str | None = None, protocol: str | None = None, parent: str | None = None,
-                      limit: int | None = None, offset: int | None = None) -> list[dict[str, Any]]:
+    def list_sessions(
+        self,
+        *,
+        status: str | None = None,
+        protocol: str | None = None,
+        parent: str | None = None,
+        limit: int | None = None,
+        offset: int | None = None,
+    ) -> list[dict[str, Any]]:
         return list(self._send(_Calls.listing(status, protocol, parent, limit, offset))["sessions"])
 
     def get_session(self, session_id: str, *, version: int | None = None) -> dict[str, Any]:
         return dict(self._send(Call("GET", _session(session_id), params=_given(version=version))))
 
-    def append(self, session_id: str, *, text: str | None = None, tokens: list[int] | None = None,
-               offset: int | None = None, truncating: bool | None = None) -> dict[str, Any]:
+    def append(
+        self,
+        session_id: str,
+        *,
+        text: str | None = None,
+        tokens: list[int] | None = None,
+        offset: int | None = None,
+        truncating: bool | None = None,
+    ) -> dict[str, Any]:
         """Append text or tokens; returns ``{session_id, length, version}``."""
         return dict(self._send(_Calls.append(session_id, text, tokens, offset, truncating)))
 
     def generate(self, session_id: str, **params: Any) -> dict[str, Any]:
         """Generate and wait; returns ``{session_id, generation, version}`` (``generation`` as in the document)."""
-        return dict(self._send(Call("POST", _session(session_id, "/generate"), _generation(params, stream=False))))
+        return dict(
+            self._send(
+                Call("POST", _session(session_id, "/generate"), _generation(params, stream=False))
+            )
+        )
 
     def generate_background(self, session_id: str, **params: Any) -> str:
         """Start a generation that outlives this request; returns its id (follow it with :meth:`tail`)."""
@@ -310,8 +407,9 @@ class Client:
         follow = _Follow()
         body = _generation(params)
         try:
-            with self._http.stream("POST", _session(session_id, "/generate"), json=body,
-                                   timeout=self._stream_timeout()) as r:
+            with self._http.stream(
+                "POST", _session(session_id, "/generate"), json=body, timeout=self._stream_timeout()
+            ) as r:
                 if r.status_code >= 400:
                     r.read()
                     raise from_response(r.status_code, r.content)
@@ -319,8 +417,14 @@ class Client:
         except httpx.TransportError as exc:
             raise TransportError(f"generate stream of {session_id}: {exc!r}") from exc
 
-    def tail(self, session_id: str, *, until_generation: str | None = None, last_event_id: int | None = None,
-             document: dict[str, Any] | None = None) -> Iterator[Update]:
+    def tail(
+        self,
+        session_id: str,
+        *,
+        until_generation: str | None = None,
+        last_event_id: int | None = None,
+        document: dict[str, Any] | None = None,
+    ) -> Iterator[Update]:
         """Follow a session's document live until it ends (or ``until_generation`` finishes).
 
         A dropped connection is resumed with ``Last-Event-ID``: no update is
@@ -331,8 +435,12 @@ class Client:
         failures = 0
         while not follow.done:
             try:
-                with self._http.stream("GET", _session(session_id, "/events"), headers=follow.headers(),
-                                       timeout=self._stream_timeout()) as r:
+                with self._http.stream(
+                    "GET",
+                    _session(session_id, "/events"),
+                    headers=follow.headers(),
+                    timeout=self._stream_timeout(),
+                ) as r:
                     if r.status_code >= 400:
                         r.read()
                         raise from_response(r.status_code, r.content)
@@ -345,7 +453,9 @@ class Client:
             except httpx.TransportError as exc:
                 failures += 1
                 if failures > self.retries:
-                    raise TransportError(f"tail of {session_id}: {failures} reconnects failed: {exc!r}") from exc
+                    raise TransportError(
+                        f"tail of {session_id}: {failures} reconnects failed: {exc!r}"
+                    ) from exc
             follow.decoder = SSEDecoder()
             if not follow.done and failures:
                 time.sleep(min(self.backoff_s * 2 ** (failures - 1), 5.0))
@@ -353,8 +463,15 @@ class Client:
     def _stream_timeout(self) -> httpx.Timeout:
         return httpx.Timeout(self._http.timeout.connect, read=self.stream_timeout)
 
-    def fork(self, session_id: str, *, at_position: int | None = None, at_version: int | None = None,
-             label: str | None = None, protocol: str | None = None) -> dict[str, Any]:
+    def fork(
+        self,
+        session_id: str,
+        *,
+        at_position: int | None = None,
+        at_version: int | None = None,
+        label: str | None = None,
+        protocol: str | None = None,
+    ) -> dict[str, Any]:
         """A new session continuing this one at a token position or event version; returns its document."""
         return dict(self._send(_Calls.fork(session_id, at_position, at_version, label, protocol)))
 
@@ -377,14 +494,20 @@ def _closed_early(failures: int, retries: int, session_id: str) -> int:
     """A stream the server closed before the session ended: reconnect, but not forever."""
     failures += 1
     if failures > retries:
-        raise TransportError(f"tail of {session_id}: the server closed the stream {failures} times in a row")
+        raise TransportError(
+            f"tail of {session_id}: the server closed the stream {failures} times in a row"
+        )
     return failures
 
 
-def _start(until_generation: str | None, last_event_id: int | None, document: dict[str, Any] | None) -> _Follow:
+def _start(
+    until_generation: str | None, last_event_id: int | None, document: dict[str, Any] | None
+) -> _Follow:
     if (last_event_id is None) != (document is None):
         raise TypeError("resuming needs both last_event_id and the document it belongs to")
-    return _Follow(document=document, last_event_id=last_event_id, until_generation=until_generation)
+    return _Follow(
+        document=document, last_event_id=last_event_id, until_generation=until_generation
+    )
 
 
 # -- async --------------------------------------------------------------------------
@@ -393,8 +516,16 @@ def _start(until_generation: str | None, last_event_id: int | None, document: di
 class AsyncClient:
     """The native API over ``httpx.AsyncClient``: the methods of :class:`Client`, awaitable."""
 
-    def __init__(self, base_url: str = DEFAULT_URL, *, token: str | None = None, timeout: float = 30.0,
-                 stream_timeout: float = 60.0, retries: int = 5, backoff_s: float = 0.2) -> None:
+    def __init__(
+        self,
+        base_url: str = DEFAULT_URL,
+        *,
+        token: str | None = None,
+        timeout: float = 30.0,
+        stream_timeout: float = 60.0,
+        retries: int = 5,
+        backoff_s: float = 0.2,
+    ) -> None:
         self._http = httpx.AsyncClient(base_url=base_url, headers=_headers(token), timeout=timeout)
         self.stream_timeout = stream_timeout
         self.retries = retries
@@ -411,7 +542,9 @@ class AsyncClient:
 
     async def _send(self, call: Call) -> Any:
         try:
-            response = await self._http.request(call.method, call.path, json=call.json, params=call.params)
+            response = await self._http.request(
+                call.method, call.path, json=call.json, params=call.params
+            )
         except httpx.TransportError as exc:
             raise TransportError(f"{call.method} {call.path}: {exc!r}") from exc
         return _parse(call, response)
@@ -419,22 +552,47 @@ class AsyncClient:
     async def health(self) -> dict[str, Any]:
         return dict(await self._send(Call("GET", "/healthz")))
 
-    async def create_session(self, *, protocol: str | None = None, label: str | None = None,
-                             mode: str | None = None, ttl_s: float | None = None,
-                             eos_token_ids: list[int] | None = None,
-                             meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        return dict(await self._send(_Calls.create(protocol, label, mode, ttl_s, eos_token_ids, meta)))
+    async def create_session(
+        self,
+        *,
+        protocol: str | None = None,
+        label: str | None = None,
+        mode: str | None = None,
+        ttl_s: float | None = None,
+        eos_token_ids: list[int] | None = None,
+        meta: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        return dict(
+            await self._send(_Calls.create(protocol, label, mode, ttl_s, eos_token_ids, meta))
+        )
 
-    async def list_sessions(self, *, status: str | None = None, protocol: str | None = None,
-                            parent: str | None = None, limit: int | None = None,
-                            offset: int | None = None) -> list[dict[str, Any]]:
-        return list((await self._send(_Calls.listing(status, protocol, parent, limit, offset)))["sessions"])
+    async def list_sessions(
+        self,
+        *,
+        status: str | None = None,
+        protocol: str | None = None,
+        parent: str | None = None,
+        limit: int | None = None,
+        offset: int | None = None,
+    ) -> list[dict[str, Any]]:
+        return list(
+            (await self._send(_Calls.listing(status, protocol, parent, limit, offset)))["sessions"]
+        )
 
     async def get_session(self, session_id: str, *, version: int | None = None) -> dict[str, Any]:
-        return dict(await self._send(Call("GET", _session(session_id), params=_given(version=version))))
+        return dict(
+            await self._send(Call("GET", _session(session_id), params=_given(version=version)))
+        )
 
-    async def append(self, session_id: str, *, text: str | None = None, tokens: list[int] | None = None,
-                     offset: int | None = None, truncating: bool | None = None) -> dict[str, Any]:
+    async def append(
+        self,
+        session_id: str,
+        *,
+        text: str | None = None,
+        tokens: list[int] | None = None,
+        offset: int | None = None,
+        truncating: bool | None = None,
+    ) -> dict[str, Any]:
         return dict(await self._send(_Calls.append(session_id, text, tokens, offset, truncating)))
 
     async def generate(self, session_id: str, **params: Any) -> dict[str, Any]:
@@ -448,8 +606,12 @@ class AsyncClient:
     async def generate_stream(self, session_id: str, **params: Any) -> AsyncIterator[Update]:
         follow = _Follow()
         try:
-            async with self._http.stream("POST", _session(session_id, "/generate"), json=_generation(params),
-                                         timeout=self._stream_timeout()) as r:
+            async with self._http.stream(
+                "POST",
+                _session(session_id, "/generate"),
+                json=_generation(params),
+                timeout=self._stream_timeout(),
+            ) as r:
                 if r.status_code >= 400:
                     await r.aread()
                     raise from_response(r.status_code, r.content)
@@ -459,15 +621,24 @@ class AsyncClient:
         except httpx.TransportError as exc:
             raise TransportError(f"generate stream of {session_id}: {exc!r}") from exc
 
-    async def tail(self, session_id: str, *, until_generation: str | None = None,
-                   last_event_id: int | None = None,
-                   document: dict[str, Any] | None = None) -> AsyncIterator[Update]:
+    async def tail(
+        self,
+        session_id: str,
+        *,
+        until_generation: str | None = None,
+        last_event_id: int | None = None,
+        document: dict[str, Any] | None = None,
+    ) -> AsyncIterator[Update]:
         follow = _start(until_generation, last_event_id, document)
         failures = 0
         while not follow.done:
             try:
-                async with self._http.stream("GET", _session(session_id, "/events"), headers=follow.headers(),
-                                             timeout=self._stream_timeout()) as r:
+                async with self._http.stream(
+                    "GET",
+                    _session(session_id, "/events"),
+                    headers=follow.headers(),
+                    timeout=self._stream_timeout(),
+                ) as r:
                     if r.status_code >= 400:
                         await r.aread()
                         raise from_response(r.status_code, r.content)
@@ -481,7 +652,9 @@ class AsyncClient:
             except httpx.TransportError as exc:
                 failures += 1
                 if failures > self.retries:
-                    raise TransportError(f"tail of {session_id}: {failures} reconnects failed: {exc!r}") from exc
+                    raise TransportError(
+                        f"tail of {session_id}: {failures} reconnects failed: {exc!r}"
+                    ) from exc
             follow.decoder = SSEDecoder()
             if not follow.done and failures:
                 await asyncio.sleep(min(self.backoff_s * 2 ** (failures - 1), 5.0))
@@ -489,15 +662,28 @@ class AsyncClient:
     def _stream_timeout(self) -> httpx.Timeout:
         return httpx.Timeout(self._http.timeout.connect, read=self.stream_timeout)
 
-    async def fork(self, session_id: str, *, at_position: int | None = None, at_version: int | None = None,
-                   label: str | None = None, protocol: str | None = None) -> dict[str, Any]:
-        return dict(await self._send(_Calls.fork(session_id, at_position, at_version, label, protocol)))
+    async def fork(
+        self,
+        session_id: str,
+        *,
+        at_position: int | None = None,
+        at_version: int | None = None,
+        label: str | None = None,
+        protocol: str | None = None,
+    ) -> dict[str, Any]:
+        return dict(
+            await self._send(_Calls.fork(session_id, at_position, at_version, label, protocol))
+        )
 
     async def close_session(self, session_id: str, *, reason: str | None = None) -> dict[str, Any]:
-        return dict(await self._send(Call("POST", _session(session_id, "/close"), _given(reason=reason))))
+        return dict(
+            await self._send(Call("POST", _session(session_id, "/close"), _given(reason=reason)))
+        )
 
     async def feedback(self, session_id: str, feedback: Mapping[str, Any]) -> dict[str, Any]:
-        return dict(await self._send(Call("POST", _session(session_id, "/feedback"), dict(feedback))))
+        return dict(
+            await self._send(Call("POST", _session(session_id, "/feedback"), dict(feedback)))
+        )
 
     async def export(self, session_id: str) -> list[dict[str, Any]]:
         return list(await self._send(Call("GET", _session(session_id, "/export"), ndjson=True)))

@@ -99,7 +99,12 @@ BY_CODE: dict[str, type[APIError]] = {
 }
 
 BY_STATUS: dict[int, type[APIError]] = {
-    400: BadRequest, 401: Unauthenticated, 404: NotFound, 409: Conflict, 413: PayloadTooLarge, 429: RateLimited,
+    400: BadRequest,
+    401: Unauthenticated,
+    404: NotFound,
+    409: Conflict,
+    413: PayloadTooLarge,
+    429: RateLimited,
 }
 
 

@@ -91,7 +91,9 @@ async def pg_url() -> AsyncIterator[str]:
         await _drop_pg_schema(url)
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=[pytest.mark.postgres, requires_pg])])
+@pytest.fixture(
+    params=["sqlite", pytest.param("postgres", marks=[pytest.mark.postgres, requires_pg])]
+)
 async def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
     if request.param == "sqlite":
         yield f"sqlite+aiosqlite:///{tmp_path / 'log.db'}"
@@ -132,4 +134,3 @@ async def any_runtime(db_url: str) -> AsyncIterator[Runtime]:
         yield rt
     finally:
         await rt.aclose()
-

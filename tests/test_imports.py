@@ -35,10 +35,13 @@ MODULES = _modules()
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
-def _imports(tree: ast.AST, typing_only: bool = False) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
+def _imports(
+    tree: ast.AST, typing_only: bool = False
+) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
     """Every import statement with whether it sits under ``if TYPE_CHECKING:``."""
     for node in ast.iter_child_nodes(tree):
         if isinstance(node, ast.If) and _is_type_checking(node.test):
@@ -67,7 +70,11 @@ def _targets(module: str, node: ast.Import | ast.ImportFrom) -> set[str]:
     else:
         base = node.module or ""
         if node.level:
-            pkg = module.split(".") if MODULES[module].name == "__init__.py" else module.split(".")[:-1]
+            pkg = (
+                module.split(".")
+                if MODULES[module].name == "__init__.py"
+                else module.split(".")[:-1]
+            )
             pkg = pkg[: len(pkg) - (node.level - 1)]
             base = ".".join([*pkg, base] if base else pkg)
         # ``from pkg import sub`` loads pkg.sub when it is a module, else just pkg
@@ -134,7 +141,12 @@ RUNTIME, EVERY = _graph()
 
 
 def test_the_walk_sees_the_packages() -> None:
-    assert {"core.runtime", "core.log.store", "transports.nostr.worker", "migrations.runner"} <= set(MODULES)
+    assert {
+        "core.runtime",
+        "core.log.store",
+        "transports.nostr.worker",
+        "migrations.runner",
+    } <= set(MODULES)
     assert "core.state" in RUNTIME["core.nodes"]
     assert "migrations.runner" in RUNTIME["core.log.store"]  # an import inside a function
 
@@ -169,8 +181,11 @@ def test_no_import_cycle_between_packages() -> None:
 
 @pytest.mark.parametrize("forbidden", ["engines", "transports"])
 def test_core_imports_no_engine_or_transport(forbidden: str) -> None:
-    bad = {m: sorted(t for t in targets if t.split(".")[0] == forbidden)
-           for m, targets in EVERY.items() if m.split(".")[0] == "core"}
+    bad = {
+        m: sorted(t for t in targets if t.split(".")[0] == forbidden)
+        for m, targets in EVERY.items()
+        if m.split(".")[0] == "core"
+    }
     assert {m: t for m, t in bad.items() if t} == {}
 
 
@@ -179,10 +194,14 @@ def test_transports_reach_the_log_only_through_the_runtime() -> None:
 
     def names_runtime(node: ast.expr) -> bool:
         return (isinstance(node, ast.Name) and node.id in ("runtime", "rt")) or (
-            isinstance(node, ast.Attribute) and node.attr == "runtime")
+            isinstance(node, ast.Attribute) and node.attr == "runtime"
+        )
 
-    found = [f"{path.relative_to(ROOT)}:{node.lineno}"
-             for module, path in MODULES.items() if module.startswith("transports.")
-             for node in ast.walk(ast.parse(path.read_text()))
-             if isinstance(node, ast.Attribute) and node.attr == "log" and names_runtime(node.value)]
+    found = [
+        f"{path.relative_to(ROOT)}:{node.lineno}"
+        for module, path in MODULES.items()
+        if module.startswith("transports.")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute) and node.attr == "log" and names_runtime(node.value)
+    ]
     assert found == []

@@ -46,14 +46,34 @@ class Replica:
         return f"http://127.0.0.1:{self.http_port}"
 
     def start(self) -> None:
-        env = {**os.environ, "SESSIONTAPE_CACHE": str(self.tmp / "cache"),
-               "SESSIONTAPE_ENGINE__OPTIONS__STEP_DELAY_S": str(self.step_delay_s),
-               "SESSIONTAPE_ENGINE__OPTIONS__EOS_BIAS": "-1000.0",
-               "SESSIONTAPE_LOG__POLL_INTERVAL_S": "0.1"}
+        env = {
+            **os.environ,
+            "SESSIONTAPE_CACHE": str(self.tmp / "cache"),
+            "SESSIONTAPE_ENGINE__OPTIONS__STEP_DELAY_S": str(self.step_delay_s),
+            "SESSIONTAPE_ENGINE__OPTIONS__EOS_BIAS": "-1000.0",
+            "SESSIONTAPE_LOG__POLL_INTERVAL_S": "0.1",
+        }
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "core.cli", "serve", "--db", self.url, "--engine", "reference",
-             "--http", f"127.0.0.1:{self.http_port}", "--grpc", f"127.0.0.1:{self.grpc_port}"],
-            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=self.tmp)
+            [
+                sys.executable,
+                "-m",
+                "core.cli",
+                "serve",
+                "--db",
+                self.url,
+                "--engine",
+                "reference",
+                "--http",
+                f"127.0.0.1:{self.http_port}",
+                "--grpc",
+                f"127.0.0.1:{self.grpc_port}",
+            ],
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+            env=env,
+            cwd=self.tmp,
+        )
         assert self.proc.stderr is not None
         deadline = time.monotonic() + 60
         lines = []
@@ -106,8 +126,11 @@ def threading_drain(proc: subprocess.Popen[str]) -> threading.Thread:
 
 @pytest.fixture
 def replicas(tmp_path: Path, pg_url: str) -> Iterator[list[Replica]]:
-    made = [Replica(tmp_path, pg_url, "A", step_delay_s=0.002), Replica(tmp_path, pg_url, "B"),
-            Replica(tmp_path, pg_url, "C")]
+    made = [
+        Replica(tmp_path, pg_url, "A", step_delay_s=0.002),
+        Replica(tmp_path, pg_url, "B"),
+        Replica(tmp_path, pg_url, "C"),
+    ]
     try:
         for r in made:
             r.start()
@@ -167,10 +190,13 @@ async def test_three_replicas_on_one_postgresql(replicas: list[Replica], pg_url:
         for i, r in enumerate(order):
             resp = await http[r.name].post(f"/v1/sessions/{sid}/append", json={"text": f" part{i}"})
             assert resp.status_code == 200, resp.text
-            resp = await http[r.name].post(f"/v1/sessions/{sid}/generate",
-                                           json={"max_tokens": 5, "seed": i, "stream": False})
+            resp = await http[r.name].post(
+                f"/v1/sessions/{sid}/generate", json={"max_tokens": 5, "seed": i, "stream": False}
+            )
             assert resp.status_code == 200, resp.text
-            resp = await http[order[i - 1].name].post(f"/v1/sessions/{sid}/feedback", json={"score": i})
+            resp = await http[order[i - 1].name].post(
+                f"/v1/sessions/{sid}/feedback", json={"score": i}
+            )
             assert resp.status_code in (200, 201), resp.text
         fork = await http["C"].post(f"/v1/sessions/{sid}/fork", json={})
         assert fork.status_code in (200, 201), fork.text
@@ -181,9 +207,16 @@ async def test_three_replicas_on_one_postgresql(replicas: list[Replica], pg_url:
         chans = {r.name: grpc.aio.insecure_channel(f"127.0.0.1:{r.grpc_port}") for r in replicas}
         try:
             k = {n: kgrpc.RuntimeServiceStub(ch) for n, ch in chans.items()}
-            ksid = (await k["A"].CreateSession(kpb.CreateSessionRequest(eos_token_ids=[]))).session_id
+            ksid = (
+                await k["A"].CreateSession(kpb.CreateSessionRequest(eos_token_ids=[]))
+            ).session_id
             await k["B"].AppendTokens(kpb.AppendTokensRequest(session_id=ksid, token_ids=[72, 105]))
-            toks = [m async for m in k["C"].Generate(kpb.GenerateRequest(session_id=ksid, max_tokens=4, seed=1))]
+            toks = [
+                m
+                async for m in k["C"].Generate(
+                    kpb.GenerateRequest(session_id=ksid, max_tokens=4, seed=1)
+                )
+            ]
             assert toks[-1].WhichOneof("payload") == "done"
             info = await k["A"].GetSessionInfo(kpb.GetSessionInfoRequest(session_id=ksid))
             assert info.history_length == 6
@@ -192,15 +225,24 @@ async def test_three_replicas_on_one_postgresql(replicas: list[Replica], pg_url:
                 await ch.close()
 
         # one generation per session across replicas: A generates slowly, B is refused
-        long_gen = asyncio.create_task(http["A"].post(f"/v1/sessions/{sid}/generate",
-                                                      json={"max_tokens": 2000, "seed": 99, "stream": False}))
+        long_gen = asyncio.create_task(
+            http["A"].post(
+                f"/v1/sessions/{sid}/generate",
+                json={"max_tokens": 2000, "seed": 99, "stream": False},
+            )
+        )
         for _ in range(100):
             st = (await http["B"].get(f"/v1/sessions/{sid}")).json()
-            if st["generations"] and st["generations"][-1].get("finish_reason") is None \
-                    and len(st["generations"][-1]["tokens"]) > 5:
+            if (
+                st["generations"]
+                and st["generations"][-1].get("finish_reason") is None
+                and len(st["generations"][-1]["tokens"]) > 5
+            ):
                 break
             await asyncio.sleep(0.05)
-        busy = await http["B"].post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 3, "stream": False})
+        busy = await http["B"].post(
+            f"/v1/sessions/{sid}/generate", json={"max_tokens": 3, "stream": False}
+        )
         assert busy.status_code == 409 and "session_busy" in busy.text
         # ... and A dies with SIGKILL in the middle of it
         a.kill()
@@ -209,8 +251,9 @@ async def test_three_replicas_on_one_postgresql(replicas: list[Replica], pg_url:
         a.start()
         # the next generation (on B) finds A's interrupted and carries on
         for _ in range(100):
-            resp = await http["B"].post(f"/v1/sessions/{sid}/generate",
-                                        json={"max_tokens": 3, "seed": 7, "stream": False})
+            resp = await http["B"].post(
+                f"/v1/sessions/{sid}/generate", json={"max_tokens": 3, "seed": 7, "stream": False}
+            )
             if resp.status_code != 409:
                 break
             await asyncio.sleep(0.1)  # until PostgreSQL noticed A's connection is gone
@@ -228,12 +271,21 @@ async def test_three_replicas_on_one_postgresql(replicas: list[Replica], pg_url:
 
         # operations from another host while the replicas run: migrations and retention
         for cmd in (["db", "upgrade"], ["purge", child, "--force"]):
-            proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "core.cli", *cmd, "--db", pg_url,
-                                                        stderr=asyncio.subprocess.PIPE,
-                                                        stdout=asyncio.subprocess.DEVNULL)
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "core.cli",
+                *cmd,
+                "--db",
+                pg_url,
+                stderr=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.DEVNULL,
+            )
             _, err = await asyncio.wait_for(proc.communicate(), 120)
             assert proc.returncode == 0, err
-        statuses = {(await http[r.name].get(f"/v1/sessions/{child}")).json()["status"] for r in (b, c)}
+        statuses = {
+            (await http[r.name].get(f"/v1/sessions/{child}")).json()["status"] for r in (b, c)
+        }
         assert statuses == {"purged"}
         refused = await http["B"].post(f"/v1/sessions/{child}/append", json={"text": "x"})
         assert refused.status_code in (404, 409), refused.text
@@ -257,7 +309,9 @@ async def test_three_replicas_on_one_postgresql(replicas: list[Replica], pg_url:
         positions = sorted([e.position for e in evs] + [forked_at])
         for name in ("B", "C"):
             got = seen[name]
-            assert got == sorted(got) and len(got) == len(set(got)), f"{name} saw an event twice or out of order"
+            assert got == sorted(got) and len(got) == len(set(got)), (
+                f"{name} saw an event twice or out of order"
+            )
             # every event after the tailer's snapshot, exactly once, none missing, none foreign
             assert got == [p for p in positions if p >= got[0]], name
     finally:

@@ -20,8 +20,20 @@ from tests.conftest import free_port
 def start(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], list[str]]:
     env = {**os.environ, "SESSIONTAPE_CACHE": str(tmp_path / "cache")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "core.cli", "serve", "--db", f"sqlite+aiosqlite:///{tmp_path / 'st.db'}", *args],
-        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "core.cli",
+            "serve",
+            "--db",
+            f"sqlite+aiosqlite:///{tmp_path / 'st.db'}",
+            *args,
+        ],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env=env,
+        cwd=tmp_path,
     )
     lines: list[str] = []
     assert proc.stderr is not None
@@ -50,13 +62,17 @@ def test_serve_defaults_demo_model_over_http_and_grpc(tmp_path: Path) -> None:
         log = "\n".join(lines)
         assert "grpc: " in log and f"127.0.0.1:{g}" in log
         assert "http: " in log and f"127.0.0.1:{h}" in log
-        assert "engine onnx" in log and ("CPUExecutionProvider" in log or "CUDAExecutionProvider" in log)
+        assert "engine onnx" in log and (
+            "CPUExecutionProvider" in log or "CUDAExecutionProvider" in log
+        )
         base = f"http://127.0.0.1:{h}"
         with httpx.Client(base_url=base, timeout=30) as c:
             assert c.get("/healthz").status_code == 200
             sid = c.post("/v1/sessions", json={}).json()["id"]
             c.post(f"/v1/sessions/{sid}/append", json={"text": "Hello"}).raise_for_status()
-            r = c.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 4, "seed": 1, "stream": False})
+            r = c.post(
+                f"/v1/sessions/{sid}/generate", json={"max_tokens": 4, "seed": 1, "stream": False}
+            )
             r.raise_for_status()
             assert r.json()["generation"]["finish_reason"] in ("length", "eos")
             doc = c.get(f"/v1/sessions/{sid}").json()
@@ -66,25 +82,72 @@ def test_serve_defaults_demo_model_over_http_and_grpc(tmp_path: Path) -> None:
             n_generated = len(doc["history"]["ids"]) - 5
             assert "sessiontape_events_appended_total" in c.get("/metrics").text
         with grpc.insecure_channel(f"127.0.0.1:{g}") as ch:
-            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+            resp = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=10
+            )
             assert resp.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         code, rest = stop(proc)
     assert code == 0, rest
     assert "shutting down" in rest
-    listed = subprocess.run([sys.executable, "-m", "core.cli", "sessions", "ls", "--json",
-                             "--db", f"sqlite+aiosqlite:///{tmp_path / 'st.db'}"],
-                            capture_output=True, text=True, timeout=60, check=True)
+    listed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "core.cli",
+            "sessions",
+            "ls",
+            "--json",
+            "--db",
+            f"sqlite+aiosqlite:///{tmp_path / 'st.db'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     [row] = json.loads(listed.stdout)
     assert row["id"] == sid and row["engine"] == "onnx"
     assert row["history_length"] == 5 + n_generated and 1 <= n_generated <= 4
 
 
 def test_serve_refuses_bad_config_with_one_line(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "core.cli", "serve", "--engine", "nope", "--db",
-                           f"sqlite+aiosqlite:///{tmp_path / 'x.db'}"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "core.cli",
+            "serve",
+            "--engine",
+            "nope",
+            "--db",
+            f"sqlite+aiosqlite:///{tmp_path / 'x.db'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].startswith("sessiontape: error: no engine named 'nope'")
-    proc = subprocess.run([sys.executable, "-m", "core.cli", "serve", "--engine", "reference", "--grpc", "nonsense",
-                           "--db", f"sqlite+aiosqlite:///{tmp_path / 'x.db'}"], capture_output=True, text=True, timeout=60)
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .startswith("sessiontape: error: no engine named 'nope'")
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "core.cli",
+            "serve",
+            "--engine",
+            "reference",
+            "--grpc",
+            "nonsense",
+            "--db",
+            f"sqlite+aiosqlite:///{tmp_path / 'x.db'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "HOST:PORT" in proc.stderr

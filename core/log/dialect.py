@@ -52,8 +52,11 @@ Hook = Callable[[R], Awaitable[None]] | None
 
 def session_lock_key(session_id: str) -> int:
     """The 64-bit advisory-lock key of a session's writer lock."""
-    return int.from_bytes(hashlib.sha256(b"sessiontape-writer:" + session_id.encode()).digest()[:8], "big",
-                          signed=True)
+    return int.from_bytes(
+        hashlib.sha256(b"sessiontape-writer:" + session_id.encode()).digest()[:8],
+        "big",
+        signed=True,
+    )
 
 
 class Dialect(ABC):
@@ -98,20 +101,32 @@ class Dialect(ABC):
         """Whether ``exc`` is a uniqueness violation (another writer took the version)."""
         dbapi = self.engine.dialect.dbapi
         return isinstance(exc, IntegrityError | sqlite3.IntegrityError) or (
-            dbapi is not None and isinstance(exc, dbapi.IntegrityError))
+            dbapi is not None and isinstance(exc, dbapi.IntegrityError)
+        )
 
     def is_unavailable(self, exc: BaseException) -> bool:
         """Whether ``exc`` says the database cannot be used now (gone, unreachable, locked)."""
         dbapi = self.engine.dialect.dbapi
-        kinds: tuple[type[BaseException], ...] = (OperationalError, InterfaceError, sqlite3.OperationalError,
-                                                  OSError)
+        kinds: tuple[type[BaseException], ...] = (
+            OperationalError,
+            InterfaceError,
+            sqlite3.OperationalError,
+            OSError,
+        )
         if dbapi is not None:
             # InternalError too: asyncpg reports a connection the server terminated
             # mid-protocol as an InternalClientError ("another operation is in progress")
-            kinds += tuple(k for k in (getattr(dbapi, name, None)
-                                       for name in ("OperationalError", "InterfaceError", "InternalError"))
-                           if isinstance(k, type))
-        return isinstance(exc, kinds) or (isinstance(exc, DBAPIError) and exc.connection_invalidated)
+            kinds += tuple(
+                k
+                for k in (
+                    getattr(dbapi, name, None)
+                    for name in ("OperationalError", "InterfaceError", "InternalError")
+                )
+                if isinstance(k, type)
+            )
+        return isinstance(exc, kinds) or (
+            isinstance(exc, DBAPIError) and exc.connection_invalidated
+        )
 
     async def reset_pool(self) -> None:
         """After an unavailable error: drop pooled connections (all may be dead; the next
@@ -149,7 +164,9 @@ class SQLiteDialect(Dialect):
         self.path = self.engine.url.database or ":memory:"
         #: the writer's own connection, used only from the writer thread
         self._raw: sqlite3.Connection | None = None
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sessiontape-log-writer")
+        self._thread = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="sessiontape-log-writer"
+        )
 
     def _pragmas(self, dbapi_conn: Any, _rec: Any = None) -> None:
         cur = dbapi_conn.cursor()
@@ -174,13 +191,22 @@ class SQLiteDialect(Dialect):
                 return self._transaction(loop, work, None, wait=False)
             except _Locked:
                 pass
-        return await loop.run_in_executor(self._thread, self._transaction, loop, work, before_commit)
+        return await loop.run_in_executor(
+            self._thread, self._transaction, loop, work, before_commit
+        )
 
-    def _transaction(self, loop: asyncio.AbstractEventLoop, work: Work[R], before_commit: Hook[R],
-                     wait: bool = True) -> R:
+    def _transaction(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        work: Work[R],
+        before_commit: Hook[R],
+        wait: bool = True,
+    ) -> R:
         raw = self._raw
         if raw is None:
-            raw = self._raw = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
+            raw = self._raw = sqlite3.connect(
+                self.path, timeout=30, isolation_level=None, check_same_thread=False
+            )
             self._pragmas(raw)
         # IMMEDIATE takes the write lock now: positions are read and assigned under it
         if wait:
@@ -270,8 +296,11 @@ class PostgresDialect(Dialect):
             if self._lock_conn is None:
                 conn = await self.engine.connect()
                 self._lock_conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
-            got = (await self._lock_conn.execute(sa.text("SELECT pg_try_advisory_lock(:k)"),
-                                                 {"k": session_lock_key(session_id)})).scalar()
+            got = (
+                await self._lock_conn.execute(
+                    sa.text("SELECT pg_try_advisory_lock(:k)"), {"k": session_lock_key(session_id)}
+                )
+            ).scalar()
         return bool(got)
 
     async def unlock_session(self, session_id: str) -> None:
@@ -280,9 +309,14 @@ class PostgresDialect(Dialect):
             if conn is None:
                 return  # the connection went away, and its locks with it
             try:
-                await conn.execute(sa.text("SELECT pg_advisory_unlock(:k)"), {"k": session_lock_key(session_id)})
+                await conn.execute(
+                    sa.text("SELECT pg_advisory_unlock(:k)"), {"k": session_lock_key(session_id)}
+                )
             except Exception:
-                log.warning("releasing the writer lock of %s failed; dropping the lock connection", session_id)
+                log.warning(
+                    "releasing the writer lock of %s failed; dropping the lock connection",
+                    session_id,
+                )
                 self._lock_conn = None
                 with contextlib.suppress(Exception):
                     await conn.close()

@@ -69,8 +69,11 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def _reading(fn: Callable[Concatenate[EventLog, P], Awaitable[R]]) -> Callable[Concatenate[EventLog, P], Awaitable[R]]:
+def _reading(
+    fn: Callable[Concatenate[EventLog, P], Awaitable[R]],
+) -> Callable[Concatenate[EventLog, P], Awaitable[R]]:
     """A read whose database went away raises LogUnavailable, not the driver's error."""
+
     @functools.wraps(fn)
     async def read(self: EventLog, /, *args: P.args, **kwargs: P.kwargs) -> R:
         try:
@@ -89,14 +92,26 @@ def _reading(fn: Callable[Concatenate[EventLog, P], Awaitable[R]]) -> Callable[C
 class EventLog:
     """The log. Create with :meth:`open`; one instance per process and database."""
 
-    def __init__(self, dialect: Dialect, *, batch_max: int = 2000, inline_max_bytes: int = 4096,
-                 poll_interval_s: float = 0.5, follow: bool = False) -> None:
+    def __init__(
+        self,
+        dialect: Dialect,
+        *,
+        batch_max: int = 2000,
+        inline_max_bytes: int = 4096,
+        poll_interval_s: float = 0.5,
+        follow: bool = False,
+    ) -> None:
         self.dialect = dialect
         self.engine: AsyncEngine = dialect.engine
-        self.subscriptions = Subscriptions(self._read_page, tail=dialect.shared or follow,
-                                           poll_interval_s=poll_interval_s)
-        self.writer = Writer(dialect, self.subscriptions.committed, batch_max=batch_max,
-                             inline_max_bytes=inline_max_bytes)
+        self.subscriptions = Subscriptions(
+            self._read_page, tail=dialect.shared or follow, poll_interval_s=poll_interval_s
+        )
+        self.writer = Writer(
+            dialect,
+            self.subscriptions.committed,
+            batch_max=batch_max,
+            inline_max_bytes=inline_max_bytes,
+        )
 
     @property
     def before_commit(self) -> Callable[[list[Event]], Awaitable[None]] | None:
@@ -120,18 +135,31 @@ class EventLog:
     # -- lifecycle ---------------------------------------------------------
 
     @classmethod
-    async def open(cls, url: str, *, migrate: bool = True, echo: bool = False,
-                   batch_max: int = 2000, inline_max_bytes: int = 4096,
-                   poll_interval_s: float = 0.5, sqlite_synchronous: str = "NORMAL",
-                   follow: bool = False) -> EventLog:
+    async def open(
+        cls,
+        url: str,
+        *,
+        migrate: bool = True,
+        echo: bool = False,
+        batch_max: int = 2000,
+        inline_max_bytes: int = 4096,
+        poll_interval_s: float = 0.5,
+        sqlite_synchronous: str = "NORMAL",
+        follow: bool = False,
+    ) -> EventLog:
         """Connect, migrate a fresh database to head, and start the writer.
 
         ``follow`` makes subscriptions see other processes' commits on SQLite
         too (by polling); PostgreSQL always does (LISTEN/NOTIFY plus polling).
         """
         dialect = Dialect.open(url, echo=echo, sqlite_synchronous=sqlite_synchronous)
-        self = cls(dialect, batch_max=batch_max, inline_max_bytes=inline_max_bytes,
-                   poll_interval_s=poll_interval_s, follow=follow)
+        self = cls(
+            dialect,
+            batch_max=batch_max,
+            inline_max_bytes=inline_max_bytes,
+            poll_interval_s=poll_interval_s,
+            follow=follow,
+        )
         if migrate:
             from migrations.runner import upgrade_connection
 
@@ -153,8 +181,14 @@ class EventLog:
 
     # -- writing -----------------------------------------------------------
 
-    async def append(self, session_id: str, expected_version: int, new_events: Sequence[NewEvent],
-                     *, index: Mapping[str, Any] | None = None) -> list[Event]:
+    async def append(
+        self,
+        session_id: str,
+        expected_version: int,
+        new_events: Sequence[NewEvent],
+        *,
+        index: Mapping[str, Any] | None = None,
+    ) -> list[Event]:
         """Append ``new_events`` after ``expected_version``; returns them committed.
 
         Raises :class:`ConcurrencyError` (nothing written) when the session's
@@ -163,13 +197,17 @@ class EventLog:
         """
         if not new_events:
             return []
-        return await self.writer.submit(Request("append", session_id, expected_version, list(new_events), index))
+        return await self.writer.submit(
+            Request("append", session_id, expected_version, list(new_events), index)
+        )
 
     async def touch(self, session_id: str, at: float | None = None) -> None:
         """Refresh a session's idle clock without an event."""
         await self.writer.submit(Request("touch", session_id, -1, (), None, at or time.time()))
 
-    async def import_events(self, evs: Sequence[Event], *, index: Mapping[str, Any] | None = None) -> list[Event]:
+    async def import_events(
+        self, evs: Sequence[Event], *, index: Mapping[str, Any] | None = None
+    ) -> list[Event]:
         """Insert exported events verbatim (new positions, same chain).
 
         Raises ChainBroken (nothing written) when the events do not chain,
@@ -184,15 +222,24 @@ class EventLog:
             raise InvalidEvent("an import batch must hold one session")
         verify_chain(evs)
         if evs[0].type != T.SESSION_OPENED or evs[0].version != 1:
-            what = "was purged (its export is only the tombstone)" if evs[0].type == T.SESSION_PURGED else (
-                f"starts at version {evs[0].version} with {evs[0].type}")
-            raise InvalidEvent(f"session {sid} {what}: an import must start with session.opened at version 1")
-        return await self.writer.submit(Request("import", sid, evs[0].version - 1, list(evs), index))
+            what = (
+                "was purged (its export is only the tombstone)"
+                if evs[0].type == T.SESSION_PURGED
+                else (f"starts at version {evs[0].version} with {evs[0].type}")
+            )
+            raise InvalidEvent(
+                f"session {sid} {what}: an import must start with session.opened at version 1"
+            )
+        return await self.writer.submit(
+            Request("import", sid, evs[0].version - 1, list(evs), index)
+        )
 
     async def purge(self, session_id: str, reason: str = "retention") -> Event:
         """Delete a session's events, leaving a ``session.purged`` tombstone."""
         row = await self.get_session(session_id)
-        req = Request("purge", session_id, row.version, [NewEvent(T.SESSION_PURGED, {"reason": reason})])
+        req = Request(
+            "purge", session_id, row.version, [NewEvent(T.SESSION_PURGED, {"reason": reason})]
+        )
         return (await self.writer.submit(req))[0]
 
     # -- one writer per session across processes -----------------------------
@@ -211,7 +258,9 @@ class EventLog:
 
     # -- reading -----------------------------------------------------------
 
-    _COLUMNS = "position, session_id, version, type, body, data, blob_sha, recorded_at, hash, prev_hash"
+    _COLUMNS = (
+        "position, session_id, version, type, body, data, blob_sha, recorded_at, hash, prev_hash"
+    )
 
     async def _fetch_events(self, sql: str, params: tuple[Any, ...]) -> list[Event]:
         async with self.engine.connect() as conn:
@@ -220,7 +269,8 @@ class EventLog:
             blob_data: dict[str, bytes] = {}
             if shas:
                 for sha, data in await conn.execute(
-                        sa.select(blobs.c.sha256, blobs.c.data).where(blobs.c.sha256.in_(shas))):
+                    sa.select(blobs.c.sha256, blobs.c.data).where(blobs.c.sha256.in_(shas))
+                ):
                     blob_data[sha] = bytes(data)
         loads = parse_json
         out = []
@@ -233,48 +283,73 @@ class EventLog:
         return out
 
     @_reading
-    async def read(self, session_id: str, from_version: int = 1, to_version: int | None = None) -> list[Event]:
+    async def read(
+        self, session_id: str, from_version: int = 1, to_version: int | None = None
+    ) -> list[Event]:
         """A session's events in version order, ``from_version`` to ``to_version`` inclusive."""
         top = 2**31 - 1 if to_version is None else to_version
         return await self._fetch_events(
             f"SELECT {self._COLUMNS} FROM events WHERE session_id = ? AND version >= ? AND version <= ?"
-            " ORDER BY version", (session_id, from_version, top))
+            " ORDER BY version",
+            (session_id, from_version, top),
+        )
 
     @_reading
-    async def read_all(self, after_position: int = 0, limit: int = 1000,
-                       session_id: str | None = None) -> list[Event]:
+    async def read_all(
+        self, after_position: int = 0, limit: int = 1000, session_id: str | None = None
+    ) -> list[Event]:
         """Events with position > ``after_position`` in position order."""
         if session_id is None:
             return await self._fetch_events(
                 f"SELECT {self._COLUMNS} FROM events WHERE position > ? ORDER BY position LIMIT ?",
-                (after_position, limit))
+                (after_position, limit),
+            )
         return await self._fetch_events(
             f"SELECT {self._COLUMNS} FROM events WHERE position > ? AND session_id = ? ORDER BY position LIMIT ?",
-            (after_position, session_id, limit))
+            (after_position, session_id, limit),
+        )
 
     @_reading
     async def last_position(self) -> int:
         async with self.engine.connect() as conn:
-            return int((await conn.execute(sa.select(sa.func.coalesce(sa.func.max(events.c.position), 0)))).scalar_one())
+            return int(
+                (
+                    await conn.execute(
+                        sa.select(sa.func.coalesce(sa.func.max(events.c.position), 0))
+                    )
+                ).scalar_one()
+            )
 
     @_reading
     async def get_blob(self, sha256: str) -> bytes | None:
         async with self.engine.connect() as conn:
-            data = (await conn.execute(sa.select(blobs.c.data).where(blobs.c.sha256 == sha256))).scalar()
+            data = (
+                await conn.execute(sa.select(blobs.c.data).where(blobs.c.sha256 == sha256))
+            ).scalar()
             return None if data is None else bytes(data)
 
     @_reading
     async def get_session(self, session_id: str) -> SessionRow:
         async with self.engine.connect() as conn:
-            row = (await conn.execute(sa.select(sessions).where(sessions.c.id == session_id))).first()
+            row = (
+                await conn.execute(sa.select(sessions).where(sessions.c.id == session_id))
+            ).first()
         if row is None:
             raise SessionNotFound(session_id)
         return SessionRow(**row._mapping)
 
     @_reading
-    async def list_sessions(self, *, status: str | None = None, protocol: str | None = None,
-                            parent_id: str | None = None, limit: int = 1000, offset: int = 0,
-                            newest_first: bool = True, active_after: float | None = None) -> list[SessionRow]:
+    async def list_sessions(
+        self,
+        *,
+        status: str | None = None,
+        protocol: str | None = None,
+        parent_id: str | None = None,
+        limit: int = 1000,
+        offset: int = 0,
+        newest_first: bool = True,
+        active_after: float | None = None,
+    ) -> list[SessionRow]:
         """Rows of the sessions index, newest first; ``active_after`` keeps sessions
         whose last activity is later than that time."""
         q = sa.select(sessions)
@@ -295,22 +370,37 @@ class EventLog:
     async def idle_sessions(self, now: float, default_ttl: float) -> list[SessionRow]:
         """Open sessions whose idle TTL ran out at ``now``."""
         ttl = sa.func.coalesce(sessions.c.ttl_s, default_ttl)
-        q = sa.select(sessions).where(sessions.c.status == "open", sessions.c.last_active_at + ttl < now)
+        q = sa.select(sessions).where(
+            sessions.c.status == "open", sessions.c.last_active_at + ttl < now
+        )
         async with self.engine.connect() as conn:
             return [SessionRow(**r._mapping) for r in (await conn.execute(q)).all()]
 
     # -- snapshots ---------------------------------------------------------
 
     @_reading
-    async def save_snapshot(self, session_id: str, version: int, state: str, data: bytes | None) -> None:
+    async def save_snapshot(
+        self, session_id: str, version: int, state: str, data: bytes | None
+    ) -> None:
         async with self.engine.begin() as conn:
             await conn.execute(snapshots.delete().where(snapshots.c.session_id == session_id))
-            await conn.execute(snapshots.insert().values(
-                session_id=session_id, version=version, state=state, data=data, created_at=time.time()))
+            await conn.execute(
+                snapshots.insert().values(
+                    session_id=session_id,
+                    version=version,
+                    state=state,
+                    data=data,
+                    created_at=time.time(),
+                )
+            )
 
     @_reading
-    async def load_snapshot(self, session_id: str, max_version: int | None = None) -> tuple[int, str, bytes | None] | None:
-        q = sa.select(snapshots.c.version, snapshots.c.state, snapshots.c.data).where(snapshots.c.session_id == session_id)
+    async def load_snapshot(
+        self, session_id: str, max_version: int | None = None
+    ) -> tuple[int, str, bytes | None] | None:
+        q = sa.select(snapshots.c.version, snapshots.c.state, snapshots.c.data).where(
+            snapshots.c.session_id == session_id
+        )
         if max_version is not None:
             q = q.where(snapshots.c.version <= max_version)
         async with self.engine.connect() as conn:
@@ -324,7 +414,9 @@ class EventLog:
 
     # -- subscriptions -----------------------------------------------------
 
-    def subscribe(self, from_position: int = 0, session_id: str | None = None) -> AsyncIterator[Event]:
+    def subscribe(
+        self, from_position: int = 0, session_id: str | None = None
+    ) -> AsyncIterator[Event]:
         """Events with position > ``from_position``: the past from the log, then live."""
         return self.subscriptions.subscribe(from_position, session_id)
 
@@ -346,10 +438,16 @@ def verify_chain(evs: Sequence[Event], start_hash: str | None = None) -> None:
         if expect_version is not None and e.version != expect_version:
             raise ChainBroken(f"{e.session_id}: version {e.version} follows {expect_version - 1}")
         if e.prev_hash != prev:
-            raise ChainBroken(f"{e.session_id} v{e.version}: prev_hash does not match the previous event")
+            raise ChainBroken(
+                f"{e.session_id} v{e.version}: prev_hash does not match the previous event"
+            )
         if event_hash(e) != e.hash:
-            raise ChainBroken(f"{e.session_id} v{e.version}: hash does not match the event's content")
+            raise ChainBroken(
+                f"{e.session_id} v{e.version}: hash does not match the event's content"
+            )
         if e.type == T.SESSION_PURGED and e.body.get("last_hash") != e.prev_hash:
-            raise ChainBroken(f"{e.session_id} v{e.version}: tombstone does not name the purged head")
+            raise ChainBroken(
+                f"{e.session_id} v{e.version}: tombstone does not name the purged head"
+            )
         prev = e.hash
         expect_version = e.version + 1

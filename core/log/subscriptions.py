@@ -105,7 +105,9 @@ class Subscriptions:
                 log.exception("tailing the log failed; retrying")
                 await asyncio.sleep(self.poll_interval_s)
 
-    async def subscribe(self, from_position: int = 0, session_id: str | None = None) -> AsyncIterator[Event]:
+    async def subscribe(
+        self, from_position: int = 0, session_id: str | None = None
+    ) -> AsyncIterator[Event]:
         """Events with position > ``from_position``: the past from the log, then live."""
         sub = _Subscriber(session_id)
         self._subscribers.add(sub)

@@ -61,12 +61,16 @@ class Request:
     events: Sequence[NewEvent] | Sequence[Event] = ()
     index: Mapping[str, Any] | None = None
     at: float = 0.0
-    future: asyncio.Future[list[Event]] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    future: asyncio.Future[list[Event]] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
 
 
 def unavailable(exc: BaseException) -> LogUnavailable:
     """The error a caller gets when the database cannot be used: no SQL, no driver text."""
-    err = LogUnavailable(f"the event log's database is unavailable ({type(exc).__name__}); try again")
+    err = LogUnavailable(
+        f"the event log's database is unavailable ({type(exc).__name__}); try again"
+    )
     err.__cause__ = exc
     return err
 
@@ -74,8 +78,14 @@ def unavailable(exc: BaseException) -> LogUnavailable:
 class Writer:
     """One per log: the task that commits every append of this process."""
 
-    def __init__(self, dialect: Dialect, on_commit: Callable[[list[Event]], None], *, batch_max: int,
-                 inline_max_bytes: int) -> None:
+    def __init__(
+        self,
+        dialect: Dialect,
+        on_commit: Callable[[list[Event]], None],
+        *,
+        batch_max: int,
+        inline_max_bytes: int,
+    ) -> None:
         self.dialect = dialect
         self.on_commit = on_commit
         self.batch_max = batch_max
@@ -107,7 +117,9 @@ class Writer:
         while not self._queue.empty():
             left = self._queue.get_nowait()
             if left is not None and not left.future.done():
-                left.future.set_exception(LogClosed("the event log closed before this append committed"))
+                left.future.set_exception(
+                    LogClosed("the event log closed before this append committed")
+                )
 
     async def submit(self, req: Request) -> list[Event]:
         if not self.running:
@@ -165,11 +177,15 @@ class Writer:
 
     def _fail(self, req: Request, exc: BaseException) -> None:
         if self.dialect.is_conflict(exc):
-            exc = ConcurrencyError(f"session {req.session_id}: concurrent append (version conflict)")
+            exc = ConcurrencyError(
+                f"session {req.session_id}: concurrent append (version conflict)"
+            )
         elif self.dialect.is_unavailable(exc):
             exc = unavailable(exc)
         elif isinstance(exc, DBAPIError) and not isinstance(exc, OperationalError):
-            exc = InvalidArgument(f"session {req.session_id}: the database refused the write: {exc.orig}")
+            exc = InvalidArgument(
+                f"session {req.session_id}: the database refused the write: {exc.orig}"
+            )
         if not req.future.done():
             req.future.set_exception(exc)
 
@@ -190,7 +206,9 @@ class Writer:
         if head is not None:
             self._heads.move_to_end(session_id)
             return head
-        cur.execute(self.dialect.sql("SELECT version, head_hash FROM sessions WHERE id = ?"), (session_id,))
+        cur.execute(
+            self.dialect.sql("SELECT version, head_hash FROM sessions WHERE id = ?"), (session_id,)
+        )
         row = cur.fetchone()
         if row is None:
             return None
@@ -209,8 +227,11 @@ class Writer:
             assert hook is not None
             await hook([e for r in results for e in r])
 
-        results = await self.dialect.transaction(lambda cur: self._write(cur, batch),
-                                                 None if hook is None else before, small=len(batch) == 1)
+        results = await self.dialect.transaction(
+            lambda cur: self._write(cur, batch),
+            None if hook is None else before,
+            small=len(batch) == 1,
+        )
         for evs in results:
             if evs:
                 self._remember(evs[-1].session_id, (evs[-1].version, evs[-1].hash))
@@ -243,8 +264,12 @@ class Writer:
                 results.append([])
                 continue
             cur_version = head[0] if head else 0
-            if req.kind != "purge" and cur_version != req.expected_version and sid not in pending \
-                    and self._heads.pop(sid, None) is not None:
+            if (
+                req.kind != "purge"
+                and cur_version != req.expected_version
+                and sid not in pending
+                and self._heads.pop(sid, None) is not None
+            ):
                 # the cached head may be stale (another process wrote): ask the database
                 head = self._head(cur, sid)
                 cur_version = head[0] if head else 0
@@ -260,9 +285,21 @@ class Writer:
                 for e in req.events:
                     assert isinstance(e, Event)
                     if e.prev_hash != prev:
-                        raise ChainBroken(f"import of {sid} v{e.version} does not continue the chain")
+                        raise ChainBroken(
+                            f"import of {sid} v{e.version} does not continue the chain"
+                        )
                     pos += 1
-                    ev = Event(pos, sid, e.version, e.type, e.body, e.data, e.recorded_at, e.hash, e.prev_hash)
+                    ev = Event(
+                        pos,
+                        sid,
+                        e.version,
+                        e.type,
+                        e.body,
+                        e.data,
+                        e.recorded_at,
+                        e.hash,
+                        e.prev_hash,
+                    )
                     out.append(ev)
                     rows.append(self._row(ev, canonical_json(ev.body), blob_rows, now, inline_max))
                     prev = e.hash
@@ -270,7 +307,9 @@ class Writer:
                 version = cur_version
                 if req.kind == "purge":
                     cur.execute(self.dialect.sql("DELETE FROM events WHERE session_id = ?"), (sid,))
-                    cur.execute(self.dialect.sql("DELETE FROM snapshots WHERE session_id = ?"), (sid,))
+                    cur.execute(
+                        self.dialect.sql("DELETE FROM snapshots WHERE session_id = ?"), (sid,)
+                    )
                 hasher = chain_hasher(sid, now)
                 for ne in req.events:
                     assert isinstance(ne, NewEvent)
@@ -283,7 +322,9 @@ class Writer:
                     h = hasher(prev, version, ne.type, body_json, ne.data)
                     # The body as a reader of the log will see it (lists, not
                     # tuples; null for non-finite floats): live == replay.
-                    ev = Event(pos, sid, version, ne.type, parse_json(body_json), ne.data, now, h, prev)
+                    ev = Event(
+                        pos, sid, version, ne.type, parse_json(body_json), ne.data, now, h, prev
+                    )
                     out.append(ev)
                     rows.append(self._row(ev, body_json, blob_rows, now, inline_max))
                     prev = h
@@ -295,8 +336,12 @@ class Writer:
             self._put_blobs(cur, list(blob_rows.values()))
         if new_sessions:
             cols = [c.name for c in sessions.columns]
-            cur.executemany(self.dialect.sql(f"INSERT INTO sessions ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})"),
-                            [tuple(row[c] for c in cols) for row in new_sessions.values()])
+            cur.executemany(
+                self.dialect.sql(
+                    f"INSERT INTO sessions ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})"
+                ),
+                [tuple(row[c] for c in cols) for row in new_sessions.values()],
+            )
         if rows:
             cur.executemany(self._insert_sql, rows)
         if updates:
@@ -311,37 +356,84 @@ class Writer:
         return self.dialect.sql(f"INSERT INTO events ({cols}) VALUES ({', '.join('?' * 10)})")
 
     @staticmethod
-    def _row(e: Event, body_json: str, blob_rows: dict[str, dict[str, Any]], now: float,
-             inline_max: int) -> tuple[Any, ...]:
+    def _row(
+        e: Event, body_json: str, blob_rows: dict[str, dict[str, Any]], now: float, inline_max: int
+    ) -> tuple[Any, ...]:
         data, blob_sha = e.data, None
         if data is not None and len(data) > inline_max:
             blob_sha = hashlib.sha256(data).hexdigest()
-            blob_rows[blob_sha] = {"sha256": blob_sha, "size": len(data), "data": data, "created_at": now}
+            blob_rows[blob_sha] = {
+                "sha256": blob_sha,
+                "size": len(data),
+                "data": data,
+                "created_at": now,
+            }
             data = None
-        return (e.position, e.session_id, e.version, e.type, body_json, data, blob_sha, e.recorded_at,
-                e.hash, e.prev_hash)
+        return (
+            e.position,
+            e.session_id,
+            e.version,
+            e.type,
+            body_json,
+            data,
+            blob_sha,
+            e.recorded_at,
+            e.hash,
+            e.prev_hash,
+        )
 
     def _put_blobs(self, cur: Any, rows: list[dict[str, Any]]) -> None:
         shas = [r["sha256"] for r in rows]
-        cur.execute(self.dialect.sql(f"SELECT sha256 FROM blobs WHERE sha256 IN ({', '.join('?' * len(shas))})"), shas)
+        cur.execute(
+            self.dialect.sql(
+                f"SELECT sha256 FROM blobs WHERE sha256 IN ({', '.join('?' * len(shas))})"
+            ),
+            shas,
+        )
         have = {r[0] for r in cur.fetchall()}
-        fresh = [(r["sha256"], r["size"], r["data"], r["created_at"]) for r in rows if r["sha256"] not in have]
+        fresh = [
+            (r["sha256"], r["size"], r["data"], r["created_at"])
+            for r in rows
+            if r["sha256"] not in have
+        ]
         if fresh:
-            cur.executemany(self.dialect.sql("INSERT INTO blobs (sha256, size, data, created_at) VALUES (?, ?, ?, ?)"), fresh)
+            cur.executemany(
+                self.dialect.sql(
+                    "INSERT INTO blobs (sha256, size, data, created_at) VALUES (?, ?, ?, ?)"
+                ),
+                fresh,
+            )
 
-    def _index(self, req: Request, head: tuple[int, str] | None, out: list[Event], now: float,
-               new_sessions: dict[str, dict[str, Any]], updates: dict[str, dict[str, Any]]) -> None:
+    def _index(
+        self,
+        req: Request,
+        head: tuple[int, str] | None,
+        out: list[Event],
+        now: float,
+        new_sessions: dict[str, dict[str, Any]],
+        updates: dict[str, dict[str, Any]],
+    ) -> None:
         """Fold this request into the batch's sessions-table writes (one per session)."""
         sid = req.session_id
         last = out[-1]
-        values: dict[str, Any] = {"version": last.version, "head_hash": last.hash,
-                                  "updated_at": last.recorded_at, "last_active_at": now}
+        values: dict[str, Any] = {
+            "version": last.version,
+            "head_hash": last.hash,
+            "updated_at": last.recorded_at,
+            "last_active_at": now,
+        }
         for e in out:
             st = _STATUS_BY_TYPE.get(e.type)
             if st is not None:
                 values["status"] = st
         if req.index:
-            values.update({k: v for k, v in req.index.items() if k in ("history_length", "status", "last_active_at")})
+            values.update(
+                {
+                    k: v
+                    for k, v in req.index.items()
+                    if k in ("history_length", "status", "last_active_at")
+                }
+            )
         if req.kind == "import":
             values["last_active_at"] = last.recorded_at
         if head is None and sid not in new_sessions:
@@ -352,11 +444,18 @@ class Writer:
             eng = b.get("engine", {}) or {}
             parent = b.get("parent") or {}
             row = {
-                "id": sid, "protocol": str(b.get("protocol", "")), "status": "open",
-                "label": str(b.get("label", "")), "engine": str(eng.get("engine", "")),
-                "model_id": str(eng.get("model_id", "")), "parent_id": parent.get("session_id"),
-                "parent_version": parent.get("version"), "fork_position": parent.get("token_position"),
-                "created_at": opened.recorded_at, "ttl_s": b.get("ttl_s"), "event_count": len(out),
+                "id": sid,
+                "protocol": str(b.get("protocol", "")),
+                "status": "open",
+                "label": str(b.get("label", "")),
+                "engine": str(eng.get("engine", "")),
+                "model_id": str(eng.get("model_id", "")),
+                "parent_id": parent.get("session_id"),
+                "parent_version": parent.get("version"),
+                "fork_position": parent.get("token_position"),
+                "created_at": opened.recorded_at,
+                "ttl_s": b.get("ttl_s"),
+                "event_count": len(out),
                 "history_length": 0,
             }
             row.update(values)
@@ -387,8 +486,18 @@ class Writer:
             "WHERE id = ?"
         )
         params = [
-            (u.get("version"), u.get("head_hash"), u.get("updated_at"), u.get("last_active_at"), u.get("status"),
-             u.get("history_length"), bool(u.get("reset")), u["n"], u["n"], sid)
+            (
+                u.get("version"),
+                u.get("head_hash"),
+                u.get("updated_at"),
+                u.get("last_active_at"),
+                u.get("status"),
+                u.get("history_length"),
+                bool(u.get("reset")),
+                u["n"],
+                u["n"],
+                sid,
+            )
             for sid, u in updates.items()
         ]
         cur.executemany(sql, params)

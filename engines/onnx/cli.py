@@ -14,9 +14,12 @@ def register(subparsers: Any) -> None:
     model = subparsers.add_parser("model", help="manage the ONNX demo model")
     sub = model.add_subparsers(dest="model_command", required=True)
     build = sub.add_parser("build-demo", help="build the deterministic demo model")
-    build.add_argument("--size", choices=sorted(SIZES), default="tiny", help="model size (default: tiny)")
-    build.add_argument("--out", type=Path, default=None,
-                       help="target folder (default: the engine's model cache)")
+    build.add_argument(
+        "--size", choices=sorted(SIZES), default="tiny", help="model size (default: tiny)"
+    )
+    build.add_argument(
+        "--out", type=Path, default=None, help="target folder (default: the engine's model cache)"
+    )
     build.set_defaults(func=build_demo_cmd)
 
 
@@ -27,6 +30,8 @@ def build_demo_cmd(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     path = build_demo(args.size, out)
     spec = SIZES[args.size]
-    print(f"built {args.size} demo model ({spec.params():,} parameters) at {path} "
-          f"in {time.perf_counter() - t0:.2f}s")
+    print(
+        f"built {args.size} demo model ({spec.params():,} parameters) at {path} "
+        f"in {time.perf_counter() - t0:.2f}s"
+    )
     return 0

@@ -77,8 +77,12 @@ class DemoSpec:
 
 
 SIZES: dict[str, DemoSpec] = {
-    "tiny": DemoSpec("tiny", hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, max_length=2048),
-    "small": DemoSpec("small", hidden=512, layers=8, heads=8, kv_heads=2, intermediate=1536, max_length=8192),
+    "tiny": DemoSpec(
+        "tiny", hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, max_length=2048
+    ),
+    "small": DemoSpec(
+        "small", hidden=512, layers=8, heads=8, kv_heads=2, intermediate=1536, max_length=8192
+    ),
 }
 
 F32 = npt.NDArray[np.float32]
@@ -110,7 +114,9 @@ def _weights(spec: DemoSpec) -> dict[str, F32]:
         w[p + "mlp_norm"] = (1.0 + normal((h,), 0.05)).astype(np.float32)
         w[p + "wg"] = normal((h, spec.intermediate), h**-0.5)
         w[p + "wu"] = normal((h, spec.intermediate), h**-0.5)
-        w[p + "wd"] = normal((spec.intermediate, h), spec.intermediate**-0.5 / np.sqrt(2 * spec.layers))
+        w[p + "wd"] = normal(
+            (spec.intermediate, h), spec.intermediate**-0.5 / np.sqrt(2 * spec.layers)
+        )
     w["final_norm"] = np.ones((h,), np.float32)
     # a peaked next-token distribution, so greedy decoding is not a coin toss
     w["lm_head"] = normal((h, spec.vocab), 2.5 * h**-0.5)
@@ -132,11 +138,23 @@ class _Graph:
         self.inits: list[Any] = []
         self.n = 0
 
-    def op(self, op_type: str, inputs: list[str], outputs: int = 1, name: str | None = None,
-           **attrs: Any) -> Any:
+    def op(
+        self,
+        op_type: str,
+        inputs: list[str],
+        outputs: int = 1,
+        name: str | None = None,
+        **attrs: Any,
+    ) -> Any:
         self.n += 1
-        outs = [name] if name and outputs == 1 else [f"{op_type.lower()}_{self.n}_{i}" for i in range(outputs)]
-        self.nodes.append(self.h.make_node(op_type, inputs, outs, name=f"n{self.n}_{op_type}", **attrs))
+        outs = (
+            [name]
+            if name and outputs == 1
+            else [f"{op_type.lower()}_{self.n}_{i}" for i in range(outputs)]
+        )
+        self.nodes.append(
+            self.h.make_node(op_type, inputs, outs, name=f"n{self.n}_{op_type}", **attrs)
+        )
         return outs[0] if outputs == 1 else outs
 
     def const(self, name: str, value: npt.NDArray[Any]) -> str:
@@ -184,17 +202,26 @@ def _build_graph(spec: DemoSpec, w: dict[str, F32], layout: str = "static") -> A
     seq1 = g.op("Unsqueeze", [seq, "c_axis0"])
     total1 = g.op("Unsqueeze", [total, "c_axis0"])
     # [b, kv_heads, group * s, head_dim]: the queries of one KV group as rows
-    gq_shape = g.op("Concat", [batch1, i64("c_nkv", nkv), g.op("Mul", [seq1, i64("c_group", group)]),
-                               i64("c_hd", hd)], axis=0)
-    score5_shape = g.op("Concat", [batch1, i64("c_nkv2", nkv), i64("c_group2", group), seq1, total1], axis=0)
-    score4_shape = g.op("Concat", [batch1, i64("c_nkv3", nkv), g.op("Mul", [seq1, "c_group"]), total1], axis=0)
+    gq_shape = g.op(
+        "Concat",
+        [batch1, i64("c_nkv", nkv), g.op("Mul", [seq1, i64("c_group", group)]), i64("c_hd", hd)],
+        axis=0,
+    )
+    score5_shape = g.op(
+        "Concat", [batch1, i64("c_nkv2", nkv), i64("c_group2", group), seq1, total1], axis=0
+    )
+    score4_shape = g.op(
+        "Concat", [batch1, i64("c_nkv3", nkv), g.op("Mul", [seq1, "c_group"]), total1], axis=0
+    )
     out_shape = g.op("Concat", [batch1, i64("c_nh", nh), seq1, i64("c_hd2", hd)], axis=0)
 
     # mask [b, 1, 1, s, t]: key j visible to query i iff j <= past + i and attention_mask[b, j]
     keys = g.op("Range", ["c_zero_s", total, "c_one_s"])
     qpos = g.op("Add", [g.op("Range", ["c_zero_s", seq, "c_one_s"]), past])
-    causal = g.op("LessOrEqual", [g.op("Unsqueeze", [keys, "c_axis0"]),
-                                  g.op("Unsqueeze", [qpos, "c_axis_neg1"])])
+    causal = g.op(
+        "LessOrEqual",
+        [g.op("Unsqueeze", [keys, "c_axis0"]), g.op("Unsqueeze", [qpos, "c_axis_neg1"])],
+    )
     padm = g.op("Cast", ["attention_mask"], to=TensorProto.BOOL)
     padm = g.op("Unsqueeze", [padm, i64("c_axes_123", 1, 2, 3)])
     allowed = g.op("And", [causal, padm])
@@ -218,9 +245,21 @@ def _build_graph(spec: DemoSpec, w: dict[str, F32], layout: str = "static") -> A
     for i in range(spec.layers):
         p = f"l{i}."
         xn = rmsnorm(x, p + "attn_norm")
-        q = g.op("Transpose", [g.op("Reshape", [g.op("MatMul", [xn, p + "wq"]), "c_shape_q"])], perm=[0, 2, 1, 3])
-        k = g.op("Transpose", [g.op("Reshape", [g.op("MatMul", [xn, p + "wk"]), "c_shape_kv"])], perm=[0, 2, 1, 3])
-        v = g.op("Transpose", [g.op("Reshape", [g.op("MatMul", [xn, p + "wv"]), "c_shape_kv"])], perm=[0, 2, 1, 3])
+        q = g.op(
+            "Transpose",
+            [g.op("Reshape", [g.op("MatMul", [xn, p + "wq"]), "c_shape_q"])],
+            perm=[0, 2, 1, 3],
+        )
+        k = g.op(
+            "Transpose",
+            [g.op("Reshape", [g.op("MatMul", [xn, p + "wk"]), "c_shape_kv"])],
+            perm=[0, 2, 1, 3],
+        )
+        v = g.op(
+            "Transpose",
+            [g.op("Reshape", [g.op("MatMul", [xn, p + "wv"]), "c_shape_kv"])],
+            perm=[0, 2, 1, 3],
+        )
         q = g.op("Mul", [rope(q), "c_scale"])
         k = rope(k)
         pk = g.op("Concat", [f"past_key_values.{i}.key", k], axis=2, name=f"present.{i}.key")
@@ -234,7 +273,9 @@ def _build_graph(spec: DemoSpec, w: dict[str, F32], layout: str = "static") -> A
         x = g.op("Add", [x, g.op("MatMul", [att, p + "wo"])])
         xn = rmsnorm(x, p + "mlp_norm")
         gate = g.op("MatMul", [xn, p + "wg"])
-        act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), g.op("MatMul", [xn, p + "wu"])])
+        act = g.op(
+            "Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), g.op("MatMul", [xn, p + "wu"])]
+        )
         x = g.op("Add", [x, g.op("MatMul", [act, p + "wd"])])
         outputs.append(g.op("Identity", [x], name=f"hidden_states.{i + 1}"))
     g.op("MatMul", [rmsnorm(x, "final_norm"), "lm_head"], name="logits")
@@ -250,12 +291,20 @@ def _build_graph(spec: DemoSpec, w: dict[str, F32], layout: str = "static") -> A
     outs = [helper.make_tensor_value_info("logits", f32, ["batch", "sequence_length", spec.vocab])]
     for i in range(spec.layers):
         for kind in ("key", "value"):
-            inputs.append(helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", f32, kv_shape_in))
+            inputs.append(
+                helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", f32, kv_shape_in)
+            )
             outs.append(helper.make_tensor_value_info(f"present.{i}.{kind}", f32, kv_shape_out))
     for i in range(spec.layers + 1):
-        outs.append(helper.make_tensor_value_info(f"hidden_states.{i}", f32, ["batch", "sequence_length", h]))
+        outs.append(
+            helper.make_tensor_value_info(
+                f"hidden_states.{i}", f32, ["batch", "sequence_length", h]
+            )
+        )
     graph = helper.make_graph(g.nodes, f"sessiontape-demo-{spec.name}", inputs, outs, g.inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], producer_name="sessiontape")
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 18)], producer_name="sessiontape"
+    )
     model.ir_version = 8
     return model
 
@@ -282,7 +331,10 @@ def _build_static(spec: DemoSpec, w: dict[str, F32]) -> Any:
             g.const(k, v)
     for i in range(spec.layers):
         p = f"l{i}."
-        g.const(p + "wqkv", np.concatenate([w[p + "wq"] * np.float32(hd**-0.5), w[p + "wk"], w[p + "wv"]], axis=1))
+        g.const(
+            p + "wqkv",
+            np.concatenate([w[p + "wq"] * np.float32(hd**-0.5), w[p + "wk"], w[p + "wv"]], axis=1),
+        )
 
     def i64(name: str, *vals: int) -> str:
         return g.const(name, np.array(vals, dtype=np.int64))
@@ -313,39 +365,92 @@ def _build_static(spec: DemoSpec, w: dict[str, F32]) -> Any:
     # than the buffer). Slot indices come from the buffer's own length without shape
     # arithmetic, as cumulative sums over blocks of SLOT_BLOCK (ONNX Runtime's CUDA CumSum
     # costs O(n) per element).
-    col = g.op("Gather", [g.op("Gather", [g.op("Gather", ["past_key_values.0.key", "c_zero_s"], axis=0),
-                                          "c_zero_s"], axis=0), "c_zero_s"], axis=1)
-    ones = g.op("Add", [g.op("Mul", [g.op("Cast", [col], to=TensorProto.INT64), "c_zero"]), "c_one"])
+    col = g.op(
+        "Gather",
+        [
+            g.op(
+                "Gather",
+                [g.op("Gather", ["past_key_values.0.key", "c_zero_s"], axis=0), "c_zero_s"],
+                axis=0,
+            ),
+            "c_zero_s",
+        ],
+        axis=1,
+    )
+    ones = g.op(
+        "Add", [g.op("Mul", [g.op("Cast", [col], to=TensorProto.INT64), "c_zero"]), "c_one"]
+    )
     blocks = g.op("Reshape", [ones, i64("c_blocks", -1, SLOT_BLOCK)])
     within = g.op("CumSum", [blocks, "c_axis1"])
-    base = g.op("Mul", [g.op("Sub", [g.op("CumSum", [g.op("Gather", [blocks, "c_zero_s"], axis=1), "c_zero_s"]),
-                                     "c_one"]), "c_block"])
-    slots = g.op("Reshape", [g.op("Sub", [g.op("Add", [within, g.op("Unsqueeze", [base, "c_axis1"])]), "c_one"]),
-                             "c_axis_neg1"])
+    base = g.op(
+        "Mul",
+        [
+            g.op(
+                "Sub",
+                [
+                    g.op("CumSum", [g.op("Gather", [blocks, "c_zero_s"], axis=1), "c_zero_s"]),
+                    "c_one",
+                ],
+            ),
+            "c_block",
+        ],
+    )
+    slots = g.op(
+        "Reshape",
+        [
+            g.op("Sub", [g.op("Add", [within, g.op("Unsqueeze", [base, "c_axis1"])]), "c_one"]),
+            "c_axis_neg1",
+        ],
+    )
     # [b, 1, group * s, t] with the query rows of a KV group stacked like the scores' rows
     # (the positions are tiled before the compare: CUDA has no Tile for bool)
     rows_pos = g.op("Tile", ["position_ids", i64("c_tile_group", 1, group)])
-    allowed = g.op("Unsqueeze", [g.op("LessOrEqual", [slots, g.op("Unsqueeze", [rows_pos, "c_axis_neg1"])]),
-                                 "c_axis1"])
-    scatter_at = g.op("Expand", [g.op("Reshape", ["position_ids", i64("c_pos4", 0, 1, -1, 1)]),
-                                 i64("c_kv_expand", 1, nkv, 1, hd)])
+    allowed = g.op(
+        "Unsqueeze",
+        [g.op("LessOrEqual", [slots, g.op("Unsqueeze", [rows_pos, "c_axis_neg1"])]), "c_axis1"],
+    )
+    scatter_at = g.op(
+        "Expand",
+        [
+            g.op("Reshape", ["position_ids", i64("c_pos4", 0, 1, -1, 1)]),
+            i64("c_kv_expand", 1, nkv, 1, hd),
+        ],
+    )
 
     def heads(x: str, shape: str) -> str:
         return str(g.op("Transpose", [g.op("Reshape", [x, shape])], perm=[0, 2, 1, 3]))
 
     x = g.op("Gather", ["embed", "input_ids"], axis=0, name="hidden_states.0")
-    xn = g.op("SkipSimplifiedLayerNormalization", [x, g.op("Mul", [x, "c_zero_f"]), "l0.attn_norm"],
-              domain=ms, epsilon=spec.eps)
+    xn = g.op(
+        "SkipSimplifiedLayerNormalization",
+        [x, g.op("Mul", [x, "c_zero_f"]), "l0.attn_norm"],
+        domain=ms,
+        epsilon=spec.eps,
+    )
     for i in range(spec.layers):
         p = f"l{i}."
-        q, k, v = g.op("Split", [g.op("MatMul", [xn, p + "wqkv"]), "c_split_qkv"], outputs=3, axis=-1)
-        q = g.op("RotaryEmbedding", [q, "position_ids", "rope_cos", "rope_sin"], domain=ms, num_heads=nh)
-        k = g.op("RotaryEmbedding", [k, "position_ids", "rope_cos", "rope_sin"], domain=ms, num_heads=nkv)
+        q, k, v = g.op(
+            "Split", [g.op("MatMul", [xn, p + "wqkv"]), "c_split_qkv"], outputs=3, axis=-1
+        )
+        q = g.op(
+            "RotaryEmbedding", [q, "position_ids", "rope_cos", "rope_sin"], domain=ms, num_heads=nh
+        )
+        k = g.op(
+            "RotaryEmbedding", [k, "position_ids", "rope_cos", "rope_sin"], domain=ms, num_heads=nkv
+        )
         # written at their positions into the buffer (in place when present is bound to past)
-        pk = g.op("ScatterElements", [f"past_key_values.{i}.key", scatter_at, heads(k, "c_shape_kv")], axis=2,
-                  name=f"present.{i}.key")
-        pv = g.op("ScatterElements", [f"past_key_values.{i}.value", scatter_at, heads(v, "c_shape_kv")], axis=2,
-                  name=f"present.{i}.value")
+        pk = g.op(
+            "ScatterElements",
+            [f"past_key_values.{i}.key", scatter_at, heads(k, "c_shape_kv")],
+            axis=2,
+            name=f"present.{i}.key",
+        )
+        pv = g.op(
+            "ScatterElements",
+            [f"past_key_values.{i}.value", scatter_at, heads(v, "c_shape_kv")],
+            axis=2,
+            name=f"present.{i}.value",
+        )
         qg = g.op("Reshape", [heads(q, "c_shape_q"), "c_gq"])
         scores = g.op("MatMul", [qg, g.op("Transpose", [pk], perm=[0, 1, 3, 2])])
         probs = g.op("Softmax", [g.op("Where", [allowed, scores, "c_neginf"])], axis=-1)
@@ -355,13 +460,25 @@ def _build_static(spec: DemoSpec, w: dict[str, F32]) -> Any:
         part = g.op("MatMul", [pb, g.op("Reshape", [pv, "c_v_blocks"])])
         att = g.op("Reshape", [g.op("ReduceSum", [part, "c_axis2"], keepdims=0), "c_att"])
         att = g.op("Reshape", [g.op("Transpose", [att], perm=[0, 2, 1, 3]), "c_shape_h"])
-        xn, _, _, x = g.op("SkipSimplifiedLayerNormalization", [x, g.op("MatMul", [att, p + "wo"]), p + "mlp_norm"],
-                           outputs=4, domain=ms, epsilon=spec.eps)
+        xn, _, _, x = g.op(
+            "SkipSimplifiedLayerNormalization",
+            [x, g.op("MatMul", [att, p + "wo"]), p + "mlp_norm"],
+            outputs=4,
+            domain=ms,
+            epsilon=spec.eps,
+        )
         gate = g.op("MatMul", [xn, p + "wg"])
-        act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), g.op("MatMul", [xn, p + "wu"])])
+        act = g.op(
+            "Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), g.op("MatMul", [xn, p + "wu"])]
+        )
         norm = f"l{i + 1}.attn_norm" if i + 1 < spec.layers else "final_norm"
-        xn, _, _, x = g.op("SkipSimplifiedLayerNormalization", [x, g.op("MatMul", [act, p + "wd"]), norm],
-                           outputs=4, domain=ms, epsilon=spec.eps)
+        xn, _, _, x = g.op(
+            "SkipSimplifiedLayerNormalization",
+            [x, g.op("MatMul", [act, p + "wd"]), norm],
+            outputs=4,
+            domain=ms,
+            epsilon=spec.eps,
+        )
         g.nodes[-1].output[3] = f"hidden_states.{i + 1}"
         x = f"hidden_states.{i + 1}"
     g.op("MatMul", [xn, "lm_head"], name="logits")
@@ -376,13 +493,22 @@ def _build_static(spec: DemoSpec, w: dict[str, F32]) -> Any:
     outs = [helper.make_tensor_value_info("logits", f32, ["batch", "sequence_length", spec.vocab])]
     for i in range(spec.layers):
         for kind in ("key", "value"):
-            inputs.append(helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", f32, kv_shape))
+            inputs.append(
+                helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", f32, kv_shape)
+            )
             outs.append(helper.make_tensor_value_info(f"present.{i}.{kind}", f32, kv_shape))
     for i in range(spec.layers + 1):
-        outs.append(helper.make_tensor_value_info(f"hidden_states.{i}", f32, ["batch", "sequence_length", h]))
+        outs.append(
+            helper.make_tensor_value_info(
+                f"hidden_states.{i}", f32, ["batch", "sequence_length", h]
+            )
+        )
     graph = helper.make_graph(g.nodes, f"sessiontape-demo-{spec.name}", inputs, outs, g.inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(ms, 1)],
-                              producer_name="sessiontape")
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(ms, 1)],
+        producer_name="sessiontape",
+    )
     model.ir_version = 8
     return model
 
@@ -403,7 +529,12 @@ def default_concepts(spec: DemoSpec, w: dict[str, F32]) -> dict[str, Any]:
             d = w["embed"][ids].astype(np.float64).mean(axis=0)
             row.append([float(x) for x in d / np.linalg.norm(d)])
         vecs.append(row)
-    return {"concepts": list(classes), "layers": layers, "hidden_size": spec.hidden, "directions": vecs}
+    return {
+        "concepts": list(classes),
+        "layers": layers,
+        "hidden_size": spec.hidden,
+        "directions": vecs,
+    }
 
 
 def build_demo(size: str, out_dir: Path, layout: str = "static") -> Path:
@@ -426,10 +557,21 @@ def build_demo(size: str, out_dir: Path, layout: str = "static") -> Path:
     tmp = f".tmp{os.getpid()}"
     files: dict[str, bytes] = {
         "model.onnx": model.SerializeToString(),
-        "config.json": _json({"model_type": "sessiontape-demo", "builder_version": BUILDER_VERSION,
-                              **asdict(spec), "head_dim": spec.head_dim, "params": spec.params(),
-                              "bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": PAD,
-                              "vocab_size": spec.vocab, "tokenizer": "bytes", "kv_layout": layout}),
+        "config.json": _json(
+            {
+                "model_type": "sessiontape-demo",
+                "builder_version": BUILDER_VERSION,
+                **asdict(spec),
+                "head_dim": spec.head_dim,
+                "params": spec.params(),
+                "bos_token_id": BOS,
+                "eos_token_id": EOS,
+                "pad_token_id": PAD,
+                "vocab_size": spec.vocab,
+                "tokenizer": "bytes",
+                "kv_layout": layout,
+            }
+        ),
         "genai_config.json": _json(_genai_config(spec, layout)),
         "readout_concepts.json": _json(default_concepts(spec, w)),
     }
@@ -448,24 +590,46 @@ def _json(obj: Any) -> bytes:
 def _genai_config(spec: DemoSpec, layout: str) -> dict[str, Any]:
     return {
         "model": {
-            "bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": PAD,
-            "context_length": spec.max_length, "vocab_size": spec.vocab, "type": "llama",
+            "bos_token_id": BOS,
+            "eos_token_id": EOS,
+            "pad_token_id": PAD,
+            "context_length": spec.max_length,
+            "vocab_size": spec.vocab,
+            "type": "llama",
             "decoder": {
-                "filename": "model.onnx", "head_size": spec.head_dim, "hidden_size": spec.hidden,
-                "num_attention_heads": spec.heads, "num_hidden_layers": spec.layers,
+                "filename": "model.onnx",
+                "head_size": spec.head_dim,
+                "hidden_size": spec.hidden,
+                "num_attention_heads": spec.heads,
+                "num_hidden_layers": spec.layers,
                 "num_key_value_heads": spec.kv_heads,
                 "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
-                "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask",
-                           "position_ids": "position_ids",
-                           "past_key_names": "past_key_values.%d.key",
-                           "past_value_names": "past_key_values.%d.value"},
-                "outputs": {"logits": "logits", "present_key_names": "present.%d.key",
-                            "present_value_names": "present.%d.value"},
+                "inputs": {
+                    "input_ids": "input_ids",
+                    "attention_mask": "attention_mask",
+                    "position_ids": "position_ids",
+                    "past_key_names": "past_key_values.%d.key",
+                    "past_value_names": "past_key_values.%d.value",
+                },
+                "outputs": {
+                    "logits": "logits",
+                    "present_key_names": "present.%d.key",
+                    "present_value_names": "present.%d.value",
+                },
             },
         },
-        "search": {"do_sample": False, "max_length": spec.max_length, "min_length": 0, "num_beams": 1,
-                   "num_return_sequences": 1, "past_present_share_buffer": layout == "static",
-                   "repetition_penalty": 1.0, "temperature": 1.0, "top_k": 1, "top_p": 1.0},
+        "search": {
+            "do_sample": False,
+            "max_length": spec.max_length,
+            "min_length": 0,
+            "num_beams": 1,
+            "num_return_sequences": 1,
+            "past_present_share_buffer": layout == "static",
+            "repetition_penalty": 1.0,
+            "temperature": 1.0,
+            "top_k": 1,
+            "top_p": 1.0,
+        },
     }
 
 

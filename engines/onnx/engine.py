@@ -77,33 +77,60 @@ log = logging.getLogger("sessiontape.engines.onnx")
 
 
 class OnnxEngine(Engine):
-    def __init__(self, model_dir: str | Path | None = None, size: str = "tiny",
-                 providers: str | Sequence[str] = "auto", intra_op_threads: int | None = None,
-                 inter_op_threads: int = 0, kv_cache_bytes: int = 1 << 30,
-                 readout_concepts: str | Path | None = None, max_length: int | None = None,
-                 prefill_chunk: int = 256, io_binding: bool | None = None, workers: int = 1,
-                 min_rows: int = 2, decode_batch: int = 8, spinning: bool = False, lookahead: bool = True,
-                 pass_rows: int | None = None, kv_capacity: int | None = None,
-                 cuda_graph: bool | None = None, **unknown: Any) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path | None = None,
+        size: str = "tiny",
+        providers: str | Sequence[str] = "auto",
+        intra_op_threads: int | None = None,
+        inter_op_threads: int = 0,
+        kv_cache_bytes: int = 1 << 30,
+        readout_concepts: str | Path | None = None,
+        max_length: int | None = None,
+        prefill_chunk: int = 256,
+        io_binding: bool | None = None,
+        workers: int = 1,
+        min_rows: int = 2,
+        decode_batch: int = 8,
+        spinning: bool = False,
+        lookahead: bool = True,
+        pass_rows: int | None = None,
+        kv_capacity: int | None = None,
+        cuda_graph: bool | None = None,
+        **unknown: Any,
+    ) -> None:
         if unknown:
             raise ConfigError(f"unknown onnx engine options: {sorted(unknown)}")
         if model_dir is None:
             if size not in SIZES:
-                raise ConfigError(f"unknown demo model size {size!r}; choose one of {sorted(SIZES)}")
+                raise ConfigError(
+                    f"unknown demo model size {size!r}; choose one of {sorted(SIZES)}"
+                )
             folder = ensure_demo(size)
         else:
             folder = Path(model_dir)
         path = folder / "model.onnx"
         if not path.exists():
             raise ConfigError(f"no model.onnx in {folder}")
-        if min(int(prefill_chunk), int(workers), int(decode_batch), int(min_rows)) < 1 or int(kv_cache_bytes) < 0:
-            raise ConfigError("prefill_chunk, workers, decode_batch and min_rows must be >= 1 "
-                              "and kv_cache_bytes >= 0")
-        if (pass_rows is not None and int(pass_rows) < 1) or (kv_capacity is not None and int(kv_capacity) < 2):
+        if (
+            min(int(prefill_chunk), int(workers), int(decode_batch), int(min_rows)) < 1
+            or int(kv_cache_bytes) < 0
+        ):
+            raise ConfigError(
+                "prefill_chunk, workers, decode_batch and min_rows must be >= 1 "
+                "and kv_cache_bytes >= 0"
+            )
+        if (pass_rows is not None and int(pass_rows) < 1) or (
+            kv_capacity is not None and int(kv_capacity) < 2
+        ):
             raise ConfigError("pass_rows must be >= 1 and kv_capacity >= 2")
         ort = quiet_ort()
         preload = getattr(ort, "preload_dlls", None)
-        if preload is not None and providers != "CPUExecutionProvider" and find_spec("nvidia") is not None:
+        if (
+            preload is not None
+            and providers != "CPUExecutionProvider"
+            and find_spec("nvidia") is not None
+        ):
             # the CUDA libraries of the `cuda` extra (nvidia-* wheels); it prints what it misses
             out = io.StringIO()
             try:
@@ -122,8 +149,10 @@ class OnnxEngine(Engine):
         facts = model_facts(folder)
         vocab = self.spec.vocab_size or facts["vocab_size"]
         if not vocab:
-            raise EngineError("cannot tell the vocabulary size: logits has a symbolic last dimension "
-                              "and config.json names no vocab_size")
+            raise EngineError(
+                "cannot tell the vocabulary size: logits has a symbolic last dimension "
+                "and config.json names no vocab_size"
+            )
         model_max = facts["max_length"] or 4096
         if max_length is not None and not 1 <= int(max_length) <= model_max:
             raise ConfigError(f"max_length {max_length} is outside [1, {model_max}] for this model")
@@ -133,7 +162,9 @@ class OnnxEngine(Engine):
         if self.spec.static:
             fixed = provider == CUDA or pass_rows is not None or kv_capacity is not None
             rows = (int(pass_rows) if pass_rows is not None else 16) if fixed else None
-            capacity = (int(kv_capacity) if kv_capacity is not None else limit + 1) if fixed else None
+            capacity = (
+                (int(kv_capacity) if kv_capacity is not None else limit + 1) if fixed else None
+            )
             if capacity is not None:  # the demo graph builds slot indices in blocks of SLOT_BLOCK
                 capacity = -(-capacity // SLOT_BLOCK) * SLOT_BLOCK
             if capacity is not None:
@@ -142,21 +173,41 @@ class OnnxEngine(Engine):
             graph = fixed and provider == CUDA and (cuda_graph is None or bool(cuda_graph))
             if graph:
                 try:
-                    self._sess = open_session(str(path), chosen, threads, int(inter_op_threads),
-                                              bool(spinning), cuda_graph=True, fallback=False)
+                    self._sess = open_session(
+                        str(path),
+                        chosen,
+                        threads,
+                        int(inter_op_threads),
+                        bool(spinning),
+                        cuda_graph=True,
+                        fallback=False,
+                    )
                 except EngineError as exc:
-                    log.warning("no CUDA graph for this model (%s); running passes without one", exc)
+                    log.warning(
+                        "no CUDA graph for this model (%s); running passes without one", exc
+                    )
                     graph = False
-            self.runner = StaticRunner(self._sess, self.spec, rows=rows, capacity=capacity,
-                                       min_rows=min_rows, pad_token=PAD, cuda_graph=graph)
+            self.runner = StaticRunner(
+                self._sess,
+                self.spec,
+                rows=rows,
+                capacity=capacity,
+                min_rows=min_rows,
+                pad_token=PAD,
+                cuda_graph=graph,
+            )
             bind = True
             if rows is not None:
                 prefill_chunk = min(int(prefill_chunk), rows)
         else:
             if pass_rows is not None or kv_capacity is not None or cuda_graph:
-                raise ConfigError("pass_rows, kv_capacity and cuda_graph need a static-layout model "
-                                  "(past and present sharing one [batch, kv_heads, capacity, head_dim] buffer)")
-            self.runner = Runner(self._sess, self.spec, io_binding=bind, min_rows=min_rows, pad_token=PAD)
+                raise ConfigError(
+                    "pass_rows, kv_capacity and cuda_graph need a static-layout model "
+                    "(past and present sharing one [batch, kv_heads, capacity, head_dim] buffer)"
+                )
+            self.runner = Runner(
+                self._sess, self.spec, io_binding=bind, min_rows=min_rows, pad_token=PAD
+            )
         self.concepts: Concepts | None = None
         cpath = Path(readout_concepts) if readout_concepts else folder / "readout_concepts.json"
         if readout_concepts and not cpath.exists():
@@ -177,22 +228,40 @@ class OnnxEngine(Engine):
         self.passes = 0
         self.model_dir = folder
         self._info = EngineInfo(
-            name="onnx", model_id=str(facts["model_id"]), model_hash=file_sha256(path),
-            vocab_size=int(vocab), max_length=limit,
-            eos_token_ids=tuple(facts["eos_token_ids"]), image_block_tokens=None,
+            name="onnx",
+            model_id=str(facts["model_id"]),
+            model_hash=file_sha256(path),
+            vocab_size=int(vocab),
+            max_length=limit,
+            eos_token_ids=tuple(facts["eos_token_ids"]),
+            image_block_tokens=None,
             readout_manifest=None if self.concepts is None else self.concepts.manifest,
-            provider=provider, runtime_version=str(ort.__version__),
-            extra={"model_dir": str(folder), "providers": list(self._sess.get_providers()),
-                   "io_binding": bind, "layers": self.spec.layers, "kv_heads": self.spec.kv_heads,
-                   "head_dim": self.spec.head_dim, "intra_op_threads": threads, "spinning": bool(spinning),
-                   "min_rows": self.runner.min_rows, "lookahead": self.lookahead,
-                   "kv_layout": "static" if self.spec.static else "concat",
-                   "pass_rows": getattr(self.runner, "rows", None),
-                   "kv_capacity": getattr(self.runner, "capacity", None),
-                   "cuda_graph": bool(getattr(self.runner, "cuda_graph", False))},
+            provider=provider,
+            runtime_version=str(ort.__version__),
+            extra={
+                "model_dir": str(folder),
+                "providers": list(self._sess.get_providers()),
+                "io_binding": bind,
+                "layers": self.spec.layers,
+                "kv_heads": self.spec.kv_heads,
+                "head_dim": self.spec.head_dim,
+                "intra_op_threads": threads,
+                "spinning": bool(spinning),
+                "min_rows": self.runner.min_rows,
+                "lookahead": self.lookahead,
+                "kv_layout": "static" if self.spec.static else "concat",
+                "pass_rows": getattr(self.runner, "rows", None),
+                "kv_capacity": getattr(self.runner, "capacity", None),
+                "cuda_graph": bool(getattr(self.runner, "cuda_graph", False)),
+            },
         )
-        log.info("onnx engine: %s on %s (onnxruntime %s, io_binding=%s)",
-                 self._info.model_id, provider, ort.__version__, bind)
+        log.info(
+            "onnx engine: %s on %s (onnxruntime %s, io_binding=%s)",
+            self._info.model_id,
+            provider,
+            ort.__version__,
+            bind,
+        )
 
     @property
     def info(self) -> EngineInfo:
@@ -231,8 +300,9 @@ class OnnxEngine(Engine):
 
     # -- generation --------------------------------------------------------
 
-    def _advance(self, r: _Run, upto: int, hidden_layers: Sequence[int],
-                 guesses: Sequence[int] = ()) -> tuple[PassResult, int]:
+    def _advance(
+        self, r: _Run, upto: int, hidden_layers: Sequence[int], guesses: Sequence[int] = ()
+    ) -> tuple[PassResult, int]:
         """Run ``r.hist[r.base_len:upto]`` (then ``guesses``) on ``r.base``; returns the pass and its first position.
 
         Runs in a worker thread. A pass whose rows are all real becomes the
@@ -249,8 +319,13 @@ class OnnxEngine(Engine):
             r.base, r.base_len = res.kv, upto
         return res, start
 
-    def _decode_hop(self, r: _Run, params: SamplingParams, options: OutputOptions,
-                    post: Callable[[list[object]], None]) -> None:
+    def _decode_hop(
+        self,
+        r: _Run,
+        params: SamplingParams,
+        options: OutputOptions,
+        post: Callable[[list[object]], None],
+    ) -> None:
         """Up to ``decode_batch`` decode steps in a worker thread.
 
         Items are posted to the loop in one batch just before each pass
@@ -275,15 +350,30 @@ class OnnxEngine(Engine):
             pending.append(_HOP_END)
             flush()
 
-    def _decode_step(self, r: _Run, params: SamplingParams, options: OutputOptions,
-                     emit: Callable[[object], None], flush: Callable[[], None]) -> None:
+    def _decode_step(
+        self,
+        r: _Run,
+        params: SamplingParams,
+        options: OutputOptions,
+        emit: Callable[[object], None],
+        flush: Callable[[], None],
+    ) -> None:
         p = len(r.hist)
         tok, tok_lp = sample(r.last, params, p)
-        top = top_logprobs(log_softmax(r.last), options.logprob_top_k) if options.logprob_top_k else ()
+        top = (
+            top_logprobs(log_softmax(r.last), options.logprob_top_k)
+            if options.logprob_top_k
+            else ()
+        )
         more = p - r.n + 1 < params.max_tokens and tok not in params.stop_token_ids
         want = options.wants_readout(p)
-        step = Step(token_id=tok, position=p, is_prefill=False,
-                    logprob=tok_lp if options.wants_logprobs(p, generated=True) else None, top_logprobs=top)
+        step = Step(
+            token_id=tok,
+            position=p,
+            is_prefill=False,
+            logprob=tok_lp if options.wants_logprobs(p, generated=True) else None,
+            top_logprobs=top,
+        )
         if not (want or more):
             r.done = True
             emit(step)
@@ -311,25 +401,42 @@ class OnnxEngine(Engine):
         emit(_Stored(r.hist[: p + 1], res.kv, ran, hit=ran == 0))
         r.last = res.logits[p - start]
         if want:
-            emit(Step(token_id=tok, position=p, is_prefill=False, logprob=step.logprob, top_logprobs=top,
-                      readout=self._readout(res, p - start)))
+            emit(
+                Step(
+                    token_id=tok,
+                    position=p,
+                    is_prefill=False,
+                    logprob=step.logprob,
+                    top_logprobs=top,
+                    readout=self._readout(res, p - start),
+                )
+            )
         if not more:
             r.done = True
 
     def _readout(self, res: PassResult, row: int) -> tuple[float, ...]:
         assert self.concepts is not None
-        return self.concepts.scores([res.hidden[layer][row] for layer in self.concepts.manifest.layers])
+        return self.concepts.scores(
+            [res.hidden[layer][row] for layer in self.concepts.manifest.layers]
+        )
 
-    async def generate(self, session_key: str, history: Sequence[int], params: SamplingParams,
-                       options: OutputOptions = OutputOptions()) -> AsyncIterator[Step]:  # noqa: B008
+    async def generate(
+        self,
+        session_key: str,
+        history: Sequence[int],
+        params: SamplingParams,
+        options: OutputOptions = OutputOptions(),  # noqa: B008
+    ) -> AsyncIterator[Step]:
         hist = [int(t) for t in history]
         n = len(hist)
         limit = self._info.max_length
         if n + (1 if params.max_tokens else 0) > limit:
             raise ContextOverflow(f"history of {n} tokens leaves no room in {limit}")
         if params.max_tokens and n == 0:
-            raise InvalidParameters("the onnx engine needs at least one history token to generate from")
-        if (options.readout_ranges and self.concepts is None):
+            raise InvalidParameters(
+                "the onnx engine needs at least one history token to generate from"
+            )
+        if options.readout_ranges and self.concepts is None:
             raise InvalidParameters("the served model has no readout concepts")
         readout_layers = () if self.concepts is None else self.concepts.manifest.layers
         # from the ranges, not by asking about every position: a cached turn on a long history
@@ -348,7 +455,9 @@ class OnnxEngine(Engine):
         try:
             base = entry.kv
             if base is not None and static and self.cache.shared(base):
-                base = self.runner.copy(base) if keep > 0 else None  # a fork's buffer: write into our own
+                base = (
+                    self.runner.copy(base) if keep > 0 else None
+                )  # a fork's buffer: write into our own
             if base is None or (keep == 0 and not static):
                 base = self.runner.empty()
             r = _Run(hist, n, base, keep)
@@ -367,15 +476,24 @@ class OnnxEngine(Engine):
                     row = p - start
                     if p + 1 in lp_set:
                         logp = log_softmax(res.logits[row])
-                        lp[p + 1] = (float(logp[hist[p + 1]]), top_logprobs(logp, options.logprob_top_k))
+                        lp[p + 1] = (
+                            float(logp[hist[p + 1]]),
+                            top_logprobs(logp, options.logprob_top_k),
+                        )
                     if layers and p in ro_set:
                         ro[p] = self._readout(res, row)
                 r.last = res.logits[end - 1 - start]
                 pos = end
             for p in sorted(lp_set | ro_set | ({0} if options.wants_logprobs(0, False) else set())):
                 lpv, top = lp.get(p, (None, ()))
-                yield Step(token_id=hist[p], position=p, is_prefill=True, logprob=lpv, top_logprobs=top,
-                           readout=ro.get(p))
+                yield Step(
+                    token_id=hist[p],
+                    position=p,
+                    is_prefill=True,
+                    logprob=lpv,
+                    top_logprobs=top,
+                    readout=ro.get(p),
+                )
             if not params.max_tokens:
                 return
             # Decoding runs in the worker thread a hop at a time; steps and cache updates

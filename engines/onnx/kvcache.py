@@ -69,7 +69,9 @@ class Entry:
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     if n > 64:  # compared in numpy: a long history costs microseconds, not a Python loop
-        diff = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))
+        diff = np.flatnonzero(
+            np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64)
+        )
         return int(diff[0]) if diff.size else n
     i = 0
     while i < n and a[i] == b[i]:

@@ -57,7 +57,9 @@ class GraphSpec:
     static: bool = False
 
     def kv_bytes_per_position(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * int(np.dtype(self.kv_dtype).itemsize)
+        return (
+            2 * self.layers * self.kv_heads * self.head_dim * int(np.dtype(self.kv_dtype).itemsize)
+        )
 
 
 def infer_graph(inputs: Sequence[_NodeArg], outputs: Sequence[_NodeArg]) -> GraphSpec:
@@ -79,8 +81,14 @@ def infer_graph(inputs: Sequence[_NodeArg], outputs: Sequence[_NodeArg]) -> Grap
         if m:
             found.setdefault(int(m.group(1)), set()).add(m.group(2))
     layers = len(found)
-    if layers == 0 or sorted(found) != list(range(layers)) or any(v != {"key", "value"} for v in found.values()):
-        raise EngineError("model inputs past_key_values.N.key|value are missing or not numbered 0..N-1")
+    if (
+        layers == 0
+        or sorted(found) != list(range(layers))
+        or any(v != {"key", "value"} for v in found.values())
+    ):
+        raise EngineError(
+            "model inputs past_key_values.N.key|value are missing or not numbered 0..N-1"
+        )
     for i in range(layers):
         for kind in ("key", "value"):
             if f"present.{i}.{kind}" not in outs:
@@ -88,8 +96,10 @@ def infer_graph(inputs: Sequence[_NodeArg], outputs: Sequence[_NodeArg]) -> Grap
     first = ins["past_key_values.0.key"]
     shape = list(first.shape)
     if len(shape) != 4 or not isinstance(shape[1], int) or not isinstance(shape[3], int):
-        raise EngineError(f"past_key_values.0.key must be [batch, kv_heads, past, head_dim] with fixed "
-                          f"kv_heads and head_dim, not {shape}")
+        raise EngineError(
+            f"past_key_values.0.key must be [batch, kv_heads, past, head_dim] with fixed "
+            f"kv_heads and head_dim, not {shape}"
+        )
     dtype = _DTYPES.get(first.type)
     if dtype is None:
         raise EngineError(f"unsupported KV element type {first.type}")
@@ -99,9 +109,14 @@ def infer_graph(inputs: Sequence[_NodeArg], outputs: Sequence[_NodeArg]) -> Grap
     hidden = sorted(int(m.group(1)) for name in outs if (m := _HIDDEN.match(name)))
     hsize = outs[f"hidden_states.{hidden[0]}"].shape[-1] if hidden else None
     return GraphSpec(
-        layers=layers, kv_heads=int(shape[1]), head_dim=int(shape[3]), kv_dtype=dtype,
+        layers=layers,
+        kv_heads=int(shape[1]),
+        head_dim=int(shape[3]),
+        kv_dtype=dtype,
         vocab_size=vocab if isinstance(vocab, int) else None,
-        hidden_layers=tuple(hidden), hidden_size=hsize if isinstance(hsize, int) else None, static=static,
+        hidden_layers=tuple(hidden),
+        hidden_size=hsize if isinstance(hsize, int) else None,
+        static=static,
     )
 
 
@@ -131,13 +146,17 @@ def model_facts(folder: Path) -> dict[str, Any]:
     genai = read_json(folder / "genai_config.json").get("model", {})
     eos = cfg.get("eos_token_id", genai.get("eos_token_id", ()))
     eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
-    max_length = cfg.get("max_length") or cfg.get("max_position_embeddings") or genai.get("context_length")
+    max_length = (
+        cfg.get("max_length") or cfg.get("max_position_embeddings") or genai.get("context_length")
+    )
     name = cfg.get("name")
     return {
         "eos_token_ids": eos_ids,
         "max_length": int(max_length) if max_length else None,
         "vocab_size": cfg.get("vocab_size") or genai.get("vocab_size"),
-        "model_id": f"sessiontape-demo-{name}" if cfg.get("model_type") == "sessiontape-demo" else folder.name,
+        "model_id": f"sessiontape-demo-{name}"
+        if cfg.get("model_type") == "sessiontape-demo"
+        else folder.name,
     }
 
 
@@ -169,18 +188,24 @@ def load_concepts(path: Path, spec: GraphSpec) -> Concepts:
         layers = tuple(int(x) for x in data["layers"])
         dirs = np.asarray(data["directions"], dtype=np.float64)
     except (KeyError, TypeError, ValueError) as exc:
-        raise ConfigError(f"{path}: readout concepts need 'concepts', 'layers' and 'directions' ({exc})") from exc
+        raise ConfigError(
+            f"{path}: readout concepts need 'concepts', 'layers' and 'directions' ({exc})"
+        ) from exc
     missing = [x for x in layers if x not in spec.hidden_layers]
     if missing:
         raise ConfigError(f"{path}: layers {missing} have no hidden_states output in the model")
     if spec.hidden_size is None or dirs.shape != (len(layers), len(concepts), spec.hidden_size):
-        raise ConfigError(f"{path}: directions shape {dirs.shape} is not "
-                          f"[{len(layers)}, {len(concepts)}, {spec.hidden_size}]")
+        raise ConfigError(
+            f"{path}: directions shape {dirs.shape} is not "
+            f"[{len(layers)}, {len(concepts)}, {spec.hidden_size}]"
+        )
     norms = np.linalg.norm(dirs, axis=-1, keepdims=True)
     if np.any(norms == 0):
         raise ConfigError(f"{path}: a concept direction is all zeros")
     unit = dirs / norms
-    manifest = ReadoutManifest(concepts=concepts, layers=layers, hidden_size=int(dirs.shape[2]), dtype="float32")
+    manifest = ReadoutManifest(
+        concepts=concepts, layers=layers, hidden_size=int(dirs.shape[2]), dtype="float32"
+    )
     return Concepts(manifest, tuple(unit[i] for i in range(len(layers))))
 
 

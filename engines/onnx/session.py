@@ -63,8 +63,12 @@ def cuda_loads() -> bool:
     from onnx import TensorProto, helper
 
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
-    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe", [x],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"])],
+        "probe",
+        [x],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     model.ir_version = 8
     so = ort.SessionOptions()
@@ -80,7 +84,7 @@ def cuda_loads() -> bool:
 
 
 def choose_providers(requested: str | Sequence[str]) -> list[str]:
-    """"auto" asks for CUDA only when this onnxruntime build offers it and it loads here;
+    """ "auto" asks for CUDA only when this onnxruntime build offers it and it loads here;
     otherwise the CPU."""
     ort = quiet_ort()
     available = ort.get_available_providers()
@@ -91,12 +95,21 @@ def choose_providers(requested: str | Sequence[str]) -> list[str]:
     wanted = list(requested)
     missing = [p for p in wanted if p not in available]
     if missing:
-        raise EngineError(f"execution providers {missing} are not available (available: {available})")
+        raise EngineError(
+            f"execution providers {missing} are not available (available: {available})"
+        )
     return wanted
 
 
-def open_session(path: str, providers: Sequence[str], intra_op_threads: int, inter_op_threads: int,
-                 spinning: bool = True, cuda_graph: bool = False, fallback: bool = True) -> Any:
+def open_session(
+    path: str,
+    providers: Sequence[str],
+    intra_op_threads: int,
+    inter_op_threads: int,
+    spinning: bool = True,
+    cuda_graph: bool = False,
+    fallback: bool = True,
+) -> Any:
     """An InferenceSession; ``cuda_graph`` turns on ONNX Runtime's CUDA graph capture.
 
     With ``fallback``, a CUDA provider that fails to load gives a CPU session instead.
@@ -139,8 +152,9 @@ class Runner:
 
     static = False
 
-    def __init__(self, sess: Any, spec: GraphSpec, *, io_binding: bool, min_rows: int = 2,
-                 pad_token: int = 0) -> None:
+    def __init__(
+        self, sess: Any, spec: GraphSpec, *, io_binding: bool, min_rows: int = 2, pad_token: int = 0
+    ) -> None:
         self.sess = sess
         self.spec = spec
         self.provider = str(sess.get_providers()[0])
@@ -148,7 +162,9 @@ class Runner:
         self.io_binding = io_binding
         self.min_rows = max(1, int(min_rows))
         self.pad_token = int(pad_token)
-        self.names = [f"past_key_values.{i}.{k}" for i in range(spec.layers) for k in ("key", "value")]
+        self.names = [
+            f"past_key_values.{i}.{k}" for i in range(spec.layers) for k in ("key", "value")
+        ]
         self.present = [f"present.{i}.{k}" for i in range(spec.layers) for k in ("key", "value")]
         self._trim: Any = None
         self.itemsize = int(np.dtype(spec.kv_dtype).itemsize)
@@ -157,8 +173,10 @@ class Runner:
         shape = (1, self.spec.kv_heads, 0, self.spec.head_dim)
         if self.io_binding:
             ort = quiet_ort()
-            t = tuple(ort.OrtValue.ortvalue_from_shape_and_type(shape, self.spec.kv_dtype, self.device, 0)
-                      for _ in self.names)
+            t = tuple(
+                ort.OrtValue.ortvalue_from_shape_and_type(shape, self.spec.kv_dtype, self.device, 0)
+                for _ in self.names
+            )
         else:
             t = tuple(np.zeros(shape, self.spec.kv_dtype) for _ in self.names)
         return KV(t, 0, 0)
@@ -176,7 +194,9 @@ class Runner:
             t = tuple(np.ascontiguousarray(x[:, :, :keep]) for x in kv.tensors)
         return KV(t, keep, self._nbytes(keep))
 
-    def run(self, kv: KV, keep: int, tokens: Sequence[int], hidden_layers: Sequence[int]) -> PassResult:
+    def run(
+        self, kv: KV, keep: int, tokens: Sequence[int], hidden_layers: Sequence[int]
+    ) -> PassResult:
         """Run ``tokens`` at positions ``keep..`` on the first ``keep`` positions of ``kv``."""
         n = len(tokens)
         ids = list(tokens) + [self.pad_token] * max(0, self.min_rows - n)
@@ -191,13 +211,16 @@ class Runner:
             if self.io_binding:
                 logits, hidden, present = self._run_bound(kv, keep, feeds_small, hidden_names)
             else:
-                past = [t if kv.length == keep else np.ascontiguousarray(t[:, :, :keep]) for t in kv.tensors]
+                past = [
+                    t if kv.length == keep else np.ascontiguousarray(t[:, :, :keep])
+                    for t in kv.tensors
+                ]
                 feeds: dict[str, Any] = dict(feeds_small)
                 feeds.update(zip(self.names, past, strict=True))
                 out = self.sess.run(["logits", *hidden_names, *self.present], feeds)
                 logits = out[0]
-                hidden = out[1: 1 + len(hidden_names)]
-                present = tuple(out[1 + len(hidden_names):])
+                hidden = out[1 : 1 + len(hidden_names)]
+                present = tuple(out[1 + len(hidden_names) :])
         except EngineError:
             raise
         except Exception as exc:
@@ -216,8 +239,9 @@ class Runner:
         """Snapshots are never written to, so sharing one needs no copy."""
         return kv
 
-    def _run_bound(self, kv: KV, keep: int, small: dict[str, Any],
-                   hidden_names: list[str]) -> tuple[Any, list[Any], tuple[Any, ...]]:
+    def _run_bound(
+        self, kv: KV, keep: int, small: dict[str, Any], hidden_names: list[str]
+    ) -> tuple[Any, list[Any], tuple[Any, ...]]:
         past = kv.tensors if kv.length == keep else self._trimmed(kv, keep)
         b = self.sess.io_binding()
         for name, value in small.items():
@@ -232,16 +256,18 @@ class Runner:
         self.sess.run_with_iobinding(b)
         out = b.get_outputs()
         logits = out[0].numpy()
-        hidden = [o.numpy() for o in out[1: 1 + len(hidden_names)]]
-        return logits, hidden, tuple(out[1 + len(hidden_names):])
+        hidden = [o.numpy() for o in out[1 : 1 + len(hidden_names)]]
+        return logits, hidden, tuple(out[1 + len(hidden_names) :])
 
     def _trimmed(self, kv: KV, keep: int) -> list[Any]:
         """The first ``keep`` positions of every tensor, computed where the tensors live."""
         ort = quiet_ort()
         if self._trim is None:
             self._trim = ort.InferenceSession(
-                _trim_model(len(self.names), self.spec.kv_dtype), _session_options(ort),
-                providers=[self.provider])
+                _trim_model(len(self.names), self.spec.kv_dtype),
+                _session_options(ort),
+                providers=[self.provider],
+            )
         b = self._trim.io_binding()
         for i, t in enumerate(kv.tensors):
             b.bind_ortvalue_input(f"x{i}", t)
@@ -262,12 +288,19 @@ def _trim_model(count: int, dtype: Any) -> bytes:
 
     elem = TensorProto.FLOAT16 if np.dtype(dtype) == np.float16 else TensorProto.FLOAT
     shape = ["b", "h", "t", "d"]
-    nodes = [helper.make_node("Slice", [f"x{i}", "start", "end", "axis"], [f"y{i}"]) for i in range(count)]
+    nodes = [
+        helper.make_node("Slice", [f"x{i}", "start", "end", "axis"], [f"y{i}"])
+        for i in range(count)
+    ]
     inputs = [helper.make_tensor_value_info(f"x{i}", elem, shape) for i in range(count)]
     inputs.append(helper.make_tensor_value_info("end", TensorProto.INT64, [1]))
-    outputs = [helper.make_tensor_value_info(f"y{i}", elem, ["b", "h", "k", "d"]) for i in range(count)]
-    inits = [numpy_helper.from_array(np.asarray([0], np.int64), "start"),
-             numpy_helper.from_array(np.asarray([2], np.int64), "axis")]
+    outputs = [
+        helper.make_tensor_value_info(f"y{i}", elem, ["b", "h", "k", "d"]) for i in range(count)
+    ]
+    inits = [
+        numpy_helper.from_array(np.asarray([0], np.int64), "start"),
+        numpy_helper.from_array(np.asarray([2], np.int64), "axis"),
+    ]
     graph = helper.make_graph(nodes, "trim", inputs, outputs, inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     model.ir_version = 8

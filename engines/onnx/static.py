@@ -55,9 +55,18 @@ class StaticRunner:
 
     static = True
 
-    def __init__(self, sess: Any, spec: GraphSpec, *, rows: int | None, capacity: int | None,
-                 min_rows: int = 2, pad_token: int = 0, bucket: int = 256,
-                 cuda_graph: bool = False) -> None:
+    def __init__(
+        self,
+        sess: Any,
+        spec: GraphSpec,
+        *,
+        rows: int | None,
+        capacity: int | None,
+        min_rows: int = 2,
+        pad_token: int = 0,
+        bucket: int = 256,
+        cuda_graph: bool = False,
+    ) -> None:
         self.sess = sess
         self.spec = spec
         self.provider = str(sess.get_providers()[0])
@@ -71,7 +80,9 @@ class StaticRunner:
         self.pad_token = int(pad_token)
         self.bucket = int(bucket)
         self.cuda_graph = bool(cuda_graph) and self.fixed and self.device == "cuda"
-        self.names = [f"past_key_values.{i}.{k}" for i in range(spec.layers) for k in ("key", "value")]
+        self.names = [
+            f"past_key_values.{i}.{k}" for i in range(spec.layers) for k in ("key", "value")
+        ]
         self.present = [f"present.{i}.{k}" for i in range(spec.layers) for k in ("key", "value")]
         self.hidden_names = [f"hidden_states.{i}" for i in spec.hidden_layers]
         self.dtype = np.dtype(spec.kv_dtype)
@@ -93,7 +104,13 @@ class StaticRunner:
         return (1, self.spec.kv_heads, capacity, self.spec.head_dim)
 
     def nbytes(self, capacity: int) -> int:
-        return len(self.names) * self.spec.kv_heads * capacity * self.spec.head_dim * int(self.dtype.itemsize)
+        return (
+            len(self.names)
+            * self.spec.kv_heads
+            * capacity
+            * self.spec.head_dim
+            * int(self.dtype.itemsize)
+        )
 
     # -- buffers -----------------------------------------------------------
 
@@ -126,15 +143,21 @@ class StaticRunner:
 
     def release(self, kv: KV) -> None:
         """The cache no longer holds ``kv``: keep a fixed buffer set for reuse."""
-        if self.fixed and kv.tensors and id(kv.tensors[0]) in self._ids and not any(
-                t is kv.tensors for t in self._free):
+        if (
+            self.fixed
+            and kv.tensors
+            and id(kv.tensors[0]) in self._ids
+            and not any(t is kv.tensors for t in self._free)
+        ):
             self._free.append(kv.tensors)
 
     def copy(self, kv: KV) -> KV:
         """A private buffer set holding what ``kv`` holds (before writing into a shared one)."""
         if not self.fixed:
             ort = quiet_ort()
-            t = tuple(ort.OrtValue.ortvalue_from_numpy(np.array(x.numpy(), copy=True)) for x in kv.tensors)
+            t = tuple(
+                ort.OrtValue.ortvalue_from_numpy(np.array(x.numpy(), copy=True)) for x in kv.tensors
+            )
             return KV(t, kv.length, kv.nbytes)
         dst = self.empty()
         self._device_copy(kv.tensors, dst.tensors)
@@ -145,8 +168,9 @@ class StaticRunner:
         if self._copy is None:
             so = ort.SessionOptions()
             so.log_severity_level = 3
-            self._copy = ort.InferenceSession(_copy_model(len(self.names), self.dtype), so,
-                                              providers=[self.provider])
+            self._copy = ort.InferenceSession(
+                _copy_model(len(self.names), self.dtype), so, providers=[self.provider]
+            )
         b = self._copy.io_binding()
         for i, (s, d) in enumerate(zip(src, dst, strict=True)):
             b.bind_ortvalue_input(f"x{i}", s)
@@ -178,7 +202,9 @@ class StaticRunner:
         rows, dev = self.rows, self.device
         vocab = self.spec.vocab_size
         if vocab is None:
-            raise EngineError("fixed passes need a model whose logits have a fixed vocabulary dimension")
+            raise EngineError(
+                "fixed passes need a model whose logits have a fixed vocabulary dimension"
+            )
 
         def value(shape: tuple[int, ...], dtype: Any, fill: Any = None) -> Any:
             v = ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, dev, 0)
@@ -197,7 +223,9 @@ class StaticRunner:
                 io[name] = value((1, rows, self.spec.hidden_size), np.float32)
         return io
 
-    def run(self, kv: KV, keep: int, tokens: Sequence[int], hidden_layers: Sequence[int]) -> PassResult:
+    def run(
+        self, kv: KV, keep: int, tokens: Sequence[int], hidden_layers: Sequence[int]
+    ) -> PassResult:
         """Run ``tokens`` at positions ``keep..`` on ``kv`` (written in place); pads fill the rest."""
         n = len(tokens)
         rows = self.rows or max(n, self.min_rows)
@@ -221,16 +249,21 @@ class StaticRunner:
             raise EngineError(f"onnxruntime run failed: {exc}") from exc
         # copies: on the CPU an OrtValue's numpy() is a view of the bound output, which the next
         # pass (of any session) overwrites
-        return PassResult(logits=np.array(logits[:n]), hidden={i: np.array(h[:n]) for i, h in hidden.items()},
-                          kv=kv, end=keep + rows)
+        return PassResult(
+            logits=np.array(logits[:n]),
+            hidden={i: np.array(h[:n]) for i, h in hidden.items()},
+            kv=kv,
+            end=keep + rows,
+        )
 
     def _bind_kv(self, b: Any, kv: KV) -> None:
         for past, present, t in zip(self.names, self.present, kv.tensors, strict=True):
             b.bind_ortvalue_input(past, t)
             b.bind_ortvalue_output(present, t)
 
-    def _run_grown(self, kv: KV, ids: Any, pos: Any,
-                   hidden_layers: Sequence[int]) -> tuple[Any, dict[int, Any]]:
+    def _run_grown(
+        self, kv: KV, ids: Any, pos: Any, hidden_layers: Sequence[int]
+    ) -> tuple[Any, dict[int, Any]]:
         b = self.sess.io_binding()
         b.bind_cpu_input("input_ids", ids)
         b.bind_cpu_input("position_ids", pos)
@@ -242,18 +275,21 @@ class StaticRunner:
         self.sess.run_with_iobinding(b)
         out = b.get_outputs()
         # outputs come back in binding order: the presents first, then logits and hidden states
-        rest = out[len(self.present):]
+        rest = out[len(self.present) :]
         return rest[0].numpy()[0], {i: rest[1 + k].numpy()[0] for k, i in enumerate(hidden_layers)}
 
-    def _run_fixed(self, kv: KV, ids: Any, pos: Any,
-                   hidden_layers: Sequence[int]) -> tuple[Any, dict[int, Any]]:
+    def _run_fixed(
+        self, kv: KV, ids: Any, pos: Any, hidden_layers: Sequence[int]
+    ) -> tuple[Any, dict[int, Any]]:
         io = self._io
         assert io is not None
         io["input_ids"].update_inplace(ids)
         io["position_ids"].update_inplace(pos)
         b, ro = self._binding(kv)
         self.sess.run_with_iobinding(b, ro)
-        return io["logits"].numpy()[0], {i: io[f"hidden_states.{i}"].numpy()[0] for i in hidden_layers}
+        return io["logits"].numpy()[0], {
+            i: io[f"hidden_states.{i}"].numpy()[0] for i in hidden_layers
+        }
 
     def _capture(self, kv: KV) -> None:
         """Run a new buffer set's graph until it is captured, before any real pass.
@@ -302,7 +338,9 @@ def _copy_model(count: int, dtype: Any) -> bytes:
     nodes = [helper.make_node("Identity", [f"x{i}"], [f"y{i}"]) for i in range(count)]
     inputs = [helper.make_tensor_value_info(f"x{i}", elem, shape) for i in range(count)]
     outputs = [helper.make_tensor_value_info(f"y{i}", elem, shape) for i in range(count)]
-    model = helper.make_model(helper.make_graph(nodes, "copy", inputs, outputs),
-                              opset_imports=[helper.make_opsetid("", 18)])
+    model = helper.make_model(
+        helper.make_graph(nodes, "copy", inputs, outputs),
+        opset_imports=[helper.make_opsetid("", 18)],
+    )
     model.ir_version = 8
     return bytes(model.SerializeToString())

@@ -83,8 +83,11 @@ async def stack(db_url: str) -> AsyncIterator[Stack]:
     await web.start()
     await rpc.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{rpc.port}")
-    client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_port}",
-                               headers={"authorization": f"Bearer {TOKEN}"}, timeout=20)
+    client = httpx.AsyncClient(
+        base_url=f"http://127.0.0.1:{http_port}",
+        headers={"authorization": f"Bearer {TOKEN}"},
+        timeout=20,
+    )
     try:
         yield Stack(rt, client, channel, f"127.0.0.1:{rpc.port}")
     finally:
@@ -98,28 +101,42 @@ async def stack(db_url: str) -> AsyncIterator[Stack]:
 # -- what the log says ----------------------------------------------------------
 
 
-async def document_from_log(st: Stack, sid: str, upto_position: int | None = None) -> dict[str, Any]:
+async def document_from_log(
+    st: Stack, sid: str, upto_position: int | None = None
+) -> dict[str, Any]:
     """The session's document folded straight from the log: its events and its forks'
     ``session.opened`` (which place each fork in the parent), in log order."""
     own = await st.log.read(sid)
-    children = [(await st.log.read(row.id, 1, 1))[0] for row in await st.log.list_sessions(parent_id=sid)]
+    children = [
+        (await st.log.read(row.id, 1, 1))[0] for row in await st.log.list_sessions(parent_id=sid)
+    ]
     evs = sorted([*own, *children], key=lambda e: e.position)
     if upto_position is not None:
         evs = [e for e in evs if e.position <= upto_position]
-    doc = build_document(sid, evs, detokenize=st.runtime.engine.detokenize, base=await fork_base(st.log, own[0]))
+    doc = build_document(
+        sid, evs, detokenize=st.runtime.engine.detokenize, base=await fork_base(st.log, own[0])
+    )
     return json.loads(json.dumps(doc))
 
 
 async def doc_positions(st: Stack, sid: str) -> list[int]:
     """Log positions of every event that changes ``sid``'s document."""
     own = [e.position for e in await st.log.read(sid)]
-    children = [(await st.log.read(row.id, 1, 1))[0].position for row in await st.log.list_sessions(parent_id=sid)]
+    children = [
+        (await st.log.read(row.id, 1, 1))[0].position
+        for row in await st.log.list_sessions(parent_id=sid)
+    ]
     return sorted(own + children)
 
 
 def generated(evs: Sequence[Event], generation_id: str | None = None) -> list[Event]:
-    return [e for e in evs if e.type == "generation.token" and not e.body["is_prefill"]
-            and (generation_id is None or e.body["generation_id"] == generation_id)]
+    return [
+        e
+        for e in evs
+        if e.type == "generation.token"
+        and not e.body["is_prefill"]
+        and (generation_id is None or e.body["generation_id"] == generation_id)
+    ]
 
 
 # -- what the wires say -----------------------------------------------------------
@@ -132,8 +149,9 @@ class Stream:
     end: SseEvent | None
 
 
-async def read_sse(st: Stack, sid: str, last_event_id: int | None = None,
-                   started: asyncio.Event | None = None) -> Stream:
+async def read_sse(
+    st: Stack, sid: str, last_event_id: int | None = None, started: asyncio.Event | None = None
+) -> Stream:
     """An SSE stream of ``sid``'s document, to its ``end`` event."""
     headers = {} if last_event_id is None else {"last-event-id": str(last_event_id)}
     snap, patches, end = None, [], None
@@ -211,9 +229,14 @@ async def check_resume(st: Stack, sid: str, watched: Stream, cursor: int) -> Non
     and folds from the document at ``cursor`` to the final document."""
     resumed = await read_sse(st, sid, last_event_id=cursor)
     assert resumed.snapshot is None  # a resume gets no fresh snapshot, only what it missed
-    assert [p.id for p in resumed.patches] == [p for p in await doc_positions(st, sid) if p > cursor]
+    assert [p.id for p in resumed.patches] == [
+        p for p in await doc_positions(st, sid) if p > cursor
+    ]
     # the same cursor over the HTTP export: its events past the cursor are the session's own patches
-    exported = [json.loads(line) for line in (await st.http.get(f"/v1/sessions/{sid}/export")).text.splitlines()]
+    exported = [
+        json.loads(line)
+        for line in (await st.http.get(f"/v1/sessions/{sid}/export")).text.splitlines()
+    ]
     own_after = [obj["position"] for obj in exported if obj["position"] > cursor]
     assert own_after and set(own_after) <= {p.id for p in resumed.patches}
     at_cursor = await document_from_log(st, sid, upto_position=cursor)
@@ -223,13 +246,16 @@ async def check_resume(st: Stack, sid: str, watched: Stream, cursor: int) -> Non
     if watched.snapshot is not None:
         since = max(cursor, watched.snapshot.id or 0)
         assert [(p.id, p.json()) for p in resumed.patches if (p.id or 0) > since] == [
-            (p.id, p.json()) for p in watched.patches if (p.id or 0) > since]
+            (p.id, p.json()) for p in watched.patches if (p.id or 0) > since
+        ]
 
 
 # -- the script over HTTP ----------------------------------------------------------
 
 
-async def test_http_script_reads_the_same_over_sse_export_and_resume(stack: Stack, tmp_path: Path) -> None:
+async def test_http_script_reads_the_same_over_sse_export_and_resume(
+    stack: Stack, tmp_path: Path
+) -> None:
     st = stack
     created = await st.http.post("/v1/sessions", json={"label": "conformance"})
     assert created.status_code == 201, created.text
@@ -241,8 +267,10 @@ async def test_http_script_reads_the_same_over_sse_export_and_resume(stack: Stac
     r = await st.http.post(f"/v1/sessions/{sid}/append", json={"text": "Hello, tape. "})
     assert r.status_code == 200, r.text
     prompt_len = r.json()["length"]
-    r = await st.http.post(f"/v1/sessions/{sid}/generate", json={
-        "max_tokens": 12, "seed": 7, "temperature": 0.8, "logprob_top_k": 2, "stream": False})
+    r = await st.http.post(
+        f"/v1/sessions/{sid}/generate",
+        json={"max_tokens": 12, "seed": 7, "temperature": 0.8, "logprob_top_k": 2, "stream": False},
+    )
     assert r.status_code == 200, r.text
     gen = r.json()["generation"]
     at = prompt_len + 5  # inside the response
@@ -257,13 +285,22 @@ async def test_http_script_reads_the_same_over_sse_export_and_resume(stack: Stac
 
     logged = await st.log.read(sid)
     assert [e.type for e in logged] == [
-        "session.opened", "tokens.appended", "generation.started", *["generation.token"] * 12,
-        "generation.finished", "feedback.recorded", "session.closed"]
+        "session.opened",
+        "tokens.appended",
+        "generation.started",
+        *["generation.token"] * 12,
+        "generation.finished",
+        "feedback.recorded",
+        "session.closed",
+    ]
     # the HTTP generation's tokens are the log's, logprobs and top-k included
     toks = generated(logged)
     assert [(t["id"], t["position"], t["logprob"]) for t in gen["tokens"]] == [
-        (e.body["token"], e.body["position"], e.body["logprob"]) for e in toks]
-    assert [[[x["id"], x["logprob"]] for x in t["top"]] for t in gen["tokens"]] == [e.body["top"] for e in toks]
+        (e.body["token"], e.body["position"], e.body["logprob"]) for e in toks
+    ]
+    assert [[[x["id"], x["logprob"]] for x in t["top"]] for t in gen["tokens"]] == [
+        e.body["top"] for e in toks
+    ]
     # the fork holds the parent's first `at` tokens
     child_doc = await document_from_log(st, child)
     assert child_doc["history"]["ids"] == (await document_from_log(st, sid))["history"]["ids"][:at]
@@ -279,18 +316,25 @@ async def test_http_script_reads_the_same_over_sse_export_and_resume(stack: Stac
 # -- the script over gRPC token sessions -------------------------------------------
 
 
-async def test_kakeya_and_salience_streams_are_the_logged_tokens(stack: Stack, tmp_path: Path) -> None:
+async def test_kakeya_and_salience_streams_are_the_logged_tokens(
+    stack: Stack, tmp_path: Path
+) -> None:
     st = stack
     kakeya = kakeya_grpc.RuntimeServiceStub(st.channel)
     salience = salience_grpc.SalienceStub(st.channel)
     prompt = list(b"Hello, tape. ")
 
     # Kakeya: create, append, seeded generate, close (feedback over HTTP: Kakeya has none)
-    ksid = (await kakeya.CreateSession(kpb.CreateSessionRequest(client_label="k"), metadata=AUTH)).session_id
-    await kakeya.AppendTokens(kpb.AppendTokensRequest(session_id=ksid, token_ids=prompt), metadata=AUTH)
+    ksid = (
+        await kakeya.CreateSession(kpb.CreateSessionRequest(client_label="k"), metadata=AUTH)
+    ).session_id
+    await kakeya.AppendTokens(
+        kpb.AppendTokensRequest(session_id=ksid, token_ids=prompt), metadata=AUTH
+    )
     streamed: list[int] = []
-    async for msg in kakeya.Generate(kpb.GenerateRequest(session_id=ksid, max_tokens=10, seed=7, temperature=0.8),
-                                     metadata=AUTH):
+    async for msg in kakeya.Generate(
+        kpb.GenerateRequest(session_id=ksid, max_tokens=10, seed=7, temperature=0.8), metadata=AUTH
+    ):
         if msg.WhichOneof("payload") == "token_id":
             streamed.append(msg.token_id)
         else:
@@ -300,40 +344,66 @@ async def test_kakeya_and_salience_streams_are_the_logged_tokens(stack: Stack, t
     r = await st.http.post("/v1/sessions", json={})
     hsid = r.json()["id"]
     await st.http.post(f"/v1/sessions/{hsid}/append", json={"tokens": prompt})
-    r = await st.http.post(f"/v1/sessions/{hsid}/generate", json={
-        "max_tokens": 10, "seed": 7, "temperature": 0.8, "stream": False})
+    r = await st.http.post(
+        f"/v1/sessions/{hsid}/generate",
+        json={"max_tokens": 10, "seed": 7, "temperature": 0.8, "stream": False},
+    )
     assert [t["id"] for t in r.json()["generation"]["tokens"]] == streamed
 
     # Salience: open, generate with logprobs, fork mid-response, generate on the fork
     ssid = (await salience.OpenSession(spb.OpenSessionRequest(), metadata=AUTH)).session_id
     stoks: list[Any] = []
-    async for ev in salience.Generate(spb.GenerateRequest(
-            session_id=ssid, append_tokens=prompt, offset=0, max_tokens=10, logprob_top_k=2,
-            logprobs_ranges=[spb.PositionRange(start=len(prompt), end=len(prompt) + 10)]), metadata=AUTH):
+    async for ev in salience.Generate(
+        spb.GenerateRequest(
+            session_id=ssid,
+            append_tokens=prompt,
+            offset=0,
+            max_tokens=10,
+            logprob_top_k=2,
+            logprobs_ranges=[spb.PositionRange(start=len(prompt), end=len(prompt) + 10)],
+        ),
+        metadata=AUTH,
+    ):
         if ev.WhichOneof("event") == "token":
             stoks.append(ev.token)
     logged = generated(await st.log.read(ssid))
     assert [(t.id, t.position) for t in stoks if not t.is_prefill] == [
-        (e.body["token"], e.body["position"]) for e in logged]
+        (e.body["token"], e.body["position"]) for e in logged
+    ]
     # float32 on the wire: the log's float64 values rounded to float32, top-k included
     assert [t.sampled_logprob for t in stoks if not t.is_prefill] == [
-        float(np.float32(e.body["logprob"])) for e in logged]
+        float(np.float32(e.body["logprob"])) for e in logged
+    ]
     assert [[(x.id, x.logprob) for x in t.logprobs] for t in stoks if not t.is_prefill] == [
-        [(i, float(np.float32(lp))) for i, lp in e.body["top"]] for e in logged]
+        [(i, float(np.float32(lp))) for i, lp in e.body["top"]] for e in logged
+    ]
     at = len(prompt) + 4
-    fsid = (await salience.ForkSession(spb.ForkSessionRequest(session_id=ssid, at_position=at),
-                                       metadata=AUTH)).session_id
-    dumped = (await salience.DumpSession(spb.DumpSessionRequest(session_id=fsid), metadata=AUTH)).tokens
+    fsid = (
+        await salience.ForkSession(
+            spb.ForkSessionRequest(session_id=ssid, at_position=at), metadata=AUTH
+        )
+    ).session_id
+    dumped = (
+        await salience.DumpSession(spb.DumpSessionRequest(session_id=fsid), metadata=AUTH)
+    ).tokens
     assert list(dumped) == prompt + [e.body["token"] for e in logged][:4]
-    async for _ in salience.Generate(spb.GenerateRequest(session_id=fsid, offset=at, max_tokens=3), metadata=AUTH):
+    async for _ in salience.Generate(
+        spb.GenerateRequest(session_id=fsid, offset=at, max_tokens=3), metadata=AUTH
+    ):
         pass
     # the token history every wire reports is the document's, folded from the log
     for sid in (ssid, fsid):
-        dumped = (await salience.DumpSession(spb.DumpSessionRequest(session_id=sid), metadata=AUTH)).tokens
+        dumped = (
+            await salience.DumpSession(spb.DumpSessionRequest(session_id=sid), metadata=AUTH)
+        ).tokens
         assert (await document_from_log(st, sid))["history"]["ids"] == list(dumped)
         assert (await st.http.get(f"/v1/sessions/{sid}")).json()["history"]["ids"] == list(dumped)
     info = await kakeya.GetSessionInfo(kpb.GetSessionInfoRequest(session_id=ksid), metadata=AUTH)
-    assert info.history_length == len((await document_from_log(st, ksid))["history"]["ids"]) == len(prompt) + 10
+    assert (
+        info.history_length
+        == len((await document_from_log(st, ksid))["history"]["ids"])
+        == len(prompt) + 10
+    )
     r = await st.http.post(f"/v1/sessions/{ssid}/feedback", json={"score": 3})
     assert r.status_code == 201
     await salience.CloseSession(spb.CloseSessionRequest(session_id=ssid), metadata=AUTH)
@@ -358,14 +428,24 @@ async def test_kakeya_and_salience_streams_are_the_logged_tokens(stack: Stack, t
 # -- the script over Evergreen (node DAG) ------------------------------------------
 
 
-async def test_evergreen_fragments_and_dag_read_the_same_over_sse_and_http(stack: Stack, tmp_path: Path) -> None:
+async def test_evergreen_fragments_and_dag_read_the_same_over_sse_and_http(
+    stack: Stack, tmp_path: Path
+) -> None:
     st = stack
     prompt = "Hello, tape. "
     async with EvergreenClient(st.grpc_target, token=TOKEN) as client, client.session() as ev:
         # create (the stream), append (the prompt node), generate (an action) with a seed
-        await ev.send(actions=[action("GENERATE", inputs={"text": "prompt"}, outputs={"text": "reply"},
-                                      configs=[sampling_config(max_tokens=12, seed=7, temperature=0.8)])],
-                      fragments=text_fragments("prompt", prompt, parts=2))
+        await ev.send(
+            actions=[
+                action(
+                    "GENERATE",
+                    inputs={"text": "prompt"},
+                    outputs={"text": "reply"},
+                    configs=[sampling_config(max_tokens=12, seed=7, temperature=0.8)],
+                )
+            ],
+            fragments=text_fragments("prompt", prompt, parts=2),
+        )
         sid = await ev.session_id()
         listening = asyncio.Event()
         watch = asyncio.create_task(read_sse(st, sid, started=listening))
@@ -390,8 +470,9 @@ async def test_evergreen_fragments_and_dag_read_the_same_over_sse_and_http(stack
     assert logged[-1].type == "session.closed"
     # the streamed fragments are the log's outbound node.fragment events, bytes included
     outbound = [e for e in logged if e.type == "node.fragment" and e.body["direction"] == "out"]
-    assert [(e.body["id"], e.body["seq"], e.body["continued"], e.data or b"") for e in outbound] == [
-        (f.id, f.seq, f.continued, f.chunk_fragment.data) for f in received]
+    assert [
+        (e.body["id"], e.body["seq"], e.body["continued"], e.data or b"") for e in outbound
+    ] == [(f.id, f.seq, f.continued, f.chunk_fragment.data) for f in received]
     reply_tokens = [e.body["token"] for e in generated(logged)]
     assert nodes["reply"] == assemble(ev.received)["reply"]
     assert nodes["reply"].decode() == st.runtime.engine.detokenize(reply_tokens)
@@ -400,14 +481,18 @@ async def test_evergreen_fragments_and_dag_read_the_same_over_sse_and_http(stack
     assert set(doc["nodes"]) == {"prompt", "reply"}
     content = await st.http.get(f"/v1/sessions/{sid}/nodes/reply/content")
     assert content.status_code == 200 and content.content == nodes["reply"]
-    assert (await st.http.get(f"/v1/sessions/{sid}/nodes/prompt/content")).content == prompt.encode()
+    assert (
+        await st.http.get(f"/v1/sessions/{sid}/nodes/prompt/content")
+    ).content == prompt.encode()
     assert (await document_from_log(st, child))["history"]["ids"] == doc["history"]["ids"][:at]
     # the same prompt, seed and parameters over HTTP generate the same tokens
     r = await st.http.post("/v1/sessions", json={})
     hsid = r.json()["id"]
     await st.http.post(f"/v1/sessions/{hsid}/append", json={"text": prompt})
-    r = await st.http.post(f"/v1/sessions/{hsid}/generate", json={
-        "max_tokens": 12, "seed": 7, "temperature": 0.8, "stream": False})
+    r = await st.http.post(
+        f"/v1/sessions/{hsid}/generate",
+        json={"max_tokens": 12, "seed": 7, "temperature": 0.8, "stream": False},
+    )
     assert [t["id"] for t in r.json()["generation"]["tokens"]] == reply_tokens
 
     await check_views(st, sid, watched)
@@ -419,7 +504,9 @@ async def test_evergreen_fragments_and_dag_read_the_same_over_sse_and_http(stack
 # -- the script over D4 (Nostr kind-1 events through a loopback relay) ------------
 
 
-async def test_d4_results_and_feedback_read_the_same_over_sse_and_http(stack: Stack, tmp_path: Path) -> None:
+async def test_d4_results_and_feedback_read_the_same_over_sse_and_http(
+    stack: Stack, tmp_path: Path
+) -> None:
     import nostr_sdk as ns
 
     from tests.transports.nostr.conftest import Caller, LocalRelay, call_body, eventually
@@ -430,9 +517,19 @@ async def test_d4_results_and_feedback_read_the_same_over_sse_and_http(stack: St
     relay = await LocalRelay().start()
     key_file = tmp_path / "worker.key"
     key_file.write_text(ns.Keys.generate().secret_key().to_bech32())
-    d4 = NostrTransport(st.runtime, {"relays": [relay.url], "key_file": str(key_file), "price_msat": 1000,
-                                     "stream_every_tokens": 4, "stream_every_ms": 10_000,
-                                     "reconnect_min_s": 0.5, "retry_base_s": 0.05}, st.runtime.config)
+    d4 = NostrTransport(
+        st.runtime,
+        {
+            "relays": [relay.url],
+            "key_file": str(key_file),
+            "price_msat": 1000,
+            "stream_every_tokens": 4,
+            "stream_every_ms": 10_000,
+            "reconnect_min_s": 0.5,
+            "retry_base_s": 0.05,
+        },
+        st.runtime.config,
+    )
     caller: Caller | None = None
     try:
         await d4.start()
@@ -441,12 +538,17 @@ async def test_d4_results_and_feedback_read_the_same_over_sse_and_http(stack: St
         caller = await Caller(d4.worker.pubkey).connect(relay.url)
         # create + append + generate with a seed: one call (the reference engine here never samples EOS,
         # so the call stops for length: more_results, the session stays open for a funded continuation)
-        call_id = await caller.call(fid, call_body("Hello, tape. ", args={"temperature": 0.8, "seed": 7}))
+        call_id = await caller.call(
+            fid, call_body("Hello, tape. ", args={"temperature": 0.8, "seed": 7})
+        )
         final = await caller.wait_final(call_id)
         sid = "d4_" + call_id[:48]
         # feedback over Nostr on the final result
-        fb = await caller.publish(caller.sign(json.dumps({"score": 7, "version": "0.1.0"}),
-                                              [["e", final["id"]], ["e", fid]]))
+        fb = await caller.publish(
+            caller.sign(
+                json.dumps({"score": 7, "version": "0.1.0"}), [["e", final["id"]], ["e", fid]]
+            )
+        )
         await eventually(lambda: d4.worker is not None and d4.worker.stats["feedback"] == 1)
         assert final["body"]["more_results"] is True
         # fork mid-response and close over HTTP
@@ -458,14 +560,22 @@ async def test_d4_results_and_feedback_read_the_same_over_sse_and_http(stack: St
         child = r.json()["id"]
         assert (await st.http.post(f"/v1/sessions/{sid}/close", json={})).status_code == 200
         logged = await st.log.read(sid)
-        assert [e.type for e in logged if e.type.startswith("session.")] == ["session.opened", "session.closed"]
+        assert [e.type for e in logged if e.type.startswith("session.")] == [
+            "session.opened",
+            "session.closed",
+        ]
         [feedback] = [e for e in logged if e.type == "feedback.recorded"]
         assert (feedback.body["score"], feedback.body["event_id"]) == (7, fb)
 
         # every result the caller got for the call is a wire.message (out) the log recorded first, verbatim
-        replies = {r["id"]: {k: v for k, v in r.items() if k != "body"} for r in caller.replies(call_id)}
-        outs = {e.body["payload"]["id"]: e.body["payload"] for e in logged
-                if e.type == "wire.message" and e.body["direction"] == "out"}
+        replies = {
+            r["id"]: {k: v for k, v in r.items() if k != "body"} for r in caller.replies(call_id)
+        }
+        outs = {
+            e.body["payload"]["id"]: e.body["payload"]
+            for e in logged
+            if e.type == "wire.message" and e.body["direction"] == "out"
+        }
         assert replies and all(outs.get(i) == r for i, r in replies.items())
         # the final result's completion is the log's generated tokens
         toks = [e.body["token"] for e in generated(logged)]
@@ -477,9 +587,18 @@ async def test_d4_results_and_feedback_read_the_same_over_sse_and_http(stack: St
         hsid = (await st.http.post("/v1/sessions", json={})).json()["id"]
         await st.http.post(f"/v1/sessions/{hsid}/append", json={"tokens": appended.body["tokens"]})
         p = started.body["params"]
-        r = await st.http.post(f"/v1/sessions/{hsid}/generate", json={
-            "max_tokens": p["max_tokens"], "temperature": p["temperature"], "top_p": p["top_p"],
-            "top_k": p["top_k"], "seed": int(p["seed"]), "stop_token_ids": p["stop_token_ids"], "stream": False})
+        r = await st.http.post(
+            f"/v1/sessions/{hsid}/generate",
+            json={
+                "max_tokens": p["max_tokens"],
+                "temperature": p["temperature"],
+                "top_p": p["top_p"],
+                "top_k": p["top_k"],
+                "seed": int(p["seed"]),
+                "stop_token_ids": p["stop_token_ids"],
+                "stream": False,
+            },
+        )
         assert [t["id"] for t in r.json()["generation"]["tokens"]] == toks
         doc = await document_from_log(st, sid)
         assert (await document_from_log(st, child))["history"]["ids"] == doc["history"]["ids"][:at]

@@ -36,12 +36,14 @@ def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-@pytest.fixture(params=[
-    "reference",
-    "onnx-cpu",
-    "onnx-cpu-fixed",
-    "onnx-cuda",
-])
+@pytest.fixture(
+    params=[
+        "reference",
+        "onnx-cpu",
+        "onnx-cpu-fixed",
+        "onnx-cuda",
+    ]
+)
 async def make_engine(request: pytest.FixtureRequest, demo_dir: Path) -> AsyncIterator[Factory]:
     """A factory of fresh engines of one kind; every engine it made is closed after the test.
 
@@ -61,8 +63,11 @@ async def make_engine(request: pytest.FixtureRequest, demo_dir: Path) -> AsyncIt
             if kind == "onnx-cuda":  # what "auto" picks on a GPU: fixed shapes, CUDA graphs
                 eng = OnnxEngine(model_dir=demo_dir, providers="auto")
             else:
-                kw: dict[str, Any] = {"model_dir": demo_dir, "intra_op_threads": 1,
-                                      "providers": "CPUExecutionProvider"}
+                kw: dict[str, Any] = {
+                    "model_dir": demo_dir,
+                    "intra_op_threads": 1,
+                    "providers": "CPUExecutionProvider",
+                }
                 if kind == "onnx-cpu-fixed":
                     kw["pass_rows"] = 4  # fixed shape: 4 rows over a full-length buffer
                 eng = OnnxEngine(**kw)
@@ -70,7 +75,9 @@ async def make_engine(request: pytest.FixtureRequest, demo_dir: Path) -> AsyncIt
         return eng
 
     if request.param == "onnx-cuda" and factory().info.provider != "CUDAExecutionProvider":
-        pytest.skip("the CUDA provider does not load here (no onnxruntime-gpu, GPU or CUDA libraries)")
+        pytest.skip(
+            "the CUDA provider does not load here (no onnxruntime-gpu, GPU or CUDA libraries)"
+        )
     yield factory
     for eng in made:
         await eng.aclose()
@@ -81,8 +88,13 @@ def history(seed: int, n: int) -> list[int]:
     return [rnd.randrange(32, 127) for _ in range(n)]
 
 
-async def run(eng: Engine, key: str, hist: list[int], params: SamplingParams = SAMPLED,
-              options: OutputOptions = OPTIONS) -> list[Step]:
+async def run(
+    eng: Engine,
+    key: str,
+    hist: list[int],
+    params: SamplingParams = SAMPLED,
+    options: OutputOptions = OPTIONS,
+) -> list[Step]:
     return [s async for s in eng.generate(key, hist, params, options)]
 
 
@@ -90,8 +102,12 @@ def generated(steps: list[Step]) -> list[int]:
     return [s.token_id for s in steps if not s.is_prefill]
 
 
-async def cold(make: Factory, hist: list[int], params: SamplingParams = SAMPLED,
-               options: OutputOptions = OPTIONS) -> list[Step]:
+async def cold(
+    make: Factory,
+    hist: list[int],
+    params: SamplingParams = SAMPLED,
+    options: OutputOptions = OPTIONS,
+) -> list[Step]:
     return await run(make(), "cold", hist, params, options)
 
 
@@ -106,12 +122,20 @@ async def test_info_and_tokenizer_round_trip(make_engine: Factory) -> None:
 
 
 @pytest.mark.parametrize("params", [SAMPLED, GREEDY], ids=["sampled", "greedy"])
-async def test_determinism_same_inputs_same_steps(make_engine: Factory, params: SamplingParams) -> None:
+async def test_determinism_same_inputs_same_steps(
+    make_engine: Factory, params: SamplingParams
+) -> None:
     hist = history(1, 24)
     eng = make_engine()
     first = await run(eng, "a", hist, params)
-    assert len(generated(first)) == params.max_tokens or generated(first)[-1] in eng.info.eos_token_ids
-    assert [s.position for s in first if s.is_prefill] == [2, 3, 4]  # the asked prompt range, scored
+    assert (
+        len(generated(first)) == params.max_tokens or generated(first)[-1] in eng.info.eos_token_ids
+    )
+    assert [s.position for s in first if s.is_prefill] == [
+        2,
+        3,
+        4,
+    ]  # the asked prompt range, scored
     for s in first:
         assert s.logprob is not None and s.logprob <= 0.0 and len(s.top_logprobs) == 3
     # another key on the same engine, and a fresh engine: identical, logprobs included
@@ -162,17 +186,26 @@ async def test_fork_mid_response_then_generate_equals_cold(make_engine: Factory)
     assert await run(eng, "parent", nxt) == await cold(make_engine, nxt)
     # a fork continued with the parent's own tokens yields what the parent yielded
     eng.fork("parent", "twin", at)
-    twin = await run(eng, "twin", parent_tokens[:at], SamplingParams(**{**SAMPLED.__dict__, "max_tokens": 6}),
-                     OutputOptions())
+    twin = await run(
+        eng,
+        "twin",
+        parent_tokens[:at],
+        SamplingParams(**{**SAMPLED.__dict__, "max_tokens": 6}),
+        OutputOptions(),
+    )
     assert generated(twin) == generated(parent_steps)[4:10]
 
 
 @pytest.mark.parametrize("stop_at", [1, 4, 9])
-async def test_cancel_at_step_k_then_continue_equals_uninterrupted(make_engine: Factory, stop_at: int) -> None:
+async def test_cancel_at_step_k_then_continue_equals_uninterrupted(
+    make_engine: Factory, stop_at: int
+) -> None:
     hist = history(8, 16)
     full = await cold(make_engine, hist, SAMPLED, OutputOptions(logprob_top_k=2))
     eng = make_engine()
-    gen = cast(AsyncGenerator[Step, None], eng.generate("c", hist, SAMPLED, OutputOptions(logprob_top_k=2)))
+    gen = cast(
+        AsyncGenerator[Step, None], eng.generate("c", hist, SAMPLED, OutputOptions(logprob_top_k=2))
+    )
     got: list[Step] = []
     async for step in gen:
         got.append(step)

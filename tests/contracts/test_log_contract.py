@@ -25,7 +25,9 @@ from core.log.store import verify_chain
 
 
 def opened() -> NewEvent:
-    return NewEvent("session.opened", {"protocol": "test", "engine": {"engine": "x", "vocab_size": 300}})
+    return NewEvent(
+        "session.opened", {"protocol": "test", "engine": {"engine": "x", "vocab_size": 300}}
+    )
 
 
 def tokens(start: int, toks: list[int]) -> NewEvent:
@@ -68,11 +70,17 @@ async def test_a_refused_append_consumes_no_version_and_no_position(log: EventLo
     # the next accepted append takes the next version and the next position: no hole
     [nxt] = await log.append("b", 0, [opened()])
     [again] = await log.append("a", 1, [tokens(0, [1])])
-    assert (nxt.position, again.position, again.version) == (first.position + 1, first.position + 2, 2)
+    assert (nxt.position, again.position, again.version) == (
+        first.position + 1,
+        first.position + 2,
+        2,
+    )
     assert again.prev_hash == first.hash
 
 
-async def test_positions_are_gapless_across_sessions_and_processes(log: EventLog, db_url: str) -> None:
+async def test_positions_are_gapless_across_sessions_and_processes(
+    log: EventLog, db_url: str
+) -> None:
     """Concurrent appenders over many sessions (and, where the backend is shared
     by several processes, over two EventLog instances): every position from 1
     to N exactly once, each session's versions 1..n in position order."""
@@ -82,6 +90,7 @@ async def test_positions_are_gapless_across_sessions_and_processes(log: EventLog
     watcher = log.subscribe(0)
     sessions, appends = 12, 8
     try:
+
         async def writer(i: int) -> None:
             lg = logs[i % len(logs)]
             sid = f"w{i}"
@@ -123,7 +132,13 @@ async def test_subscription_from_a_position_per_session_catch_up_then_live(log: 
     got_a = await asyncio.wait_for(only_a, 10)
     got_all = await asyncio.wait_for(all_after, 10)
     assert [(e.session_id, e.version) for e in got_a] == [("a", 4), ("a", 5), ("a", 6)]
-    assert [(e.session_id, e.version) for e in got_all] == [("b", 2), ("a", 4), ("b", 3), ("a", 5), ("a", 6)]
+    assert [(e.session_id, e.version) for e in got_all] == [
+        ("b", 2),
+        ("a", 4),
+        ("b", 3),
+        ("a", 5),
+        ("a", 6),
+    ]
     assert all(e.position > mark for e in got_all)
     assert [e.position for e in got_all] == sorted(e.position for e in got_all)
     # what a subscriber is handed is what a reader reads back
@@ -136,7 +151,9 @@ async def test_snapshots_keep_the_latest_and_answer_max_version(log: EventLog) -
     await log.save_snapshot("s", 2, '{"v": 2}', b"\x00\xff")
     assert await log.load_snapshot("s") == (2, '{"v": 2}', b"\x00\xff")
     assert await log.load_snapshot("s", max_version=2) == (2, '{"v": 2}', b"\x00\xff")
-    assert await log.load_snapshot("s", max_version=1) is None  # a replay to v1 must fold from scratch
+    assert (
+        await log.load_snapshot("s", max_version=1) is None
+    )  # a replay to v1 must fold from scratch
     await log.save_snapshot("s", 3, '{"v": 3}', None)
     assert await log.load_snapshot("s") == (3, '{"v": 3}', None)
     assert await log.load_snapshot("other") is None
@@ -144,10 +161,16 @@ async def test_snapshots_keep_the_latest_and_answer_max_version(log: EventLog) -
 
 async def test_purge_leaves_a_tombstone_that_verifies_alone(log: EventLog) -> None:
     await log.append("keep", 0, [opened()])
-    evs = await log.append("gone", 0, [opened(), tokens(0, [1, 2]), NewEvent("note.recorded", {}, b"x" * 5000)])
+    evs = await log.append(
+        "gone", 0, [opened(), tokens(0, [1, 2]), NewEvent("note.recorded", {}, b"x" * 5000)]
+    )
     await log.append("keep", 1, [tokens(0, [3])])
     tomb = await log.purge("gone", reason="retention")
-    assert tomb.type == "session.purged" and tomb.version == len(evs) + 1 and tomb.prev_hash == evs[-1].hash
+    assert (
+        tomb.type == "session.purged"
+        and tomb.version == len(evs) + 1
+        and tomb.prev_hash == evs[-1].hash
+    )
     rest = await log.read("gone")
     assert rest == [tomb]
     verify_chain(rest)
@@ -161,7 +184,9 @@ async def test_purge_leaves_a_tombstone_that_verifies_alone(log: EventLog) -> No
     verify_chain(from_ndjson(ndjson(rest)))
     # ... but there is nothing left to import: a clear refusal, nothing written
     with pytest.raises(InvalidEvent, match="purged"):
-        await log.import_events(from_ndjson(ndjson([Event.from_json({**tomb.to_json(), "session_id": "gone"})])))
+        await log.import_events(
+            from_ndjson(ndjson([Event.from_json({**tomb.to_json(), "session_id": "gone"})]))
+        )
     assert await log.read("gone") == [tomb]
 
 
@@ -172,8 +197,12 @@ async def test_ndjson_export_reimports_identically_both_ways(log: EventLog, tmp_
     big = bytes(range(256)) * 40  # above the inline limit: a content-addressed blob
 
     def body(sid: str) -> list[NewEvent]:
-        return [opened(), tokens(0, [1, 2, 3]), NewEvent("note.recorded", {"k": "é", "sid": sid}, big),
-                NewEvent("feedback.recorded", {"score": 1.5, "comment": None})]
+        return [
+            opened(),
+            tokens(0, [1, 2, 3]),
+            NewEvent("note.recorded", {"k": "é", "sid": sid}, big),
+            NewEvent("feedback.recorded", {"score": 1.5, "comment": None}),
+        ]
 
     def unplaced(evs: list[Event]) -> list[dict[str, object]]:
         return [{k: v for k, v in e.to_json().items() if k != "position"} for e in evs]
@@ -194,7 +223,9 @@ async def test_ndjson_export_reimports_identically_both_ways(log: EventLog, tmp_
             assert (row.version, row.head_hash, row.history_length) == (4, written[-1].hash, 3)
             with pytest.raises(ConcurrencyError):  # the session exists there now
                 await dst.import_events(back)
-            tampered = Event.from_json({**written[1].to_json(), "body": {"start": 0, "tokens": [7]}})
+            tampered = Event.from_json(
+                {**written[1].to_json(), "body": {"start": 0, "tokens": [7]}}
+            )
             with pytest.raises(ChainBroken):  # checked before anything is written
                 await dst.import_events([written[0], tampered, *written[2:]])
             assert await dst.read(sid) == back

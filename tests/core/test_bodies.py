@@ -61,11 +61,20 @@ async def test_what_the_runtime_writes_has_the_declared_shape(runtime: Runtime) 
     rt = runtime
     sid = (await rt.open_session("http", label="shape", meta={"k": 1})).session_id
     block = [1, *([IMAGE_PAD] * 8), 2]
-    await rt.append_tokens(sid, [72, 105, *block], images=[ImageIn(b"\x89PNG" + bytes(64), "image/png", 2, 12)])
-    evs = [e async for e in rt.generate(sid, SamplingParams(max_tokens=4, seed=1),
-                                        OutputOptions(logprob_top_k=2, logprob_ranges=((1, 3),),
-                                                      readout_ranges=((0, 10),)),
-                                        append=[33], offset=12, truncating=True)]
+    await rt.append_tokens(
+        sid, [72, 105, *block], images=[ImageIn(b"\x89PNG" + bytes(64), "image/png", 2, 12)]
+    )
+    evs = [
+        e
+        async for e in rt.generate(
+            sid,
+            SamplingParams(max_tokens=4, seed=1),
+            OutputOptions(logprob_top_k=2, logprob_ranges=((1, 3),), readout_ranges=((0, 10),)),
+            append=[33],
+            offset=12,
+            truncating=True,
+        )
+    ]
     assert evs[-1].type == T.GENERATION_FINISHED
     await rt.append_tokens(sid, [], offset=13, truncating=True)
     child = (await rt.fork(sid, at_position=12)).session_id
@@ -82,7 +91,21 @@ async def test_what_the_runtime_writes_has_the_declared_shape(runtime: Runtime) 
             if e.type in (T.FEEDBACK, T.NOTE):
                 continue
             assert required <= set(e.body), (e.type, sorted(required - set(e.body)))
-            assert set(e.body) <= required | optional, (e.type, sorted(set(e.body) - required - optional))
-    assert {T.SESSION_OPENED, T.TOKENS_APPENDED, T.IMAGE_ATTACHED, T.TOKENS_TRUNCATED, T.GENERATION_STARTED,
-            T.GENERATION_TOKEN, T.GENERATION_FINISHED, T.FEEDBACK, T.ERROR, T.WIRE, T.SESSION_ABORTED,
-            T.SESSION_CLOSED} <= seen
+            assert set(e.body) <= required | optional, (
+                e.type,
+                sorted(set(e.body) - required - optional),
+            )
+    assert {
+        T.SESSION_OPENED,
+        T.TOKENS_APPENDED,
+        T.IMAGE_ATTACHED,
+        T.TOKENS_TRUNCATED,
+        T.GENERATION_STARTED,
+        T.GENERATION_TOKEN,
+        T.GENERATION_FINISHED,
+        T.FEEDBACK,
+        T.ERROR,
+        T.WIRE,
+        T.SESSION_ABORTED,
+        T.SESSION_CLOSED,
+    } <= seen

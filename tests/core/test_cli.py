@@ -37,15 +37,26 @@ def populated(tmp_path: Path) -> tuple[str, list[str]]:
         try:
             a = (await rt.open_session("http", label="demo")).session_id
             await rt.append_text(a, "Hi there")
-            async for _ in rt.generate(a, SamplingParams(max_tokens=6, seed=7), OutputOptions(logprob_top_k=2)):
+            async for _ in rt.generate(
+                a, SamplingParams(max_tokens=6, seed=7), OutputOptions(logprob_top_k=2)
+            ):
                 pass
             await rt.record_feedback(a, {"score": 8, "source": "test"})
             b = (await rt.fork(a, at_position=4)).session_id
             async for _ in rt.generate(b, SamplingParams(max_tokens=3, temperature=0)):
                 pass
             c = (await rt.open_session("evergreen")).session_id
-            await rt.append_fragments(c, [FragmentIn(id="n", has_chunk=True, data=b"\x00" * 9000,
-                                                     metadata={"mimetype": "application/octet-stream"})])
+            await rt.append_fragments(
+                c,
+                [
+                    FragmentIn(
+                        id="n",
+                        has_chunk=True,
+                        data=b"\x00" * 9000,
+                        metadata={"mimetype": "application/octet-stream"},
+                    )
+                ],
+            )
             await rt.close(a)
             return [a, b, c]
         finally:
@@ -60,7 +71,15 @@ def test_sessions_ls_and_show(populated: tuple[str, list[str]]) -> None:
     by_id = {r["id"]: r for r in rows}
     assert set(by_id) == {a, b, c}
     for r in rows:
-        assert {"id", "status", "created_at", "engine", "parent_id", "history_length", "event_count"} <= set(r)
+        assert {
+            "id",
+            "status",
+            "created_at",
+            "engine",
+            "parent_id",
+            "history_length",
+            "event_count",
+        } <= set(r)
     assert by_id[a]["status"] == "closed" and by_id[a]["history_length"] == 14
     assert by_id[b]["parent_id"] == a and by_id[b]["history_length"] == 7
     shown = json.loads(cli("sessions", "show", a, "--json", db=url).stdout)
@@ -68,13 +87,21 @@ def test_sessions_ls_and_show(populated: tuple[str, list[str]]) -> None:
     assert shown["generations"][0]["tokens"] == 6
     text = cli("sessions", "show", a, db=url).stdout
     assert "feedback" in text and "score 8" in text
-    assert "Hi there" in cli("sessions", "ls", db=url).stdout or a in cli("sessions", "ls", db=url).stdout
+    assert (
+        "Hi there" in cli("sessions", "ls", db=url).stdout
+        or a in cli("sessions", "ls", db=url).stdout
+    )
 
 
 def test_replay_renders_from_the_log(populated: tuple[str, list[str]]) -> None:
     url, (a, _, c) = populated
     out = cli("replay", a, "--instant", db=url).stdout
-    assert "[user] Hi there" in out and "[model]" in out and "length, 6 tokens" in out and "closed" in out
+    assert (
+        "[user] Hi there" in out
+        and "[model]" in out
+        and "length, 6 tokens" in out
+        and "closed" in out
+    )
     assert "node n#0" in cli("replay", c, "--instant", db=url).stdout
 
 
@@ -95,14 +122,19 @@ def test_audit_detects_tampering(populated: tuple[str, list[str]]) -> None:
     url, (a, _, _) = populated
     path = url.split("///", 1)[1]
     with sqlite3.connect(path) as db:
-        db.execute("UPDATE events SET body = replace(body, '\"score\":8', '\"score\":9') WHERE session_id = ?", (a,))
+        db.execute(
+            "UPDATE events SET body = replace(body, '\"score\":8', '\"score\":9') WHERE session_id = ?",
+            (a,),
+        )
     proc = cli("audit", a, "--json", db=url, check=False)
     assert proc.returncode == 1
     [r] = json.loads(proc.stdout)
     assert r["chain_ok"] is False and "hash does not match" in r["problems"][0]
 
 
-def test_reexecute_on_another_engine_reports_divergence(populated: tuple[str, list[str]], tmp_path: Path) -> None:
+def test_reexecute_on_another_engine_reports_divergence(
+    populated: tuple[str, list[str]], tmp_path: Path
+) -> None:
     url, (a, _, _) = populated
     # an engine whose EOS is boosted behaves differently from the recorded one
     cfg = tmp_path / "alt.toml"
@@ -124,7 +156,10 @@ def test_export_import_roundtrip_exact(populated: tuple[str, list[str]], tmp_pat
     url, (a, _, c) = populated
     dump = cli("export", a, db=url).stdout
     lines = [json.loads(x) for x in dump.splitlines()]
-    assert all({"position", "session_id", "version", "type", "recorded_at", "hash", "prev_hash"} <= set(x) for x in lines)
+    assert all(
+        {"position", "session_id", "version", "type", "recorded_at", "hash", "prev_hash"} <= set(x)
+        for x in lines
+    )
     big = cli("export", c, db=url).stdout
     f = tmp_path / "a.ndjson"
     f.write_text(dump + big)
@@ -133,7 +168,9 @@ def test_export_import_roundtrip_exact(populated: tuple[str, list[str]], tmp_pat
     again = cli("export", a, db=other).stdout
 
     def strip(text: str) -> list[dict[str, object]]:
-        return [{k: v for k, v in json.loads(x).items() if k != "position"} for x in text.splitlines()]
+        return [
+            {k: v for k, v in json.loads(x).items() if k != "position"} for x in text.splitlines()
+        ]
 
     assert strip(again) == strip(dump)
     assert strip(cli("export", c, db=other).stdout) == strip(big)
@@ -150,7 +187,9 @@ def test_errors_are_one_line(tmp_path: Path) -> None:
     cli("db", "upgrade", db=url)
     proc = cli("sessions", "show", "s_missing", db=url, check=False)
     assert proc.returncode == 1
-    assert proc.stderr.strip().splitlines()[-1] == "sessiontape: error: session 's_missing' not found"
+    assert (
+        proc.stderr.strip().splitlines()[-1] == "sessiontape: error: session 's_missing' not found"
+    )
     bad = tmp_path / "bad.toml"
     bad.write_text("this is = = not toml")
     proc = cli("sessions", "ls", "--config", str(bad), db=url, check=False)

@@ -17,18 +17,34 @@ from tests.core.test_cli import cli, populated  # noqa: F401  (the fixture)
 
 
 def _ev(version: int, type_: str, body: dict[str, object]) -> Event:
-    return Event(position=version, session_id="s_x", version=version, type=type_, body=body, data=None,
-                 recorded_at=1000.0 + version, hash="", prev_hash="")
+    return Event(
+        position=version,
+        session_id="s_x",
+        version=version,
+        type=type_,
+        body=body,
+        data=None,
+        recorded_at=1000.0 + version,
+        hash="",
+        prev_hash="",
+    )
 
 
 async def test_replay_decodes_characters_split_across_tokens() -> None:
     # "é" is C3 A9 and "日" E6 97 A5: each byte comes as its own generated token
     text = "é日!"
     evs = [_ev(1, T.GENERATION_STARTED, {"generation_id": "g"})]
-    evs += [_ev(2 + i, T.GENERATION_TOKEN, {"generation_id": "g", "token": b, "position": i})
-            for i, b in enumerate(text.encode())]
-    evs.append(_ev(20, T.GENERATION_FINISHED, {"generation_id": "g", "finish_reason": "length",
-                                               "completion_tokens": 6}))
+    evs += [
+        _ev(2 + i, T.GENERATION_TOKEN, {"generation_id": "g", "token": b, "position": i})
+        for i, b in enumerate(text.encode())
+    ]
+    evs.append(
+        _ev(
+            20,
+            T.GENERATION_FINISHED,
+            {"generation_id": "g", "finish_reason": "length", "completion_tokens": 6},
+        )
+    )
     out = io.StringIO()
     await replay(evs, out, instant=True)
     assert "[model] é日!" in out.getvalue()
@@ -36,16 +52,21 @@ async def test_replay_decodes_characters_split_across_tokens() -> None:
 
 
 async def test_replay_marks_a_character_cut_off_at_the_end() -> None:
-    evs = [_ev(1, T.GENERATION_STARTED, {"generation_id": "g"}),
-           _ev(2, T.GENERATION_TOKEN, {"generation_id": "g", "token": 0xE6, "position": 0}),
-           _ev(3, T.GENERATION_FINISHED, {"generation_id": "g", "finish_reason": "length"})]
+    evs = [
+        _ev(1, T.GENERATION_STARTED, {"generation_id": "g"}),
+        _ev(2, T.GENERATION_TOKEN, {"generation_id": "g", "token": 0xE6, "position": 0}),
+        _ev(3, T.GENERATION_FINISHED, {"generation_id": "g", "finish_reason": "length"}),
+    ]
     out = io.StringIO()
     await replay(evs, out, instant=True)
     assert "[model] \ufffd  ⟨length" in out.getvalue()
 
 
 def test_control_characters_are_escaped() -> None:
-    assert escape_controls("a\x1b[31mred\x07\tb\nc\x7f\u202e") == "a\\x1b[31mred\\x07\tb\nc\\x7f\\u202e"
+    assert (
+        escape_controls("a\x1b[31mred\x07\tb\nc\x7f\u202e")
+        == "a\\x1b[31mred\\x07\tb\nc\\x7f\\u202e"
+    )
     assert render_tokens([0x68, 0xC3, 0xA9, 300]) == "hé<300>"
 
 
@@ -93,31 +114,48 @@ def test_a_wrong_database_url_is_one_line(tmp_path: Path) -> None:
 def test_read_only_commands_do_not_create_a_database(tmp_path: Path) -> None:
     path = tmp_path / "typo.db"
     url = f"sqlite+aiosqlite:///{path}"
-    for args in (("sessions", "ls"), ("sessions", "show", "s_x"), ("replay", "s_x", "--instant"),
-                 ("audit", "s_x"), ("export", "s_x"), ("purge", "s_x")):
+    for args in (
+        ("sessions", "ls"),
+        ("sessions", "show", "s_x"),
+        ("replay", "s_x", "--instant"),
+        ("audit", "s_x"),
+        ("export", "s_x"),
+        ("purge", "s_x"),
+    ):
         proc = cli(*args, db=url, check=False)
         assert proc.returncode == 1, args
-        assert proc.stderr.strip() == f"sessiontape: error: no database at {path} " \
-                                      f"(`sessiontape db upgrade --db {url}` creates one)"
+        assert (
+            proc.stderr.strip() == f"sessiontape: error: no database at {path} "
+            f"(`sessiontape db upgrade --db {url}` creates one)"
+        )
         assert not path.exists(), args
-    proc = cli("db", "upgrade", db=f"sqlite+aiosqlite:///{tmp_path / 'no-such-dir' / 'x.db'}", check=False)
+    proc = cli(
+        "db", "upgrade", db=f"sqlite+aiosqlite:///{tmp_path / 'no-such-dir' / 'x.db'}", check=False
+    )
     assert proc.returncode == 1
-    assert proc.stderr.strip() == f"sessiontape: error: no directory {tmp_path / 'no-such-dir'} for the database " \
-                                  f"{tmp_path / 'no-such-dir' / 'x.db'}"
+    assert (
+        proc.stderr.strip()
+        == f"sessiontape: error: no directory {tmp_path / 'no-such-dir'} for the database "
+        f"{tmp_path / 'no-such-dir' / 'x.db'}"
+    )
     cli("db", "upgrade", db=url)
     assert path.exists()
     assert cli("sessions", "ls", "--json", db=url).stdout.strip() == "[]"
 
 
-def test_importing_a_session_that_exists_is_refused_clearly(populated: tuple[str, list[str]],  # noqa: F811
-                                                             tmp_path: Path) -> None:
+def test_importing_a_session_that_exists_is_refused_clearly(
+    populated: tuple[str, list[str]],  # noqa: F811
+    tmp_path: Path,
+) -> None:
     url, (a, b, _) = populated
     dump = tmp_path / "a.ndjson"
     dump.write_text(cli("export", a, db=url).stdout)
     proc = cli("import", str(dump), db=url, check=False)
     assert proc.returncode == 1
-    assert proc.stderr.strip() == (f"sessiontape: error: session {a} already exists in this database; "
-                                   "purge it first or import into another database")
+    assert proc.stderr.strip() == (
+        f"sessiontape: error: session {a} already exists in this database; "
+        "purge it first or import into another database"
+    )
     # a file with one new and one existing session imports neither
     other = f"sqlite+aiosqlite:///{tmp_path / 'other.db'}"
     cli("import", str(dump), db=other)
@@ -130,27 +168,61 @@ def test_importing_a_session_that_exists_is_refused_clearly(populated: tuple[str
 
 def test_purge_by_age_says_what_it_did(populated: tuple[str, list[str]]) -> None:  # noqa: F811
     url, (a, _, _) = populated
-    assert cli("purge", "--older-than-days", "1000", db=url).stdout.splitlines()[-1].startswith("purged 0 sessions")
+    assert (
+        cli("purge", "--older-than-days", "1000", db=url)
+        .stdout.splitlines()[-1]
+        .startswith("purged 0 sessions")
+    )
     out = cli("purge", "--older-than-days", "0", db=url).stdout.splitlines()
     assert out[0].startswith(f"purged {a}: ") and out[-1].startswith("purged 1 session ")
 
 
-def test_audit_on_another_engine_says_why_it_failed(populated: tuple[str, list[str]],  # noqa: F811
-                                                    tmp_path: Path) -> None:
+def test_audit_on_another_engine_says_why_it_failed(
+    populated: tuple[str, list[str]],  # noqa: F811
+    tmp_path: Path,
+) -> None:
     url, (a, _, _) = populated
     # a reference engine whose EOS is boosted behaves differently from the recorded one
     cfg = tmp_path / "alt.toml"
     cfg.write_text('[engine]\nname = "reference"\n[engine.options]\neos_bias = 50.0\n')
-    proc = cli("audit", a, "--reexecute", "--engine", "reference", "--config", str(cfg), db=url, check=False)
+    proc = cli(
+        "audit",
+        a,
+        "--reexecute",
+        "--engine",
+        "reference",
+        "--config",
+        str(cfg),
+        db=url,
+        check=False,
+    )
     assert proc.returncode == 1
     first, *rest = proc.stdout.strip().splitlines()
-    assert first.startswith(f"{a}: FAILED: re-execution on engine reference differs "
-                            "from the recording in 1 of 1 generation")
+    assert first.startswith(
+        f"{a}: FAILED: re-execution on engine reference differs "
+        "from the recording in 1 of 1 generation"
+    )
     assert "{" not in proc.stdout and "'" not in proc.stdout  # no Python reprs
-    assert any("first divergence at step 0" in line and "recorded token" in line and "re-executed token" in line
-               for line in rest), rest
-    [r] = json.loads(cli("audit", a, "--reexecute", "--engine", "reference", "--config", str(cfg), "--json",
-                         db=url, check=False).stdout)
+    assert any(
+        "first divergence at step 0" in line
+        and "recorded token" in line
+        and "re-executed token" in line
+        for line in rest
+    ), rest
+    [r] = json.loads(
+        cli(
+            "audit",
+            a,
+            "--reexecute",
+            "--engine",
+            "reference",
+            "--config",
+            str(cfg),
+            "--json",
+            db=url,
+            check=False,
+        ).stdout
+    )
     assert r["engine"] == "reference" and r["recorded_engine"] == "reference"
     assert r["reason"].startswith("re-execution on engine reference differs")
     # another engine altogether: whatever goes wrong is said in words
@@ -159,7 +231,9 @@ def test_audit_on_another_engine_says_why_it_failed(populated: tuple[str, list[s
     line = proc.stdout.splitlines()[0]
     assert line.startswith(f"{a}: FAILED: ") and not line.startswith(f"{a}: FAILED (")
     assert "{'" not in proc.stdout
-    [r] = json.loads(cli("audit", a, "--reexecute", "--engine", "onnx", "--json", db=url, check=False).stdout)
+    [r] = json.loads(
+        cli("audit", a, "--reexecute", "--engine", "onnx", "--json", db=url, check=False).stdout
+    )
     assert r["engine"] == "onnx" and r["recorded_engine"] == "reference" and r["reason"]
 
 
@@ -179,8 +253,13 @@ def test_progress_is_drawn_on_a_terminal(populated: tuple[str, list[str]]) -> No
     url, ids = populated
     leader, follower = pty.openpty()
     try:
-        proc = subprocess.run([sys.executable, "-m", "core.cli", "audit", *ids], stderr=follower,
-                              stdout=subprocess.PIPE, env={**os.environ, "SESSIONTAPE_DB": url}, timeout=60)
+        proc = subprocess.run(
+            [sys.executable, "-m", "core.cli", "audit", *ids],
+            stderr=follower,
+            stdout=subprocess.PIPE,
+            env={**os.environ, "SESSIONTAPE_DB": url},
+            timeout=60,
+        )
         os.close(follower)
         follower = -1
         drawn = b""
@@ -203,7 +282,10 @@ def test_progress_is_drawn_on_a_terminal(populated: tuple[str, list[str]]) -> No
 def test_version_and_help_on_every_flag() -> None:
     from importlib.metadata import version
 
-    assert cli("--version", db="sqlite+aiosqlite:///unused.db").stdout.strip() == f"sessiontape {version('sessiontape')}"
+    assert (
+        cli("--version", db="sqlite+aiosqlite:///unused.db").stdout.strip()
+        == f"sessiontape {version('sessiontape')}"
+    )
 
     def walk(p: argparse.ArgumentParser, path: str) -> list[str]:
         missing = []

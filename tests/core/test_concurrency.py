@@ -26,8 +26,13 @@ from tests.conftest import make_config
 async def test_append_racing_close_never_lands_after_close(runtime: Runtime) -> None:
     for _ in range(20):
         sid = (await runtime.open_session("t")).session_id
-        res = await asyncio.gather(runtime.close(sid), runtime.append_text(sid, "x"), return_exceptions=True)
-        assert all(r is None or not isinstance(r, BaseException) or isinstance(r, SessionClosed) for r in res), res
+        res = await asyncio.gather(
+            runtime.close(sid), runtime.append_text(sid, "x"), return_exceptions=True
+        )
+        assert all(
+            r is None or not isinstance(r, BaseException) or isinstance(r, SessionClosed)
+            for r in res
+        ), res
         st = await runtime.load(sid)  # still loads: nothing was appended after the close
         assert st.status == "closed"
 
@@ -35,7 +40,9 @@ async def test_append_racing_close_never_lands_after_close(runtime: Runtime) -> 
 async def test_concurrent_cold_loads_share_one_state(runtime: Runtime) -> None:
     sid = (await runtime.open_session("t")).session_id
     runtime._states.clear()
-    await asyncio.gather(runtime.append_tokens(sid, [1]), runtime.record_feedback(sid, {"score": 1}))
+    await asyncio.gather(
+        runtime.append_tokens(sid, [1]), runtime.record_feedback(sid, {"score": 1})
+    )
     for i in range(5):
         await runtime.append_tokens(sid, [i])
     st = await runtime.load(sid)
@@ -43,7 +50,9 @@ async def test_concurrent_cold_loads_share_one_state(runtime: Runtime) -> None:
 
 
 async def test_tiny_state_cache_under_concurrency(sqlite_url: str) -> None:
-    rt = await Runtime.create(make_config(sqlite_url, sessions={"state_cache_size": 2}), engine=ReferenceEngine())
+    rt = await Runtime.create(
+        make_config(sqlite_url, sessions={"state_cache_size": 2}), engine=ReferenceEngine()
+    )
     try:
         sids = [(await rt.open_session("t")).session_id for _ in range(4)]
 
@@ -172,8 +181,12 @@ async def test_checks_before_anything_is_committed(sqlite_url: str) -> None:
         await rt.append_tokens(sid, [1, 2])
         before = (await rt.get(sid)).version
         with pytest.raises(InvalidRange, match="no readouts"):
-            async for _ in rt.generate(sid, SamplingParams(max_tokens=1), OutputOptions(readout_ranges=((0, 1),)),
-                                       append=[5]):
+            async for _ in rt.generate(
+                sid,
+                SamplingParams(max_tokens=1),
+                OutputOptions(readout_ranges=((0, 1),)),
+                append=[5],
+            ):
                 pass
         assert (await rt.load(sid)).version == before
     finally:
@@ -185,7 +198,9 @@ async def test_unseeded_sampling_draws_and_records_a_seed(runtime: Runtime) -> N
     for _ in range(3):
         sid = (await runtime.open_session("t")).session_id
         await runtime.append_text(sid, "Hello")
-        evs = [e async for e in runtime.generate(sid, SamplingParams(max_tokens=8, temperature=1.0))]
+        evs = [
+            e async for e in runtime.generate(sid, SamplingParams(max_tokens=8, temperature=1.0))
+        ]
         seed = evs[0].body["params"]["seed"]
         assert seed is not None and int(seed) >= 0
         outs.append(tuple(e.body["token"] for e in evs if e.type == T.GENERATION_TOKEN))

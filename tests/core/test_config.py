@@ -55,10 +55,12 @@ def test_the_file_overrides_defaults_and_keeps_the_rest(config_file: Path) -> No
 
 
 def test_the_environment_overrides_the_file(config_file: Path) -> None:
-    env = {"SESSIONTAPE_ENGINE": "from-env",
-           "SESSIONTAPE_TRANSPORTS__GRPC__LISTEN": "127.0.0.1:3333",
-           "SESSIONTAPE_LOG__BATCH_MAX": "222",
-           "UNRELATED": "x"}
+    env = {
+        "SESSIONTAPE_ENGINE": "from-env",
+        "SESSIONTAPE_TRANSPORTS__GRPC__LISTEN": "127.0.0.1:3333",
+        "SESSIONTAPE_LOG__BATCH_MAX": "222",
+        "UNRELATED": "x",
+    }
     cfg = Config.load(config_file, environ=env)
     assert cfg.engine_name == "from-env"  # the short alias
     assert cfg.transports["grpc"]["listen"] == "127.0.0.1:3333"
@@ -82,8 +84,18 @@ def test_cli_flags_over_env_over_file(config_file: Path, monkeypatch: pytest.Mon
     monkeypatch.setenv("SESSIONTAPE_TRANSPORTS__HTTP__LISTEN", "127.0.0.1:4444")
     monkeypatch.setenv("SESSIONTAPE_ENGINE", "from-env")
     args = build_parser().parse_args(
-        ["serve", "--config", str(config_file), "--db", "sqlite+aiosqlite:///from-flag.db",
-         "--grpc", "127.0.0.1:5555", "--engine", "reference"])
+        [
+            "serve",
+            "--config",
+            str(config_file),
+            "--db",
+            "sqlite+aiosqlite:///from-flag.db",
+            "--grpc",
+            "127.0.0.1:5555",
+            "--engine",
+            "reference",
+        ]
+    )
     cfg = load_config(args, serve_overrides(args))
     assert cfg.transports["grpc"]["listen"] == "127.0.0.1:5555"  # flag > env > file
     assert cfg.transports["http"]["listen"] == "127.0.0.1:4444"  # env > file (no flag)
@@ -94,9 +106,13 @@ def test_cli_flags_over_env_over_file(config_file: Path, monkeypatch: pytest.Mon
 
 
 def test_env_names_map_onto_nested_keys() -> None:
-    assert env_overrides({"SESSIONTAPE_TRANSPORTS__NOSTR__ENABLED": "true",
-                          "SESSIONTAPE_AUTH_TOKEN": "123",
-                          "SESSIONTAPE_ENGINE__OPTIONS__SIZE": "tiny"}) == {
+    assert env_overrides(
+        {
+            "SESSIONTAPE_TRANSPORTS__NOSTR__ENABLED": "true",
+            "SESSIONTAPE_AUTH_TOKEN": "123",
+            "SESSIONTAPE_ENGINE__OPTIONS__SIZE": "tiny",
+        }
+    ) == {
         "transports": {"nostr": {"enabled": True}},
         "auth": {"token": "123"},  # an alias keeps the raw string: a token is never a number
         "engine": {"options": {"size": "tiny"}},

@@ -85,7 +85,9 @@ def _kill_and_check(tmp_path: Path, source: str, count: int) -> None:
     script = tmp_path / "writer.py"
     script.write_text(source)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    proc = subprocess.Popen([sys.executable, str(script), url], stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), url], stdout=subprocess.PIPE, text=True, env=env
+    )
     seen: list[tuple[str, int, str]] = []
     try:
         assert proc.stdout is not None
@@ -129,7 +131,11 @@ async def test_generation_left_open_by_a_crash_is_closed_as_interrupted(sqlite_u
         sid = (await rt.open_session("t")).session_id
         st = await rt.get(sid)
         # what a process killed mid-generation leaves behind
-        await rt.log.append(sid, st.version, [NewEvent(T.GENERATION_STARTED, {"generation_id": "g_dead", "params": {}})])
+        await rt.log.append(
+            sid,
+            st.version,
+            [NewEvent(T.GENERATION_STARTED, {"generation_id": "g_dead", "params": {}})],
+        )
     finally:
         await rt.aclose()
     rt = await Runtime.create(make_config(sqlite_url), engine=ReferenceEngine())

@@ -43,7 +43,9 @@ def _shows(text: str | None, full: str) -> bool:
 async def _session(rt: Runtime) -> str:
     s = await rt.open_session("http", label="doc")
     await rt.append_text(s.session_id, "Hello")
-    async for _ in rt.generate(s.session_id, SamplingParams(max_tokens=6, seed=7), OutputOptions(logprob_top_k=2)):
+    async for _ in rt.generate(
+        s.session_id, SamplingParams(max_tokens=6, seed=7), OutputOptions(logprob_top_k=2)
+    ):
         pass
     await rt.record_feedback(s.session_id, {"score": 1})
     return s.session_id
@@ -54,14 +56,23 @@ async def _everything(rt: Runtime) -> tuple[str, str]:
     sid = await _session(rt)
     block = [200] + [IMAGE_PAD] * 8 + [201]
     at = (await rt.get(sid)).length + 5
-    await rt.append_tokens(sid, [*"é€".encode(), *block], images=[ImageIn(b"\x89PNG x", "image/png", at, at + 10)])
-    await rt.append_tokens(sid, list(b"rewound"), offset=8, truncating=True)  # a rewind: tokens.truncated, then the append
+    await rt.append_tokens(
+        sid, [*"é€".encode(), *block], images=[ImageIn(b"\x89PNG x", "image/png", at, at + 10)]
+    )
+    await rt.append_tokens(
+        sid, list(b"rewound"), offset=8, truncating=True
+    )  # a rewind: tokens.truncated, then the append
     async for _ in rt.generate(sid, SamplingParams(max_tokens=5, seed=3)):
         pass
-    await rt.append_fragments(sid, [
-        FragmentIn("root", child_ids=("a",)),
-        FragmentIn("a", has_chunk=True, metadata={"mimetype": "text/plain", "role": "user"}, data=b"Hi"),
-    ])
+    await rt.append_fragments(
+        sid,
+        [
+            FragmentIn("root", child_ids=("a",)),
+            FragmentIn(
+                "a", has_chunk=True, metadata={"mimetype": "text/plain", "role": "user"}, data=b"Hi"
+            ),
+        ],
+    )
     act = await rt.submit_action(sid, "GENERATE", [("prompt", "a")], [("out", "o1")])
     await rt.finish_action(sid, str(act.body["action_id"]))
     await rt.record_error(sid, "oops", "a recorded error")
@@ -87,7 +98,11 @@ async def test_document_shows_the_session(runtime: Runtime) -> None:
     assert [t["id"] for t in gen["tokens"]] == st_.generations[gen["id"]].tokens
     assert all(len(t["top"]) == 2 and t["logprob"] is not None for t in gen["tokens"])
     # a finished generation's text is all of its tokens' text
-    assert gen["text"] == detok([t["id"] for t in gen["tokens"]]) == doc["history"]["segments"][1]["text"]
+    assert (
+        gen["text"]
+        == detok([t["id"] for t in gen["tokens"]])
+        == doc["history"]["segments"][1]["text"]
+    )
     assert gen["timing"]["completion_tokens"] == len(gen["tokens"])
     assert doc["feedback"][0]["score"] == 1
     assert doc["audit"] == {"chain": "verified", "head_hash": evs[-1].hash, "error": None}
@@ -97,8 +112,14 @@ async def test_document_shows_the_session(runtime: Runtime) -> None:
 async def test_every_patch_turns_the_previous_document_into_the_next(runtime: Runtime) -> None:
     sid, child = await _everything(runtime)
     evs = [e for e in await runtime.log.read_all(0, limit=10_000) if e.session_id in (sid, child)]
-    assert {e.type for e in evs} >= {"tokens.truncated", "node.fragment", "action.completed", "error.recorded",
-                                     "image.attached", "session.closed"}
+    assert {e.type for e in evs} >= {
+        "tokens.truncated",
+        "node.fragment",
+        "action.completed",
+        "error.recorded",
+        "image.attached",
+        "session.closed",
+    }
     detok = runtime.engine.detokenize
     b = DocumentBuilder(sid, detokenize=detok)
     for n, e in enumerate(evs, 1):
@@ -110,7 +131,9 @@ async def test_every_patch_turns_the_previous_document_into_the_next(runtime: Ru
         assert b.doc == build_document(sid, evs[:n], detokenize=detok)
     assert _shows(b.doc["history"]["text"], detok(b.doc["history"]["ids"]))
     assert b.doc["children"][0]["session_id"] == child
-    assert b.doc["history"]["truncations"] == 1 and b.doc["history"]["images"] == []  # rewound past the image
+    assert (
+        b.doc["history"]["truncations"] == 1 and b.doc["history"]["images"] == []
+    )  # rewound past the image
 
 
 async def test_growing_text_is_streamed_as_appends(runtime: Runtime) -> None:
@@ -127,20 +150,28 @@ async def test_growing_text_is_streamed_as_appends(runtime: Runtime) -> None:
         assert ops["/history/ids"] == "append"
         assert ops["/generations/0/tokens"] == "append"
         assert all(op in ("append", "replace") for op in ops.values())
-        assert not any(path.startswith("/history/text") and op == "replace" for path, op in ops.items())
+        assert not any(
+            path.startswith("/history/text") and op == "replace" for path, op in ops.items()
+        )
 
 
 async def test_per_token_work_does_not_grow_with_the_history(sqlite_url: str) -> None:
     """A generated token re-decodes a short window, never the history: the same work at 100 and 12,000 tokens."""
-    rt = await Runtime.create(make_config(sqlite_url), engine=ReferenceEngine(max_length=16_000, eos_bias=-100.0))
+    rt = await Runtime.create(
+        make_config(sqlite_url), engine=ReferenceEngine(max_length=16_000, eos_bias=-100.0)
+    )
     try:
         text = ("The quick brown fox jumps over the lazy dog; " * 300).encode()[:12_000]
         work: dict[int, list[int]] = {}
         generated: dict[int, list[int]] = {}
         for n in (100, 12_000):
             s = await rt.open_session("bench")
-            await rt.append_tokens(s.session_id, list(text[-n:]))  # greedy on the same last tokens: the same generation
-            async for _ in rt.generate(s.session_id, SamplingParams(max_tokens=80, temperature=0.0)):
+            await rt.append_tokens(
+                s.session_id, list(text[-n:])
+            )  # greedy on the same last tokens: the same generation
+            async for _ in rt.generate(
+                s.session_id, SamplingParams(max_tokens=80, temperature=0.0)
+            ):
                 pass
             decoded: list[int] = []
 
@@ -161,22 +192,30 @@ async def test_per_token_work_does_not_grow_with_the_history(sqlite_url: str) ->
             generated[n] = b.doc["history"]["ids"][n:]
         assert generated[100] == generated[12_000] and len(work[100]) == 80
         assert work[12_000] == work[100]
-        assert max(work[12_000]) < 100  # tokens decoded for one generated token, whatever the history
+        assert (
+            max(work[12_000]) < 100
+        )  # tokens decoded for one generated token, whatever the history
     finally:
         await rt.aclose()
 
 
 @settings(max_examples=300, deadline=None)
-@given(data=st.lists(st.sampled_from([0x41, 0x20, 0xC3, 0xA9, 0xE2, 0x82, 0xAC, 0xF0, 0x9F, 0x98, 0x80, 0xFF, 257]),
-                     max_size=200),
-       cuts=st.lists(st.integers(1, 60), min_size=1, max_size=20))
+@given(
+    data=st.lists(
+        st.sampled_from(
+            [0x41, 0x20, 0xC3, 0xA9, 0xE2, 0x82, 0xAC, 0xF0, 0x9F, 0x98, 0x80, 0xFF, 257]
+        ),
+        max_size=200,
+    ),
+    cuts=st.lists(st.integers(1, 60), min_size=1, max_size=20),
+)
 def test_text_run_is_the_decoded_bytes(data: list[int], cuts: list[int]) -> None:
     """For byte tokens (valid, truncated and invalid UTF-8), pushed in any batches."""
     run = TextRun(_bytes_text)
-    text, i, k = run.start(data[:cuts[0]]), cuts[0], 1
+    text, i, k = run.start(data[: cuts[0]]), cuts[0], 1
     while i < len(data):
         step = cuts[k % len(cuts)]
-        text += run.push(data[i:i + step])
+        text += run.push(data[i : i + step])
         i, k = i + step, k + 1
         assert _shows(text, _bytes_text(data[:i]))
     assert text + run.flush() == _bytes_text(data)
@@ -204,8 +243,15 @@ async def test_forks_inherit_and_are_listed_as_children(runtime: Runtime) -> Non
     [opened] = await runtime.log.read(child.session_id)
     b = DocumentBuilder(sid, detokenize=runtime.engine.detokenize)
     doc = b.apply_all([*parent_evs, opened])
-    assert doc["children"] == [{"session_id": child.session_id, "version": len(parent_evs), "token_position": 3,
-                                "created_at": opened.recorded_at, "position": opened.position}]
+    assert doc["children"] == [
+        {
+            "session_id": child.session_id,
+            "version": len(parent_evs),
+            "token_position": 3,
+            "created_at": opened.recorded_at,
+            "position": opened.position,
+        }
+    ]
     assert await fork_base(runtime.log, parent_evs[0]) is None
     base = await fork_base(runtime.log, opened)
     assert base is not None and list(base.tokens) == doc["history"]["ids"][:3]
@@ -219,26 +265,50 @@ async def test_forks_inherit_and_are_listed_as_children(runtime: Runtime) -> Non
 
 async def test_nodes_are_rendered_as_a_tree(runtime: Runtime) -> None:
     s = await runtime.open_session("evergreen")
-    await runtime.append_fragments(s.session_id, [
-        FragmentIn("root", child_ids=("a", "img")),
-        FragmentIn("a", has_chunk=True, metadata={"mimetype": "text/plain", "role": "user"}, data=b"Hi ",
-                   continued=True),
-        FragmentIn("a", seq=1, has_chunk=True, data=b"there"),
-        FragmentIn("img", has_chunk=True, metadata={"mimetype": "image/png"}, ref="https://x.test/i.png"),
-    ])
+    await runtime.append_fragments(
+        s.session_id,
+        [
+            FragmentIn("root", child_ids=("a", "img")),
+            FragmentIn(
+                "a",
+                has_chunk=True,
+                metadata={"mimetype": "text/plain", "role": "user"},
+                data=b"Hi ",
+                continued=True,
+            ),
+            FragmentIn("a", seq=1, has_chunk=True, data=b"there"),
+            FragmentIn(
+                "img",
+                has_chunk=True,
+                metadata={"mimetype": "image/png"},
+                ref="https://x.test/i.png",
+            ),
+        ],
+    )
     doc = build_document(s.session_id, await runtime.log.read(s.session_id))
     assert doc["roots"] == ["root"]
     assert doc["nodes"]["root"]["children"] == ["a", "img"]
     assert doc["nodes"]["a"]["text"] == "Hi there" and doc["nodes"]["a"]["complete"]
-    assert doc["nodes"]["img"]["ref"] == "https://x.test/i.png" and doc["nodes"]["img"]["text"] is None
+    assert (
+        doc["nodes"]["img"]["ref"] == "https://x.test/i.png" and doc["nodes"]["img"]["text"] is None
+    )
 
 
 async def test_tampered_event_marks_the_chain_broken(runtime: Runtime) -> None:
     sid = await _session(runtime)
     evs = await runtime.log.read(sid)
     e = evs[2]
-    evs[2] = Event(e.position, e.session_id, e.version, e.type, {**e.body, "tokens": [66]}, e.data,
-                   e.recorded_at, e.hash, e.prev_hash)
+    evs[2] = Event(
+        e.position,
+        e.session_id,
+        e.version,
+        e.type,
+        {**e.body, "tokens": [66]},
+        e.data,
+        e.recorded_at,
+        e.hash,
+        e.prev_hash,
+    )
     doc = build_document(sid, evs)
     assert doc["audit"]["chain"] == "broken" and "v3" in doc["audit"]["error"]
 

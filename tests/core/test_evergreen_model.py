@@ -9,9 +9,19 @@ from core.nodes import FragmentIn, flatten, is_complete, missing
 from core.runtime import Runtime
 
 
-def leaf(id: str, seq: int = 0, data: bytes = b"x", continued: bool = False, meta: bool | None = None) -> FragmentIn:
-    return FragmentIn(id=id, seq=seq, continued=continued, has_chunk=True, data=data,
-                      metadata={"mimetype": "text/plain", "role": "user"} if (meta if meta is not None else seq == 0) else None)
+def leaf(
+    id: str, seq: int = 0, data: bytes = b"x", continued: bool = False, meta: bool | None = None
+) -> FragmentIn:
+    return FragmentIn(
+        id=id,
+        seq=seq,
+        continued=continued,
+        has_chunk=True,
+        data=data,
+        metadata={"mimetype": "text/plain", "role": "user"}
+        if (meta if meta is not None else seq == 0)
+        else None,
+    )
 
 
 def parent(id: str, children: tuple[str, ...], seq: int = 0, continued: bool = False) -> FragmentIn:
@@ -28,12 +38,18 @@ async def assert_unchanged(rt: Runtime, sid: str, version: int) -> None:
     assert (await rt.log.get_session(sid)).version == version
 
 
-async def test_leaf_bytes_concatenate_in_seq_order_and_duplicates_first_win(runtime: Runtime) -> None:
+async def test_leaf_bytes_concatenate_in_seq_order_and_duplicates_first_win(
+    runtime: Runtime,
+) -> None:
     sid = await new(runtime)
-    kept = await runtime.append_fragments(sid, [leaf("a", 1, b" world", continued=True), leaf("a", 0, b"Hello", continued=True)])
+    kept = await runtime.append_fragments(
+        sid, [leaf("a", 1, b" world", continued=True), leaf("a", 0, b"Hello", continued=True)]
+    )
     assert kept == [True, True]
     assert not is_complete(await runtime.get(sid), "a")
-    assert await runtime.append_fragments(sid, [leaf("a", 0, b"IGNORED", continued=True)]) == [False]
+    assert await runtime.append_fragments(sid, [leaf("a", 0, b"IGNORED", continued=True)]) == [
+        False
+    ]
     await runtime.append_fragments(sid, [leaf("a", 2, b"!")])
     st = await runtime.get(sid)
     assert is_complete(st, "a")
@@ -45,17 +61,28 @@ async def test_leaf_bytes_concatenate_in_seq_order_and_duplicates_first_win(runt
 @pytest.mark.parametrize(
     ("frags", "error"),
     [
-        ([leaf("a", 0, continued=True), leaf("a", 1, meta=True)], ProtocolViolation),  # metadata past seq 0
+        (
+            [leaf("a", 0, continued=True), leaf("a", 1, meta=True)],
+            ProtocolViolation,
+        ),  # metadata past seq 0
         ([leaf("a", 0)], None),
         ([leaf("a", 0), leaf("a", 1)], ProtocolViolation),  # after the final fragment
-        ([leaf("a", 0, continued=True), parent("a", ("b",), seq=1)], ProtocolViolation),  # leaf then parent
+        (
+            [leaf("a", 0, continued=True), parent("a", ("b",), seq=1)],
+            ProtocolViolation,
+        ),  # leaf then parent
         ([FragmentIn(id="a", has_chunk=True, child_ids=("b",))], ProtocolViolation),  # both at once
         ([FragmentIn(id="", has_chunk=True, data=b"x")], InvalidFragment),
         ([FragmentIn(id="a", has_chunk=True, ref="not a uri")], InvalidFragment),
-        ([FragmentIn(id="a", has_chunk=True, ref="https://example.org/x", data=b"x")], InvalidFragment),
+        (
+            [FragmentIn(id="a", has_chunk=True, ref="https://example.org/x", data=b"x")],
+            InvalidFragment,
+        ),
     ],
 )
-async def test_fragment_rules(runtime: Runtime, frags: list[FragmentIn], error: type[Exception] | None) -> None:
+async def test_fragment_rules(
+    runtime: Runtime, frags: list[FragmentIn], error: type[Exception] | None
+) -> None:
     sid = await new(runtime)
     before = (await runtime.get(sid)).version
     if error is None:
@@ -83,14 +110,29 @@ async def test_children_may_arrive_later_and_flatten_in_order(runtime: Runtime) 
     await runtime.append_fragments(sid, [parent("root", ("p1", "c3"))])
     st = await runtime.get(sid)
     assert missing(st, "root") == ["c3", "p1"]
-    await runtime.append_fragments(sid, [parent("p1", ("c1", "c2")), leaf("c2", data=b"2"), leaf("c1", data=b"1")])
+    await runtime.append_fragments(
+        sid, [parent("p1", ("c1", "c2")), leaf("c2", data=b"2"), leaf("c1", data=b"1")]
+    )
     assert not is_complete(await runtime.get(sid), "root")
-    await runtime.append_fragments(sid, [FragmentIn(id="c3", has_chunk=True, ref="gs://bucket/img.png",
-                                                    metadata={"mimetype": "image/png"})])
+    await runtime.append_fragments(
+        sid,
+        [
+            FragmentIn(
+                id="c3",
+                has_chunk=True,
+                ref="gs://bucket/img.png",
+                metadata={"mimetype": "image/png"},
+            )
+        ],
+    )
     st = await runtime.get(sid)
     assert is_complete(st, "root")
     chunks = flatten(st, "root")
-    assert [(c.node_id, c.data, c.ref) for c in chunks] == [("c1", b"1", None), ("c2", b"2", None), ("c3", None, "gs://bucket/img.png")]
+    assert [(c.node_id, c.data, c.ref) for c in chunks] == [
+        ("c1", b"1", None),
+        ("c2", b"2", None),
+        ("c3", None, "gs://bucket/img.png"),
+    ]
     with pytest.raises(NodeNotFound):
         flatten(st, "nope")
 

@@ -21,10 +21,18 @@ from core.events import NewEvent, T, check_body
 from core.runtime import Runtime
 
 
-@pytest.mark.parametrize("body", [
-    {"x": math.nan}, {"x": [1.0, math.inf]}, {"x": {"y": -math.inf}},
-    {"x": 2**64}, {"x": -(2**63) - 1}, {"x": "\ud800"}, {"\udfff": 1},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"x": math.nan},
+        {"x": [1.0, math.inf]},
+        {"x": {"y": -math.inf}},
+        {"x": 2**64},
+        {"x": -(2**63) - 1},
+        {"x": "\ud800"},
+        {"\udfff": 1},
+    ],
+)
 def test_new_event_refuses_values_json_cannot_store(body: dict[str, object]) -> None:
     with pytest.raises(InvalidValue):
         NewEvent(T.FEEDBACK, body)
@@ -39,14 +47,26 @@ def test_check_body_accepts_strict_json_and_refuses_deep_nesting() -> None:
         check_body({"x": deep})
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=math.nan), SamplingParams(temperature=math.inf), SamplingParams(temperature=-0.1),
-    SamplingParams(top_p=0.0), SamplingParams(top_p=1.5), SamplingParams(top_p=math.nan),
-    SamplingParams(top_k=-1), SamplingParams(max_tokens=-1), SamplingParams(max_tokens=2**31 + 1),
-    SamplingParams(seed=-1), SamplingParams(seed=2**64), SamplingParams(stop_token_ids=(-1,)),
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=math.nan),
+        SamplingParams(temperature=math.inf),
+        SamplingParams(temperature=-0.1),
+        SamplingParams(top_p=0.0),
+        SamplingParams(top_p=1.5),
+        SamplingParams(top_p=math.nan),
+        SamplingParams(top_k=-1),
+        SamplingParams(max_tokens=-1),
+        SamplingParams(max_tokens=2**31 + 1),
+        SamplingParams(seed=-1),
+        SamplingParams(seed=2**64),
+        SamplingParams(stop_token_ids=(-1,)),
+    ],
+)
 async def test_generate_refuses_out_of_range_params_before_anything_is_stored(
-        runtime: Runtime, params: SamplingParams) -> None:
+    runtime: Runtime, params: SamplingParams
+) -> None:
     with pytest.raises(InvalidParameters):
         params.check()
     sid = (await runtime.open_session("http")).session_id
@@ -80,9 +100,15 @@ async def _poison(url: str, sid: str) -> None:
 
     eng = create_async_engine(url)
     async with eng.begin() as conn:
-        rows = (await conn.execute(sa.text(
-            "SELECT position, version, type, body, data, recorded_at, hash, prev_hash FROM events "
-            "WHERE session_id = :s ORDER BY version"), {"s": sid})).all()
+        rows = (
+            await conn.execute(
+                sa.text(
+                    "SELECT position, version, type, body, data, recorded_at, hash, prev_hash FROM events "
+                    "WHERE session_id = :s ORDER BY version"
+                ),
+                {"s": sid},
+            )
+        ).all()
         prev = rows[0].prev_hash
         for r in rows:
             body = json.loads(r.body)
@@ -90,15 +116,25 @@ async def _poison(url: str, sid: str) -> None:
                 body["params"]["temperature"] = None
             e = Event(r.position, sid, r.version, r.type, body, r.data, r.recorded_at, "", prev)
             h = event_hash(e)
-            await conn.execute(sa.text("UPDATE events SET body = :b, hash = :h, prev_hash = :p WHERE position = :pos"),
-                               {"b": json.dumps(body, sort_keys=True, separators=(",", ":")), "h": h, "p": prev,
-                                "pos": r.position})
+            await conn.execute(
+                sa.text(
+                    "UPDATE events SET body = :b, hash = :h, prev_hash = :p WHERE position = :pos"
+                ),
+                {
+                    "b": json.dumps(body, sort_keys=True, separators=(",", ":")),
+                    "h": h,
+                    "p": prev,
+                    "pos": r.position,
+                },
+            )
             prev = h
         await conn.execute(sa.text("DELETE FROM snapshots WHERE session_id = :s"), {"s": sid})
     await eng.dispose()
 
 
-async def test_audit_reports_unusable_recorded_params_and_goes_on(tmp_path: Path, runtime: Runtime) -> None:
+async def test_audit_reports_unusable_recorded_params_and_goes_on(
+    tmp_path: Path, runtime: Runtime
+) -> None:
     good = (await runtime.open_session("http")).session_id
     bad = (await runtime.open_session("http")).session_id
     for sid in (good, bad):
@@ -111,9 +147,14 @@ async def test_audit_reports_unusable_recorded_params_and_goes_on(tmp_path: Path
     assert len(report.problems) == 1 and "generation.started" in report.problems[0], report.problems
     assert (await audit_session(runtime.log, good, reexecute=True, engine=runtime.engine)).ok
     proc = await asyncio.to_thread(
-        subprocess.run, [sys.executable, "-m", "core.cli", "audit", bad, "nope", good, "--reexecute", "--json"],
-        capture_output=True, text=True, timeout=60, env={**os.environ, "SESSIONTAPE_DB": url},
-        cwd=tmp_path)
+        subprocess.run,
+        [sys.executable, "-m", "core.cli", "audit", bad, "nope", good, "--reexecute", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "SESSIONTAPE_DB": url},
+        cwd=tmp_path,
+    )
     out = json.loads(proc.stdout)
     assert proc.returncode == 1, proc.stderr
     assert [r["session_id"] for r in out] == [bad, "nope", good]

@@ -14,7 +14,10 @@ from core.log.store import verify_chain
 
 
 def opened(**extra: object) -> NewEvent:
-    return NewEvent(T.SESSION_OPENED, {"protocol": "test", "engine": {"engine": "x", "vocab_size": 300}, **extra})
+    return NewEvent(
+        T.SESSION_OPENED,
+        {"protocol": "test", "engine": {"engine": "x", "vocab_size": 300}, **extra},
+    )
 
 
 def appended(start: int, toks: list[int]) -> NewEvent:
@@ -152,7 +155,9 @@ async def test_purge_leaves_a_verifiable_tombstone(log: EventLog) -> None:
 
 
 async def test_import_roundtrip_is_exact_and_rejects_broken_chains(log: EventLog, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    evs = await log.append("s1", 0, [opened(), appended(0, [1, 2]), NewEvent(T.NOTE, {}, b"\x00\x01")])
+    evs = await log.append(
+        "s1", 0, [opened(), appended(0, [1, 2]), NewEvent(T.NOTE, {}, b"\x00\x01")]
+    )
     other = await EventLog.open(f"sqlite+aiosqlite:///{tmp_path / 'other.db'}")
     try:
         tampered = [evs[0], dataclasses.replace(evs[1], body={"start": 0, "tokens": [9]}), evs[2]]
@@ -160,9 +165,9 @@ async def test_import_roundtrip_is_exact_and_rejects_broken_chains(log: EventLog
             await other.import_events(tampered)
         assert await other.read("s1") == []
         back = await other.import_events(evs)
-        assert [(e.version, e.type, e.body, e.data, e.recorded_at, e.hash, e.prev_hash) for e in back] == [
-            (e.version, e.type, e.body, e.data, e.recorded_at, e.hash, e.prev_hash) for e in evs
-        ]
+        assert [
+            (e.version, e.type, e.body, e.data, e.recorded_at, e.hash, e.prev_hash) for e in back
+        ] == [(e.version, e.type, e.body, e.data, e.recorded_at, e.hash, e.prev_hash) for e in evs]
         assert [e.to_json() for e in await other.read("s1")] == [e.to_json() for e in back]
         with pytest.raises(ConcurrencyError):
             await other.import_events(evs)
@@ -206,10 +211,15 @@ def test_the_append_hasher_is_the_chain_hash() -> None:
     chain_hash_json, for every kind of body, payload and time."""
     from core.events import canonical_json, chain_hash_json, chain_hasher
 
-    cases = [({"a": 1, "t": "é\u2028"}, None), ({}, b""), ({"x": [1.5, -0.0, 1e-300]}, b"\x00" * 5000)]
+    cases = [
+        ({"a": 1, "t": "é\u2028"}, None),
+        ({}, b""),
+        ({"x": [1.5, -0.0, 1e-300]}, b"\x00" * 5000),
+    ]
     for recorded_at in (0.0, 1763880000.123456, 1e-7):
         h = chain_hasher("s_\u00fc", recorded_at)
         for v, (body, data) in enumerate(cases, 1):
             bj = canonical_json(body)
             assert h("0" * 64, v, "note.recorded", bj, data) == chain_hash_json(
-                "0" * 64, "s_\u00fc", v, "note.recorded", bj, data, recorded_at)
+                "0" * 64, "s_\u00fc", v, "note.recorded", bj, data, recorded_at
+            )

@@ -20,9 +20,12 @@ async def terminate_backends(url: str) -> int:
     name = url.rsplit("/", 1)[1]
     admin = await asyncpg.connect(host=PG_HOST, port=PG_PORT, user=PG_USER, database=PG_DB)
     try:
-        return len(await admin.fetch(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
-            name))
+        return len(
+            await admin.fetch(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
+                name,
+            )
+        )
     finally:
         await admin.close()
 

@@ -38,32 +38,42 @@ def test_bad_pointers_are_rejected(bad: str) -> None:
 
 def test_append_to_string_and_array() -> None:
     doc = {"t": "Hel", "xs": [1]}
-    out = apply_patch(doc, [{"op": "append", "path": "/t", "value": "lo"},
-                            {"op": "append", "path": "/xs", "value": [2]}])
+    out = apply_patch(
+        doc,
+        [
+            {"op": "append", "path": "/t", "value": "lo"},
+            {"op": "append", "path": "/xs", "value": [2]},
+        ],
+    )
     assert out == {"t": "Hello", "xs": [1, [2]]}
     assert doc == {"t": "Hel", "xs": [1]}
 
 
 def test_add_dash_appends_and_test_op() -> None:
-    out = apply_patch({"a": [1]}, [{"op": "add", "path": "/a/-", "value": 2},
-                                   {"op": "test", "path": "/a", "value": [1, 2.0]}])
+    out = apply_patch(
+        {"a": [1]},
+        [
+            {"op": "add", "path": "/a/-", "value": 2},
+            {"op": "test", "path": "/a", "value": [1, 2.0]},
+        ],
+    )
     assert out == {"a": [1, 2]}
     with pytest.raises(InvalidPatch):
         apply_patch({"a": True}, [{"op": "test", "path": "/a", "value": 1}])
 
 
 BAD_PATCHES: list[Any] = [
-    {"op": "add"},                                               # not an array
-    [{"op": "frobnicate", "path": "/a"}],                         # unknown op
-    [{"op": "add", "path": "/a"}],                                # no value
-    [{"op": "add", "path": 3, "value": 1}],                       # path not a string
+    {"op": "add"},  # not an array
+    [{"op": "frobnicate", "path": "/a"}],  # unknown op
+    [{"op": "add", "path": "/a"}],  # no value
+    [{"op": "add", "path": 3, "value": 1}],  # path not a string
     [{"op": "remove", "path": "/missing"}],
     [{"op": "replace", "path": "/xs/5", "value": 1}],
-    [{"op": "add", "path": "/xs/01", "value": 1}],                # leading zero
-    [{"op": "move", "from": "/o", "path": "/o/child"}],           # into itself
-    [{"op": "copy", "path": "/b"}],                               # no from
-    [{"op": "append", "path": "/n", "value": 1}],                 # number target
-    [{"op": "append", "path": "/s", "value": 1}],                 # non-string to string
+    [{"op": "add", "path": "/xs/01", "value": 1}],  # leading zero
+    [{"op": "move", "from": "/o", "path": "/o/child"}],  # into itself
+    [{"op": "copy", "path": "/b"}],  # no from
+    [{"op": "append", "path": "/n", "value": 1}],  # number target
+    [{"op": "append", "path": "/s", "value": 1}],  # non-string to string
     [{"op": "test", "path": "/s", "value": "other"}],
     [{"op": "remove", "path": ""}],
     ["not an op"],
@@ -87,13 +97,17 @@ def test_diff_uses_append_for_growth_and_rfc_fallback_has_none() -> None:
     a = {"text": "Hel", "toks": [1, 2]}
     b = {"text": "Hello", "toks": [1, 2, 3]}
     ops = diff(a, b)
-    assert ops == [{"op": "append", "path": "/text", "value": "lo"},
-                   {"op": "append", "path": "/toks", "value": 3}]
+    assert ops == [
+        {"op": "append", "path": "/text", "value": "lo"},
+        {"op": "append", "path": "/toks", "value": 3},
+    ]
     rfc = to_rfc6902(ops, b)
     assert all(op["op"] != "append" for op in rfc)
     assert jsonpatch.apply_patch(a, rfc) == b
-    assert diff(a, b, plus=False) == [{"op": "replace", "path": "/text", "value": "Hello"},
-                                      {"op": "add", "path": "/toks/-", "value": 3}]
+    assert diff(a, b, plus=False) == [
+        {"op": "replace", "path": "/text", "value": "Hello"},
+        {"op": "add", "path": "/toks/-", "value": 3},
+    ]
 
 
 @settings(max_examples=300, deadline=None)
@@ -131,7 +145,9 @@ def doc_and_op(draw: st.DrawFn) -> tuple[Any, dict[str, Any]]:
     if kind in ("add", "replace"):
         op["value"] = draw(json_values)
     if kind == "test":
-        op["value"] = draw(st.sampled_from(["nope", copy.deepcopy(resolve(doc, path)) if path in paths else 0]))
+        op["value"] = draw(
+            st.sampled_from(["nope", copy.deepcopy(resolve(doc, path)) if path in paths else 0])
+        )
     if kind in ("move", "copy"):
         op["from"] = draw(st.sampled_from(paths))
     return doc, op
@@ -143,7 +159,13 @@ def test_applier_agrees_with_jsonpatch(case: tuple[Any, dict[str, Any]]) -> None
     doc, op = case
     try:
         theirs: Any = jsonpatch.apply_patch(copy.deepcopy(doc), [op])
-    except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException, KeyError, IndexError, TypeError):
+    except (
+        jsonpatch.JsonPatchException,
+        jsonpatch.JsonPointerException,
+        KeyError,
+        IndexError,
+        TypeError,
+    ):
         theirs = InvalidPatch
     try:
         ours: Any = apply_patch(doc, [op])

@@ -22,8 +22,13 @@ from tests.conftest import make_config
 
 
 def generated(evs: Sequence[Event], gid: str | None = None) -> list[int]:
-    return [int(e.body["token"]) for e in evs if e.type == T.GENERATION_TOKEN and not e.body["is_prefill"]
-            and (gid is None or e.body["generation_id"] == gid)]
+    return [
+        int(e.body["token"])
+        for e in evs
+        if e.type == T.GENERATION_TOKEN
+        and not e.body["is_prefill"]
+        and (gid is None or e.body["generation_id"] == gid)
+    ]
 
 
 async def stop_after(rt: Runtime, sid: str, params: SamplingParams, k: int) -> list[Event]:
@@ -58,9 +63,13 @@ async def check_agrees(rt: Runtime, sid: str, seen: Sequence[Event]) -> None:
 
 
 @pytest.mark.parametrize("run_ahead", [1, 4, 256])
-async def test_a_stop_at_every_step_leaves_log_finished_and_cache_agreeing(sqlite_url: str, run_ahead: int) -> None:
-    rt = await Runtime.create(make_config(sqlite_url, generation={"run_ahead": run_ahead, "max_run": 3}),
-                              engine=ReferenceEngine(eos_bias=-1000.0))
+async def test_a_stop_at_every_step_leaves_log_finished_and_cache_agreeing(
+    sqlite_url: str, run_ahead: int
+) -> None:
+    rt = await Runtime.create(
+        make_config(sqlite_url, generation={"run_ahead": run_ahead, "max_run": 3}),
+        engine=ReferenceEngine(eos_bias=-1000.0),
+    )
     try:
         params = SamplingParams(max_tokens=10, temperature=0.0, seed=3)
         whole = (await rt.open_session("t")).session_id
@@ -78,13 +87,17 @@ async def test_a_stop_at_every_step_leaves_log_finished_and_cache_agreeing(sqlit
             assert got == full[: len(got)] and len(got) >= k
             assert fin.body["finish_reason"] == "cancelled"
             # the session goes on from what the log holds
-            more = generated([e async for e in rt.generate(sid, SamplingParams(max_tokens=2, temperature=0.0))])
+            more = generated(
+                [e async for e in rt.generate(sid, SamplingParams(max_tokens=2, temperature=0.0))]
+            )
             assert len(more) == 2
     finally:
         await rt.aclose()
 
 
-async def test_stops_with_the_onnx_cache_rewind_it_to_the_log(sqlite_url: str, tmp_path: Path) -> None:
+async def test_stops_with_the_onnx_cache_rewind_it_to_the_log(
+    sqlite_url: str, tmp_path: Path
+) -> None:
     """After a stop at any step the ONNX engine's cache holds no token the log lacks, and the
     next generation is bit-identical to one from a fresh session with the same history."""
     from engines.onnx import OnnxEngine
@@ -93,7 +106,9 @@ async def test_stops_with_the_onnx_cache_rewind_it_to_the_log(sqlite_url: str, t
     folder = tmp_path / "tiny"
     build_demo("tiny", folder)
     engine = OnnxEngine(model_dir=folder, intra_op_threads=1)
-    rt = await Runtime.create(make_config(sqlite_url, generation={"run_ahead": 8, "max_run": 2}), engine=engine)
+    rt = await Runtime.create(
+        make_config(sqlite_url, generation={"run_ahead": 8, "max_run": 2}), engine=engine
+    )
     try:
         params = SamplingParams(max_tokens=12, temperature=0.0, seed=5)
         for k in (0, 1, 3, 7):
@@ -102,13 +117,26 @@ async def test_stops_with_the_onnx_cache_rewind_it_to_the_log(sqlite_url: str, t
             seen = await stop_after(rt, sid, params, k)
             await check_agrees(rt, sid, seen)
             history = list((await rt.load(sid)).tokens)
-            warm = [e async for e in rt.generate(sid, SamplingParams(max_tokens=4, temperature=0.0))]
+            warm = [
+                e async for e in rt.generate(sid, SamplingParams(max_tokens=4, temperature=0.0))
+            ]
             cold_sid = (await rt.open_session("t", eos_token_ids=[])).session_id
             await rt.append_tokens(cold_sid, history)
             engine.forget(cold_sid)
-            cold = [e async for e in rt.generate(cold_sid, SamplingParams(max_tokens=4, temperature=0.0))]
-            pick = [(e.body["token"], e.body.get("logprob")) for e in warm if e.type == T.GENERATION_TOKEN]
-            assert pick == [(e.body["token"], e.body.get("logprob")) for e in cold if e.type == T.GENERATION_TOKEN]
+            cold = [
+                e
+                async for e in rt.generate(cold_sid, SamplingParams(max_tokens=4, temperature=0.0))
+            ]
+            pick = [
+                (e.body["token"], e.body.get("logprob"))
+                for e in warm
+                if e.type == T.GENERATION_TOKEN
+            ]
+            assert pick == [
+                (e.body["token"], e.body.get("logprob"))
+                for e in cold
+                if e.type == T.GENERATION_TOKEN
+            ]
     finally:
         await rt.aclose()
 
@@ -122,8 +150,13 @@ class CountingEngine(ReferenceEngine):
         self.fail_after = fail_after
         self.rewound: list[tuple[str, int]] = []
 
-    async def generate(self, session_key: str, history: Sequence[int], params: SamplingParams,
-                       options: OutputOptions = DEFAULT_OUTPUT) -> AsyncIterator[Step]:
+    async def generate(
+        self,
+        session_key: str,
+        history: Sequence[int],
+        params: SamplingParams,
+        options: OutputOptions = DEFAULT_OUTPUT,
+    ) -> AsyncIterator[Step]:
         async for step in super().generate(session_key, history, params, options):
             if self.fail_after is not None and self.yielded >= self.fail_after:
                 raise EngineError("the device fell over")
@@ -137,7 +170,9 @@ class CountingEngine(ReferenceEngine):
 async def test_a_slow_log_holds_the_engine_back(sqlite_url: str) -> None:
     """Back-pressure: while a commit is stuck, the engine runs at most run_ahead steps ahead."""
     engine = CountingEngine(eos_bias=-1000.0)
-    rt = await Runtime.create(make_config(sqlite_url, generation={"run_ahead": 5, "max_run": 2}), engine=engine)
+    rt = await Runtime.create(
+        make_config(sqlite_url, generation={"run_ahead": 5, "max_run": 2}), engine=engine
+    )
     try:
         sid = (await rt.open_session("t")).session_id
         await rt.append_text(sid, "x")
@@ -167,7 +202,9 @@ async def test_a_slow_log_holds_the_engine_back(sqlite_url: str) -> None:
         await rt.aclose()
 
 
-async def test_an_engine_failure_commits_what_came_before_and_records_the_error(sqlite_url: str) -> None:
+async def test_an_engine_failure_commits_what_came_before_and_records_the_error(
+    sqlite_url: str,
+) -> None:
     engine = CountingEngine(fail_after=7, eos_bias=-1000.0)
     rt = await Runtime.create(make_config(sqlite_url), engine=engine)
     try:
@@ -190,7 +227,9 @@ async def test_an_engine_failure_commits_what_came_before_and_records_the_error(
 
 async def test_a_stop_with_uncommitted_steps_rewinds_the_engine(sqlite_url: str) -> None:
     engine = CountingEngine(eos_bias=-1000.0)
-    rt = await Runtime.create(make_config(sqlite_url, generation={"run_ahead": 64, "max_run": 1}), engine=engine)
+    rt = await Runtime.create(
+        make_config(sqlite_url, generation={"run_ahead": 64, "max_run": 1}), engine=engine
+    )
     try:
         sid = (await rt.open_session("t")).session_id
         await rt.append_text(sid, "x")
@@ -216,10 +255,13 @@ async def test_concurrent_generations_each_get_their_own_exact_tokens(sqlite_url
     same tokens each would get alone."""
     rt = await Runtime.create(make_config(sqlite_url), engine=ReferenceEngine(eos_bias=-1000.0))
     try:
+
         async def one(seed: int) -> list[int]:
             sid = (await rt.open_session("t")).session_id
             await rt.append_text(sid, "abc")
-            return generated([e async for e in rt.generate(sid, SamplingParams(max_tokens=60, seed=seed))])
+            return generated(
+                [e async for e in rt.generate(sid, SamplingParams(max_tokens=60, seed=seed))]
+            )
 
         alone = [await one(s) for s in range(8)]
         together = await asyncio.gather(*(one(s) for s in range(8)))
@@ -228,14 +270,25 @@ async def test_concurrent_generations_each_get_their_own_exact_tokens(sqlite_url
         await rt.aclose()
 
 
-@settings(max_examples=12, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(run_ahead=st.integers(1, 20), max_run=st.integers(1, 20), stop=st.integers(0, 30),
-       max_tokens=st.integers(0, 25))
-async def test_property_any_limits_any_stop(sqlite_url: str, run_ahead: int, max_run: int, stop: int,
-                                            max_tokens: int) -> None:
-    rt = await Runtime.create(make_config(sqlite_url, generation={"run_ahead": run_ahead, "max_run": max_run}),
-                              engine=ReferenceEngine())
+@settings(
+    max_examples=12,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    run_ahead=st.integers(1, 20),
+    max_run=st.integers(1, 20),
+    stop=st.integers(0, 30),
+    max_tokens=st.integers(0, 25),
+)
+async def test_property_any_limits_any_stop(
+    sqlite_url: str, run_ahead: int, max_run: int, stop: int, max_tokens: int
+) -> None:
+    rt = await Runtime.create(
+        make_config(sqlite_url, generation={"run_ahead": run_ahead, "max_run": max_run}),
+        engine=ReferenceEngine(),
+    )
     try:
         sid = (await rt.open_session("t")).session_id
         await rt.append_text(sid, "seed text")
@@ -244,4 +297,3 @@ async def test_property_any_limits_any_stop(sqlite_url: str, run_ahead: int, max
     finally:
         with contextlib.suppress(Exception):
             await rt.aclose()
-

@@ -35,7 +35,9 @@ async def pair(pg_url: str) -> AsyncIterator[tuple[Runtime, Runtime]]:
         await a.aclose()
 
 
-async def test_alternating_writes_across_replicas_never_conflict(pair: tuple[Runtime, Runtime]) -> None:
+async def test_alternating_writes_across_replicas_never_conflict(
+    pair: tuple[Runtime, Runtime],
+) -> None:
     a, b = pair
     sid = (await a.open_session("http")).session_id
     await a.append_text(sid, "x")  # A caches the state
@@ -104,7 +106,9 @@ async def test_one_generation_per_session_across_replicas(pg_url: str) -> None:
 
 
 async def test_a_replica_that_died_mid_generation_leaves_it_interrupted(pg_url: str) -> None:
-    a = await Runtime.create(make_config(pg_url), engine=ReferenceEngine(eos_bias=-1000.0, step_delay_s=0.01))
+    a = await Runtime.create(
+        make_config(pg_url), engine=ReferenceEngine(eos_bias=-1000.0, step_delay_s=0.01)
+    )
     b = await Runtime.create(make_config(pg_url), engine=ReferenceEngine(eos_bias=-1000.0))
     try:
         sid = (await a.open_session("http")).session_id
@@ -139,7 +143,10 @@ async def test_a_replica_that_died_mid_generation_leaves_it_interrupted(pg_url: 
         await agen.aclose()  # type: ignore[attr-defined]
         evs = await b.log.read(sid)
         verify_chain(evs)
-        assert [e.body["finish_reason"] for e in evs if e.type == T.GENERATION_FINISHED] == ["interrupted", "length"]
+        assert [e.body["finish_reason"] for e in evs if e.type == T.GENERATION_FINISHED] == [
+            "interrupted",
+            "length",
+        ]
     finally:
         await b.aclose()
         await a.aclose()

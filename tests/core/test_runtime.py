@@ -78,7 +78,9 @@ async def test_images_are_pad_runs_and_forks_respect_blocks(runtime: Runtime) ->
         with pytest.raises(InvalidImage):
             await runtime.append_tokens(sid, toks, offset=0, images=[im])
     with pytest.raises(InvalidImage):
-        await runtime.append_tokens(sid, [1, 2] + [5] * 10 + [3], offset=0, images=[img])  # not pad tokens
+        await runtime.append_tokens(
+            sid, [1, 2] + [5] * 10 + [3], offset=0, images=[img]
+        )  # not pad tokens
     await unchanged(runtime, sid, 1, [])
     await runtime.append_tokens(sid, toks, offset=0, images=[img])
     st = await runtime.get(sid)
@@ -102,7 +104,9 @@ async def test_engine_without_images_rejects_them(sqlite_url: str) -> None:
     try:
         sid = (await rt.open_session("salience")).session_id
         with pytest.raises(InvalidImage, match="no images"):
-            await rt.append_tokens(sid, [1] * 10, offset=0, images=[ImageIn(b"x", "image/png", 0, 10)])
+            await rt.append_tokens(
+                sid, [1] * 10, offset=0, images=[ImageIn(b"x", "image/png", 0, 10)]
+            )
     finally:
         await rt.aclose()
 
@@ -115,18 +119,30 @@ async def test_generation_is_logged_and_deterministic(any_runtime: Runtime) -> N
     rt = any_runtime
     a = (await rt.open_session("test")).session_id
     await rt.append_text(a, "Hello there")
-    evs = await collect(rt, a, SamplingParams(max_tokens=12, seed=42, temperature=0.8),
-                        options=OutputOptions(logprob_top_k=3))
-    assert [e.type for e in evs][:1] == [T.GENERATION_STARTED] and evs[-1].type == T.GENERATION_FINISHED
+    evs = await collect(
+        rt,
+        a,
+        SamplingParams(max_tokens=12, seed=42, temperature=0.8),
+        options=OutputOptions(logprob_top_k=3),
+    )
+    assert [e.type for e in evs][:1] == [T.GENERATION_STARTED] and evs[
+        -1
+    ].type == T.GENERATION_FINISHED
     toks = [e.body["token"] for e in evs if e.type == T.GENERATION_TOKEN]
     assert evs[-1].body["completion_tokens"] == len(toks)
-    assert all(len(e.body["top"]) == 3 and "logprob" in e.body for e in evs if e.type == T.GENERATION_TOKEN)
+    assert all(
+        len(e.body["top"]) == 3 and "logprob" in e.body for e in evs if e.type == T.GENERATION_TOKEN
+    )
     # the same history built in three appends gives the same tokens (INV-3)
     b = (await rt.open_session("test")).session_id
     for part in ("Hel", "lo th", "ere"):
         await rt.append_text(b, part)
-    evs_b = await collect(rt, b, SamplingParams(max_tokens=12, seed=42, temperature=0.8),
-                          options=OutputOptions(logprob_top_k=3))
+    evs_b = await collect(
+        rt,
+        b,
+        SamplingParams(max_tokens=12, seed=42, temperature=0.8),
+        options=OutputOptions(logprob_top_k=3),
+    )
     assert [e.body for e in evs_b if e.type == T.GENERATION_TOKEN and True] != [] and [
         (e.body["token"], e.body["logprob"]) for e in evs_b if e.type == T.GENERATION_TOKEN
     ] == [(e.body["token"], e.body["logprob"]) for e in evs if e.type == T.GENERATION_TOKEN]
@@ -138,14 +154,25 @@ async def test_generation_is_logged_and_deterministic(any_runtime: Runtime) -> N
 async def test_prefill_only_scoring(runtime: Runtime) -> None:
     sid = (await runtime.open_session("salience")).session_id
     await runtime.append_tokens(sid, [10, 20, 30, 40, 50], offset=0)
-    evs = await collect(runtime, sid, SamplingParams(max_tokens=0),
-                        options=OutputOptions(logprob_ranges=((1, 3),), readout_ranges=((4, 5),), generated_logprobs=False))
+    evs = await collect(
+        runtime,
+        sid,
+        SamplingParams(max_tokens=0),
+        options=OutputOptions(
+            logprob_ranges=((1, 3),), readout_ranges=((4, 5),), generated_logprobs=False
+        ),
+    )
     toks = [e.body for e in evs if e.type == T.GENERATION_TOKEN]
     assert [(t["position"], t["is_prefill"]) for t in toks] == [(1, True), (2, True), (4, True)]
     assert "logprob" in toks[0] and "readout" not in toks[0] and "readout" in toks[2]
     assert len((await runtime.get(sid)).tokens) == 5
     with pytest.raises(InvalidRange):
-        await collect(runtime, sid, SamplingParams(max_tokens=0), options=OutputOptions(logprob_ranges=((3, 9),)))
+        await collect(
+            runtime,
+            sid,
+            SamplingParams(max_tokens=0),
+            options=OutputOptions(logprob_ranges=((3, 9),)),
+        )
     with pytest.raises(InvalidParameters):
         await collect(runtime, sid, SamplingParams(max_tokens=1, top_p=0))
 
@@ -157,7 +184,9 @@ async def test_stop_and_eos(runtime: Runtime) -> None:
     first = next(e.body["token"] for e in evs if e.type == T.GENERATION_TOKEN)
     sid2 = (await runtime.open_session("t")).session_id
     await runtime.append_text(sid2, "abc")
-    evs2 = await collect(runtime, sid2, SamplingParams(max_tokens=50, temperature=0, stop_token_ids=(first,)))
+    evs2 = await collect(
+        runtime, sid2, SamplingParams(max_tokens=50, temperature=0, stop_token_ids=(first,))
+    )
     assert evs2[-1].body["finish_reason"] == "stop" and evs2[-1].body["completion_tokens"] == 1
     sid3 = (await runtime.open_session("t", eos_token_ids=[first])).session_id
     await runtime.append_text(sid3, "abc")
@@ -215,7 +244,11 @@ async def test_fork_at_event_version_and_close(runtime: Runtime) -> None:
     await runtime.append_tokens(sid, [1, 2])
     await runtime.append_tokens(sid, [3])
     child = await runtime.fork(sid, at_version=2)
-    assert list(child.tokens) == [1, 2] and child.parent == {"session_id": sid, "version": 2, "token_position": None}
+    assert list(child.tokens) == [1, 2] and child.parent == {
+        "session_id": sid,
+        "version": 2,
+        "token_position": None,
+    }
     evs = await runtime.log.read(child.session_id)
     assert len(evs) == 1  # nothing copied
     row = await runtime.log.get_session(child.session_id)
@@ -235,8 +268,11 @@ async def test_fork_at_event_version_and_close(runtime: Runtime) -> None:
 
 async def test_idle_ttl_expiry_by_sweeper_and_on_access(sqlite_url: str) -> None:
     now = [1000.0]
-    rt = await Runtime.create(make_config(sqlite_url, sessions={"idle_ttl_s": {"default": 60.0}}),
-                              engine=ReferenceEngine(), clock=lambda: now[0])
+    rt = await Runtime.create(
+        make_config(sqlite_url, sessions={"idle_ttl_s": {"default": 60.0}}),
+        engine=ReferenceEngine(),
+        clock=lambda: now[0],
+    )
     try:
         a = (await rt.open_session("t")).session_id
         b = (await rt.open_session("t")).session_id
@@ -259,7 +295,9 @@ async def test_idle_ttl_expiry_by_sweeper_and_on_access(sqlite_url: str) -> None
 
 
 async def test_snapshots_make_loading_cheap_and_identical(sqlite_url: str) -> None:
-    rt = await Runtime.create(make_config(sqlite_url, log={"snapshot_every": 10}), engine=ReferenceEngine())
+    rt = await Runtime.create(
+        make_config(sqlite_url, log={"snapshot_every": 10}), engine=ReferenceEngine()
+    )
     try:
         sid = (await rt.open_session("t")).session_id
         for i in range(25):

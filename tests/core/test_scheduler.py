@@ -57,7 +57,9 @@ async def test_a_free_gate_is_taken_at_once() -> None:
 
 
 async def test_lowest_priority_number_goes_first() -> None:
-    order = await queue_behind_a_holder(PriorityGate(), [("batch", 10), ("normal", 5), ("interactive", 0)])
+    order = await queue_behind_a_holder(
+        PriorityGate(), [("batch", 10), ("normal", 5), ("interactive", 0)]
+    )
     assert order == ["holder", "interactive", "normal", "batch"]
 
 

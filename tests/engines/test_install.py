@@ -36,10 +36,16 @@ def test_no_install_path_names_the_cpu_only_onnxruntime() -> None:
 
 def test_the_cpu_only_onnxruntime_is_not_installed_beside_onnxruntime_gpu() -> None:
     def where(name: str) -> set[Path]:
-        return {Path(str(d.locate_file(""))).resolve() for d in md.distributions() if (d.metadata["Name"] or "").lower() == name}
+        return {
+            Path(str(d.locate_file(""))).resolve()
+            for d in md.distributions()
+            if (d.metadata["Name"] or "").lower() == name
+        }
 
     gpu, cpu = where("onnxruntime-gpu"), where("onnxruntime")
-    assert not gpu & cpu, f"onnxruntime and onnxruntime-gpu are both installed in {sorted(gpu & cpu)}"
+    assert not gpu & cpu, (
+        f"onnxruntime and onnxruntime-gpu are both installed in {sorted(gpu & cpu)}"
+    )
     if gpu:
         # the module that imports is the GPU build (it lists the CUDA provider with or without a GPU)
         assert CUDA in quiet_ort().get_available_providers()

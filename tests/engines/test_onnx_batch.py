@@ -25,31 +25,36 @@ def _names(spec: GraphSpec) -> list[str]:
     return [f"past_key_values.{i}.{k}" for i in range(spec.layers) for k in ("key", "value")]
 
 
-def _pass(sess: Any, spec: GraphSpec, ids: np.ndarray, pos: np.ndarray,
-          bufs: list[np.ndarray]) -> tuple[Any, list[Any]]:
+def _pass(
+    sess: Any, spec: GraphSpec, ids: np.ndarray, pos: np.ndarray, bufs: list[np.ndarray]
+) -> tuple[Any, list[Any]]:
     names = _names(spec)
-    feeds: dict[str, Any] = {"input_ids": ids, "position_ids": pos,
-                             "attention_mask": np.ones((ids.shape[0], CAP), np.int64)}
+    feeds: dict[str, Any] = {
+        "input_ids": ids,
+        "position_ids": pos,
+        "attention_mask": np.ones((ids.shape[0], CAP), np.int64),
+    }
     feeds.update(zip(names, bufs, strict=True))
     out = sess.run(["logits", *(n.replace("past_key_values", "present") for n in names)], feeds)
     return out[0], list(out[1:])
 
 
-def _session(sess: Any, spec: GraphSpec, tokens: list[int], slot: int,
-             neighbours: np.random.Generator | None) -> Any:
+def _session(
+    sess: Any, spec: GraphSpec, tokens: list[int], slot: int, neighbours: np.random.Generator | None
+) -> Any:
     """Run ``tokens`` in passes of ROWS at batch element ``slot``; the other elements hold random
     sessions (``neighbours``) or padding. Returns this session's logits per position."""
     bufs = [np.zeros((B, spec.kv_heads, CAP, spec.head_dim), np.float32) for _ in _names(spec)]
     logits = []
     for start in range(0, len(tokens), ROWS):
-        chunk = tokens[start:start + ROWS]
+        chunk = tokens[start : start + ROWS]
         ids = np.zeros((B, ROWS), np.int64)
         pos = np.full((B, ROWS), CAP - 1, np.int64)
         if neighbours is not None:
             ids[:] = neighbours.integers(0, 256, (B, ROWS))
             pos[:] = start + np.arange(ROWS)[None, :]
         ids[slot, : len(chunk)] = chunk
-        ids[slot, len(chunk):] = 0
+        ids[slot, len(chunk) :] = 0
         pos[slot] = np.minimum(start + np.arange(ROWS), CAP - 1)
         out, bufs = _pass(sess, spec, ids, pos, bufs)
         logits.append(out[slot, : len(chunk)])

@@ -34,22 +34,35 @@ def cuda_engine(tiny_dir: Path) -> OnnxEngine:
 def test_auto_picks_cuda_with_a_fixed_shape_and_a_cuda_graph(cuda_engine: OnnxEngine) -> None:
     extra = cuda_engine.info.extra
     assert extra["kv_layout"] == "static" and extra["cuda_graph"] is True
-    assert extra["pass_rows"] == 16 and extra["kv_capacity"] == -(-(cuda_engine.info.max_length + 1) // 64) * 64
+    assert (
+        extra["pass_rows"] == 16
+        and extra["kv_capacity"] == -(-(cuda_engine.info.max_length + 1) // 64) * 64
+    )
 
 
-async def test_the_kv_buffer_lives_on_the_device_and_is_updated_in_place(cuda_engine: OnnxEngine) -> None:
+async def test_the_kv_buffer_lives_on_the_device_and_is_updated_in_place(
+    cuda_engine: OnnxEngine,
+) -> None:
     hist = history(30, 40)
     await collect(cuda_engine, "k", hist, SamplingParams(max_tokens=5, temperature=0))
     entry = cuda_engine.cache.get("k")
     assert entry is not None and entry.kv is not None
     buf = entry.kv
     assert all(t.device_name().lower() == "cuda" for t in buf.tensors)
-    assert cuda_engine.kv_live_bytes("k") == cuda_engine.runner.nbytes(cuda_engine.info.extra["kv_capacity"])
-    await collect(cuda_engine, "k", hist + list(b" more"), SamplingParams(max_tokens=5, temperature=0))
-    assert cuda_engine.cache.get("k") is entry and entry.kv is buf  # the same buffer, written in place
+    assert cuda_engine.kv_live_bytes("k") == cuda_engine.runner.nbytes(
+        cuda_engine.info.extra["kv_capacity"]
+    )
+    await collect(
+        cuda_engine, "k", hist + list(b" more"), SamplingParams(max_tokens=5, temperature=0)
+    )
+    assert (
+        cuda_engine.cache.get("k") is entry and entry.kv is buf
+    )  # the same buffer, written in place
 
 
-async def test_every_pass_is_a_graph_replay_so_buffers_agree(cuda_engine: OnnxEngine, tiny_dir: Path) -> None:
+async def test_every_pass_is_a_graph_replay_so_buffers_agree(
+    cuda_engine: OnnxEngine, tiny_dir: Path
+) -> None:
     """A new buffer's graph is captured before its first real pass: a pass run outside a capture
     may take other cuBLAS kernels than its replay, so that would break warm == cold."""
     plain = OnnxEngine(model_dir=tiny_dir, providers="auto", cuda_graph=False)
@@ -57,7 +70,9 @@ async def test_every_pass_is_a_graph_replay_so_buffers_agree(cuda_engine: OnnxEn
     params = SamplingParams(max_tokens=24, temperature=0.8, seed=4)
     opts = OutputOptions(logprob_top_k=3, logprob_ranges=((10, 80),))
     want = await collect(cuda_engine, "a", hist, params, opts)
-    assert await collect(cuda_engine, "b", hist, params, opts) == want  # another buffer, its own graph
+    assert (
+        await collect(cuda_engine, "b", hist, params, opts) == want
+    )  # another buffer, its own graph
     cuda_engine.forget("a")
     assert await collect(cuda_engine, "c", hist, params, opts) == want  # a recycled buffer
     other = await collect(plain, "p", hist, params, opts)
@@ -66,7 +81,9 @@ async def test_every_pass_is_a_graph_replay_so_buffers_agree(cuda_engine: OnnxEn
         assert x.logprob is not None and y.logprob is not None and abs(x.logprob - y.logprob) < 1e-2
 
 
-async def test_cuda_agrees_with_the_cpu_to_float_rounding(cuda_engine: OnnxEngine, tiny_dir: Path) -> None:
+async def test_cuda_agrees_with_the_cpu_to_float_rounding(
+    cuda_engine: OnnxEngine, tiny_dir: Path
+) -> None:
     cpu = OnnxEngine(model_dir=tiny_dir, providers="CPUExecutionProvider", intra_op_threads=1)
     hist = history(32, 30)
     opts = OutputOptions(logprob_ranges=((1, 30),))

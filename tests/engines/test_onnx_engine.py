@@ -22,8 +22,13 @@ from engines.onnx.session import quiet_ort
 from engines.sampling import log_softmax
 
 
-async def collect(engine: OnnxEngine, key: str, history: Sequence[int], params: SamplingParams,
-                  options: OutputOptions | None = None) -> list[Step]:
+async def collect(
+    engine: OnnxEngine,
+    key: str,
+    history: Sequence[int],
+    params: SamplingParams,
+    options: OutputOptions | None = None,
+) -> list[Step]:
     return [s async for s in engine.generate(key, history, params, options or OutputOptions())]
 
 
@@ -41,7 +46,9 @@ def raw_prefill(model_dir: Path, tokens: Sequence[int]) -> dict[str, Any]:
     sess = ort.InferenceSession(str(model_dir / "model.onnx"), providers=["CPUExecutionProvider"])
     spec = infer_graph(sess.get_inputs(), sess.get_outputs())
     n = len(tokens)
-    past = -(-n // 64) * 64 if spec.static else 0  # a static buffer (slots in blocks of 64), or an empty cache
+    past = (
+        -(-n // 64) * 64 if spec.static else 0
+    )  # a static buffer (slots in blocks of 64), or an empty cache
     feeds: dict[str, Any] = {
         "input_ids": np.asarray([tokens], np.int64),
         "attention_mask": np.ones((1, past or n), np.int64),
@@ -49,7 +56,9 @@ def raw_prefill(model_dir: Path, tokens: Sequence[int]) -> dict[str, Any]:
     }
     for i in range(spec.layers):
         for k in ("key", "value"):
-            feeds[f"past_key_values.{i}.{k}"] = np.zeros((1, spec.kv_heads, past, spec.head_dim), np.float32)
+            feeds[f"past_key_values.{i}.{k}"] = np.zeros(
+                (1, spec.kv_heads, past, spec.head_dim), np.float32
+            )
     names = [o.name for o in sess.get_outputs()]
     return dict(zip(names, sess.run(None, feeds), strict=True))
 
@@ -70,7 +79,11 @@ def agrees(engine: OnnxEngine, got: float, want: float) -> bool:
 
 def test_graph_io_is_inferred(onnx_engine: OnnxEngine) -> None:
     spec, tiny = onnx_engine.spec, SIZES["tiny"]
-    assert (spec.layers, spec.kv_heads, spec.head_dim) == (tiny.layers, tiny.kv_heads, tiny.head_dim)
+    assert (spec.layers, spec.kv_heads, spec.head_dim) == (
+        tiny.layers,
+        tiny.kv_heads,
+        tiny.head_dim,
+    )
     assert spec.vocab_size == tiny.vocab and spec.hidden_size == tiny.hidden
     assert spec.hidden_layers == tuple(range(tiny.layers + 1))
     info = onnx_engine.info
@@ -91,7 +104,9 @@ def test_model_without_the_convention_is_rejected(tmp_path: Path) -> None:
 
     x = helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["b", "s"])
     y = helper.make_tensor_value_info("logits", TensorProto.INT64, ["b", "s"])
-    graph = helper.make_graph([helper.make_node("Identity", ["input_ids"], ["logits"])], "g", [x], [y])
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["input_ids"], ["logits"])], "g", [x], [y]
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     model.ir_version = 8
     (tmp_path / "model.onnx").write_bytes(model.SerializeToString())
@@ -105,7 +120,12 @@ def test_session_options_are_applied_and_reported(tiny_dir: Path) -> None:
     assert opts.intra_op_num_threads == 1
     assert opts.get_session_config_entry("session.intra_op.allow_spinning") == "1"
     default = OnnxEngine(model_dir=tiny_dir)
-    assert default._sess.get_session_options().get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    assert (
+        default._sess.get_session_options().get_session_config_entry(
+            "session.intra_op.allow_spinning"
+        )
+        == "0"
+    )
     extra = default.info.extra
     assert (extra["spinning"], extra["lookahead"]) == (False, True)
     # the CPU's passes carry 2.. rows; CUDA's default is one fixed shape of 16 rows
@@ -123,7 +143,12 @@ def test_bad_options_are_config_errors(tiny_dir: Path, tmp_path: Path) -> None:
         OnnxEngine(model_dir=tiny_dir, max_length=10**9)
     with pytest.raises(EngineError):
         OnnxEngine(model_dir=tiny_dir, providers=["NoSuchExecutionProvider"])
-    bads: list[dict[str, Any]] = [{"decode_batch": 0}, {"min_rows": 0}, {"prefill_chunk": 0}, {"workers": 0}]
+    bads: list[dict[str, Any]] = [
+        {"decode_batch": 0},
+        {"min_rows": 0},
+        {"prefill_chunk": 0},
+        {"workers": 0},
+    ]
     for bad in bads:
         with pytest.raises(ConfigError):
             OnnxEngine(model_dir=tiny_dir, **bad)
@@ -148,8 +173,13 @@ async def test_prompt_logprobs_prefill_only(onnx_engine: OnnxEngine, tiny_dir: P
 
 async def test_readouts_are_concept_cosines(onnx_engine: OnnxEngine, tiny_dir: Path) -> None:
     hist = history(2, 25)
-    steps = await collect(onnx_engine, "s", hist, SamplingParams(max_tokens=2, temperature=0),
-                          OutputOptions(readout_ranges=((5, 7), (25, 27))))
+    steps = await collect(
+        onnx_engine,
+        "s",
+        hist,
+        SamplingParams(max_tokens=2, temperature=0),
+        OutputOptions(readout_ranges=((5, 7), (25, 27))),
+    )
     by_pos = {s.position: s for s in steps}
     assert sorted(p for p, s in by_pos.items() if s.readout is not None) == [5, 6, 25, 26]
     manifest = onnx_engine.info.readout_manifest
@@ -170,7 +200,9 @@ async def test_readouts_are_concept_cosines(onnx_engine: OnnxEngine, tiny_dir: P
 
 async def test_custom_readout_concepts(tiny_dir: Path, tmp_path: Path) -> None:
     path = tmp_path / "c.json"
-    path.write_text(json.dumps({"concepts": ["x"], "layers": [0], "directions": [[[1.0] + [0.0] * 63]]}))
+    path.write_text(
+        json.dumps({"concepts": ["x"], "layers": [0], "directions": [[[1.0] + [0.0] * 63]]})
+    )
     eng = OnnxEngine(model_dir=tiny_dir, readout_concepts=path, intra_op_threads=1)
     assert eng.info.readout_manifest is not None and eng.info.readout_manifest.concepts == ("x",)
     bad = tmp_path / "bad.json"
@@ -182,11 +214,20 @@ async def test_custom_readout_concepts(tiny_dir: Path, tmp_path: Path) -> None:
 async def test_greedy_matches_onnxruntime_genai(onnx_engine: OnnxEngine, tiny_dir: Path) -> None:
     og = pytest.importorskip("onnxruntime_genai")
     prompt = list(b"Hello")
-    ours = [s.token_id for s in await collect(onnx_engine, "g", prompt, SamplingParams(
-        max_tokens=20, temperature=0, stop_token_ids=(EOS,)))]
+    ours = [
+        s.token_id
+        for s in await collect(
+            onnx_engine,
+            "g",
+            prompt,
+            SamplingParams(max_tokens=20, temperature=0, stop_token_ids=(EOS,)),
+        )
+    ]
     model = og.Model(str(tiny_dir))
     gp = og.GeneratorParams(model)
-    gp.set_search_options(max_length=64, do_sample=False)  # the static buffer's slots come in blocks of 64
+    gp.set_search_options(
+        max_length=64, do_sample=False
+    )  # the static buffer's slots come in blocks of 64
     gen = og.Generator(model, gp)
     gen.append_tokens(prompt)
     theirs: list[int] = []
@@ -199,19 +240,29 @@ async def test_greedy_matches_onnxruntime_genai(onnx_engine: OnnxEngine, tiny_di
 # -- determinism (INV-3) ----------------------------------------------------
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(data=st.data())
-async def test_any_split_is_bit_identical_to_one_prefill(onnx_engine: OnnxEngine, data: st.DataObject) -> None:
+async def test_any_split_is_bit_identical_to_one_prefill(
+    onnx_engine: OnnxEngine, data: st.DataObject
+) -> None:
     n = data.draw(st.integers(2, 90), label="n")
     hist = history(data.draw(st.integers(0, 1000), label="seed"), n)
     cuts = sorted(set(data.draw(st.lists(st.integers(1, n - 1), max_size=12), label="cuts")))
     lp_from = data.draw(st.integers(1, n - 1), label="lp_from")
-    params = SamplingParams(max_tokens=6, temperature=data.draw(st.sampled_from([0.0, 0.7, 1.3])),
-                            top_p=0.9, seed=data.draw(st.integers(0, 2**40)))
+    params = SamplingParams(
+        max_tokens=6,
+        temperature=data.draw(st.sampled_from([0.0, 0.7, 1.3])),
+        top_p=0.9,
+        seed=data.draw(st.integers(0, 2**40)),
+    )
     opts = OutputOptions(logprob_top_k=3, logprob_ranges=((lp_from, n),))
     onnx_engine.forget("warm")
     for c in cuts:  # build the history in pieces, some with a decode in between
-        await collect(onnx_engine, "warm", hist[:c], SamplingParams(max_tokens=c % 2, temperature=0))
+        await collect(
+            onnx_engine, "warm", hist[:c], SamplingParams(max_tokens=c % 2, temperature=0)
+        )
     warm = await collect(onnx_engine, "warm", hist, params, opts)
     onnx_engine.forget("cold")
     cold = await collect(onnx_engine, "cold", hist, params, opts)
@@ -221,18 +272,24 @@ async def test_any_split_is_bit_identical_to_one_prefill(onnx_engine: OnnxEngine
     assert await collect(onnx_engine, "forked", hist, params, opts) == cold
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(data=st.data())
-async def test_generated_history_is_bit_identical_to_one_prefill(onnx_engine: OnnxEngine,
-                                                                 data: st.DataObject) -> None:
+async def test_generated_history_is_bit_identical_to_one_prefill(
+    onnx_engine: OnnxEngine, data: st.DataObject
+) -> None:
     """A conversation: user pieces and generated replies (some cut short) build the history,
     so the warm cache holds KV made by decode passes; a cold prefill must agree bitwise."""
     rng = np.random.default_rng(data.draw(st.integers(0, 1000), label="seed"))
     hist = [int(t) for t in rng.integers(0, 256, data.draw(st.integers(1, 12), label="first"))]
     onnx_engine.forget("warm")
     for turn in range(data.draw(st.integers(1, 4), label="turns")):
-        params = SamplingParams(max_tokens=data.draw(st.integers(0, 9), label="reply"),
-                                temperature=data.draw(st.sampled_from([0.0, 1.0])), seed=turn)
+        params = SamplingParams(
+            max_tokens=data.draw(st.integers(0, 9), label="reply"),
+            temperature=data.draw(st.sampled_from([0.0, 1.0])),
+            seed=turn,
+        )
         stop_at = data.draw(st.integers(1, 10), label="stop_at")
         gen = cast(AsyncGenerator[Step, None], onnx_engine.generate("warm", hist, params))
         reply: list[int] = []
@@ -241,7 +298,11 @@ async def test_generated_history_is_bit_identical_to_one_prefill(onnx_engine: On
             if len(reply) == stop_at:  # the caller stops listening mid-reply
                 break
         await gen.aclose()
-        hist = hist + reply + [int(t) for t in rng.integers(0, 256, data.draw(st.integers(0, 6), label="user"))]
+        hist = (
+            hist
+            + reply
+            + [int(t) for t in rng.integers(0, 256, data.draw(st.integers(0, 6), label="user"))]
+        )
     n = len(hist)
     params = SamplingParams(max_tokens=5, temperature=0.9, seed=data.draw(st.integers(0, 2**40)))
     opts = OutputOptions(logprob_top_k=3, logprob_ranges=((max(1, n - 20), n),))
@@ -258,10 +319,14 @@ async def test_decode_steps_equal_prefill_logits(onnx_engine: OnnxEngine, tiny_d
     logits = raw_prefill(tiny_dir, full)["logits"][0]
     for s in steps:
         assert s.logprob is not None
-        assert agrees(onnx_engine, s.logprob, float(log_softmax(logits[s.position - 1])[s.token_id]))
+        assert agrees(
+            onnx_engine, s.logprob, float(log_softmax(logits[s.position - 1])[s.token_id])
+        )
 
 
-async def test_io_binding_path_gives_the_same_results(onnx_engine: OnnxEngine, tiny_dir: Path) -> None:
+async def test_io_binding_path_gives_the_same_results(
+    onnx_engine: OnnxEngine, tiny_dir: Path
+) -> None:
     bound = OnnxEngine(model_dir=tiny_dir, io_binding=True, intra_op_threads=1)
     hist = history(4, 30)
     params = SamplingParams(max_tokens=5, seed=9)
@@ -346,7 +411,9 @@ async def test_stop_ids_end_after_yielding_the_stop_token(onnx_engine: OnnxEngin
     free = await collect(onnx_engine, "x", hist, SamplingParams(max_tokens=8, temperature=0))
     stop = free[2].token_id
     first_hit = next(i for i, s in enumerate(free) if s.token_id == stop)
-    got = await collect(onnx_engine, "y", hist, SamplingParams(max_tokens=8, temperature=0, stop_token_ids=(stop,)))
+    got = await collect(
+        onnx_engine, "y", hist, SamplingParams(max_tokens=8, temperature=0, stop_token_ids=(stop,))
+    )
     assert [s.token_id for s in got] == [s.token_id for s in free[: first_hit + 1]]
 
 
@@ -387,7 +454,9 @@ def test_cli_builds_the_demo(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers(dest="cmd"))
-    args = parser.parse_args(["model", "build-demo", "--size", "tiny", "--out", str(tmp_path / "m")])
+    args = parser.parse_args(
+        ["model", "build-demo", "--size", "tiny", "--out", str(tmp_path / "m")]
+    )
     assert args.func(args) == 0
     assert (tmp_path / "m" / "model.onnx").exists() and "built tiny" in capsys.readouterr().out
 
@@ -396,7 +465,9 @@ def test_cli_builds_the_demo(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 
 
 @pytest.mark.parametrize("batch", [1, 3, 16])
-async def test_stopping_at_any_step_leaves_a_cache_of_what_was_yielded(tiny_dir: Path, batch: int) -> None:
+async def test_stopping_at_any_step_leaves_a_cache_of_what_was_yielded(
+    tiny_dir: Path, batch: int
+) -> None:
     eng = OnnxEngine(model_dir=tiny_dir, intra_op_threads=1, decode_batch=batch)
     hist = history(17, 20)
     params = SamplingParams(max_tokens=12, temperature=0.8, seed=5)
@@ -416,13 +487,18 @@ async def test_stopping_at_any_step_leaves_a_cache_of_what_was_yielded(tiny_dir:
         entry = eng.cache.get("s")
         assert entry is not None and entry.tokens == (hist + [s.token_id for s in got])[:cached]
         # the continuation from the cache equals the uninterrupted generation
-        rest = await collect(eng, "s", hist + [s.token_id for s in got], SamplingParams(
-            max_tokens=12 - stop_after, temperature=0.8, seed=5))
+        rest = await collect(
+            eng,
+            "s",
+            hist + [s.token_id for s in got],
+            SamplingParams(max_tokens=12 - stop_after, temperature=0.8, seed=5),
+        )
         assert got + rest == full
 
 
 async def test_a_failing_pass_mid_decode_raises_engine_error_and_keeps_the_cache(
-        tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     eng = OnnxEngine(model_dir=tiny_dir, intra_op_threads=1, decode_batch=4)
     hist = history(18, 10)
     real_run = eng.runner.run
@@ -461,7 +537,9 @@ async def test_decode_batch_does_not_change_results(tiny_dir: Path) -> None:
     assert [s.position for s in outs[0] if s.readout is not None] == [16, 17, 18]
 
 
-async def test_steady_decoding_never_copies_the_kv(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_steady_decoding_never_copies_the_kv(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     eng = OnnxEngine(model_dir=tiny_dir, intra_op_threads=1)
     trims: list[int] = []
     real_trim = eng.runner.trim
@@ -476,7 +554,9 @@ async def test_steady_decoding_never_copies_the_kv(tiny_dir: Path, monkeypatch: 
     first = await collect(eng, "k", hist, SamplingParams(max_tokens=30, temperature=0))
     assert trims == []
     # the next call starts from a snapshot that may end in a padding row: at most one copy
-    await collect(eng, "k", hist + [s.token_id for s in first], SamplingParams(max_tokens=30, temperature=0))
+    await collect(
+        eng, "k", hist + [s.token_id for s in first], SamplingParams(max_tokens=30, temperature=0)
+    )
     assert len(trims) <= 1
 
 
@@ -485,19 +565,28 @@ async def test_lookahead_hits_give_the_same_results_as_no_lookahead(tiny_dir: Pa
     off = OnnxEngine(model_dir=tiny_dir, intra_op_threads=1, lookahead=False)
     bound = OnnxEngine(model_dir=tiny_dir, intra_op_threads=1, io_binding=True)
     hist = list(b"abcabcabcabc xyz abcabc") + history(21, 5)
-    cases = [(SamplingParams(max_tokens=40, temperature=0), OutputOptions()),
-             (SamplingParams(max_tokens=40, temperature=0.6, seed=3), OutputOptions(logprob_top_k=3)),
-             (SamplingParams(max_tokens=30, temperature=0), OutputOptions(readout_ranges=((35, 40),)))]
+    cases = [
+        (SamplingParams(max_tokens=40, temperature=0), OutputOptions()),
+        (SamplingParams(max_tokens=40, temperature=0.6, seed=3), OutputOptions(logprob_top_k=3)),
+        (SamplingParams(max_tokens=30, temperature=0), OutputOptions(readout_ranges=((35, 40),))),
+    ]
     for params, opts in cases:
         want = await collect(off, "x", hist, params, opts)
         assert await collect(on, "x", hist, params, opts) == want
-        assert await collect(bound, "x", hist, params, opts) == want  # OrtValue snapshots, same scheme
-    assert on.lookahead_hits > 0 and bound.lookahead_hits == on.lookahead_hits and off.lookahead_hits == 0
+        assert (
+            await collect(bound, "x", hist, params, opts) == want
+        )  # OrtValue snapshots, same scheme
+    assert (
+        on.lookahead_hits > 0
+        and bound.lookahead_hits == on.lookahead_hits
+        and off.lookahead_hits == 0
+    )
     assert on.passes < off.passes  # every hit saved a pass
     # a session whose KV came from guessed rows continues exactly like a cold one
     turn2 = hist + [s.token_id for s in await collect(on, "y", hist, cases[0][0])] + list(b"abc")
     assert await collect(on, "y", turn2, cases[1][0], cases[1][1]) == await collect(
-        off, "cold", turn2, cases[1][0], cases[1][1])
+        off, "cold", turn2, cases[1][0], cases[1][1]
+    )
 
 
 async def test_rewind_trims_the_cache_to_the_committed_length(onnx_engine: OnnxEngine) -> None:
@@ -533,7 +622,9 @@ async def test_a_concat_layout_model_takes_the_growing_snapshot_path(tmp_path: P
     opts = OutputOptions(logprob_top_k=2, logprob_ranges=((5, 40),))
     for cut in (7, 19):
         await collect(eng, "warm", hist[:cut], SamplingParams(max_tokens=1, temperature=0))
-    assert await collect(eng, "warm", hist, params, opts) == await collect(eng, "cold", hist, params, opts)
+    assert await collect(eng, "warm", hist, params, opts) == await collect(
+        eng, "cold", hist, params, opts
+    )
     logits = raw_prefill(tmp_path, hist)["logits"][0]
     steps = await collect(eng, "p", hist, prefill_only(), OutputOptions(logprob_ranges=((1, 30),)))
     for s in steps:
@@ -558,14 +649,18 @@ async def test_a_fork_writing_its_copy_leaves_the_parent_intact(onnx_engine: Onn
     params = SamplingParams(max_tokens=5, temperature=0.8, seed=6)
     await collect(onnx_engine, "p", hist, prefill_only())
     onnx_engine.fork("p", "c", 20)
-    await collect(onnx_engine, "c", hist[:20] + history(44, 15), params)  # writes slots 20.. of its copy
+    await collect(
+        onnx_engine, "c", hist[:20] + history(44, 15), params
+    )  # writes slots 20.. of its copy
     before = onnx_engine.positions_computed
     got = await collect(onnx_engine, "p", hist, params)
     assert onnx_engine.positions_computed - before == 1 + 4  # the parent's 40 positions were kept
     assert got == await collect(onnx_engine, "cold", hist, params)
 
 
-async def test_forgetting_a_generating_session_keeps_its_buffer_until_it_ends(onnx_engine: OnnxEngine) -> None:
+async def test_forgetting_a_generating_session_keeps_its_buffer_until_it_ends(
+    onnx_engine: OnnxEngine,
+) -> None:
     hist = history(45, 25)
     params = SamplingParams(max_tokens=12, temperature=0.9, seed=7)
     want = await collect(onnx_engine, "ref", hist, params)

@@ -20,20 +20,30 @@ from tests.conftest import make_config
 
 @pytest.fixture
 async def onnx_runtime(sqlite_url: str, tiny_dir: Path) -> AsyncIterator[Runtime]:
-    rt = await Runtime.create(make_config(sqlite_url), engine=OnnxEngine(model_dir=tiny_dir, intra_op_threads=1))
+    rt = await Runtime.create(
+        make_config(sqlite_url), engine=OnnxEngine(model_dir=tiny_dir, intra_op_threads=1)
+    )
     try:
         yield rt
     finally:
         await rt.aclose()
 
 
-async def test_sessions_record_the_binding_and_reexecute_bit_identically(onnx_runtime: Runtime) -> None:
+async def test_sessions_record_the_binding_and_reexecute_bit_identically(
+    onnx_runtime: Runtime,
+) -> None:
     rt = onnx_runtime
     s = await rt.open_session("kakeya")
     await rt.append_text(s.session_id, "The tape remembers")
     for turn in range(3):
-        evs = [e async for e in rt.generate(s.session_id, SamplingParams(max_tokens=6, seed=turn, temperature=0.9),
-                                            OutputOptions(logprob_top_k=2))]
+        evs = [
+            e
+            async for e in rt.generate(
+                s.session_id,
+                SamplingParams(max_tokens=6, seed=turn, temperature=0.9),
+                OutputOptions(logprob_top_k=2),
+            )
+        ]
         assert evs[-1].type == T.GENERATION_FINISHED
         await rt.append_text(s.session_id, f" turn {turn}")
     opened = (await rt.log.read(s.session_id))[0]
@@ -72,10 +82,16 @@ async def test_contract_prefill_only_yields_exactly_the_requested_positions(engi
 
 async def test_contract_stop_ids_stop_after_yielding(engine: Engine) -> None:
     hist = list(b"stop here")
-    free = [s async for s in engine.generate("a", hist, SamplingParams(max_tokens=6, temperature=0))]
+    free = [
+        s async for s in engine.generate("a", hist, SamplingParams(max_tokens=6, temperature=0))
+    ]
     stop = free[1].token_id
-    got = [s async for s in engine.generate("b", hist, SamplingParams(max_tokens=6, temperature=0,
-                                                                      stop_token_ids=(stop,)))]
+    got = [
+        s
+        async for s in engine.generate(
+            "b", hist, SamplingParams(max_tokens=6, temperature=0, stop_token_ids=(stop,))
+        )
+    ]
     assert got[-1].token_id == stop and len(got) <= 2
     assert [s.position for s in got] == list(range(len(hist), len(hist) + len(got)))
 
@@ -96,7 +112,9 @@ async def test_kv_bytes_gauge_follows_the_engine_caches(tmp_path) -> None:  # ty
     from tests.conftest import make_config
 
     engine = OnnxEngine(size="tiny")
-    rt = await Runtime.create(make_config(f"sqlite+aiosqlite:///{tmp_path / 'kv.db'}"), engine=engine)
+    rt = await Runtime.create(
+        make_config(f"sqlite+aiosqlite:///{tmp_path / 'kv.db'}"), engine=engine
+    )
     try:
         sid = (await rt.open_session("t")).session_id
         await rt.append_text(sid, "Hello there")

@@ -21,9 +21,17 @@ LONG = int(os.environ.get("SESSIONTAPE_FUZZ_EXAMPLES", "300"))
 
 
 def fuzz_settings(examples: int) -> settings:
-    return settings(max_examples=examples, derandomize=True, database=None, deadline=None,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                           HealthCheck.data_too_large])
+    return settings(
+        max_examples=examples,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        suppress_health_check=[
+            HealthCheck.function_scoped_fixture,
+            HealthCheck.too_slow,
+            HealthCheck.data_too_large,
+        ],
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -14,16 +14,26 @@ ANY_CHAR = st.characters(min_codepoint=0, max_codepoint=0x10FFFF, exclude_catego
 HOSTILE_TEXT = st.one_of(
     st.text(max_size=12),
     st.text(ANY_CHAR, max_size=6),
-    st.sampled_from(["\ud800", "a\udfffb", "\u00b2", "\u0663", "--1", "-0", "1e400", "NaN", "9" * 30, "", " 7 "]),
+    st.sampled_from(
+        ["\ud800", "a\udfffb", "\u00b2", "\u0663", "--1", "-0", "1e400", "NaN", "9" * 30, "", " 7 "]
+    ),
 )
-HOSTILE_INT = st.one_of(st.integers(-3, 300), st.integers(),
-                        st.sampled_from([2**31, 2**32, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1, 2**64, -(2**63) - 1,
-                                         10**30, -1]))
-HOSTILE_FLOAT = st.one_of(st.floats(), st.sampled_from([float("nan"), float("inf"), -float("inf"), -0.0, 1e308]))
+HOSTILE_INT = st.one_of(
+    st.integers(-3, 300),
+    st.integers(),
+    st.sampled_from(
+        [2**31, 2**32, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1, 2**64, -(2**63) - 1, 10**30, -1]
+    ),
+)
+HOSTILE_FLOAT = st.one_of(
+    st.floats(), st.sampled_from([float("nan"), float("inf"), -float("inf"), -0.0, 1e308])
+)
 SCALAR = st.one_of(st.none(), st.booleans(), HOSTILE_INT, HOSTILE_FLOAT, HOSTILE_TEXT)
 HOSTILE_JSON: st.SearchStrategy[Any] = st.recursive(
     SCALAR,
-    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(HOSTILE_TEXT, inner, max_size=4)),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(HOSTILE_TEXT, inner, max_size=4)
+    ),
     max_leaves=12,
 )
 
@@ -57,10 +67,16 @@ def plausible(schema: dict[str, Any]) -> st.SearchStrategy[Any]:
 def body_for(schema: dict[str, Any] | None) -> st.SearchStrategy[bytes]:
     """A request body for an OpenAPI object schema: its fields plausible or hostile, extra fields, or junk."""
     props: dict[str, Any] = (schema or {}).get("properties", {})
-    fields = st.fixed_dictionaries({}, optional={k: st.one_of(plausible(v), HOSTILE_JSON) for k, v in props.items()})
-    with_extra = st.builds(lambda d, extra: {**d, **extra}, fields, st.dictionaries(HOSTILE_TEXT, SCALAR, max_size=2))
+    fields = st.fixed_dictionaries(
+        {}, optional={k: st.one_of(plausible(v), HOSTILE_JSON) for k, v in props.items()}
+    )
+    with_extra = st.builds(
+        lambda d, extra: {**d, **extra}, fields, st.dictionaries(HOSTILE_TEXT, SCALAR, max_size=2)
+    )
     return st.one_of(
-        fields.map(encode), fields.map(encode), with_extra.map(encode),
+        fields.map(encode),
+        fields.map(encode),
+        with_extra.map(encode),
         HOSTILE_JSON.map(encode),
         st.binary(max_size=64),
         st.integers(1, 3000).map(lambda n: b'{"a":' + b"[" * n + b"]" * n + b"}"),
@@ -70,11 +86,16 @@ def body_for(schema: dict[str, Any] | None) -> st.SearchStrategy[bytes]:
 # -- protobuf ----------------------------------------------------------------------
 
 _INT_RANGES = {
-    FieldDescriptor.TYPE_INT32: (-(2**31), 2**31 - 1), FieldDescriptor.TYPE_SINT32: (-(2**31), 2**31 - 1),
-    FieldDescriptor.TYPE_SFIXED32: (-(2**31), 2**31 - 1), FieldDescriptor.TYPE_UINT32: (0, 2**32 - 1),
-    FieldDescriptor.TYPE_FIXED32: (0, 2**32 - 1), FieldDescriptor.TYPE_INT64: (-(2**63), 2**63 - 1),
-    FieldDescriptor.TYPE_SINT64: (-(2**63), 2**63 - 1), FieldDescriptor.TYPE_SFIXED64: (-(2**63), 2**63 - 1),
-    FieldDescriptor.TYPE_UINT64: (0, 2**64 - 1), FieldDescriptor.TYPE_FIXED64: (0, 2**64 - 1),
+    FieldDescriptor.TYPE_INT32: (-(2**31), 2**31 - 1),
+    FieldDescriptor.TYPE_SINT32: (-(2**31), 2**31 - 1),
+    FieldDescriptor.TYPE_SFIXED32: (-(2**31), 2**31 - 1),
+    FieldDescriptor.TYPE_UINT32: (0, 2**32 - 1),
+    FieldDescriptor.TYPE_FIXED32: (0, 2**32 - 1),
+    FieldDescriptor.TYPE_INT64: (-(2**63), 2**63 - 1),
+    FieldDescriptor.TYPE_SINT64: (-(2**63), 2**63 - 1),
+    FieldDescriptor.TYPE_SFIXED64: (-(2**63), 2**63 - 1),
+    FieldDescriptor.TYPE_UINT64: (0, 2**64 - 1),
+    FieldDescriptor.TYPE_FIXED64: (0, 2**64 - 1),
 }
 
 
@@ -82,7 +103,11 @@ def _scalar(field: FieldDescriptor, ids: list[str]) -> st.SearchStrategy[Any]:
     t = field.type
     if t in _INT_RANGES:
         lo, hi = _INT_RANGES[t]
-        small = st.integers(max(lo, 0), min(hi, 8)) if "max_tokens" in field.name else st.integers(max(lo, -2), min(hi, 300))
+        small = (
+            st.integers(max(lo, 0), min(hi, 8))
+            if "max_tokens" in field.name
+            else st.integers(max(lo, -2), min(hi, 300))
+        )
         return st.one_of(small, small, st.integers(lo, hi), st.sampled_from([lo, hi]))
     if t == FieldDescriptor.TYPE_FLOAT:
         return st.one_of(st.floats(0, 2, width=32), st.floats(width=32))
@@ -96,7 +121,9 @@ def _scalar(field: FieldDescriptor, ids: list[str]) -> st.SearchStrategy[Any]:
     if t == FieldDescriptor.TYPE_BYTES:
         return st.binary(max_size=32)
     if t == FieldDescriptor.TYPE_ENUM:
-        return st.one_of(st.sampled_from([v.number for v in field.enum_type.values]), st.integers(-5, 2**31 - 1))
+        return st.one_of(
+            st.sampled_from([v.number for v in field.enum_type.values]), st.integers(-5, 2**31 - 1)
+        )
     raise AssertionError(f"no strategy for field type {t}")
 
 
@@ -104,14 +131,19 @@ def message(descriptor: Descriptor, ids: list[str], depth: int = 2) -> st.Search
     """Random instances of the message type: any value in each field's wire range, NaN and huge ints included."""
     cls = message_factory.GetMessageClass(descriptor)
     if descriptor.full_name == "google.protobuf.Any":
-        return st.builds(lambda url, v: any_pb2.Any(type_url=url, value=v),
-                         st.sampled_from(["type.googleapis.com/google.protobuf.Struct", "x/y", ""]), st.binary(max_size=24))
+        return st.builds(
+            lambda url, v: any_pb2.Any(type_url=url, value=v),
+            st.sampled_from(["type.googleapis.com/google.protobuf.Struct", "x/y", ""]),
+            st.binary(max_size=24),
+        )
     parts: dict[str, st.SearchStrategy[Any]] = {}
     for field in descriptor.fields:
         if field.message_type is not None:
             if field.message_type.GetOptions().map_entry or depth <= 0:
                 continue
-            one: st.SearchStrategy[Any] = st.deferred(lambda f=field: message(f.message_type, ids, depth - 1))
+            one: st.SearchStrategy[Any] = st.deferred(
+                lambda f=field: message(f.message_type, ids, depth - 1)
+            )
         else:
             one = _scalar(field, ids)
         parts[field.name] = st.lists(one, max_size=3) if field.is_repeated else one

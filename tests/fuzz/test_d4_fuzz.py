@@ -24,9 +24,15 @@ from tests.fuzz.strategies import HOSTILE_JSON, HOSTILE_TEXT, encode, plausible
 from tests.transports.nostr.conftest import LocalRelay, WorkerFactory, call_body, eventually
 from transports.nostr.worker import D4Worker
 
-ARG_SCHEMA = {"prompt": {"type": "string"}, "max_tokens": {"type": "integer"}, "temperature": {"type": "number"},
-              "top_p": {"type": "number"}, "top_k": {"type": "integer"}, "seed": {"type": "integer"},
-              "stop": {"type": "array"}}
+ARG_SCHEMA = {
+    "prompt": {"type": "string"},
+    "max_tokens": {"type": "integer"},
+    "temperature": {"type": "number"},
+    "top_p": {"type": "number"},
+    "top_k": {"type": "integer"},
+    "seed": {"type": "integer"},
+    "stop": {"type": "array"},
+}
 
 
 @dataclass
@@ -38,7 +44,9 @@ class Fuzzed:
 
 
 @pytest.fixture
-async def fuzzed(runtime: Runtime, make_worker: WorkerFactory, local_relay: LocalRelay) -> AsyncIterator[Fuzzed]:
+async def fuzzed(
+    runtime: Runtime, make_worker: WorkerFactory, local_relay: LocalRelay
+) -> AsyncIterator[Fuzzed]:
     worker = await make_worker(runtime, [local_relay.url], default_max_tokens=4)
     [fid] = worker.functions
     sid = (await runtime.open_session("http")).session_id
@@ -56,8 +64,12 @@ async def _stored(runtime: Runtime, sid: str) -> str:
 def contents(draw: Any) -> str:
     kind = draw(st.integers(0, 3))
     if kind == 0:  # a call with plausible or hostile args
-        args = draw(st.fixed_dictionaries({}, optional={k: st.one_of(plausible(v), HOSTILE_JSON)
-                                                        for k, v in ARG_SCHEMA.items()}))
+        args = draw(
+            st.fixed_dictionaries(
+                {},
+                optional={k: st.one_of(plausible(v), HOSTILE_JSON) for k, v in ARG_SCHEMA.items()},
+            )
+        )
         body = call_body(draw(HOSTILE_TEXT), args={**args, "max_tokens": args.get("max_tokens", 3)})
         for key in ("max_total_cost", "max_iteration_cost", "version", "results"):
             if draw(st.booleans()):
@@ -72,8 +84,16 @@ def contents(draw: Any) -> str:
 
 async def _check(f: Fuzzed, content: str, caplog: pytest.LogCaptureFixture) -> None:
     # a fresh key per example: the same content replayed by Hypothesis is a new event, not a duplicate
-    event = ns.EventBuilder(ns.Kind(1), content).tags([ns.Tag.parse(["e", f.fid])]).finalize(ns.Keys.generate())
-    handled = f.worker.stats["calls"] + f.worker.stats["feedback_unknown"] + f.worker.stats["feedback_invalid"]
+    event = (
+        ns.EventBuilder(ns.Kind(1), content)
+        .tags([ns.Tag.parse(["e", f.fid])])
+        .finalize(ns.Keys.generate())
+    )
+    handled = (
+        f.worker.stats["calls"]
+        + f.worker.stats["feedback_unknown"]
+        + f.worker.stats["feedback_invalid"]
+    )
     caplog.clear()
     with caplog.at_level(logging.ERROR):
         assert f.worker.ingest(event) is True
@@ -81,7 +101,12 @@ async def _check(f: Fuzzed, content: str, caplog: pytest.LogCaptureFixture) -> N
     assert not caplog.records, caplog.text  # no "handling event failed", no "call failed"
     eid = event.id().to_hex()
     sid = "d4_" + eid[:48]
-    if f.worker.stats["calls"] + f.worker.stats["feedback_unknown"] + f.worker.stats["feedback_invalid"] > handled:
+    if (
+        f.worker.stats["calls"]
+        + f.worker.stats["feedback_unknown"]
+        + f.worker.stats["feedback_invalid"]
+        > handled
+    ):
         try:
             st_ = await f.runtime.get(sid)
         except Exception:
@@ -91,12 +116,16 @@ async def _check(f: Fuzzed, content: str, caplog: pytest.LogCaptureFixture) -> N
 
 @fuzz_settings(QUICK)
 @given(content=contents())
-async def test_d4_event_fuzz(fuzzed: Fuzzed, content: str, caplog: pytest.LogCaptureFixture) -> None:
+async def test_d4_event_fuzz(
+    fuzzed: Fuzzed, content: str, caplog: pytest.LogCaptureFixture
+) -> None:
     await _check(fuzzed, content, caplog)
 
 
 @pytest.mark.fuzz
 @fuzz_settings(LONG)
 @given(content=contents())
-async def test_d4_event_fuzz_long(fuzzed: Fuzzed, content: str, caplog: pytest.LogCaptureFixture) -> None:
+async def test_d4_event_fuzz_long(
+    fuzzed: Fuzzed, content: str, caplog: pytest.LogCaptureFixture
+) -> None:
     await _check(fuzzed, content, caplog)

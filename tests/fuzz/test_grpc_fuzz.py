@@ -30,12 +30,25 @@ from transports.grpc.gen.kakeya.v1 import runtime_pb2 as kakeya_pb2
 from transports.grpc.gen.salience.v1 import salience_pb2
 from transports.grpc.plugin import GrpcTransport
 
-FORBIDDEN = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.DATA_LOSS,
-             grpc.StatusCode.UNIMPLEMENTED}
-REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.NOT_FOUND,
-            grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED}
-METHODS = [m for module in (evergreen_pb2, salience_pb2, kakeya_pb2)
-           for service in module.DESCRIPTOR.services_by_name.values() for m in service.methods]
+FORBIDDEN = {
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.DATA_LOSS,
+    grpc.StatusCode.UNIMPLEMENTED,
+}
+REFUSALS = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.OUT_OF_RANGE,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+METHODS = [
+    m
+    for module in (evergreen_pb2, salience_pb2, kakeya_pb2)
+    for service in module.DESCRIPTOR.services_by_name.values()
+    for m in service.methods
+]
 IDS = [f"{m.containing_service.name}.{m.name}" for m in METHODS]
 
 
@@ -52,8 +65,10 @@ async def fuzzed(sqlite_url: str) -> AsyncIterator[Fuzzed]:
     rt = await Runtime.create(cfg, engine=ReferenceEngine(max_length=256))
     tr = GrpcTransport(rt, {"listen": "127.0.0.1:0"}, cfg)
     await tr.start()
-    sids = [(await rt.open_session("salience")).session_id,
-            (await rt.open_session("kakeya", mode="append_only")).session_id]
+    sids = [
+        (await rt.open_session("salience")).session_id,
+        (await rt.open_session("kakeya", mode="append_only")).session_id,
+    ]
     for sid in sids:
         await rt.append_tokens(sid, [1, 2, 3])
     async with grpc.aio.insecure_channel(f"127.0.0.1:{tr.port}") as channel:
@@ -63,7 +78,9 @@ async def fuzzed(sqlite_url: str) -> AsyncIterator[Fuzzed]:
 
 
 async def _stored(f: Fuzzed) -> str:
-    return json.dumps([[e.to_json() for e in await f.runtime.log.read(s)] for s in f.sids], sort_keys=True)
+    return json.dumps(
+        [[e.to_json() for e in await f.runtime.log.read(s)] for s in f.sids], sort_keys=True
+    )
 
 
 async def _check(f: Fuzzed, method: Any, payloads: list[bytes]) -> None:
@@ -78,7 +95,9 @@ async def _check(f: Fuzzed, method: Any, payloads: list[bytes]) -> None:
         assert await _stored(f) == before, (path, code, payloads)
 
 
-async def _stream(f: Fuzzed, path: str, server_streaming: bool, payloads: list[bytes]) -> grpc.StatusCode:
+async def _stream(
+    f: Fuzzed, path: str, server_streaming: bool, payloads: list[bytes]
+) -> grpc.StatusCode:
     try:
         if server_streaming:
             async for _ in f.channel.stream_stream(path)(iter(payloads)):

@@ -32,7 +32,9 @@ from transports.sse.plugin import HttpTransport
 #: errors after which nothing may have changed
 REFUSALS = {400, 401, 404, 405, 408, 413, 422}
 SPEC = spec()
-OPERATIONS = [(path, method, op) for path, item in SPEC["paths"].items() for method, op in item.items()]
+OPERATIONS = [
+    (path, method, op) for path, item in SPEC["paths"].items() for method, op in item.items()
+]
 
 
 @dataclass
@@ -64,8 +66,9 @@ async def _stored(f: Fuzzed) -> bytes:
     while any(f.runtime.is_generating(s) for s in f.sids):  # noqa: ASYNC110 - a cancelled stream's record
         await asyncio.sleep(0.01)
     rows = await f.runtime.log.list_sessions(limit=10_000)
-    return json.dumps([[e.to_json() for e in await f.runtime.log.read(r.id)] for r in rows],
-                      sort_keys=True).encode()
+    return json.dumps(
+        [[e.to_json() for e in await f.runtime.log.read(r.id)] for r in rows], sort_keys=True
+    ).encode()
 
 
 @st.composite
@@ -81,8 +84,13 @@ def requests(draw: Any, path: str, method: str, op: dict[str, Any]) -> dict[str,
     for p in op.get("parameters", []):
         if p["in"] == "path" or not draw(st.booleans()):
             continue
-        value = draw(st.one_of(st.integers(-3, 10).map(str), st.sampled_from(p.get("schema", {}).get("enum", ["x"])),
-                               HOSTILE_TEXT))
+        value = draw(
+            st.one_of(
+                st.integers(-3, 10).map(str),
+                st.sampled_from(p.get("schema", {}).get("enum", ["x"])),
+                HOSTILE_TEXT,
+            )
+        )
         if p["in"] == "query":
             out["params"][p["name"]] = value
         elif p["in"] == "header":
@@ -93,7 +101,9 @@ def requests(draw: Any, path: str, method: str, op: dict[str, Any]) -> dict[str,
     schema = op.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema")
     if method == "post":
         body = draw(body_for(schema))
-        if b'"background"' in body:  # a generation outliving its request would race the byte-for-byte check
+        if (
+            b'"background"' in body
+        ):  # a generation outliving its request would race the byte-for-byte check
             body = body.replace(b'"background"', b'"backgroun"')
         out["body"] = body
     return out
@@ -103,14 +113,23 @@ async def _send(f: Fuzzed, req: dict[str, Any]) -> tuple[int, bytes, str]:
     path = req["path"]
     for name, v in req["path_values"].items():
         v = f.sids[int(v[1])] if v in ("@0", "@1") else v
-        path = path.replace("{" + name + "}", urllib.parse.quote(v, safe="", errors="surrogatepass"))
+        path = path.replace(
+            "{" + name + "}", urllib.parse.quote(v, safe="", errors="surrogatepass")
+        )
     headers = {**req["headers"], "content-type": b"application/json"}
-    params = {k: v.encode("utf-8", "surrogatepass").decode("latin-1") for k, v in req["params"].items()}
-    async with f.client.stream(req["method"], path, params=params, headers=headers,
-                               content=req["body"]) as r:
+    params = {
+        k: v.encode("utf-8", "surrogatepass").decode("latin-1") for k, v in req["params"].items()
+    }
+    async with f.client.stream(
+        req["method"], path, params=params, headers=headers, content=req["body"]
+    ) as r:
         ctype = r.headers.get("content-type", "")
         if r.status_code < 400 and ctype.startswith("text/event-stream"):
-            return r.status_code, b"", ctype  # a live stream: the status is the answer; closing ends it
+            return (
+                r.status_code,
+                b"",
+                ctype,
+            )  # a live stream: the status is the answer; closing ends it
         return r.status_code, await r.aread(), ctype
 
 
@@ -132,7 +151,9 @@ IDS = [f"{m.upper()} {p}" for p, m, _ in OPERATIONS]
 @pytest.mark.parametrize(("path", "method", "op"), OPERATIONS, ids=IDS)
 @fuzz_settings(QUICK)
 @given(data=st.data())
-async def test_http_route_fuzz(fuzzed: Fuzzed, path: str, method: str, op: dict[str, Any], data: Any) -> None:
+async def test_http_route_fuzz(
+    fuzzed: Fuzzed, path: str, method: str, op: dict[str, Any], data: Any
+) -> None:
     await _check(fuzzed, data.draw(requests(path, method, op)))
 
 
@@ -140,5 +161,7 @@ async def test_http_route_fuzz(fuzzed: Fuzzed, path: str, method: str, op: dict[
 @pytest.mark.parametrize(("path", "method", "op"), OPERATIONS, ids=IDS)
 @fuzz_settings(LONG)
 @given(data=st.data())
-async def test_http_route_fuzz_long(fuzzed: Fuzzed, path: str, method: str, op: dict[str, Any], data: Any) -> None:
+async def test_http_route_fuzz_long(
+    fuzzed: Fuzzed, path: str, method: str, op: dict[str, Any], data: Any
+) -> None:
     await _check(fuzzed, data.draw(requests(path, method, op)))

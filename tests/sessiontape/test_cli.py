@@ -33,8 +33,19 @@ async def test_remote_commands(live: Served, capsys: pytest.CaptureFixture[str])
     rt = live.runtime
     sid = (await rt.open_session("http", label="cli")).session_id
     url = ("--url", live.url)
-    code, out, _ = await cli(capsys, "remote", *url, "generate", sid, "--text", "Hello", "--max-tokens", "5",
-                             "--seed", "3")
+    code, out, _ = await cli(
+        capsys,
+        "remote",
+        *url,
+        "generate",
+        sid,
+        "--text",
+        "Hello",
+        "--max-tokens",
+        "5",
+        "--seed",
+        "3",
+    )
     assert code == 0
     st = await rt.get(sid)
     [gen] = st.generations.values()
@@ -45,14 +56,20 @@ async def test_remote_commands(live: Served, capsys: pytest.CaptureFixture[str])
     assert json.loads(out)["history"]["ids"] == list(st.tokens)
     code, out, _ = await cli(capsys, "remote", *url, "fork", sid, "--at-position", "2")
     child = out.strip()
-    assert (await rt.get(child)).parent == {"session_id": sid, "version": st.version, "token_position": 2}
+    assert (await rt.get(child)).parent == {
+        "session_id": sid,
+        "version": st.version,
+        "token_position": 2,
+    }
     code, out, _ = await cli(capsys, "remote", *url, "close", sid)
     assert out.strip() == "closed"
     code, out, _ = await cli(capsys, "remote", *url, "tail", sid, "--json")
     kinds = [json.loads(line)["kind"] for line in out.splitlines()]
     assert kinds == ["snapshot", "end"]
     code, out, _ = await cli(capsys, "remote", *url, "export", sid)
-    assert [json.loads(line)["version"] for line in out.splitlines()] == list(range(1, st.version + 1))
+    assert [json.loads(line)["version"] for line in out.splitlines()] == list(
+        range(1, st.version + 1)
+    )
 
 
 async def test_remote_errors(live: Served, capsys: pytest.CaptureFixture[str]) -> None:

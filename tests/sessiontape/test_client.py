@@ -66,7 +66,10 @@ class Proxy:
                     await dst.drain()
             dst.close()
 
-        for t in (asyncio.create_task(pump(reader, up_writer)), asyncio.create_task(pump(up_reader, writer))):
+        for t in (
+            asyncio.create_task(pump(reader, up_writer)),
+            asyncio.create_task(pump(up_reader, writer)),
+        ):
             self._tasks.add(t)
             t.add_done_callback(self._tasks.discard)
 
@@ -82,7 +85,10 @@ def test_sse_decoder() -> None:
     d = SSEDecoder()
     lines = ["id: 7", "event: patch", "data: [1,", "data: 2]", "", ": ping", "", "data: x", ""]
     out = [e for e in (d.line(line) for line in lines) if e is not None]
-    assert [(e.event, e.data, e.id) for e in out] == [("patch", "[1,\n2]", "7"), ("message", "x", "7")]
+    assert [(e.event, e.data, e.id) for e in out] == [
+        ("patch", "[1,\n2]", "7"),
+        ("message", "x", "7"),
+    ]
 
 
 async def test_sync_client_covers_the_api(live: Served) -> None:
@@ -97,9 +103,19 @@ async def test_sync_client_covers_the_api(live: Served) -> None:
             child = st.fork(sid, at_position=3, label="kid")
             fb = st.feedback(sid, {"score": 1})
             closed = st.close_session(sid)
-            return {"sid": sid, "gen": gen, "streamed": streamed, "child": child, "fb": fb, "closed": closed,
-                    "listed": st.list_sessions(parent=sid), "export": st.export(sid), "audit": st.audit(sid),
-                    "doc": st.get_session(sid), "v2": st.get_session(sid, version=2)}
+            return {
+                "sid": sid,
+                "gen": gen,
+                "streamed": streamed,
+                "child": child,
+                "fb": fb,
+                "closed": closed,
+                "listed": st.list_sessions(parent=sid),
+                "export": st.export(sid),
+                "audit": st.audit(sid),
+                "doc": st.get_session(sid),
+                "v2": st.get_session(sid, version=2),
+            }
 
     r = await asyncio.to_thread(run)
     sid = r["sid"]
@@ -109,7 +125,9 @@ async def test_sync_client_covers_the_api(live: Served) -> None:
     positions = [u.position for u in streamed]
     assert positions == sorted(set(positions))  # type: ignore[type-var]
     assert streamed[-1].document["generations"][-1]["status"] == "finished"
-    assert r["child"]["parent"]["session_id"] == sid and r["child"]["history"]["ids"] == list(b"Hel")
+    assert r["child"]["parent"]["session_id"] == sid and r["child"]["history"]["ids"] == list(
+        b"Hel"
+    )
     assert [s["id"] for s in r["listed"]] == [r["child"]["id"]]
     assert r["closed"]["status"] == "closed" and r["doc"]["status"] == "closed"
     assert r["v2"]["version"] == 2 and r["v2"]["history"]["ids"] == list(b"Hello")
@@ -180,7 +198,10 @@ async def test_unauthenticated(sqlite_url: str, port: int) -> None:
 
 async def test_tail_resumes_across_cut_connections(live: Served) -> None:
     port = int(live.url.rsplit(":", 1)[1])
-    async with Proxy(port) as proxy, AsyncClient(f"http://127.0.0.1:{proxy.port}", backoff_s=0.01) as st:
+    async with (
+        Proxy(port) as proxy,
+        AsyncClient(f"http://127.0.0.1:{proxy.port}", backoff_s=0.01) as st,
+    ):
         sid = (await st.create_session())["id"]
         await st.append(sid, text="Once upon a time")
         gid = await st.generate_background(sid, max_tokens=60, seed=4)
@@ -213,7 +234,9 @@ async def test_sync_tail_resume_with_saved_document(live: Served) -> None:
                 if len(first) == 4:
                     break
             saved = copy.deepcopy(first[-1].document)
-            rest = list(st.tail(sid, until_generation=gid, last_event_id=first[-1].position, document=saved))
+            rest = list(
+                st.tail(sid, until_generation=gid, last_event_id=first[-1].position, document=saved)
+            )
             return first + rest, st.get_session(sid)
 
     updates, server_doc = await asyncio.to_thread(run)

@@ -34,11 +34,21 @@ NodeFragment = evergreen_pb2.NodeFragment
 Action = evergreen_pb2.Action
 
 
-def fragment(node_id: str, *, seq: int = 0, continued: bool = False, child_ids: Sequence[str] = (),
-             data: bytes | None = None, ref: str | None = None, mimetype: str | None = None,
-             leaf: bool | None = None) -> evergreen_pb2.NodeFragment:
+def fragment(
+    node_id: str,
+    *,
+    seq: int = 0,
+    continued: bool = False,
+    child_ids: Sequence[str] = (),
+    data: bytes | None = None,
+    ref: str | None = None,
+    mimetype: str | None = None,
+    leaf: bool | None = None,
+) -> evergreen_pb2.NodeFragment:
     """One NodeFragment. A leaf when it has data, a ref or a mimetype (or ``leaf=True``)."""
-    f = evergreen_pb2.NodeFragment(id=node_id, seq=seq, continued=continued, child_ids=list(child_ids))
+    f = evergreen_pb2.NodeFragment(
+        id=node_id, seq=seq, continued=continued, child_ids=list(child_ids)
+    )
     if leaf or (leaf is None and (data is not None or ref is not None or mimetype is not None)):
         f.chunk_fragment.SetInParent()
         if mimetype is not None:
@@ -50,15 +60,22 @@ def fragment(node_id: str, *, seq: int = 0, continued: bool = False, child_ids: 
     return f
 
 
-def text_fragments(node_id: str, text: str, *, parts: int = 1,
-                   mimetype: str = "text/plain") -> list[evergreen_pb2.NodeFragment]:
+def text_fragments(
+    node_id: str, text: str, *, parts: int = 1, mimetype: str = "text/plain"
+) -> list[evergreen_pb2.NodeFragment]:
     """A text leaf split into ``parts`` fragments (metadata on seq 0 only)."""
     raw = text.encode()
     step = max(1, -(-len(raw) // max(1, parts)))
-    pieces = [raw[i:i + step] for i in range(0, len(raw), step)] or [b""]
+    pieces = [raw[i : i + step] for i in range(0, len(raw), step)] or [b""]
     return [
-        fragment(node_id, seq=i, continued=i < len(pieces) - 1, data=p,
-                 mimetype=mimetype if i == 0 else None, leaf=True)
+        fragment(
+            node_id,
+            seq=i,
+            continued=i < len(pieces) - 1,
+            data=p,
+            mimetype=mimetype if i == 0 else None,
+            leaf=True,
+        )
         for i, p in enumerate(pieces)
     ]
 
@@ -72,9 +89,14 @@ def sampling_config(**params: Any) -> any_pb2.Any:
     return packed
 
 
-def action(name: str, *, inputs: Mapping[str, str] | Iterable[tuple[str, str]] = (),
-           outputs: Mapping[str, str] | Iterable[tuple[str, str]] = (),
-           configs: Sequence[any_pb2.Any] = (), target: str = "") -> evergreen_pb2.Action:
+def action(
+    name: str,
+    *,
+    inputs: Mapping[str, str] | Iterable[tuple[str, str]] = (),
+    outputs: Mapping[str, str] | Iterable[tuple[str, str]] = (),
+    configs: Sequence[any_pb2.Any] = (),
+    target: str = "",
+) -> evergreen_pb2.Action:
     """An Action; inputs/outputs map parameter names to node ids."""
     ins = inputs.items() if isinstance(inputs, Mapping) else inputs
     outs = outputs.items() if isinstance(outputs, Mapping) else outputs
@@ -95,9 +117,15 @@ class EvergreenSession:
         self.received: list[evergreen_pb2.SessionMessage] = []
         self._session_id: str | None = None
 
-    async def send(self, *, fragments: Sequence[evergreen_pb2.NodeFragment] = (),
-                   actions: Sequence[evergreen_pb2.Action] = ()) -> None:
-        await self.call.write(evergreen_pb2.SessionMessage(node_fragments=list(fragments), actions=list(actions)))
+    async def send(
+        self,
+        *,
+        fragments: Sequence[evergreen_pb2.NodeFragment] = (),
+        actions: Sequence[evergreen_pb2.Action] = (),
+    ) -> None:
+        await self.call.write(
+            evergreen_pb2.SessionMessage(node_fragments=list(fragments), actions=list(actions))
+        )
 
     async def done_writing(self) -> None:
         """Half-close: the server finishes pending actions, then ends the stream."""
@@ -130,8 +158,9 @@ class EvergreenSession:
     async def __aenter__(self) -> EvergreenSession:
         return self
 
-    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
-                        tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if not self.call.done():
             self.call.cancel()
 
@@ -149,10 +178,19 @@ def assemble(messages: Iterable[evergreen_pb2.SessionMessage]) -> dict[str, byte
 class EvergreenClient:
     """A channel to a sessiontape gRPC server, with the bearer token attached."""
 
-    def __init__(self, target: str, *, token: str | None = None, credentials: Any = None,
-                 options: Sequence[tuple[str, Any]] = ()) -> None:
-        self.channel = (grpc.aio.secure_channel(target, credentials, options=list(options))
-                        if credentials is not None else grpc.aio.insecure_channel(target, options=list(options)))
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        credentials: Any = None,
+        options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        self.channel = (
+            grpc.aio.secure_channel(target, credentials, options=list(options))
+            if credentials is not None
+            else grpc.aio.insecure_channel(target, options=list(options))
+        )
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.stub = evergreen_pb2_grpc.EvergreenServiceStub(self.channel)
 
@@ -166,6 +204,7 @@ class EvergreenClient:
     async def __aenter__(self) -> EvergreenClient:
         return self
 
-    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
-                        tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
         await self.close()

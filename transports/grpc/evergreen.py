@@ -87,7 +87,8 @@ def _metadata_dict(m: evergreen_pb2.ChunkMetadata) -> dict[str, Any]:
             raise InvalidFragment(f"capture_time is not a valid timestamp: {exc}") from None
     if m.experimental:
         out["experimental"] = [
-            {"type_url": a.type_url, "value": base64.b64encode(a.value).decode()} for a in m.experimental
+            {"type_url": a.type_url, "value": base64.b64encode(a.value).decode()}
+            for a in m.experimental
         ]
     return out
 
@@ -102,13 +103,21 @@ def fragment_in(f: evergreen_pb2.NodeFragment) -> FragmentIn:
         raise InvalidFragment(f"node {f.id}: the seq 0 fragment of a leaf must carry metadata")
     which = c.WhichOneof("payload")
     return FragmentIn(
-        id=f.id, seq=f.seq, continued=f.continued, child_ids=tuple(f.child_ids), has_chunk=True,
-        metadata=metadata, ref=c.ref if which == "ref" else None, data=c.data if which == "data" else None,
+        id=f.id,
+        seq=f.seq,
+        continued=f.continued,
+        child_ids=tuple(f.child_ids),
+        has_chunk=True,
+        metadata=metadata,
+        ref=c.ref if which == "ref" else None,
+        data=c.data if which == "data" else None,
     )
 
 
 def fragment_out(f: FragmentIn) -> evergreen_pb2.NodeFragment:
-    msg = evergreen_pb2.NodeFragment(id=f.id, seq=f.seq, continued=f.continued, child_ids=list(f.child_ids))
+    msg = evergreen_pb2.NodeFragment(
+        id=f.id, seq=f.seq, continued=f.continued, child_ids=list(f.child_ids)
+    )
     if f.has_chunk:
         chunk = msg.chunk_fragment
         chunk.SetInParent()
@@ -139,8 +148,12 @@ def _struct(a: Any) -> dict[str, Any]:
 
 
 _PARAM_TYPES: Mapping[str, type | tuple[type, ...]] = {
-    "max_tokens": (int, float), "temperature": (int, float), "top_p": (int, float),
-    "top_k": (int, float), "seed": (int, float, str), "stop_token_ids": list,
+    "max_tokens": (int, float),
+    "temperature": (int, float),
+    "top_p": (int, float),
+    "top_k": (int, float),
+    "seed": (int, float, str),
+    "stop_token_ids": list,
 }
 
 
@@ -153,14 +166,20 @@ def sampling_params(configs: Sequence[Any]) -> SamplingParams:
     merged: dict[str, Any] = {}
     for a in configs:
         if a.type_url != STRUCT_TYPE_URL:
-            raise InvalidParameters(f"GENERATE config of type {a.type_url!r}: only {STRUCT_TYPE_URL} is accepted")
+            raise InvalidParameters(
+                f"GENERATE config of type {a.type_url!r}: only {STRUCT_TYPE_URL} is accepted"
+            )
         merged.update(_struct(a))
     for key, value in merged.items():
         want = _PARAM_TYPES.get(key)
         if want is None:
-            raise InvalidParameters(f"unknown GENERATE config key {key!r} (known: {', '.join(sorted(_PARAM_TYPES))})")
+            raise InvalidParameters(
+                f"unknown GENERATE config key {key!r} (known: {', '.join(sorted(_PARAM_TYPES))})"
+            )
         if not isinstance(value, want) or isinstance(value, bool):
-            raise InvalidParameters(f"GENERATE config {key!r} has the wrong type ({type(value).__name__})")
+            raise InvalidParameters(
+                f"GENERATE config {key!r} has the wrong type ({type(value).__name__})"
+            )
     try:
         ints = {k: int(merged[k]) for k in ("max_tokens", "top_k") if k in merged}
         if any(float(merged[k]) != ints[k] for k in ints):
@@ -215,7 +234,9 @@ class _Stream:
 
     def start(self, requests: AsyncIterator[evergreen_pb2.SessionMessage]) -> None:
         self.tasks = [
-            asyncio.create_task(self._guard(self._read(requests)), name=f"evergreen-read-{self.sid}"),
+            asyncio.create_task(
+                self._guard(self._read(requests)), name=f"evergreen-read-{self.sid}"
+            ),
             asyncio.create_task(self._guard(self._work()), name=f"evergreen-work-{self.sid}"),
         ]
 
@@ -261,7 +282,9 @@ class _Stream:
         frags = [fragment_in(f) for f in msg.node_fragments]
         for f in frags:
             if f.id in self.output_ids:
-                raise ProtocolViolation(f"node {f.id} is an action output: only the server writes it")
+                raise ProtocolViolation(
+                    f"node {f.id} is an action output: only the server writes it"
+                )
         if frags:
             await self._record_in(frags)
             self.changed.set()
@@ -273,7 +296,9 @@ class _Stream:
             raise InvalidAction(f"unknown action {a.name!r} (this server offers {GENERATE})")
         target = a.target_spec.id
         if target not in self.targets:
-            raise TargetNotFound(f"unknown target {target!r} (known: {', '.join(sorted(repr(t) for t in self.targets))})")
+            raise TargetNotFound(
+                f"unknown target {target!r} (known: {', '.join(sorted(repr(t) for t in self.targets))})"
+            )
         inputs = tuple((p.name, p.id) for p in a.inputs)
         outputs = tuple((p.name, p.id) for p in a.outputs)
         if not inputs:
@@ -286,16 +311,28 @@ class _Stream:
                 raise InvalidAction(f"GENERATE: {kind} parameter without a node id")
         unknown = sorted({n for n, _ in outputs} - GENERATE_OUTPUTS)
         if unknown:
-            raise InvalidAction(f"GENERATE has no output {unknown} (outputs: {', '.join(sorted(GENERATE_OUTPUTS))})")
+            raise InvalidAction(
+                f"GENERATE has no output {unknown} (outputs: {', '.join(sorted(GENERATE_OUTPUTS))})"
+            )
         overlap = {i for _, i in inputs} & {i for _, i in outputs}
         if overlap:
             raise InvalidAction(f"GENERATE reads and writes the same node {sorted(overlap)}")
         params = sampling_params(a.configs)
-        ev = await asyncio.shield(self.runtime.submit_action(
-            self.sid, a.name, inputs, outputs, target=target, configs=[_config_json(c) for c in a.configs]))
+        ev = await asyncio.shield(
+            self.runtime.submit_action(
+                self.sid,
+                a.name,
+                inputs,
+                outputs,
+                target=target,
+                configs=[_config_json(c) for c in a.configs],
+            )
+        )
         self.output_ids.update(i for _, i in outputs)
         self.unfinished.append(str(ev.body["action_id"]))
-        self.actions.put_nowait(PendingAction(str(ev.body["action_id"]), a.name, inputs, outputs, params))
+        self.actions.put_nowait(
+            PendingAction(str(ev.body["action_id"]), a.name, inputs, outputs, params)
+        )
 
     # -- worker --
 
@@ -330,10 +367,12 @@ class _Stream:
             blocked = [n for n in waiting if n in self.output_ids]
             if blocked:
                 raise ProtocolViolation(
-                    f"action {act.id} reads {blocked}, the output of a later action (it would never run)")
+                    f"action {act.id} reads {blocked}, the output of a later action (it would never run)"
+                )
             if self.input_done:
                 raise ProtocolViolation(
-                    f"action {act.id} waits for incomplete nodes {waiting} but the client ended its stream")
+                    f"action {act.id} waits for incomplete nodes {waiting} but the client ended its stream"
+                )
             await self.changed.wait()
 
     async def _prompt(self, act: PendingAction) -> list[int]:
@@ -345,13 +384,19 @@ class _Stream:
                 if "type=endofturn" in chunk.mimetype.replace(" ", "").lower():
                     continue  # a turn marker; the engine's history carries no separate token for it
                 if chunk.ref is not None:
-                    raise InvalidAction(f"GENERATE: node {chunk.node_id} is a ref ({chunk.ref}); refs are not fetched")
+                    raise InvalidAction(
+                        f"GENERATE: node {chunk.node_id} is a ref ({chunk.ref}); refs are not fetched"
+                    )
                 if not mime.startswith("text/"):
-                    raise InvalidAction(f"GENERATE: node {chunk.node_id} has mimetype {chunk.mimetype!r}; only text/* is read")
+                    raise InvalidAction(
+                        f"GENERATE: node {chunk.node_id} has mimetype {chunk.mimetype!r}; only text/* is read"
+                    )
                 try:
                     parts.append((chunk.data or b"").decode("utf-8"))
                 except UnicodeDecodeError as exc:
-                    raise InvalidAction(f"GENERATE: node {chunk.node_id} is not UTF-8 text: {exc}") from exc
+                    raise InvalidAction(
+                        f"GENERATE: node {chunk.node_id} is not UTF-8 text: {exc}"
+                    ) from exc
         tokens = self.runtime.engine.tokenize("".join(parts))
         if not tokens:
             raise InvalidAction(f"GENERATE: action {act.id} has an empty prompt")
@@ -362,22 +407,36 @@ class _Stream:
         st = await self.runtime.get(self.sid)
         # The prompt replaces the session's token history; keep the common
         # prefix so an engine cache for it stays valid.
-        common = next((k for k, (a, b) in enumerate(zip(st.tokens, prompt, strict=False)) if a != b),
-                      min(len(st.tokens), len(prompt)))
+        common = next(
+            (k for k, (a, b) in enumerate(zip(st.tokens, prompt, strict=False)) if a != b),
+            min(len(st.tokens), len(prompt)),
+        )
         engine = self.runtime.engine
         produced: list[int] = []
         sent = ""
         seq = 0
         # One output fragment per committed run of tokens (not one per token):
         # each fragment is one append and one message, whatever the engine's speed.
-        runs = cast(AsyncGenerator[list[Event], None], self.runtime.generate_runs(
-            self.sid, act.params, append=prompt[common:], offset=common, truncating=True, action_id=act.id))
+        runs = cast(
+            AsyncGenerator[list[Event], None],
+            self.runtime.generate_runs(
+                self.sid,
+                act.params,
+                append=prompt[common:],
+                offset=common,
+                truncating=True,
+                action_id=act.id,
+            ),
+        )
         async with contextlib.aclosing(runs):
             async for run in runs:
                 if self.stopping:
                     raise _Stopped
-                new = [int(ev.body["token"]) for ev in run
-                       if ev.type == T.GENERATION_TOKEN and not ev.body.get("is_prefill")]
+                new = [
+                    int(ev.body["token"])
+                    for ev in run
+                    if ev.type == T.GENERATION_TOKEN and not ev.body.get("is_prefill")
+                ]
                 if not new:
                     continue
                 produced += new
@@ -385,24 +444,32 @@ class _Stream:
                 if text.endswith("\ufffd"):
                     continue  # an incomplete UTF-8 sequence: wait for its last byte
                 if text.startswith(sent) and len(text) > len(sent):
-                    await self._emit(act, seq, text[len(sent):], continued=True)
+                    await self._emit(act, seq, text[len(sent) :], continued=True)
                     seq += 1
                     sent = text
         text = engine.detokenize(produced)
-        rest = text[len(sent):] if text.startswith(sent) else ""
+        rest = text[len(sent) :] if text.startswith(sent) else ""
         await self._emit(act, seq, rest, continued=False)
 
     async def _emit(self, act: PendingAction, seq: int, text: str, *, continued: bool) -> None:
         frags = [
-            FragmentIn(id=oid, seq=seq, continued=continued, has_chunk=True,
-                       metadata={"mimetype": OUT_MIMETYPE} if seq == 0 else None, data=text.encode())
+            FragmentIn(
+                id=oid,
+                seq=seq,
+                continued=continued,
+                has_chunk=True,
+                metadata={"mimetype": OUT_MIMETYPE} if seq == 0 else None,
+                data=text.encode(),
+            )
             for _, oid in act.outputs
         ]
         if not frags or self.stopping:
             return
         await asyncio.shield(self.runtime.append_fragments(self.sid, frags, "out"))
         self.changed.set()
-        self.outbox.put_nowait(evergreen_pb2.SessionMessage(node_fragments=[fragment_out(f) for f in frags]))
+        self.outbox.put_nowait(
+            evergreen_pb2.SessionMessage(node_fragments=[fragment_out(f) for f in frags])
+        )
         while self.outbox.qsize() > HIGH_WATER and not self.stopping:
             self.drained.clear()
             await self.drained.wait()
@@ -430,7 +497,9 @@ class _Stream:
         await asyncio.gather(*self.tasks, return_exceptions=True)
         try:
             for aid in list(self.unfinished):
-                await self._finish_action(aid, ("cancelled", "the session ended before the action finished"))
+                await self._finish_action(
+                    aid, ("cancelled", "the session ended before the action finished")
+                )
             if self.error is not None:
                 exc = self.error
                 code = exc.code if isinstance(exc, SessiontapeError) else "internal"
@@ -471,7 +540,9 @@ class EvergreenServicer(evergreen_pb2_grpc.EvergreenServiceServicer, GrpcService
     async def StartSession(
         self, request_iterator: AsyncIterator[evergreen_pb2.SessionMessage], context: Any
     ) -> AsyncIterator[evergreen_pb2.SessionMessage]:
-        st = await self.runtime.open_session("evergreen", meta={"transport": "grpc", "peer": str(context.peer())})
+        st = await self.runtime.open_session(
+            "evergreen", meta={"transport": "grpc", "peer": str(context.peer())}
+        )
         stream = _Stream(self.runtime, st.session_id, self.endings)
         await context.send_initial_metadata((("x-session-id", st.session_id),))
         self.streams.add(stream)

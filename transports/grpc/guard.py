@@ -39,7 +39,9 @@ def _deserializer(inner: Callable[[bytes], Any] | None) -> Callable[[bytes], Any
     def decode(data: bytes) -> Any:
         try:
             return inner(data)
-        except Exception as exc:  # DecodeError, UnicodeDecodeError, ...: the client's bytes, not a bug
+        except (
+            Exception
+        ) as exc:  # DecodeError, UnicodeDecodeError, ...: the client's bytes, not a bug
             return _Undecodable(f"{type(exc).__name__}: {str(exc)[:200]}")
 
     return decode
@@ -65,7 +67,9 @@ def _is_abort(exc: BaseException) -> bool:
     return isinstance(exc, grpc.aio.AbortError | asyncio.CancelledError)
 
 
-def _unary_response(behavior: Callable[..., Awaitable[Any]], streaming_request: bool) -> Callable[..., Any]:
+def _unary_response(
+    behavior: Callable[..., Awaitable[Any]], streaming_request: bool
+) -> Callable[..., Any]:
     async def call(request: Any, context: Any) -> Any:
         try:
             if streaming_request:
@@ -81,7 +85,9 @@ def _unary_response(behavior: Callable[..., Awaitable[Any]], streaming_request: 
     return call
 
 
-def _stream_response(behavior: Callable[..., AsyncIterator[Any]], streaming_request: bool) -> Callable[..., Any]:
+def _stream_response(
+    behavior: Callable[..., AsyncIterator[Any]], streaming_request: bool
+) -> Callable[..., Any]:
     async def call(request: Any, context: Any) -> AsyncIterator[Any]:
         try:
             if streaming_request:
@@ -108,10 +114,15 @@ _MAKERS = {
 
 def guarded(handler: Any) -> Any:
     """``handler`` with the decode check and the last-resort mapping around its behavior."""
-    streaming_request, streaming_response = bool(handler.request_streaming), bool(handler.response_streaming)
+    streaming_request, streaming_response = (
+        bool(handler.request_streaming),
+        bool(handler.response_streaming),
+    )
     behavior = {
-        (False, False): handler.unary_unary, (True, False): handler.stream_unary,
-        (False, True): handler.unary_stream, (True, True): handler.stream_stream,
+        (False, False): handler.unary_unary,
+        (True, False): handler.stream_unary,
+        (False, True): handler.unary_stream,
+        (True, True): handler.stream_stream,
     }[(streaming_request, streaming_response)]
     if behavior is None:
         return handler
@@ -126,7 +137,9 @@ def guarded(handler: Any) -> Any:
 class GuardInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Installed first, so it wraps every handler, the auth interceptor's refusals included."""
 
-    async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]], details: Any) -> Any:
+    async def intercept_service(
+        self, continuation: Callable[[Any], Awaitable[Any]], details: Any
+    ) -> Any:
         handler = await continuation(details)
         return None if handler is None else guarded(handler)
 

@@ -88,27 +88,39 @@ class KakeyaService(pb_grpc.RuntimeServiceServicer, GrpcService):
     async def drain(self, limit_s: float) -> None:
         await self.generations.drain(limit_s)
 
-    async def CreateSession(self, request: pb.CreateSessionRequest, context: Any) -> pb.CreateSessionResponse:
+    async def CreateSession(
+        self, request: pb.CreateSessionRequest, context: Any
+    ) -> pb.CreateSessionResponse:
         async with grpc_errors(context):
-            st = await self.runtime.open_session(PROTOCOL, mode="append_only", label=request.client_label,
-                                                 eos_token_ids=list(request.eos_token_ids))
+            st = await self.runtime.open_session(
+                PROTOCOL,
+                mode="append_only",
+                label=request.client_label,
+                eos_token_ids=list(request.eos_token_ids),
+            )
         return pb.CreateSessionResponse(session_id=st.session_id)
 
-    async def AppendTokens(self, request: pb.AppendTokensRequest, context: Any) -> pb.AppendTokensResponse:
+    async def AppendTokens(
+        self, request: pb.AppendTokensRequest, context: Any
+    ) -> pb.AppendTokensResponse:
         # Runtime.append_tokens refuses a closed/expired/unknown session itself;
         # grpc_errors turns its SessionClosed into this protocol's NOT_FOUND.
         async with grpc_errors(context, request.session_id):
             length = await self.runtime.append_tokens(request.session_id, list(request.token_ids))
         return pb.AppendTokensResponse(history_length=length)
 
-    async def CloseSession(self, request: pb.CloseSessionRequest, context: Any) -> pb.CloseSessionResponse:
+    async def CloseSession(
+        self, request: pb.CloseSessionRequest, context: Any
+    ) -> pb.CloseSessionResponse:
         async with grpc_errors(context, request.session_id):
             st = await live_session(self.runtime, request.session_id)
             length = st.length
             await self.runtime.close(request.session_id)
         return pb.CloseSessionResponse(final_history_length=length)
 
-    async def GetSessionInfo(self, request: pb.GetSessionInfoRequest, context: Any) -> pb.GetSessionInfoResponse:
+    async def GetSessionInfo(
+        self, request: pb.GetSessionInfoRequest, context: Any
+    ) -> pb.GetSessionInfoResponse:
         sid = request.session_id
         async with grpc_errors(context, sid):
             st = await self.runtime.get(sid) if sid else await live_session(self.runtime, sid)
@@ -117,11 +129,16 @@ class KakeyaService(pb_grpc.RuntimeServiceServicer, GrpcService):
                 st = await live_session(self.runtime, sid)
         inv1, inv2 = self.runtime.invariant_violations.get(sid, (0, 0))
         return pb.GetSessionInfoResponse(
-            history_length=st.length, kv_live_bytes=self.runtime.engine.kv_live_bytes(sid),
-            cache_invariant_inv1_violations=inv1, cache_invariant_inv2_violations=inv2,
-            idle_seconds=self.runtime.idle_seconds(sid))
+            history_length=st.length,
+            kv_live_bytes=self.runtime.engine.kv_live_bytes(sid),
+            cache_invariant_inv1_violations=inv1,
+            cache_invariant_inv2_violations=inv2,
+            idle_seconds=self.runtime.idle_seconds(sid),
+        )
 
-    async def Generate(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateResponse]:
+    async def Generate(
+        self, request: pb.GenerateRequest, context: Any
+    ) -> AsyncIterator[pb.GenerateResponse]:
         sid = request.session_id
         async with grpc_errors(context, sid):
             params = SamplingParams(
@@ -138,8 +155,9 @@ class KakeyaService(pb_grpc.RuntimeServiceServicer, GrpcService):
                     async for ev in events:
                         b = ev.body
                         if ev.type == T.TOKENS_TRUNCATED:
-                            yield pb.GenerateResponse(truncated=pb.HistoryTruncated(
-                                dropped_token_count=int(b["dropped"])))
+                            yield pb.GenerateResponse(
+                                truncated=pb.HistoryTruncated(dropped_token_count=int(b["dropped"]))
+                            )
                         elif ev.type == T.GENERATION_TOKEN and not b["is_prefill"]:
                             yield pb.GenerateResponse(token_id=int(b["token"]))
                         elif ev.type == T.GENERATION_FINISHED:
@@ -156,6 +174,9 @@ def _done(b: Mapping[str, Any], max_tokens: int) -> pb.GenerateDone:
     stop = _STOP.get(reason, _Done.STOP_REASON_UNSPECIFIED)
     if reason == "length" and produced < max_tokens:
         stop = _Done.STOP_REASON_TRUNCATED  # the runtime capped it at the context length
-    return _Done(stop_reason=stop, generated_token_count=produced,
-                 prefill_duration_seconds=float(b.get("prefill_s") or 0.0),
-                 total_duration_seconds=float(b.get("total_s") or 0.0))
+    return _Done(
+        stop_reason=stop,
+        generated_token_count=produced,
+        prefill_duration_seconds=float(b.get("prefill_s") or 0.0),
+        total_duration_seconds=float(b.get("total_s") or 0.0),
+    )

@@ -56,7 +56,10 @@ def register_v1_descriptor(pool: descriptor_pool.DescriptorPool | None = None) -
     _rename_messages(fdp.message_type)
     for svc in fdp.service:
         for method in svc.method:
-            method.input_type, method.output_type = _rename(method.input_type), _rename(method.output_type)
+            method.input_type, method.output_type = (
+                _rename(method.input_type),
+                _rename(method.output_type),
+            )
     pool.AddSerializedFile(fdp.SerializeToString())
 
 
@@ -66,10 +69,14 @@ def enable(server: grpc.aio.Server, service_names: Iterable[str]) -> None:
     names = [*service_names, *SERVICE_NAMES]
     reflection.enable_server_reflection(names, server)
     servicer = reflection.aio.ReflectionServicer(names)
-    handler = grpc.method_handlers_generic_handler(V1_SERVICE, {
-        "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
-            servicer.ServerReflectionInfo,
-            request_deserializer=alpha.ServerReflectionRequest.FromString,
-            response_serializer=alpha.ServerReflectionResponse.SerializeToString),
-    })
+    handler = grpc.method_handlers_generic_handler(
+        V1_SERVICE,
+        {
+            "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+                servicer.ServerReflectionInfo,
+                request_deserializer=alpha.ServerReflectionRequest.FromString,
+                response_serializer=alpha.ServerReflectionResponse.SerializeToString,
+            ),
+        },
+    )
     server.add_generic_rpc_handlers((handler,))

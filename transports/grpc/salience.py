@@ -72,7 +72,9 @@ class SalienceService(pb_grpc.SalienceServicer, GrpcService):
     async def drain(self, limit_s: float) -> None:
         await self.generations.drain(limit_s)
 
-    async def OpenSession(self, request: pb.OpenSessionRequest, context: Any) -> pb.OpenSessionResponse:
+    async def OpenSession(
+        self, request: pb.OpenSessionRequest, context: Any
+    ) -> pb.OpenSessionResponse:
         async with grpc_errors(context):
             info = self.runtime.engine.info
             if request.model and request.model != info.model_id:
@@ -80,31 +82,45 @@ class SalienceService(pb_grpc.SalienceServicer, GrpcService):
             st = await self.runtime.open_session(PROTOCOL, mode="offset")
         return pb.OpenSessionResponse(session_id=st.session_id, max_model_len=info.max_length)
 
-    async def CloseSession(self, request: pb.CloseSessionRequest, context: Any) -> pb.CloseSessionResponse:
+    async def CloseSession(
+        self, request: pb.CloseSessionRequest, context: Any
+    ) -> pb.CloseSessionResponse:
         async with grpc_errors(context, request.session_id):
             # idempotent: Runtime.close leaves a closed/expired session as it is
             await self.runtime.close(request.session_id)
         return pb.CloseSessionResponse()
 
-    async def ForkSession(self, request: pb.ForkSessionRequest, context: Any) -> pb.ForkSessionResponse:
+    async def ForkSession(
+        self, request: pb.ForkSessionRequest, context: Any
+    ) -> pb.ForkSessionResponse:
         async with grpc_errors(context, request.session_id):
             await live_session(self.runtime, request.session_id)
             child = await self.runtime.fork(request.session_id, at_position=request.at_position)
         return pb.ForkSessionResponse(session_id=child.session_id)
 
-    async def GetReadoutManifest(self, request: pb.GetReadoutManifestRequest, context: Any) -> pb.ReadoutManifest:
+    async def GetReadoutManifest(
+        self, request: pb.GetReadoutManifestRequest, context: Any
+    ) -> pb.ReadoutManifest:
         m = self.runtime.engine.info.readout_manifest
         if m is None:
             return pb.ReadoutManifest()
-        return pb.ReadoutManifest(concepts=list(m.concepts), layers=list(m.layers),
-                                  hidden_size=m.hidden_size, dtype=m.dtype)
+        return pb.ReadoutManifest(
+            concepts=list(m.concepts),
+            layers=list(m.layers),
+            hidden_size=m.hidden_size,
+            dtype=m.dtype,
+        )
 
-    async def DumpSession(self, request: pb.DumpSessionRequest, context: Any) -> pb.DumpSessionResponse:
+    async def DumpSession(
+        self, request: pb.DumpSessionRequest, context: Any
+    ) -> pb.DumpSessionResponse:
         async with grpc_errors(context, request.session_id):
             st = await live_session(self.runtime, request.session_id)
         return pb.DumpSessionResponse(tokens=list(st.tokens))
 
-    async def Generate(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateEvent]:
+    async def Generate(
+        self, request: pb.GenerateRequest, context: Any
+    ) -> AsyncIterator[pb.GenerateEvent]:
         sid = request.session_id
         async with grpc_errors(context, sid):
             # Anything but a no-op is Runtime.generate's to refuse (closed,
@@ -129,11 +145,21 @@ class SalienceService(pb_grpc.SalienceServicer, GrpcService):
                 readout_ranges=tuple((r.start, r.end) for r in request.readout_ranges),
                 generated_logprobs=False,
             )
-            images = [ImageIn(im.bytes, im.mime, im.pad_range_start, im.pad_range_end) for im in request.images]
+            images = [
+                ImageIn(im.bytes, im.mime, im.pad_range_start, im.pad_range_end)
+                for im in request.images
+            ]
             self.generations.track()
             events = self.runtime.generate(
-                sid, params, options, append=list(request.append_tokens), offset=request.offset,
-                truncating=request.truncating, images=images, priority=request.priority)
+                sid,
+                params,
+                options,
+                append=list(request.append_tokens),
+                offset=request.offset,
+                truncating=request.truncating,
+                images=images,
+                priority=request.priority,
+            )
             async with closing(events):
                 async for ev in events:
                     out = _event(ev, request)
@@ -142,14 +168,25 @@ class SalienceService(pb_grpc.SalienceServicer, GrpcService):
 
 
 def _is_noop(r: pb.GenerateRequest) -> bool:
-    return not (r.append_tokens or r.images or r.max_tokens or r.logprobs_ranges
-                or r.readout_ranges or r.truncating)
+    return not (
+        r.append_tokens
+        or r.images
+        or r.max_tokens
+        or r.logprobs_ranges
+        or r.readout_ranges
+        or r.truncating
+    )
 
 
 def _done(prompt: int, completion: int, reason: str) -> pb.GenerateEvent:
-    return pb.GenerateEvent(done=pb.GenerateDone(
-        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-        finish_reason=_FINISH.get(reason, pb.GenerateDone.FINISH_REASON_UNSPECIFIED)))
+    return pb.GenerateEvent(
+        done=pb.GenerateDone(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            finish_reason=_FINISH.get(reason, pb.GenerateDone.FINISH_REASON_UNSPECIFIED),
+        )
+    )
 
 
 def _event(ev: Event, request: pb.GenerateRequest) -> pb.GenerateEvent | None:
@@ -163,7 +200,9 @@ def _event(ev: Event, request: pb.GenerateRequest) -> pb.GenerateEvent | None:
             tok.sampled_logprob = float(b["logprob"])
             tok.has_sampled_logprob = True
             if request.logprob_top_k:
-                tok.logprobs.extend(pb.TokenLogprob(id=int(i), logprob=float(lp)) for i, lp in b.get("top", ()))
+                tok.logprobs.extend(
+                    pb.TokenLogprob(id=int(i), logprob=float(lp)) for i, lp in b.get("top", ())
+                )
         if covered(request.readout_ranges, pos) and b.get("readout") is not None:
             tok.readout.extend(float(x) for x in b["readout"])
         return pb.GenerateEvent(token=tok)

@@ -60,7 +60,9 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 got = value.encode(errors="replace") if isinstance(value, str) else bytes(value)
                 # the scheme is case-insensitive (RFC 9110 section 11.1); the token is not
                 scheme, _, token = got.strip().partition(b" ")
-                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._expected)
+                return scheme.lower() == b"bearer" and hmac.compare_digest(
+                    token.strip(), self._expected
+                )
         return False
 
     async def intercept_service(
@@ -73,7 +75,12 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             return handler
         if self._authorized(details.invocation_metadata):
             return handler
-        return _rejecting(handler, Unauthenticated("missing or wrong bearer token (metadata 'authorization: Bearer <token>')"))
+        return _rejecting(
+            handler,
+            Unauthenticated(
+                "missing or wrong bearer token (metadata 'authorization: Bearer <token>')"
+            ),
+        )
 
 
 def _rejecting(handler: Any, exc: Exception) -> Any:
@@ -110,8 +117,12 @@ class GrpcServer:
         self.auth_token = auth_token
         self.listen = str(self.options.get("listen") or DEFAULT_LISTEN)
         limit = runtime.config.limit
-        self.max_message_bytes = int(self.options.get("max_message_bytes") or limit("max_body_bytes"))
-        self.max_streams = int(self.options.get("max_concurrent_streams") or limit("max_streams_per_connection"))
+        self.max_message_bytes = int(
+            self.options.get("max_message_bytes") or limit("max_body_bytes")
+        )
+        self.max_streams = int(
+            self.options.get("max_concurrent_streams") or limit("max_streams_per_connection")
+        )
         self.grace_s = float(self.options.get("grace_s", DEFAULT_GRACE_S))
         self.services: list[str] = []
         self.port: int | None = None
@@ -134,8 +145,10 @@ class GrpcServer:
     def _load_services(self, server: Any) -> None:
         names = registry.available(GROUP)
         if not names:
-            raise ConfigError(f"transports.grpc: no services registered under {GROUP!r}"
-                              " (is the package installed? pip install -e .)")
+            raise ConfigError(
+                f"transports.grpc: no services registered under {GROUP!r}"
+                " (is the package installed? pip install -e .)"
+            )
         for name in names:
             factory = registry.load(GROUP, name)
             if not (isinstance(factory, type) and issubclass(factory, GrpcService)):
@@ -167,7 +180,11 @@ class GrpcServer:
         reflection.enable(server, [*self.services, HEALTH_SERVICE])
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
-            bound = server.add_secure_port(address, creds) if creds is not None else server.add_insecure_port(address)
+            bound = (
+                server.add_secure_port(address, creds)
+                if creds is not None
+                else server.add_insecure_port(address)
+            )
         except RuntimeError as exc:
             raise ConfigError(f"transports.grpc: cannot listen on {address}: {exc}") from exc
         if not bound:
@@ -178,7 +195,9 @@ class GrpcServer:
         for svc in ("", *self.services):
             await self._health.set(svc, health_pb2.HealthCheckResponse.SERVING)
         scheme = "grpcs" if creds is not None else "grpc"
-        return f"gRPC on {scheme}://{host}:{self.port} ({', '.join(self.services) or 'no services'})"
+        return (
+            f"gRPC on {scheme}://{host}:{self.port} ({', '.join(self.services) or 'no services'})"
+        )
 
     async def stop(self, grace: float | None = None) -> None:
         """Refuse new calls, let in-flight ones run up to ``grace`` s, then cancel the rest."""

@@ -74,7 +74,9 @@ def message_for(exc: BaseException) -> str:
     return f"internal: internal error (request id {rid})"
 
 
-async def abort_with(context: grpc.aio.ServicerContext[object, object], exc: BaseException) -> NoReturn:
+async def abort_with(
+    context: grpc.aio.ServicerContext[object, object], exc: BaseException
+) -> NoReturn:
     """End the call with the mapped status and message (raises, never returns)."""
     await context.abort(code_for(exc), message_for(exc))
     raise AssertionError("context.abort returned")  # pragma: no cover - abort always raises

@@ -132,11 +132,19 @@ class CallBook:
         ref.answered = True
         self.calls[call_id] = ref
 
-    def record_result(self, event_id: str, session_id: str, call_id: str, caller: str,
-                      more_results: bool, final: bool) -> None:
+    def record_result(
+        self,
+        event_id: str,
+        session_id: str,
+        call_id: str,
+        caller: str,
+        more_results: bool,
+        final: bool,
+    ) -> None:
         ref = self.calls.get(call_id)
-        self.results[event_id] = ResultRef(session_id, call_id, caller or (ref.caller if ref else ""),
-                                           more_results, final)
+        self.results[event_id] = ResultRef(
+            session_id, call_id, caller or (ref.caller if ref else ""), more_results, final
+        )
 
     def delivered(self, event_id: str) -> None:
         self.unacked.pop(event_id, None)
@@ -185,8 +193,13 @@ class CallBook:
         if payload.get("kind") != 1 or not refs or self.settings.negotiate_function_id in refs[1:]:
             return  # feedback, a NIP-90 result or a price suggestion: nothing to continue
         ref = self.calls.get(refs[0])
-        self.results[eid] = ResultRef(session_id, refs[0], ref.caller if ref else "",
-                                      bool(obj.get("more_results", False)), not obj.get("partial", False))
+        self.results[eid] = ResultRef(
+            session_id,
+            refs[0],
+            ref.caller if ref else "",
+            bool(obj.get("more_results", False)),
+            not obj.get("partial", False),
+        )
 
 
 class _SessionLock:

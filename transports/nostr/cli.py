@@ -38,28 +38,65 @@ def register(subparsers: Any) -> None:
     sub = nostr.add_subparsers(dest="nostr_command", required=True)
     call = sub.add_parser("call", help="publish a signed call and print results as they arrive")
     call.add_argument("--relay", action="append", required=True, help="relay URL (repeatable)")
-    call.add_argument("--function", required=True, type=event_id, help="function event id (64 hex digits)")
+    call.add_argument(
+        "--function", required=True, type=event_id, help="function event id (64 hex digits)"
+    )
     call.add_argument("--prompt", required=True, help="the text the function is called with")
     call.add_argument("--max-total-cost", type=int, default=100_000, help="msat for the whole call")
-    call.add_argument("--max-iteration-cost", type=int, default=1000, help="msat per iteration (token)")
-    call.add_argument("--max-tokens", type=int, default=None, help="stop after N tokens (default: the worker's limit)")
-    call.add_argument("--seed", type=int, default=None, help="sampling seed (default: the worker draws one)")
-    call.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
-    call.add_argument("--continue", dest="continue_from", default=None, type=event_id,
-                      help="a result event id with more_results: true to continue")
-    call.add_argument("--key-file", default=None, help="secret key (nsec or hex); default: a throwaway key")
-    call.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the final result")
-    call.add_argument("--connect-timeout", type=float, default=5.0,
-                      help="seconds to wait for a relay connection before giving up (default 5)")
+    call.add_argument(
+        "--max-iteration-cost", type=int, default=1000, help="msat per iteration (token)"
+    )
+    call.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="stop after N tokens (default: the worker's limit)",
+    )
+    call.add_argument(
+        "--seed", type=int, default=None, help="sampling seed (default: the worker draws one)"
+    )
+    call.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)"
+    )
+    call.add_argument(
+        "--continue",
+        dest="continue_from",
+        default=None,
+        type=event_id,
+        help="a result event id with more_results: true to continue",
+    )
+    call.add_argument(
+        "--key-file", default=None, help="secret key (nsec or hex); default: a throwaway key"
+    )
+    call.add_argument(
+        "--timeout", type=float, default=60.0, help="seconds to wait for the final result"
+    )
+    call.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=5.0,
+        help="seconds to wait for a relay connection before giving up (default 5)",
+    )
     # the main CLI reads --config/--db of every subcommand (for [logging]); this one has neither
     call.set_defaults(func=run_call, config=None, db=None)
 
 
 def call_content(args: argparse.Namespace) -> str:
-    call_args: dict[str, Any] = {"prompt": args.prompt, "temperature": args.temperature,
-                                 "max_tokens": args.max_tokens, "seed": args.seed}
-    return json.dumps({"max_iteration_cost": args.max_iteration_cost, "max_total_cost": args.max_total_cost,
-                       "results": 1, "version": "0.1.0", "args": call_args})
+    call_args: dict[str, Any] = {
+        "prompt": args.prompt,
+        "temperature": args.temperature,
+        "max_tokens": args.max_tokens,
+        "seed": args.seed,
+    }
+    return json.dumps(
+        {
+            "max_iteration_cost": args.max_iteration_cost,
+            "max_total_cost": args.max_total_cost,
+            "results": 1,
+            "version": "0.1.0",
+            "args": call_args,
+        }
+    )
 
 
 async def run_call(args: argparse.Namespace) -> int:
@@ -81,14 +118,34 @@ async def run_call(args: argparse.Namespace) -> int:
         await client.shutdown()
         return 1
     tags = [["e", args.function]] + ([["e", args.continue_from]] if args.continue_from else [])
-    event = ns.EventBuilder(ns.Kind(1), call_content(args)).tags([ns.Tag.parse(t) for t in tags]).finalize(keys)
+    event = (
+        ns.EventBuilder(ns.Kind(1), call_content(args))
+        .tags([ns.Tag.parse(t) for t in tags])
+        .finalize(keys)
+    )
     call_id = event.id().to_hex()
     notes = client.notifications()
-    await client.subscribe(ns.ReqTarget.auto([ns.Filter().kind(ns.Kind(1)).event(event.id())
-                                              .since(ns.Timestamp.from_secs(int(time.time()) - 60))]))
+    await client.subscribe(
+        ns.ReqTarget.auto(
+            [
+                ns.Filter()
+                .kind(ns.Kind(1))
+                .event(event.id())
+                .since(ns.Timestamp.from_secs(int(time.time()) - 60))
+            ]
+        )
+    )
     out = await client.send_event(event)
-    print(json.dumps({"call": call_id, "accepted_by": [str(u) for u in out.success],
-                      "rejected_by": {str(u): str(m) for u, m in out.failed.items()}}), flush=True)
+    print(
+        json.dumps(
+            {
+                "call": call_id,
+                "accepted_by": [str(u) for u in out.success],
+                "rejected_by": {str(u): str(m) for u, m in out.failed.items()},
+            }
+        ),
+        flush=True,
+    )
     if not out.success:
         print("sessiontape: error: no relay accepted the call", file=sys.stderr)
         await client.shutdown()
@@ -109,7 +166,9 @@ async def run_call(args: argparse.Namespace) -> int:
                     continue
                 if not isinstance(body, dict):
                     continue
-                print(json.dumps({"id": reply["id"], "pubkey": reply["pubkey"], **body}), flush=True)
+                print(
+                    json.dumps({"id": reply["id"], "pubkey": reply["pubkey"], **body}), flush=True
+                )
                 if not body.get("partial"):
                     code = 1 if body.get("err") else 0
                     break

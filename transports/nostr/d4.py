@@ -84,8 +84,10 @@ def classify(obj: Mapping[str, Any]) -> str:
     """What a kind-1 event that mentions a function is: a call, feedback, or someone's result."""
     if "score" in obj and "args" not in obj:
         return FEEDBACK
-    if "args" not in obj and "max_total_cost" not in obj and (
-        "result" in obj or "iteration_cost" in obj
+    if (
+        "args" not in obj
+        and "max_total_cost" not in obj
+        and ("result" in obj or "iteration_cost" in obj)
     ):
         return RESULT
     return CALL
@@ -117,8 +119,15 @@ def check_version(obj: Mapping[str, Any]) -> str:
     return version
 
 
-def _number(args: Mapping[str, Any], key: str, default: float, lo: float, hi: float,
-            *, lo_open: bool = False) -> float:
+def _number(
+    args: Mapping[str, Any],
+    key: str,
+    default: float,
+    lo: float,
+    hi: float,
+    *,
+    lo_open: bool = False,
+) -> float:
     value = args.get(key)
     if value is None:
         return default
@@ -214,23 +223,46 @@ def plan_tokens(price_msat: int, budget_msat: int, wanted: int) -> tuple[int, bo
 # -- bodies the worker sends --------------------------------------------------
 
 
-def completion(*, completion_id: str, model: str, created: int, text: str,
-               finish_reason: str | None, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def completion(
+    *,
+    completion_id: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: str | None,
+    prompt_tokens: int,
+    completion_tokens: int,
+) -> dict[str, Any]:
     """An OpenAI-style ``chat.completion`` as in the DDIP's sample response."""
     return {
         "id": completion_id,
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                     "finish_reason": finish_reason}],
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": finish_reason,
+            }
+        ],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
     }
 
 
-def result_content(*, result: Mapping[str, Any] | None, iteration_cost: int, total_cost: int,
-                   more_results: bool, partial: bool = False, err: Mapping[str, Any] | None = None) -> str:
+def result_content(
+    *,
+    result: Mapping[str, Any] | None,
+    iteration_cost: int,
+    total_cost: int,
+    more_results: bool,
+    partial: bool = False,
+    err: Mapping[str, Any] | None = None,
+) -> str:
     """A result event's ``content``: ``result`` and ``err`` are serialized JSON strings.
 
     ``partial`` (an extension field) marks an intermediate streamed result:
@@ -251,16 +283,33 @@ def result_content(*, result: Mapping[str, Any] | None, iteration_cost: int, tot
 
 
 def negotiation_content(*, iteration_cost: int, total_cost: int) -> str:
-    return json.dumps({"result": None, "iteration_cost": iteration_cost, "total_cost": total_cost,
-                       "more_results": False, "version": VERSION}, separators=(",", ":"))
+    return json.dumps(
+        {
+            "result": None,
+            "iteration_cost": iteration_cost,
+            "total_cost": total_cost,
+            "more_results": False,
+            "version": VERSION,
+        },
+        separators=(",", ":"),
+    )
 
 
-def function_content(*, name: str, description: str, model_id: str, engine: str,
-                     price_msat: int) -> str:
+def function_content(
+    *, name: str, description: str, model_id: str, engine: str, price_msat: int
+) -> str:
     """A function ("contract") event's content, DDIP-002 style."""
-    return json.dumps({"name": name, "description": description, "model": model_id,
-                       "engine": engine, "price_msat": price_msat, "version": VERSION},
-                      separators=(",", ":"))
+    return json.dumps(
+        {
+            "name": name,
+            "description": description,
+            "model": model_id,
+            "engine": engine,
+            "price_msat": price_msat,
+            "version": VERSION,
+        },
+        separators=(",", ":"),
+    )
 
 
 def cut_at_stop(text: str, stops: Sequence[str]) -> str | None:

@@ -49,9 +49,19 @@ class Host(Protocol):
 
     async def record_incoming_call(self, sid: str, payload: Mapping[str, Any]) -> None: ...
 
-    async def send(self, sid: str, content: str, tags: list[list[str]], *, kind: int = 1,
-                   call_id: str | None = None, final: bool = False, caller: str = "",
-                   more_results: bool = False, close: str | None = None) -> str: ...
+    async def send(
+        self,
+        sid: str,
+        content: str,
+        tags: list[list[str]],
+        *,
+        kind: int = 1,
+        call_id: str | None = None,
+        final: bool = False,
+        caller: str = "",
+        more_results: bool = False,
+        close: str | None = None,
+    ) -> str: ...
 
 
 def feedback_status(tags: Sequence[Sequence[str]]) -> str | None:
@@ -63,12 +73,18 @@ def feedback_status(tags: Sequence[Sequence[str]]) -> str | None:
 
 def parse_job(tags: Sequence[Sequence[str]]) -> tuple[str, dict[str, Any], int | None]:
     """(prompt, D4-style args, bid msat) from a job's tags; raises InvalidParameters."""
-    texts = [str(t[1]) for t in tags if len(t) >= 2 and t[0] == "i" and (len(t) < 3 or t[2] == "text")]
+    texts = [
+        str(t[1]) for t in tags if len(t) >= 2 and t[0] == "i" and (len(t) < 3 or t[2] == "text")
+    ]
     if not texts:
         raise InvalidParameters("job has no text input (an 'i' tag of type text)")
     args: dict[str, Any] = {}
     for t in tags:
-        if len(t) >= 3 and t[0] == "param" and t[1] in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+        if (
+            len(t) >= 3
+            and t[0] == "param"
+            and t[1] in ("max_tokens", "temperature", "top_p", "top_k", "seed")
+        ):
             try:
                 args[t[1]] = json.loads(t[2])
             except ValueError as exc:
@@ -109,32 +125,62 @@ async def handle_job(worker: Host, payload: Mapping[str, Any]) -> None:
             wanted = args.max_tokens or worker.settings.default_max_tokens
             n, _ = d4.plan_tokens(price, bid if bid is not None else price * wanted, wanted)
             if n == 0:
-                await worker.send(sid, "", [["status", "payment-required", "bid below one token"],
-                                            *reply_tags, ["amount", str(price * wanted)]],
-                                  kind=KIND_FEEDBACK, close="negotiation")
+                await worker.send(
+                    sid,
+                    "",
+                    [
+                        ["status", "payment-required", "bid below one token"],
+                        *reply_tags,
+                        ["amount", str(price * wanted)],
+                    ],
+                    kind=KIND_FEEDBACK,
+                    close="negotiation",
+                )
                 return
             await worker.send(sid, "", [["status", "processing"], *reply_tags], kind=KIND_FEEDBACK)
             st = await worker.runtime.get(sid)
             append = worker.runtime.engine.tokenize(prompt) if st.length == 0 else []
             start = st.length + len(append)
-            params = SamplingParams(max_tokens=n, temperature=args.temperature, top_p=args.top_p,
-                                    top_k=args.top_k, seed=args.seed)
-            gen = cast(AsyncGenerator[Event, None],
-                       worker.runtime.generate(sid, params, append=append, action_id=job_id))
+            params = SamplingParams(
+                max_tokens=n,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                top_k=args.top_k,
+                seed=args.seed,
+            )
+            gen = cast(
+                AsyncGenerator[Event, None],
+                worker.runtime.generate(sid, params, append=append, action_id=job_id),
+            )
             async with contextlib.aclosing(gen):
                 async for _ in gen:
                     pass
             text = worker.runtime.engine.detokenize(list(st.tokens[start:]))
             produced = st.length - start
             worker.stats["answered"] += 1
-            await worker.send(sid, text, [*reply_tags, ["request", json.dumps(dict(payload))],
-                                          ["amount", str(produced * price)]],
-                              kind=KIND_RESULT, call_id=job_id, final=True, caller=customer, close="complete")
+            await worker.send(
+                sid,
+                text,
+                [
+                    *reply_tags,
+                    ["request", json.dumps(dict(payload))],
+                    ["amount", str(produced * price)],
+                ],
+                kind=KIND_RESULT,
+                call_id=job_id,
+                final=True,
+                caller=customer,
+                close="complete",
+            )
         except SessiontapeError as exc:
             if await worker.is_answered(job_id, sid):
                 return  # the result is recorded: an error status now would contradict it
             err = to_err(exc)
             await worker.runtime.record_error(sid, err["code"], err["message"])
-            await worker.send(sid, "", [["status", "error", f"{err['code']}: {err['message']}"], *reply_tags],
-                              kind=KIND_FEEDBACK, close="error")
-
+            await worker.send(
+                sid,
+                "",
+                [["status", "error", f"{err['code']}: {err['message']}"], *reply_tags],
+                kind=KIND_FEEDBACK,
+                close="error",
+            )

@@ -40,9 +40,12 @@ class Relays:
         # nostr-sdk runs Python callbacks (policies, monitors) on this loop
         ns.uniffi_set_event_loop(asyncio.get_running_loop())
         client = ns.ClientBuilder().build()
-        opts = (ns.RelayOptions().reconnect(True)
-                .retry_interval(datetime.timedelta(seconds=self.settings.reconnect_min_s))
-                .adjust_retry_interval(True))
+        opts = (
+            ns.RelayOptions()
+            .reconnect(True)
+            .retry_interval(datetime.timedelta(seconds=self.settings.reconnect_min_s))
+            .adjust_retry_interval(True)
+        )
         for url in self.settings.relays:
             try:
                 relay_url = ns.RelayUrl.parse(url)
@@ -67,8 +70,13 @@ class Relays:
             if note.is_new_event():
                 on_event(note.event)
 
-    async def watch(self, filters: Filters, since: Callable[[], int], on_reconnect: Callable[[], None],
-                    on_tick: Callable[[], None]) -> None:
+    async def watch(
+        self,
+        filters: Filters,
+        since: Callable[[], int],
+        on_reconnect: Callable[[], None],
+        on_tick: Callable[[], None],
+    ) -> None:
         """Re-subscribe on a relay that came back, with ``since()`` (from the log).
 
         nostr-sdk reconnects by itself (retry interval adjusted with back-off);
@@ -136,18 +144,29 @@ class Relays:
                 else:
                     out = await self.client.send_event(event, ns.SendEventTarget.to(target))
                 accepted |= {str(u) for u in out.success}
-                accepted |= {str(u) for u, m in out.failed.items() if str(m).startswith("duplicate")}
-                failed = {str(u): str(m) for u, m in out.failed.items() if not str(m).startswith("duplicate")}
+                accepted |= {
+                    str(u) for u, m in out.failed.items() if str(m).startswith("duplicate")
+                }
+                failed = {
+                    str(u): str(m)
+                    for u, m in out.failed.items()
+                    if not str(m).startswith("duplicate")
+                }
             except Exception as exc:  # the SDK raises when no relay took it
-                failed = {url: str(exc) for url in (self.settings.relays if target is None else map(str, target))}
+                failed = {
+                    url: str(exc)
+                    for url in (self.settings.relays if target is None else map(str, target))
+                }
             if not failed:
                 return sorted(accepted)
             self.stats["publish_failures"] += len(failed)
             for url, msg in failed.items():
-                log.warning("relay %s rejected %s (attempt %d): %s", url, eid[:12], attempt + 1, msg)
+                log.warning(
+                    "relay %s rejected %s (attempt %d): %s", url, eid[:12], attempt + 1, msg
+                )
             if attempt == self.settings.publish_retries or self.client is None:
                 break
             target = [ns.RelayUrl.parse(u) for u in failed]
-            await asyncio.sleep(min(self.settings.retry_base_s * (2 ** attempt), 5.0))
+            await asyncio.sleep(min(self.settings.retry_base_s * (2**attempt), 5.0))
         log.error("gave up publishing %s to %s", eid[:12], ", ".join(failed))
         return sorted(accepted)

@@ -68,22 +68,33 @@ class Settings:
         relays = options.get("relays") or []
         if isinstance(relays, str):
             relays = [relays]
-        if not isinstance(relays, list) or not relays or not all(isinstance(r, str) for r in relays):
+        if (
+            not isinstance(relays, list)
+            or not relays
+            or not all(isinstance(r, str) for r in relays)
+        ):
             raise ConfigError("transports.nostr.relays must be a non-empty list of relay URLs")
         secret = _read_secret(options)
         functions = [_function(f) for f in options.get("functions") or []]
         for fid in options.get("function_ids") or []:
-            functions.append(FunctionSpec(name=f"function-{str(fid)[:8]}", description="", id=_hex_id(fid)))
+            functions.append(
+                FunctionSpec(name=f"function-{str(fid)[:8]}", description="", id=_hex_id(fid))
+            )
         if not functions:
-            functions = [FunctionSpec("text-generation", "Text generation on the configured engine")]
+            functions = [
+                FunctionSpec("text-generation", "Text generation on the configured engine")
+            ]
         try:
             s = cls(
-                relays=tuple(relays), secret=secret,
+                relays=tuple(relays),
+                secret=secret,
                 price_msat=int(options.get("price_msat", 1000)),
                 functions=tuple(functions),
                 stream_every_tokens=int(options.get("stream_every_tokens", 16)),
                 stream_every_ms=int(options.get("stream_every_ms", 500)),
-                negotiate_function_id=_hex_id(options.get("negotiate_function_id", SAMPLE_NEGOTIATE_FUNCTION_ID)),
+                negotiate_function_id=_hex_id(
+                    options.get("negotiate_function_id", SAMPLE_NEGOTIATE_FUNCTION_ID)
+                ),
                 default_max_tokens=int(options.get("default_max_tokens", 256)),
                 since_slack_s=int(options.get("since_slack_s", 300)),
                 max_concurrent_calls=int(options.get("max_concurrent_calls", 8)),
@@ -97,8 +108,15 @@ class Settings:
             )
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"transports.nostr: {exc}") from exc
-        if s.price_msat < 0 or s.stream_every_tokens < 1 or s.stream_every_ms < 1 or s.default_max_tokens < 1:
-            raise ConfigError("transports.nostr: price_msat >= 0, stream_every_* >= 1, default_max_tokens >= 1")
+        if (
+            s.price_msat < 0
+            or s.stream_every_tokens < 1
+            or s.stream_every_ms < 1
+            or s.default_max_tokens < 1
+        ):
+            raise ConfigError(
+                "transports.nostr: price_msat >= 0, stream_every_* >= 1, default_max_tokens >= 1"
+            )
         if s.index_size < 1 or not s.republish_every_s > 0:
             raise ConfigError("transports.nostr: index_size >= 1, republish_every_s > 0")
         return s
@@ -108,7 +126,9 @@ def _function(raw: Any) -> FunctionSpec:
     if not isinstance(raw, Mapping) or not isinstance(raw.get("name"), str) or not raw["name"]:
         raise ConfigError("transports.nostr.functions entries need a name")
     fid = raw.get("id")
-    return FunctionSpec(str(raw["name"]), str(raw.get("description", "")), None if fid is None else _hex_id(fid))
+    return FunctionSpec(
+        str(raw["name"]), str(raw.get("description", "")), None if fid is None else _hex_id(fid)
+    )
 
 
 def _hex_id(value: Any) -> str:
@@ -124,7 +144,9 @@ def _read_secret(options: Mapping[str, Any]) -> str:
         try:
             secret = path.read_text().strip()
         except OSError as exc:
-            raise ConfigError(f"transports.nostr.key_file {path} is unreadable: {exc.strerror}") from exc
+            raise ConfigError(
+                f"transports.nostr.key_file {path} is unreadable: {exc.strerror}"
+            ) from exc
     elif options.get("key_env"):
         name = str(options["key_env"])
         secret = os.environ.get(name, "").strip()

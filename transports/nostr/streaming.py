@@ -25,13 +25,32 @@ from transports.nostr.settings import Settings
 class Send(Protocol):
     """The worker's :meth:`~transports.nostr.worker.D4Worker.send`."""
 
-    async def __call__(self, sid: str, content: str, tags: list[list[str]], *, kind: int = 1,
-                       call_id: str | None = None, final: bool = False, caller: str = "",
-                       more_results: bool = False, close: str | None = None) -> str: ...
+    async def __call__(
+        self,
+        sid: str,
+        content: str,
+        tags: list[list[str]],
+        *,
+        kind: int = 1,
+        call_id: str | None = None,
+        final: bool = False,
+        caller: str = "",
+        more_results: bool = False,
+        close: str | None = None,
+    ) -> str: ...
 
 
-async def stream_answer(runtime: Runtime, settings: Settings, send: Send, stats: Counter[str],
-                        sid: str, call_id: str, caller: str, call: d4.Call, tags: list[list[str]]) -> None:
+async def stream_answer(
+    runtime: Runtime,
+    settings: Settings,
+    send: Send,
+    stats: Counter[str],
+    sid: str,
+    call_id: str,
+    caller: str,
+    call: d4.Call,
+    tags: list[list[str]],
+) -> None:
     """Answer ``call`` in session ``sid``: partial results while generating, then the final result."""
     rt = runtime
     price = settings.price_msat
@@ -46,7 +65,9 @@ async def stream_answer(runtime: Runtime, settings: Settings, send: Send, stats:
     # a call resumed after a restart has already charged for these
     charged = sum(len(g.tokens) for g in gens if g.action_id == call_id)
     wanted = (call.args.max_tokens or settings.default_max_tokens) - charged
-    n, _budget_limited = d4.plan_tokens(price, call.max_total_cost - charged * price, max(0, wanted))
+    n, _budget_limited = d4.plan_tokens(
+        price, call.max_total_cost - charged * price, max(0, wanted)
+    )
     model = rt.engine.info.model_id
     created = int(time.time())
     answer = list(st.tokens[answer_start:])
@@ -58,15 +79,28 @@ async def stream_answer(runtime: Runtime, settings: Settings, send: Send, stats:
         text = rt.engine.detokenize(text_tokens)
         if stops:
             text = d4.cut_at_stop(text, stops) or text
-        return d4.completion(completion_id="chatcmpl-" + call_id[:32], model=model, created=created,
-                             text=text, finish_reason=reason, prompt_tokens=answer_start,
-                             completion_tokens=len(text_tokens))
+        return d4.completion(
+            completion_id="chatcmpl-" + call_id[:32],
+            model=model,
+            created=created,
+            text=text,
+            finish_reason=reason,
+            prompt_tokens=answer_start,
+            completion_tokens=len(text_tokens),
+        )
 
     if n > 0:
-        params = SamplingParams(max_tokens=n, temperature=call.args.temperature, top_p=call.args.top_p,
-                                top_k=call.args.top_k, seed=call.args.seed)
+        params = SamplingParams(
+            max_tokens=n,
+            temperature=call.args.temperature,
+            top_p=call.args.top_p,
+            top_k=call.args.top_k,
+            seed=call.args.seed,
+        )
         last_n, last_t = produced, time.monotonic()
-        gen = cast(AsyncGenerator[Event, None], rt.generate(sid, params, append=append, action_id=call_id))
+        gen = cast(
+            AsyncGenerator[Event, None], rt.generate(sid, params, append=append, action_id=call_id)
+        )
         async with contextlib.aclosing(gen):
             async for e in gen:
                 if e.type == T.GENERATION_TOKEN and not e.body.get("is_prefill"):
@@ -78,9 +112,13 @@ async def stream_answer(runtime: Runtime, settings: Settings, send: Send, stats:
                     due = (time.monotonic() - last_t) * 1000 >= settings.stream_every_ms
                     if produced - last_n >= settings.stream_every_tokens or due:
                         last_n, last_t = produced, time.monotonic()
-                        content = d4.result_content(result=body(answer, None), iteration_cost=price,
-                                                    total_cost=produced * price, more_results=True,
-                                                    partial=True)
+                        content = d4.result_content(
+                            result=body(answer, None),
+                            iteration_cost=price,
+                            total_cost=produced * price,
+                            more_results=True,
+                            partial=True,
+                        )
                         await send(sid, content, tags, call_id=call_id, final=False, caller=caller)
                 elif e.type == T.GENERATION_FINISHED:
                     finish = "stop" if e.body["finish_reason"] in ("eos", "stop") else "length"
@@ -88,8 +126,20 @@ async def stream_answer(runtime: Runtime, settings: Settings, send: Send, stats:
         finish = "length"
     room = st.length < rt.engine.info.max_length
     more = finish == "length" and room
-    content = d4.result_content(result=body(answer, finish), iteration_cost=price,
-                                total_cost=produced * price, more_results=more)
+    content = d4.result_content(
+        result=body(answer, finish),
+        iteration_cost=price,
+        total_cost=produced * price,
+        more_results=more,
+    )
     stats["answered"] += 1
-    await send(sid, content, tags, call_id=call_id, final=True, caller=caller, more_results=more,
-               close=None if more else "complete")
+    await send(
+        sid,
+        content,
+        tags,
+        call_id=call_id,
+        final=True,
+        caller=caller,
+        more_results=more,
+        close=None if more else "complete",
+    )

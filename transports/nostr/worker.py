@@ -64,7 +64,15 @@ from transports.nostr.relay import Relays
 from transports.nostr.settings import FunctionSpec, Settings
 from transports.nostr.streaming import stream_answer
 
-__all__ = ["FUNCTION_TAG", "CallRef", "D4Worker", "Lru", "ResultRef", "answer_of", "call_session_id"]
+__all__ = [
+    "FUNCTION_TAG",
+    "CallRef",
+    "D4Worker",
+    "Lru",
+    "ResultRef",
+    "answer_of",
+    "call_session_id",
+]
 
 log = logging.getLogger("sessiontape.nostr")
 
@@ -81,7 +89,9 @@ class D4Worker:
         try:
             self.keys = ns.Keys.parse(settings.secret)
         except Exception as exc:  # the SDK's error text may echo the key
-            raise ConfigError("transports.nostr: the secret key is not a valid nsec or hex key") from exc
+            raise ConfigError(
+                "transports.nostr: the secret key is not a valid nsec or hex key"
+            ) from exc
         self.pubkey: str = self.keys.public_key().to_hex()
         #: function event id -> spec (filled in by start)
         self.functions: dict[str, FunctionSpec] = {}
@@ -138,8 +148,10 @@ class D4Worker:
         self._reader = asyncio.create_task(self.relays.read(notes, self.ingest), name="d4-reader")
         self._watcher = asyncio.create_task(self._watch_relays(), name="d4-relay-watch")
         ids = ", ".join(f"{spec.name}={fid}" for fid, spec in self.functions.items())
-        line = (f"nostr D4 worker {self.pubkey} on {', '.join(self.settings.relays)}; "
-                f"functions {ids}; since {since}")
+        line = (
+            f"nostr D4 worker {self.pubkey} on {', '.join(self.settings.relays)}; "
+            f"functions {ids}; since {since}"
+        )
         log.info("%s", line)
         return line
 
@@ -218,8 +230,12 @@ class D4Worker:
             await self._recall(sid)
             read.add(sid)
         self.stats["scanned_sessions"] = len(read)
-        log.info("read %d of %d nostr sessions from the log; %d answers to publish again",
-                 len(read), len(rows), len(self.book.unacked))
+        log.info(
+            "read %d of %d nostr sessions from the log; %d answers to publish again",
+            len(read),
+            len(rows),
+            len(self.book.unacked),
+        )
 
     async def _recall(self, session_id: str) -> None:
         """Learn one session's calls, answers and results from the log (nothing if it does not exist)."""
@@ -252,11 +268,16 @@ class D4Worker:
         for spec in self.settings.functions:
             fid = spec.id or self.book.published.get(spec.name)
             if fid is None:
-                content = d4.function_content(name=spec.name, description=spec.description,
-                                              model_id=info.model_id, engine=info.name,
-                                              price_msat=self.settings.price_msat)
-                fid = await self.send(await self._worker_session(), content,
-                                      [["t", FUNCTION_TAG], ["t", "d4"]])
+                content = d4.function_content(
+                    name=spec.name,
+                    description=spec.description,
+                    model_id=info.model_id,
+                    engine=info.name,
+                    price_msat=self.settings.price_msat,
+                )
+                fid = await self.send(
+                    await self._worker_session(), content, [["t", FUNCTION_TAG], ["t", "d4"]]
+                )
                 self.book.published[spec.name] = fid
                 log.info("published function %s as %s", spec.name, fid)
             self.functions[fid] = spec
@@ -266,8 +287,12 @@ class D4Worker:
         try:
             await self.runtime.get(sid)
         except SessionNotFound:
-            await self.runtime.open_session("nostr", session_id=sid, label="d4 worker",
-                                            meta={"role": "worker", "pubkey": self.pubkey})
+            await self.runtime.open_session(
+                "nostr",
+                session_id=sid,
+                label="d4 worker",
+                meta={"role": "worker", "pubkey": self.pubkey},
+            )
         return sid
 
     # -- incoming ----------------------------------------------------------
@@ -347,8 +372,14 @@ class D4Worker:
             with contextlib.suppress(ConcurrencyError):
                 await self.runtime.open_session("nostr", session_id=sid, label="d4 call", meta=meta)
 
-    async def _on_call(self, payload: dict[str, Any], fid: str, others: Sequence[str],
-                       obj: dict[str, Any] | None, bad: InvalidParameters | None) -> None:
+    async def _on_call(
+        self,
+        payload: dict[str, Any],
+        fid: str,
+        others: Sequence[str],
+        obj: dict[str, Any] | None,
+        bad: InvalidParameters | None,
+    ) -> None:
         call_id: str = payload["id"]
         caller: str = payload["pubkey"]
         known = self.book.calls.get(call_id)
@@ -362,7 +393,9 @@ class D4Worker:
                 self.stats["duplicate"] += 1
                 return
             if prev is None:
-                await self.open_call_session(sid, {"call_id": call_id, "caller": caller, "function_id": fid})
+                await self.open_call_session(
+                    sid, {"call_id": call_id, "caller": caller, "function_id": fid}
+                )
             await self.record_incoming_call(sid, payload)
             self.stats["calls"] += 1
             tags = [["e", call_id], ["e", fid]]
@@ -375,17 +408,36 @@ class D4Worker:
                     if prev.caller != caller:
                         raise FailedPrecondition("only the original caller may continue a result")
                     if not (prev.final and prev.more_results):
-                        raise FailedPrecondition("the referenced result has no more results to continue")
+                        raise FailedPrecondition(
+                            "the referenced result has no more results to continue"
+                        )
                 if d4.needs_negotiation(self.settings.price_msat, call):
                     wanted = call.args.max_tokens or self.settings.default_max_tokens
-                    content = d4.negotiation_content(iteration_cost=self.settings.price_msat,
-                                                     total_cost=self.settings.price_msat * wanted)
+                    content = d4.negotiation_content(
+                        iteration_cost=self.settings.price_msat,
+                        total_cost=self.settings.price_msat * wanted,
+                    )
                     self.stats["negotiations"] += 1
-                    await self.send(sid, content, [["e", call_id], ["e", self.settings.negotiate_function_id]],
-                                    call_id=call_id, final=True, close="negotiation" if prev is None else None)
+                    await self.send(
+                        sid,
+                        content,
+                        [["e", call_id], ["e", self.settings.negotiate_function_id]],
+                        call_id=call_id,
+                        final=True,
+                        close="negotiation" if prev is None else None,
+                    )
                     return
-                await stream_answer(self.runtime, self.settings, self.send, self.stats,
-                                    sid, call_id, caller, call, tags)
+                await stream_answer(
+                    self.runtime,
+                    self.settings,
+                    self.send,
+                    self.stats,
+                    sid,
+                    call_id,
+                    caller,
+                    call,
+                    tags,
+                )
             except Exception as exc:
                 if self.book.knows_answer(call_id):
                     # the answer is recorded (and published or queued): a second one would contradict it
@@ -395,17 +447,39 @@ class D4Worker:
                     log.exception("call %s failed", call_id)
                 await self._fail(sid, call_id, caller, tags, exc, close=prev is None)
 
-    async def _fail(self, sid: str, call_id: str, caller: str, tags: list[list[str]],
-                    exc: BaseException, *, close: bool) -> None:
+    async def _fail(
+        self,
+        sid: str,
+        call_id: str,
+        caller: str,
+        tags: list[list[str]],
+        exc: BaseException,
+        *,
+        close: bool,
+    ) -> None:
         err = to_err(exc)
         self.stats["errors"] += 1
         await self.runtime.record_error(sid, err["code"], err["message"])
-        content = d4.result_content(result=None, iteration_cost=self.settings.price_msat, total_cost=0,
-                                    more_results=False, err=err)
-        await self.send(sid, content, tags, call_id=call_id, final=True, caller=caller,
-                        close="error" if close else None)
+        content = d4.result_content(
+            result=None,
+            iteration_cost=self.settings.price_msat,
+            total_cost=0,
+            more_results=False,
+            err=err,
+        )
+        await self.send(
+            sid,
+            content,
+            tags,
+            call_id=call_id,
+            final=True,
+            caller=caller,
+            close="error" if close else None,
+        )
 
-    async def _on_feedback(self, payload: dict[str, Any], obj: Mapping[str, Any], others: Sequence[str]) -> None:
+    async def _on_feedback(
+        self, payload: dict[str, Any], obj: Mapping[str, Any], others: Sequence[str]
+    ) -> None:
         result_id = next((r for r in others if r in self.book.results), None)
         if result_id is None:
             self.stats["feedback_unknown"] += 1
@@ -424,16 +498,35 @@ class D4Worker:
                 self.stats["duplicate"] += 1
                 return
             await self.runtime.record_wire(ref.session_id, "nostr", "in", payload)
-            await self.runtime.record_feedback(ref.session_id, {
-                "score": fb.score, "version": fb.version, "transport": "nostr", "event_id": payload["id"],
-                "pubkey": payload["pubkey"], "result_id": result_id, "call_id": ref.call_id})
+            await self.runtime.record_feedback(
+                ref.session_id,
+                {
+                    "score": fb.score,
+                    "version": fb.version,
+                    "transport": "nostr",
+                    "event_id": payload["id"],
+                    "pubkey": payload["pubkey"],
+                    "result_id": result_id,
+                    "call_id": ref.call_id,
+                },
+            )
         self.stats["feedback"] += 1
 
     # -- outgoing ----------------------------------------------------------
 
-    async def send(self, sid: str, content: str, tags: list[list[str]], *, kind: int = 1,
-                    call_id: str | None = None, final: bool = False, caller: str = "",
-                    more_results: bool = False, close: str | None = None) -> str:
+    async def send(
+        self,
+        sid: str,
+        content: str,
+        tags: list[list[str]],
+        *,
+        kind: int = 1,
+        call_id: str | None = None,
+        final: bool = False,
+        caller: str = "",
+        more_results: bool = False,
+        close: str | None = None,
+    ) -> str:
         """Sign, record, close the session (``close`` = reason), publish, record the relays' ack.
 
         Durable before visible: a client that has the event can rely on the
@@ -447,12 +540,18 @@ class D4Worker:
         answers = answer_of(payload)
         if answers is not None:
             self.book.mark_answered(answers, sid)
-        if call_id is not None and kind == 1 and self.settings.negotiate_function_id not in (t[1] for t in tags[1:]):
+        if (
+            call_id is not None
+            and kind == 1
+            and self.settings.negotiate_function_id not in (t[1] for t in tags[1:])
+        ):
             self.book.record_result(eid, sid, call_id, caller, more_results, final)
         if close is not None:
             try:
                 await self.runtime.close(sid, close)
-            except SessiontapeError as exc:  # the answer stands; a session the sweeper closed stays so
+            except (
+                SessiontapeError
+            ) as exc:  # the answer stands; a session the sweeper closed stays so
                 log.warning("closing %s (%s) failed: %s", sid, close, exc)
         if answers is None and not is_function_event(tags):
             await self.publish(event)  # intermediate results and statuses: best effort
@@ -469,8 +568,15 @@ class D4Worker:
             if eid not in self.book.flagged:
                 self.book.flagged[eid] = sid
                 with contextlib.suppress(SessiontapeError):
-                    await self.runtime.record(await self._worker_session(), [NewEvent(T.NOTE, {
-                        "transport": "nostr", "unpublished": eid, "session_id": sid})])
+                    await self.runtime.record(
+                        await self._worker_session(),
+                        [
+                            NewEvent(
+                                T.NOTE,
+                                {"transport": "nostr", "unpublished": eid, "session_id": sid},
+                            )
+                        ],
+                    )
             self.stats["unacked"] += 1
             return False
         note = NewEvent(T.NOTE, {"transport": "nostr", "published": eid, "relays": accepted})
@@ -501,7 +607,11 @@ class D4Worker:
                 if await self._deliver(sid, eid, event, payload):
                     done += 1
                     self.stats["republished"] += 1
-                    log.info("published %s again (recorded in %s, not acknowledged before)", eid[:12], sid)
+                    log.info(
+                        "published %s again (recorded in %s, not acknowledged before)",
+                        eid[:12],
+                        sid,
+                    )
         return done
 
     async def publish(self, event: Any) -> list[str]:

@@ -67,11 +67,25 @@ class AccessLog:
         params = scope.get("path_params") or {}
         client = scope.get("client")
         fields = {
-            "request_id": scope.get(REQUEST_ID), "session_id": params.get("sid"),
-            "method": scope.get("method"), "route": template, "path": _raw_path(scope),
-            "status": status or None, "duration_s": round(duration, 6), "bytes": sent,
+            "request_id": scope.get(REQUEST_ID),
+            "session_id": params.get("sid"),
+            "method": scope.get("method"),
+            "route": template,
+            "path": _raw_path(scope),
+            "status": status or None,
+            "duration_s": round(duration, 6),
+            "bytes": sent,
             "client": f"{client[0]}:{client[1]}" if client else None,
         }
-        log.info("%s %s %s %s %.3fs %dB %s%s", fields["client"] or "-", fields["method"], fields["path"],
-                 status or "-", duration, sent, fields["request_id"] or "-",
-                 f" session={_safe(str(fields['session_id']))}" if fields["session_id"] else "", extra=fields)
+        log.info(
+            "%s %s %s %s %.3fs %dB %s%s",
+            fields["client"] or "-",
+            fields["method"],
+            fields["path"],
+            status or "-",
+            duration,
+            sent,
+            fields["request_id"] or "-",
+            f" session={_safe(str(fields['session_id']))}" if fields["session_id"] else "",
+            extra=fields,
+        )

@@ -66,9 +66,23 @@ MAX_LABEL = 1000
 #: the fields each JSON route takes; anything else is a 400 naming it (inputs.UnknownFields)
 CREATE_FIELDS = frozenset({"protocol", "label", "mode", "ttl_s", "eos_token_ids", "meta"})
 APPEND_FIELDS = frozenset({"text", "tokens", "offset", "truncating"})
-GENERATE_FIELDS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids",
-                             "logprob_top_k", "logprob_ranges", "readout_ranges", "text", "tokens", "stream",
-                             "background"})
+GENERATE_FIELDS = frozenset(
+    {
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop_token_ids",
+        "logprob_top_k",
+        "logprob_ranges",
+        "readout_ranges",
+        "text",
+        "tokens",
+        "stream",
+        "background",
+    }
+)
 FORK_FIELDS = frozenset({"at_position", "at_version", "label", "protocol"})
 CLOSE_FIELDS = frozenset({"reason"})
 #: ten years: a longer idle TTL is a mistake, not a policy
@@ -95,7 +109,8 @@ def _sampling(b: Mapping[str, Any]) -> tuple[SamplingParams, OutputOptions]:
     options = OutputOptions(
         logprob_top_k=inputs.integer(b.get("logprob_top_k"), "logprob_top_k", lo=0, hi=2**31) or 0,
         logprob_ranges=inputs.ranges(b.get("logprob_ranges"), "logprob_ranges"),
-        readout_ranges=inputs.ranges(b.get("readout_ranges"), "readout_ranges"))
+        readout_ranges=inputs.ranges(b.get("readout_ranges"), "readout_ranges"),
+    )
     return params, options
 
 
@@ -116,8 +131,15 @@ def _sse(stream: AsyncIterator[bytes]) -> StreamingResponse:
 class Api:
     """Route handlers bound to one runtime."""
 
-    def __init__(self, runtime: Runtime, *, heartbeat_s: float = 15.0, ring: int = 4096,
-                 linger_s: float = 30.0, limits: inputs.Limits | None = None) -> None:
+    def __init__(
+        self,
+        runtime: Runtime,
+        *,
+        heartbeat_s: float = 15.0,
+        ring: int = 4096,
+        linger_s: float = 30.0,
+        limits: inputs.Limits | None = None,
+    ) -> None:
         self.runtime = runtime
         self.limits = limits or inputs.Limits()
         self.heartbeat_s = heartbeat_s
@@ -154,18 +176,30 @@ class Api:
         label = inputs.text(b.get("label"), "label", MAX_LABEL)
         mode = inputs.text(b.get("mode"), "mode", 32)
         st = await self.runtime.open_session(
-            protocol or "http", mode=mode or "offset", label=label or "",
+            protocol or "http",
+            mode=mode or "offset",
+            label=label or "",
             eos_token_ids=None if eos is None else inputs.int_list(eos, "eos_token_ids", lo=0),
-            ttl_s=ttl, meta=meta)
-        return JSONResponse(await self.document(st.session_id), status_code=201,
-                            headers={"Location": f"/v1/sessions/{st.session_id}"})
+            ttl_s=ttl,
+            meta=meta,
+        )
+        return JSONResponse(
+            await self.document(st.session_id),
+            status_code=201,
+            headers={"Location": f"/v1/sessions/{st.session_id}"},
+        )
 
     async def list(self, request: Request) -> Response:
         q = request.query_params
         limit = inputs.integer(q.get("limit"), "limit", lo=1, hi=10_000) or 100
         offset = inputs.integer(q.get("offset"), "offset", lo=0) or 0
-        rows = await self.runtime.list_sessions(status=q.get("status"), protocol=q.get("protocol"),
-                                                    parent_id=q.get("parent"), limit=limit, offset=offset)
+        rows = await self.runtime.list_sessions(
+            status=q.get("status"),
+            protocol=q.get("protocol"),
+            parent_id=q.get("parent"),
+            limit=limit,
+            offset=offset,
+        )
         out = []
         for r in rows:
             row = r.to_json()
@@ -179,7 +213,9 @@ class Api:
 
     async def list_events(self, request: Request) -> Response:
         limit = inputs.integer(request.query_params.get("limit"), "limit", lo=1, hi=10_000) or 200
-        return _sse(list_stream(self.runtime, limit=limit, heartbeat_s=self.heartbeat_s, rfc=_rfc(request)))
+        return _sse(
+            list_stream(self.runtime, limit=limit, heartbeat_s=self.heartbeat_s, rfc=_rfc(request))
+        )
 
     async def events(self, request: Request) -> Response:
         sid = request.path_params["sid"]
@@ -202,11 +238,13 @@ class Api:
                 raise InvalidParameters("text must be a string (and not combined with tokens)")
             text = inputs.check_text(b["text"], "text")
             # offset and truncating apply to text as to tokens (the Salience rule), never ignored
-            length = await self.runtime.append_tokens(sid, self.runtime.engine.tokenize(text), offset=offset,
-                                                      truncating=truncating)
+            length = await self.runtime.append_tokens(
+                sid, self.runtime.engine.tokenize(text), offset=offset, truncating=truncating
+            )
         elif "tokens" in b:
             length = await self.runtime.append_tokens(
-                sid, inputs.int_list(b["tokens"], "tokens"), offset=offset, truncating=truncating)
+                sid, inputs.int_list(b["tokens"], "tokens"), offset=offset, truncating=truncating
+            )
         else:
             raise InvalidParameters("append needs 'text' or 'tokens'")
         st = await self.runtime.get(sid)
@@ -225,13 +263,19 @@ class Api:
         elif "tokens" in b:
             append = inputs.int_list(b["tokens"], "tokens")
         background = inputs.boolean(b.get("background"), "background")
-        mode = "background" if background else ("stream" if inputs.boolean(b.get("stream"), "stream", True) else "json")
+        mode = (
+            "background"
+            if background
+            else ("stream" if inputs.boolean(b.get("stream"), "stream", True) else "json")
+        )
         # Subscribe before the generation starts, so the stream's snapshot precedes its first event.
         stream = None
         if mode == "stream":
             await self.runtime.session_row(sid)
             fin: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-            stream = session_stream(self.feeds, sid, None, rfc=rfc, heartbeat_s=self.heartbeat_s, until=fin)
+            stream = session_stream(
+                self.feeds, sid, None, rfc=rfc, heartbeat_s=self.heartbeat_s, until=fin
+            )
             first_frame = await anext(stream)
         agen = self.runtime.generate(sid, params, options, append=append)
         try:
@@ -283,11 +327,18 @@ class Api:
         b = await self._body(request, FORK_FIELDS)
         protocol = inputs.text(b.get("protocol"), "protocol", MAX_PROTOCOL)
         label = inputs.text(b.get("label"), "label", MAX_LABEL)
-        st = await self.runtime.fork(sid, at_position=inputs.integer(b.get("at_position"), "at_position", lo=0),
-                                     at_version=inputs.integer(b.get("at_version"), "at_version", lo=1),
-                                     protocol=protocol, label=label or "")
-        return JSONResponse(await self.document(st.session_id), status_code=201,
-                            headers={"Location": f"/v1/sessions/{st.session_id}"})
+        st = await self.runtime.fork(
+            sid,
+            at_position=inputs.integer(b.get("at_position"), "at_position", lo=0),
+            at_version=inputs.integer(b.get("at_version"), "at_version", lo=1),
+            protocol=protocol,
+            label=label or "",
+        )
+        return JSONResponse(
+            await self.document(st.session_id),
+            status_code=201,
+            headers={"Location": f"/v1/sessions/{st.session_id}"},
+        )
 
     async def close(self, request: Request) -> Response:
         sid = request.path_params["sid"]
@@ -312,8 +363,11 @@ class Api:
         if not evs:
             raise NotFound(f"session {sid!r} not found")
         lines = "".join(json.dumps(e.to_json(), separators=(",", ":")) + "\n" for e in evs)
-        return Response(lines, media_type="application/x-ndjson",
-                        headers={"Content-Disposition": f'attachment; filename="{sid}.ndjson"'})
+        return Response(
+            lines,
+            media_type="application/x-ndjson",
+            headers={"Content-Disposition": f'attachment; filename="{sid}.ndjson"'},
+        )
 
     async def audit(self, request: Request) -> Response:
         report = await audit_session(self.runtime, request.path_params["sid"])
@@ -329,16 +383,29 @@ class Api:
         own = await self.runtime.read_events(sid, 1, 1)
         if not own:
             raise NotFound(f"session {sid!r} not found")
-        builder = DocumentBuilder(sid, detokenize=self._detok(), base=await self.runtime.fork_base(own[0]))
+        builder = DocumentBuilder(
+            sid, detokenize=self._detok(), base=await self.runtime.fork_base(own[0])
+        )
         base = dumps(builder.doc)
         steps = []
         for e in await events_after(self.runtime, self.feeds.forks, sid, 0):
             patch = builder.apply(e)
-            steps.append(dumps({"position": e.position, "version": e.version if e.session_id == sid else None,
-                                "session_id": e.session_id, "type": e.type, "recorded_at": e.recorded_at,
-                                "patch": patch}))
-        body = (f'{{"session_id":{dumps(sid)},"base":{base},"steps":[{",".join(steps)}],'
-                f'"version":{dumps(builder.doc["version"])}}}')
+            steps.append(
+                dumps(
+                    {
+                        "position": e.position,
+                        "version": e.version if e.session_id == sid else None,
+                        "session_id": e.session_id,
+                        "type": e.type,
+                        "recorded_at": e.recorded_at,
+                        "patch": patch,
+                    }
+                )
+            )
+        body = (
+            f'{{"session_id":{dumps(sid)},"base":{base},"steps":[{",".join(steps)}],'
+            f'"version":{dumps(builder.doc["version"])}}}'
+        )
         return Response(body, media_type="application/json")
 
     async def image(self, request: Request) -> Response:
@@ -362,10 +429,16 @@ class Api:
         while session is not None:
             evs = await self.runtime.read_events(session, 1, upto)
             for e in evs:
-                if e.type == T.IMAGE_ATTACHED and e.body.get("sha256") == sha and e.data is not None:
+                if (
+                    e.type == T.IMAGE_ATTACHED
+                    and e.body.get("sha256") == sha
+                    and e.data is not None
+                ):
                     return e.data
             parent = evs[0].body.get("parent") if evs and evs[0].type == T.SESSION_OPENED else None
-            session, upto = (str(parent["session_id"]), int(parent["version"])) if parent else (None, None)
+            session, upto = (
+                (str(parent["session_id"]), int(parent["version"])) if parent else (None, None)
+            )
         return None
 
     async def node_content(self, request: Request) -> Response:
@@ -426,7 +499,11 @@ class BearerAuth:
             return
         request = Request(scope)
         auth = request.headers.get("authorization", "")
-        given = auth[7:].strip() if auth.lower().startswith("bearer ") else request.query_params.get("access_token", "")
+        given = (
+            auth[7:].strip()
+            if auth.lower().startswith("bearer ")
+            else request.query_params.get("access_token", "")
+        )
         if not hmac.compare_digest(given.encode(), self.token):
             exc = Unauthenticated("missing or wrong bearer token")
             shape = openai_error if path.startswith(OPENAI_PREFIXES) else errors.to_response
@@ -435,8 +512,15 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
-def create_app(runtime: Runtime, *, auth_token: str = "", heartbeat_s: float = 15.0, ring: int = 4096,
-               linger_s: float = 30.0, limits: inputs.Limits | None = None) -> Starlette:
+def create_app(
+    runtime: Runtime,
+    *,
+    auth_token: str = "",
+    heartbeat_s: float = 15.0,
+    ring: int = 4096,
+    linger_s: float = 30.0,
+    limits: inputs.Limits | None = None,
+) -> Starlette:
     api = Api(runtime, heartbeat_s=heartbeat_s, ring=ring, linger_s=linger_s, limits=limits)
     sid = "/v1/sessions/{sid}"
     routes = [
@@ -470,7 +554,10 @@ def create_app(runtime: Runtime, *, auth_token: str = "", heartbeat_s: float = 1
 
     app = Starlette(
         routes=routes,
-        exception_handlers={SessiontapeError: errors.handle_core, HTTPException: errors.handle_http},
+        exception_handlers={
+            SessiontapeError: errors.handle_core,
+            HTTPException: errors.handle_http,
+        },
         lifespan=lifespan,
     )
     app.state.api = api

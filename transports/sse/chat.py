@@ -53,7 +53,9 @@ def _messages(b: dict[str, Any]) -> list[tuple[str, str]]:
     out = []
     for i, m in enumerate(raw):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise BadParam(f"messages[{i}].role", f"messages[{i}].role must be one of {list(ROLES)}")
+            raise BadParam(
+                f"messages[{i}].role", f"messages[{i}].role must be one of {list(ROLES)}"
+            )
         if m.get("tool_calls") or m.get("function_call"):
             raise BadParam(f"messages[{i}]", "tool calls are not supported by this server")
         out.append((str(m["role"]), message_text(m.get("content"), f"messages[{i}]")))
@@ -65,7 +67,11 @@ def _stop(b: dict[str, Any]) -> list[str]:
     if v is None:
         return []
     stops = [v] if isinstance(v, str) else v
-    if not isinstance(stops, list) or len(stops) > 4 or any(not isinstance(s, str) or not s for s in stops):
+    if (
+        not isinstance(stops, list)
+        or len(stops) > 4
+        or any(not isinstance(s, str) or not s for s in stops)
+    ):
         raise BadParam("stop", "stop must be a non-empty string or an array of at most 4 of them")
     return list(stops)
 
@@ -83,11 +89,21 @@ class ChatCompletions:
     async def create(self, request: Request) -> Response:
         b = await json_body(request, self.limits)
         model = self.models.check(b)
-        reject_unsupported(b, ("tools", "functions", "logit_bias", "audio", "prediction",
-                               "frequency_penalty", "presence_penalty"))
+        reject_unsupported(
+            b,
+            (
+                "tools",
+                "functions",
+                "logit_bias",
+                "audio",
+                "prediction",
+                "frequency_penalty",
+                "presence_penalty",
+            ),
+        )
         fmt = b.get("response_format")
         if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-            raise BadParam("response_format", "only response_format {\"type\": \"text\"} is supported")
+            raise BadParam("response_format", 'only response_format {"type": "text"} is supported')
         messages = _messages(b)
         n = integer(b, "n", 1, 128)
         if n not in (None, 1):
@@ -95,7 +111,9 @@ class ChatCompletions:
         stream = flag(b, "stream", False)
         opts = b.get("stream_options")
         if opts is not None and (not isinstance(opts, dict) or not stream):
-            raise BadParam("stream_options", "stream_options is an object, and only with stream=true")
+            raise BadParam(
+                "stream_options", "stream_options is an object, and only with stream=true"
+            )
         include_usage = flag(opts or {}, "include_usage", False)
         want_logprobs = flag(b, "logprobs", False)
         top = integer(b, "top_logprobs", 0, 20)
@@ -105,24 +123,42 @@ class ChatCompletions:
         if max_tokens is None:
             max_tokens = integer(b, "max_tokens", 1, 1 << 20)
         seed = integer(b, "seed", 0, (1 << 63) - 1)
-        params = SamplingParams(max_tokens=max_tokens or DEFAULT_MAX_TOKENS,
-                                temperature=number(b, "temperature", 1.0, 0.0, 2.0),
-                                top_p=number(b, "top_p", 1.0, 0.0, 1.0, lo_open=True), seed=seed)
+        params = SamplingParams(
+            max_tokens=max_tokens or DEFAULT_MAX_TOKENS,
+            temperature=number(b, "temperature", 1.0, 0.0, 2.0),
+            top_p=number(b, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+            seed=seed,
+        )
         sid = b.get("session_id")
         if sid is not None and not isinstance(sid, str):
             raise BadParam("session_id", "session_id must be a string")
-        req = {"model": model, "messages": [{"role": r, "content": c} for r, c in messages],
-               "stop": _stop(b), "max_tokens": max_tokens, "temperature": params.temperature,
-               "top_p": params.top_p, "seed": None if seed is None else str(seed), "logprobs": want_logprobs,
-               "top_logprobs": top or 0, "metadata": metadata(b), "stream": stream,
-               "include_usage": include_usage, "session_id": sid}
+        req = {
+            "model": model,
+            "messages": [{"role": r, "content": c} for r, c in messages],
+            "stop": _stop(b),
+            "max_tokens": max_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "seed": None if seed is None else str(seed),
+            "logprobs": want_logprobs,
+            "top_logprobs": top or 0,
+            "metadata": metadata(b),
+            "stream": stream,
+            "include_usage": include_usage,
+            "session_id": sid,
+        }
         if sid is None:
-            st = await self.runtime.open_session("openai", label="openai chat",
-                                                 meta={"openai": API, "chat_template": self.turns.template.to_json()})
+            st = await self.runtime.open_session(
+                "openai",
+                label="openai chat",
+                meta={"openai": API, "chat_template": self.turns.template.to_json()},
+            )
             sid = st.session_id
         else:
             await self.runtime.live(sid)
-        turn = await self.turns.start(sid, API, messages, req, params, OutputOptions(logprob_top_k=top or 0))
+        turn = await self.turns.start(
+            sid, API, messages, req, params, OutputOptions(logprob_top_k=top or 0)
+        )
         if stream:
             return self._sse(turn)
         await self.turns.wait(turn)
@@ -131,14 +167,21 @@ class ChatCompletions:
     # -- shapes -------------------------------------------------------------------
 
     def _header(self, turn: Turn) -> dict[str, Any]:
-        return {"id": completion_id(turn), "created": int(turn.started.recorded_at), "model": turn.request.get("model"),
-                "system_fingerprint": "st-" + self.runtime.engine.info.model_hash[:12],
-                "session_id": turn.session_id}
+        return {
+            "id": completion_id(turn),
+            "created": int(turn.started.recorded_at),
+            "model": turn.request.get("model"),
+            "system_fingerprint": "st-" + self.runtime.engine.info.model_hash[:12],
+            "session_id": turn.session_id,
+        }
 
     def _usage(self, turn: Turn) -> dict[str, Any]:
-        return {"prompt_tokens": turn.prompt_tokens, "completion_tokens": len(turn.tokens),
-                "total_tokens": turn.prompt_tokens + len(turn.tokens),
-                "prompt_tokens_details": {"cached_tokens": max(0, turn.prompt_tokens - turn.appended)}}
+        return {
+            "prompt_tokens": turn.prompt_tokens,
+            "completion_tokens": len(turn.tokens),
+            "total_tokens": turn.prompt_tokens + len(turn.tokens),
+            "prompt_tokens_details": {"cached_tokens": max(0, turn.prompt_tokens - turn.appended)},
+        }
 
     def _logprob(self, e: Event) -> dict[str, Any]:
         return logprob_entry(self._detok(), e)
@@ -149,10 +192,19 @@ class ChatCompletions:
         logprobs = None
         if turn.request.get("logprobs"):
             logprobs = {"content": [self._logprob(e) for e in turn.token_events], "refusal": None}
-        return {**self._header(turn), "object": "chat.completion", "choices": [{
-            "index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-            "logprobs": logprobs, "finish_reason": _finish(turn.finish_reason, stopped)}],
-            "usage": self._usage(turn)}
+        return {
+            **self._header(turn),
+            "object": "chat.completion",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text, "refusal": None},
+                    "logprobs": logprobs,
+                    "finish_reason": _finish(turn.finish_reason, stopped),
+                }
+            ],
+            "usage": self._usage(turn),
+        }
 
     def _sse(self, turn: Turn) -> Response:
         async def body() -> AsyncIterator[bytes]:
@@ -175,8 +227,13 @@ class ChatCompletions:
         head = {**self._header(turn), "object": "chat.completion.chunk"}
         logprobs = bool(turn.request.get("logprobs"))
 
-        def chunk(delta: dict[str, Any], finish: str | None = None, lp: dict[str, Any] | None = None) -> dict[str, Any]:
-            return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
+        def chunk(
+            delta: dict[str, Any], finish: str | None = None, lp: dict[str, Any] | None = None
+        ) -> dict[str, Any]:
+            return {
+                **head,
+                "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}],
+            }
 
         yield chunk({"role": "assistant", "content": ""})
         ts = TextStream(self._detok(), turn.stops())

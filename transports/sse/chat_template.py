@@ -42,7 +42,9 @@ class ChatTemplate:
     generation_prompt: str = "<|assistant|>\n"
     after_generation: str = "\n"
     prefix: str = ""
-    stop: tuple[str, ...] = field(default=("<|user|>", "<|system|>", "<|developer|>", "<|assistant|>"))
+    stop: tuple[str, ...] = field(
+        default=("<|user|>", "<|system|>", "<|developer|>", "<|assistant|>")
+    )
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], source: str = "config") -> ChatTemplate:
@@ -61,14 +63,24 @@ class ChatTemplate:
             )
             tpl.message.format(role="user", content="x")
         except (KeyError, IndexError, ValueError, TypeError) as exc:
-            raise ConfigError(f"chat template ({source}): 'message' must use only {{role}} and {{content}}: {exc}") from exc
+            raise ConfigError(
+                f"chat template ({source}): 'message' must use only {{role}} and {{content}}: {exc}"
+            ) from exc
         return tpl
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "message": self.message, "generation_prompt": self.generation_prompt,
-                "after_generation": self.after_generation, "prefix": self.prefix, "stop": list(self.stop)}
+        return {
+            "name": self.name,
+            "message": self.message,
+            "generation_prompt": self.generation_prompt,
+            "after_generation": self.after_generation,
+            "prefix": self.prefix,
+            "stop": list(self.stop),
+        }
 
-    def render(self, messages: Sequence[tuple[str, str]], *, at_start: bool, after_generation: bool) -> str:
+    def render(
+        self, messages: Sequence[tuple[str, str]], *, at_start: bool, after_generation: bool
+    ) -> str:
         """The text of one request's messages, ending with the generation prompt.
 
         ``at_start``: the session holds no tokens yet (the prefix goes first);
@@ -122,9 +134,15 @@ def message_text(content: Any, where: str) -> str:
             if isinstance(part, str):
                 out.append(part)
                 continue
-            if not isinstance(part, dict) or part.get("type") not in ("text", "input_text", "output_text"):
+            if not isinstance(part, dict) or part.get("type") not in (
+                "text",
+                "input_text",
+                "output_text",
+            ):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise InvalidParameters(f"{where}: content part of type {kind!r} is not supported (text only)")
+                raise InvalidParameters(
+                    f"{where}: content part of type {kind!r} is not supported (text only)"
+                )
             text = part.get("text")
             if not isinstance(text, str):
                 raise InvalidParameters(f"{where}: a text part needs a string 'text'")
@@ -163,7 +181,7 @@ class TextStream:
 
     @property
     def text(self) -> str:
-        return self._text[:self._sent]
+        return self._text[: self._sent]
 
     def _release(self, final: bool) -> str:
         if self.stopped:
@@ -182,6 +200,6 @@ class TextStream:
                     if self._text.endswith(s[:k]):
                         end = min(end, len(self._text) - k)
                         break
-        delta = self._text[self._sent:end]
+        delta = self._text[self._sent : end]
         self._sent = end
         return delta

@@ -72,7 +72,9 @@ class Drain:
                 ctype = dict(message.get("headers", [])).get(b"content-type", b"")
                 if scope.get("method") == "GET" and ctype.startswith(b"text/event-stream"):
                     inflight.tasks[task] = True
-                    if inflight.watchers_closed:  # started during shutdown: ends right after its head went out
+                    if (
+                        inflight.watchers_closed
+                    ):  # started during shutdown: ends right after its head went out
                         asyncio.get_running_loop().call_soon(inflight.end, True)
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
                 finished = True
@@ -87,7 +89,9 @@ class Drain:
             task.uncancel()
             with contextlib.suppress(Exception):  # the client may be gone already
                 if not started:
-                    await error_response("unavailable", "the server is shutting down", 503)(scope, receive, send)
+                    await error_response("unavailable", "the server is shutting down", 503)(
+                        scope, receive, send
+                    )
                 elif not finished:
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:

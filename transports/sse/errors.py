@@ -74,8 +74,9 @@ def error_body(code: str, message: str, **extra: Any) -> dict[str, dict[str, Any
     return {"error": {"code": code, "message": message, **extra}}
 
 
-def error_response(code: str, message: str, status: int, headers: dict[str, str] | None = None,
-                   **extra: Any) -> JSONResponse:
+def error_response(
+    code: str, message: str, status: int, headers: dict[str, str] | None = None, **extra: Any
+) -> JSONResponse:
     metrics.ERRORS.labels(code).inc()
     return JSONResponse(error_body(code, message, **extra), status_code=status, headers=headers)
 
@@ -101,7 +102,12 @@ async def handle_core(_: Request, exc: Exception) -> Response:
     return to_response(exc)
 
 
-_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 400: "invalid_argument", 401: "unauthenticated"}
+_HTTP_CODES = {
+    404: "not_found",
+    405: "method_not_allowed",
+    400: "invalid_argument",
+    401: "unauthenticated",
+}
 
 
 async def handle_http(_: Request, exc: Exception) -> Response:
@@ -112,8 +118,13 @@ async def handle_http(_: Request, exc: Exception) -> Response:
 
 def internal_response(request_id: str) -> JSONResponse:
     """The only answer to an unexpected error: no exception text, no SQL, just the id to find the log line."""
-    return error_response("internal", f"internal server error (request id {request_id})", 500,
-                          {"X-Request-ID": request_id}, request_id=request_id)
+    return error_response(
+        "internal",
+        f"internal server error (request id {request_id})",
+        500,
+        {"X-Request-ID": request_id},
+        request_id=request_id,
+    )
 
 
 async def handle_unexpected(request: Request, exc: Exception) -> Response:

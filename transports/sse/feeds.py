@@ -78,8 +78,14 @@ class Forks:
         return out
 
 
-async def load_builder(runtime: Runtime, forks: Forks, session_id: str, *, upto_position: int | None = None,
-                       upto_version: int | None = None) -> DocumentBuilder:
+async def load_builder(
+    runtime: Runtime,
+    forks: Forks,
+    session_id: str,
+    *,
+    upto_position: int | None = None,
+    upto_version: int | None = None,
+) -> DocumentBuilder:
     """The document of ``session_id`` after every event up to a log position or a version.
 
     Children (forks) count from the position their ``session.opened`` was
@@ -94,7 +100,11 @@ async def load_builder(runtime: Runtime, forks: Forks, session_id: str, *, upto_
     base = await runtime.fork_base(own[0])
     if upto_position is not None:
         own = [e for e in own if e.position <= upto_position]
-    limit = upto_position if upto_position is not None else (own[-1].position if upto_version is not None else None)
+    limit = (
+        upto_position
+        if upto_position is not None
+        else (own[-1].position if upto_version is not None else None)
+    )
     builder = DocumentBuilder(session_id, detokenize=runtime.engine.detokenize, base=base)
     children = [e for e in await forks.of(session_id) if limit is None or e.position <= limit]
     for e in sorted([*own, *children], key=lambda e: e.position):
@@ -148,8 +158,14 @@ class Watcher:
 class SessionFeed:
     """The live document of one open session and its watchers."""
 
-    def __init__(self, runtime: Runtime, builder: DocumentBuilder, position: int, ring: int,
-                 forks: Forks | None = None) -> None:
+    def __init__(
+        self,
+        runtime: Runtime,
+        builder: DocumentBuilder,
+        position: int,
+        ring: int,
+        forks: Forks | None = None,
+    ) -> None:
         self.runtime = runtime
         self.forks = forks
         self.builder = builder
@@ -244,7 +260,9 @@ class Feeds:
         self._building[session_id] = fut
         try:
             position = await self.runtime.last_position()
-            builder = await load_builder(self.runtime, self.forks, session_id, upto_position=position)
+            builder = await load_builder(
+                self.runtime, self.forks, session_id, upto_position=position
+            )
             feed = SessionFeed(self.runtime, builder, position, self.ring, self.forks)
             if not feed.ended:
                 feed.start()
@@ -271,7 +289,9 @@ class Feeds:
             for sid, feed in list(self.feeds.items()):
                 if feed.watchers:
                     feed.idle_since = None
-                elif feed.ended or (feed.idle_since is not None and now - feed.idle_since >= self.linger_s):
+                elif feed.ended or (
+                    feed.idle_since is not None and now - feed.idle_since >= self.linger_s
+                ):
                     self.feeds.pop(sid, None)
                     await feed.stop()
                 elif feed.idle_since is None:
@@ -298,8 +318,9 @@ class Feeds:
         self.feeds.clear()
 
 
-async def _catch_up(runtime: Runtime, forks: Forks, builder: DocumentBuilder, after: int,
-                    rfc: bool) -> AsyncIterator[bytes]:
+async def _catch_up(
+    runtime: Runtime, forks: Forks, builder: DocumentBuilder, after: int, rfc: bool
+) -> AsyncIterator[bytes]:
     for e in await events_after(runtime, forks, builder.session_id, after):
         ops = builder.apply(e)
         if ops:
@@ -332,8 +353,15 @@ async def _next(watcher: Watcher, until: asyncio.Future[int] | None, wait_s: flo
     return None
 
 
-async def session_stream(feeds: Feeds, session_id: str, last_id: int | None, *, rfc: bool = False,
-                         heartbeat_s: float = 15.0, until: asyncio.Future[int] | None = None) -> AsyncGenerator[bytes, None]:
+async def session_stream(
+    feeds: Feeds,
+    session_id: str,
+    last_id: int | None,
+    *,
+    rfc: bool = False,
+    heartbeat_s: float = 15.0,
+    until: asyncio.Future[int] | None = None,
+) -> AsyncGenerator[bytes, None]:
     """The SSE byte stream of a session document: snapshot (or resume), patches, end.
 
     With ``last_id`` (a position this stream sent) no snapshot is sent: the
@@ -364,7 +392,9 @@ async def session_stream(feeds: Feeds, session_id: str, last_id: int | None, *, 
                 for en in backlog:
                     watcher.put(en)
             else:
-                builder = await load_builder(runtime, feeds.forks, session_id, upto_position=last_id)
+                builder = await load_builder(
+                    runtime, feeds.forks, session_id, upto_position=last_id
+                )
                 async for chunk in _catch_up(runtime, feeds.forks, builder, last_id, rfc):
                     yield chunk
                 sent = builder.position
@@ -409,10 +439,19 @@ async def session_stream(feeds: Feeds, session_id: str, last_id: int | None, *, 
                     ended = True
                     break
                 if en.position > sent:
-                    chunks.append(frame("patch", en.rfc if rfc and en.rfc is not None else en.plus, en.position))
+                    chunks.append(
+                        frame(
+                            "patch", en.rfc if rfc and en.rfc is not None else en.plus, en.position
+                        )
+                    )
                     sent = en.position
-                    if until is not None and until.done() and not until.cancelled() \
-                            and until.exception() is None and sent >= until.result():
+                    if (
+                        until is not None
+                        and until.done()
+                        and not until.cancelled()
+                        and until.exception() is None
+                        and sent >= until.result()
+                    ):
                         break
                 if watcher.queue.empty():
                     break
@@ -430,12 +469,27 @@ async def session_stream(feeds: Feeds, session_id: str, last_id: int | None, *, 
 
 
 #: the events that can change the sessions list (what SessionListBuilder folds)
-LIST_EVENTS = frozenset({T.SESSION_OPENED, T.SESSION_CLOSED, T.SESSION_ABORTED, T.SESSION_EXPIRED,
-                         T.SESSION_PURGED, T.GENERATION_STARTED, T.GENERATION_FINISHED})
+LIST_EVENTS = frozenset(
+    {
+        T.SESSION_OPENED,
+        T.SESSION_CLOSED,
+        T.SESSION_ABORTED,
+        T.SESSION_EXPIRED,
+        T.SESSION_PURGED,
+        T.GENERATION_STARTED,
+        T.GENERATION_FINISHED,
+    }
+)
 
 
-async def list_stream(runtime: Runtime, *, limit: int = 200, heartbeat_s: float = 15.0,
-                      rfc: bool = False, queue_max: int = 10_000) -> AsyncIterator[bytes]:
+async def list_stream(
+    runtime: Runtime,
+    *,
+    limit: int = 200,
+    heartbeat_s: float = 15.0,
+    rfc: bool = False,
+    queue_max: int = 10_000,
+) -> AsyncIterator[bytes]:
     """The SSE stream of the sessions list: a snapshot, then patches as sessions change.
 
     A reconnect always gets a fresh snapshot (the list is an index view, not
@@ -460,7 +514,10 @@ async def list_stream(runtime: Runtime, *, limit: int = 200, heartbeat_s: float 
                 try:
                     queue.put_nowait(e)
                 except asyncio.QueueFull:
-                    log.info("sessions list watcher more than %d changes behind: ending its stream", queue_max)
+                    log.info(
+                        "sessions list watcher more than %d changes behind: ending its stream",
+                        queue_max,
+                    )
                     break
         except Exception:  # end the stream; the client reconnects for a fresh snapshot
             log.exception("sessions list feed failed")

@@ -45,7 +45,9 @@ class UnknownFields(InvalidArgument):
 
     def __init__(self, fields: Collection[str], allowed: Collection[str]) -> None:
         names = ", ".join(sorted(repr(f) for f in fields))
-        super().__init__(f"unknown field(s) {names}; this route takes {', '.join(sorted(allowed)) or 'no fields'}")
+        super().__init__(
+            f"unknown field(s) {names}; this route takes {', '.join(sorted(allowed)) or 'no fields'}"
+        )
         self.fields = sorted(fields)
 
 
@@ -68,7 +70,9 @@ async def read_body(request: Request, limits: Limits) -> bytes:
         if not _DIGITS.fullmatch(declared) or declared.startswith("-"):
             raise InvalidArgument("Content-Length must be a non-negative integer")
         if int(declared) > limits.max_body_bytes:
-            raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limits.max_body_bytes}")
+            raise PayloadTooLarge(
+                f"request body of {declared} bytes exceeds the limit of {limits.max_body_bytes}"
+            )
     chunks: list[bytes] = []
     size = 0
     stream = request.stream().__aiter__()
@@ -83,7 +87,9 @@ async def read_body(request: Request, limits: Limits) -> bytes:
             raise ClientGone("client disconnected while sending its body") from None
         size += len(chunk)
         if size > limits.max_body_bytes:
-            raise PayloadTooLarge(f"request body exceeds the limit of {limits.max_body_bytes} bytes")
+            raise PayloadTooLarge(
+                f"request body exceeds the limit of {limits.max_body_bytes} bytes"
+            )
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -118,7 +124,9 @@ def _strict_float(text: str) -> float:
 
 
 def _strict_int(text: str) -> int:
-    if len(text) > 20:  # beyond 64 bits whatever the digits are; also stops int()'s digit-limit ValueError
+    if (
+        len(text) > 20
+    ):  # beyond 64 bits whatever the digits are; also stops int()'s digit-limit ValueError
         raise InvalidArgument(f"integer {text[:24]}... is out of the 64-bit range")
     value = int(text)
     if not INT64[0] <= value < 2**64:
@@ -131,10 +139,13 @@ def parse_json(raw: bytes, max_depth: int) -> Any:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise InvalidArgument(f"request body is not UTF-8: {exc.reason} at byte {exc.start}") from None
+        raise InvalidArgument(
+            f"request body is not UTF-8: {exc.reason} at byte {exc.start}"
+        ) from None
     try:
-        value = json.loads(text, parse_constant=_refuse_constant, parse_float=_strict_float,
-                           parse_int=_strict_int)
+        value = json.loads(
+            text, parse_constant=_refuse_constant, parse_float=_strict_float, parse_int=_strict_int
+        )
     except RecursionError:
         raise InvalidArgument(f"request body is nested deeper than {max_depth} levels") from None
     except ValueError as exc:  # json.JSONDecodeError included
@@ -208,7 +219,9 @@ def number(value: Any, name: str, *, lo: float, hi: float, lo_open: bool = False
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise InvalidParameters(f"{name} must be a finite number")
     if value > hi or value < lo or (lo_open and value == lo):
-        raise InvalidParameters(f"{name} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {value:g}")
+        raise InvalidParameters(
+            f"{name} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {value:g}"
+        )
     return float(value)
 
 
@@ -232,7 +245,9 @@ def boolean(value: Any, name: str, default: bool = False) -> bool:
 
 
 def int_list(value: Any, name: str, *, lo: int = INT64[0], hi: int = INT64[1]) -> list[int]:
-    if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+    if not isinstance(value, list) or any(
+        isinstance(v, bool) or not isinstance(v, int) for v in value
+    ):
         raise InvalidParameters(f"{name} must be an array of integers")
     if value and not (lo <= min(value) and max(value) <= hi):
         raise InvalidParameters(f"{name} must hold integers in [{lo}, {hi}]")

@@ -30,8 +30,11 @@ class PerClientLimit:
         key = str(client[0]) if client else "?"
         if self.active[key] >= self.max_requests:
             await errors.error_response(
-                "too_many_requests", f"at most {self.max_requests} concurrent requests per client", 429,
-                {"Retry-After": "1"})(scope, receive, send)
+                "too_many_requests",
+                f"at most {self.max_requests} concurrent requests per client",
+                429,
+                {"Retry-After": "1"},
+            )(scope, receive, send)
             return
         self.active[key] += 1
         try:

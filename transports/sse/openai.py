@@ -42,6 +42,7 @@ class Api(Protocol):
     #: tasks that outlive their request; the API waits for them when it closes
     background: set[asyncio.Task[Any]]
 
+
 #: paths whose errors (401s from the auth middleware included) take OpenAI's shape
 PREFIXES = ("/v1/responses", "/v1/chat/completions", "/v1/models")
 
@@ -76,17 +77,32 @@ def error_type(status: int) -> str:
 def error_response(exc: SessiontapeError) -> JSONResponse:
     status = errors.status_for(exc)
     metrics.ERRORS.labels(exc.code).inc()
-    body = {"error": {"message": exc.message, "type": error_type(status),
-                      "param": getattr(exc, "param", None), "code": exc.code}}
+    body = {
+        "error": {
+            "message": exc.message,
+            "type": error_type(status),
+            "param": getattr(exc, "param", None),
+            "code": exc.code,
+        }
+    }
     return JSONResponse(body, status_code=status, headers=errors.headers_for(exc))
 
 
 def error_event(exc: BaseException) -> dict[str, Any]:
     """The body of an ``error`` event ending a stream that failed after it began."""
     if isinstance(exc, SessiontapeError):
-        return {"message": exc.message, "type": error_type(errors.status_for(exc)),
-                "param": None, "code": exc.code}
-    return {"message": "internal server error", "type": "server_error", "param": None, "code": "internal"}
+        return {
+            "message": exc.message,
+            "type": error_type(errors.status_for(exc)),
+            "param": None,
+            "code": exc.code,
+        }
+    return {
+        "message": "internal server error",
+        "type": "server_error",
+        "param": None,
+        "code": "internal",
+    }
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -119,8 +135,9 @@ async def json_body(request: Request, limits: inputs.Limits) -> dict[str, Any]:
     return value
 
 
-def number(b: Mapping[str, Any], name: str, default: float, lo: float, hi: float, *,
-           lo_open: bool = False) -> float:
+def number(
+    b: Mapping[str, Any], name: str, default: float, lo: float, hi: float, *, lo_open: bool = False
+) -> float:
     v = b.get(name)
     if v is None:
         return default
@@ -156,10 +173,19 @@ def metadata(b: Mapping[str, Any]) -> dict[str, str]:
     v = b.get("metadata")
     if v is None:
         return {}
-    if not isinstance(v, dict) or len(v) > 16 or any(
-            not isinstance(k, str) or not isinstance(x, str) or len(k) > 64 or len(x) > 512 for k, x in v.items()):
-        raise BadParam("metadata", "metadata must be an object of at most 16 string pairs "
-                                   "(keys up to 64 characters, values up to 512)")
+    if (
+        not isinstance(v, dict)
+        or len(v) > 16
+        or any(
+            not isinstance(k, str) or not isinstance(x, str) or len(k) > 64 or len(x) > 512
+            for k, x in v.items()
+        )
+    ):
+        raise BadParam(
+            "metadata",
+            "metadata must be an object of at most 16 string pairs "
+            "(keys up to 64 characters, values up to 512)",
+        )
     return dict(v)
 
 
@@ -173,7 +199,7 @@ def reject_unsupported(b: Mapping[str, Any], names: Iterable[str]) -> None:
 
 def split_id(value: str, prefix: str) -> tuple[str, int]:
     """``<prefix><session id>_<version>`` to (session id, version); NotFound otherwise."""
-    body = value[len(prefix):] if value.startswith(prefix) else ""
+    body = value[len(prefix) :] if value.startswith(prefix) else ""
     sid, _, version = body.rpartition("_")
     if not sid or not version.isdigit() or len(version) > 12:
         raise NotFound(f"no response with id {value!r}")
@@ -203,9 +229,16 @@ class Models:
 
     def card(self) -> dict[str, Any]:
         info = self.runtime.engine.info
-        return {"id": info.model_id, "object": "model", "created": 0, "owned_by": "sessiontape",
-                "engine": info.name, "provider": info.provider, "max_length": info.max_length,
-                "model_hash": info.model_hash}
+        return {
+            "id": info.model_id,
+            "object": "model",
+            "created": 0,
+            "owned_by": "sessiontape",
+            "engine": info.name,
+            "provider": info.provider,
+            "max_length": info.max_length,
+            "model_hash": info.model_hash,
+        }
 
     async def list(self, _: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self.card()]})

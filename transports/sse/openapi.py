@@ -23,12 +23,21 @@ _ERRORS = {
     "409": _json(_ERROR, "failed precondition or busy"),
 }
 _SID = {"name": "sid", "in": "path", "required": True, "schema": {"type": "string"}}
-_PATCH = {"name": "patch", "in": "query", "schema": {"type": "string", "enum": ["plus", "rfc6902"]},
-          "description": "rfc6902 rewrites append ops as replace/add"}
+_PATCH = {
+    "name": "patch",
+    "in": "query",
+    "schema": {"type": "string", "enum": ["plus", "rfc6902"]},
+    "description": "rfc6902 rewrites append ops as replace/add",
+}
 
 
-def _op(summary: str, responses: dict[str, Any], *, params: list[dict[str, Any]] | None = None,
-        body: dict[str, Any] | None = None) -> dict[str, Any]:
+def _op(
+    summary: str,
+    responses: dict[str, Any],
+    *,
+    params: list[dict[str, Any]] | None = None,
+    body: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     op: dict[str, Any] = {"summary": summary, "responses": {**responses, **_ERRORS}}
     if params:
         op["parameters"] = params
@@ -48,22 +57,47 @@ _LABEL = {"type": "string", "maxLength": 1000}
 _BOOL = {"type": "boolean"}
 _BYTES = {"type": "string", "format": "binary"}
 #: a seed is in [0, 2**64): a number, or a string of digits (JSON numbers are exact only up to 2**53)
-_SEED = {"oneOf": [{"type": "integer", "minimum": 0}, {"type": "string", "pattern": "^[0-9]{1,20}$"}]}
-_GEN = _obj(max_tokens=_INT, temperature={"type": "number"}, top_p={"type": "number"}, top_k=_INT,
-            seed=_SEED, stop_token_ids={"type": "array", "items": _INT},
-            logprob_top_k=_INT, logprob_ranges={"type": "array"}, readout_ranges={"type": "array"},
-            text=_STR, tokens={"type": "array", "items": _INT}, stream={"type": "boolean"},
-            background={"type": "boolean"})
+_SEED = {
+    "oneOf": [{"type": "integer", "minimum": 0}, {"type": "string", "pattern": "^[0-9]{1,20}$"}]
+}
+_GEN = _obj(
+    max_tokens=_INT,
+    temperature={"type": "number"},
+    top_p={"type": "number"},
+    top_k=_INT,
+    seed=_SEED,
+    stop_token_ids={"type": "array", "items": _INT},
+    logprob_top_k=_INT,
+    logprob_ranges={"type": "array"},
+    readout_ranges={"type": "array"},
+    text=_STR,
+    tokens={"type": "array", "items": _INT},
+    stream={"type": "boolean"},
+    background={"type": "boolean"},
+)
 
 
-_OPENAI_ERROR = _json(_obj(error=_obj(message=_STR, type=_STR, param={"type": ["string", "null"]},
-                                     code={"type": ["string", "null"]})), "an error in OpenAI's shape")
+_OPENAI_ERROR = _json(
+    _obj(
+        error=_obj(
+            message=_STR,
+            type=_STR,
+            param={"type": ["string", "null"]},
+            code={"type": ["string", "null"]},
+        )
+    ),
+    "an error in OpenAI's shape",
+)
 
 
-def _openai(summary: str, ok: dict[str, Any], params: list[dict[str, Any]] | None = None,
-            body: bool = False) -> dict[str, Any]:
-    op: dict[str, Any] = {"summary": summary, "tags": ["openai"],
-                          "responses": {**ok, "4XX": _OPENAI_ERROR, "5XX": _OPENAI_ERROR}}
+def _openai(
+    summary: str, ok: dict[str, Any], params: list[dict[str, Any]] | None = None, body: bool = False
+) -> dict[str, Any]:
+    op: dict[str, Any] = {
+        "summary": summary,
+        "tags": ["openai"],
+        "responses": {**ok, "4XX": _OPENAI_ERROR, "5XX": _OPENAI_ERROR},
+    }
     if params:
         op["parameters"] = params
     if body:
@@ -74,6 +108,7 @@ def _openai(summary: str, ok: dict[str, Any], params: list[dict[str, Any]] | Non
 def _openai_paths() -> dict[str, Any]:
     """The OpenAI-compatible routes (transports/sse/openai.py; request and response bodies are
     OpenAI's own, see docs/clients.md), at the level of detail this document keeps for them."""
+
     def path(name: str) -> list[dict[str, Any]]:
         return [{"name": name, "in": "path", "required": True, "schema": _STR}]
 
@@ -81,25 +116,57 @@ def _openai_paths() -> dict[str, Any]:
     return {
         "/v1/models": {"get": _openai("the configured engines and models", {"200": _json(obj)})},
         "/v1/models/{model}": {"get": _openai("one model", {"200": _json(obj)}, path("model"))},
-        "/v1/responses": {"post": _openai(
-            "create a response (a generation in a session); stream=true answers with Responses events",
-            {"200": {"description": "the response, or its event stream",
-                     "content": {"application/json": {"schema": obj}, "text/event-stream": {"schema": _STR}}}},
-            body=True)},
-        "/v1/responses/{rid}": {"get": _openai(
-            "retrieve a response (stream=true&starting_after=N resumes its event stream)",
-            {"200": {"description": "the response, or its event stream",
-                     "content": {"application/json": {"schema": obj}, "text/event-stream": {"schema": _STR}}}},
-            path("rid"))},
-        "/v1/responses/{rid}/cancel": {"post": _openai("cancel a background response", {"200": _json(obj)},
-                                                       path("rid"))},
-        "/v1/responses/{rid}/input_items": {"get": _openai("the input items of a response", {"200": _json(obj)},
-                                                           path("rid"))},
-        "/v1/chat/completions": {"post": _openai(
-            "a chat completion, recorded as a session (stream=true: chat.completion.chunk events)",
-            {"200": {"description": "the completion, or its chunks",
-                     "content": {"application/json": {"schema": obj}, "text/event-stream": {"schema": _STR}}}},
-            body=True)},
+        "/v1/responses": {
+            "post": _openai(
+                "create a response (a generation in a session); stream=true answers with Responses events",
+                {
+                    "200": {
+                        "description": "the response, or its event stream",
+                        "content": {
+                            "application/json": {"schema": obj},
+                            "text/event-stream": {"schema": _STR},
+                        },
+                    }
+                },
+                body=True,
+            )
+        },
+        "/v1/responses/{rid}": {
+            "get": _openai(
+                "retrieve a response (stream=true&starting_after=N resumes its event stream)",
+                {
+                    "200": {
+                        "description": "the response, or its event stream",
+                        "content": {
+                            "application/json": {"schema": obj},
+                            "text/event-stream": {"schema": _STR},
+                        },
+                    }
+                },
+                path("rid"),
+            )
+        },
+        "/v1/responses/{rid}/cancel": {
+            "post": _openai("cancel a background response", {"200": _json(obj)}, path("rid"))
+        },
+        "/v1/responses/{rid}/input_items": {
+            "get": _openai("the input items of a response", {"200": _json(obj)}, path("rid"))
+        },
+        "/v1/chat/completions": {
+            "post": _openai(
+                "a chat completion, recorded as a session (stream=true: chat.completion.chunk events)",
+                {
+                    "200": {
+                        "description": "the completion, or its chunks",
+                        "content": {
+                            "application/json": {"schema": obj},
+                            "text/event-stream": {"schema": _STR},
+                        },
+                    }
+                },
+                body=True,
+            )
+        },
     }
 
 
@@ -141,82 +208,236 @@ def _spec() -> dict[str, Any]:
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
             "schemas": {
                 "Error": _obj(error=_obj(code=_STR, message=_STR)),
-                "SessionDocument": {"type": "object", "description": "docs/protocols/session-document.md"},
+                "SessionDocument": {
+                    "type": "object",
+                    "description": "docs/protocols/session-document.md",
+                },
             },
         },
         "security": [{"bearer": []}],
         "paths": {
-            "/": {"get": {"summary": "the replay viewer (an HTML page; see docs/protocols/http.md, Viewer)",
-                          "security": [], "responses": {"200": {
-                              "description": "the viewer", "content": {"text/html": {"schema": _STR}}}}}},
-            "/static/{path}": {"get": {
-                "summary": "the viewer's scripts and styles", "security": [],
-                "parameters": [{"name": "path", "in": "path", "required": True, "schema": _STR}],
-                "responses": {"200": {"description": "a static file (text/javascript, text/css, ...)"},
-                              "404": {"description": "no such file"}}}},
-            "/openapi.json": {"get": {"summary": "this document", "security": [], "responses": {
-                "200": _json({"type": "object"}, "the OpenAPI 3.1 description")}}},
-            "/healthz": {"get": {"summary": "liveness", "security": [], "responses": {"200": _json(_obj(status=_STR))}}},
-            "/metrics": {"get": {"summary": "Prometheus metrics", "security": [],
-                                 "responses": {"200": {"description": "text exposition format"}}}},
-            "/v1/sessions": {
-                "post": _op("open a session", {"201": _json(_DOC)},
-                            body=_obj(protocol=_PROTOCOL, label=_LABEL, mode=_STR, ttl_s={"type": "number"},
-                                      eos_token_ids={"type": "array", "items": _INT}, meta={"type": "object"})),
-                "get": _op("list sessions", {"200": _json(_obj(sessions={"type": "array"}))}, params=[
-                    {"name": n, "in": "query", "schema": _STR} for n in ("status", "protocol", "parent")
-                ] + [{"name": n, "in": "query", "schema": _INT} for n in ("limit", "offset")]),
+            "/": {
+                "get": {
+                    "summary": "the replay viewer (an HTML page; see docs/protocols/http.md, Viewer)",
+                    "security": [],
+                    "responses": {
+                        "200": {
+                            "description": "the viewer",
+                            "content": {"text/html": {"schema": _STR}},
+                        }
+                    },
+                }
             },
-            "/v1/sessions/events": {"get": _op("SSE: the sessions list, snapshot then JSON Patch+",
-                                               {"200": _sse("snapshot, patch events")}, params=[_PATCH])},
-            "/v1/sessions/{sid}": {"get": _op("the session document", {"200": _json(_DOC)}, params=[
-                _SID, {"name": "version", "in": "query", "schema": _INT}])},
-            "/v1/sessions/{sid}/events": {"get": _op(
-                "SSE: snapshot then JSON Patch+ per committed event; id = log position",
-                {"200": _sse("snapshot, patch, end events; ': ping' heartbeats")},
-                params=[_SID, _PATCH, {"name": "Last-Event-ID", "in": "header", "schema": _INT}])},
-            "/v1/sessions/{sid}/append": {"post": _op("append text or tokens", {"200": _json(_obj(length=_INT, version=_INT))},
-                                                      params=[_SID], body=_obj(text=_STR, tokens={"type": "array", "items": _INT},
-                                                                               offset={"type": "integer", "minimum": 0},
-                                                                               truncating=_BOOL))},
-            "/v1/sessions/{sid}/generate": {"post": _op(
-                "generate: an SSE stream of patches (default), JSON (stream=false) or 202 (background=true)",
-                {"200": {"description": "stream (default): text/event-stream, snapshot, patches, end; "
-                                        "stream=false: JSON once the generation is done",
-                         "content": {"text/event-stream": {"schema": _STR},
-                                     "application/json": {"schema": _obj(
-                                         session_id=_STR, version=_INT,
-                                         generation={"type": "object",
-                                                     "description": "the document's generations[] entry"})}}},
-                 "202": _json(_obj(session_id=_STR, generation_id={"type": ["string", "null"]}),
-                              "background=true: started")},
-                params=[_SID, _PATCH], body=_GEN)},
-            "/v1/sessions/{sid}/fork": {"post": _op("fork at a token position or event version", {"201": _json(_DOC)},
-                                                    params=[_SID], body=_obj(at_position=_INT, at_version=_INT, label=_LABEL,
-                                                                             protocol=_PROTOCOL))},
-            "/v1/sessions/{sid}/close": {"post": _op("close", {"200": _json(_DOC)}, params=[_SID], body=_obj(reason=_STR))},
-            "/v1/sessions/{sid}/feedback": {"post": _op("record feedback", {"201": _json(_obj(version=_INT))},
-                                                        params=[_SID], body={"type": "object"})},
-            "/v1/sessions/{sid}/export": {"get": _op(
-                "the session's events as NDJSON, one event per line (what `sessiontape import` reads)",
-                {"200": {"description": "attachment; filename=ID.ndjson",
-                         "content": {"application/x-ndjson": {"schema": _STR}}}}, params=[_SID])},
-            "/v1/sessions/{sid}/audit": {"get": _op(
-                "verify the hash chain and the fold's invariants (core.audit.audit_session)",
-                {"200": _json(_obj(session_id=_STR, chain_ok=_BOOL, invariants_ok=_BOOL,
-                                   problems={"type": "array", "items": _STR}, ok=_BOOL))}, params=[_SID])},
-            "/v1/sessions/{sid}/replay": {"get": _op("base document and one patch per event (the scrubber)",
-                                                     {"200": _json(_obj(base=_DOC, steps={"type": "array"}))}, params=[_SID])},
-            "/v1/sessions/{sid}/images/{sha}": {"get": _op(
-                "an attached image's bytes, by sha256, with its recorded MIME type",
-                {"200": {"description": "the image", "content": {"image/*": {"schema": _BYTES},
-                                                                 "application/octet-stream": {"schema": _BYTES}}}},
-                params=[_SID, {"name": "sha", "in": "path", "required": True,
-                               "schema": {"type": "string", "pattern": "^[0-9a-f]{64}$"}}])},
-            "/v1/sessions/{sid}/nodes/{nid}/content": {"get": _op(
-                "a leaf node's chunk bytes (Evergreen), with the chunk's mimetype",
-                {"200": {"description": "the chunk", "content": {"*/*": {"schema": _BYTES}}}},
-                params=[_SID, {"name": "nid", "in": "path", "required": True, "schema": _STR}])},
+            "/static/{path}": {
+                "get": {
+                    "summary": "the viewer's scripts and styles",
+                    "security": [],
+                    "parameters": [
+                        {"name": "path", "in": "path", "required": True, "schema": _STR}
+                    ],
+                    "responses": {
+                        "200": {"description": "a static file (text/javascript, text/css, ...)"},
+                        "404": {"description": "no such file"},
+                    },
+                }
+            },
+            "/openapi.json": {
+                "get": {
+                    "summary": "this document",
+                    "security": [],
+                    "responses": {"200": _json({"type": "object"}, "the OpenAPI 3.1 description")},
+                }
+            },
+            "/healthz": {
+                "get": {
+                    "summary": "liveness",
+                    "security": [],
+                    "responses": {"200": _json(_obj(status=_STR))},
+                }
+            },
+            "/metrics": {
+                "get": {
+                    "summary": "Prometheus metrics",
+                    "security": [],
+                    "responses": {"200": {"description": "text exposition format"}},
+                }
+            },
+            "/v1/sessions": {
+                "post": _op(
+                    "open a session",
+                    {"201": _json(_DOC)},
+                    body=_obj(
+                        protocol=_PROTOCOL,
+                        label=_LABEL,
+                        mode=_STR,
+                        ttl_s={"type": "number"},
+                        eos_token_ids={"type": "array", "items": _INT},
+                        meta={"type": "object"},
+                    ),
+                ),
+                "get": _op(
+                    "list sessions",
+                    {"200": _json(_obj(sessions={"type": "array"}))},
+                    params=[
+                        {"name": n, "in": "query", "schema": _STR}
+                        for n in ("status", "protocol", "parent")
+                    ]
+                    + [{"name": n, "in": "query", "schema": _INT} for n in ("limit", "offset")],
+                ),
+            },
+            "/v1/sessions/events": {
+                "get": _op(
+                    "SSE: the sessions list, snapshot then JSON Patch+",
+                    {"200": _sse("snapshot, patch events")},
+                    params=[_PATCH],
+                )
+            },
+            "/v1/sessions/{sid}": {
+                "get": _op(
+                    "the session document",
+                    {"200": _json(_DOC)},
+                    params=[_SID, {"name": "version", "in": "query", "schema": _INT}],
+                )
+            },
+            "/v1/sessions/{sid}/events": {
+                "get": _op(
+                    "SSE: snapshot then JSON Patch+ per committed event; id = log position",
+                    {"200": _sse("snapshot, patch, end events; ': ping' heartbeats")},
+                    params=[
+                        _SID,
+                        _PATCH,
+                        {"name": "Last-Event-ID", "in": "header", "schema": _INT},
+                    ],
+                )
+            },
+            "/v1/sessions/{sid}/append": {
+                "post": _op(
+                    "append text or tokens",
+                    {"200": _json(_obj(length=_INT, version=_INT))},
+                    params=[_SID],
+                    body=_obj(
+                        text=_STR,
+                        tokens={"type": "array", "items": _INT},
+                        offset={"type": "integer", "minimum": 0},
+                        truncating=_BOOL,
+                    ),
+                )
+            },
+            "/v1/sessions/{sid}/generate": {
+                "post": _op(
+                    "generate: an SSE stream of patches (default), JSON (stream=false) or 202 (background=true)",
+                    {
+                        "200": {
+                            "description": "stream (default): text/event-stream, snapshot, patches, end; "
+                            "stream=false: JSON once the generation is done",
+                            "content": {
+                                "text/event-stream": {"schema": _STR},
+                                "application/json": {
+                                    "schema": _obj(
+                                        session_id=_STR,
+                                        version=_INT,
+                                        generation={
+                                            "type": "object",
+                                            "description": "the document's generations[] entry",
+                                        },
+                                    )
+                                },
+                            },
+                        },
+                        "202": _json(
+                            _obj(session_id=_STR, generation_id={"type": ["string", "null"]}),
+                            "background=true: started",
+                        ),
+                    },
+                    params=[_SID, _PATCH],
+                    body=_GEN,
+                )
+            },
+            "/v1/sessions/{sid}/fork": {
+                "post": _op(
+                    "fork at a token position or event version",
+                    {"201": _json(_DOC)},
+                    params=[_SID],
+                    body=_obj(at_position=_INT, at_version=_INT, label=_LABEL, protocol=_PROTOCOL),
+                )
+            },
+            "/v1/sessions/{sid}/close": {
+                "post": _op("close", {"200": _json(_DOC)}, params=[_SID], body=_obj(reason=_STR))
+            },
+            "/v1/sessions/{sid}/feedback": {
+                "post": _op(
+                    "record feedback",
+                    {"201": _json(_obj(version=_INT))},
+                    params=[_SID],
+                    body={"type": "object"},
+                )
+            },
+            "/v1/sessions/{sid}/export": {
+                "get": _op(
+                    "the session's events as NDJSON, one event per line (what `sessiontape import` reads)",
+                    {
+                        "200": {
+                            "description": "attachment; filename=ID.ndjson",
+                            "content": {"application/x-ndjson": {"schema": _STR}},
+                        }
+                    },
+                    params=[_SID],
+                )
+            },
+            "/v1/sessions/{sid}/audit": {
+                "get": _op(
+                    "verify the hash chain and the fold's invariants (core.audit.audit_session)",
+                    {
+                        "200": _json(
+                            _obj(
+                                session_id=_STR,
+                                chain_ok=_BOOL,
+                                invariants_ok=_BOOL,
+                                problems={"type": "array", "items": _STR},
+                                ok=_BOOL,
+                            )
+                        )
+                    },
+                    params=[_SID],
+                )
+            },
+            "/v1/sessions/{sid}/replay": {
+                "get": _op(
+                    "base document and one patch per event (the scrubber)",
+                    {"200": _json(_obj(base=_DOC, steps={"type": "array"}))},
+                    params=[_SID],
+                )
+            },
+            "/v1/sessions/{sid}/images/{sha}": {
+                "get": _op(
+                    "an attached image's bytes, by sha256, with its recorded MIME type",
+                    {
+                        "200": {
+                            "description": "the image",
+                            "content": {
+                                "image/*": {"schema": _BYTES},
+                                "application/octet-stream": {"schema": _BYTES},
+                            },
+                        }
+                    },
+                    params=[
+                        _SID,
+                        {
+                            "name": "sha",
+                            "in": "path",
+                            "required": True,
+                            "schema": {"type": "string", "pattern": "^[0-9a-f]{64}$"},
+                        },
+                    ],
+                )
+            },
+            "/v1/sessions/{sid}/nodes/{nid}/content": {
+                "get": _op(
+                    "a leaf node's chunk bytes (Evergreen), with the chunk's mimetype",
+                    {"200": {"description": "the chunk", "content": {"*/*": {"schema": _BYTES}}}},
+                    params=[_SID, {"name": "nid", "in": "path", "required": True, "schema": _STR}],
+                )
+            },
             **_openai_paths(),
         },
     }

@@ -104,11 +104,21 @@ class HttpTransport(Transport):
         from transports.sse.inputs import Limits
 
         limit = self.config.limit
-        limits = Limits(max_body_bytes=int(limit("max_body_bytes")), max_json_depth=int(limit("max_json_depth")),
-                        max_meta_bytes=int(limit("max_meta_bytes")), body_timeout_s=limit("body_timeout_s"),
-                        max_requests_per_client=int(limit("max_requests_per_client")))
-        app = create_app(self.runtime, auth_token=self.config.auth_token, heartbeat_s=self.heartbeat_s,
-                         ring=self.ring, linger_s=self.linger_s, limits=limits)
+        limits = Limits(
+            max_body_bytes=int(limit("max_body_bytes")),
+            max_json_depth=int(limit("max_json_depth")),
+            max_meta_bytes=int(limit("max_meta_bytes")),
+            body_timeout_s=limit("body_timeout_s"),
+            max_requests_per_client=int(limit("max_requests_per_client")),
+        )
+        app = create_app(
+            self.runtime,
+            auth_token=self.config.auth_token,
+            heartbeat_s=self.heartbeat_s,
+            ring=self.ring,
+            linger_s=self.linger_s,
+            limits=limits,
+        )
         # Bind here so a taken port is a ConfigError, not uvicorn's sys.exit inside a task.
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -117,14 +127,22 @@ class HttpTransport(Transport):
             sock.bind((self.host, self.port))
         except OSError as exc:
             sock.close()
-            raise ConfigError(f"HTTP transport cannot listen on {self.host}:{self.port}: {exc}") from exc
+            raise ConfigError(
+                f"HTTP transport cannot listen on {self.host}:{self.port}: {exc}"
+            ) from exc
         sock.set_inheritable(True)
         self.port = sock.getsockname()[1]
-        cfg = uvicorn.Config(app, log_level="warning", lifespan="on", access_log=False,
-                             timeout_graceful_shutdown=5, http=guarded_h11(limit("header_timeout_s")),
-                             timeout_keep_alive=max(1, round(limit("keep_alive_s"))),
-                             h11_max_incomplete_event_size=int(limit("max_header_bytes")),
-                             limit_concurrency=int(limit("max_connections")))
+        cfg = uvicorn.Config(
+            app,
+            log_level="warning",
+            lifespan="on",
+            access_log=False,
+            timeout_graceful_shutdown=5,
+            http=guarded_h11(limit("header_timeout_s")),
+            timeout_keep_alive=max(1, round(limit("keep_alive_s"))),
+            h11_max_incomplete_event_size=int(limit("max_header_bytes")),
+            limit_concurrency=int(limit("max_connections")),
+        )
         server = _quiet_server(uvicorn)(cfg)
         self._server = server
         self._inflight = app.state.inflight
@@ -132,7 +150,9 @@ class HttpTransport(Transport):
         while not server.started:
             if self._task.done():
                 err = self._task.exception()
-                raise ConfigError(f"HTTP transport could not start on {self.host}:{self.port}: {err}")
+                raise ConfigError(
+                    f"HTTP transport could not start on {self.host}:{self.port}: {err}"
+                )
             await asyncio.sleep(0.01)
         return f"HTTP on http://{self.host}:{self.port} (viewer at /, API at /v1, /metrics)"
 

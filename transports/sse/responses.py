@@ -62,7 +62,10 @@ def _input(b: dict[str, Any]) -> list[dict[str, str]]:
     for i, item in enumerate(raw):
         if not isinstance(item, dict) or item.get("type", "message") != "message":
             kind = item.get("type") if isinstance(item, dict) else type(item).__name__
-            raise BadParam(f"input[{i}]", f"input[{i}]: items of type {kind!r} are not supported (messages only)")
+            raise BadParam(
+                f"input[{i}]",
+                f"input[{i}]: items of type {kind!r} are not supported (messages only)",
+            )
         role = item.get("role")
         if role not in ROLES:
             raise BadParam(f"input[{i}].role", f"input[{i}].role must be one of {list(ROLES)}")
@@ -89,9 +92,13 @@ class Responses:
         reject_unsupported(b, ("tools", "conversation", "prompt"))
         text_cfg = b.get("text")
         fmt = text_cfg.get("format") if isinstance(text_cfg, dict) else None
-        if text_cfg is not None and (not isinstance(text_cfg, dict) or (
-                fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"))):
-            raise BadParam("text.format", "only text output is supported (text.format {\"type\": \"text\"})")
+        if text_cfg is not None and (
+            not isinstance(text_cfg, dict)
+            or (fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"))
+        ):
+            raise BadParam(
+                "text.format", 'only text output is supported (text.format {"type": "text"})'
+            )
         items = _input(b)
         instructions = b.get("instructions")
         if instructions is not None and not isinstance(instructions, str):
@@ -103,9 +110,12 @@ class Responses:
             raise BadParam("background", "background responses need store=true")
         max_out = integer(b, "max_output_tokens", 1, 1 << 20)
         seed = integer(b, "seed", 0, (1 << 63) - 1)
-        params = SamplingParams(max_tokens=max_out or DEFAULT_MAX_TOKENS,
-                                temperature=number(b, "temperature", 1.0, 0.0, 2.0),
-                                top_p=number(b, "top_p", 1.0, 0.0, 1.0, lo_open=True), seed=seed)
+        params = SamplingParams(
+            max_tokens=max_out or DEFAULT_MAX_TOKENS,
+            temperature=number(b, "temperature", 1.0, 0.0, 2.0),
+            top_p=number(b, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+            seed=seed,
+        )
         include = b.get("include") or []
         if not isinstance(include, list) or any(i != LOGPROBS for i in include):
             raise BadParam("include", f"include may only name {LOGPROBS!r}")
@@ -113,17 +123,37 @@ class Responses:
         prev = b.get("previous_response_id")
         if prev is not None and not isinstance(prev, str):
             raise BadParam("previous_response_id", "previous_response_id must be a string")
-        req = {"model": model, "input": items, "instructions": instructions, "metadata": metadata(b),
-               "store": store, "background": background, "stream": stream, "previous_response_id": prev,
-               "max_output_tokens": max_out, "temperature": params.temperature, "top_p": params.top_p,
-               "seed": None if seed is None else str(seed), "logprobs": bool(include),
-               "top_logprobs": top or 0}
+        req = {
+            "model": model,
+            "input": items,
+            "instructions": instructions,
+            "metadata": metadata(b),
+            "store": store,
+            "background": background,
+            "stream": stream,
+            "previous_response_id": prev,
+            "max_output_tokens": max_out,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "seed": None if seed is None else str(seed),
+            "logprobs": bool(include),
+            "top_logprobs": top or 0,
+        }
         sid, forked_from = await self._session(prev)
         if forked_from is not None:
             req["forked_from"] = forked_from
-        messages = ([("system", instructions)] if instructions else []) + [(m["role"], m["content"]) for m in items]
-        turn = await self.turns.start(sid, API, messages, req, params, OutputOptions(logprob_top_k=top or 0),
-                                      close_after=not store)
+        messages = ([("system", instructions)] if instructions else []) + [
+            (m["role"], m["content"]) for m in items
+        ]
+        turn = await self.turns.start(
+            sid,
+            API,
+            messages,
+            req,
+            params,
+            OutputOptions(logprob_top_k=top or 0),
+            close_after=not store,
+        )
         if stream:
             return self._sse(turn, -1, cancel_on_disconnect=not background)
         if background:
@@ -136,8 +166,10 @@ class Responses:
         """The session this response goes into, and what it forked, if it did."""
         if prev is None:
             st = await self.runtime.open_session(
-                "openai", label="openai responses",
-                meta={"openai": API, "chat_template": self.template.to_json()})
+                "openai",
+                label="openai responses",
+                meta={"openai": API, "chat_template": self.template.to_json()},
+            )
             return st.session_id, None
         pturn = await self._stored(prev, "previous_response_id")
         if pturn.finished is None and self.runtime.is_generating(pturn.session_id):
@@ -147,12 +179,24 @@ class Responses:
         # runtime's one-writer rule refuses)
         st = await self.runtime.get(pturn.session_id)
         last = next(reversed(st.generations.values()), None)
-        if st.status == OPEN and last is not None and last.id == pturn.generation_id and st.length == pturn.end:
+        if (
+            st.status == OPEN
+            and last is not None
+            and last.id == pturn.generation_id
+            and st.length == pturn.end
+        ):
             return pturn.session_id, None
-        child = await self.runtime.fork(pturn.session_id, at_position=pturn.end, protocol="openai",
-                                        label="openai responses (fork)")
-        return child.session_id, {"session_id": pturn.session_id, "token_position": pturn.end,
-                                  "response_id": prev}
+        child = await self.runtime.fork(
+            pturn.session_id,
+            at_position=pturn.end,
+            protocol="openai",
+            label="openai responses (fork)",
+        )
+        return child.session_id, {
+            "session_id": pturn.session_id,
+            "token_position": pturn.end,
+            "response_id": prev,
+        }
 
     async def _stored(self, rid: str, param: str = "response_id") -> Turn:
         try:
@@ -173,13 +217,17 @@ class Responses:
             after = q.get("starting_after")
             if after is not None and not after.lstrip("-").isdigit():
                 raise BadParam("starting_after", "starting_after must be an integer")
-            return self._sse(turn, int(after) if after is not None else -1, cancel_on_disconnect=False)
+            return self._sse(
+                turn, int(after) if after is not None else -1, cancel_on_disconnect=False
+            )
         return JSONResponse(await self._json(turn, reload=False))
 
     async def cancel(self, request: Request) -> Response:
         turn = await self._stored(request.path_params["rid"])
         if not turn.request.get("background"):
-            raise BadParam("response_id", "only responses created with background=true can be cancelled")
+            raise BadParam(
+                "response_id", "only responses created with background=true can be cancelled"
+            )
         await self.turns.cancel(turn)
         return JSONResponse(await self._json(turn))
 
@@ -196,10 +244,21 @@ class Responses:
         if order not in ("asc", "desc"):
             raise BadParam("order", "order must be 'asc' or 'desc'")
         rid = response_id(turn)
-        items = [{"id": f"msg_{rid[5:]}_{i}", "type": "message", "role": m["role"], "status": "completed",
-                  "content": [{"type": "output_text" if m["role"] == "assistant" else "input_text",
-                               "text": m["content"]}]}
-                 for i, m in enumerate(turn.request.get("input", []))]
+        items = [
+            {
+                "id": f"msg_{rid[5:]}_{i}",
+                "type": "message",
+                "role": m["role"],
+                "status": "completed",
+                "content": [
+                    {
+                        "type": "output_text" if m["role"] == "assistant" else "input_text",
+                        "text": m["content"],
+                    }
+                ],
+            }
+            for i, m in enumerate(turn.request.get("input", []))
+        ]
         if order == "desc":
             items.reverse()
         after = q.get("after")
@@ -207,10 +266,17 @@ class Responses:
             ids = [it["id"] for it in items]
             if after not in ids:
                 raise BadParam("after", f"no input item {after!r} in this response")
-            items = items[ids.index(after) + 1:]
+            items = items[ids.index(after) + 1 :]
         page = items[:limit]
-        return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                             "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": page,
+                "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None,
+                "has_more": len(items) > limit,
+            }
+        )
 
     # -- shapes -------------------------------------------------------------------
 
@@ -227,32 +293,72 @@ class Responses:
         status, incomplete, error = _status(turn.finish_reason, stopped)
         if snapshot:
             status, incomplete, error = "in_progress", None, None
-        item_status = {"completed": "completed", "in_progress": "in_progress"}.get(status, "incomplete")
-        output = [] if snapshot else [{
-            "type": "message", "id": "msg_" + rid[5:], "status": item_status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [],
-                         "logprobs": self._logprobs(turn, turn.token_events)}]}]
+        item_status = {"completed": "completed", "in_progress": "in_progress"}.get(
+            status, "incomplete"
+        )
+        output = (
+            []
+            if snapshot
+            else [
+                {
+                    "type": "message",
+                    "id": "msg_" + rid[5:],
+                    "status": item_status,
+                    "role": "assistant",
+                    "content": [
+                        {
+                            "type": "output_text",
+                            "text": text,
+                            "annotations": [],
+                            "logprobs": self._logprobs(turn, turn.token_events),
+                        }
+                    ],
+                }
+            ]
+        )
         usage = None
         if not snapshot and turn.finished is not None:
             cached = max(0, turn.prompt_tokens - turn.appended)
-            usage = {"input_tokens": turn.prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
-                     "output_tokens": len(turn.tokens), "output_tokens_details": {"reasoning_tokens": 0},
-                     "total_tokens": turn.prompt_tokens + len(turn.tokens)}
+            usage = {
+                "input_tokens": turn.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": cached},
+                "output_tokens": len(turn.tokens),
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": turn.prompt_tokens + len(turn.tokens),
+            }
         seed = r.get("seed")
         return {
-            "id": rid, "object": "response", "created_at": int(turn.started.recorded_at),
-            "status": status, "background": bool(r.get("background")), "error": error,
-            "incomplete_details": incomplete, "instructions": r.get("instructions"),
-            "max_output_tokens": r.get("max_output_tokens"), "model": r.get("model"), "output": output,
-            "parallel_tool_calls": False, "previous_response_id": r.get("previous_response_id"),
-            "reasoning": {"effort": None, "summary": None}, "store": bool(r.get("store", True)),
-            "temperature": r.get("temperature"), "text": {"format": {"type": "text"}}, "tool_choice": "none",
-            "tools": [], "top_p": r.get("top_p"), "top_logprobs": r.get("top_logprobs", 0),
-            "truncation": "disabled", "usage": usage, "user": None,
+            "id": rid,
+            "object": "response",
+            "created_at": int(turn.started.recorded_at),
+            "status": status,
+            "background": bool(r.get("background")),
+            "error": error,
+            "incomplete_details": incomplete,
+            "instructions": r.get("instructions"),
+            "max_output_tokens": r.get("max_output_tokens"),
+            "model": r.get("model"),
+            "output": output,
+            "parallel_tool_calls": False,
+            "previous_response_id": r.get("previous_response_id"),
+            "reasoning": {"effort": None, "summary": None},
+            "store": bool(r.get("store", True)),
+            "temperature": r.get("temperature"),
+            "text": {"format": {"type": "text"}},
+            "tool_choice": "none",
+            "tools": [],
+            "top_p": r.get("top_p"),
+            "top_logprobs": r.get("top_logprobs", 0),
+            "truncation": "disabled",
+            "usage": usage,
+            "user": None,
             "metadata": r.get("metadata") or {},
-            "completed_at": None if snapshot or turn.finished is None else int(turn.finished.recorded_at),
+            "completed_at": None
+            if snapshot or turn.finished is None
+            else int(turn.finished.recorded_at),
             # extensions: where the response lives in the log
-            "session_id": turn.session_id, "seed": seed if seed is not None else turn.started.body["params"].get("seed"),
+            "session_id": turn.session_id,
+            "seed": seed if seed is not None else turn.started.body["params"].get("seed"),
         }
 
     def _logprobs(self, turn: Turn, events: list[Event]) -> list[dict[str, Any]]:
@@ -292,10 +398,25 @@ class Responses:
         snap = self.render(turn, snapshot=True)
         yield ev("response.created", response=snap)
         yield ev("response.in_progress", response=snap)
-        yield ev("response.output_item.added", output_index=0,
-                 item={"type": "message", "id": item_id, "status": "in_progress", "role": "assistant", "content": []})
+        yield ev(
+            "response.output_item.added",
+            output_index=0,
+            item={
+                "type": "message",
+                "id": item_id,
+                "status": "in_progress",
+                "role": "assistant",
+                "content": [],
+            },
+        )
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        yield ev("response.content_part.added", item_id=item_id, output_index=0, content_index=0, part=part)
+        yield ev(
+            "response.content_part.added",
+            item_id=item_id,
+            output_index=0,
+            content_index=0,
+            part=part,
+        )
         ts = TextStream(self._detok(), turn.stops())
         behind: list[Event] = []  # token events whose text is not out yet
         async for e in follow(self.runtime, turn):
@@ -303,22 +424,46 @@ class Responses:
                 behind.append(e)
                 delta = ts.push(int(e.body["token"]))
                 if delta:
-                    yield ev("response.output_text.delta", item_id=item_id, output_index=0, content_index=0,
-                             delta=delta, logprobs=self._logprobs(turn, behind))
+                    yield ev(
+                        "response.output_text.delta",
+                        item_id=item_id,
+                        output_index=0,
+                        content_index=0,
+                        delta=delta,
+                        logprobs=self._logprobs(turn, behind),
+                    )
                     behind = []
         delta = ts.finish()
         if delta:
-            yield ev("response.output_text.delta", item_id=item_id, output_index=0, content_index=0,
-                     delta=delta, logprobs=self._logprobs(turn, behind))
+            yield ev(
+                "response.output_text.delta",
+                item_id=item_id,
+                output_index=0,
+                content_index=0,
+                delta=delta,
+                logprobs=self._logprobs(turn, behind),
+            )
         final = await self._json(turn)
         content = final["output"][0]["content"][0]
-        yield ev("response.output_text.done", item_id=item_id, output_index=0, content_index=0,
-                 text=ts.text, logprobs=content["logprobs"])
-        yield ev("response.content_part.done", item_id=item_id, output_index=0, content_index=0,
-                 part=content)
+        yield ev(
+            "response.output_text.done",
+            item_id=item_id,
+            output_index=0,
+            content_index=0,
+            text=ts.text,
+            logprobs=content["logprobs"],
+        )
+        yield ev(
+            "response.content_part.done",
+            item_id=item_id,
+            output_index=0,
+            content_index=0,
+            part=content,
+        )
         yield ev("response.output_item.done", output_index=0, item=final["output"][0])
         terminal = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(
-            final["status"], "response.failed")
+            final["status"], "response.failed"
+        )
         yield ev(terminal, response=final)
 
 
@@ -330,7 +475,9 @@ class _NoResponse(E.NotFound):
         self.param = param
 
 
-def _status(reason: str | None, stopped: bool) -> tuple[str, dict[str, Any] | None, dict[str, Any] | None]:
+def _status(
+    reason: str | None, stopped: bool
+) -> tuple[str, dict[str, Any] | None, dict[str, Any] | None]:
     """(status, incomplete_details, error) for a generation's finish reason."""
     if reason is None:
         return "in_progress", None, None

@@ -88,8 +88,13 @@ async def load_turn(runtime: Runtime, session_id: str, version: int, api: str) -
         if e.type == T.WIRE and e.body.get("transport") == WIRE and turn is None:
             payload = e.body.get("payload") or {}
             if payload.get("generation_id") == gid and payload.get("api") == api:
-                turn = Turn(session_id, started, dict(payload.get("request") or {}), e.version,
-                            int(payload.get("appended", 0)))
+                turn = Turn(
+                    session_id,
+                    started,
+                    dict(payload.get("request") or {}),
+                    e.version,
+                    int(payload.get("appended", 0)),
+                )
         elif e.body.get("generation_id") == gid:
             if e.type == T.GENERATION_TOKEN and not e.body.get("is_prefill"):
                 tokens.append(int(e.body["token"]))
@@ -142,20 +147,34 @@ def _retrieve(task: asyncio.Task[None]) -> None:
 class Turns:
     """Starts turns; keeps the tasks that drive their generations."""
 
-    def __init__(self, runtime: Runtime, template: ChatTemplate, tasks: set[asyncio.Task[Any]]) -> None:
+    def __init__(
+        self, runtime: Runtime, template: ChatTemplate, tasks: set[asyncio.Task[Any]]
+    ) -> None:
         self.runtime = runtime
         self.template = template
         self.tasks = tasks  # the app's background set: cancelled at shutdown
         self.running: dict[tuple[str, int], asyncio.Task[None]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
-    def render(self, messages: Sequence[tuple[str, str]], length: int, after_generation: bool) -> list[int]:
-        text = self.template.render(messages, at_start=length == 0, after_generation=after_generation and length > 0)
+    def render(
+        self, messages: Sequence[tuple[str, str]], length: int, after_generation: bool
+    ) -> list[int]:
+        text = self.template.render(
+            messages, at_start=length == 0, after_generation=after_generation and length > 0
+        )
         return self.runtime.engine.tokenize(text)
 
-    async def start(self, session_id: str, api: str, messages: Sequence[tuple[str, str]],
-                    request: dict[str, Any], params: SamplingParams, options: OutputOptions, *,
-                    close_after: bool = False) -> Turn:
+    async def start(
+        self,
+        session_id: str,
+        api: str,
+        messages: Sequence[tuple[str, str]],
+        request: dict[str, Any],
+        params: SamplingParams,
+        options: OutputOptions,
+        *,
+        close_after: bool = False,
+    ) -> Turn:
         """Render, append and start generating; returns once ``generation.started`` and the
         request's ``wire.message`` are committed. The generation runs on in a task."""
         lock = self._locks.setdefault(session_id, asyncio.Lock())
@@ -164,7 +183,9 @@ class Turns:
                 st = await self.runtime.get(session_id)
                 # a fork copies its parent's generations, later ones included: ask whether
                 # any of them ends exactly where the history ends
-                after = any(g.prompt_length + len(g.tokens) == st.length for g in st.generations.values())
+                after = any(
+                    g.prompt_length + len(g.tokens) == st.length for g in st.generations.values()
+                )
                 tokens = self.render(messages, st.length, after)
                 agen = self.runtime.generate(session_id, params, options, append=tokens)
                 started = None
@@ -174,10 +195,18 @@ class Turns:
                             started = e
                             break
                     assert started is not None
-                    request = {**request, "stop": [*self.template.stop, *request.get("stop", [])],
-                               "template": self.template.to_json()}
-                    payload = {"api": api, "generation_id": started.body["generation_id"],
-                               "version": started.version, "appended": len(tokens), "request": request}
+                    request = {
+                        **request,
+                        "stop": [*self.template.stop, *request.get("stop", [])],
+                        "template": self.template.to_json(),
+                    }
+                    payload = {
+                        "api": api,
+                        "generation_id": started.body["generation_id"],
+                        "version": started.version,
+                        "appended": len(tokens),
+                        "request": request,
+                    }
                     wire = await self.runtime.record_wire(session_id, WIRE, "in", payload)
                 except BaseException:
                     await agen.aclose()  # type: ignore[attr-defined]
@@ -186,7 +215,9 @@ class Turns:
             if not lock.locked():
                 self._locks.pop(session_id, None)
         turn = Turn(session_id, started, request, wire.version, len(tokens))
-        task = asyncio.create_task(self._drive(agen, turn, close_after), name=f"openai-{session_id}")
+        task = asyncio.create_task(
+            self._drive(agen, turn, close_after), name=f"openai-{session_id}"
+        )
         key = (session_id, started.version)
         self.running[key] = task
         self.tasks.add(task)

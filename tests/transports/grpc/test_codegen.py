@@ -33,13 +33,18 @@ def _script() -> ModuleType:
 
 
 def _tree(root: Path, pattern: str = "*") -> dict[str, bytes]:
-    return {p.relative_to(root).as_posix(): p.read_bytes()
-            for p in sorted(root.rglob(pattern)) if p.is_file() and "__pycache__" not in p.parts}
+    return {
+        p.relative_to(root).as_posix(): p.read_bytes()
+        for p in sorted(root.rglob(pattern))
+        if p.is_file() and "__pycache__" not in p.parts
+    }
 
 
 def _pins() -> dict[str, str]:
     """Exact ``name==version`` pins in the dev extra (the generators)."""
-    dev = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
+    dev = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"][
+        "dev"
+    ]
     pins: dict[str, str] = {}
     for d in dev:
         m = re.fullmatch(r"([\w.-]+)==([\w.]+)", d)
@@ -69,10 +74,12 @@ def test_regenerating_from_vendored_schemas_changes_nothing(tmp_path: Path) -> N
         installed = importlib.metadata.version(tool)
         assert installed == pins.get(tool), (
             f"{tool} {installed} installed, dev extra pins {pins.get(tool)}: "
-            "pip install -e '.[dev]' (or bump the pin and run python scripts/gen_protos.py)")
+            "pip install -e '.[dev]' (or bump the pin and run python scripts/gen_protos.py)"
+        )
     committed = (GEN / "evergreen" / "v2" / "evergreen_pb2_grpc.py").read_text()
     assert f"GRPC_GENERATED_VERSION = '{pins['grpcio-tools']}'" in committed, (
-        "committed code was made by another grpcio-tools: run python scripts/gen_protos.py")
+        "committed code was made by another grpcio-tools: run python scripts/gen_protos.py"
+    )
 
     _script().generate(VENDORED, tmp_path / "gen")
     fresh, old = _tree(tmp_path / "gen"), _tree(GEN)
@@ -81,21 +88,32 @@ def test_regenerating_from_vendored_schemas_changes_nothing(tmp_path: Path) -> N
     assert not changed, f"stale generated code {changed}: run python scripts/gen_protos.py"
 
 
-@pytest.mark.skipif(not SHARED.is_dir(), reason=f"shared wire schemas not beside the clone at {SHARED}")
+@pytest.mark.skipif(
+    not SHARED.is_dir(), reason=f"shared wire schemas not beside the clone at {SHARED}"
+)
 def test_vendored_schemas_equal_the_shared_ones() -> None:
     shared, vendored = _tree(SHARED, "*.proto"), _tree(VENDORED, "*.proto")
-    assert sorted(vendored) == sorted(shared), "schema set differs: copy ../shared/protos into transports/grpc/protos"
+    assert sorted(vendored) == sorted(shared), (
+        "schema set differs: copy ../shared/protos into transports/grpc/protos"
+    )
     changed = [name for name in shared if shared[name] != vendored[name]]
-    assert not changed, f"vendored {changed} differ from ../shared/protos: copy them, then run python scripts/gen_protos.py"
+    assert not changed, (
+        f"vendored {changed} differ from ../shared/protos: copy them, then run python scripts/gen_protos.py"
+    )
 
 
 def test_runtime_dependencies_accept_the_generated_code() -> None:
     # The generated modules refuse to import on an older grpcio or protobuf
     # runtime than the generator's, so the install floor must be at least that.
-    grpc_made = re.search(r"GRPC_GENERATED_VERSION = '([\d.]+)'",
-                          (GEN / "evergreen" / "v2" / "evergreen_pb2_grpc.py").read_text())
-    pb_made = re.search(r"^# Protobuf Python Version: ([\d.]+)$",
-                        (GEN / "evergreen" / "v2" / "evergreen_pb2.py").read_text(), re.M)
+    grpc_made = re.search(
+        r"GRPC_GENERATED_VERSION = '([\d.]+)'",
+        (GEN / "evergreen" / "v2" / "evergreen_pb2_grpc.py").read_text(),
+    )
+    pb_made = re.search(
+        r"^# Protobuf Python Version: ([\d.]+)$",
+        (GEN / "evergreen" / "v2" / "evergreen_pb2.py").read_text(),
+        re.M,
+    )
     assert grpc_made is not None and pb_made is not None
     assert _lower_bound("grpcio") >= tuple(int(x) for x in grpc_made.group(1).split("."))
     assert _lower_bound("protobuf") >= tuple(int(x) for x in pb_made.group(1).split("."))
@@ -111,4 +129,6 @@ def test_generated_code_imports_as_a_package() -> None:
     assert runtime_pb2_grpc.RuntimeServiceStub is not None
     # No top-level "evergreen" package was put on sys.path to make this work.
     assert "evergreen" not in sys.modules
-    assert evergreen_pb2.SessionMessage.__module__ == "transports.grpc.gen.evergreen.v2.evergreen_pb2"
+    assert (
+        evergreen_pb2.SessionMessage.__module__ == "transports.grpc.gen.evergreen.v2.evergreen_pb2"
+    )

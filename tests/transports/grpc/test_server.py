@@ -37,9 +37,17 @@ async def _list_services(target: str, metadata: tuple[tuple[str, str], ...] = ()
 
 async def _one_generate(client: EvergreenClient, **params: object) -> tuple[str, dict[str, bytes]]:
     async with client.session() as s:
-        await s.send(actions=[action("GENERATE", inputs={"p": "p"}, outputs={"text": "r"},
-                                     configs=[sampling_config(**(params or {"max_tokens": 4}))])],
-                     fragments=text_fragments("p", "hello"))
+        await s.send(
+            actions=[
+                action(
+                    "GENERATE",
+                    inputs={"p": "p"},
+                    outputs={"text": "r"},
+                    configs=[sampling_config(**(params or {"max_tokens": 4}))],
+                )
+            ],
+            fragments=text_fragments("p", "hello"),
+        )
         await s.done_writing()
         nodes = await s.collect()
         return await s.session_id(), nodes
@@ -115,9 +123,17 @@ async def test_message_size_limit(serve: Serve) -> None:
 async def test_graceful_shutdown_lets_a_short_stream_finish(serve: Serve) -> None:
     served = await serve()
     async with served.client() as c, c.session() as s:
-        await s.send(actions=[action("GENERATE", inputs={"p": "p"}, outputs={"text": "r"},
-                                     configs=[sampling_config(max_tokens=20, seed=1)])],
-                     fragments=text_fragments("p", "hello"))
+        await s.send(
+            actions=[
+                action(
+                    "GENERATE",
+                    inputs={"p": "p"},
+                    outputs={"text": "r"},
+                    configs=[sampling_config(max_tokens=20, seed=1)],
+                )
+            ],
+            fragments=text_fragments("p", "hello"),
+        )
         await s.done_writing()
         first = await anext(aiter(s))
         assert first.node_fragments
@@ -127,7 +143,9 @@ async def test_graceful_shutdown_lets_a_short_stream_finish(serve: Serve) -> Non
         sid = await s.session_id()
     assert "r" in nodes
     evs = await served.runtime.log.read(sid, 1, None)
-    assert [e.body["finish_reason"] for e in evs if e.type == T.GENERATION_FINISHED] != ["cancelled"]
+    assert [e.body["finish_reason"] for e in evs if e.type == T.GENERATION_FINISHED] != [
+        "cancelled"
+    ]
     assert evs[-1].type == T.SESSION_CLOSED and evs[-1].body["reason"] == "client"
 
 
@@ -139,9 +157,17 @@ async def test_shutdown_cancels_a_generation_still_running_at_the_deadline(serve
     engine.eos_bias, engine.step_delay_s = -1000.0, 0.002
     async with served.client() as c, c.session() as s:
         sid = await s.session_id()
-        await s.send(actions=[action("GENERATE", inputs={"p": "p"}, outputs={"text": "r"},
-                                     configs=[sampling_config(max_tokens=4000)])],
-                     fragments=text_fragments("p", "hello"))
+        await s.send(
+            actions=[
+                action(
+                    "GENERATE",
+                    inputs={"p": "p"},
+                    outputs={"text": "r"},
+                    configs=[sampling_config(max_tokens=4000)],
+                )
+            ],
+            fragments=text_fragments("p", "hello"),
+        )
         await anext(aiter(s))
         await served.transport.stop(0.2)
         with pytest.raises(grpc.aio.AioRpcError):
@@ -155,8 +181,9 @@ async def test_shutdown_cancels_a_generation_still_running_at_the_deadline(serve
     assert st.status == "closed" and evs[-1].body["reason"] == "cancelled"
     # Everything the client was sent is in the log, in order.
     sent = [e for e in evs if e.type == T.NODE_FRAGMENT and e.body["direction"] == "out"]
-    assert [(f.id, f.seq) for m in s.received for f in m.node_fragments] == \
-        [(e.body["id"], e.body["seq"]) for e in sent][: sum(len(m.node_fragments) for m in s.received)]
+    assert [(f.id, f.seq) for m in s.received for f in m.node_fragments] == [
+        (e.body["id"], e.body["seq"]) for e in sent
+    ][: sum(len(m.node_fragments) for m in s.received)]
 
 
 def test_services_come_from_the_entry_point_group() -> None:
@@ -173,9 +200,17 @@ async def test_two_servers_in_one_process_keep_their_streams_apart(serve: Serve)
     async with a.client() as c, c.session() as s:
         sid = await s.session_id()
         await b.transport.stop(0.2)  # drains b's streams: a's open stream is not among them
-        await s.send(actions=[action("GENERATE", inputs={"p": "p"}, outputs={"text": "r"},
-                                     configs=[sampling_config(max_tokens=4, seed=1)])],
-                     fragments=text_fragments("p", "hello"))
+        await s.send(
+            actions=[
+                action(
+                    "GENERATE",
+                    inputs={"p": "p"},
+                    outputs={"text": "r"},
+                    configs=[sampling_config(max_tokens=4, seed=1)],
+                )
+            ],
+            fragments=text_fragments("p", "hello"),
+        )
         await s.done_writing()
         nodes = await s.collect()
     assert "r" in nodes
@@ -185,9 +220,28 @@ async def test_two_servers_in_one_process_keep_their_streams_apart(serve: Serve)
 
 def _self_signed(tmp: Path) -> tuple[Path, Path]:
     cert, key = tmp / "cert.pem", tmp / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
-                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
     return cert, key
 
 
@@ -211,17 +265,24 @@ async def test_tls(serve: Serve, tmp_path: Path) -> None:
     ("options", "text"),
     [
         ({"tls_cert": "/nonexistent/cert.pem"}, "tls_cert and tls_key"),
-        ({"tls_cert": "/nonexistent/c.pem", "tls_key": "/nonexistent/k.pem"}, "cannot read TLS files"),
+        (
+            {"tls_cert": "/nonexistent/c.pem", "tls_key": "/nonexistent/k.pem"},
+            "cannot read TLS files",
+        ),
         ({"listen": "nonsense"}, "HOST:PORT"),
         ({"max_message_bytes": -1}, "max_message_bytes"),
     ],
 )
-async def test_bad_options_are_config_errors(serve: Serve, options: dict[str, object], text: str) -> None:
+async def test_bad_options_are_config_errors(
+    serve: Serve, options: dict[str, object], text: str
+) -> None:
     with pytest.raises(ConfigError, match=text):
         await serve(**options)
 
 
-async def test_port_in_use_is_a_config_error(serve: Serve, runtime: object, sqlite_url: str) -> None:
+async def test_port_in_use_is_a_config_error(
+    serve: Serve, runtime: object, sqlite_url: str
+) -> None:
     first = await serve()
     cfg = make_config(sqlite_url)
     second = GrpcTransport(first.runtime, {"listen": first.target}, cfg)

@@ -94,10 +94,18 @@ Serve = Callable[..., Awaitable[Served]]
 async def serve(sqlite_url: str, port: int) -> AsyncIterator[Serve]:
     started: list[Served] = []
 
-    async def start(engine: Engine | None = None, options: Mapping[str, Any] | None = None,
-                    sessions: Mapping[str, Any] | None = None) -> Served:
+    async def start(
+        engine: Engine | None = None,
+        options: Mapping[str, Any] | None = None,
+        sessions: Mapping[str, Any] | None = None,
+    ) -> Served:
         assert not started, "one server per test"
-        grpc_opts = {"enabled": True, "listen": f"127.0.0.1:{port}", "grace_s": 1.0, **(options or {})}
+        grpc_opts = {
+            "enabled": True,
+            "listen": f"127.0.0.1:{port}",
+            "grace_s": 1.0,
+            **(options or {}),
+        }
         overrides: dict[str, Any] = {"auth": {"token": TOKEN}, "transports": {"grpc": grpc_opts}}
         if sessions:
             overrides["sessions"] = dict(sessions)
@@ -136,5 +144,7 @@ async def check_replay(rt: Runtime) -> None:
         assert list(replayed.tokens) == list(live.tokens), row.id
         assert replayed.status == live.status, row.id
         assert replayed.version == live.version == row.version, row.id
-        assert [(i.start, i.end, i.sha256) for i in replayed.images] == [(i.start, i.end, i.sha256) for i in live.images]
+        assert [(i.start, i.end, i.sha256) for i in replayed.images] == [
+            (i.start, i.end, i.sha256) for i in live.images
+        ]
         assert row.history_length == replayed.length, row.id

@@ -23,8 +23,16 @@ Done = kpb.GenerateDone
 U64_MAX = 2**64 - 1
 
 
-async def create(stub: Any, history: Sequence[int] = (), *, eos: Sequence[int] = (), label: str = "") -> str:
-    sid = str((await stub.CreateSession(kpb.CreateSessionRequest(client_label=label, eos_token_ids=list(eos)))).session_id)
+async def create(
+    stub: Any, history: Sequence[int] = (), *, eos: Sequence[int] = (), label: str = ""
+) -> str:
+    sid = str(
+        (
+            await stub.CreateSession(
+                kpb.CreateSessionRequest(client_label=label, eos_token_ids=list(eos))
+            )
+        ).session_id
+    )
     if history:
         await stub.AppendTokens(kpb.AppendTokensRequest(session_id=sid, token_ids=list(history)))
     return sid
@@ -68,26 +76,52 @@ async def test_create_append_generate_close(serve: Serve) -> None:
     assert 0 <= done.prefill_duration_seconds <= done.total_duration_seconds
     i = await info(s.kakeya, sid)
     assert i.history_length == 5 + len(tokens)
-    assert (i.kv_live_bytes, i.cache_invariant_inv1_violations, i.cache_invariant_inv2_violations) == (0, 0, 0)
+    assert (
+        i.kv_live_bytes,
+        i.cache_invariant_inv1_violations,
+        i.cache_invariant_inv2_violations,
+    ) == (0, 0, 0)
     r = await s.kakeya.CloseSession(kpb.CloseSessionRequest(session_id=sid))
     assert r.final_history_length == 5 + len(tokens)
     # closed: every later call is NOT_FOUND, CloseSession included
-    await expect_code(Code.NOT_FOUND, s.kakeya.CloseSession(kpb.CloseSessionRequest(session_id=sid)))
-    await expect_code(Code.NOT_FOUND, s.kakeya.AppendTokens(kpb.AppendTokensRequest(session_id=sid, token_ids=[1])))
-    await expect_code(Code.NOT_FOUND, s.kakeya.Generate(kpb.GenerateRequest(session_id=sid, max_tokens=1)))
-    await expect_code(Code.NOT_FOUND, s.kakeya.GetSessionInfo(kpb.GetSessionInfoRequest(session_id=sid)))
+    await expect_code(
+        Code.NOT_FOUND, s.kakeya.CloseSession(kpb.CloseSessionRequest(session_id=sid))
+    )
+    await expect_code(
+        Code.NOT_FOUND,
+        s.kakeya.AppendTokens(kpb.AppendTokensRequest(session_id=sid, token_ids=[1])),
+    )
+    await expect_code(
+        Code.NOT_FOUND, s.kakeya.Generate(kpb.GenerateRequest(session_id=sid, max_tokens=1))
+    )
+    await expect_code(
+        Code.NOT_FOUND, s.kakeya.GetSessionInfo(kpb.GetSessionInfoRequest(session_id=sid))
+    )
 
 
 async def test_unknown_sessions_and_auth(serve: Serve) -> None:
     s = await serve()
     for sid in ("s_fabricated", ""):
-        await expect_code(Code.NOT_FOUND, s.kakeya.AppendTokens(kpb.AppendTokensRequest(session_id=sid, token_ids=[1])))
-        await expect_code(Code.NOT_FOUND, s.kakeya.Generate(kpb.GenerateRequest(session_id=sid, max_tokens=1)))
-        await expect_code(Code.NOT_FOUND, s.kakeya.GetSessionInfo(kpb.GetSessionInfoRequest(session_id=sid)))
-        await expect_code(Code.NOT_FOUND, s.kakeya.CloseSession(kpb.CloseSessionRequest(session_id=sid)))
-    await expect_code(Code.UNAUTHENTICATED, s.kakeya_stub(token=None).CreateSession(kpb.CreateSessionRequest()))
-    await expect_code(Code.UNAUTHENTICATED, s.kakeya_stub(token="nope").Generate(
-        kpb.GenerateRequest(session_id="s_x", max_tokens=1)))
+        await expect_code(
+            Code.NOT_FOUND,
+            s.kakeya.AppendTokens(kpb.AppendTokensRequest(session_id=sid, token_ids=[1])),
+        )
+        await expect_code(
+            Code.NOT_FOUND, s.kakeya.Generate(kpb.GenerateRequest(session_id=sid, max_tokens=1))
+        )
+        await expect_code(
+            Code.NOT_FOUND, s.kakeya.GetSessionInfo(kpb.GetSessionInfoRequest(session_id=sid))
+        )
+        await expect_code(
+            Code.NOT_FOUND, s.kakeya.CloseSession(kpb.CloseSessionRequest(session_id=sid))
+        )
+    await expect_code(
+        Code.UNAUTHENTICATED, s.kakeya_stub(token=None).CreateSession(kpb.CreateSessionRequest())
+    )
+    await expect_code(
+        Code.UNAUTHENTICATED,
+        s.kakeya_stub(token="nope").Generate(kpb.GenerateRequest(session_id="s_x", max_tokens=1)),
+    )
     assert await s.runtime.log.list_sessions() == []
 
 
@@ -96,11 +130,15 @@ async def test_out_of_vocabulary_append_changes_nothing(serve: Serve) -> None:
     sid = await create(s.kakeya, [1, 2, 3])
     v = await version(s.runtime, sid)
     for bad in ([4, 259], [2**32 - 1], [258, 1000]):
-        details = await expect_code(Code.INVALID_ARGUMENT, s.kakeya.AppendTokens(
-            kpb.AppendTokensRequest(session_id=sid, token_ids=bad)))
+        details = await expect_code(
+            Code.INVALID_ARGUMENT,
+            s.kakeya.AppendTokens(kpb.AppendTokensRequest(session_id=sid, token_ids=bad)),
+        )
         assert "token_out_of_vocabulary" in details
     # eos ids are the application's opaque ids: one outside the vocabulary is accepted (it never matches)
-    opaque = (await s.kakeya.CreateSession(kpb.CreateSessionRequest(eos_token_ids=[300, 2**32 - 1]))).session_id
+    opaque = (
+        await s.kakeya.CreateSession(kpb.CreateSessionRequest(eos_token_ids=[300, 2**32 - 1]))
+    ).session_id
     assert list((await s.runtime.get(opaque)).eos_token_ids) == [300, 2**32 - 1]
     assert (await info(s.kakeya, sid)).history_length == 3
     assert await version(s.runtime, sid) == v
@@ -111,7 +149,11 @@ async def test_eos_ids_are_the_sessions_own(serve: Serve) -> None:
     s = await serve(engine=ReferenceEngine(eos_bias=60.0))  # the engine's EOS wins every draw
     with_eos = await create(s.kakeya, [1, 2], eos=[EOS])
     tokens, done, _ = await run(s.kakeya, with_eos, max_tokens=5, seed=1)
-    assert tokens == [EOS] and done.stop_reason == Done.STOP_REASON_EOS and done.generated_token_count == 1
+    assert (
+        tokens == [EOS]
+        and done.stop_reason == Done.STOP_REASON_EOS
+        and done.generated_token_count == 1
+    )
     # no eos ids: the runtime gives the ids no meaning, only max_tokens stops it
     without = await create(s.kakeya, [1, 2])
     tokens, done, _ = await run(s.kakeya, without, max_tokens=5, seed=1)
@@ -155,7 +197,10 @@ async def test_bad_sampling_parameters_are_invalid(serve: Serve) -> None:
     v = await version(s.runtime, sid)
     bad: list[dict[str, Any]] = [{"top_p": 0.0}, {"top_p": 1.5}, {"temperature": -0.5}]
     for fields in bad:
-        await expect_code(Code.INVALID_ARGUMENT, s.kakeya.Generate(kpb.GenerateRequest(session_id=sid, max_tokens=2, **fields)))
+        await expect_code(
+            Code.INVALID_ARGUMENT,
+            s.kakeya.Generate(kpb.GenerateRequest(session_id=sid, max_tokens=2, **fields)),
+        )
     assert await version(s.runtime, sid) == v
 
 
@@ -168,7 +213,12 @@ async def test_sink_window_truncation(serve: Serve) -> None:
     assert done.generated_token_count == len(tokens) == 3
     assert list((await s.runtime.get(sid)).tokens) == [*history[:4], *history[12:], *tokens]
     [cut] = await events(s.runtime, sid, T.TOKENS_TRUNCATED)
-    assert (cut.body["reason"], cut.body["sink"], cut.body["window"], cut.body["dropped"]) == ("sink_window", 4, 8, 8)
+    assert (cut.body["reason"], cut.body["sink"], cut.body["window"], cut.body["dropped"]) == (
+        "sink_window",
+        4,
+        8,
+        8,
+    )
     assert (await info(s.kakeya, sid)).history_length == 15
     # the next call truncates again, by what the last one added
     _, _, truncated = await run(s.kakeya, sid, max_tokens=1, seed=5)
@@ -186,12 +236,17 @@ async def test_truncation_is_off_by_default(serve: Serve) -> None:
     assert truncated == [] and await events(s.runtime, sid, T.TOKENS_TRUNCATED) == []
 
 
-async def test_a_full_context_stops_with_truncated_and_overflow_is_resource_exhausted(serve: Serve) -> None:
+async def test_a_full_context_stops_with_truncated_and_overflow_is_resource_exhausted(
+    serve: Serve,
+) -> None:
     s = await serve(engine=ReferenceEngine(max_length=32, eos_bias=-100.0))
     sid = await create(s.kakeya, list(range(30)))
     tokens, done, _ = await run(s.kakeya, sid, max_tokens=5, seed=2)
     assert len(tokens) == 2 and done.stop_reason == Done.STOP_REASON_TRUNCATED
-    await expect_code(Code.RESOURCE_EXHAUSTED, s.kakeya.AppendTokens(kpb.AppendTokensRequest(session_id=sid, token_ids=[1])))
+    await expect_code(
+        Code.RESOURCE_EXHAUSTED,
+        s.kakeya.AppendTokens(kpb.AppendTokensRequest(session_id=sid, token_ids=[1])),
+    )
     assert (await info(s.kakeya, sid)).history_length == 32
 
 
@@ -204,7 +259,10 @@ async def test_idle_ttl_and_idle_seconds(serve: Serve) -> None:
     await s.kakeya.AppendTokens(kpb.AppendTokensRequest(session_id=sid, token_ids=[4]))  # refreshes
     assert (await info(s.kakeya, sid)).idle_seconds == pytest.approx(0, abs=1)
     s.clock.advance(1801)
-    await expect_code(Code.NOT_FOUND, s.kakeya.AppendTokens(kpb.AppendTokensRequest(session_id=sid, token_ids=[5])))
+    await expect_code(
+        Code.NOT_FOUND,
+        s.kakeya.AppendTokens(kpb.AppendTokensRequest(session_id=sid, token_ids=[5])),
+    )
     assert (await events(s.runtime, sid))[-1].type == T.SESSION_EXPIRED
 
 
@@ -214,8 +272,12 @@ async def test_concurrent_generate_and_append_are_aborted(serve: Serve) -> None:
     call = s.kakeya.Generate(kpb.GenerateRequest(session_id=sid, max_tokens=5, seed=1))
     it = call.__aiter__()
     await it.__anext__()
-    await expect_code(Code.ABORTED, s.kakeya.Generate(kpb.GenerateRequest(session_id=sid, max_tokens=1, seed=1)))
-    await expect_code(Code.ABORTED, s.kakeya.AppendTokens(kpb.AppendTokensRequest(session_id=sid, token_ids=[9])))
+    await expect_code(
+        Code.ABORTED, s.kakeya.Generate(kpb.GenerateRequest(session_id=sid, max_tokens=1, seed=1))
+    )
+    await expect_code(
+        Code.ABORTED, s.kakeya.AppendTokens(kpb.AppendTokensRequest(session_id=sid, token_ids=[9]))
+    )
     rest = [ev async for ev in it]
     assert rest[-1].done.generated_token_count == 5
     assert (await info(s.kakeya, sid)).history_length == 8
@@ -248,22 +310,35 @@ class LyingCache(ReferenceEngine):
 class BackwardsPositions(ReferenceEngine):
     """Reports the same position twice: the runtime must count INV-2."""
 
-    async def generate(self, session_key: str, history: Sequence[int], params: SamplingParams,
-                       options: Any = None) -> AsyncIterator[Step]:
+    async def generate(
+        self, session_key: str, history: Sequence[int], params: SamplingParams, options: Any = None
+    ) -> AsyncIterator[Step]:
         async for step in super().generate(session_key, history, params):
             yield step
             yield step
 
 
-@pytest.mark.parametrize(("engine", "which"), [(LyingCache(), 1), (BackwardsPositions(), 2)], ids=["INV-1", "INV-2"])
-async def test_invariant_violations_fail_the_session_and_are_counted(serve: Serve, engine: ReferenceEngine, which: int) -> None:
+@pytest.mark.parametrize(
+    ("engine", "which"), [(LyingCache(), 1), (BackwardsPositions(), 2)], ids=["INV-1", "INV-2"]
+)
+async def test_invariant_violations_fail_the_session_and_are_counted(
+    serve: Serve, engine: ReferenceEngine, which: int
+) -> None:
     s = await serve(engine=engine)
     sid = await create(s.kakeya, [1, 2, 3])
-    details = await expect_code(Code.FAILED_PRECONDITION, s.kakeya.Generate(kpb.GenerateRequest(session_id=sid, max_tokens=3, seed=1)))
+    details = await expect_code(
+        Code.FAILED_PRECONDITION,
+        s.kakeya.Generate(kpb.GenerateRequest(session_id=sid, max_tokens=3, seed=1)),
+    )
     assert "cache_invariant_violation" in details
     i = await info(s.kakeya, sid)
-    assert (i.cache_invariant_inv1_violations, i.cache_invariant_inv2_violations) == ((1, 0) if which == 1 else (0, 1))
-    await expect_code(Code.NOT_FOUND, s.kakeya.AppendTokens(kpb.AppendTokensRequest(session_id=sid, token_ids=[1])))
+    assert (i.cache_invariant_inv1_violations, i.cache_invariant_inv2_violations) == (
+        (1, 0) if which == 1 else (0, 1)
+    )
+    await expect_code(
+        Code.NOT_FOUND,
+        s.kakeya.AppendTokens(kpb.AppendTokensRequest(session_id=sid, token_ids=[1])),
+    )
     assert (await events(s.runtime, sid))[-1].type == T.SESSION_ABORTED
 
 
@@ -293,7 +368,11 @@ _counter = iter(range(10**9))
 async def cold(oracle: Any, history: Sequence[int], params: SamplingParams) -> list[int]:
     key = f"oracle-{next(_counter)}"
     try:
-        return [st.token_id async for st in oracle.generate(key, list(history), params) if not st.is_prefill]
+        return [
+            st.token_id
+            async for st in oracle.generate(key, list(history), params)
+            if not st.is_prefill
+        ]
     finally:
         oracle.forget(key)
 
@@ -304,9 +383,13 @@ def splits(draw: Any, n: int) -> list[tuple[int, int]]:
     return list(itertools.pairwise(bounds))
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(data=st.data())
-async def test_inv3_same_history_seed_and_params_give_identical_tokens(inv3: tuple[Any, Any], data: Any) -> None:
+async def test_inv3_same_history_seed_and_params_give_identical_tokens(
+    inv3: tuple[Any, Any], data: Any
+) -> None:
     served, oracle = inv3
     stub = served.kakeya
     history = data.draw(st.lists(st.integers(0, 255), min_size=1, max_size=48), label="history")

@@ -18,7 +18,9 @@ from transports.sse.plugin import HttpTransport
 @pytest.fixture
 async def client(runtime: Runtime) -> AsyncIterator[httpx.AsyncClient]:
     app = create_app(runtime)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://test"
+    ) as c:
         yield c
     await app.state.api.aclose()
 
@@ -30,7 +32,9 @@ class Served:
     url: str
 
 
-async def serve(sqlite_url: str, port: int, *, step_delay_s: float = 0.0, **options: object) -> Served:
+async def serve(
+    sqlite_url: str, port: int, *, step_delay_s: float = 0.0, **options: object
+) -> Served:
     cfg = make_config(sqlite_url)
     rt = await Runtime.create(cfg, engine=ReferenceEngine(step_delay_s=step_delay_s))
     tr = HttpTransport(rt, {"listen": f"127.0.0.1:{port}", "heartbeat_s": 1.0, **options}, cfg)

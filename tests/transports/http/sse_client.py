@@ -20,7 +20,9 @@ class SseEvent:
         return json.loads(self.data)
 
 
-async def events(resp: httpx.Response, *, comments: list[str] | None = None) -> AsyncIterator[SseEvent]:
+async def events(
+    resp: httpx.Response, *, comments: list[str] | None = None
+) -> AsyncIterator[SseEvent]:
     event, id_ = "message", None
     data: list[str] = []
     async for line in resp.aiter_lines():

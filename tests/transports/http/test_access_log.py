@@ -14,21 +14,27 @@ from tests.test_serve import start, stop
 from tests.transports.http.conftest import Served
 
 
-async def test_every_request_is_logged_with_its_route_and_session(server: Served,
-                                                                   caplog: pytest.LogCaptureFixture) -> None:
+async def test_every_request_is_logged_with_its_route_and_session(
+    server: Served, caplog: pytest.LogCaptureFixture
+) -> None:
     with caplog.at_level(logging.INFO, "sessiontape.access"):
         async with httpx.AsyncClient(base_url=server.url, timeout=20) as c:
             sid = (await c.post("/v1/sessions", json={"label": "log me"})).json()["id"]
-            r = await c.post(f"/v1/sessions/{sid}/generate", json={"text": "hi", "max_tokens": 3, "stream": False})
+            r = await c.post(
+                f"/v1/sessions/{sid}/generate",
+                json={"text": "hi", "max_tokens": 3, "stream": False},
+            )
             assert r.status_code == 200
             assert (await c.get("/v1/sessions/s_nope")).status_code == 404
             assert (await c.get("/healthz")).status_code == 200
     recs = [r for r in caplog.records if r.name == "sessiontape.access"]
     got = [(r.method, r.route, r.status, r.session_id) for r in recs]  # type: ignore[attr-defined]
-    assert got == [("POST", "/v1/sessions", 201, None),
-                   ("POST", "/v1/sessions/{sid}/generate", 200, sid),
-                   ("GET", "/v1/sessions/{sid}", 404, "s_nope"),
-                   ("GET", "/healthz", 200, None)]
+    assert got == [
+        ("POST", "/v1/sessions", 201, None),
+        ("POST", "/v1/sessions/{sid}/generate", 200, sid),
+        ("GET", "/v1/sessions/{sid}", 404, "s_nope"),
+        ("GET", "/healthz", 200, None),
+    ]
     for r in recs:
         assert str(r.request_id).startswith("req_")  # type: ignore[attr-defined]
         assert r.duration_s >= 0 and r.bytes > 0  # type: ignore[attr-defined]
@@ -37,7 +43,9 @@ async def test_every_request_is_logged_with_its_route_and_session(server: Served
     assert f"POST /v1/sessions/{sid}/generate 200 " in recs[1].getMessage()
 
 
-async def test_a_path_cannot_forge_log_lines(server: Served, caplog: pytest.LogCaptureFixture) -> None:
+async def test_a_path_cannot_forge_log_lines(
+    server: Served, caplog: pytest.LogCaptureFixture
+) -> None:
     with caplog.at_level(logging.INFO, "sessiontape.access"):
         async with httpx.AsyncClient(base_url=server.url, timeout=20) as c:
             assert (await c.get("/v1/sessions/a%0aINFO%20forged")).status_code == 404
@@ -47,8 +55,16 @@ async def test_a_path_cannot_forge_log_lines(server: Served, caplog: pytest.LogC
 
 def test_serve_writes_json_lines(tmp_path: Path) -> None:
     h = free_port()
-    proc, lines = start(tmp_path, "--engine", "reference", "--no-grpc", "--http", f"127.0.0.1:{h}",
-                        "--log-format", "json")
+    proc, lines = start(
+        tmp_path,
+        "--engine",
+        "reference",
+        "--no-grpc",
+        "--http",
+        f"127.0.0.1:{h}",
+        "--log-format",
+        "json",
+    )
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{h}", timeout=30) as c:
             sid = c.post("/v1/sessions", json={}).json()["id"]
@@ -56,11 +72,15 @@ def test_serve_writes_json_lines(tmp_path: Path) -> None:
     finally:
         code, rest = stop(proc)
     assert code == 0, rest
-    objs = [json.loads(line) for line in [*lines, *rest.splitlines()] if line.strip()]  # every line is JSON
+    objs = [
+        json.loads(line) for line in [*lines, *rest.splitlines()] if line.strip()
+    ]  # every line is JSON
     assert any(o["msg"].startswith("sessiontape ready") for o in objs)
     access = [o for o in objs if o["logger"] == "sessiontape.access"]
     assert [(o["method"], o["route"], o["status"], o["session_id"]) for o in access] == [
-        ("POST", "/v1/sessions", 201, None), ("GET", "/v1/sessions/{sid}", 200, sid)]
+        ("POST", "/v1/sessions", 201, None),
+        ("GET", "/v1/sessions/{sid}", 200, sid),
+    ]
     for o in access:
         assert {"ts", "level", "request_id", "duration_s", "path", "bytes"} <= set(o)
         assert o["request_id"].startswith("req_") and isinstance(o["duration_s"], float)
@@ -70,8 +90,16 @@ def test_access_log_can_be_turned_off_and_bad_formats_refused(tmp_path: Path) ->
     cfg = tmp_path / "quiet.toml"
     cfg.write_text('[logging]\naccess_log = false\nformat = "json"\n')
     h = free_port()
-    proc, lines = start(tmp_path, "--config", str(cfg), "--engine", "reference", "--no-grpc",
-                        "--http", f"127.0.0.1:{h}")
+    proc, lines = start(
+        tmp_path,
+        "--config",
+        str(cfg),
+        "--engine",
+        "reference",
+        "--no-grpc",
+        "--http",
+        f"127.0.0.1:{h}",
+    )
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{h}", timeout=30) as c:
             assert c.get("/healthz").status_code == 200
@@ -85,7 +113,14 @@ def test_access_log_can_be_turned_off_and_bad_formats_refused(tmp_path: Path) ->
 
     bad = tmp_path / "bad.toml"
     bad.write_text('[logging]\nformat = "xml"\n')
-    p = subprocess.run([sys.executable, "-m", "core.cli", "sessions", "ls", "--config", str(bad)],
-                       capture_output=True, text=True, timeout=60)
-    assert p.returncode == 2 and p.stderr.strip() == \
-        "sessiontape: error: logging.format must be one of text, json, got 'xml'"
+    p = subprocess.run(
+        [sys.executable, "-m", "core.cli", "sessions", "ls", "--config", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        p.returncode == 2
+        and p.stderr.strip()
+        == "sessiontape: error: logging.format must be one of text, json, got 'xml'"
+    )

@@ -36,8 +36,10 @@ async def test_session_lifecycle(client: httpx.AsyncClient) -> None:
     sid = await _open(client, label="api", meta={"k": 1})
     r = await client.post(f"/v1/sessions/{sid}/append", json={"text": "Hello"})
     assert r.json()["length"] == 5
-    r = await client.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 4, "seed": 1, "stream": False,
-                                                                "logprob_top_k": 2})
+    r = await client.post(
+        f"/v1/sessions/{sid}/generate",
+        json={"max_tokens": 4, "seed": 1, "stream": False, "logprob_top_k": 2},
+    )
     assert r.status_code == 200, r.text
     gen = r.json()["generation"]
     assert gen["status"] == "finished" and 1 <= len(gen["tokens"]) <= 4
@@ -49,7 +51,9 @@ async def test_session_lifecycle(client: httpx.AsyncClient) -> None:
     assert r.status_code == 201
     child = r.json()
     assert child["parent"]["session_id"] == sid and child["history"]["ids"] == list(b"Hel")
-    assert (await client.get("/v1/sessions", params={"parent": sid})).json()["sessions"][0]["id"] == child["id"]
+    assert (await client.get("/v1/sessions", params={"parent": sid})).json()["sessions"][0][
+        "id"
+    ] == child["id"]
     r = await client.post(f"/v1/sessions/{sid}/close")
     assert r.json()["status"] == "closed"
     closed = (await client.get("/v1/sessions", params={"status": "closed"})).json()["sessions"]
@@ -57,7 +61,13 @@ async def test_session_lifecycle(client: httpx.AsyncClient) -> None:
     lines = await _export(client, sid)
     assert [ln["version"] for ln in lines] == list(range(1, len(lines) + 1))
     audit = (await client.get(f"/v1/sessions/{sid}/audit")).json()
-    assert audit == {"session_id": sid, "chain_ok": True, "invariants_ok": True, "problems": [], "ok": True}
+    assert audit == {
+        "session_id": sid,
+        "chain_ok": True,
+        "invariants_ok": True,
+        "problems": [],
+        "ok": True,
+    }
     assert (await client.get(f"/v1/sessions/{child['id']}/audit")).json()["ok"] is True
 
 
@@ -74,11 +84,24 @@ async def test_service_endpoints(client: httpx.AsyncClient) -> None:
 
 
 def test_every_core_error_has_a_status() -> None:
-    expected = {E.NotFound: 404, E.InvalidArgument: 400, E.FailedPrecondition: 409, E.ContextOverflow: 413,
-                E.ResourceExhausted: 429, E.Aborted: 409, E.Unauthenticated: 401, E.ChainBroken: 500, E.InvalidEvent: 500, E.LogClosed: 503,
-                E.LogUnavailable: 503,
-                E.ConfigError: 500, E.EngineError: 502,
-                PayloadTooLarge: 413, RequestTimeout: 408, ClientGone: 499}
+    expected = {
+        E.NotFound: 404,
+        E.InvalidArgument: 400,
+        E.FailedPrecondition: 409,
+        E.ContextOverflow: 413,
+        E.ResourceExhausted: 429,
+        E.Aborted: 409,
+        E.Unauthenticated: 401,
+        E.ChainBroken: 500,
+        E.InvalidEvent: 500,
+        E.LogClosed: 503,
+        E.LogUnavailable: 503,
+        E.ConfigError: 500,
+        E.EngineError: 502,
+        PayloadTooLarge: 413,
+        RequestTimeout: 408,
+        ClientGone: 499,
+    }
     seen = set()
 
     def walk(cls: type[E.SessiontapeError]) -> None:
@@ -97,7 +120,13 @@ BAD: list[tuple[str, str, Any, int, str]] = [
     ("post", "append", {"tokens": [999999]}, 400, "token_out_of_vocabulary"),
     ("post", "append", {"tokens": [1], "offset": 99}, 409, "offset_mismatch"),
     ("post", "append", {"tokens": [1], "offset": -1}, 400, "invalid_parameters"),
-    ("post", "append", {"tokens": [1], "offset": -1, "truncating": True}, 400, "invalid_parameters"),
+    (
+        "post",
+        "append",
+        {"tokens": [1], "offset": -1, "truncating": True},
+        400,
+        "invalid_parameters",
+    ),
     ("post", "append", {"tokens": "abc"}, 400, "invalid_parameters"),
     ("post", "append", {}, 400, "invalid_parameters"),
     ("post", "append", "not json", 400, "invalid_argument"),
@@ -114,9 +143,12 @@ BAD: list[tuple[str, str, Any, int, str]] = [
 ]
 
 
-@pytest.mark.parametrize(("method", "route", "body", "status", "code"), BAD, ids=[f"{b[1]}-{b[4]}" for b in BAD])
+@pytest.mark.parametrize(
+    ("method", "route", "body", "status", "code"), BAD, ids=[f"{b[1]}-{b[4]}" for b in BAD]
+)
 async def test_bad_input_is_a_typed_error_and_changes_nothing(
-        client: httpx.AsyncClient, method: str, route: str, body: Any, status: int, code: str) -> None:
+    client: httpx.AsyncClient, method: str, route: str, body: Any, status: int, code: str
+) -> None:
     sid = await _open(client)
     await client.post(f"/v1/sessions/{sid}/append", json={"text": "abc"})
     before = await _export(client, sid)
@@ -134,10 +166,17 @@ async def test_bad_input_is_a_typed_error_and_changes_nothing(
 
 
 async def test_not_found_closed_and_routing_errors(client: httpx.AsyncClient) -> None:
-    for path in ("/v1/sessions/s_nope", "/v1/sessions/s_nope/export", "/v1/sessions/s_nope/events",
-                 "/v1/sessions/s_nope/audit"):
+    for path in (
+        "/v1/sessions/s_nope",
+        "/v1/sessions/s_nope/export",
+        "/v1/sessions/s_nope/events",
+        "/v1/sessions/s_nope/audit",
+    ):
         r = await client.get(path)
-        assert (r.status_code, r.json()["error"]["code"]) in ((404, "session_not_found"), (404, "not_found")), path
+        assert (r.status_code, r.json()["error"]["code"]) in (
+            (404, "session_not_found"),
+            (404, "not_found"),
+        ), path
     r = await client.post("/v1/sessions/s_nope/append", json={"text": "x"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
     assert (await client.get("/v2/nothing")).json()["error"]["code"] == "not_found"
@@ -155,7 +194,9 @@ async def test_context_overflow_is_413(sqlite_url: str) -> None:
     rt = await Runtime.create(make_config(sqlite_url), engine=ReferenceEngine(max_length=8))
     app = create_app(rt)
     try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://t"
+        ) as c:
             sid = await _open(c)
             r = await c.post(f"/v1/sessions/{sid}/append", json={"text": "far too long"})
             assert r.status_code == 413 and r.json()["error"]["code"] == "context_overflow"
@@ -169,14 +210,18 @@ async def test_bearer_auth(sqlite_url: str) -> None:
     rt = await Runtime.create(make_config(sqlite_url), engine=ReferenceEngine())
     app = create_app(rt, auth_token="s3cret")
     try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://t"
+        ) as c:
             r = await c.post("/v1/sessions", json={})
             assert r.status_code == 401 and r.json()["error"]["code"] == "unauthenticated"
             assert r.headers["www-authenticate"].startswith("Bearer")
             r = await c.get("/v1/sessions", headers={"Authorization": "Bearer wrong"})
             assert r.status_code == 401
             assert (await c.get("/v1/sessions")).status_code == 401
-            assert (await c.get("/v1/sessions", params={"access_token": "s3cret"})).status_code == 200
+            assert (
+                await c.get("/v1/sessions", params={"access_token": "s3cret"})
+            ).status_code == 200
             r = await c.post("/v1/sessions", json={}, headers={"Authorization": "Bearer s3cret"})
             assert r.status_code == 201
             assert (await c.get("/healthz")).status_code == 200
@@ -187,18 +232,24 @@ async def test_bearer_auth(sqlite_url: str) -> None:
         await rt.aclose()
 
 
-@pytest.mark.parametrize(("body", "message"), [
-    ({"protocol": "p" * 40}, "protocol must be at most 32 characters, got 40"),
-    ({"label": "l" * 1001}, "label must be at most 1000 characters, got 1001"),
-    ({"protocol": 7}, "protocol must be a string"),
-    ({"label": ["x"]}, "label must be a string"),
-])
-async def test_create_checks_sizes_before_the_database(any_runtime: Runtime, body: dict[str, Any],
-                                                       message: str) -> None:
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"protocol": "p" * 40}, "protocol must be at most 32 characters, got 40"),
+        ({"label": "l" * 1001}, "label must be at most 1000 characters, got 1001"),
+        ({"protocol": 7}, "protocol must be a string"),
+        ({"label": ["x"]}, "label must be a string"),
+    ],
+)
+async def test_create_checks_sizes_before_the_database(
+    any_runtime: Runtime, body: dict[str, Any], message: str
+) -> None:
     """On PostgreSQL a 40-character protocol would overflow its column: the API answers 400 first."""
     app = create_app(any_runtime)
     try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://t"
+        ) as c:
             r = await c.post("/v1/sessions", json=body)
             assert r.status_code == 400, r.text
             assert r.json()["error"] == {"code": "invalid_parameters", "message": message}
@@ -217,21 +268,27 @@ async def test_audit_reports_a_tampered_log(runtime: Runtime, client: httpx.Asyn
     sid = await _open(client)
     await client.post(f"/v1/sessions/{sid}/append", json={"text": "abc"})
     async with runtime.log.engine.begin() as conn:
-        await conn.execute(sa.text("UPDATE events SET body = :b WHERE session_id = :s AND version = 2"),
-                           {"b": '{"start":0,"tokens":[120,121,122],"images":[]}', "s": sid})
+        await conn.execute(
+            sa.text("UPDATE events SET body = :b WHERE session_id = :s AND version = 2"),
+            {"b": '{"start":0,"tokens":[120,121,122],"images":[]}', "s": sid},
+        )
     report = (await client.get(f"/v1/sessions/{sid}/audit")).json()
     assert report["session_id"] == sid and report["chain_ok"] is False and report["ok"] is False
     assert report["problems"]
 
 
 async def test_images_are_served_from_the_blob_store_and_only_for_their_session(
-        runtime: Runtime, client: httpx.AsyncClient) -> None:
+    runtime: Runtime, client: httpx.AsyncClient
+) -> None:
     big, small = b"\x89PNG" + bytes(range(256)) * 40, b"\x89PNG small"
     assert len(big) > runtime.log.inline_max_bytes >= len(small)
     block = [200] + [IMAGE_PAD] * 8 + [201]
     sid = await _open(client)
-    await runtime.append_tokens(sid, [1, *block, 2, *block], images=[
-        ImageIn(big, "image/png", 1, 11), ImageIn(small, "image/gif", 12, 22)])
+    await runtime.append_tokens(
+        sid,
+        [1, *block, 2, *block],
+        images=[ImageIn(big, "image/png", 1, 11), ImageIn(small, "image/gif", 12, 22)],
+    )
     other = await _open(client)
     for data, mime in ((big, "image/png"), (small, "image/gif")):
         sha = hashlib.sha256(data).hexdigest()
@@ -252,7 +309,9 @@ async def test_images_are_served_from_the_blob_store_and_only_for_their_session(
 async def test_replay_steps_rebuild_the_document(client: httpx.AsyncClient) -> None:
     sid = await _open(client, label="replay")
     await client.post(f"/v1/sessions/{sid}/append", json={"text": "Hi é"})
-    await client.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 5, "seed": 4, "stream": False})
+    await client.post(
+        f"/v1/sessions/{sid}/generate", json={"max_tokens": 5, "seed": 4, "stream": False}
+    )
     await client.post(f"/v1/sessions/{sid}/fork", json={"at_position": 2})
     await client.post(f"/v1/sessions/{sid}/close")
     replay = (await client.get(f"/v1/sessions/{sid}/replay")).json()
@@ -261,11 +320,16 @@ async def test_replay_steps_rebuild_the_document(client: httpx.AsyncClient) -> N
     for step in replay["steps"]:
         doc = apply_patch(doc, step["patch"])
     assert doc == (await client.get(f"/v1/sessions/{sid}")).json()
-    assert [s["type"] for s in replay["steps"]][-2:] == ["session.opened", "session.closed"]  # the fork, then close
+    assert [s["type"] for s in replay["steps"]][-2:] == [
+        "session.opened",
+        "session.closed",
+    ]  # the fork, then close
     assert replay["version"] == doc["version"]
 
 
-async def test_forks_cost_one_index_query_per_document(runtime: Runtime, client: httpx.AsyncClient) -> None:
+async def test_forks_cost_one_index_query_per_document(
+    runtime: Runtime, client: httpx.AsyncClient
+) -> None:
     """A document lists its forks with one sessions-index query; a fork's first event is read once."""
     sid = await _open(client)
     await client.post(f"/v1/sessions/{sid}/append", json={"text": "abcdef"})
@@ -281,7 +345,10 @@ async def test_forks_cost_one_index_query_per_document(runtime: Runtime, client:
         setattr(runtime.log, name, counted)
     first = (await client.get(f"/v1/sessions/{sid}")).json()
     assert sorted(c["session_id"] for c in first["children"]) == sorted(forks)
-    assert calls == {"list_sessions": 1, "read": 1 + len(forks)}  # cold: each fork's first event once
+    assert calls == {
+        "list_sessions": 1,
+        "read": 1 + len(forks),
+    }  # cold: each fork's first event once
     for _ in range(3):
         calls.clear()
         assert (await client.get(f"/v1/sessions/{sid}")).json() == first

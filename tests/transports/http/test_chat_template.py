@@ -18,12 +18,20 @@ from transports.sse.chat_template import (
     message_text,
 )
 
-CUSTOM = {"name": "brackets", "message": "[{role}] {content}\n", "generation_prompt": "[assistant] ",
-          "after_generation": "\n", "prefix": "<s>", "stop": ["[user]"]}
+CUSTOM = {
+    "name": "brackets",
+    "message": "[{role}] {content}\n",
+    "generation_prompt": "[assistant] ",
+    "after_generation": "\n",
+    "prefix": "<s>",
+    "stop": ["[user]"],
+}
 
 
 def test_role_markers_render() -> None:
-    text = ROLE_MARKERS.render([("system", "S"), ("user", "U")], at_start=True, after_generation=False)
+    text = ROLE_MARKERS.render(
+        [("system", "S"), ("user", "U")], at_start=True, after_generation=False
+    )
     assert text == "<|system|>\nS\n<|user|>\nU\n<|assistant|>\n"
     more = ROLE_MARKERS.render([("user", "again")], at_start=False, after_generation=True)
     assert more == "\n<|user|>\nagain\n<|assistant|>\n"
@@ -33,18 +41,27 @@ def test_template_sources(tmp_path: Path) -> None:
     url = f"sqlite+aiosqlite:///{tmp_path / 'x.db'}"
     assert load_template(make_config(url)) == ROLE_MARKERS
     from_table = load_template(make_config(url, transports={"http": {"chat_template": CUSTOM}}))
-    assert from_table.render([("user", "hi")], at_start=True, after_generation=False) == "<s>[user] hi\n[assistant] "
+    assert (
+        from_table.render([("user", "hi")], at_start=True, after_generation=False)
+        == "<s>[user] hi\n[assistant] "
+    )
     path = tmp_path / "tpl.json"
     path.write_text(json.dumps(CUSTOM))
-    assert load_template(make_config(url, transports={"http": {"chat_template": str(path)}})) == from_table
+    assert (
+        load_template(make_config(url, transports={"http": {"chat_template": str(path)}}))
+        == from_table
+    )
     model_dir = tmp_path / "model"
     model_dir.mkdir()
     (model_dir / "chat_template.json").write_text(json.dumps({**CUSTOM, "name": "folder"}))
     cfg = make_config(url, engine={"name": "reference", "options": {"model_dir": str(model_dir)}})
     assert load_template(cfg).name == "folder"
     # the config wins over the model folder
-    cfg = make_config(url, engine={"name": "reference", "options": {"model_dir": str(model_dir)}},
-                      transports={"http": {"chat_template": CUSTOM}})
+    cfg = make_config(
+        url,
+        engine={"name": "reference", "options": {"model_dir": str(model_dir)}},
+        transports={"http": {"chat_template": CUSTOM}},
+    )
     assert load_template(cfg).name == "brackets"
     assert ChatTemplate.from_json(from_table.to_json()) == from_table
 
@@ -55,13 +72,20 @@ def test_bad_templates(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="role"):
         ChatTemplate.from_json({"message": "{speaker}: {content}"})
     with pytest.raises(ConfigError):
-        load_template(make_config(f"sqlite+aiosqlite:///{tmp_path / 'x.db'}",
-                                  transports={"http": {"chat_template": str(tmp_path / "missing.json")}}))
+        load_template(
+            make_config(
+                f"sqlite+aiosqlite:///{tmp_path / 'x.db'}",
+                transports={"http": {"chat_template": str(tmp_path / "missing.json")}},
+            )
+        )
 
 
 def test_message_text() -> None:
     assert message_text("plain", "m") == "plain"
-    assert message_text([{"type": "text", "text": "a"}, {"type": "input_text", "text": "b"}], "m") == "ab"
+    assert (
+        message_text([{"type": "text", "text": "a"}, {"type": "input_text", "text": "b"}], "m")
+        == "ab"
+    )
     with pytest.raises(InvalidParameters, match="image_url"):
         message_text([{"type": "image_url", "image_url": {"url": "x"}}], "m")
 

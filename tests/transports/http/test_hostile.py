@@ -43,8 +43,12 @@ async def _export(client: httpx.AsyncClient, sid: str) -> bytes:
 @pytest.fixture
 async def small(runtime: Runtime) -> AsyncIterator[httpx.AsyncClient]:
     """The app with small limits, so size refusals are cheap to provoke."""
-    app = create_app(runtime, limits=Limits(max_body_bytes=4096, max_json_depth=8, max_meta_bytes=256))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+    app = create_app(
+        runtime, limits=Limits(max_body_bytes=4096, max_json_depth=8, max_meta_bytes=256)
+    )
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://test"
+    ) as c:
         yield c
     await app.state.api.aclose()
 
@@ -61,7 +65,13 @@ HOSTILE: list[tuple[str, str, Any, int, str]] = [
     ("get", "events", {"last_event_id": "9" * 5000}, 400, "invalid_parameters"),
     ("get", "events", {"last_event_id": "-1"}, 400, "invalid_parameters"),
     ("post", "append", b'{"tokens": [1], "offset": 18446744073709551616}', 400, "invalid_argument"),
-    ("post", "append", b'{"tokens": [1], "offset": 9223372036854775808}', 400, "invalid_parameters"),
+    (
+        "post",
+        "append",
+        b'{"tokens": [1], "offset": 9223372036854775808}',
+        400,
+        "invalid_parameters",
+    ),
     ("post", "append", b'{"tokens": [' + b"9" * 5000 + b"]}", 400, "invalid_argument"),
     ("post", "append", b'{"tokens": [1], "offset": 1.5}', 400, "invalid_parameters"),
     # non-finite numbers, in any spelling
@@ -101,12 +111,18 @@ HOSTILE: list[tuple[str, str, Any, int, str]] = [
 ]
 
 
-@pytest.mark.parametrize(("method", "route", "body", "status", "code"), HOSTILE,
-                         ids=[f"{i}-{h[1] or 'get'}-{h[4] or h[3]}" for i, h in enumerate(HOSTILE)])
+@pytest.mark.parametrize(
+    ("method", "route", "body", "status", "code"),
+    HOSTILE,
+    ids=[f"{i}-{h[1] or 'get'}-{h[4] or h[3]}" for i, h in enumerate(HOSTILE)],
+)
 async def test_hostile_value_is_a_typed_error_and_changes_nothing(
-        client: httpx.AsyncClient, method: str, route: str, body: Any, status: int, code: str) -> None:
+    client: httpx.AsyncClient, method: str, route: str, body: Any, status: int, code: str
+) -> None:
     sid = await _open(client)
-    assert (await client.post(f"/v1/sessions/{sid}/append", json={"text": "abc"})).status_code == 200
+    assert (
+        await client.post(f"/v1/sessions/{sid}/append", json={"text": "abc"})
+    ).status_code == 200
     before = await _export(client, sid)
     url = f"/v1/sessions/{sid}/{route}".rstrip("/")
     if method == "get":
@@ -131,28 +147,48 @@ async def test_unknown_fields_are_named(client: httpx.AsyncClient) -> None:
 
 async def test_offset_with_text_is_honoured(client: httpx.AsyncClient) -> None:
     sid = await _open(client, mode="offset")
-    length = (await client.post(f"/v1/sessions/{sid}/append", json={"text": "abc"})).json()["length"]
+    length = (await client.post(f"/v1/sessions/{sid}/append", json={"text": "abc"})).json()[
+        "length"
+    ]
     r = await client.post(f"/v1/sessions/{sid}/append", json={"text": "d", "offset": length})
     assert r.status_code == 200 and r.json()["length"] == length + 1
-    r = await client.post(f"/v1/sessions/{sid}/append", json={"text": "x", "offset": 1, "truncating": True})
+    r = await client.post(
+        f"/v1/sessions/{sid}/append", json={"text": "x", "offset": 1, "truncating": True}
+    )
     assert r.status_code == 200 and r.json()["length"] == 2
 
 
 async def test_close_reason_is_stored_as_given(client: httpx.AsyncClient) -> None:
     sid = await _open(client)
-    assert (await client.post(f"/v1/sessions/{sid}/close", json={"reason": "done"})).status_code == 200
+    assert (
+        await client.post(f"/v1/sessions/{sid}/close", json={"reason": "done"})
+    ).status_code == 200
     lines = (await _export(client, sid)).decode().splitlines()
     assert '"reason":"done"' in lines[-1]
 
 
-@pytest.mark.parametrize("body", [
-    {"ttl_s": float("inf")}, {"ttl_s": 0}, {"ttl_s": -1}, {"ttl_s": 1e12}, {"ttl_s": "60"}, {"ttl_s": True},
-    {"meta": {"n": 2**70}}, {"eos_token_ids": [-1]}, {"mode": 7}, {"protocol": "\ud800"},
-])
-async def test_create_refuses_bad_values_and_stores_nothing(client: httpx.AsyncClient, body: dict[str, Any],
-                                                            runtime: Runtime) -> None:
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"ttl_s": float("inf")},
+        {"ttl_s": 0},
+        {"ttl_s": -1},
+        {"ttl_s": 1e12},
+        {"ttl_s": "60"},
+        {"ttl_s": True},
+        {"meta": {"n": 2**70}},
+        {"eos_token_ids": [-1]},
+        {"mode": 7},
+        {"protocol": "\ud800"},
+    ],
+)
+async def test_create_refuses_bad_values_and_stores_nothing(
+    client: httpx.AsyncClient, body: dict[str, Any], runtime: Runtime
+) -> None:
     before = await runtime.log.last_position()
-    r = await client.post("/v1/sessions", content=_dumps(body), headers={"content-type": "application/json"})
+    r = await client.post(
+        "/v1/sessions", content=_dumps(body), headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400, r.text
     assert await runtime.log.last_position() == before
 
@@ -173,21 +209,25 @@ async def test_size_limits_are_413(small: httpx.AsyncClient, runtime: Runtime) -
     assert r.status_code == 413 and "feedback" in r.json()["error"]["message"]
     r = await small.post("/v1/sessions", json={"meta": {"note": "x" * 300}})
     assert r.status_code == 413
-    r = await small.post(f"/v1/sessions/{sid}/feedback", content=b'{"a":' + b"[" * 9 + b"]" * 9 + b"}")
+    r = await small.post(
+        f"/v1/sessions/{sid}/feedback", content=b'{"a":' + b"[" * 9 + b"]" * 9 + b"}"
+    )
     assert r.status_code == 400 and "nested" in r.json()["error"]["message"]
     assert await _export(small, sid) == before
 
 
 async def test_unexpected_error_is_one_log_line_and_a_500_without_its_text(
-        runtime: Runtime, caplog: pytest.LogCaptureFixture) -> None:
+    runtime: Runtime, caplog: pytest.LogCaptureFixture
+) -> None:
     app = create_app(runtime)
 
     async def boom(_: Any) -> Any:
         raise RuntimeError("SELECT secret FROM events")
 
     app.router.routes.insert(0, Route("/boom", boom))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=True),
-                                 base_url="http://test") as c:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app, raise_app_exceptions=True), base_url="http://test"
+    ) as c:
         with caplog.at_level(logging.DEBUG, logger="sessiontape.http"):
             r = await c.get("/boom")
     await app.state.api.aclose()
@@ -256,8 +296,10 @@ async def test_100mb_body_is_refused_while_health_answers(served: Served) -> Non
     stop = asyncio.Event()
     health = asyncio.create_task(_health_latencies(served.url, stop))
     reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(f"POST /v1/sessions/{sid}/feedback HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 "Transfer-Encoding: chunked\r\n\r\n".encode())
+    writer.write(
+        f"POST /v1/sessions/{sid}/feedback HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        "Transfer-Encoding: chunked\r\n\r\n".encode()
+    )
     chunk = b'{"a":"' + b"x" * (1 << 20)
     sent = 0
     head = asyncio.create_task(_response_head(reader))
@@ -274,8 +316,10 @@ async def test_100mb_body_is_refused_while_health_answers(served: Served) -> Non
     assert status.startswith(b"HTTP/1.1 413 ")
     assert sent < 100 * (1 << 20)  # refused while it streamed, not after reading it all
     assert max(latencies) < 5.0, latencies  # generous: the point is that it answered at all
-    print(f"\nhealth during 100 MB body: n={len(latencies)} max={max(latencies) * 1000:.1f} ms "
-          f"(body refused after {sent >> 20} MiB)")
+    print(
+        f"\nhealth during 100 MB body: n={len(latencies)} max={max(latencies) * 1000:.1f} ms "
+        f"(body refused after {sent >> 20} MiB)"
+    )
     assert [e.to_json() for e in await served.runtime.log.read(sid)] == before
 
 
@@ -309,7 +353,9 @@ async def test_slow_headers_are_cut_off_while_others_are_served(served: Served) 
     sender = asyncio.create_task(trickle())
     async with httpx.AsyncClient(base_url=served.url) as c:
         assert (await c.get("/healthz")).status_code == 200
-    assert await asyncio.wait_for(reader.read(), 20) == b""  # the server closed it, with no response
+    assert (
+        await asyncio.wait_for(reader.read(), 20) == b""
+    )  # the server closed it, with no response
     sender.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await sender
@@ -317,17 +363,18 @@ async def test_slow_headers_are_cut_off_while_others_are_served(served: Served) 
 
 
 async def test_slow_body_is_408_and_a_vanished_client_is_not_an_internal_error(
-        served: Served, caplog: pytest.LogCaptureFixture) -> None:
+    served: Served, caplog: pytest.LogCaptureFixture
+) -> None:
     host, port = served.url.removeprefix("http://").split(":")
     with caplog.at_level(logging.INFO):
         reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(b"POST /v1/sessions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"la")
+        writer.write(b'POST /v1/sessions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"la')
         await writer.drain()
         head = await _response_head(reader)
         await _close(writer)
         assert head.startswith(b"HTTP/1.1 408")
         reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(b"POST /v1/sessions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"la")
+        writer.write(b'POST /v1/sessions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"la')
         await writer.drain()
         await _close(writer)
         await asyncio.sleep(0.3)
@@ -336,7 +383,9 @@ async def test_slow_body_is_408_and_a_vanished_client_is_not_an_internal_error(
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
-async def test_audit_route_reports_a_poisoned_session(client: httpx.AsyncClient, runtime: Runtime) -> None:
+async def test_audit_route_reports_a_poisoned_session(
+    client: httpx.AsyncClient, runtime: Runtime
+) -> None:
     """What an older server stored for ``temperature: NaN`` (null): the audit answers, reporting the failure."""
     from core.engine import SamplingParams
     from tests.core.test_hostile_input import _poison
@@ -364,10 +413,14 @@ async def test_concurrent_requests_per_client_are_bounded(sqlite_url: str, port:
             sid = (await c.post("/v1/sessions", json={})).json()["id"]
             async with contextlib.AsyncExitStack() as streams:
                 for _ in range(3):
-                    r = await streams.enter_async_context(c.stream("GET", f"/v1/sessions/{sid}/events"))
+                    r = await streams.enter_async_context(
+                        c.stream("GET", f"/v1/sessions/{sid}/events")
+                    )
                     assert r.status_code == 200
                 over = await c.get("/v1/sessions")
-                assert over.status_code == 429 and over.json()["error"]["code"] == "too_many_requests"
+                assert (
+                    over.status_code == 429 and over.json()["error"]["code"] == "too_many_requests"
+                )
                 assert (await c.get("/healthz")).status_code == 200  # probes are exempt
             assert (await c.get("/v1/sessions")).status_code == 200
     finally:

@@ -86,8 +86,15 @@ async def test_models(live: Served) -> None:
 async def test_response_sync_is_a_generation_in_the_log(live: Served) -> None:
     def run() -> Any:
         with sync_client(live) as c:
-            return c.responses.create(model=MODEL, input="Hello", instructions="Be brief.",
-                                      max_output_tokens=6, temperature=0, metadata={"k": "v"}, extra_body={"seed": 7})
+            return c.responses.create(
+                model=MODEL,
+                input="Hello",
+                instructions="Be brief.",
+                max_output_tokens=6,
+                temperature=0,
+                metadata={"k": "v"},
+                extra_body={"seed": 7},
+            )
 
     r = await asyncio.to_thread(run)
     assert r.status in ("completed", "incomplete") and r.object == "response" and r.model == MODEL
@@ -100,8 +107,10 @@ async def test_response_sync_is_a_generation_in_the_log(live: Served) -> None:
     assert started.type == T.GENERATION_STARTED
     st = await live.runtime.get(sid)
     # the chat template was applied once and recorded with the session and the request
-    prompt = ROLE_MARKERS.render([("system", "Be brief."), ("user", "Hello")], at_start=True, after_generation=False)
-    assert live.runtime.engine.detokenize(st.tokens[:r.usage.input_tokens]) == prompt
+    prompt = ROLE_MARKERS.render(
+        [("system", "Be brief."), ("user", "Hello")], at_start=True, after_generation=False
+    )
+    assert live.runtime.engine.detokenize(st.tokens[: r.usage.input_tokens]) == prompt
     assert st.meta["chat_template"] == ROLE_MARKERS.to_json()
     wire = next(e for e in evs if e.type == T.WIRE)
     assert wire.body["payload"]["request"]["template"] == ROLE_MARKERS.to_json()
@@ -113,29 +122,45 @@ async def test_response_sync_is_a_generation_in_the_log(live: Served) -> None:
         again = await c.responses.retrieve(r.id)
     assert again.model_dump() == r.model_dump()
     # and the session audits like any other
-    async with httpx.AsyncClient(base_url=live.url, headers={"Authorization": f"Bearer {TOKEN}"}) as h:
+    async with httpx.AsyncClient(
+        base_url=live.url, headers={"Authorization": f"Bearer {TOKEN}"}
+    ) as h:
         audit = (await h.get(f"/v1/sessions/{sid}/audit")).json()
     assert audit["ok"] is True
 
 
 async def test_same_seed_same_text(live: Served) -> None:
     async with async_client(live) as c:
-        a = await c.responses.create(model=MODEL, input="Hi", max_output_tokens=8, extra_body={"seed": 42})
-        b = await c.responses.create(model=MODEL, input="Hi", max_output_tokens=8, extra_body={"seed": 42})
-        d = await c.responses.create(model=MODEL, input="Hi", max_output_tokens=8, extra_body={"seed": 43})
+        a = await c.responses.create(
+            model=MODEL, input="Hi", max_output_tokens=8, extra_body={"seed": 42}
+        )
+        b = await c.responses.create(
+            model=MODEL, input="Hi", max_output_tokens=8, extra_body={"seed": 42}
+        )
+        d = await c.responses.create(
+            model=MODEL, input="Hi", max_output_tokens=8, extra_body={"seed": 43}
+        )
     assert a.output_text == b.output_text and a.id != b.id
-    assert (a.output_text, a.usage and a.usage.output_tokens) != (d.output_text, d.usage and d.usage.output_tokens) \
-        or a.output_text == d.output_text  # different seeds may agree; the ids never do
+    assert (a.output_text, a.usage and a.usage.output_tokens) != (
+        d.output_text,
+        d.usage and d.usage.output_tokens,
+    ) or a.output_text == d.output_text  # different seeds may agree; the ids never do
     assert session_of(a.id)[0] != session_of(b.id)[0]
 
 
 async def test_previous_response_chain_continues_the_session(live: Served) -> None:
     async with async_client(live) as c:
         r1 = await c.responses.create(model=MODEL, input="one", max_output_tokens=4, temperature=0)
-        r2 = await c.responses.create(model=MODEL, input="two", max_output_tokens=4, temperature=0,
-                                      previous_response_id=r1.id)
-        r3 = await c.responses.create(model=MODEL, input="three", max_output_tokens=4, temperature=0,
-                                      previous_response_id=r2.id)
+        r2 = await c.responses.create(
+            model=MODEL, input="two", max_output_tokens=4, temperature=0, previous_response_id=r1.id
+        )
+        r3 = await c.responses.create(
+            model=MODEL,
+            input="three",
+            max_output_tokens=4,
+            temperature=0,
+            previous_response_id=r2.id,
+        )
     sids = {session_of(r.id)[0] for r in (r1, r2, r3)}
     assert len(sids) == 1 and r3.previous_response_id == r2.id
     sid = sids.pop()
@@ -151,10 +176,14 @@ async def test_previous_response_chain_continues_the_session(live: Served) -> No
 async def test_previous_response_that_is_not_the_latest_forks(live: Served) -> None:
     async with async_client(live) as c:
         r1 = await c.responses.create(model=MODEL, input="root", max_output_tokens=4, temperature=0)
-        r2 = await c.responses.create(model=MODEL, input="left", max_output_tokens=4, previous_response_id=r1.id)
+        r2 = await c.responses.create(
+            model=MODEL, input="left", max_output_tokens=4, previous_response_id=r1.id
+        )
         sid = session_of(r1.id)[0]
         before = [e.hash for e in await live.runtime.log.read(sid)]
-        r3 = await c.responses.create(model=MODEL, input="right", max_output_tokens=4, previous_response_id=r1.id)
+        r3 = await c.responses.create(
+            model=MODEL, input="right", max_output_tokens=4, previous_response_id=r1.id
+        )
         listed = await c.responses.input_items.list(r3.id)
     child = session_of(r3.id)[0]
     assert session_of(r2.id)[0] == sid and child != sid
@@ -164,9 +193,9 @@ async def test_previous_response_that_is_not_the_latest_forks(live: Served) -> N
     turn1 = await load_turn(live.runtime, sid, session_of(r1.id)[1], "responses")
     assert child_st.parent is not None and child_st.parent["session_id"] == sid
     assert child_st.parent["token_position"] == turn1.end
-    assert list(child_st.tokens[:turn1.end]) == list(parent_st.tokens[:turn1.end])
+    assert list(child_st.tokens[: turn1.end]) == list(parent_st.tokens[: turn1.end])
     detok = live.runtime.engine.detokenize
-    r1_text = detok(parent_st.tokens[:turn1.end])
+    r1_text = detok(parent_st.tokens[: turn1.end])
     # the fork closes r1's turn and renders the new message after it, as continuing would
     assert detok(child_st.tokens).startswith(r1_text + "\n<|user|>\nright\n<|assistant|>\n")
     assert "left" not in detok(child_st.tokens)
@@ -175,13 +204,22 @@ async def test_previous_response_that_is_not_the_latest_forks(live: Served) -> N
 
 async def test_stream_events_and_resume(live: Served) -> None:
     async with async_client(live) as c:
-        stream = await c.responses.create(model=MODEL, input="stream me", max_output_tokens=12, stream=True,
-                                          temperature=0)
+        stream = await c.responses.create(
+            model=MODEL, input="stream me", max_output_tokens=12, stream=True, temperature=0
+        )
         events = [e async for e in stream]
     types = [e.type for e in events]
-    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
-                         "response.content_part.added"]
-    assert types[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert types[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert types[-4:-1] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+    ]
     assert types[-1] in ("response.completed", "response.incomplete")
     assert [e.sequence_number for e in events] == list(range(len(events)))
     rid = events[0].response.id  # type: ignore[union-attr]
@@ -202,15 +240,17 @@ async def test_stream_helper_accumulates(eager: Served) -> None:
             final = await s.get_final_response()
         assert final.status == "completed"
         assert final.output_text == (await c.responses.retrieve(final.id)).output_text
-        chat = await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
-                                               max_tokens=200)
+        chat = await c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=200
+        )
         assert chat.choices[0].finish_reason == "stop"
 
 
 async def test_background_resume_while_running_and_cancel(live: Served) -> None:
     async with async_client(live) as c:
-        bg = await c.responses.create(model=MODEL, input="long", max_output_tokens=40, background=True,
-                                      temperature=0)
+        bg = await c.responses.create(
+            model=MODEL, input="long", max_output_tokens=40, background=True, temperature=0
+        )
         assert bg.status == "in_progress" and bg.background is True
         # follow it live from the start, drop the connection after a few events, resume from there
         cut = []
@@ -221,13 +261,18 @@ async def test_background_resume_while_running_and_cancel(live: Served) -> None:
                     break
         assert [e.sequence_number for e in cut] == list(range(6))
         rest = [e async for e in await c.responses.retrieve(bg.id, stream=True, starting_after=5)]
-        assert rest[0].sequence_number == 6 and rest[-1].type in ("response.completed", "response.incomplete")
+        assert rest[0].sequence_number == 6 and rest[-1].type in (
+            "response.completed",
+            "response.incomplete",
+        )
         done = await c.responses.retrieve(bg.id)
         text = "".join(e.delta for e in cut + rest if e.type == "response.output_text.delta")  # type: ignore[union-attr]
         assert done.output_text == text
         # cancel: a finished one comes back as it is; a running one stops and says so
         assert (await c.responses.cancel(bg.id)).status == done.status
-        slow = await c.responses.create(model=MODEL, input="slow", max_output_tokens=400, background=True)
+        slow = await c.responses.create(
+            model=MODEL, input="slow", max_output_tokens=400, background=True
+        )
         cancelled = await c.responses.cancel(slow.id)
         assert cancelled.status == "cancelled"
         assert (await c.responses.retrieve(slow.id)).status == "cancelled"
@@ -259,8 +304,14 @@ async def test_store_false_is_not_retrievable_and_closes(live: Served) -> None:
 async def test_chat_completions(live: Served) -> None:
     def run() -> Any:
         with sync_client(live) as c:
-            return c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
-                                             max_tokens=6, seed=3, logprobs=True, top_logprobs=2)
+            return c.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "Hi"}],
+                max_tokens=6,
+                seed=3,
+                logprobs=True,
+                top_logprobs=2,
+            )
 
     r = await asyncio.to_thread(run)
     choice = r.choices[0]
@@ -274,13 +325,19 @@ async def test_chat_completions(live: Served) -> None:
     [gen] = st.generations.values()
     assert choice.message.content == live.runtime.engine.detokenize(gen.tokens)
     assert [t.logprob for t in choice.logprobs.content] == [
-        e.body["logprob"] for e in await live.runtime.log.read(sid)
-        if e.type == T.GENERATION_TOKEN and not e.body["is_prefill"]]
+        e.body["logprob"]
+        for e in await live.runtime.log.read(sid)
+        if e.type == T.GENERATION_TOKEN and not e.body["is_prefill"]
+    ]
     # continue the same session by id, without resending history
     length = len(st.tokens)
     async with async_client(live) as c:
-        r2 = await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "More"}],
-                                             max_completion_tokens=4, extra_body={"session_id": sid})
+        r2 = await c.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "More"}],
+            max_completion_tokens=4,
+            extra_body={"session_id": sid},
+        )
     assert r2.model_extra is not None and r2.model_extra["session_id"] == sid
     assert r2.usage is not None and r2.usage.prompt_tokens_details is not None
     assert r2.usage.prompt_tokens_details.cached_tokens == length
@@ -289,16 +346,24 @@ async def test_chat_completions(live: Served) -> None:
 
 async def test_chat_stream_with_usage(live: Served) -> None:
     async with async_client(live) as c:
-        stream = await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Go"}],
-                                                 max_tokens=8, stream=True, stream_options={"include_usage": True},
-                                                 temperature=0)
+        stream = await c.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Go"}],
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+            temperature=0,
+        )
         chunks = [ch async for ch in stream]
-        plain = await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Go"}],
-                                                max_tokens=8, temperature=0)
+        plain = await c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Go"}], max_tokens=8, temperature=0
+        )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text == plain.choices[0].message.content
-    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    finishes = [
+        ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason
+    ]
     assert finishes == [plain.choices[0].finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens  # type: ignore[union-attr]
@@ -306,43 +371,68 @@ async def test_chat_stream_with_usage(live: Served) -> None:
 
 async def test_chat_stop_string_cuts_the_text(live: Served) -> None:
     async with async_client(live) as c:
-        full = await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "s"}],
-                                               max_tokens=30, seed=5)
+        full = await c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "s"}], max_tokens=30, seed=5
+        )
         text = full.choices[0].message.content or ""
         stop = next((ch for ch in text[3:] if ch.isprintable() and ch != "\ufffd"), None)
         if stop is None:
             pytest.skip("no printable character to stop at")  # pragma: no cover
-        cut = await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "s"}],
-                                              max_tokens=30, seed=5, stop=[stop])
-    assert cut.choices[0].message.content == text[:text.index(stop)]
+        cut = await c.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "s"}],
+            max_tokens=30,
+            seed=5,
+            stop=[stop],
+        )
+    assert cut.choices[0].message.content == text[: text.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
 
 
 async def test_errors_have_openai_shape(live: Served) -> None:
     async with async_client(live) as c:
         with pytest.raises(openai.BadRequestError) as bad:
-            await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=2)
+            await c.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "x"}], n=2
+            )
         assert bad.value.param == "n" and bad.value.code == "invalid_parameters"
         with pytest.raises(openai.NotFoundError) as nf:
             await c.responses.retrieve("resp_s_nope_3")
         assert nf.value.code == "response_not_found"
         with pytest.raises(openai.NotFoundError):
-            await c.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
+            await c.chat.completions.create(
+                model="gpt-4o", messages=[{"role": "user", "content": "x"}]
+            )
     bad_key = openai.AsyncOpenAI(base_url=live.url + "/v1", api_key="wrong", max_retries=0)
     async with bad_key:
         with pytest.raises(openai.AuthenticationError) as auth:
             await bad_key.models.list()
-    assert auth.value.body == {"message": "missing or wrong bearer token", "type": "authentication_error",
-                               "param": None, "code": "unauthenticated"}
-    async with httpx.AsyncClient(base_url=live.url, headers={"Authorization": f"Bearer {TOKEN}"}) as h:
+    assert auth.value.body == {
+        "message": "missing or wrong bearer token",
+        "type": "authentication_error",
+        "param": None,
+        "code": "unauthenticated",
+    }
+    async with httpx.AsyncClient(
+        base_url=live.url, headers={"Authorization": f"Bearer {TOKEN}"}
+    ) as h:
         r = await h.post("/v1/responses", content=b"{nope")
-        assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+        assert r.status_code == 400 and set(r.json()["error"]) == {
+            "message",
+            "type",
+            "param",
+            "code",
+        }
         r = await h.post("/v1/responses", json={"model": MODEL, "input": "x", "temperature": 3})
         assert r.json()["error"]["param"] == "temperature"
-        r = await h.post("/v1/responses", json={"model": MODEL, "input": "x",
-                                                "text": {"format": {"type": "json_object"}}})
+        r = await h.post(
+            "/v1/responses",
+            json={"model": MODEL, "input": "x", "text": {"format": {"type": "json_object"}}},
+        )
         assert r.status_code == 400 and r.json()["error"]["param"] == "text.format"
-        r = await h.post("/v1/responses", json={"model": MODEL, "input": "x", "tools": [{"type": "web_search"}]})
+        r = await h.post(
+            "/v1/responses", json={"model": MODEL, "input": "x", "tools": [{"type": "web_search"}]}
+        )
         assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
         n_sessions = len((await h.get("/v1/sessions")).json()["sessions"])
         assert n_sessions == 0  # refused requests left nothing behind
@@ -351,8 +441,10 @@ async def test_errors_have_openai_shape(live: Served) -> None:
 async def test_stream_dropped_mid_way_cancels_foreground(live: Served) -> None:
     body = {"model": MODEL, "input": "x", "stream": True, "max_output_tokens": 400}
     rid = None
-    async with httpx.AsyncClient(base_url=live.url, headers={"Authorization": f"Bearer {TOKEN}"}) as h, \
-            h.stream("POST", "/v1/responses", json=body) as r:
+    async with (
+        httpx.AsyncClient(base_url=live.url, headers={"Authorization": f"Bearer {TOKEN}"}) as h,
+        h.stream("POST", "/v1/responses", json=body) as r,
+    ):
         async for line in r.aiter_lines():
             if line.startswith("data: ") and rid is None:
                 rid = json.loads(line[6:])["response"]["id"]
@@ -372,40 +464,73 @@ async def test_stream_dropped_mid_way_cancels_foreground(live: Served) -> None:
 async def test_sync_streams(live: Served) -> None:
     def run() -> tuple[list[Any], list[Any], Any]:
         with sync_client(live) as c:
-            events = list(c.responses.create(model=MODEL, input="sync", max_output_tokens=5, stream=True))
-            chunks = list(c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "sync"}],
-                                                    max_tokens=5, stream=True, temperature=0))
-            plain = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "sync"}],
-                                              max_tokens=5, temperature=0)
+            events = list(
+                c.responses.create(model=MODEL, input="sync", max_output_tokens=5, stream=True)
+            )
+            chunks = list(
+                c.chat.completions.create(
+                    model=MODEL,
+                    messages=[{"role": "user", "content": "sync"}],
+                    max_tokens=5,
+                    stream=True,
+                    temperature=0,
+                )
+            )
+            plain = c.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "sync"}],
+                max_tokens=5,
+                temperature=0,
+            )
             return events, chunks, plain
 
     events, chunks, plain = await asyncio.to_thread(run)
-    assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
+    assert events[0].type == "response.created" and events[-1].type in (
+        "response.completed",
+        "response.incomplete",
+    )
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert events[-1].response.output_text == text
-    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == plain.choices[0].message.content
+    assert (
+        "".join(ch.choices[0].delta.content or "" for ch in chunks)
+        == plain.choices[0].message.content
+    )
 
 
 async def test_chat_session_id_must_exist_and_be_open(live: Served) -> None:
     async with async_client(live) as c:
         with pytest.raises(openai.NotFoundError) as nf:
-            await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
-                                            extra_body={"session_id": "s_missing"})
+            await c.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "x"}],
+                extra_body={"session_id": "s_missing"},
+            )
         assert nf.value.code == "session_not_found"
-        r = await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2)
+        r = await c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2
+        )
         sid = r.model_extra["session_id"]  # type: ignore[index]
         await live.runtime.close(sid)
         with pytest.raises(openai.ConflictError) as closed:
-            await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
-                                            extra_body={"session_id": sid})
+            await c.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "x"}],
+                extra_body={"session_id": sid},
+            )
         assert closed.value.code == "session_closed"
 
 
 async def test_input_items_pages_and_running_response(live: Served) -> None:
-    items = [{"role": "system", "content": "sys"}, {"role": "user", "content": "a"},
-             {"role": "assistant", "content": "b"}, {"role": "user", "content": [{"type": "input_text", "text": "c"}]}]
+    items = [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": [{"type": "input_text", "text": "c"}]},
+    ]
     async with async_client(live) as c:
-        r = await c.responses.create(model=MODEL, input=items, max_output_tokens=200, background=True)  # type: ignore[arg-type]
+        r = await c.responses.create(
+            model=MODEL, input=items, max_output_tokens=200, background=True
+        )  # type: ignore[arg-type]
         running = await c.responses.retrieve(r.id)
         assert running.status == "in_progress" and running.usage is None
         desc = await c.responses.input_items.list(r.id)
@@ -421,12 +546,19 @@ async def test_input_items_pages_and_running_response(live: Served) -> None:
 
 async def test_response_logprobs(live: Served) -> None:
     async with async_client(live) as c:
-        r = await c.responses.create(model=MODEL, input="lp", max_output_tokens=6, top_logprobs=3,
-                                     include=["message.output_text.logprobs"])
+        r = await c.responses.create(
+            model=MODEL,
+            input="lp",
+            max_output_tokens=6,
+            top_logprobs=3,
+            include=["message.output_text.logprobs"],
+        )
         events = [e async for e in await c.responses.retrieve(r.id, stream=True)]
         plain = await c.responses.create(model=MODEL, input="lp", max_output_tokens=2)
         with pytest.raises(openai.BadRequestError):
-            await c.responses.create(model=MODEL, input="lp", include=["reasoning.encrypted_content"])
+            await c.responses.create(
+                model=MODEL, input="lp", include=["reasoning.encrypted_content"]
+            )
     content = r.output[0].content[0]  # type: ignore[union-attr]
     sid, _ = session_of(r.id)
     logged = [e.body for e in await live.runtime.log.read(sid) if e.type == T.GENERATION_TOKEN]
@@ -444,27 +576,79 @@ async def test_a_response_left_running_by_a_stopped_process_can_be_continued(liv
 
     rt = live.runtime
     sid = "s_orphan"
-    prompt = rt.engine.tokenize(ROLE_MARKERS.render([("user", "hi")], at_start=True, after_generation=False))
-    request = {"model": MODEL, "input": [{"role": "user", "content": "hi"}], "store": True, "background": True,
-               "stop": list(ROLE_MARKERS.stop), "template": ROLE_MARKERS.to_json()}
-    gen = {"generation_id": "g_1", "params": SamplingParams(max_tokens=50, seed=1).to_json(),
-           "prompt_length": len(prompt), "priority": 0, "action_id": None, "options": {}}
-    opened = {"protocol": "openai", "mode": "offset", "label": "", "eos_token_ids": [257], "ttl_s": 1800.0,
-              "engine": rt.engine.info.provenance(), "meta": {}, "parent": None}
-    await rt.log.append(sid, 0, [
-        NewEvent(T.SESSION_OPENED, opened),
-        NewEvent(T.TOKENS_APPENDED, {"start": 0, "tokens": prompt, "images": []}),
-        NewEvent(T.GENERATION_STARTED, gen),
-        NewEvent(T.WIRE, {"transport": "openai", "direction": "in", "payload": {
-            "api": "responses", "generation_id": "g_1", "version": 3, "appended": len(prompt), "request": request}}),
-        *[NewEvent(T.GENERATION_TOKEN, {"generation_id": "g_1", "token": 65 + i, "position": len(prompt) + i,
-                                        "is_prefill": False, "t": 0.0, "logprob": -1.0}) for i in range(2)],
-    ])
+    prompt = rt.engine.tokenize(
+        ROLE_MARKERS.render([("user", "hi")], at_start=True, after_generation=False)
+    )
+    request = {
+        "model": MODEL,
+        "input": [{"role": "user", "content": "hi"}],
+        "store": True,
+        "background": True,
+        "stop": list(ROLE_MARKERS.stop),
+        "template": ROLE_MARKERS.to_json(),
+    }
+    gen = {
+        "generation_id": "g_1",
+        "params": SamplingParams(max_tokens=50, seed=1).to_json(),
+        "prompt_length": len(prompt),
+        "priority": 0,
+        "action_id": None,
+        "options": {},
+    }
+    opened = {
+        "protocol": "openai",
+        "mode": "offset",
+        "label": "",
+        "eos_token_ids": [257],
+        "ttl_s": 1800.0,
+        "engine": rt.engine.info.provenance(),
+        "meta": {},
+        "parent": None,
+    }
+    await rt.log.append(
+        sid,
+        0,
+        [
+            NewEvent(T.SESSION_OPENED, opened),
+            NewEvent(T.TOKENS_APPENDED, {"start": 0, "tokens": prompt, "images": []}),
+            NewEvent(T.GENERATION_STARTED, gen),
+            NewEvent(
+                T.WIRE,
+                {
+                    "transport": "openai",
+                    "direction": "in",
+                    "payload": {
+                        "api": "responses",
+                        "generation_id": "g_1",
+                        "version": 3,
+                        "appended": len(prompt),
+                        "request": request,
+                    },
+                },
+            ),
+            *[
+                NewEvent(
+                    T.GENERATION_TOKEN,
+                    {
+                        "generation_id": "g_1",
+                        "token": 65 + i,
+                        "position": len(prompt) + i,
+                        "is_prefill": False,
+                        "t": 0.0,
+                        "logprob": -1.0,
+                    },
+                )
+                for i in range(2)
+            ],
+        ],
+    )
     rid = f"resp_{sid}_3"
     async with async_client(live) as c:
         before = await c.responses.retrieve(rid)
         assert before.status == "in_progress" and before.output_text == "AB"
-        nxt = await c.responses.create(model=MODEL, input="again", max_output_tokens=3, previous_response_id=rid)
+        nxt = await c.responses.create(
+            model=MODEL, input="again", max_output_tokens=3, previous_response_id=rid
+        )
         after = await c.responses.retrieve(rid)
     assert session_of(nxt.id)[0] == sid  # continued, not forked
     assert after.status == "failed" and after.output_text == "AB"

@@ -45,7 +45,12 @@ def served(routes: list[BaseRoute], prefix: str = "") -> Iterator[tuple[str, str
 def documented(doc: dict[str, object]) -> set[tuple[str, str]]:
     paths = doc["paths"]
     assert isinstance(paths, dict)
-    return {(p, m) for p, ops in paths.items() for m in ops if m in ("get", "post", "put", "patch", "delete")}
+    return {
+        (p, m)
+        for p, ops in paths.items()
+        for m in ops
+        if m in ("get", "post", "put", "patch", "delete")
+    }
 
 
 async def test_every_served_route_is_documented_and_nothing_else(runtime: Runtime) -> None:
@@ -84,8 +89,14 @@ async def _drive(runtime: Runtime, c: httpx.AsyncClient) -> None:
         if r.request.url.path == "/v1/sessions/events":
             return  # endless: recorded by hand below
         await r.aread()
-        seen.append((template(r.request.url.path), r.request.method.lower(), r.status_code,
-                     r.headers.get("content-type", "").split(";")[0]))
+        seen.append(
+            (
+                template(r.request.url.path),
+                r.request.method.lower(),
+                r.status_code,
+                r.headers.get("content-type", "").split(";")[0],
+            )
+        )
 
     c.event_hooks["response"].append(record)
     sid = (await c.post("/v1/sessions", json={"label": "spec"})).json()["id"]
@@ -93,7 +104,9 @@ async def _drive(runtime: Runtime, c: httpx.AsyncClient) -> None:
     await c.post(f"/v1/sessions/{sid}/append", json={"text": "Hi"})
     await c.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 2, "seed": 1, "stream": False})
     await c.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 2, "seed": 2})
-    await c.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 2, "seed": 3, "background": True})
+    await c.post(
+        f"/v1/sessions/{sid}/generate", json={"max_tokens": 2, "seed": 3, "background": True}
+    )
     for _ in range(500):
         if not runtime.is_generating(sid):
             break
@@ -109,15 +122,20 @@ async def _drive(runtime: Runtime, c: httpx.AsyncClient) -> None:
     async with c.stream("GET", f"/v1/sessions/{child}/events") as r:  # closed: snapshot, then end
         await r.aread()
     async with c.stream("GET", "/v1/sessions/events") as r:  # endless: its head is enough
-        seen.append(("/v1/sessions/events", "get", r.status_code, r.headers["content-type"].split(";")[0]))
+        seen.append(
+            ("/v1/sessions/events", "get", r.status_code, r.headers["content-type"].split(";")[0])
+        )
         await asyncio.wait_for(anext(r.aiter_bytes()), 10)
     data = b"\x89PNG" + bytes(range(256)) * 40
     im = (await runtime.open_session("salience")).session_id
-    await runtime.append_tokens(im, [200] + [IMAGE_PAD] * 8 + [201], images=[ImageIn(data, "image/png", 0, 10)])
+    await runtime.append_tokens(
+        im, [200] + [IMAGE_PAD] * 8 + [201], images=[ImageIn(data, "image/png", 0, 10)]
+    )
     await c.get(f"/v1/sessions/{im}/images/{hashlib.sha256(data).hexdigest()}")
     ev = (await runtime.open_session("evergreen")).session_id
-    await runtime.append_fragments(ev, [FragmentIn(id="n", has_chunk=True, data=b"hello",
-                                                   metadata={"mimetype": "text/plain"})])
+    await runtime.append_fragments(
+        ev, [FragmentIn(id="n", has_chunk=True, data=b"hello", metadata={"mimetype": "text/plain"})]
+    )
     await c.get(f"/v1/sessions/{ev}/nodes/n/content")
     for path in ("/", "/healthz", "/metrics", "/openapi.json", "/static/app.js"):
         await c.get(path)
@@ -128,7 +146,10 @@ async def _drive(runtime: Runtime, c: httpx.AsyncClient) -> None:
         assert entry is not None, (p, m, status, "status not documented")
         content = entry.get("content")
         if content:
-            ok = any(t == ctype or (t.endswith("/*") and ctype.startswith(t[:-1])) or t == "*/*" for t in content)
+            ok = any(
+                t == ctype or (t.endswith("/*") and ctype.startswith(t[:-1])) or t == "*/*"
+                for t in content
+            )
             assert ok, (p, m, status, ctype, sorted(content))
     got = {(p, m, s, t) for p, m, s, t in seen}
     assert ("/v1/sessions/{sid}/generate", "post", 200, "application/json") in got
@@ -141,11 +162,18 @@ async def _drive(runtime: Runtime, c: httpx.AsyncClient) -> None:
 
 
 #: how to make each native route answer 400 (a body that is not JSON does it for every POST)
-BAD_QUERY = {"/v1/sessions": "?limit=0", "/v1/sessions/events": "?patch=zz", "/v1/sessions/{sid}": "?version=abc",
-             "/v1/sessions/{sid}/events": "?patch=zz"}
+BAD_QUERY = {
+    "/v1/sessions": "?limit=0",
+    "/v1/sessions/events": "?patch=zz",
+    "/v1/sessions/{sid}": "?version=abc",
+    "/v1/sessions/{sid}/events": "?patch=zz",
+}
 #: a valid body per POST route ({} where that is one); 409 is the same request on a closed session
-VALID_BODY = {"/v1/sessions/{sid}/append": {"text": "x"}, "/v1/sessions/{sid}/generate": {"max_tokens": 1, "stream": False},
-              "/v1/sessions/{sid}/feedback": {"score": 1}}
+VALID_BODY = {
+    "/v1/sessions/{sid}/append": {"text": "x"},
+    "/v1/sessions/{sid}/generate": {"max_tokens": 1, "stream": False},
+    "/v1/sessions/{sid}/feedback": {"score": 1},
+}
 ON_CLOSED = ("/v1/sessions/{sid}/append", "/v1/sessions/{sid}/generate")
 
 
@@ -156,24 +184,38 @@ async def test_every_documented_error_is_answered(runtime: Runtime) -> None:
     app = create_app(runtime, auth_token="t0k")
     auth = {"authorization": "Bearer t0k"}
     try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=20) as c:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=20
+        ) as c:
             sid = (await c.post("/v1/sessions", json={}, headers=auth)).json()["id"]
             await c.post(f"/v1/sessions/{sid}/append", json={"text": "Hi"}, headers=auth)
             await c.post(f"/v1/sessions/{sid}/close", json={}, headers=auth)
             produced = 0
             for path, ops in doc["paths"].items():
                 for method, op in ops.items():
-                    if op.get("tags"):  # the OpenAI-compatible routes answer in OpenAI's shape, tested with them
+                    if op.get(
+                        "tags"
+                    ):  # the OpenAI-compatible routes answer in OpenAI's shape, tested with them
                         continue
                     for status in sorted(k for k in op["responses"] if k.startswith("4")):
-                        real = path.replace("{sid}", sid).replace("{sha}", "0" * 64).replace("{nid}", "nope")
+                        real = (
+                            path.replace("{sid}", sid)
+                            .replace("{sha}", "0" * 64)
+                            .replace("{nid}", "nope")
+                        )
                         real = real.replace("{path}", "app.js")
-                        body = json.dumps(VALID_BODY.get(path, {})).encode() if method == "post" else None
+                        body = (
+                            json.dumps(VALID_BODY.get(path, {})).encode()
+                            if method == "post"
+                            else None
+                        )
                         headers = dict(auth)
                         if status == "401":
                             headers = {}
                         elif status == "404":
-                            real = real.replace(sid, "s_nope") if "{sid}" in path else real + "/nope"
+                            real = (
+                                real.replace(sid, "s_nope") if "{sid}" in path else real + "/nope"
+                            )
                         elif status == "400":
                             if method == "post":
                                 body = b"{not json"
@@ -182,9 +224,24 @@ async def test_every_documented_error_is_answered(runtime: Runtime) -> None:
                                 real += BAD_QUERY[path]
                         elif status == "409":
                             assert path in ON_CLOSED, f"no recipe for a 409 from {method} {path}"
-                        r = await c.request(method.upper(), real, content=body, headers={
-                            **headers, **({"content-type": "application/json"} if body is not None else {})})
-                        assert r.status_code == int(status), (method, path, status, r.status_code, r.text[:200])
+                        r = await c.request(
+                            method.upper(),
+                            real,
+                            content=body,
+                            headers={
+                                **headers,
+                                **(
+                                    {"content-type": "application/json"} if body is not None else {}
+                                ),
+                            },
+                        )
+                        assert r.status_code == int(status), (
+                            method,
+                            path,
+                            status,
+                            r.status_code,
+                            r.text[:200],
+                        )
                         assert r.headers["content-type"].startswith("application/json")
                         assert set(r.json()["error"]) >= {"code", "message"}
                         produced += 1

@@ -28,8 +28,10 @@ async def _session(c: httpx.AsyncClient, text: str = "Once upon a time") -> str:
 
 
 async def _generate_in_background(c: httpx.AsyncClient, sid: str, n: int = 40) -> None:
-    r = await c.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": n, "seed": 5, "background": True,
-                                                           "logprob_top_k": 2})
+    r = await c.post(
+        f"/v1/sessions/{sid}/generate",
+        json={"max_tokens": n, "seed": 5, "background": True, "logprob_top_k": 2},
+    )
     assert r.status_code == 202, r.text
 
 
@@ -37,7 +39,9 @@ def _finished(doc: dict[str, Any]) -> bool:
     return bool(doc["generations"]) and doc["generations"][-1]["status"] == "finished"
 
 
-async def _watch_with_cut(s: Served, c: httpx.AsyncClient, sid: str, *, rfc: bool = False) -> tuple[dict[str, Any], list[int], int]:
+async def _watch_with_cut(
+    s: Served, c: httpx.AsyncClient, sid: str, *, rfc: bool = False
+) -> tuple[dict[str, Any], list[int], int]:
     """Watch a generating session, drop the connection after a few patches, resume, read to the end."""
     q = {"patch": "rfc6902"} if rfc else {}
     ids: list[int] = []
@@ -67,8 +71,9 @@ async def _watch_with_cut(s: Served, c: httpx.AsyncClient, sid: str, *, rfc: boo
     assert not _finished(doc)
     await asyncio.sleep(0.15)  # events commit while nobody listens
     closed = False
-    async with c.stream("GET", f"/v1/sessions/{sid}/events", params=q,
-                        headers={"Last-Event-ID": str(ids[-1])}) as resp:
+    async with c.stream(
+        "GET", f"/v1/sessions/{sid}/events", params=q, headers={"Last-Event-ID": str(ids[-1])}
+    ) as resp:
         async for ev in events(resp):
             assert ev.event != "snapshot"
             if ev.event == "patch":
@@ -112,7 +117,9 @@ async def test_generate_stream_and_client_cancel(server: Served) -> None:
     async with httpx.AsyncClient(base_url=server.url, timeout=20) as c:
         sid = await _session(c)
         seen: list[SseEvent] = []
-        async with c.stream("POST", f"/v1/sessions/{sid}/generate", json={"max_tokens": 8, "seed": 2}) as resp:
+        async with c.stream(
+            "POST", f"/v1/sessions/{sid}/generate", json={"max_tokens": 8, "seed": 2}
+        ) as resp:
             assert resp.status_code == 200
             async for ev in events(resp):
                 seen.append(ev)
@@ -122,7 +129,9 @@ async def test_generate_stream_and_client_cancel(server: Served) -> None:
             doc = apply_patch(doc, ev.json())
         assert _finished(doc) and doc == (await c.get(f"/v1/sessions/{sid}")).json()
         # dropping the generate stream stops the generation, recorded as cancelled
-        async with c.stream("POST", f"/v1/sessions/{sid}/generate", json={"max_tokens": 200, "seed": 2}) as resp:
+        async with c.stream(
+            "POST", f"/v1/sessions/{sid}/generate", json={"max_tokens": 200, "seed": 2}
+        ) as resp:
             n = 0
             async for ev in events(resp):
                 n += ev.event == "patch"
@@ -157,7 +166,9 @@ async def test_finished_session_snapshot_and_resume(server: Served) -> None:
         evs = await server.runtime.log.read(sid)
         mid = evs[2].position
         v3 = (await c.get(f"/v1/sessions/{sid}", params={"version": 3})).json()
-        async with c.stream("GET", f"/v1/sessions/{sid}/events", headers={"Last-Event-ID": str(mid)}) as resp:
+        async with c.stream(
+            "GET", f"/v1/sessions/{sid}/events", headers={"Last-Event-ID": str(mid)}
+        ) as resp:
             got = [ev async for ev in events(resp)]
         assert [ev.id for ev in got if ev.event == "patch"] == [e.position for e in evs[3:]]
         doc = copy.deepcopy(v3)
@@ -185,7 +196,9 @@ async def test_sessions_list_stream_and_heartbeat(server: Served) -> None:
                 if ev.event == "patch":
                     doc = apply_patch(doc, ev.json())
             assert doc["sessions"][sid]["label"] == "sse"
-            while (await anext(it)).event != "comment":  # idle: heartbeats (heartbeat_s=1 in the fixture)
+            while (
+                await anext(it)
+            ).event != "comment":  # idle: heartbeats (heartbeat_s=1 in the fixture)
                 pass
             assert comments[0].startswith(": ping")
 

@@ -20,8 +20,10 @@ ARTIFACTS = Path(__file__).resolve().parents[3] / "test-artifacts"
 
 pytestmark = [
     pytest.mark.browser,
-    pytest.mark.skipif(not REQUIRED and not os.path.exists(CHROMIUM),
-                       reason=f"no {CHROMIUM} (apt-get install -y chromium; the CI script installs it)"),
+    pytest.mark.skipif(
+        not REQUIRED and not os.path.exists(CHROMIUM),
+        reason=f"no {CHROMIUM} (apt-get install -y chromium; the CI script installs it)",
+    ),
 ]
 
 
@@ -43,9 +45,19 @@ async def page(request: pytest.FixtureRequest) -> AsyncIterator[Any]:
     from playwright.async_api import async_playwright
 
     async with async_playwright() as pw:
-        browser = await pw.chromium.launch(executable_path=CHROMIUM, args=[
-            "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-            "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        browser = await pw.chromium.launch(
+            executable_path=CHROMIUM,
+            args=[
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+            ],
+        )
         pg = await browser.new_page()
         errors: list[str] = []
         pg.on("pageerror", lambda e: errors.append(str(e)))
@@ -69,7 +81,9 @@ async def _session(c: httpx.AsyncClient, label: str) -> str:
 async def test_list_live_session_and_scrubber(server: Served, page: Any) -> None:
     async with httpx.AsyncClient(base_url=server.url, timeout=20) as c:
         done = await _session(c, "finished one")
-        await c.post(f"/v1/sessions/{done}/generate", json={"max_tokens": 6, "seed": 1, "stream": False})
+        await c.post(
+            f"/v1/sessions/{done}/generate", json={"max_tokens": 6, "seed": 1, "stream": False}
+        )
         await c.post(f"/v1/sessions/{done}/close")
 
         # the list, updated live
@@ -81,11 +95,15 @@ async def test_list_live_session_and_scrubber(server: Served, page: Any) -> None
         # a live session: tokens appear while it generates
         await page.goto(f"{server.url}/#/s/{live}")
         await page.wait_for_selector("#mode:text('live')")
-        await c.post(f"/v1/sessions/{live}/generate", json={"max_tokens": 60, "seed": 3, "background": True,
-                                                            "logprob_top_k": 2})
+        await c.post(
+            f"/v1/sessions/{live}/generate",
+            json={"max_tokens": 60, "seed": 3, "background": True, "logprob_top_k": 2},
+        )
         await page.wait_for_function("document.querySelectorAll('#conversation .tok').length >= 3")
         first = await page.eval_on_selector_all("#conversation .tok", "els => els.length")
-        await page.wait_for_function(f"document.querySelectorAll('#conversation .tok').length > {first}")
+        await page.wait_for_function(
+            f"document.querySelectorAll('#conversation .tok').length > {first}"
+        )
         title = await page.get_attribute("#conversation .tok", "title")
         assert title is not None and "logprob" in title and "top:" in title
         for _ in range(300):
@@ -94,7 +112,9 @@ async def test_list_live_session_and_scrubber(server: Served, page: Any) -> None
             await asyncio.sleep(0.02)
         doc = (await c.get(f"/v1/sessions/{live}")).json()
         n = len(doc["generations"][0]["tokens"])
-        await page.wait_for_function(f"document.querySelectorAll('#conversation .tok').length === {n}")
+        await page.wait_for_function(
+            f"document.querySelectorAll('#conversation .tok').length === {n}"
+        )
         assert "verified" in (await page.text_content("#audit") or "")
 
         # a finished session: scrub to the start, to the middle, and play
@@ -104,12 +124,15 @@ async def test_list_live_session_and_scrubber(server: Served, page: Any) -> None
         assert steps == len(await server.runtime.log.read(done))
         full = await page.eval_on_selector_all("#conversation .tok", "els => els.length")
         assert full >= 1
-        await page.eval_on_selector("#scrub", "(el) => { el.value = 2; el.dispatchEvent(new Event('input')); }")
+        await page.eval_on_selector(
+            "#scrub", "(el) => { el.value = 2; el.dispatchEvent(new Event('input')); }"
+        )
         await page.wait_for_function("document.querySelectorAll('#conversation .tok').length === 0")
         assert "Hello viewer" in (await page.text_content("#conversation") or "")
         assert "event 2/" in (await page.text_content("#step") or "")
         await page.select_option("#speed", "64")
         await page.click("#play")
-        await page.wait_for_function(f"document.querySelectorAll('#conversation .tok').length === {full}")
+        await page.wait_for_function(
+            f"document.querySelectorAll('#conversation .tok').length === {full}"
+        )
         await page.wait_for_selector("#status:text('closed')")
-

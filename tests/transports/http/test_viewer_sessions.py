@@ -72,7 +72,9 @@ async def _gen(c: httpx.AsyncClient, sid: str, **params: Any) -> dict[str, Any]:
     return dict(r.json()["generation"])
 
 
-async def _two_turns(server: Served, c: httpx.AsyncClient, label: str) -> tuple[str, list[dict[str, Any]]]:
+async def _two_turns(
+    server: Served, c: httpx.AsyncClient, label: str
+) -> tuple[str, list[dict[str, Any]]]:
     sid = (await c.post("/v1/sessions", json={"label": label})).json()["id"]
     await c.post(f"/v1/sessions/{sid}/append", json={"text": "Hello viewer"})
     g1 = await _gen(c, sid, max_tokens=5, seed=1, temperature=0.7, logprob_top_k=2)
@@ -88,8 +90,10 @@ async def test_generation_summaries_sit_where_they_happened(server: Served, page
     async with httpx.AsyncClient(base_url=server.url, timeout=20) as c:
         sid, (g1, g2) = await _two_turns(server, c, "inline")
         ev = (await server.runtime.open_session("evergreen", label="actions")).session_id
-        await server.runtime.append_fragments(ev, [FragmentIn(id="p", has_chunk=True, data=b"2+2?",
-                                                              metadata={"mimetype": "text/plain"})])
+        await server.runtime.append_fragments(
+            ev,
+            [FragmentIn(id="p", has_chunk=True, data=b"2+2?", metadata={"mimetype": "text/plain"})],
+        )
         await server.runtime.submit_action(ev, "GENERATE", [("prompt", "p")], [("text", "o1")])
         await server.runtime.finish_action(ev, "a1", ("engine_error", "the engine went away"))
 
@@ -97,17 +101,40 @@ async def test_generation_summaries_sit_where_they_happened(server: Served, page
     await page.goto(f"{server.url}/#/s/{sid}")
     await page.wait_for_selector(".gen-summary >> nth=1")
     order = await page.eval_on_selector_all(
-        "#conversation > *", "els => els.map(e => e.className.split(' ').slice(0, 2).join(' ') + (e.dataset.gen ? ':' + e.dataset.gen : ''))")
-    assert order == ["seg input", "seg generation", f"gen-summary:{g1['id']}", "fb",
-                     "seg input", "seg generation", f"gen-summary:{g2['id']}", "err"]
+        "#conversation > *",
+        "els => els.map(e => e.className.split(' ').slice(0, 2).join(' ') + (e.dataset.gen ? ':' + e.dataset.gen : ''))",
+    )
+    assert order == [
+        "seg input",
+        "seg generation",
+        f"gen-summary:{g1['id']}",
+        "fb",
+        "seg input",
+        "seg generation",
+        f"gen-summary:{g2['id']}",
+        "err",
+    ]
     # a role label where the speaker changes, not on every block
-    assert await page.eval_on_selector_all(".seg .who", "els => els.map(e => e.textContent)") == \
-        ["input", "model", "input", "model"]
+    assert await page.eval_on_selector_all(".seg .who", "els => els.map(e => e.textContent)") == [
+        "input",
+        "model",
+        "input",
+        "model",
+    ]
     first = await page.text_content(f".gen-summary[data-gen='{g1['id']}']") or ""
-    for words in ("length", "5 tokens in", "max_tokens 5", "temperature 0.7", "seed 1", "top-k logprobs 2"):
+    for words in (
+        "length",
+        "5 tokens in",
+        "max_tokens 5",
+        "temperature 0.7",
+        "seed 1",
+        "top-k logprobs 2",
+    ):
         assert words in first, (words, first)
     assert "seed 2" in (await page.text_content(f".gen-summary[data-gen='{g2['id']}']") or "")
-    assert "score 8" in (await page.text_content(".fb") or "") and "comment good" in (await page.text_content(".fb") or "")
+    assert "score 8" in (await page.text_content(".fb") or "") and "comment good" in (
+        await page.text_content(".fb") or ""
+    )
     err = await page.text_content("#conversation .err") or ""
     assert "tool_failed" in err and "the calculator timed out" in err
 
@@ -129,7 +156,9 @@ async def test_runs_list_search_and_filters(server: Served, page: Any) -> None: 
     await page.wait_for_selector("tr.session-row >> nth=2")
 
     async def shown() -> set[str]:
-        return set(await page.eval_on_selector_all("tr.session-row", "els => els.map(e => e.dataset.id)"))
+        return set(
+            await page.eval_on_selector_all("tr.session-row", "els => els.map(e => e.dataset.id)")
+        )
 
     assert await shown() == set(ids.values())
     await page.fill("#filter-q", "RUN")
@@ -165,26 +194,41 @@ async def test_open_at_a_log_position_and_find_in_the_session(server: Served, pa
     await page.wait_for_selector(f".gen-summary[data-gen='{g1['id']}']")
     assert await page.eval_on_selector("#scrub", "el => Number(el.value)") == finished.version
     assert await page.eval_on_selector_all(".gen-summary", "els => els.length") == 1
-    assert await page.eval_on_selector_all("#conversation .tok", "els => els.length") == len(g1["tokens"])
+    assert await page.eval_on_selector_all("#conversation .tok", "els => els.length") == len(
+        g1["tokens"]
+    )
     assert f"position {finished.position}" in (await page.text_content("#step") or "")
     # moving the scrubber moves the URL, so the link names what is on screen
-    await page.eval_on_selector("#scrub", "(el) => { el.value = 2; el.dispatchEvent(new Event('input')); }")
+    await page.eval_on_selector(
+        "#scrub", "(el) => { el.value = 2; el.dispatchEvent(new Event('input')); }"
+    )
     await page.wait_for_function("location.hash.includes('at=2')")
 
     await page.fill("#find", "again")
     # at event 2 the second turn has not happened
-    await page.wait_for_function("document.querySelector('#find-count').textContent === '0 matches'")
-    await page.eval_on_selector("#scrub", f"(el) => {{ el.value = {len(evs)}; el.dispatchEvent(new Event('input')); }}")
+    await page.wait_for_function(
+        "document.querySelector('#find-count').textContent === '0 matches'"
+    )
+    await page.eval_on_selector(
+        "#scrub", f"(el) => {{ el.value = {len(evs)}; el.dispatchEvent(new Event('input')); }}"
+    )
     await page.wait_for_function("document.querySelector('#find-count').textContent === '1 match'")
     assert (await page.text_content("#conversation mark")) == "again"
     await page.wait_for_function("location.hash.includes('find=again')")
     # a search in the URL is run on arrival, also across generated tokens
-    words = [t["text"] for g in (g1, g2) for t in g["tokens"] if t["text"] and t["text"].isascii() and t["text"].isalnum()]
+    words = [
+        t["text"]
+        for g in (g1, g2)
+        for t in g["tokens"]
+        if t["text"] and t["text"].isascii() and t["text"].isalnum()
+    ]
     assert words, "the reference engine generated no letter or digit to search for"
     text = words[0]
     await page.goto(f"{server.url}/#/s/{sid}?find={quote(text)}")
     await page.wait_for_selector("#conversation .tok.hit")
-    hit = await page.eval_on_selector_all("#conversation .tok.hit", "els => els.map(e => e.textContent).join('')")
+    hit = await page.eval_on_selector_all(
+        "#conversation .tok.hit", "els => els.map(e => e.textContent).join('')"
+    )
     assert text in hit
 
 
@@ -201,19 +245,31 @@ async def test_fork_and_rerun_from_the_page(server: Served, page: Any) -> None: 
         third = g["tokens"][2]
         await page.click(f"#conversation .tok[data-pos='{third['position']}']")
         await page.click("#fork-token")
-        await page.wait_for_function(f"location.hash.startsWith('#/s/') && !location.hash.includes('{sid}')")
+        await page.wait_for_function(
+            f"location.hash.startsWith('#/s/') && !location.hash.includes('{sid}')"
+        )
         child = page.url.split("#/s/")[1].split("?")[0]
         doc = (await c.get(f"/v1/sessions/{child}")).json()
-        assert doc["parent"] == {"session_id": sid, "token_position": third["position"], "version": doc["parent"]["version"]}
-        assert doc["history"]["ids"] == [*(await c.get(f"/v1/sessions/{sid}")).json()["history"]["ids"][:third["position"]]]
+        assert doc["parent"] == {
+            "session_id": sid,
+            "token_position": third["position"],
+            "version": doc["parent"]["version"],
+        }
+        assert doc["history"]["ids"] == [
+            *(await c.get(f"/v1/sessions/{sid}")).json()["history"]["ids"][: third["position"]]
+        ]
         # ... and every other client sees it: the source lists the fork
-        assert child in [x["session_id"] for x in (await c.get(f"/v1/sessions/{sid}")).json()["children"]]
+        assert child in [
+            x["session_id"] for x in (await c.get(f"/v1/sessions/{sid}")).json()["children"]
+        ]
 
         # a generation: re-run it with the same parameters in a fork; the reference engine repeats itself
         await page.goto(f"{server.url}/#/s/{sid}")
         await page.click(f".rerun[data-gen='{g['id']}']")
-        await page.wait_for_function(f"location.hash.startsWith('#/s/') && !location.hash.includes('{sid}') "
-                                     f"&& !location.hash.includes('{child}')")
+        await page.wait_for_function(
+            f"location.hash.startsWith('#/s/') && !location.hash.includes('{sid}') "
+            f"&& !location.hash.includes('{child}')"
+        )
         rerun = page.url.split("#/s/")[1].split("?")[0]
         for _ in range(500):
             again = (await c.get(f"/v1/sessions/{rerun}")).json()
@@ -222,15 +278,23 @@ async def test_fork_and_rerun_from_the_page(server: Served, page: Any) -> None: 
             await asyncio.sleep(0.02)
         [g2] = again["generations"]
         assert again["parent"]["token_position"] == g["prompt_length"]
-        assert g2["params"]["seed"] == 5 and g2["params"]["temperature"] == 0.9 and g2["params"]["max_tokens"] == 8
+        assert (
+            g2["params"]["seed"] == 5
+            and g2["params"]["temperature"] == 0.9
+            and g2["params"]["max_tokens"] == 8
+        )
         assert [t["id"] for t in g2["tokens"]] == [t["id"] for t in g["tokens"]]
-        await page.wait_for_function(f"document.querySelectorAll('#conversation .tok').length === {len(g['tokens'])}")
+        await page.wait_for_function(
+            f"document.querySelectorAll('#conversation .tok').length === {len(g['tokens'])}"
+        )
 
         # the scrubber: fork the session as it was at an event
         await page.goto(f"{server.url}/#/s/{sid}?at=2")
         await page.wait_for_selector("#fork-here:not([disabled])")
         await page.click("#fork-here")
-        await page.wait_for_function(f"location.hash.startsWith('#/s/') && !location.hash.includes('{sid}')")
+        await page.wait_for_function(
+            f"location.hash.startsWith('#/s/') && !location.hash.includes('{sid}')"
+        )
         at_v2 = (await c.get(f"/v1/sessions/{page.url.split('#/s/')[1].split('?')[0]}")).json()
         assert at_v2["parent"]["version"] == 2 and at_v2["history"]["text"] == "Hello viewer"
 
@@ -238,16 +302,34 @@ async def test_fork_and_rerun_from_the_page(server: Served, page: Any) -> None: 
 async def test_fork_after_a_node(server: Served, page: Any) -> None:  # noqa: F811
     rt = server.runtime
     sid = (await rt.open_session("evergreen", label="nodes")).session_id
-    await rt.append_fragments(sid, [FragmentIn(id="p", has_chunk=True, data=b"first node",
-                                               metadata={"mimetype": "text/plain"})])
-    await rt.append_fragments(sid, [FragmentIn(id="q", has_chunk=True, data=b"second node",
-                                               metadata={"mimetype": "text/plain"})])
+    await rt.append_fragments(
+        sid,
+        [
+            FragmentIn(
+                id="p", has_chunk=True, data=b"first node", metadata={"mimetype": "text/plain"}
+            )
+        ],
+    )
+    await rt.append_fragments(
+        sid,
+        [
+            FragmentIn(
+                id="q", has_chunk=True, data=b"second node", metadata={"mimetype": "text/plain"}
+            )
+        ],
+    )
     await rt.close(sid)
-    p_version = next(e.version for e in await rt.log.read(sid) if e.type == "node.fragment" and e.body["id"] == "p")
+    p_version = next(
+        e.version
+        for e in await rt.log.read(sid)
+        if e.type == "node.fragment" and e.body["id"] == "p"
+    )
 
     await page.goto(f"{server.url}/#/s/{sid}")
     await page.click(".fork-node[data-node='p']")
-    await page.wait_for_function(f"location.hash.startsWith('#/s/') && !location.hash.includes('{sid}')")
+    await page.wait_for_function(
+        f"location.hash.startsWith('#/s/') && !location.hash.includes('{sid}')"
+    )
     child = page.url.split("#/s/")[1].split("?")[0]
     async with httpx.AsyncClient(base_url=server.url, timeout=20) as c:
         doc = (await c.get(f"/v1/sessions/{child}")).json()
@@ -257,20 +339,39 @@ async def test_fork_after_a_node(server: Served, page: Any) -> None:  # noqa: F8
 
 
 @pytest.mark.parametrize(("width", "height"), [(1280, 800), (390, 844)])
-async def test_long_and_forked_sessions_lay_out_cleanly(server: Served, page: Any, width: int,  # noqa: F811
-                                                         height: int) -> None:
+async def test_long_and_forked_sessions_lay_out_cleanly(
+    server: Served,
+    page: Any,  # noqa: F811
+    width: int,
+    height: int,
+) -> None:
     async with httpx.AsyncClient(base_url=server.url, timeout=30) as c:
-        sid = (await c.post("/v1/sessions", json={
-            "label": "a long conversation whose label is long enough to need wrapping on a phone"})).json()["id"]
+        sid = (
+            await c.post(
+                "/v1/sessions",
+                json={
+                    "label": "a long conversation whose label is long enough to need wrapping on a phone"
+                },
+            )
+        ).json()["id"]
         for turn in range(12):
-            await c.post(f"/v1/sessions/{sid}/append", json={"text": f"Turn {turn}: tell me more about item {turn}. "})
+            await c.post(
+                f"/v1/sessions/{sid}/append",
+                json={"text": f"Turn {turn}: tell me more about item {turn}. "},
+            )
             await _gen(c, sid, max_tokens=40, seed=turn, temperature=0.8, logprob_top_k=2)
             if turn % 4 == 1:
-                await c.post(f"/v1/sessions/{sid}/feedback", json={"score": turn, "comment": "x" * 120})
+                await c.post(
+                    f"/v1/sessions/{sid}/feedback", json={"score": turn, "comment": "x" * 120}
+                )
         await c.post(f"/v1/sessions/{sid}/append", json={"text": "an-unbroken-run-of-text-" * 12})
         mid = (await c.get(f"/v1/sessions/{sid}")).json()["generations"][5]
-        fork = (await c.post(f"/v1/sessions/{sid}/fork", json={
-            "at_position": mid["prompt_length"] + 10, "label": "fork of the long one"})).json()["id"]
+        fork = (
+            await c.post(
+                f"/v1/sessions/{sid}/fork",
+                json={"at_position": mid["prompt_length"] + 10, "label": "fork of the long one"},
+            )
+        ).json()["id"]
         await _gen(c, fork, max_tokens=30, seed=99)
         await c.post(f"/v1/sessions/{sid}/close", json={})
         await c.post(f"/v1/sessions/{fork}/close", json={})
@@ -279,19 +380,29 @@ async def test_long_and_forked_sessions_lay_out_cleanly(server: Served, page: An
 
     await page.set_viewport_size({"width": width, "height": height})
     ARTIFACTS.mkdir(exist_ok=True)
-    shots = [("list", "/", "tr.session-row >> nth=9"), ("long", f"/#/s/{sid}", ".gen-summary >> nth=11"),
-             ("forked", f"/#/s/{fork}", ".gen-summary")]
+    shots = [
+        ("list", "/", "tr.session-row >> nth=9"),
+        ("long", f"/#/s/{sid}", ".gen-summary >> nth=11"),
+        ("forked", f"/#/s/{fork}", ".gen-summary"),
+    ]
     for name, path, ready in shots:
         await page.goto(server.url + path)
         await page.wait_for_selector(ready)
-        await page.evaluate("() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
-        await page.screenshot(path=str(ARTIFACTS / f"viewer-{name}-{width}x{height}.png"), full_page=True)
+        await page.evaluate(
+            "() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))"
+        )
+        await page.screenshot(
+            path=str(ARTIFACTS / f"viewer-{name}-{width}x{height}.png"), full_page=True
+        )
         problems = await page.evaluate(LAYOUT_CHECK)
         assert problems == [], (name, problems[:10])
     # the token menu, opened on a phone or a desktop, fits the window too
     await page.click("#conversation .tok >> nth=2")
     await page.wait_for_selector("#tokmenu")
     await page.screenshot(path=str(ARTIFACTS / f"viewer-tokmenu-{width}x{height}.png"))
-    box = await page.eval_on_selector("#tokmenu", "el => { const r = el.getBoundingClientRect(); "
-                                      "return [r.left, r.right, el.scrollWidth <= el.clientWidth]; }")
+    box = await page.eval_on_selector(
+        "#tokmenu",
+        "el => { const r = el.getBoundingClientRect(); "
+        "return [r.left, r.right, el.scrollWidth <= el.clientWidth]; }",
+    )
     assert box[0] >= 0 and box[1] <= width and box[2]

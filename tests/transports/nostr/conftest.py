@@ -25,7 +25,9 @@ from transports.nostr.worker import D4Worker
 WAIT_S = 20.0
 
 
-async def eventually(check: Callable[[], Any], within: float = WAIT_S, what: str = "condition") -> Any:
+async def eventually(
+    check: Callable[[], Any], within: float = WAIT_S, what: str = "condition"
+) -> Any:
     """Poll ``check`` until it returns something truthy; fail after ``timeout``."""
     deadline = time.monotonic() + within
     while True:
@@ -40,9 +42,14 @@ async def eventually(check: Callable[[], Any], within: float = WAIT_S, what: str
 class LocalRelay:
     def __init__(self, policy: Any = None) -> None:
         self.port = free_port()
-        b = (ns.LocalRelayBuilder().addr("127.0.0.1").port(self.port)
-             .rate_limit(ns.RateLimit(max_reqs=200, notes_per_minute=100_000))
-             .default_filter_limit(5000).max_filter_limit(10_000))
+        b = (
+            ns.LocalRelayBuilder()
+            .addr("127.0.0.1")
+            .port(self.port)
+            .rate_limit(ns.RateLimit(max_reqs=200, notes_per_minute=100_000))
+            .default_filter_limit(5000)
+            .max_filter_limit(10_000)
+        )
         if policy is not None:
             b = b.write_policy(policy)
         self.relay = b.build()
@@ -75,20 +82,39 @@ class NostrRelayProcess:
         if verify_signatures:
             validators.append("nostr_relay.validators.is_signed")
         self.config = workdir / "relay.yaml"
-        self.config.write_text(json.dumps({
-            "DEBUG": False,
-            "storage": {"sqlalchemy.url": f"sqlite+aiosqlite:///{workdir / 'relay.sqlite3'}",
-                        "num_concurrent_reqs": 4, "num_concurrent_adds": 1, "validators": validators},
-            "gunicorn": {"bind": f"127.0.0.1:{self.port}", "workers": 1, "loglevel": "warning"},
-            "authentication": {"enabled": False},
-            "message_timeout": 1800, "subscription_limit": 32, "max_limit": 6000, "hellthread_limit": 100,
-        }))
+        self.config.write_text(
+            json.dumps(
+                {
+                    "DEBUG": False,
+                    "storage": {
+                        "sqlalchemy.url": f"sqlite+aiosqlite:///{workdir / 'relay.sqlite3'}",
+                        "num_concurrent_reqs": 4,
+                        "num_concurrent_adds": 1,
+                        "validators": validators,
+                    },
+                    "gunicorn": {
+                        "bind": f"127.0.0.1:{self.port}",
+                        "workers": 1,
+                        "loglevel": "warning",
+                    },
+                    "authentication": {"enabled": False},
+                    "message_timeout": 1800,
+                    "subscription_limit": 32,
+                    "max_limit": 6000,
+                    "hellthread_limit": 100,
+                }
+            )
+        )
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         exe = Path(sys.executable).parent / "nostr-relay"
-        self.proc = subprocess.Popen([str(exe), "-c", str(self.config), "serve", "--use-uvicorn"],
-                                     cwd=self.workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [str(exe), "-c", str(self.config), "serve", "--use-uvicorn"],
+            cwd=self.workdir,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
 
     async def wait_up(self, within: float = 30.0) -> None:
         async def probe() -> bool:
@@ -164,9 +190,12 @@ class Caller:
             await self.client.add_relay(ns.RelayUrl.parse(u), opts=opts)
         await self.client.connect(datetime.timedelta(seconds=5))
         notes = self.client.notifications()
-        f = (ns.Filter().author(ns.PublicKey.parse(self.worker_pubkey))
-             .kinds([ns.Kind(1), ns.Kind(6050), ns.Kind(7000)])
-             .since(ns.Timestamp.from_secs(int(time.time()) - 600)))
+        f = (
+            ns.Filter()
+            .author(ns.PublicKey.parse(self.worker_pubkey))
+            .kinds([ns.Kind(1), ns.Kind(6050), ns.Kind(7000)])
+            .since(ns.Timestamp.from_secs(int(time.time()) - 600))
+        )
         await self.client.subscribe(ns.ReqTarget.auto([f]))
         self._reader = asyncio.create_task(self._read(notes))
         return self
@@ -183,14 +212,19 @@ class Caller:
 
     async def wait_connected(self) -> None:
         async def all_up() -> bool:
-            return all(r.status() == ns.RelayStatus.CONNECTED for r in (await self.client.relays()).values())
+            return all(
+                r.status() == ns.RelayStatus.CONNECTED
+                for r in (await self.client.relays()).values()
+            )
 
         deadline = time.monotonic() + WAIT_S
         while not await all_up():
             assert time.monotonic() < deadline, "caller did not reconnect"
             await asyncio.sleep(0.05)
 
-    def sign(self, content: str, tags: list[list[str]], kind: int = 1, created_at: int | None = None) -> Any:
+    def sign(
+        self, content: str, tags: list[list[str]], kind: int = 1, created_at: int | None = None
+    ) -> Any:
         b = ns.EventBuilder(ns.Kind(kind), content).tags([ns.Tag.parse(t) for t in tags])
         if created_at is not None:
             b = b.custom_created_at(ns.Timestamp.from_secs(created_at))
@@ -219,15 +253,28 @@ class Caller:
                 except ValueError:
                     c = d["content"]
                 out.append({**d, "body": c})
-        return sorted(out, key=lambda d: (d["created_at"], isinstance(d["body"], dict) and not d["body"].get("partial", False), (d["body"].get("total_cost", 0) if isinstance(d["body"], dict) else 0)))
+        return sorted(
+            out,
+            key=lambda d: (
+                d["created_at"],
+                isinstance(d["body"], dict) and not d["body"].get("partial", False),
+                (d["body"].get("total_cost", 0) if isinstance(d["body"], dict) else 0),
+            ),
+        )
 
     def final(self, call_id: str) -> dict[str, Any] | None:
-        finals = [r for r in self.replies(call_id) if isinstance(r["body"], dict) and not r["body"].get("partial")]
+        finals = [
+            r
+            for r in self.replies(call_id)
+            if isinstance(r["body"], dict) and not r["body"].get("partial")
+        ]
         assert len(finals) <= 1, f"call {call_id} answered {len(finals)} times"
         return finals[0] if finals else None
 
     async def wait_final(self, call_id: str, within: float = WAIT_S) -> dict[str, Any]:
-        result: dict[str, Any] = await eventually(lambda: self.final(call_id), within, f"final result of {call_id[:8]}")
+        result: dict[str, Any] = await eventually(
+            lambda: self.final(call_id), within, f"final result of {call_id[:8]}"
+        )
         return result
 
     async def close(self) -> None:
@@ -236,14 +283,35 @@ class Caller:
         await self.client.shutdown()
 
 
-def call_body(prompt: str = "<s>[INST] What is the capital of France? [/INST]", **over: Any) -> dict[str, Any]:
+def call_body(
+    prompt: str = "<s>[INST] What is the capital of France? [/INST]", **over: Any
+) -> dict[str, Any]:
     """The DDIP's sample call, fixed into valid JSON."""
-    args = {"prompt": prompt, "model": "mistral-7b-instruct-v0.1.Q4_K_M.gguf", "temperature": 0.0,
-            "top_p": 0.95, "top_k": 40, "min_p": 0.05, "typical_p": 1.0, "stop": [],
-            "seed": 3283645831608526411, "response_format": None, "max_tokens": 12,
-            "presence_penalty": 0, "frequency_penalty": 0, "repeat_penalty": 1.0, "tfs_z": 1.0}
+    args = {
+        "prompt": prompt,
+        "model": "mistral-7b-instruct-v0.1.Q4_K_M.gguf",
+        "temperature": 0.0,
+        "top_p": 0.95,
+        "top_k": 40,
+        "min_p": 0.05,
+        "typical_p": 1.0,
+        "stop": [],
+        "seed": 3283645831608526411,
+        "response_format": None,
+        "max_tokens": 12,
+        "presence_penalty": 0,
+        "frequency_penalty": 0,
+        "repeat_penalty": 1.0,
+        "tfs_z": 1.0,
+    }
     args.update(over.pop("args", {}))
-    body = {"max_iteration_cost": 1000, "max_total_cost": 1_000_000, "results": 1, "version": "0.1.0", "args": args}
+    body = {
+        "max_iteration_cost": 1000,
+        "max_total_cost": 1_000_000,
+        "results": 1,
+        "version": "0.1.0",
+        "args": args,
+    }
     body.update(over)
     return body
 
@@ -259,11 +327,19 @@ async def make_worker(tmp_path: Path) -> AsyncIterator[WorkerFactory]:
     key_file.write_text(ns.Keys.generate().secret_key().to_bech32())
     workers: list[D4Worker] = []
 
-    async def make(runtime: Runtime, relays: list[str], worker_cls: type[D4Worker] = D4Worker,
-                   **options: Any) -> D4Worker:
-        opts: dict[str, Any] = {"relays": relays, "key_file": str(key_file), "price_msat": 1000,
-                                "stream_every_tokens": 4, "stream_every_ms": 10_000, "default_max_tokens": 12,
-                                "reconnect_min_s": 0.5, "retry_base_s": 0.05}
+    async def make(
+        runtime: Runtime, relays: list[str], worker_cls: type[D4Worker] = D4Worker, **options: Any
+    ) -> D4Worker:
+        opts: dict[str, Any] = {
+            "relays": relays,
+            "key_file": str(key_file),
+            "price_msat": 1000,
+            "stream_every_tokens": 4,
+            "stream_every_ms": 10_000,
+            "default_max_tokens": 12,
+            "reconnect_min_s": 0.5,
+            "retry_base_s": 0.05,
+        }
         opts.update(options)
         w = worker_cls(runtime, Settings.from_options(opts))
         await w.start()

@@ -14,8 +14,12 @@ FID = "ab" * 32
 
 def call(*args: str) -> subprocess.CompletedProcess[str]:
     # far below --timeout's 60 s: a call that waits for it fails here with TimeoutExpired
-    return subprocess.run([EXE, "nostr", "call", "--prompt", "Hello", *args],
-                          capture_output=True, text=True, timeout=30)
+    return subprocess.run(
+        [EXE, "nostr", "call", "--prompt", "Hello", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
 
 
 def test_a_relay_that_is_down_fails_at_once() -> None:
@@ -24,7 +28,9 @@ def test_a_relay_that_is_down_fails_at_once() -> None:
     assert proc.returncode == 1
     assert proc.stdout == ""
     [line] = proc.stderr.strip().splitlines()
-    assert line.startswith(f"sessiontape: error: cannot reach any relay ({url}") and "refused" in line
+    assert (
+        line.startswith(f"sessiontape: error: cannot reach any relay ({url}") and "refused" in line
+    )
 
 
 def test_a_function_id_must_be_64_hex_digits() -> None:

@@ -14,12 +14,14 @@ from transports.nostr import d4
 from transports.nostr.settings import Settings
 
 # the DDIP's wire sample, verbatim apart from the triple quotes
-SAMPLE_CONTENT = ('{"max_iteration_cost": 1000, "max_total_cost": 1000000, "results": 1, "version": "0.1.0", '
-                  '"args": {"prompt": "<s>[INST] What is the capital of France? [/INST]", '
-                  '"model": "mistral-7b-instruct-v0.1.Q4_K_M.gguf", "temperature": 0.0, "top_p": 0.95, '
-                  '"top_k": 40, "min_p": 0.05, "typical_p": 1.0, "stop": [], "seed": 3283645831608526411, '
-                  '"response_format": null, "max_tokens": null, "presence_penalty": 0, "frequency_penalty": 0, '
-                  '"repeat_penalty": 1.0, "tfs_z": 1.0}}')
+SAMPLE_CONTENT = (
+    '{"max_iteration_cost": 1000, "max_total_cost": 1000000, "results": 1, "version": "0.1.0", '
+    '"args": {"prompt": "<s>[INST] What is the capital of France? [/INST]", '
+    '"model": "mistral-7b-instruct-v0.1.Q4_K_M.gguf", "temperature": 0.0, "top_p": 0.95, '
+    '"top_k": 40, "min_p": 0.05, "typical_p": 1.0, "stop": [], "seed": 3283645831608526411, '
+    '"response_format": null, "max_tokens": null, "presence_penalty": 0, "frequency_penalty": 0, '
+    '"repeat_penalty": 1.0, "tfs_z": 1.0}}'
+)
 
 
 def test_sample_call_parses_with_exact_seed() -> None:
@@ -32,17 +34,35 @@ def test_sample_call_parses_with_exact_seed() -> None:
 
 def test_seed_beyond_2_53_survives_parsing() -> None:
     seed = 2**53 + 1
-    assert d4.parse_call(d4.parse_object(json.dumps(call_body(args={"seed": seed})))).args.seed == seed
+    assert (
+        d4.parse_call(d4.parse_object(json.dumps(call_body(args={"seed": seed})))).args.seed == seed
+    )
 
 
-@pytest.mark.parametrize("change", [
-    {"max_iteration_cost": 0}, {"max_iteration_cost": -1}, {"max_iteration_cost": 1.5},
-    {"max_iteration_cost": True}, {"max_total_cost": "100"}, {"max_total_cost": None},
-    {"results": 0}, {"version": "0.2.0"}, {"version": 1}, {"args": [1]}, {"args": None},
-    {"args": {"prompt": 5}}, {"args": {"temperature": -1}}, {"args": {"top_p": 0}},
-    {"args": {"seed": 2**64}}, {"args": {"seed": -1}}, {"args": {"max_tokens": 0}},
-    {"args": {"stop": [1]}}, {"args": {"top_k": 1.5}},
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"max_iteration_cost": 0},
+        {"max_iteration_cost": -1},
+        {"max_iteration_cost": 1.5},
+        {"max_iteration_cost": True},
+        {"max_total_cost": "100"},
+        {"max_total_cost": None},
+        {"results": 0},
+        {"version": "0.2.0"},
+        {"version": 1},
+        {"args": [1]},
+        {"args": None},
+        {"args": {"prompt": 5}},
+        {"args": {"temperature": -1}},
+        {"args": {"top_p": 0}},
+        {"args": {"seed": 2**64}},
+        {"args": {"seed": -1}},
+        {"args": {"max_tokens": 0}},
+        {"args": {"stop": [1]}},
+        {"args": {"top_k": 1.5}},
+    ],
+)
 def test_invalid_calls_raise(change: dict[str, Any]) -> None:
     body = call_body()
     if "args" in change and isinstance(change["args"], dict):
@@ -54,8 +74,12 @@ def test_invalid_calls_raise(change: dict[str, Any]) -> None:
 
 
 def test_unknown_args_ignored_and_missing_optional_fields_default() -> None:
-    body = {"max_iteration_cost": 1, "max_total_cost": 1, "version": "0.1.7",
-            "args": {"prompt": "x", "mirostat": 2}}
+    body = {
+        "max_iteration_cost": 1,
+        "max_total_cost": 1,
+        "version": "0.1.7",
+        "args": {"prompt": "x", "mirostat": 2},
+    }
     call = d4.parse_call(body)
     assert call.results == 1 and call.args.temperature == 1.0 and call.args.seed is None
 
@@ -78,7 +102,11 @@ def test_cost_planning_never_exceeds_the_caps() -> None:
 
 def test_feedback_and_classification() -> None:
     assert d4.parse_feedback({"score": 9, "version": "0.1.0"}).score == 9
-    for bad in ({"score": 10, "version": "0.1.0"}, {"score": "5", "version": "0.1.0"}, {"score": 5}):
+    for bad in (
+        {"score": 10, "version": "0.1.0"},
+        {"score": "5", "version": "0.1.0"},
+        {"score": 5},
+    ):
         with pytest.raises(InvalidParameters):
             d4.parse_feedback(bad)
     assert d4.classify({"score": 3}) == d4.FEEDBACK
@@ -86,9 +114,20 @@ def test_feedback_and_classification() -> None:
 
 
 def test_result_content_serializes_result_and_err_as_json_strings() -> None:
-    c = json.loads(d4.result_content(result={"a": 1}, iteration_cost=1, total_cost=2, more_results=True,
-                                     partial=True, err={"code": "x", "message": "y"}))
-    assert json.loads(c["result"]) == {"a": 1} and json.loads(c["err"]) == {"code": "x", "message": "y"}
+    c = json.loads(
+        d4.result_content(
+            result={"a": 1},
+            iteration_cost=1,
+            total_cost=2,
+            more_results=True,
+            partial=True,
+            err={"code": "x", "message": "y"},
+        )
+    )
+    assert json.loads(c["result"]) == {"a": 1} and json.loads(c["err"]) == {
+        "code": "x",
+        "message": "y",
+    }
     assert c["partial"] is True and c["version"] == "0.1.0"
 
 
@@ -97,10 +136,15 @@ def test_e_refs_keep_order_and_skip_malformed() -> None:
     assert d4.e_refs([["e", a], ["p", a], ["e", "short"], ["e", b], ["e", a]]) == [a, b.lower()]
 
 
-@pytest.mark.parametrize("bad", [{"index_size": 0}, {"republish_every_s": 0}, {"index_size": "many"}])
+@pytest.mark.parametrize(
+    "bad", [{"index_size": 0}, {"republish_every_s": 0}, {"index_size": "many"}]
+)
 def test_settings_reject_bad_memory_options(tmp_path: Path, bad: dict[str, object]) -> None:
     key = tmp_path / "k"
     key.write_text("11" * 32)
     with pytest.raises(ConfigError):
         Settings.from_options({"relays": ["ws://127.0.0.1:1"], "key_file": str(key), **bad})
-    assert Settings.from_options({"relays": ["ws://127.0.0.1:1"], "key_file": str(key)}).index_size == 10_000
+    assert (
+        Settings.from_options({"relays": ["ws://127.0.0.1:1"], "key_file": str(key)}).index_size
+        == 10_000
+    )

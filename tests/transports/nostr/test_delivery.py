@@ -50,7 +50,11 @@ class DiesBeforePublishingAnswers(D4Worker):
 
 
 async def wire(runtime: Runtime, sid: str) -> list[tuple[str, dict[str, Any]]]:
-    return [(e.body["direction"], e.body["payload"]) for e in await runtime.log.read(sid) if e.type == T.WIRE]
+    return [
+        (e.body["direction"], e.body["payload"])
+        for e in await runtime.log.read(sid)
+        if e.type == T.WIRE
+    ]
 
 
 async def notes(runtime: Runtime, sid: str) -> list[dict[str, Any]]:
@@ -58,10 +62,16 @@ async def notes(runtime: Runtime, sid: str) -> list[dict[str, Any]]:
 
 
 async def final_outs(runtime: Runtime, sid: str) -> list[dict[str, Any]]:
-    return [p for d, p in await wire(runtime, sid) if d == "out" and not json.loads(p["content"]).get("partial")]
+    return [
+        p
+        for d, p in await wire(runtime, sid)
+        if d == "out" and not json.loads(p["content"]).get("partial")
+    ]
 
 
-async def test_answer_no_relay_took_is_published_after_restart(runtime: Runtime, make_worker: WorkerFactory) -> None:
+async def test_answer_no_relay_took_is_published_after_restart(
+    runtime: Runtime, make_worker: WorkerFactory
+) -> None:
     policy = RefuseWorker()
     relay = await LocalRelay(policy).start()
     opts: dict[str, Any] = {"function_ids": [FID], "publish_retries": 0, "republish_every_s": 3600}
@@ -76,8 +86,11 @@ async def test_answer_no_relay_took_is_published_after_restart(runtime: Runtime,
             [answer] = await final_outs(runtime, sid)
             # recorded, but the client has nothing: it is flagged for the next start
             assert caller.final(call_id) is None
-            assert {"transport": "nostr", "unpublished": answer["id"], "session_id": sid} in await notes(
-                runtime, worker.worker_session_id)
+            assert {
+                "transport": "nostr",
+                "unpublished": answer["id"],
+                "session_id": sid,
+            } in await notes(runtime, worker.worker_session_id)
             assert not [n for n in await notes(runtime, sid) if "published" in n]
             await worker.stop()
 
@@ -87,7 +100,8 @@ async def test_answer_no_relay_took_is_published_after_restart(runtime: Runtime,
             assert final["id"] == answer["id"] and caller.deliveries[answer["id"]] == 1
             await eventually(lambda: worker2.stats["republished"] == 1, what="the acknowledgement")
             assert [n for n in await notes(runtime, sid) if "published" in n] == [
-                {"transport": "nostr", "published": answer["id"], "relays": [relay.url]}]
+                {"transport": "nostr", "published": answer["id"], "relays": [relay.url]}
+            ]
             # the call itself comes back with the since-subscription: it is answered, not run again
             await eventually(lambda: worker2.stats["duplicate"] >= 1, what="the replayed call")
             assert worker2.stats["calls"] == 0 and len(await final_outs(runtime, sid)) == 1
@@ -101,10 +115,12 @@ async def test_answer_no_relay_took_is_published_after_restart(runtime: Runtime,
         relay.stop()
 
 
-async def test_answer_recorded_before_a_crash_is_published_on_start(runtime: Runtime, make_worker: WorkerFactory,
-                                                                    local_relay: LocalRelay) -> None:
-    worker = await make_worker(runtime, [local_relay.url], worker_cls=DiesBeforePublishingAnswers,
-                               function_ids=[FID])
+async def test_answer_recorded_before_a_crash_is_published_on_start(
+    runtime: Runtime, make_worker: WorkerFactory, local_relay: LocalRelay
+) -> None:
+    worker = await make_worker(
+        runtime, [local_relay.url], worker_cls=DiesBeforePublishingAnswers, function_ids=[FID]
+    )
     caller = await Caller(worker.pubkey).connect(local_relay.url)
     try:
         call_id = await caller.call(FID, call_body())
@@ -124,12 +140,15 @@ async def test_answer_recorded_before_a_crash_is_published_on_start(runtime: Run
         await caller.close()
 
 
-async def test_answer_is_published_again_while_running(runtime: Runtime, make_worker: WorkerFactory) -> None:
+async def test_answer_is_published_again_while_running(
+    runtime: Runtime, make_worker: WorkerFactory
+) -> None:
     policy = RefuseWorker()
     relay = await LocalRelay(policy).start()
     try:
-        worker = await make_worker(runtime, [relay.url], function_ids=[FID], publish_retries=0,
-                                   republish_every_s=0.2)
+        worker = await make_worker(
+            runtime, [relay.url], function_ids=[FID], publish_retries=0, republish_every_s=0.2
+        )
         policy.author = worker.pubkey
         caller = await Caller(worker.pubkey).connect(relay.url)
         try:
@@ -144,7 +163,9 @@ async def test_answer_is_published_again_while_running(runtime: Runtime, make_wo
             sid = "d4_" + call_id[:48]
             ack = {"transport": "nostr", "published": final["id"], "relays": [relay.url]}
             # acknowledged where the answer lives and where it was flagged
-            assert ack in await notes(runtime, sid) and ack in await notes(runtime, worker.worker_session_id)
+            assert ack in await notes(runtime, sid) and ack in await notes(
+                runtime, worker.worker_session_id
+            )
             assert worker._unacked == {} and worker._flagged == {}
         finally:
             await caller.close()
@@ -152,8 +173,9 @@ async def test_answer_is_published_again_while_running(runtime: Runtime, make_wo
         relay.stop()
 
 
-async def test_memory_is_bounded_and_the_log_still_dedupes(runtime: Runtime, make_worker: WorkerFactory,
-                                                           local_relay: LocalRelay) -> None:
+async def test_memory_is_bounded_and_the_log_still_dedupes(
+    runtime: Runtime, make_worker: WorkerFactory, local_relay: LocalRelay
+) -> None:
     worker = await make_worker(runtime, [local_relay.url], function_ids=[FID], index_size=1)
     caller = await Caller(worker.pubkey).connect(local_relay.url)
     try:
@@ -170,23 +192,30 @@ async def test_memory_is_bounded_and_the_log_still_dedupes(runtime: Runtime, mak
         await eventually(lambda: worker.stats["duplicate"] == 1, what="the replay to be recognised")
         assert worker.stats["calls"] == 6
         assert len(await final_outs(runtime, "d4_" + ids[0][:48])) == 1
-        assert [p["id"] for d, p in await wire(runtime, "d4_" + ids[0][:48]) if d == "in"] == [ids[0]]
+        assert [p["id"] for d, p in await wire(runtime, "d4_" + ids[0][:48]) if d == "in"] == [
+            ids[0]
+        ]
     finally:
         await caller.close()
 
 
-async def test_start_reads_only_open_and_recent_sessions(runtime: Runtime, make_worker: WorkerFactory,
-                                                         local_relay: LocalRelay) -> None:
+async def test_start_reads_only_open_and_recent_sessions(
+    runtime: Runtime, make_worker: WorkerFactory, local_relay: LocalRelay
+) -> None:
     # no slack: sessions last active before the newest call's second are "old"
     opts: dict[str, Any] = {"function_ids": [FID], "since_slack_s": 0}
     worker = await make_worker(runtime, [local_relay.url], **opts)
     caller = await Caller(worker.pubkey).connect(local_relay.url)
     try:
         # below the worker's price: answered with a price suggestion, session closed
-        done = [await caller.call(FID, call_body(f"old {i}", max_iteration_cost=500)) for i in range(2)]
+        done = [
+            await caller.call(FID, call_body(f"old {i}", max_iteration_cost=500)) for i in range(2)
+        ]
         for cid in done:
             await caller.wait_final(cid)
-        capped_id = await caller.call(FID, call_body("open", max_total_cost=3000, args={"max_tokens": 8}))
+        capped_id = await caller.call(
+            FID, call_body("open", max_total_cost=3000, args={"max_tokens": 8})
+        )
         capped = await caller.wait_final(capped_id)
         assert capped["body"]["more_results"] is True
         await eventually(lambda: not worker._tasks, what="the handlers to finish")
@@ -201,11 +230,15 @@ async def test_start_reads_only_open_and_recent_sessions(runtime: Runtime, make_
         assert worker2.stats["scanned_sessions"] == 2
         assert not any(c in worker2._calls for c in done)
         # the open session's result can still be continued
-        more = await caller.wait_final(await caller.call(FID, call_body("x", args={"max_tokens": 2}), capped["id"]))
+        more = await caller.wait_final(
+            await caller.call(FID, call_body("x", args={"max_tokens": 2}), capped["id"])
+        )
         assert more["body"]["result"] is not None and more["body"]["total_cost"] == 2000
         # an old call delivered again is found answered in the log
         worker2.ingest(ns.Event.from_json(json.dumps(caller.sent[done[0]])))
-        await eventually(lambda: worker2.stats["duplicate"] >= 1, what="the old call to be recognised")
+        await eventually(
+            lambda: worker2.stats["duplicate"] >= 1, what="the old call to be recognised"
+        )
         assert len(await final_outs(runtime, "d4_" + done[0][:48])) == 1
     finally:
         await caller.close()

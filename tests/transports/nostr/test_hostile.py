@@ -20,14 +20,19 @@ async def _log(runtime: Runtime) -> list[dict[str, object]]:
     return out
 
 
-async def test_worker_drops_forged_events_itself(runtime: Runtime, make_worker: WorkerFactory,
-                                                 local_relay: LocalRelay) -> None:
+async def test_worker_drops_forged_events_itself(
+    runtime: Runtime, make_worker: WorkerFactory, local_relay: LocalRelay
+) -> None:
     """No client or relay in between: the events go to ``ingest``, whose signature/id check alone decides."""
     worker = await make_worker(runtime, [local_relay.url])
     [fid] = worker.functions
     keys = ns.Keys.generate()
-    good = json.loads(ns.EventBuilder(ns.Kind(1), json.dumps(call_body("hello"))).tags(
-        [ns.Tag.parse(["e", fid])]).finalize(keys).as_json())
+    good = json.loads(
+        ns.EventBuilder(ns.Kind(1), json.dumps(call_body("hello")))
+        .tags([ns.Tag.parse(["e", fid])])
+        .finalize(keys)
+        .as_json()
+    )
     forged = {
         "bad signature": {**good, "sig": good["sig"][:-8] + "00000000"},
         "bad id": {**good, "content": json.dumps(call_body("tampered"))},
@@ -45,15 +50,20 @@ async def test_worker_drops_forged_events_itself(runtime: Runtime, make_worker: 
     await eventually(lambda: worker.stats["calls"] == 1, what="the genuine call")
 
 
-@pytest.mark.parametrize("content", [
-    json.dumps(call_body("lone \ud800 surrogate")),
-    json.dumps(call_body(args={"temperature": math.nan})),
-    json.dumps(call_body(args={"top_p": math.inf})),
-    json.dumps(call_body(args={"max_tokens": 2**70})),
-    '{"args": {"prompt": "x"}, "max_total_cost": 1e400}',
-], ids=["surrogate", "nan", "inf", "huge-int", "1e400"])
-async def test_unstorable_call_content_is_a_typed_error_result(runtime: Runtime, make_worker: WorkerFactory,
-                                                               local_relay: LocalRelay, content: str) -> None:
+@pytest.mark.parametrize(
+    "content",
+    [
+        json.dumps(call_body("lone \ud800 surrogate")),
+        json.dumps(call_body(args={"temperature": math.nan})),
+        json.dumps(call_body(args={"top_p": math.inf})),
+        json.dumps(call_body(args={"max_tokens": 2**70})),
+        '{"args": {"prompt": "x"}, "max_total_cost": 1e400}',
+    ],
+    ids=["surrogate", "nan", "inf", "huge-int", "1e400"],
+)
+async def test_unstorable_call_content_is_a_typed_error_result(
+    runtime: Runtime, make_worker: WorkerFactory, local_relay: LocalRelay, content: str
+) -> None:
     worker = await make_worker(runtime, [local_relay.url])
     [fid] = worker.functions
     caller = await Caller(worker.pubkey).connect(local_relay.url)

@@ -31,10 +31,16 @@ def chat(reply: dict[str, Any]) -> dict[str, Any]:
 
 
 async def wire(runtime: Runtime, sid: str) -> list[tuple[str, dict[str, Any]]]:
-    return [(e.body["direction"], e.body["payload"]) for e in await runtime.log.read(sid) if e.type == T.WIRE]
+    return [
+        (e.body["direction"], e.body["payload"])
+        for e in await runtime.log.read(sid)
+        if e.type == T.WIRE
+    ]
 
 
-async def test_sample_call_answered(runtime: Runtime, make_worker: WorkerFactory, local_relay: LocalRelay) -> None:
+async def test_sample_call_answered(
+    runtime: Runtime, make_worker: WorkerFactory, local_relay: LocalRelay
+) -> None:
     worker = await make_worker(runtime, [local_relay.url])
     [fid] = worker.functions
     caller = await Caller(worker.pubkey).connect(local_relay.url)
@@ -56,24 +62,30 @@ async def test_sample_call_answered(runtime: Runtime, make_worker: WorkerFactory
         assert ws[0] == ("in", caller.sent[call_id])
         outs = [p for d, p in ws if d == "out"]
         assert outs[-1] == {k: v for k, v in final.items() if k != "body"}
-        text = runtime.engine.detokenize(list(st.tokens[st.generations[next(iter(st.generations))].prompt_length:]))
+        text = runtime.engine.detokenize(
+            list(st.tokens[st.generations[next(iter(st.generations))].prompt_length :])
+        )
         assert completion["choices"][0]["message"]["content"] == text
     finally:
         await caller.close()
 
 
-
-async def test_price_cap_stops_and_funded_call_continues(runtime: Runtime, make_worker: WorkerFactory,
-                                                          local_relay: LocalRelay) -> None:
+async def test_price_cap_stops_and_funded_call_continues(
+    runtime: Runtime, make_worker: WorkerFactory, local_relay: LocalRelay
+) -> None:
     worker = await make_worker(runtime, [local_relay.url])
     [fid] = worker.functions
     caller = await Caller(worker.pubkey).connect(local_relay.url)
     try:
         prompt = "Write a verse."
         # the oracle: one well-funded call of 11 tokens
-        whole = await caller.wait_final(await caller.call(fid, call_body(prompt, args={"max_tokens": 11})))
+        whole = await caller.wait_final(
+            await caller.call(fid, call_body(prompt, args={"max_tokens": 11}))
+        )
         # the same call capped at 5 iterations' worth
-        capped_id = await caller.call(fid, call_body(prompt, max_total_cost=5500, args={"max_tokens": 11}))
+        capped_id = await caller.call(
+            fid, call_body(prompt, max_total_cost=5500, args={"max_tokens": 11})
+        )
         capped = await caller.wait_final(capped_id)
         assert capped["body"]["more_results"] is True and capped["body"]["total_cost"] == 5000
         assert chat(capped)["choices"][0]["finish_reason"] == "length"
@@ -88,7 +100,10 @@ async def test_price_cap_stops_and_funded_call_continues(runtime: Runtime, make_
         sid = "d4_" + capped_id[:48]
         st = await runtime.get(sid)
         assert len(st.generations) == 2
-        assert chat(more)["choices"][0]["message"]["content"] == chat(whole)["choices"][0]["message"]["content"]
+        assert (
+            chat(more)["choices"][0]["message"]["content"]
+            == chat(whole)["choices"][0]["message"]["content"]
+        )
         assert chat(more)["usage"]["completion_tokens"] == 11
         assert [d for d, _ in await wire(runtime, sid)].count("in") == 2
         # the continuation opened no session of its own
@@ -98,28 +113,40 @@ async def test_price_cap_stops_and_funded_call_continues(runtime: Runtime, make_
         await caller.close()
 
 
-async def test_price_above_cap_negotiates(runtime: Runtime, make_worker: WorkerFactory,
-                                          local_relay: LocalRelay) -> None:
+async def test_price_above_cap_negotiates(
+    runtime: Runtime, make_worker: WorkerFactory, local_relay: LocalRelay
+) -> None:
     worker = await make_worker(runtime, [local_relay.url], price_msat=2000)
     [fid] = worker.functions
     caller = await Caller(worker.pubkey).connect(local_relay.url)
     try:
         call_id = await caller.call(fid, call_body(max_iteration_cost=1000))
         reply = await caller.wait_final(call_id)
-        assert reply["body"] == {"result": None, "iteration_cost": 2000, "total_cost": 24000,
-                                 "more_results": False, "version": "0.1.0"}
-        assert [t for t in reply["tags"] if t[0] == "e"] == [["e", call_id], ["e", worker.settings.negotiate_function_id]]
+        assert reply["body"] == {
+            "result": None,
+            "iteration_cost": 2000,
+            "total_cost": 24000,
+            "more_results": False,
+            "version": "0.1.0",
+        }
+        assert [t for t in reply["tags"] if t[0] == "e"] == [
+            ["e", call_id],
+            ["e", worker.settings.negotiate_function_id],
+        ]
         st = await runtime.get("d4_" + call_id[:48])
         assert st.length == 0 and not st.generations and st.status == "closed"
         # the client accepts: a new call at the worker's price is answered
-        ok = await caller.wait_final(await caller.call(fid, call_body(max_iteration_cost=2000), reply["id"]))
+        ok = await caller.wait_final(
+            await caller.call(fid, call_body(max_iteration_cost=2000), reply["id"])
+        )
         assert ok["body"]["iteration_cost"] == 2000 and ok["body"]["result"] is not None
     finally:
         await caller.close()
 
 
-async def test_feedback_recorded_against_the_session(runtime: Runtime, make_worker: WorkerFactory,
-                                                     local_relay: LocalRelay) -> None:
+async def test_feedback_recorded_against_the_session(
+    runtime: Runtime, make_worker: WorkerFactory, local_relay: LocalRelay
+) -> None:
     worker = await make_worker(runtime, [local_relay.url])
     [fid] = worker.functions
     caller = await Caller(worker.pubkey).connect(local_relay.url)
@@ -127,20 +154,32 @@ async def test_feedback_recorded_against_the_session(runtime: Runtime, make_work
         call_id = await caller.call(fid, call_body())
         final = await caller.wait_final(call_id)
         sid = "d4_" + call_id[:48]
-        bad = await caller.publish(caller.sign(json.dumps({"score": 11, "version": "0.1.0"}),
-                                               [["e", final["id"]], ["e", fid]]))
-        good = await caller.publish(caller.sign(json.dumps({"score": 7, "version": "0.1.0"}),
-                                                [["e", final["id"]], ["e", fid]]))
-        await eventually(lambda: worker.stats["feedback"] == 1 and worker.stats["feedback_invalid"] == 1)
+        bad = await caller.publish(
+            caller.sign(
+                json.dumps({"score": 11, "version": "0.1.0"}), [["e", final["id"]], ["e", fid]]
+            )
+        )
+        good = await caller.publish(
+            caller.sign(
+                json.dumps({"score": 7, "version": "0.1.0"}), [["e", final["id"]], ["e", fid]]
+            )
+        )
+        await eventually(
+            lambda: worker.stats["feedback"] == 1 and worker.stats["feedback_invalid"] == 1
+        )
         st = await runtime.get(sid)
-        assert [(f["score"], f["event_id"], f["result_id"]) for f in st.feedback] == [(7, good, final["id"])]
+        assert [(f["score"], f["event_id"], f["result_id"]) for f in st.feedback] == [
+            (7, good, final["id"])
+        ]
         ins = [p["id"] for d, p in await wire(runtime, sid) if d == "in"]
         assert good in ins and bad not in ins
     finally:
         await caller.close()
 
 
-async def test_forged_and_malformed_events(runtime: Runtime, make_worker: WorkerFactory, relay_process: Any) -> None:
+async def test_forged_and_malformed_events(
+    runtime: Runtime, make_worker: WorkerFactory, relay_process: Any
+) -> None:
     # a relay that stores events without checking signatures, so forgeries reach the worker's client
     relay = await relay_process(verify_signatures=False)
     worker = await make_worker(runtime, [relay.url])
@@ -175,7 +214,9 @@ async def test_forged_and_malformed_events(runtime: Runtime, make_worker: Worker
             assert err["code"] == "invalid_parameters", name
             assert final["body"]["result"] is None and final["body"]["total_cost"] == 0
             st = await runtime.get("d4_" + cid[:48])
-            assert st.length == 0 and st.errors == [{"code": err["code"], "message": err["message"]}]
+            assert st.length == 0 and st.errors == [
+                {"code": err["code"], "message": err["message"]}
+            ]
         # a genuine call still works, and no forgery opened a session or got an answer
         ok = await caller.wait_final(await caller.call(fid, call_body("a genuine one")))
         assert ok["body"]["result"] is not None
@@ -186,8 +227,9 @@ async def test_forged_and_malformed_events(runtime: Runtime, make_worker: Worker
         await caller.close()
 
 
-async def test_duplicates_across_two_relays_answered_once(runtime: Runtime, make_worker: WorkerFactory,
-                                                          local_relay: LocalRelay, relay_process: Any) -> None:
+async def test_duplicates_across_two_relays_answered_once(
+    runtime: Runtime, make_worker: WorkerFactory, local_relay: LocalRelay, relay_process: Any
+) -> None:
     other = await relay_process()
     worker = await make_worker(runtime, [local_relay.url, other.url])
     [fid] = worker.functions
@@ -207,8 +249,9 @@ async def test_duplicates_across_two_relays_answered_once(runtime: Runtime, make
         await caller.close()
 
 
-async def test_restart_while_calls_arrive(sqlite_url: str, make_worker: WorkerFactory,
-                                          local_relay: LocalRelay) -> None:
+async def test_restart_while_calls_arrive(
+    sqlite_url: str, make_worker: WorkerFactory, local_relay: LocalRelay
+) -> None:
     rt1 = await open_runtime(sqlite_url, step_delay_s=0.02)
     worker = await make_worker(rt1, [local_relay.url])
     [fid] = worker.functions
@@ -233,14 +276,21 @@ async def test_restart_while_calls_arrive(sqlite_url: str, make_worker: WorkerFa
         for cid in ids:
             ws = await wire(rt2, "d4_" + cid[:48])
             assert [p["id"] for d, p in ws if d == "in"] == [cid]
-            finals = [p for d, p in ws if d == "out" and not json.loads(p["content"]).get("partial")]
+            finals = [
+                p for d, p in ws if d == "out" and not json.loads(p["content"]).get("partial")
+            ]
             assert len(finals) == 1
         # the interrupted call resumed where it stopped: its tokens match an uninterrupted run
         st = await rt2.get("d4_" + ids[2][:48])
         reasons = [g.finish_reason for g in st.generations.values()]
-        assert reasons[-1] in ("length", "eos") and set(reasons[:-1]) <= {"cancelled", "interrupted"}
-        assert sum(len(g.tokens) for g in st.generations.values()) == len(st.tokens) - st.generations[
-            next(iter(st.generations))].prompt_length
+        assert reasons[-1] in ("length", "eos") and set(reasons[:-1]) <= {
+            "cancelled",
+            "interrupted",
+        }
+        assert (
+            sum(len(g.tokens) for g in st.generations.values())
+            == len(st.tokens) - st.generations[next(iter(st.generations))].prompt_length
+        )
     finally:
         await caller.close()
         if rt2 is not None:
@@ -263,8 +313,9 @@ class RejectFirst(ns.WritePolicy):
         return ns.WritePolicyResult.ACCEPT()
 
 
-async def test_rate_limited_publish_is_retried(runtime: Runtime, make_worker: WorkerFactory,
-                                               caplog: pytest.LogCaptureFixture) -> None:
+async def test_rate_limited_publish_is_retried(
+    runtime: Runtime, make_worker: WorkerFactory, caplog: pytest.LogCaptureFixture
+) -> None:
     ns.uniffi_set_event_loop(asyncio.get_running_loop())
     policy = RejectFirst(3)
     relay = await LocalRelay(policy).start()
@@ -284,13 +335,28 @@ async def test_rate_limited_publish_is_retried(runtime: Runtime, make_worker: Wo
         relay.stop()
 
 
-async def test_cli_call_prints_results(runtime: Runtime, make_worker: WorkerFactory, local_relay: LocalRelay) -> None:
+async def test_cli_call_prints_results(
+    runtime: Runtime, make_worker: WorkerFactory, local_relay: LocalRelay
+) -> None:
     worker = await make_worker(runtime, [local_relay.url])
     [fid] = worker.functions
     proc = await asyncio.create_subprocess_exec(
-        str(Path(sys.executable).parent / "sessiontape"), "nostr", "call", "--relay", local_relay.url,
-        "--function", fid, "--prompt", "Hello", "--max-total-cost", "3000", "--timeout", "30",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        str(Path(sys.executable).parent / "sessiontape"),
+        "nostr",
+        "call",
+        "--relay",
+        local_relay.url,
+        "--function",
+        fid,
+        "--prompt",
+        "Hello",
+        "--max-total-cost",
+        "3000",
+        "--timeout",
+        "30",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 0, err.decode()
     lines = [json.loads(x) for x in out.decode().splitlines()]
@@ -298,27 +364,42 @@ async def test_cli_call_prints_results(runtime: Runtime, make_worker: WorkerFact
     assert lines[-1]["more_results"] is True and lines[-1]["total_cost"] == 3000
 
 
-async def test_nip90_text_generation_job(runtime: Runtime, make_worker: WorkerFactory,
-                                         local_relay: LocalRelay) -> None:
+async def test_nip90_text_generation_job(
+    runtime: Runtime, make_worker: WorkerFactory, local_relay: LocalRelay
+) -> None:
     worker = await make_worker(runtime, [local_relay.url])
     caller = await Caller(worker.pubkey).connect(local_relay.url)
     try:
-        job = await caller.publish(caller.sign("", [["i", "Tell me", "text"], ["param", "max_tokens", "5"],
-                                                    ["bid", "4000"]], kind=5050))
-        result = await eventually(lambda: [d for d in caller.received.values() if d["kind"] == 6050])
-        statuses = [t[1] for d in caller.received.values() if d["kind"] == 7000 for t in d["tags"] if t[0] == "status"]
+        job = await caller.publish(
+            caller.sign(
+                "",
+                [["i", "Tell me", "text"], ["param", "max_tokens", "5"], ["bid", "4000"]],
+                kind=5050,
+            )
+        )
+        result = await eventually(
+            lambda: [d for d in caller.received.values() if d["kind"] == 6050]
+        )
+        statuses = [
+            t[1]
+            for d in caller.received.values()
+            if d["kind"] == 7000
+            for t in d["tags"]
+            if t[0] == "status"
+        ]
         assert statuses == ["processing"]
         tags = {t[0]: t[1:] for t in result[0]["tags"]}
         assert tags["e"] == [job] and tags["p"] == [caller.pubkey] and tags["amount"] == ["4000"]
         st = await runtime.get("d4_" + job[:48])
-        assert result[0]["content"] == runtime.engine.detokenize(list(st.tokens[len("Tell me"):]))
+        assert result[0]["content"] == runtime.engine.detokenize(list(st.tokens[len("Tell me") :]))
         assert [p["id"] for d, p in await wire(runtime, st.session_id) if d == "in"] == [job]
     finally:
         await caller.close()
 
 
-async def test_relay_outage_reconnects_and_catches_up(runtime: Runtime, make_worker: WorkerFactory,
-                                                      relay_process: Any) -> None:
+async def test_relay_outage_reconnects_and_catches_up(
+    runtime: Runtime, make_worker: WorkerFactory, relay_process: Any
+) -> None:
     relay = await relay_process()
     worker = await make_worker(runtime, [relay.url])
     [fid] = worker.functions
@@ -327,10 +408,14 @@ async def test_relay_outage_reconnects_and_catches_up(runtime: Runtime, make_wor
         first = await caller.call(fid, call_body("before the outage"))
         await caller.wait_final(first)
         relay.kill()
-        await eventually(lambda: worker.stats["disconnects"] >= 1, what="the worker to see the outage")
+        await eventually(
+            lambda: worker.stats["disconnects"] >= 1, what="the worker to see the outage"
+        )
         relay.start()  # same port, same database
         await relay.wait_up()
-        await eventually(lambda: worker.stats["resubscribed"] >= 1, 30, "the worker to re-subscribe")
+        await eventually(
+            lambda: worker.stats["resubscribed"] >= 1, 30, "the worker to re-subscribe"
+        )
         await caller.wait_connected()
         later = await caller.call(fid, call_body("after the outage"))
         await caller.wait_final(later, 30)
@@ -339,8 +424,9 @@ async def test_relay_outage_reconnects_and_catches_up(runtime: Runtime, make_wor
         await caller.close()
 
 
-async def test_plugin_from_the_registry(runtime: Runtime, local_relay: LocalRelay, tmp_path: Path,
-                                        caplog: pytest.LogCaptureFixture) -> None:
+async def test_plugin_from_the_registry(
+    runtime: Runtime, local_relay: LocalRelay, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     from core.errors import ConfigError
     from core.registry import TRANSPORTS, load
 
@@ -350,7 +436,9 @@ async def test_plugin_from_the_registry(runtime: Runtime, local_relay: LocalRela
     keys = ns.Keys.generate()
     secret = keys.secret_key().to_bech32()
     (tmp_path / "k").write_text(secret + "\n")
-    transport = cls(runtime, {"relays": [local_relay.url], "key_file": str(tmp_path / "k")}, runtime.config)
+    transport = cls(
+        runtime, {"relays": [local_relay.url], "key_file": str(tmp_path / "k")}, runtime.config
+    )
     with caplog.at_level(logging.DEBUG):
         line = await transport.start()
     try:
