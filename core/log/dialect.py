@@ -148,6 +148,27 @@ class Dialect(ABC):
 
     async def close(self) -> None:
         await self.engine.dispose()
+        await settle_terminations()
+
+
+async def settle_terminations(timeout_s: float = 2.0) -> None:
+    """Wait for SQLAlchemy's graceful closes of connections invalidated by a cancel.
+
+    A read cancelled mid-query (a stream cut at shutdown) invalidates its
+    connection, and the asyncio adapters close it in a shielded task nobody
+    awaits; if the loop ends first, asyncio reports "Task was destroyed but
+    it is pending". Closing the log waits for them.
+    """
+    me = asyncio.current_task()
+    pending = [
+        t
+        for t in asyncio.all_tasks()
+        if t is not me
+        and not t.done()
+        and getattr(t.get_coro(), "__qualname__", "").endswith("_terminate_graceful_close")
+    ]
+    if pending:
+        await asyncio.wait(pending, timeout=timeout_s)
 
 
 class _Locked(Exception):

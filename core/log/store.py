@@ -20,6 +20,8 @@ gapless and become visible in order (docs/architecture.md).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -72,10 +74,16 @@ R = TypeVar("R")
 def _reading(
     fn: Callable[Concatenate[EventLog, P], Awaitable[R]],
 ) -> Callable[Concatenate[EventLog, P], Awaitable[R]]:
-    """A read whose database went away raises LogUnavailable, not the driver's error."""
+    """A read of the log, as callers see it.
 
-    @functools.wraps(fn)
-    async def read(self: EventLog, /, *args: P.args, **kwargs: P.kwargs) -> R:
+    A database that went away raises LogUnavailable, not the driver's error.
+    A caller cancelled mid-read (a stream cut at shutdown) lets the query
+    finish first: a connection cancelled mid-query is invalidated, and the
+    driver adapters' graceful close of it can be left pending forever
+    ("Task was destroyed but it is pending").
+    """
+
+    async def run(self: EventLog, *args: Any, **kwargs: Any) -> R:
         try:
             return await fn(self, *args, **kwargs)
         except SessiontapeError:
@@ -84,6 +92,17 @@ def _reading(
             if self.dialect.is_unavailable(exc):
                 await self.dialect.reset_pool()
                 raise unavailable(exc) from exc
+            raise
+
+    @functools.wraps(fn)
+    async def read(self: EventLog, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        task = asyncio.ensure_future(run(self, *args, **kwargs))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            while not task.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(task)
             raise
 
     return read
