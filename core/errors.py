@@ -28,7 +28,8 @@ each; ``code`` is the stable machine-readable name they all share.
     │   ├── ProtocolViolation        Evergreen abort rules
     │   └── CacheInvariantViolation  Kakeya INV-1 / INV-2
     ├── ResourceExhausted
-    │   └── ContextOverflow
+    │   ├── ContextOverflow
+    │   └── EngineBusy               no KV slot came free in time (all held by generating sessions)
     ├── Aborted
     │   ├── SessionBusy              one writer per session at a time
     │   └── ConcurrencyError         stale expected version on append
@@ -166,6 +167,12 @@ class CacheInvariantViolation(FailedPrecondition):
 
 class ResourceExhausted(SessiontapeError):
     code = "resource_exhausted"
+
+
+class EngineBusy(ResourceExhausted):
+    """Every KV slot of a batching engine is held by a generating session, past the wait bound."""
+
+    code = "engine_busy"
 
 
 class ContextOverflow(ResourceExhausted):

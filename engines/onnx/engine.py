@@ -37,6 +37,15 @@ Options (all keyword, as ``[engine.options]`` in the config):
   256-slot steps). Setting either fixes the shape on any provider.
 - ``cuda_graph``: capture the fixed-shape pass as a CUDA graph and replay it
   (default: on with CUDA and a fixed shape).
+- ``batch_slots``: continuous batching (:mod:`engines.onnx.batch`): the decode steps
+  of up to this many generating sessions run in one forward pass (default 8 for a
+  static-layout model on growing buffers, the CPU default; 0 turns it off). Not
+  built for the fixed CUDA shape yet.
+- ``batch_wait_s``: how long a generation waits for a free KV slot before
+  ``EngineBusy`` (default 30).
+- ``batch_prefill_share``: prefill chunks run between two decode passes while
+  sessions are decoding (default 1: a long prompt delays each decode step by at
+  most one ``prefill_chunk`` pass).
 
 See docs/engines.md for why results are bit-identical however a history
 was built up.
@@ -51,13 +60,14 @@ import logging
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
 from core.engine import Engine, EngineInfo, OutputOptions, SamplingParams, Step
 from core.errors import ConfigError, ContextOverflow, EngineError, InvalidParameters
+from engines.onnx.batch import BatchScheduler, Member, Stats
 from engines.onnx.demo import PAD, SIZES, SLOT_BLOCK, ensure_demo
 from engines.onnx.kvcache import KV, KVCache, common_prefix
 from engines.onnx.model import (
@@ -69,6 +79,7 @@ from engines.onnx.model import (
     load_tokenizer,
     model_facts,
 )
+from engines.onnx.run import HOP_END, Guess, Run, Stored
 from engines.onnx.session import CUDA, PassResult, Runner, choose_providers, open_session, quiet_ort
 from engines.onnx.static import StaticRunner
 from engines.sampling import log_softmax, sample, top_logprobs
@@ -97,6 +108,9 @@ class OnnxEngine(Engine):
         pass_rows: int | None = None,
         kv_capacity: int | None = None,
         cuda_graph: bool | None = None,
+        batch_slots: int | None = None,
+        batch_wait_s: float = 30.0,
+        batch_prefill_share: int = 1,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -223,6 +237,32 @@ class OnnxEngine(Engine):
         self._readout_layers = () if self.concepts is None else self.concepts.manifest.layers
         self.cache = KVCache(int(kv_cache_bytes), on_free=self.runner.release)
         self._pool = ThreadPoolExecutor(max_workers=int(workers), thread_name_prefix="onnx-engine")
+        growing = isinstance(self.runner, StaticRunner) and not self.runner.fixed
+        if batch_slots is not None and int(batch_slots) < 0:
+            raise ConfigError("batch_slots must be >= 0")
+        if batch_slots and not growing:
+            raise ConfigError(
+                "batch_slots needs a static-layout model on growing buffers (the CPU default); "
+                "batching the fixed CUDA shape is not built yet"
+            )
+        if int(batch_prefill_share) < 1 or not float(batch_wait_s) >= 0:
+            raise ConfigError("batch_prefill_share must be >= 1 and batch_wait_s >= 0")
+        slots = (8 if batch_slots is None else int(batch_slots)) if growing else 0
+        self._batch: BatchScheduler | None = None
+        if slots:
+            assert isinstance(self.runner, StaticRunner)
+            self._batch = BatchScheduler(
+                self._sess,
+                self.spec,
+                slots=slots,
+                max_capacity=-(-(limit + 1) // SLOT_BLOCK) * SLOT_BLOCK,
+                pad_token=PAD,
+                bucket=self.runner.bucket,
+                credit=max(32, self.decode_batch),
+                prefill_share=int(batch_prefill_share),
+                wait_s=float(batch_wait_s),
+                readout_layers=self._readout_layers,
+            )
         #: new positions run through the model (padding and re-run rows excluded), and forward passes
         self.positions_computed = 0
         self.passes = 0
@@ -253,6 +293,7 @@ class OnnxEngine(Engine):
                 "pass_rows": getattr(self.runner, "rows", None),
                 "kv_capacity": getattr(self.runner, "capacity", None),
                 "cuda_graph": bool(getattr(self.runner, "cuda_graph", False)),
+                "batch_slots": slots,
             },
         )
         log.info(
@@ -290,18 +331,30 @@ class OnnxEngine(Engine):
         return self.cache.live_bytes(session_key)
 
     def kv_total_bytes(self) -> int:
-        return int(self.cache.total_bytes)
+        pool = 0 if self._batch is None else self._batch.pool_bytes()
+        return int(self.cache.total_bytes) + pool
+
+    def scheduler_stats(self) -> dict[str, float]:
+        return {} if self._batch is None else self._batch.stats()
 
     def cached_length(self, session_key: str) -> int | None:
         return self.cache.cached_length(session_key)
 
     async def aclose(self) -> None:
+        if self._batch is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._batch.close)
         self._pool.shutdown(wait=True)
+
+    def _in_worker(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+        """Run a pass in the thread that runs passes (the batch scheduler's, when batching)."""
+        if self._batch is not None:
+            return self._batch.submit(fn, *args)
+        return asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     # -- generation --------------------------------------------------------
 
     def _advance(
-        self, r: _Run, upto: int, hidden_layers: Sequence[int], guesses: Sequence[int] = ()
+        self, r: Run, upto: int, hidden_layers: Sequence[int], guesses: Sequence[int] = ()
     ) -> tuple[PassResult, int]:
         """Run ``r.hist[r.base_len:upto]`` (then ``guesses``) on ``r.base``; returns the pass and its first position.
 
@@ -321,7 +374,7 @@ class OnnxEngine(Engine):
 
     def _decode_hop(
         self,
-        r: _Run,
+        r: Run,
         params: SamplingParams,
         options: OutputOptions,
         post: Callable[[list[object]], None],
@@ -347,12 +400,12 @@ class OnnxEngine(Engine):
                     return
                 self._decode_step(r, params, options, pending.append, flush)
         finally:
-            pending.append(_HOP_END)
+            pending.append(HOP_END)
             flush()
 
     def _decode_step(
         self,
-        r: _Run,
+        r: Run,
         params: SamplingParams,
         options: OutputOptions,
         emit: Callable[[object], None],
@@ -387,7 +440,7 @@ class OnnxEngine(Engine):
             # the previous pass already ran this token at this position: its next row is ours
             res, start, ran = g.res, g.start, 0
             if len(g.tokens) > 1:
-                r.guess = _Guess(res, start, g.tokens[1:])
+                r.guess = Guess(res, start, g.tokens[1:])
             if self.runner.static or (len(g.tokens) == 1 and res.end == p + 1):
                 r.base, r.base_len = res.kv, p + 1
         else:
@@ -397,8 +450,8 @@ class OnnxEngine(Engine):
             res, start = self._advance(r, p + 1, self._readout_layers if want else (), guesses)
             ran = 1
             if guesses:
-                r.guess = _Guess(res, start, guesses)
-        emit(_Stored(r.hist[: p + 1], res.kv, ran, hit=ran == 0))
+                r.guess = Guess(res, start, guesses)
+        emit(Stored(r.hist[: p + 1], res.kv, ran, hit=ran == 0))
         r.last = res.logits[p - start]
         if want:
             emit(
@@ -413,6 +466,70 @@ class OnnxEngine(Engine):
             )
         if not more:
             r.done = True
+
+    def _member(self, r: Run, entry: Any, params: SamplingParams, options: OutputOptions) -> Member:
+        """A batch member for ``r``: its steps come back through a queue, its KV into ``entry``."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[list[object]] = asyncio.Queue()
+        gone = asyncio.Event()
+
+        def post(items: list[object]) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, items)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                r.stop = True
+
+        def on_left(tokens: list[int], kv: KV | None, error: BaseException | None) -> None:
+            m.result = (tokens, kv)
+            queue.put_nowait([_Left(error)])
+            gone.set()
+
+        def left(tokens: list[int], kv: KV | None, error: BaseException | None) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed
+                loop.call_soon_threadsafe(on_left, tokens, kv, error)
+
+        concepts = self.concepts
+
+        def readout(rows: dict[int, Any]) -> tuple[float, ...]:
+            assert concepts is not None
+            return concepts.scores([rows[layer] for layer in concepts.manifest.layers])
+
+        m = Member(
+            r,
+            params,
+            options,
+            post,
+            left,
+            readout=readout if concepts is not None else None,
+            lookahead=self.lookahead,
+        )
+        m.inbox, m.gone = queue, gone
+        return m
+
+    async def _decode_batched(self, m: Member) -> AsyncIterator[Step]:
+        """Steps of ``m`` as the batch scheduler produces them (after its prefill)."""
+        assert self._batch is not None
+        batch = self._batch
+        queue = m.inbox
+        assert queue is not None
+        batch.join(m)
+        await batch.admitted(m)
+        while True:
+            for item in await queue.get():
+                if isinstance(item, Stats):
+                    self.passes += item.passes
+                    self.positions_computed += item.positions
+                    self.lookahead_hits += item.hits
+                elif isinstance(item, _Left):
+                    if item.error is not None:
+                        raise item.error
+                    return
+                else:
+                    assert isinstance(item, Step)
+                    m.taken += 1
+                    yield item
+            if queue.empty():
+                batch.wake()
 
     def _readout(self, res: PassResult, row: int) -> tuple[float, ...]:
         assert self.concepts is not None
@@ -451,7 +568,8 @@ class OnnxEngine(Engine):
         entry = self.cache.checkout(session_key)
         keep = min(entry.length, first_row, common_prefix(entry.tokens, hist))
         static = self.runner.static
-        r: _Run | None = None
+        r: Run | None = None
+        member: Member | None = None
         try:
             base = entry.kv
             if base is not None and static and self.cache.shared(base):
@@ -460,7 +578,7 @@ class OnnxEngine(Engine):
                 )  # a fork's buffer: write into our own
             if base is None or (keep == 0 and not static):
                 base = self.runner.empty()
-            r = _Run(hist, n, base, keep)
+            r = Run(hist, n, base, keep)
             self.cache.truncate(entry, keep, keep_buffer=static)
             lp: dict[int, tuple[float, tuple[tuple[int, float], ...]]] = {}
             ro: dict[int, tuple[float, ...]] = {}
@@ -468,7 +586,7 @@ class OnnxEngine(Engine):
             while pos < n:
                 end = min(n, pos + self.prefill_chunk)
                 layers = readout_layers if _positions(options.readout_ranges, pos, end) else ()
-                res, start = await loop.run_in_executor(self._pool, self._advance, r, end, layers)
+                res, start = await self._in_worker(self._advance, r, end, layers)
                 self.passes += 1
                 self.positions_computed += end - pos
                 self.cache.store(entry, hist[:end], res.kv)
@@ -496,6 +614,11 @@ class OnnxEngine(Engine):
                 )
             if not params.max_tokens:
                 return
+            if self._batch is not None:
+                member = self._member(r, entry, params, options)
+                async for step in self._decode_batched(member):
+                    yield step
+                return
             # Decoding runs in the worker thread a hop at a time; steps and cache updates
             # come back through this queue in order, so the caller can stop at any yield
             # and the cache holds only tokens that were yielded and run.
@@ -512,9 +635,9 @@ class OnnxEngine(Engine):
                 ended = False
                 while not ended:
                     for item in await queue.get():
-                        if item is _HOP_END:
+                        if item is HOP_END:
                             ended = True
-                        elif isinstance(item, _Stored):
+                        elif isinstance(item, Stored):
                             self.passes += item.passes
                             self.positions_computed += 1
                             self.lookahead_hits += item.hit
@@ -526,14 +649,16 @@ class OnnxEngine(Engine):
         finally:
             if r is not None:
                 r.stop = True
+            if member is not None and self._batch is not None and self._batch.leave(member):
+                await member_left(member)  # the scheduler hands the slot's KV back
+            if member is not None and member.result is not None:
+                tokens, kv = member.result
+                if kv is not None:
+                    # only what the caller took: it may have stopped before the run-ahead
+                    self.cache.store(entry, tokens[: r.n + member.taken] if r else tokens, kv)
             self.cache.release(entry)
             if r is not None and static and not self.cache.holds(r.base):
                 self.runner.release(r.base)  # a buffer that no pass stored (the first one failed)
-
-
-#: lookahead guesses come from the last this many tokens of the history (building the
-#: index is Python work per call; results never depend on it, only the hit rate)
-LOOKAHEAD_WINDOW = 2048
 
 
 def _positions(ranges: Sequence[tuple[int, int]], lo: int, hi: int) -> list[int]:
@@ -545,70 +670,13 @@ def _positions(ranges: Sequence[tuple[int, int]], lo: int, hi: int) -> list[int]
 
 
 @dataclass(eq=False)
-class _Guess:
-    """A pass that ran guessed tokens after the real ones; ``tokens`` are the guesses not yet checked."""
+class _Left:
+    """A batch member has left the scheduler (with the error that ended it, if any)."""
 
-    res: PassResult
-    start: int
-    tokens: list[int]
+    error: BaseException | None
 
 
-@dataclass(eq=False)
-class _Run:
-    """One generate call's place in its history, shared with the worker thread.
-
-    ``base`` holds exactly ``base_len`` real positions (no padding row); the
-    next pass runs ``hist[base_len:]`` on it. The loop thread sets ``stop``
-    when the caller stops iterating; the worker sets ``done`` at the end.
-    """
-
-    hist: list[int]
-    n: int
-    base: KV
-    base_len: int
-    last: Any = None
-    stop: bool = False
-    done: bool = False
-    guess: _Guess | None = None
-    #: what followed each token pair (and each token) most recently in the history
-    follow: dict[tuple[int, int], int] | None = None
-    follow1: dict[int, int] = field(default_factory=dict)
-
-    def index(self) -> None:
-        h = self.hist[-LOOKAHEAD_WINDOW:]
-        self.follow = {(h[i - 2], h[i - 1]): h[i] for i in range(2, len(h))}
-        self.follow1 = {h[i - 1]: h[i] for i in range(1, len(h))}
-
-    def append(self, tok: int) -> None:
-        h = self.hist
-        if self.follow is not None:
-            if len(h) >= 2:
-                self.follow[(h[-2], h[-1])] = tok
-            if h:
-                self.follow1[h[-1]] = tok
-        h.append(tok)
-
-    def guesses(self, count: int) -> list[int]:
-        """Up to ``count`` next tokens guessed from what followed the same tokens before."""
-        out: list[int] = []
-        if self.follow is None or not self.hist:
-            return out
-        a, b = (self.hist[-2] if len(self.hist) >= 2 else -1), self.hist[-1]
-        while len(out) < count:
-            g = self.follow.get((a, b), self.follow1.get(b))
-            if g is None:
-                break
-            out.append(g)
-            a, b = b, g
-        return out
-
-
-@dataclass(eq=False)
-class _Stored:
-    tokens: list[int]
-    kv: KV
-    passes: int
-    hit: bool
-
-
-_HOP_END = object()
+async def member_left(m: Member) -> None:
+    """Wait until the scheduler has handed ``m``'s KV back to the cache."""
+    assert m.gone is not None
+    await m.gone.wait()

@@ -496,12 +496,18 @@ async def test_stopping_at_any_step_leaves_a_cache_of_what_was_yielded(
         assert got + rest == full
 
 
+@pytest.mark.parametrize("batching", [False, True])
 async def test_a_failing_pass_mid_decode_raises_engine_error_and_keeps_the_cache(
-    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch, batching: bool
 ) -> None:
-    eng = OnnxEngine(model_dir=tiny_dir, intra_op_threads=1, decode_batch=4)
+    eng = OnnxEngine(
+        model_dir=tiny_dir, intra_op_threads=1, decode_batch=4, batch_slots=4 if batching else 0
+    )
     hist = history(18, 10)
-    real_run = eng.runner.run
+    # the single-session hops run passes through the runner; the batch scheduler runs its own
+    target: Any = eng._batch if batching else eng.runner
+    name = "_pass" if batching else "run"
+    real_run = getattr(target, name)
     calls = 0
 
     def flaky(*args: Any) -> Any:
@@ -511,7 +517,7 @@ async def test_a_failing_pass_mid_decode_raises_engine_error_and_keeps_the_cache
             raise EngineError("onnxruntime run failed: injected")
         return real_run(*args)
 
-    monkeypatch.setattr(eng.runner, "run", flaky)
+    monkeypatch.setattr(target, name, flaky)
     got: list[Step] = []
     with pytest.raises(EngineError, match="injected"):
         async for step in eng.generate("f", hist, SamplingParams(max_tokens=10, temperature=0)):
@@ -520,7 +526,7 @@ async def test_a_failing_pass_mid_decode_raises_engine_error_and_keeps_the_cache
     entry = eng.cache.get("f")
     assert entry is not None and entry.users == 0
     assert entry.tokens == (hist + [s.token_id for s in got])[: len(entry.tokens)]
-    monkeypatch.setattr(eng.runner, "run", real_run)
+    monkeypatch.setattr(target, name, real_run)
     again = await collect(eng, "f", hist, SamplingParams(max_tokens=10, temperature=0))
     assert [s.token_id for s in again[: len(got)]] == [s.token_id for s in got]
 
