@@ -234,6 +234,11 @@ class Engine(ABC):
         """Bytes held by all of the engine's caches (shared prefixes counted once)."""
         return 0
 
+    def scheduler_stats(self) -> Mapping[str, float]:
+        """A batching engine's scheduler now: ``slots``, ``slots_in_use``, ``queue`` (waiting
+        for a slot), ``pass_occupancy``, ``passes``; empty for an engine that does not batch."""
+        return {}
+
     def cached_length(self, session_key: str) -> int | None:
         """Length of the cached prefix for ``session_key`` (INV-1 checks), if any."""
         return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -64,3 +65,26 @@ STALE_RETRIES = Counter(
     "sessiontape_stale_retries_total",
     "Commands re-run on a reloaded state after another process moved the session on",
 )
+#: a batching engine's scheduler (engines whose ``scheduler_stats`` is empty leave these at 0)
+BATCH_SLOTS_IN_USE = Gauge(
+    "sessiontape_engine_batch_slots_in_use", "KV slots held by generating sessions"
+)
+BATCH_SLOTS = Gauge("sessiontape_engine_batch_slots", "KV slots in the engine's pool")
+BATCH_QUEUE = Gauge("sessiontape_engine_batch_queue", "Generations waiting for a free KV slot")
+BATCH_OCCUPANCY = Gauge(
+    "sessiontape_engine_batch_pass_occupancy",
+    "Sessions in the last batched pass over the slots that pass spanned",
+)
+BATCH_PASSES = Gauge("sessiontape_engine_batch_passes", "Batched decode passes run")
+
+
+def watch_engine(stats: Callable[[], Mapping[str, float]]) -> None:
+    """Read the scheduler gauges from ``stats`` (an engine's ``scheduler_stats``) at scrape time."""
+    for gauge, key in (
+        (BATCH_SLOTS_IN_USE, "slots_in_use"),
+        (BATCH_SLOTS, "slots"),
+        (BATCH_QUEUE, "queue"),
+        (BATCH_OCCUPANCY, "pass_occupancy"),
+        (BATCH_PASSES, "passes"),
+    ):
+        gauge.set_function(lambda key=key: float(stats().get(key, 0.0)))  # type: ignore[misc]

@@ -152,6 +152,7 @@ class Runtime(SessionStates):
         assert engine is not None
         info = engine.info
         metrics.ENGINE_PROVIDER.labels(info.name, info.provider, info.model_id).set(1)
+        metrics.watch_engine(engine.scheduler_stats)
         log.info("engine %s: model %s on %s", info.name, info.model_id, info.provider)
         log_ = await EventLog.open(
             config.db_url,

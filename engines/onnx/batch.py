@@ -159,6 +159,8 @@ class BatchScheduler:
         #: gauges for /metrics: real rows over all rows of the last pass
         self.occupancy = 0.0
         self.passes = 0
+        #: passes that carried more than one session
+        self.shared_passes = 0
         self._thread = threading.Thread(target=self._main, name="onnx-batch", daemon=True)
         self._thread.start()
 
@@ -171,6 +173,7 @@ class BatchScheduler:
             "queue": float(len(self._waiting)),
             "pass_occupancy": self.occupancy,
             "passes": float(self.passes),
+            "shared_passes": float(self.shared_passes),
             "pool_bytes": float(self.pool_bytes()),
         }
 
@@ -396,6 +399,7 @@ class BatchScheduler:
                 self._retire(m, err)
             return
         self.passes += 1
+        self.shared_passes += len(ready) > 1
         self.occupancy = len(ready) / k
         for m in ready:
             self._finish_row(m, logits, states)
