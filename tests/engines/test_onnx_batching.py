@@ -145,6 +145,15 @@ async def test_a_cancelled_session_leaves_the_batch_without_disturbing_the_other
     s, m, p = SESSIONS[1]
     assert entry is not None and entry.users == 0
     assert entry.tokens == (history(s, m) + [x.token_id for x in outs[1]])[: len(entry.tokens)]
+    rest = await run(
+        eng,
+        "c1",
+        history(s, m) + [x.token_id for x in outs[1]],
+        SamplingParams(
+            max_tokens=p.max_tokens - 3, temperature=p.temperature, seed=p.seed, top_k=p.top_k
+        ),
+    )
+    assert outs[1] + rest == refs[1]
     stats = eng.scheduler_stats()
     assert stats["slots_in_use"] == 0 and stats["queue"] == 0
 
