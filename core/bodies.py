@@ -27,11 +27,11 @@ of these body shapes, raised (with a migration) when one changes.
 """
 
 from collections.abc import Mapping
-from typing import Any, Literal, NotRequired, TypeVar, cast
+from typing import Any, Literal, NotRequired, Protocol, TypeVar, cast
 
 from typing_extensions import ReadOnly, TypedDict
 
-from core.events import Event, T
+from core.events import T
 
 SCHEMA_VERSION = 1
 
@@ -265,7 +265,18 @@ BODIES: Mapping[str, type] = {
 B = TypeVar("B")
 
 
-def body(e: Event, kind: type[B]) -> B:
+class HasBody(Protocol):
+    """What the accessors read: an :class:`~core.events.Event` or a
+    :class:`~core.events.NewEvent`."""
+
+    @property
+    def type(self) -> str: ...
+
+    @property
+    def body(self) -> Mapping[str, Any]: ...
+
+
+def body(e: HasBody, kind: type[B]) -> B:
     """``e``'s body as ``kind`` (the body type registered for ``e.type``).
 
     Raises TypeError when ``kind`` is not ``e.type``'s body type: the check is
@@ -274,4 +285,64 @@ def body(e: Event, kind: type[B]) -> B:
     """
     if BODIES.get(e.type) is not kind:
         raise TypeError(f"a {e.type} event's body is not a {getattr(kind, '__name__', kind)}")
-    return cast(B, e.body)
+    return e.body  # type: ignore[return-value]  # the cast, without cast()'s call
+
+
+def body_as(type_name: str, b: Mapping[str, Any], kind: type[B]) -> B:
+    """:func:`body` for a body held apart from its event (``type_name`` is the event's type)."""
+    if BODIES.get(type_name) is not kind:
+        raise TypeError(f"a {type_name} event's body is not a {getattr(kind, '__name__', kind)}")
+    return b  # type: ignore[return-value]
+
+
+# -- readers of a key several event types share ---------------------------------
+#
+# Each is a type test and one dict read: no object is built per event.
+
+
+class _WithGenerationId(TypedDict):
+    generation_id: NotRequired[ReadOnly[str]]
+
+
+class _WithActionId(TypedDict):
+    action_id: ReadOnly[str]
+
+
+#: the types whose body may name a generation (``error.recorded`` optionally)
+GENERATION_ID_TYPES = frozenset(
+    {T.GENERATION_STARTED, T.GENERATION_TOKEN, T.GENERATION_FINISHED, T.ERROR}
+)
+#: the types whose body names an action
+ACTION_ID_TYPES = frozenset({T.ACTION_SUBMITTED, T.ACTION_COMPLETED, T.ACTION_FAILED})
+
+
+def generation_id_of(e: HasBody) -> str | None:
+    """The generation ``e`` belongs to: ``generation.*`` events, and an
+    ``error.recorded`` that names one; None for any other event."""
+    if e.type not in GENERATION_ID_TYPES:
+        return None
+    return cast(_WithGenerationId, e.body).get("generation_id")
+
+
+def action_id_of(e: HasBody) -> str:
+    """The action an ``action.*`` event is about (TypeError for another type)."""
+    if e.type not in ACTION_ID_TYPES:
+        raise TypeError(f"a {e.type} event names no action")
+    return cast(_WithActionId, e.body)["action_id"]
+
+
+def generated_token(e: HasBody) -> int | None:
+    """The token id of a generated ``generation.token`` (not a scored prompt
+    position); None for any other event."""
+    if e.type != T.GENERATION_TOKEN:
+        return None
+    b = cast(GenerationToken, e.body)
+    return None if b.get("is_prefill") else b["token"]
+
+
+def fork_point(e: HasBody) -> ForkPoint | None:
+    """The parent a ``session.opened`` names (a fork); None for a session that
+    is not a fork, or any other event."""
+    if e.type != T.SESSION_OPENED:
+        return None
+    return cast(SessionOpened, e.body).get("parent")

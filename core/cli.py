@@ -479,7 +479,7 @@ async def cmd_import(args: argparse.Namespace) -> int:
             evs.sort(key=lambda e: e.version)
             length = 0
             for e in evs:
-                length = length_after(length, e.type, dict(e.body))
+                length = length_after(length, e.type, e.body)
             await log_.import_events(evs, index={"history_length": length})
             print(f"imported {sid}: {len(evs)} events")
     finally:

@@ -159,7 +159,7 @@ class SessionStates:
         if length is None:
             length = st.length
             for ne in new:
-                length = length_after(length, ne.type, dict(ne.body))
+                length = length_after(length, ne.type, ne.body)
         index = {"history_length": length, "last_active_at": self.clock()}
 
         if st.status != OPEN and any(ne.type in _NEEDS_OPEN for ne in new):

@@ -18,8 +18,31 @@ import copy
 from array import array
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+from core.bodies import (
+    BODIES,
+    ActionCompleted,
+    ActionFailed,
+    ActionSubmitted,
+    ErrorRecorded,
+    FeedbackRecorded,
+    GenerationFinished,
+    GenerationStarted,
+    GenerationToken,
+    ImageAttached,
+    NodeFragment,
+    NoteRecorded,
+    SessionAborted,
+    SessionClosed,
+    SessionExpired,
+    SessionOpened,
+    SessionPurged,
+    TokensAppended,
+    TokensTruncated,
+    WireMessage,
+    body_as,
+)
 from core.errors import InvalidEvent
 from core.events import GENESIS_HASH, Event, T
 
@@ -151,12 +174,22 @@ class SessionState:
         return copy.deepcopy(self)
 
 
-Applier = Callable[[SessionState, Event], None]
+#: ``(state, event, event's body)``: the body arrives typed as its event type's
+#: TypedDict (checked once, when the applier is registered), at no cost per event
+Applier = Callable[[SessionState, Event, Any], None]
 _APPLIERS: dict[str, Applier] = {}
+B = TypeVar("B")
 
 
-def _on(type_: str) -> Callable[[Applier], Applier]:
-    def deco(fn: Applier) -> Applier:
+def _on(
+    type_: str, kind: type[B]
+) -> Callable[[Callable[[SessionState, Event, B], None]], Callable[[SessionState, Event, B], None]]:
+    if BODIES[type_] is not kind:
+        raise TypeError(f"{type_}'s body is not a {kind.__name__}")
+
+    def deco(
+        fn: Callable[[SessionState, Event, B], None],
+    ) -> Callable[[SessionState, Event, B], None]:
         _APPLIERS[type_] = fn
         return fn
 
@@ -176,7 +209,7 @@ def apply(state: SessionState, event: Event) -> SessionState:
         raise InvalidEvent(f"unknown event type {event.type!r}")
     if state.status == PURGED and event.type != T.SESSION_PURGED:
         raise InvalidEvent("event after purge tombstone")
-    fn(state, event)
+    fn(state, event, event.body)
     state.version = event.version
     state.head_hash = event.hash
     state.updated_at = event.recorded_at
@@ -189,11 +222,10 @@ def _require_open(state: SessionState, event: Event) -> None:
         raise InvalidEvent(f"{event.type} on a {state.status} session")
 
 
-@_on(T.SESSION_OPENED)
-def _opened(state: SessionState, e: Event) -> None:
+@_on(T.SESSION_OPENED, SessionOpened)
+def _opened(state: SessionState, e: Event, b: SessionOpened) -> None:
     if state.version != 0 and state.parent is None:
         raise InvalidEvent("session.opened must be the first event")
-    b = e.body
     state.protocol = str(b.get("protocol", ""))
     state.mode = str(b.get("mode", "offset"))
     state.label = str(b.get("label", ""))
@@ -206,56 +238,58 @@ def _opened(state: SessionState, e: Event) -> None:
     state.status = OPEN
 
 
-@_on(T.SESSION_CLOSED)
-def _closed(state: SessionState, e: Event) -> None:
+@_on(T.SESSION_CLOSED, SessionClosed)
+def _closed(state: SessionState, e: Event, b: SessionClosed) -> None:
     _require_open(state, e)
     state.status = CLOSED
 
 
-@_on(T.SESSION_ABORTED)
-def _aborted(state: SessionState, e: Event) -> None:
+@_on(T.SESSION_ABORTED, SessionAborted)
+def _aborted(state: SessionState, e: Event, b: SessionAborted) -> None:
     _require_open(state, e)
     state.status = ABORTED
-    state.abort = dict(e.body)
+    state.abort = dict(b)
 
 
-@_on(T.SESSION_EXPIRED)
-def _expired(state: SessionState, e: Event) -> None:
+@_on(T.SESSION_EXPIRED, SessionExpired)
+def _expired(state: SessionState, e: Event, b: SessionExpired) -> None:
     _require_open(state, e)
     state.status = EXPIRED
 
 
-@_on(T.SESSION_PURGED)
-def _purged(state: SessionState, e: Event) -> None:
+@_on(T.SESSION_PURGED, SessionPurged)
+def _purged(state: SessionState, e: Event, b: SessionPurged) -> None:
     # A tombstone: the events before it are gone, the chain continues from it.
     state.status = PURGED
-    state.purged_through = int(e.body.get("through_version", 0))
+    state.purged_through = int(b.get("through_version", 0))
     state.tokens = array("q")
     state.nodes.clear()
     state.parents_of.clear()
     state.images.clear()
 
 
-def apply_fragment(state: SessionState, body: Mapping[str, Any], data: bytes | None) -> None:
-    """Record a fragment that :func:`core.nodes.check_fragment` accepted (first wins)."""
-    nid = str(body["id"])
-    seq = int(body.get("seq", 0))
+def apply_fragment(state: SessionState, fragment: Mapping[str, Any], data: bytes | None) -> None:
+    """Record a fragment that :func:`core.nodes.check_fragment` accepted (first wins).
+
+    ``fragment``: a ``node.fragment`` body."""
+    b = body_as(T.NODE_FRAGMENT, fragment, NodeFragment)
+    nid = str(b["id"])
+    seq = int(b.get("seq", 0))
     node = state.nodes.get(nid)
     if node is None:
-        node = state.nodes[nid] = Node(id=nid, direction=str(body.get("direction", "in")))
+        node = state.nodes[nid] = Node(id=nid, direction=str(b.get("direction", "in")))
     if seq in node.fragments:
         return  # first wins
-    chunk = body.get("chunk")
-    children = [str(c) for c in body.get("child_ids", ())]
+    chunk = b.get("chunk")
+    children = [str(c) for c in b.get("child_ids", ())]
     if chunk is not None and children:
         raise InvalidEvent(f"node {nid}: fragment is both parent and leaf")
+    metadata = None if chunk is None else chunk.get("metadata")
     frag = Fragment(
         seq=seq,
-        continued=bool(body.get("continued", False)),
+        continued=bool(b.get("continued", False)),
         child_ids=children,
-        metadata=None
-        if chunk is None or chunk.get("metadata") is None
-        else dict(chunk["metadata"]),
+        metadata=None if metadata is None else dict(metadata),
         ref=None if chunk is None else chunk.get("ref"),
         data=data,
         has_chunk=chunk is not None,
@@ -269,16 +303,15 @@ def apply_fragment(state: SessionState, body: Mapping[str, Any], data: bytes | N
         state.parents_of.setdefault(c, set()).add(nid)
 
 
-@_on(T.NODE_FRAGMENT)
-def _fragment(state: SessionState, e: Event) -> None:
+@_on(T.NODE_FRAGMENT, NodeFragment)
+def _fragment(state: SessionState, e: Event, b: NodeFragment) -> None:
     _require_open(state, e)
-    apply_fragment(state, e.body, e.data)
+    apply_fragment(state, b, e.data)
 
 
-@_on(T.ACTION_SUBMITTED)
-def _action(state: SessionState, e: Event) -> None:
+@_on(T.ACTION_SUBMITTED, ActionSubmitted)
+def _action(state: SessionState, e: Event, b: ActionSubmitted) -> None:
     _require_open(state, e)
-    b = e.body
     aid = str(b["action_id"])
     if aid in state.actions:
         raise InvalidEvent(f"action {aid} submitted twice")
@@ -292,29 +325,28 @@ def _action(state: SessionState, e: Event) -> None:
     )
 
 
-def _action_of(state: SessionState, e: Event) -> Action:
-    act = state.actions.get(str(e.body.get("action_id")))
+def _action_of(state: SessionState, aid: str) -> Action:
+    act = state.actions.get(str(aid))
     if act is None:
-        raise InvalidEvent(f"unknown action {e.body.get('action_id')!r}")
+        raise InvalidEvent(f"unknown action {aid!r}")
     return act
 
 
-@_on(T.ACTION_COMPLETED)
-def _action_done(state: SessionState, e: Event) -> None:
-    _action_of(state, e).status = "completed"
+@_on(T.ACTION_COMPLETED, ActionCompleted)
+def _action_done(state: SessionState, e: Event, b: ActionCompleted) -> None:
+    _action_of(state, b["action_id"]).status = "completed"
 
 
-@_on(T.ACTION_FAILED)
-def _action_failed(state: SessionState, e: Event) -> None:
-    act = _action_of(state, e)
+@_on(T.ACTION_FAILED, ActionFailed)
+def _action_failed(state: SessionState, e: Event, b: ActionFailed) -> None:
+    act = _action_of(state, b["action_id"])
     act.status = "failed"
-    act.error = str(e.body.get("message", ""))
+    act.error = str(b.get("message", ""))
 
 
-@_on(T.TOKENS_APPENDED)
-def _tokens(state: SessionState, e: Event) -> None:
+@_on(T.TOKENS_APPENDED, TokensAppended)
+def _tokens(state: SessionState, e: Event, b: TokensAppended) -> None:
     _require_open(state, e)
-    b = e.body
     start = int(b["start"])
     if start != len(state.tokens):
         raise InvalidEvent(f"tokens.appended at {start} but history length is {len(state.tokens)}")
@@ -335,16 +367,16 @@ def _tokens(state: SessionState, e: Event) -> None:
         )
 
 
-@_on(T.TOKENS_TRUNCATED)
-def _truncated(state: SessionState, e: Event) -> None:
+@_on(T.TOKENS_TRUNCATED, TokensTruncated)
+def _truncated(state: SessionState, e: Event, b: TokensTruncated) -> None:
     _require_open(state, e)
-    keep = [(int(a), int(b)) for a, b in e.body["keep"]]
+    keep = [(int(start), int(end)) for start, end in b["keep"]]
     old = state.tokens
     new: array[int] = array("q")
-    for a, b in keep:
-        if not 0 <= a <= b <= len(old):
-            raise InvalidEvent(f"tokens.truncated keeps [{a},{b}) of {len(old)} tokens")
-        new.extend(old[a:b])
+    for start, end in keep:
+        if not 0 <= start <= end <= len(old):
+            raise InvalidEvent(f"tokens.truncated keeps [{start},{end}) of {len(old)} tokens")
+        new.extend(old[start:end])
     state.dropped_tokens += len(old) - len(new)
     state.tokens = new
     state.truncations += 1
@@ -355,10 +387,9 @@ def _truncated(state: SessionState, e: Event) -> None:
         state.images = []
 
 
-@_on(T.GENERATION_STARTED)
-def _gen_started(state: SessionState, e: Event) -> None:
+@_on(T.GENERATION_STARTED, GenerationStarted)
+def _gen_started(state: SessionState, e: Event, b: GenerationStarted) -> None:
     _require_open(state, e)
-    b = e.body
     gid = str(b["generation_id"])
     if state.active_generation is not None:
         raise InvalidEvent("generation started while another is running")
@@ -371,20 +402,19 @@ def _gen_started(state: SessionState, e: Event) -> None:
     )
 
 
-def _generation_of(state: SessionState, e: Event) -> Generation:
-    g = state.generations.get(str(e.body.get("generation_id")))
+def _generation_of(state: SessionState, gid: str | None) -> Generation:
+    g = state.generations.get(str(gid))
     if g is None:
-        raise InvalidEvent(f"unknown generation {e.body.get('generation_id')!r}")
+        raise InvalidEvent(f"unknown generation {gid!r}")
     if g.finish_reason is not None:
         raise InvalidEvent(f"generation {g.id} already finished")
     return g
 
 
-@_on(T.GENERATION_TOKEN)
-def _gen_token(state: SessionState, e: Event) -> None:
+@_on(T.GENERATION_TOKEN, GenerationToken)
+def _gen_token(state: SessionState, e: Event, b: GenerationToken) -> None:
     _require_open(state, e)
-    g = _generation_of(state, e)
-    b = e.body
+    g = _generation_of(state, b.get("generation_id"))
     if b.get("is_prefill"):
         g.scored += 1
         return
@@ -396,36 +426,36 @@ def _gen_token(state: SessionState, e: Event) -> None:
     g.tokens.append(tok)
 
 
-@_on(T.GENERATION_FINISHED)
-def _gen_finished(state: SessionState, e: Event) -> None:
+@_on(T.GENERATION_FINISHED, GenerationFinished)
+def _gen_finished(state: SessionState, e: Event, b: GenerationFinished) -> None:
     _require_open(state, e)
-    g = _generation_of(state, e)
-    g.finish_reason = str(e.body.get("finish_reason", "unspecified"))
+    g = _generation_of(state, b.get("generation_id"))
+    g.finish_reason = str(b.get("finish_reason", "unspecified"))
     g.finished_at = e.recorded_at
 
 
-@_on(T.FEEDBACK)
-def _feedback(state: SessionState, e: Event) -> None:
-    state.feedback.append(dict(e.body))
+@_on(T.FEEDBACK, FeedbackRecorded)
+def _feedback(state: SessionState, e: Event, b: FeedbackRecorded) -> None:
+    state.feedback.append(dict(b))
 
 
-@_on(T.ERROR)
-def _error(state: SessionState, e: Event) -> None:
-    state.errors.append(dict(e.body))
+@_on(T.ERROR, ErrorRecorded)
+def _error(state: SessionState, e: Event, b: ErrorRecorded) -> None:
+    state.errors.append(dict(b))
 
 
-@_on(T.WIRE)
-def _wire(state: SessionState, e: Event) -> None:
+@_on(T.WIRE, WireMessage)
+def _wire(state: SessionState, e: Event, b: WireMessage) -> None:
     return None
 
 
-@_on(T.IMAGE_ATTACHED)
-def _image(state: SessionState, e: Event) -> None:
+@_on(T.IMAGE_ATTACHED, ImageAttached)
+def _image(state: SessionState, e: Event, b: ImageAttached) -> None:
     _require_open(state, e)  # the bytes; tokens.appended places the block
 
 
-@_on(T.NOTE)
-def _note(state: SessionState, e: Event) -> None:
+@_on(T.NOTE, NoteRecorded)
+def _note(state: SessionState, e: Event, b: NoteRecorded) -> None:
     return None
 
 
@@ -440,9 +470,10 @@ def overlay(st: SessionState) -> SessionState:
 
 
 def overlay_apply(
-    scratch: SessionState, base: SessionState, body: Mapping[str, Any], data: bytes | None
+    scratch: SessionState, base: SessionState, fragment: Mapping[str, Any], data: bytes | None
 ) -> None:
-    nid = str(body["id"])
+    b = body_as(T.NODE_FRAGMENT, fragment, NodeFragment)
+    nid = str(b["id"])
     node = scratch.nodes.get(nid)
     if node is not None and node is base.nodes.get(nid):
         scratch.nodes[nid] = Node(
@@ -452,11 +483,11 @@ def overlay_apply(
             kind=node.kind,
             direction=node.direction,
         )
-    for c in body.get("child_ids", ()):
+    for c in b.get("child_ids", ()):
         parents = scratch.parents_of.get(c)
         if parents is not None and parents is base.parents_of.get(c):
             scratch.parents_of[c] = set(parents)
-    apply_fragment(scratch, body, data)
+    apply_fragment(scratch, fragment, data)
 
 
 def fork_state(parent: SessionState, child_id: str, token_position: int | None) -> SessionState:

@@ -4,10 +4,11 @@ vocabulary range, image pad runs, truncation."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from core.bodies import GenerationToken, TokensAppended, TokensTruncated, body_as
 from core.errors import (
     AppendOnlyViolation,
     ContextOverflow,
@@ -128,14 +129,17 @@ def sink_window_keep(length: int, sink: int, window: int) -> list[list[int]] | N
     return [[0, sink], [length - window, length]]
 
 
-def length_after(length: int, body_type: str, body: dict[str, Any]) -> int:
-    """History length after an event (for the sessions index)."""
+def length_after(length: int, body_type: str, body: Mapping[str, Any]) -> int:
+    """History length after an event (for the sessions index): ``body`` is the
+    event's body, ``body_type`` its type."""
     from core.events import T
 
     if body_type == T.TOKENS_APPENDED:
-        return length + len(body["tokens"])
+        return length + len(body_as(body_type, body, TokensAppended)["tokens"])
     if body_type == T.TOKENS_TRUNCATED:
-        return sum(b - a for a, b in body["keep"])
-    if body_type == T.GENERATION_TOKEN and not body.get("is_prefill"):
+        return sum(end - start for start, end in body_as(body_type, body, TokensTruncated)["keep"])
+    if body_type == T.GENERATION_TOKEN and not body_as(body_type, body, GenerationToken).get(
+        "is_prefill"
+    ):
         return length + 1
     return length
