@@ -15,6 +15,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from core.bodies import (
+    GenerationFinished,
+    GenerationStarted,
+    GenerationToken,
+    body,
+    generation_id_of,
+)
 from core.engine import Engine, OutputOptions, SamplingParams
 from core.errors import ChainBroken, SessiontapeError
 from core.events import T
@@ -31,7 +38,7 @@ class RecordedGeneration:
     params: SamplingParams
     options: OutputOptions
     eos: tuple[int, ...]
-    steps: list[dict[str, Any]] = field(default_factory=list)
+    steps: list[GenerationToken] = field(default_factory=list)
     finish_reason: str | None = None
 
 
@@ -109,12 +116,13 @@ async def audit_session(
     for e in evs:
         try:
             if e.type == T.GENERATION_STARTED:
-                g = _recorded(e.body, st.tokens, st.eos_token_ids)
+                g = _recorded(body(e, GenerationStarted), st.tokens, st.eos_token_ids)
                 gens[g.generation_id] = g
-            elif e.type == T.GENERATION_TOKEN and str(e.body.get("generation_id")) in gens:
-                gens[str(e.body["generation_id"])].steps.append(dict(e.body))
-            elif e.type == T.GENERATION_FINISHED and str(e.body.get("generation_id")) in gens:
-                gens[str(e.body["generation_id"])].finish_reason = str(e.body.get("finish_reason"))
+            elif (rec := gens.get(str(generation_id_of(e)))) is not None:
+                if e.type == T.GENERATION_TOKEN:
+                    rec.steps.append(body(e, GenerationToken))
+                elif e.type == T.GENERATION_FINISHED:
+                    rec.finish_reason = str(body(e, GenerationFinished).get("finish_reason"))
             apply(st, e)
         except (SessiontapeError, TypeError, ValueError, KeyError, AttributeError) as exc:
             # A body the fold or the parameter check cannot take is the session failing a check,
@@ -152,14 +160,14 @@ def _reason(exc: BaseException) -> str:
 
 
 def _recorded(
-    body: Mapping[str, Any], tokens: Sequence[int], eos: Sequence[int]
+    started: GenerationStarted, tokens: Sequence[int], eos: Sequence[int]
 ) -> RecordedGeneration:
     """A ``generation.started`` body as a re-executable generation; raises when its parameters are unusable."""
-    opts = body.get("options", {})
-    params = SamplingParams.from_json(body.get("params", {}))
+    opts: Mapping[str, Any] = started.get("options") or {}
+    params = SamplingParams.from_json(started.get("params") or {})
     params.check()
     return RecordedGeneration(
-        generation_id=str(body["generation_id"]),
+        generation_id=str(started["generation_id"]),
         history=list(tokens),
         params=params,
         options=OutputOptions(
@@ -209,18 +217,15 @@ async def reexecute_generation(
 
 
 def first_divergence(
-    gid: str, recorded: Sequence[dict[str, Any]], got: Sequence[dict[str, Any]], complete: bool
+    gid: str, recorded: Sequence[GenerationToken], got: Sequence[dict[str, Any]], complete: bool
 ) -> dict[str, Any] | None:
     for i, (r, x) in enumerate(zip(recorded, got, strict=False)):
+        logprob = r.get("logprob")
         same = (
             int(r["token"]) == x["token"]
             and int(r["position"]) == x["position"]
             and bool(r.get("is_prefill")) == x["is_prefill"]
-            and (
-                r.get("logprob") is None
-                or x["logprob"] is None
-                or float(r["logprob"]) == float(x["logprob"])
-            )
+            and (logprob is None or x["logprob"] is None or float(logprob) == float(x["logprob"]))
         )
         if not same:
             return {

@@ -500,6 +500,7 @@ async def _exists(log_: Any, sid: str) -> bool:
 async def cmd_purge(args: argparse.Namespace) -> int:
     import time
 
+    from core.bodies import SessionPurged, body
     from core.errors import InvalidParameters
 
     if not args.ids and args.older_than_days is None:
@@ -518,7 +519,8 @@ async def cmd_purge(args: argparse.Namespace) -> int:
             if row.status == "open" and not args.force:
                 raise InvalidParameters(f"session {sid} is open; close it first or pass --force")
             tomb = await log_.purge(sid, reason=args.reason)
-            print(f"purged {sid}: {tomb.body['through_version']} events, tombstone v{tomb.version}")
+            through = body(tomb, SessionPurged)["through_version"]
+            print(f"purged {sid}: {through} events, tombstone v{tomb.version}")
     finally:
         await log_.close()
     if args.older_than_days is not None:

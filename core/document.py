@@ -29,6 +29,20 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from core.bodies import (
+    ErrorRecorded,
+    FeedbackRecorded,
+    GenerationFinished,
+    GenerationStarted,
+    GenerationToken,
+    NodeFragment,
+    SessionOpened,
+    TokensAppended,
+    TokensTruncated,
+    action_id_of,
+    body,
+    fork_point,
+)
 from core.events import GENESIS_HASH, Event, T, event_hash
 from core.loader import base_state
 from core.log.store import EventLog
@@ -161,7 +175,7 @@ async def fork_base(log: EventLog, first: Event) -> SessionState | None:
     :func:`core.loader.load_state` (snapshot, then events) at the fork's
     version and cut at its token position, as the runtime does.
     """
-    if not (first.type == T.SESSION_OPENED and first.body.get("parent")):
+    if not fork_point(first):
         return None
     return await base_state(log, first)
 
@@ -273,7 +287,7 @@ class DocumentBuilder:
     def _roots(self) -> list[str]:
         return [nid for nid in self.state.nodes if not self.state.parents_of.get(nid)]
 
-    def _token(self, b: Mapping[str, Any], at: float) -> dict[str, Any]:
+    def _token(self, b: GenerationToken, at: float) -> dict[str, Any]:
         tok = int(b["token"])
         top = [
             {"id": int(i), "text": self._text([int(i)]), "logprob": lp}
@@ -360,7 +374,7 @@ class DocumentBuilder:
         self._ops = ops
         doc = self.doc
         if e.session_id != self.session_id:
-            parent = e.body.get("parent") if e.type == T.SESSION_OPENED else None
+            parent = fork_point(e)
             if parent and parent.get("session_id") == self.session_id:
                 self._push(
                     doc["children"],
@@ -408,12 +422,13 @@ class DocumentBuilder:
             ("ttl_s", st.ttl_s),
             ("eos_token_ids", list(st.eos_token_ids)),
             ("created_at", e.recorded_at),
-            ("parent", None if e.body.get("parent") is None else dict(e.body["parent"])),
+            ("parent", None if (parent := fork_point(e)) is None else dict(parent)),
         ):
             self._set(doc, key, value, "/" + key)
 
     def _ended(self, doc: Doc, e: Event, _: int) -> None:
         self._set(doc, "status", self.state.status, "/status")
+        # the whole body (one of four types), no key read
         self._set(doc, "end", {"type": e.type, "at": e.recorded_at, **dict(e.body)}, "/end")
         if e.type == T.SESSION_PURGED:
             self._replace(doc, "nodes", {}, "/nodes")
@@ -429,22 +444,23 @@ class DocumentBuilder:
             self._gen_runs.clear()
 
     def _fragment(self, doc: Doc, e: Event, _: int) -> None:
-        nid = str(e.body["id"])
+        b = body(e, NodeFragment)
+        nid = str(b["id"])
         node = self.state.nodes.get(nid)
         if node is None:
             return
         nodes = doc["nodes"]
         is_new = nid not in nodes
         self._set(nodes, nid, self._node(node), "/nodes/" + escape(nid))
-        if is_new or e.body.get("child_ids"):
+        if is_new or b.get("child_ids"):
             self._set(doc, "roots", self._roots(), "/roots")
             # a parent's children list changed: re-render parents whose children arrived
-            for c in e.body.get("child_ids", ()):
+            for c in b.get("child_ids", ()):
                 if c in nodes and c in self.state.nodes:
                     self._set(nodes, c, self._node(self.state.nodes[c]), "/nodes/" + escape(c))
 
     def _action(self, doc: Doc, e: Event, _: int) -> None:
-        aid = str(e.body["action_id"])
+        aid = str(action_id_of(e))
         act = self.state.actions[aid]
         if aid in self._action_index:
             i = self._action_index[aid]
@@ -475,7 +491,7 @@ class DocumentBuilder:
         )
 
     def _appended(self, doc: Doc, e: Event, prev_len: int) -> None:
-        b = e.body
+        b = body(e, TokensAppended)
         toks = [int(t) for t in b["tokens"]]
         h = doc["history"]
         for t in toks:
@@ -497,7 +513,7 @@ class DocumentBuilder:
 
     def _truncated(self, doc: Doc, e: Event, _: int) -> None:
         st = self.state
-        keep = [(int(a), int(b)) for a, b in e.body["keep"]]
+        keep = [(int(a), int(b)) for a, b in body(e, TokensTruncated)["keep"]]
         h = doc["history"]
         ids = list(st.tokens)
         old = h["ids"]
@@ -523,7 +539,7 @@ class DocumentBuilder:
         self._set(h, "dropped", st.dropped_tokens, "/history/dropped")
 
     def _gen_started(self, doc: Doc, e: Event, _: int) -> None:
-        b = e.body
+        b = body(e, GenerationStarted)
         gid = str(b["generation_id"])
         self._gen_index[gid] = len(doc["generations"])
         if self.detokenize is not None:
@@ -551,7 +567,7 @@ class DocumentBuilder:
         self._set(doc, "active_generation", gid, "/active_generation")
 
     def _gen_token(self, doc: Doc, e: Event, _: int) -> None:
-        b = e.body
+        b = body(e, GenerationToken)
         gid = str(b["generation_id"])
         i = self._gen_index[gid]
         g = doc["generations"][i]
@@ -586,7 +602,7 @@ class DocumentBuilder:
             self._grow(last, "text", piece, f"/history/segments/{len(segs) - 1}/text")
 
     def _gen_finished(self, doc: Doc, e: Event, _: int) -> None:
-        b = e.body
+        b = body(e, GenerationFinished)
         gid = str(b["generation_id"])
         i = self._gen_index[gid]
         g = doc["generations"][i]
@@ -615,13 +631,15 @@ class DocumentBuilder:
     def _feedback(self, doc: Doc, e: Event, _: int) -> None:
         self._push(
             doc["feedback"],
-            {**dict(e.body), "at": e.recorded_at, "version": e.version},
+            {**dict(body(e, FeedbackRecorded)), "at": e.recorded_at, "version": e.version},
             "/feedback",
         )
 
     def _error(self, doc: Doc, e: Event, _: int) -> None:
         self._push(
-            doc["errors"], {**dict(e.body), "at": e.recorded_at, "version": e.version}, "/errors"
+            doc["errors"],
+            {**dict(body(e, ErrorRecorded)), "at": e.recorded_at, "version": e.version},
+            "/errors",
         )
 
 
@@ -698,16 +716,17 @@ class SessionListBuilder:
         t = e.type
         if t == T.SESSION_OPENED:
             if e.session_id not in self.doc["sessions"]:
-                b = e.body
-                parent = b.get("parent") or {}
+                b = body(e, SessionOpened)
+                parent = b.get("parent")
+                engine = b.get("engine")
                 entry = session_summary(
                     {
                         "id": e.session_id,
                         "protocol": b.get("protocol", ""),
                         "status": "open",
                         "label": b.get("label", ""),
-                        "parent_id": parent.get("session_id"),
-                        "model_id": (b.get("engine") or {}).get("model_id", ""),
+                        "parent_id": None if not parent else parent.get("session_id"),
+                        "model_id": "" if not engine else engine.get("model_id", ""),
                         "created_at": e.recorded_at,
                     }
                 )

@@ -123,15 +123,16 @@ class SamplingParams:
             raise InvalidParameters("stop_token_ids must be integers >= 0")
 
     @classmethod
-    def from_json(cls, body: Mapping[str, Any]) -> SamplingParams:
-        seed = body.get("seed")
+    def from_json(cls, params: Mapping[str, Any]) -> SamplingParams:
+        """From the JSON form :meth:`to_json` writes (a ``generation.started``'s ``params``)."""
+        seed = params.get("seed")
         return cls(
-            max_tokens=int(body.get("max_tokens", 16)),
-            temperature=float(body.get("temperature", 1.0)),
-            top_p=float(body.get("top_p", 1.0)),
-            top_k=int(body.get("top_k", 0)),
+            max_tokens=int(params.get("max_tokens", 16)),
+            temperature=float(params.get("temperature", 1.0)),
+            top_p=float(params.get("top_p", 1.0)),
+            top_k=int(params.get("top_k", 0)),
             seed=None if seed is None else int(seed),
-            stop_token_ids=tuple(int(t) for t in body.get("stop_token_ids", ())),
+            stop_token_ids=tuple(int(t) for t in params.get("stop_token_ids", ())),
         )
 
 
@@ -233,6 +234,16 @@ class Engine(ABC):
     def kv_total_bytes(self) -> int:
         """Bytes held by all of the engine's caches (shared prefixes counted once)."""
         return 0
+
+    @property
+    def batches(self) -> bool:
+        """Whether the engine puts the steps of many generations into shared passes itself.
+
+        The runtime then lets every generation pull steps at once instead of
+        taking turns through its priority gate (turns would leave all but one
+        session out of each pass).
+        """
+        return False
 
     def scheduler_stats(self) -> Mapping[str, float]:
         """A batching engine's scheduler now: ``slots``, ``slots_in_use``, ``queue`` (waiting

@@ -3,8 +3,9 @@ after it; a fork folds its parent up to the fork point first."""
 
 from __future__ import annotations
 
+from core.bodies import fork_point
 from core.errors import SessionNotFound
-from core.events import Event, T
+from core.events import Event
 from core.log.store import EventLog
 from core.snapshot import state_from_json
 from core.state import SessionState, apply, fork_state
@@ -13,7 +14,7 @@ from core.state import SessionState, apply, fork_state
 async def base_state(log: EventLog, first: Event) -> SessionState:
     """The state a session's own events fold onto: empty, or for a fork the
     parent's state at the fork version, cut at the fork's token position."""
-    parent = first.body.get("parent") if first.type == T.SESSION_OPENED else None
+    parent = fork_point(first)
     if not parent:
         return SessionState(first.session_id)
     pstate = await load_state(log, str(parent["session_id"]), int(parent["version"]))

@@ -18,6 +18,19 @@ import re
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any, TextIO
 
+from core.bodies import (
+    ActionFailed,
+    ActionSubmitted,
+    ErrorRecorded,
+    GenerationFinished,
+    NodeFragment,
+    SessionOpened,
+    TokensAppended,
+    TokensTruncated,
+    action_id_of,
+    body,
+    generated_token,
+)
 from core.events import Event, T
 
 #: C0 and C1 controls except \t and \n, DEL, and the bidirectional embedding/override/isolate marks
@@ -73,9 +86,10 @@ class Renderer:
     def render(self, e: Event) -> str | None:
         """One event as terminal text (None for events with nothing to show)."""
         if e.type == T.GENERATION_TOKEN:
-            if e.body.get("is_prefill"):
-                return None
-            return escape_controls(self._model.feed([int(e.body["token"])])) or None
+            tok = generated_token(e)
+            if tok is None:
+                return None  # a scored prompt position
+            return escape_controls(self._model.feed([int(tok)])) or None
         pending = self._model.flush()
         text = _render_other(e)
         if pending:
@@ -93,21 +107,24 @@ def render_event(e: Event) -> str | None:
 
 
 def _render_other(e: Event) -> str | None:
-    b = e.body
     if e.type == T.SESSION_OPENED:
-        eng = b.get("engine", {})
-        parent = b.get("parent")
+        so = body(e, SessionOpened)
+        eng = so.get("engine", {})
+        parent = so.get("parent")
         fork = f" fork of {parent['session_id']}@{parent.get('token_position')}" if parent else ""
-        return f"── session {e.session_id} ({b.get('protocol')}, {eng.get('engine')}:{eng.get('model_id')}){fork}\n"
+        return f"── session {e.session_id} ({so.get('protocol')}, {eng.get('engine')}:{eng.get('model_id')}){fork}\n"
     if e.type == T.TOKENS_APPENDED:
-        return f"\n[user] {render_tokens(b['tokens'])}"
+        return f"\n[user] {render_tokens(body(e, TokensAppended)['tokens'])}"
     if e.type == T.TOKENS_TRUNCATED:
-        return f"\n[truncated: {b.get('reason')}, dropped {b.get('dropped')}]"
+        tt = body(e, TokensTruncated)
+        return f"\n[truncated: {tt.get('reason')}, dropped {tt.get('dropped')}]"
     if e.type == T.GENERATION_STARTED:
         return "\n[model] "
     if e.type == T.GENERATION_FINISHED:
-        return f"  ⟨{b.get('finish_reason')}, {b.get('completion_tokens')} tokens⟩"
+        gf = body(e, GenerationFinished)
+        return f"  ⟨{gf.get('finish_reason')}, {gf.get('completion_tokens')} tokens⟩"
     if e.type == T.NODE_FRAGMENT:
+        b = body(e, NodeFragment)
         arrow = "→" if b.get("direction") == "out" else "←"
         chunk = b.get("chunk")
         what = (
@@ -121,15 +138,18 @@ def _render_other(e: Event) -> str | None:
         )
         return f"\n{arrow} node {b['id']}#{b.get('seq', 0)}: {what}"
     if e.type == T.ACTION_SUBMITTED:
-        return f"\n[action {b['action_id']}] {b['name']} {b.get('inputs')} -> {b.get('outputs')}"
+        sub = body(e, ActionSubmitted)
+        return f"\n[action {sub['action_id']}] {sub['name']} {sub.get('inputs')} -> {sub.get('outputs')}"
     if e.type in (T.ACTION_COMPLETED, T.ACTION_FAILED):
-        return f"\n[action {b['action_id']} {e.type.split('.')[1]}] {b.get('message', '')}".rstrip()
+        message = body(e, ActionFailed).get("message", "") if e.type == T.ACTION_FAILED else ""
+        return f"\n[action {action_id_of(e)} {e.type.split('.')[1]}] {message}".rstrip()
     if e.type == T.FEEDBACK:
-        return f"\n[feedback] {_body_text(b)}"
+        return f"\n[feedback] {_body_text(e.body)}"
     if e.type == T.ERROR:
-        return f"\n[error {b.get('code')}] {b.get('message')}"
+        er = body(e, ErrorRecorded)
+        return f"\n[error {er.get('code')}] {er.get('message')}"
     if e.type in (T.SESSION_CLOSED, T.SESSION_ABORTED, T.SESSION_EXPIRED, T.SESSION_PURGED):
-        return f"\n── {e.type.split('.')[1]} {_body_text(b) if b else ''}\n"
+        return f"\n── {e.type.split('.')[1]} {_body_text(e.body) if e.body else ''}\n"
     return None
 
 

@@ -31,6 +31,8 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from core.bodies import SessionPurged
+from core.bodies import body as typed_body
 from core.errors import ChainBroken, InvalidEvent, SessionNotFound, SessiontapeError
 from core.events import GENESIS_HASH, Event, NewEvent, T, event_hash, parse_json
 from core.log.dialect import Dialect, session_lock_key
@@ -464,7 +466,10 @@ def verify_chain(evs: Sequence[Event], start_hash: str | None = None) -> None:
             raise ChainBroken(
                 f"{e.session_id} v{e.version}: hash does not match the event's content"
             )
-        if e.type == T.SESSION_PURGED and e.body.get("last_hash") != e.prev_hash:
+        if (
+            e.type == T.SESSION_PURGED
+            and typed_body(e, SessionPurged).get("last_hash") != e.prev_hash
+        ):
             raise ChainBroken(
                 f"{e.session_id} v{e.version}: tombstone does not name the purged head"
             )

@@ -24,6 +24,7 @@ from typing import Any
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from core import metrics
+from core.bodies import SessionOpened, body
 from core.errors import (
     ChainBroken,
     ConcurrencyError,
@@ -440,19 +441,19 @@ class Writer:
             opened = out[0] if out[0].type == T.SESSION_OPENED else None
             if opened is None or opened.version != 1:
                 raise InvalidEvent(f"session {sid}: the first event must be session.opened")
-            b = opened.body
-            eng = b.get("engine", {}) or {}
-            parent = b.get("parent") or {}
-            row = {
+            b = body(opened, SessionOpened)
+            eng = b.get("engine")
+            parent = b.get("parent")
+            row: dict[str, Any] = {
                 "id": sid,
                 "protocol": str(b.get("protocol", "")),
                 "status": "open",
                 "label": str(b.get("label", "")),
-                "engine": str(eng.get("engine", "")),
-                "model_id": str(eng.get("model_id", "")),
-                "parent_id": parent.get("session_id"),
-                "parent_version": parent.get("version"),
-                "fork_position": parent.get("token_position"),
+                "engine": "" if not eng else str(eng.get("engine", "")),
+                "model_id": "" if not eng else str(eng.get("model_id", "")),
+                "parent_id": None if not parent else parent.get("session_id"),
+                "parent_version": None if not parent else parent.get("version"),
+                "fork_position": None if not parent else parent.get("token_position"),
                 "created_at": opened.recorded_at,
                 "ttl_s": b.get("ttl_s"),
                 "event_count": len(out),
