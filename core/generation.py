@@ -153,6 +153,10 @@ class Generation:
         taking turns without a hand-over per token.
         """
         gate, q, burst = self.rt.gate, self._queue, self.limits.burst
+        if self.rt.engine.batches:
+            # the engine schedules every generation's steps into shared passes itself:
+            # taking turns here would leave all but one session idle in each pass
+            gate = _NO_GATE
         last = time.perf_counter()
         try:
             done = False
@@ -618,3 +622,17 @@ async def _settle_unfinished(
     with contextlib.suppress(Exception):
         async with rt._lock(gen.sid):
             await rt._commit(st, gen.finished_event(reason, failure))
+
+
+class _OpenGate:
+    """A gate that never makes anyone wait (for engines that batch generations themselves)."""
+
+    @contextlib.asynccontextmanager
+    async def slot(self, priority: int = 0) -> AsyncIterator[None]:
+        yield
+
+    def more_urgent_waiting(self, priority: int) -> bool:
+        return False
+
+
+_NO_GATE: Any = _OpenGate()

@@ -334,6 +334,10 @@ class OnnxEngine(Engine):
         pool = 0 if self._batch is None else self._batch.pool_bytes()
         return int(self.cache.total_bytes) + pool
 
+    @property
+    def batches(self) -> bool:
+        return self._batch is not None
+
     def scheduler_stats(self) -> dict[str, float]:
         return {} if self._batch is None else self._batch.stats()
 

@@ -126,3 +126,45 @@ async def test_kv_bytes_gauge_follows_the_engine_caches(tmp_path) -> None:  # ty
         assert metrics.KV_BYTES._value.get() == engine.kv_total_bytes()
     finally:
         await rt.aclose()
+
+
+async def test_generations_through_the_runtime_share_the_engines_passes(
+    onnx_runtime: Runtime,
+) -> None:
+    """A batching engine is not fed one generation at a time through the priority gate."""
+    import asyncio
+
+    rt = onnx_runtime
+    eng = rt.engine
+    assert isinstance(eng, OnnxEngine)
+    if not eng.batches:
+        pytest.skip(
+            "this provider runs the fixed pass shape, which the batch scheduler does not serve"
+        )
+    sids = []
+    for i in range(4):
+        s = await rt.open_session("kakeya", eos_token_ids=[])
+        await rt.append_tokens(
+            s.session_id, [int(t) for t in np.random.default_rng(i).integers(3, 250, 9)]
+        )
+        sids.append(s.session_id)
+    before = eng.scheduler_stats()
+
+    async def one(sid: str, seed: int) -> list[int]:
+        return [
+            e.body["token"]
+            async for e in rt.generate(
+                sid, SamplingParams(max_tokens=40, seed=seed, temperature=0.9)
+            )
+            if e.type == T.GENERATION_TOKEN
+        ]
+
+    outs = await asyncio.gather(*(one(sid, i) for i, sid in enumerate(sids)))
+    after = eng.scheduler_stats()
+    assert all(len(o) == 40 for o in outs)
+    passes = after["passes"] - before["passes"]
+    # four sessions of 40 tokens: far fewer passes than tokens when they share them
+    assert passes <= 0.4 * 160, passes
+    for sid in sids:
+        report = await audit_session(rt, sid, reexecute=True)
+        assert report.ok, report.to_json()
