@@ -34,6 +34,7 @@ from typing import Any, cast
 
 from google.protobuf import json_format, message, struct_pb2
 
+from core.bodies import action_id_of, generated_token
 from core.engine import SamplingParams
 from core.errors import (
     InvalidAction,
@@ -43,7 +44,7 @@ from core.errors import (
     SessiontapeError,
     TargetNotFound,
 )
-from core.events import Event, T
+from core.events import Event
 from core.nodes import FragmentIn, flatten, missing
 from core.runtime import Runtime
 from transports.grpc.gen.evergreen.v2 import evergreen_pb2, evergreen_pb2_grpc
@@ -329,10 +330,9 @@ class _Stream:
             )
         )
         self.output_ids.update(i for _, i in outputs)
-        self.unfinished.append(str(ev.body["action_id"]))
-        self.actions.put_nowait(
-            PendingAction(str(ev.body["action_id"]), a.name, inputs, outputs, params)
-        )
+        aid = str(action_id_of(ev))
+        self.unfinished.append(aid)
+        self.actions.put_nowait(PendingAction(aid, a.name, inputs, outputs, params))
 
     # -- worker --
 
@@ -432,11 +432,7 @@ class _Stream:
             async for run in runs:
                 if self.stopping:
                     raise _Stopped
-                new = [
-                    int(ev.body["token"])
-                    for ev in run
-                    if ev.type == T.GENERATION_TOKEN and not ev.body.get("is_prefill")
-                ]
+                new = [int(tok) for ev in run if (tok := generated_token(ev)) is not None]
                 if not new:
                     continue
                 produced += new

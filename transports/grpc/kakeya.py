@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
+from core.bodies import GenerationFinished, TokensTruncated, body, generated_token
 from core.config import Config
 from core.engine import SamplingParams
 from core.errors import CacheInvariantViolation, ConfigError
@@ -153,22 +154,24 @@ class KakeyaService(pb_grpc.RuntimeServiceServicer, GrpcService):
             try:
                 async with closing(events):
                     async for ev in events:
-                        b = ev.body
                         if ev.type == T.TOKENS_TRUNCATED:
+                            dropped = body(ev, TokensTruncated)["dropped"]
                             yield pb.GenerateResponse(
-                                truncated=pb.HistoryTruncated(dropped_token_count=int(b["dropped"]))
+                                truncated=pb.HistoryTruncated(dropped_token_count=int(dropped))
                             )
-                        elif ev.type == T.GENERATION_TOKEN and not b["is_prefill"]:
-                            yield pb.GenerateResponse(token_id=int(b["token"]))
+                        elif (tok := generated_token(ev)) is not None:
+                            yield pb.GenerateResponse(token_id=int(tok))
                         elif ev.type == T.GENERATION_FINISHED:
-                            yield pb.GenerateResponse(done=_done(b, params.max_tokens))
+                            yield pb.GenerateResponse(
+                                done=_done(body(ev, GenerationFinished), params.max_tokens)
+                            )
             except CacheInvariantViolation as exc:
                 # ADR 0008 section 2.8: the session is failed and its slab freed
                 await self.runtime.abort(sid, exc.code, exc.message)
                 raise
 
 
-def _done(b: Mapping[str, Any], max_tokens: int) -> pb.GenerateDone:
+def _done(b: GenerationFinished, max_tokens: int) -> pb.GenerateDone:
     reason = str(b["finish_reason"])
     produced = int(b["completion_tokens"])
     stop = _STOP.get(reason, _Done.STOP_REASON_UNSPECIFIED)

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
+from core.bodies import GenerationFinished, GenerationToken, body
 from core.engine import OutputOptions, SamplingParams
 from core.errors import ModelMismatch
 from core.events import Event, T
@@ -190,22 +191,25 @@ def _done(prompt: int, completion: int, reason: str) -> pb.GenerateEvent:
 
 
 def _event(ev: Event, request: pb.GenerateRequest) -> pb.GenerateEvent | None:
-    b: Mapping[str, Any] = ev.body
     if ev.type == T.GENERATION_TOKEN:
+        b = body(ev, GenerationToken)
         pos = int(b["position"])
         tok = pb.Token(id=int(b["token"]), position=pos, is_prefill=bool(b["is_prefill"]))
         # engines may report more than was asked (e.g. top-k on every decode
         # step); the wire carries only what the ranges cover
-        if covered(request.logprobs_ranges, pos) and b.get("logprob") is not None:
-            tok.sampled_logprob = float(b["logprob"])
+        logprob = b.get("logprob")
+        if covered(request.logprobs_ranges, pos) and logprob is not None:
+            tok.sampled_logprob = float(logprob)
             tok.has_sampled_logprob = True
             if request.logprob_top_k:
                 tok.logprobs.extend(
                     pb.TokenLogprob(id=int(i), logprob=float(lp)) for i, lp in b.get("top", ())
                 )
-        if covered(request.readout_ranges, pos) and b.get("readout") is not None:
-            tok.readout.extend(float(x) for x in b["readout"])
+        readout = b.get("readout")
+        if covered(request.readout_ranges, pos) and readout is not None:
+            tok.readout.extend(float(x) for x in readout)
         return pb.GenerateEvent(token=tok)
     if ev.type == T.GENERATION_FINISHED:
-        return _done(int(b["prompt_tokens"]), int(b["completion_tokens"]), str(b["finish_reason"]))
+        f = body(ev, GenerationFinished)
+        return _done(int(f["prompt_tokens"]), int(f["completion_tokens"]), str(f["finish_reason"]))
     return None  # tokens.truncated (a rewind) and generation.started have no wire form

@@ -25,6 +25,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from core.audit import audit_session
+from core.bodies import ImageAttached, body, fork_point, generation_id_of
 from core.document import DocumentBuilder
 from core.engine import MAX_TOKENS_LIMIT, OutputOptions, SamplingParams
 from core.errors import (
@@ -284,7 +285,7 @@ class Api:
             if stream is not None:
                 await stream.aclose()
             raise
-        gid = str(first.body.get("generation_id", ""))
+        gid = generation_id_of(first) or ""
 
         async def drain() -> int:
             last = first
@@ -431,11 +432,11 @@ class Api:
             for e in evs:
                 if (
                     e.type == T.IMAGE_ATTACHED
-                    and e.body.get("sha256") == sha
+                    and body(e, ImageAttached).get("sha256") == sha
                     and e.data is not None
                 ):
                     return e.data
-            parent = evs[0].body.get("parent") if evs and evs[0].type == T.SESSION_OPENED else None
+            parent = fork_point(evs[0]) if evs else None
             session, upto = (
                 (str(parent["session_id"]), int(parent["version"])) if parent else (None, None)
             )

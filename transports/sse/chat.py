@@ -20,6 +20,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from core import errors as E
+from core.bodies import GenerationFinished, generated_token
+from core.bodies import body as typed_body
 from core.engine import OutputOptions, SamplingParams
 from core.events import Event, T
 from transports.sse.chat_template import ROLES, TextStream, message_text
@@ -240,11 +242,12 @@ class ChatCompletions:
         reason = None
         async for e in follow(self.runtime, turn):
             if e.type == T.GENERATION_FINISHED:
-                reason = str(e.body.get("finish_reason"))
+                reason = str(typed_body(e, GenerationFinished).get("finish_reason"))
                 break
-            if ts.stopped:
+            tok = generated_token(e)
+            if ts.stopped or tok is None:
                 continue
-            delta = ts.push(int(e.body["token"]))
+            delta = ts.push(int(tok))
             if logprobs:
                 yield chunk({"content": delta}, lp={"content": [self._logprob(e)], "refusal": None})
             elif delta:

@@ -20,6 +20,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from core.bodies import fork_point
 from core.document import TERMINAL, DocumentBuilder, SessionListBuilder
 from core.errors import InvalidParameters, SessionNotFound
 from core.events import Event, T
@@ -55,7 +56,7 @@ class Forks:
         self._opened: OrderedDict[str, Event] = OrderedDict()
 
     def remember(self, e: Event) -> None:
-        if e.type == T.SESSION_OPENED and e.body.get("parent"):
+        if fork_point(e):
             self._opened[e.session_id] = e
             if len(self._opened) > self.keep:
                 self._opened.popitem(last=False)

@@ -22,6 +22,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from core import errors as E
+from core.bodies import GenerationStarted, generated_token
+from core.bodies import body as typed_body
 from core.engine import OutputOptions, SamplingParams
 from core.events import Event
 from core.state import OPEN
@@ -358,7 +360,9 @@ class Responses:
             else int(turn.finished.recorded_at),
             # extensions: where the response lives in the log
             "session_id": turn.session_id,
-            "seed": seed if seed is not None else turn.started.body["params"].get("seed"),
+            "seed": seed
+            if seed is not None
+            else typed_body(turn.started, GenerationStarted)["params"].get("seed"),
         }
 
     def _logprobs(self, turn: Turn, events: list[Event]) -> list[dict[str, Any]]:
@@ -420,9 +424,9 @@ class Responses:
         ts = TextStream(self._detok(), turn.stops())
         behind: list[Event] = []  # token events whose text is not out yet
         async for e in follow(self.runtime, turn):
-            if "token" in e.body and not ts.stopped:
+            if (tok := generated_token(e)) is not None and not ts.stopped:
                 behind.append(e)
-                delta = ts.push(int(e.body["token"]))
+                delta = ts.push(int(tok))
                 if delta:
                     yield ev(
                         "response.output_text.delta",

@@ -17,6 +17,15 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from core.bodies import (
+    GenerationFinished,
+    GenerationStarted,
+    GenerationToken,
+    WireMessage,
+    body,
+    generated_token,
+    generation_id_of,
+)
 from core.engine import OutputOptions, SamplingParams
 from core.errors import NotFound, SessiontapeError
 from core.events import Event, T
@@ -45,11 +54,11 @@ class Turn:
 
     @property
     def generation_id(self) -> str:
-        return str(self.started.body["generation_id"])
+        return str(body(self.started, GenerationStarted)["generation_id"])
 
     @property
     def prompt_tokens(self) -> int:
-        return int(self.started.body.get("prompt_length", 0))
+        return int(body(self.started, GenerationStarted).get("prompt_length", 0))
 
     @property
     def end(self) -> int:
@@ -58,7 +67,9 @@ class Turn:
 
     @property
     def finish_reason(self) -> str | None:
-        return None if self.finished is None else str(self.finished.body.get("finish_reason"))
+        if self.finished is None:
+            return None
+        return str(body(self.finished, GenerationFinished).get("finish_reason"))
 
     def stops(self) -> list[str]:
         return [str(s) for s in self.request.get("stop", [])]
@@ -79,14 +90,18 @@ async def load_turn(runtime: Runtime, session_id: str, version: int, api: str) -
     if not evs or evs[0].version != version or evs[0].type != T.GENERATION_STARTED:
         raise NotFound(f"no {api} response at version {version} of session {session_id!r}")
     started = evs[0]
-    gid = started.body.get("generation_id")
+    gid = body(started, GenerationStarted).get("generation_id")
     turn: Turn | None = None
     tokens: list[int] = []
     token_events: list[Event] = []
     finished = None
     for e in evs[1:]:
-        if e.type == T.WIRE and e.body.get("transport") == WIRE and turn is None:
-            payload = e.body.get("payload") or {}
+        if (
+            e.type == T.WIRE
+            and turn is None
+            and (w := body(e, WireMessage)).get("transport") == WIRE
+        ):
+            payload = w.get("payload") or {}
             if payload.get("generation_id") == gid and payload.get("api") == api:
                 turn = Turn(
                     session_id,
@@ -95,9 +110,9 @@ async def load_turn(runtime: Runtime, session_id: str, version: int, api: str) -
                     e.version,
                     int(payload.get("appended", 0)),
                 )
-        elif e.body.get("generation_id") == gid:
-            if e.type == T.GENERATION_TOKEN and not e.body.get("is_prefill"):
-                tokens.append(int(e.body["token"]))
+        elif generation_id_of(e) == gid:
+            if (tok := generated_token(e)) is not None:
+                tokens.append(int(tok))
                 token_events.append(e)
             elif e.type == T.GENERATION_FINISHED:
                 finished = e
@@ -116,9 +131,9 @@ async def follow(runtime: Runtime, turn: Turn) -> AsyncIterator[Event]:
     sub = runtime.subscribe(turn.started.position, turn.session_id)
     try:
         async for e in sub:
-            if e.body.get("generation_id") != gid:
+            if generation_id_of(e) != gid:
                 continue
-            if e.type == T.GENERATION_TOKEN and not e.body.get("is_prefill"):
+            if generated_token(e) is not None:
                 yield e
             elif e.type == T.GENERATION_FINISHED:
                 yield e
@@ -134,8 +149,10 @@ def logprob_entry(detokenize: Any, e: Event) -> dict[str, Any]:
         text = detokenize([tok])
         return {"token": text, "logprob": lp, "bytes": list(text.encode())}
 
-    top = [entry(int(i), float(lp)) for i, lp in e.body.get("top", [])]
-    return {**entry(int(e.body["token"]), float(e.body.get("logprob", 0.0))), "top_logprobs": top}
+    b = body(e, GenerationToken)
+    top = [entry(int(i), float(lp)) for i, lp in b.get("top", [])]
+    lp = b.get("logprob", 0.0)
+    return {**entry(int(b["token"]), 0.0 if lp is None else float(lp)), "top_logprobs": top}
 
 
 def _retrieve(task: asyncio.Task[None]) -> None:
@@ -202,7 +219,7 @@ class Turns:
                     }
                     payload = {
                         "api": api,
-                        "generation_id": started.body["generation_id"],
+                        "generation_id": body(started, GenerationStarted)["generation_id"],
                         "version": started.version,
                         "appended": len(tokens),
                         "request": request,
@@ -232,8 +249,8 @@ class Turns:
         ts = TextStream(self.runtime.engine.detokenize, turn.stops())
         try:
             async for e in agen:
-                if e.type == T.GENERATION_TOKEN and not e.body.get("is_prefill"):
-                    ts.push(int(e.body["token"]))
+                if (tok := generated_token(e)) is not None:
+                    ts.push(int(tok))
                     if ts.stopped:
                         break
         finally:
