@@ -32,9 +32,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from core.engine import SamplingParams  # noqa: E402
-from engines.onnx.demo import ensure_demo  # noqa: E402
-from engines.onnx.engine import OnnxEngine  # noqa: E402
+from core.engine import SamplingParams
+from engines.onnx.demo import ensure_demo
+from engines.onnx.engine import OnnxEngine
 
 
 def prompt(i: int, n: int) -> list[int]:
