@@ -237,7 +237,15 @@ class WireMessage(TypedDict):
 
 
 class NoteRecorded(TypedDict, total=False):
-    """Free-form."""
+    """Free-form; these keys are the ones the Nostr worker writes (its delivery
+    notes: an event it ``published`` to ``relays``, or one it could not and
+    for which ``session_id``)."""
+
+    transport: ReadOnly[str]
+    published: ReadOnly[str]
+    relays: ReadOnly[list[str]]
+    unpublished: ReadOnly[str]
+    session_id: ReadOnly[str]
 
 
 BODIES: Mapping[str, type] = {

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from core.bodies import NoteRecorded, WireMessage, body
 from core.errors import InvalidParameters
 from core.events import Event, T
 from transports.nostr import d4, nip90
@@ -152,16 +153,20 @@ class CallBook:
 
     def learn(self, session_id: str, e: Event) -> None:
         """Take one recorded event of ``session_id`` into memory."""
-        if e.body.get("transport") != "nostr":
-            return
         if e.type == T.NOTE:
-            if "published" in e.body:
-                self.delivered(str(e.body["published"]))
-            elif "unpublished" in e.body:
-                self.flagged[str(e.body["unpublished"])] = str(e.body.get("session_id", ""))
+            note = body(e, NoteRecorded)
+            if note.get("transport") != "nostr":
+                return
+            if "published" in note:
+                self.delivered(str(note["published"]))
+            elif "unpublished" in note:
+                self.flagged[str(note["unpublished"])] = str(note.get("session_id", ""))
             return
-        payload = e.body.get("payload")
-        if e.type != T.WIRE or not isinstance(payload, dict):
+        if e.type != T.WIRE:
+            return
+        wire = body(e, WireMessage)
+        payload = wire.get("payload")
+        if wire.get("transport") != "nostr" or not isinstance(payload, dict):
             return
         eid = str(payload.get("id", ""))
         tags = payload.get("tags") or []
@@ -169,7 +174,7 @@ class CallBook:
             obj = d4.parse_object(str(payload.get("content", "")))
         except InvalidParameters:
             obj = {}
-        if e.body.get("direction") == "in":
+        if wire.get("direction") == "in":
             kind = payload.get("kind")
             if kind == nip90.KIND_JOB or (kind == 1 and d4.classify(obj) == d4.CALL):
                 # not "seen": a call recorded but not answered (worker stopped mid-way) is resumed

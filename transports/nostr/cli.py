@@ -161,16 +161,16 @@ async def run_call(args: argparse.Namespace) -> int:
                     continue
                 reply = json.loads(note.event.as_json())
                 try:
-                    body = json.loads(reply["content"])
+                    result = json.loads(reply["content"])
                 except ValueError:
                     continue
-                if not isinstance(body, dict):
+                if not isinstance(result, dict):
                     continue
                 print(
-                    json.dumps({"id": reply["id"], "pubkey": reply["pubkey"], **body}), flush=True
+                    json.dumps({"id": reply["id"], "pubkey": reply["pubkey"], **result}), flush=True
                 )
-                if not body.get("partial"):
-                    code = 1 if body.get("err") else 0
+                if not result.get("partial"):
+                    code = 1 if result.get("err") else 0
                     break
     except TimeoutError:
         print(f"no final result within {args.timeout}s", file=sys.stderr)

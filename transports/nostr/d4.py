@@ -268,7 +268,7 @@ def result_content(
     ``partial`` (an extension field) marks an intermediate streamed result:
     more events follow for the same call without further funding.
     """
-    body: dict[str, Any] = {
+    content: dict[str, Any] = {
         "result": None if result is None else json.dumps(result, separators=(",", ":")),
         "iteration_cost": iteration_cost,
         "total_cost": total_cost,
@@ -276,10 +276,10 @@ def result_content(
         "version": VERSION,
     }
     if partial:
-        body["partial"] = True
+        content["partial"] = True
     if err is not None:
-        body["err"] = json.dumps(dict(err), separators=(",", ":"))
-    return json.dumps(body, separators=(",", ":"))
+        content["err"] = json.dumps(dict(err), separators=(",", ":"))
+    return json.dumps(content, separators=(",", ":"))
 
 
 def negotiation_content(*, iteration_cost: int, total_cost: int) -> str:

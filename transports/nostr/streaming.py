@@ -14,6 +14,8 @@ from collections import Counter
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any, Protocol, cast
 
+from core.bodies import GenerationFinished, generated_token
+from core.bodies import body as typed_body
 from core.engine import SamplingParams
 from core.errors import InvalidParameters
 from core.events import Event, T
@@ -103,9 +105,9 @@ async def stream_answer(
         )
         async with contextlib.aclosing(gen):
             async for e in gen:
-                if e.type == T.GENERATION_TOKEN and not e.body.get("is_prefill"):
+                if (tok := generated_token(e)) is not None:
                     produced += 1
-                    answer.append(int(e.body["token"]))
+                    answer.append(int(tok))
                     if stops and d4.cut_at_stop(rt.engine.detokenize(answer), stops) is not None:
                         finish = "stop"
                         break
@@ -121,7 +123,8 @@ async def stream_answer(
                         )
                         await send(sid, content, tags, call_id=call_id, final=False, caller=caller)
                 elif e.type == T.GENERATION_FINISHED:
-                    finish = "stop" if e.body["finish_reason"] in ("eos", "stop") else "length"
+                    reason = typed_body(e, GenerationFinished)["finish_reason"]
+                    finish = "stop" if reason in ("eos", "stop") else "length"
     if finish is None:
         finish = "length"
     room = st.length < rt.engine.info.max_length
