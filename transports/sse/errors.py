@@ -85,7 +85,7 @@ def headers_for(exc: E.SessiontapeError) -> dict[str, str] | None:
     """Headers an error's answer carries: the auth challenge, or when to retry."""
     if isinstance(exc, E.Unauthenticated):
         return {"WWW-Authenticate": 'Bearer realm="sessiontape"'}
-    if isinstance(exc, E.LogUnavailable | E.LogClosed):
+    if isinstance(exc, E.LogUnavailable | E.LogClosed | E.EngineBusy):
         return {"Retry-After": str(E.LogUnavailable.retry_after_s)}
     return None
 
