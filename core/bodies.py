@@ -303,6 +303,12 @@ def body_as(type_name: str, b: Mapping[str, Any], kind: type[B]) -> B:
     return b  # type: ignore[return-value]
 
 
+def session_purged(reason: str, through_version: int, last_hash: str) -> SessionPurged:
+    """The one place a ``session.purged`` tombstone's body is built (by the log's
+    writer, which knows the purged head inside the purge's transaction)."""
+    return {"reason": reason, "through_version": through_version, "last_hash": last_hash}
+
+
 # -- readers of a key several event types share ---------------------------------
 #
 # Each is a type test and one dict read: no object is built per event.

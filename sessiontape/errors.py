@@ -117,15 +117,15 @@ def error_class(status: int, code: str) -> type[APIError]:
     return BY_STATUS.get(status, APIError)
 
 
-def from_body(status: int, body: Any) -> APIError:
-    """The exception for an error body (``{"error": {"code", "message"}}``, or anything else)."""
-    err = body.get("error") if isinstance(body, dict) else None
+def from_body(status: int, response: Any) -> APIError:
+    """The exception for an error response body (``{"error": {"code", "message"}}``, or anything else)."""
+    err = response.get("error") if isinstance(response, dict) else None
     if isinstance(err, dict):
         code = str(err.get("code") or f"http_{status}")
         message = str(err.get("message") or "")
     else:
-        code, message = f"http_{status}", str(body)[:500]
-    return error_class(status, code)(status, code, message, body)
+        code, message = f"http_{status}", str(response)[:500]
+    return error_class(status, code)(status, code, message, response)
 
 
 def from_response(status: int, content: bytes) -> APIError:

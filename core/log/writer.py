@@ -24,7 +24,7 @@ from typing import Any
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from core import metrics
-from core.bodies import SessionOpened, body
+from core.bodies import SessionOpened, SessionPurged, body, session_purged
 from core.errors import (
     ChainBroken,
     ConcurrencyError,
@@ -314,12 +314,13 @@ class Writer:
                 hasher = chain_hasher(sid, now)
                 for ne in req.events:
                     assert isinstance(ne, NewEvent)
-                    body = ne.body
-                    if req.kind == "purge":
-                        body = {**body, "through_version": cur_version, "last_hash": prev}
                     version += 1
                     pos += 1
-                    body_json = canonical_json(body)
+                    body_json = canonical_json(
+                        session_purged(body(ne, SessionPurged)["reason"], cur_version, prev)
+                        if req.kind == "purge"
+                        else ne.body
+                    )
                     h = hasher(prev, version, ne.type, body_json, ne.data)
                     # The body as a reader of the log will see it (lists, not
                     # tuples; null for non-finite floats): live == replay.

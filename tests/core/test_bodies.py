@@ -3,6 +3,7 @@ runtime really writes."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -109,3 +110,112 @@ async def test_what_the_runtime_writes_has_the_declared_shape(runtime: Runtime) 
         T.SESSION_ABORTED,
         T.SESSION_CLOSED,
     } <= seen
+
+
+# -- no event body is read by string key outside core/bodies.py ---------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCE_DIRS = ("core", "transports", "sessiontape")
+#: the event types' own module (generated gRPC stubs are not ours)
+EXEMPT = {Path("core/bodies.py")}
+#: what a key read looks like once a body is in hand
+_KEY_METHODS = {"get", "setdefault", "pop", "keys", "items", "values", "__getitem__"}
+
+
+def _is_body(node: ast.AST) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == "body"
+
+
+def untyped_body_reads(source: str) -> list[tuple[int, str]]:
+    """``(line, what)`` for each untyped read of an attribute named ``body``.
+
+    The rule: outside core/bodies.py, an event's body leaves its event only
+    whole (passed on, copied with ``dict()``, spread with ``**``, hashed,
+    stored, exported). These are refused, whatever the object: subscripting
+    ``x.body[...]`` (read or write), calling a mapping method on it
+    (``x.body.get(...)``, ``.items()``, ...), testing a key with
+    ``k in x.body``, and binding it to a name (``b = x.body``, which is how an
+    untyped read hides behind an alias). A typed read goes through
+    ``core.bodies`` instead: ``body(e, Kind)[...]`` or one of its readers.
+    """
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Subscript) and _is_body(node.value):
+            found.append((node.lineno, "subscript of .body"))
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in _KEY_METHODS
+            and _is_body(node.func.value)
+        ):
+            found.append((node.lineno, f".body.{node.func.attr}()"))
+        elif isinstance(node, ast.Compare) and any(
+            isinstance(op, (ast.In, ast.NotIn)) and _is_body(right)
+            for op, right in zip(node.ops, node.comparators, strict=True)
+        ):
+            found.append((node.lineno, "key test on .body"))
+        elif (
+            isinstance(node, (ast.Assign, ast.AnnAssign, ast.NamedExpr))
+            and node.value is not None
+            and _is_body(node.value)
+        ):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) for t in targets):
+                found.append((node.lineno, "alias of .body"))
+    return sorted(found)
+
+
+def source_files() -> list[Path]:
+    files = []
+    for d in SOURCE_DIRS:
+        for p in sorted((ROOT / d).rglob("*.py")):
+            rel = p.relative_to(ROOT)
+            if rel in EXEMPT or rel.parts[:3] == ("transports", "grpc", "gen"):
+                continue
+            files.append(p)
+    return files
+
+
+def test_no_event_body_is_read_by_string_key_outside_the_event_types() -> None:
+    files = source_files()
+    assert len(files) > 50, "the walk found too few source files"
+    bad = [
+        f"{p.relative_to(ROOT)}:{line}: {what}"
+        for p in files
+        for line, what in untyped_body_reads(p.read_text())
+    ]
+    assert not bad, "untyped event body reads (use core.bodies.body(e, Kind)):\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        "x = e.body['token']",
+        "x = ev.body.get('token', 0)",
+        "e.body['k'] = 1",
+        "ok = 'token' in e.body",
+        "ok = 'token' not in self.started.body",
+        "b = e.body",
+        "b: dict = e.body",
+        "if (b := e.body): pass",
+        "for k, v in e.body.items(): pass",
+    ],
+)
+def test_the_rule_catches_each_form(snippet: str) -> None:
+    assert untyped_body_reads(snippet), snippet
+
+
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        "x = body(e, GenerationToken)['token']",
+        "x = generated_token(e)",
+        "h = canonical_json(e.body)",
+        "d = {**dict(e.body), 'at': 1}",
+        "n = length_after(n, e.type, e.body)",
+        "self.body = body",
+        "x = body.get('error')",  # a local name, not an event's body
+    ],
+)
+def test_the_rule_allows_whole_bodies_and_typed_reads(snippet: str) -> None:
+    assert not untyped_body_reads(snippet), snippet
