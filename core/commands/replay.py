@@ -1,0 +1,50 @@
+"""``sessiontape replay``: re-render a session in the terminal from the log."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from core.commands.common import add_common, log_only
+
+
+async def cmd_replay(args: argparse.Namespace) -> int:
+    from core.replay import replay
+
+    log_ = await log_only(args, follow=args.follow)
+    try:
+        await log_.get_session(args.id)
+        evs = await log_.read(args.id)
+        await replay(evs, sys.stdout, speed=args.speed, instant=args.instant)
+        if args.follow:
+            last = evs[-1].position if evs else 0
+            terminal = {"session.closed", "session.aborted", "session.expired", "session.purged"}
+            if not evs or evs[-1].type not in terminal:
+
+                async def live() -> Any:
+                    async for e in log_.subscribe(last, args.id):
+                        yield e
+                        if e.type in terminal:
+                            return
+
+                await replay(live(), sys.stdout, instant=True)
+    finally:
+        await log_.close()
+    return 0
+
+
+def register(sub: Any) -> None:
+    """Add this group's subcommands to the ``sessiontape`` parser."""
+    r = sub.add_parser("replay", help="re-render a session from the log")
+    add_common(r)
+    r.add_argument("id", help="session id")
+    g = r.add_mutually_exclusive_group()
+    g.add_argument(
+        "--speed", type=float, default=1.0, help="play back X times as fast as recorded (default 1)"
+    )
+    g.add_argument(
+        "--instant", action="store_true", help="print everything at once, without pauses"
+    )
+    r.add_argument("--follow", action="store_true", help="keep following a live session")
+    r.set_defaults(func=cmd_replay)

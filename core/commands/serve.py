@@ -1,0 +1,114 @@
+"""``sessiontape serve``: run the server with the enabled transports until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+from typing import Any
+
+from core.commands.common import add_common, check_database_url, load_config, redact
+
+log = logging.getLogger("sessiontape")
+
+
+def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    t: dict[str, Any] = {}
+    if args.grpc:
+        t.setdefault("grpc", {})["listen"] = args.grpc
+    if args.http:
+        t.setdefault("http", {})["listen"] = args.http
+    if args.no_grpc:
+        t.setdefault("grpc", {})["enabled"] = False
+    if args.no_http:
+        t.setdefault("http", {})["enabled"] = False
+    if args.nostr_relay:
+        t.setdefault("nostr", {}).update({"relays": list(args.nostr_relay), "enabled": True})
+    if args.nostr_key_file:
+        t.setdefault("nostr", {})["key_file"] = args.nostr_key_file
+    over: dict[str, Any] = {"transports": t}
+    if args.auth_token:
+        over["auth"] = {"token": args.auth_token}
+    if args.engine:
+        over["engine"] = {"name": args.engine}
+    return over
+
+
+async def cmd_serve(args: argparse.Namespace) -> int:
+    from core.registry import TRANSPORTS, load
+    from core.runtime import Runtime
+    from core.transport import Transport
+
+    cfg = load_config(args, serve_overrides(args))
+    check_database_url(cfg.db_url, must_exist=False)
+    runtime = await Runtime.create(cfg)
+    log.info("log: %s", redact(cfg.db_url))
+    runtime.start_sweeper()
+    started: list[Transport] = []
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        for name in cfg.enabled_transports():
+            cls = load(TRANSPORTS, name)
+            transport: Transport = cls(runtime, cfg.transports[name], cfg)
+            line = await transport.start()
+            started.append(transport)
+            log.info("%s: %s", name, line)
+        if not started:
+            log.warning("no transport enabled; serving nothing but the TTL sweeper")
+        log.info("sessiontape ready (engine %s, pid %d)", runtime.engine.info.name, _pid())
+        await stop.wait()
+        log.info("shutting down")
+    finally:
+        for t in reversed(started):
+            try:
+                await t.stop(float(cfg.transports.get(t.name, {}).get("grace_s", 5.0)))
+            except Exception:
+                log.exception("stopping %s failed", t.name)
+        await runtime.aclose()
+    return 0
+
+
+def _pid() -> int:
+    import os
+
+    return os.getpid()
+
+
+def register(sub: Any) -> None:
+    """Add this group's subcommands to the ``sessiontape`` parser."""
+    s = sub.add_parser("serve", help="run the server with the enabled transports")
+    add_common(s)
+    s.add_argument("--engine", help="engine name (reference, onnx, ...)")
+    s.add_argument(
+        "--grpc", metavar="HOST:PORT", help="gRPC listen address (default 127.0.0.1:50051)"
+    )
+    s.add_argument(
+        "--http", metavar="HOST:PORT", help="HTTP listen address (default 127.0.0.1:8080)"
+    )
+    s.add_argument("--no-grpc", action="store_true", help="do not start the gRPC transport")
+    s.add_argument("--no-http", action="store_true", help="do not start the HTTP transport")
+    s.add_argument(
+        "--nostr-relay",
+        metavar="URL",
+        action="append",
+        default=[],
+        help="serve D4 calls from this nostr relay (repeatable; enables the nostr transport)",
+    )
+    s.add_argument(
+        "--nostr-key-file", metavar="FILE", help="the D4 worker's secret key (nsec or hex)"
+    )
+    s.add_argument(
+        "--auth-token", metavar="TOKEN", help="require this bearer token on gRPC and HTTP"
+    )
+    s.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        help="log lines as text or as one JSON object per line (default: [logging] format, text)",
+    )
+    s.set_defaults(func=cmd_serve)
