@@ -1,32 +1,9 @@
-"""The session document: one JSON view of a session, folded from its events.
-
-Every transport that shows a session as JSON (the HTTP API, the SSE patch
-streams, the replay viewer) uses this one view. :class:`DocumentBuilder`
-folds events one at a time with the core fold (:func:`core.state.apply`,
-so the document can never disagree with the runtime's state) and returns,
-for each event, the JSON Patch+ that turns the previous document into the
-new one. The patch is written by the fold itself, so a generated token costs
-the same whether the history holds a hundred tokens or a hundred thousand:
-the document is updated in place (no copy of the history), texts grow by
-appending what the new token adds (:class:`TextRun` re-decodes only a short
-window of recent tokens), and no diff has to search for what changed. The
-schema is described in docs/protocols/session-document.md.
-
-Usage::
-
-    b = DocumentBuilder(sid, detokenize=engine.detokenize)
-    send_snapshot(json.dumps(b.doc))
-    for e in events:
-        send(json.dumps(b.apply(e)))   # serialise (or copy) before the next apply
-
-``doc`` is mutated by ``apply``: a caller that needs an earlier document
-keeps a copy (or its serialisation), and the ops of one ``apply`` may share
-objects with the document, so they are serialised before the next one.
-"""
+"""The session document's fold: :class:`DocumentBuilder` turns each event into
+the JSON Patch+ that updates the document (see :mod:`core.document`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from core.bodies import (
@@ -36,136 +13,25 @@ from core.bodies import (
     GenerationStarted,
     GenerationToken,
     NodeFragment,
-    SessionOpened,
     TokensAppended,
     TokensTruncated,
     action_id_of,
     body,
     fork_point,
 )
+from core.document.schema import (
+    Doc,
+    empty_document,
+    image_view,
+    node_view,
+    params_view,
+)
+from core.document.text import Detokenize, TextRun
 from core.events import GENESIS_HASH, Event, T, event_hash
 from core.loader import base_state
 from core.log.store import EventLog
 from core.patch import Op, diff, escape
-from core.state import Node, SessionState, apply
-
-Detokenize = Callable[[Sequence[int]], str]
-Doc = dict[str, Any]
-
-SCHEMA = "sessiontape.session/1"
-TERMINAL = frozenset({"closed", "aborted", "expired", "purged"})
-_TEXTUAL = ("text/", "application/json", "application/x-ndjson", "application/xml")
-REPLACEMENT = "\ufffd"
-
-
-def _is_text(mimetype: str) -> bool:
-    return mimetype.startswith(_TEXTUAL) or mimetype.endswith(("+json", "+xml"))
-
-
-class TextRun:
-    """The text of a token run that only grows at its end, without re-decoding the run.
-
-    Each :meth:`push` decodes a window of recent tokens (at most about
-    ``LIMIT`` plus what is pushed) and returns what the new tokens add to
-    the text. The text only ever grows: a trailing character that does not
-    decode yet (U+FFFD, e.g. the first byte of a multi-byte UTF-8 character)
-    is held back until a later token completes it (or shows it was not the
-    start of a character) or :meth:`flush` ends the run. ``CONTEXT`` tokens stay
-    in front of the new ones because tokenizers render a token differently
-    at the start of a text (SentencePiece drops a word's leading space).
-
-    The window is cut only where the tokens after the cut decode on their
-    own to the end of the window's text, so for byte-level (UTF-8)
-    tokenizers the text is exactly ``detokenize(run)`` less a held-back
-    trailing character (tested as a property on random bytes).
-    """
-
-    CONTEXT = 8
-    LIMIT = 32
-
-    def __init__(self, detokenize: Detokenize) -> None:
-        self._detok = detokenize
-        self._window: list[int] = []
-        #: characters of ``detokenize(window)`` that are already in the text
-        self._done = 0
-
-    def start(self, ids: Sequence[int]) -> str:
-        """Restart the run as ``ids`` (one full decode); returns its text."""
-        self._window, self._done = [], 0
-        return self.push(ids)
-
-    def push(self, ids: Sequence[int]) -> str:
-        """Add tokens at the end; returns the text they add (possibly "")."""
-        w = self._window
-        w.extend(ids)
-        t = self._detok(w)
-        end = len(t) - 1 if t.endswith(REPLACEMENT) else len(t)
-        piece = t[self._done : end] if end > self._done else ""
-        self._done = max(self._done, end)
-        if len(w) > self.LIMIT:
-            self._trim(t)
-        return piece
-
-    def flush(self) -> str:
-        """The held-back text, if any: the run is complete."""
-        t = self._detok(self._window)
-        piece = t[self._done :]
-        self._done = len(t)
-        return piece
-
-    def _trim(self, t: str) -> None:
-        w = self._window
-        top = len(w) - self.CONTEXT
-        for k in range(top, max(0, top - self.LIMIT), -1):
-            tail = self._detok(w[k:])
-            cut = len(t) - len(tail)
-            if cut <= self._done and t.endswith(tail):
-                self._window = w[k:]
-                self._done -= cut
-                return
-        if top > 3 * self.LIMIT:
-            # No clean cut near the end (not a byte-level tokenizer?): bound the window anyway.
-            k = top - self.LIMIT
-            tail = self._detok(w[k:])
-            self._window = w[k:]
-            self._done = max(0, self._done - (len(t) - len(tail)))
-
-
-def empty_document(session_id: str) -> Doc:
-    return {
-        "schema": SCHEMA,
-        "id": session_id,
-        "version": 0,
-        "status": "open",
-        "protocol": "",
-        "mode": "offset",
-        "label": "",
-        "engine": {},
-        "meta": {},
-        "ttl_s": None,
-        "eos_token_ids": [],
-        "created_at": None,
-        "updated_at": None,
-        "end": None,
-        "parent": None,
-        "children": [],
-        "history": {
-            "ids": [],
-            "text": None,
-            "segments": [],
-            "images": [],
-            "truncations": 0,
-            "dropped": 0,
-        },
-        "nodes": {},
-        "roots": [],
-        "actions": [],
-        "generations": [],
-        "active_generation": None,
-        "feedback": [],
-        "errors": [],
-        "audit": {"chain": "verified", "head_hash": GENESIS_HASH, "error": None},
-    }
+from core.state import SessionState, apply
 
 
 async def fork_base(log: EventLog, first: Event) -> SessionState | None:
@@ -178,25 +44,6 @@ async def fork_base(log: EventLog, first: Event) -> SessionState | None:
     if not fork_point(first):
         return None
     return await base_state(log, first)
-
-
-#: the largest integer every JSON reader holds exactly (an IEEE double, JavaScript's Number)
-MAX_EXACT_JSON_INT = 2**53
-
-
-def _params(recorded: Any) -> dict[str, Any]:
-    """A generation's recorded parameters for the document: the seed (recorded as a string, since
-    it may need 64 bits) as a number where JSON holds it exactly, else still a string."""
-    out = dict(recorded)
-    seed = out.get("seed")
-    if (
-        isinstance(seed, str)
-        and seed.isascii()
-        and seed.isdigit()
-        and int(seed) <= MAX_EXACT_JSON_INT
-    ):
-        out["seed"] = int(seed)
-    return out
 
 
 class DocumentBuilder:
@@ -237,8 +84,8 @@ class DocumentBuilder:
             h["segments"] = (
                 [{"source": "inherited", "start": 0, "text": self._text(ids)}] if ids else []
             )
-            h["images"] = [self._image(im) for im in base.images]
-            doc["nodes"] = {nid: self._node(n) for nid, n in base.nodes.items()}
+            h["images"] = [image_view(im) for im in base.images]
+            doc["nodes"] = {nid: node_view(n) for nid, n in base.nodes.items()}
             doc["roots"] = self._roots()
         self.doc: Doc = doc
 
@@ -249,40 +96,6 @@ class DocumentBuilder:
 
     def _start_history(self, ids: Sequence[int]) -> str | None:
         return None if self._history_run is None else self._history_run.start(ids)
-
-    @staticmethod
-    def _image(im: Any) -> dict[str, Any]:
-        return {
-            "start": im.start,
-            "end": im.end,
-            "mime": im.mime,
-            "sha256": im.sha256,
-            "size": im.size,
-        }
-
-    def _node(self, n: Node) -> dict[str, Any]:
-        meta = dict(n.metadata or {})
-        mimetype = str(meta.get("mimetype", ""))
-        data = n.data() if n.kind == "leaf" else b""
-        text = (
-            data.decode("utf-8", "replace")
-            if n.kind == "leaf" and n.ref is None and _is_text(mimetype)
-            else None
-        )
-        return {
-            "id": n.id,
-            "kind": n.kind,
-            "direction": n.direction,
-            "mimetype": mimetype,
-            "role": str(meta.get("role", "")),
-            "metadata": meta,
-            "children": n.child_ids,
-            "ref": n.ref,
-            "text": text,
-            "size": len(data),
-            "complete": n.fragments_complete,
-            "fragments": len(n.fragments),
-        }
 
     def _roots(self) -> list[str]:
         return [nid for nid in self.state.nodes if not self.state.parents_of.get(nid)]
@@ -451,13 +264,13 @@ class DocumentBuilder:
             return
         nodes = doc["nodes"]
         is_new = nid not in nodes
-        self._set(nodes, nid, self._node(node), "/nodes/" + escape(nid))
+        self._set(nodes, nid, node_view(node), "/nodes/" + escape(nid))
         if is_new or b.get("child_ids"):
             self._set(doc, "roots", self._roots(), "/roots")
             # a parent's children list changed: re-render parents whose children arrived
             for c in b.get("child_ids", ()):
                 if c in nodes and c in self.state.nodes:
-                    self._set(nodes, c, self._node(self.state.nodes[c]), "/nodes/" + escape(c))
+                    self._set(nodes, c, node_view(self.state.nodes[c]), "/nodes/" + escape(c))
 
     def _action(self, doc: Doc, e: Event, _: int) -> None:
         aid = str(action_id_of(e))
@@ -534,7 +347,7 @@ class DocumentBuilder:
             segs = [{"source": "truncated", "start": 0, "text": self._text(ids)}] if ids else []
         self._set(h, "text", self._start_history(ids), "/history/text")
         self._set(h, "segments", segs, "/history/segments")
-        self._set(h, "images", [self._image(im) for im in st.images], "/history/images")
+        self._set(h, "images", [image_view(im) for im in st.images], "/history/images")
         self._set(h, "truncations", st.truncations, "/history/truncations")
         self._set(h, "dropped", st.dropped_tokens, "/history/dropped")
 
@@ -549,7 +362,7 @@ class DocumentBuilder:
             {
                 "id": gid,
                 "status": "running",
-                "params": _params(b.get("params", {})),
+                "params": params_view(b.get("params", {})),
                 "options": dict(b.get("options", {})),
                 "prompt_length": b.get("prompt_length"),
                 "priority": b.get("priority", 0),
@@ -673,68 +486,3 @@ def build_document(
 ) -> Doc:
     """The document after ``events`` (a pure function of its inputs)."""
     return DocumentBuilder(session_id, detokenize=detokenize, base=base).apply_all(events)
-
-
-# -- the sessions list ----------------------------------------------------------
-
-
-def session_summary(row: Mapping[str, Any]) -> dict[str, Any]:
-    """A sessions-list entry from a sessions-index row (``SessionRow.to_json()``)."""
-    return {
-        "id": row["id"],
-        "protocol": row["protocol"],
-        "status": row["status"],
-        "label": row["label"],
-        "parent_id": row.get("parent_id"),
-        "model_id": row.get("model_id", ""),
-        "created_at": row["created_at"],
-        "generating": bool(row.get("generating", False)),
-    }
-
-
-class SessionListBuilder:
-    """The sessions list ``{"sessions": {id: summary}}``, kept live by folding events.
-
-    Only what changes rarely is tracked (open, end, generating), so a list
-    watcher gets a patch per session change, not per token.
-    """
-
-    def __init__(self, rows: Iterable[Mapping[str, Any]] = ()) -> None:
-        self.doc: Doc = {"sessions": {r["id"]: session_summary(r) for r in rows}}
-        self.position = 0
-
-    def _set(self, sid: str, **changes: Any) -> None:
-        cur = self.doc["sessions"].get(sid)
-        if cur is None or all(cur.get(k) == v for k, v in changes.items()):
-            return
-        sessions = dict(self.doc["sessions"])
-        sessions[sid] = {**cur, **changes}
-        self.doc = {**self.doc, "sessions": sessions}
-
-    def apply(self, e: Event) -> Doc:
-        self.position = max(self.position, e.position)
-        t = e.type
-        if t == T.SESSION_OPENED:
-            if e.session_id not in self.doc["sessions"]:
-                b = body(e, SessionOpened)
-                parent = b.get("parent")
-                engine = b.get("engine")
-                entry = session_summary(
-                    {
-                        "id": e.session_id,
-                        "protocol": b.get("protocol", ""),
-                        "status": "open",
-                        "label": b.get("label", ""),
-                        "parent_id": None if not parent else parent.get("session_id"),
-                        "model_id": "" if not engine else engine.get("model_id", ""),
-                        "created_at": e.recorded_at,
-                    }
-                )
-                self.doc = {**self.doc, "sessions": {**self.doc["sessions"], e.session_id: entry}}
-        elif t in (T.SESSION_CLOSED, T.SESSION_ABORTED, T.SESSION_EXPIRED, T.SESSION_PURGED):
-            self._set(e.session_id, status=t.split(".", 1)[1], generating=False)
-        elif t == T.GENERATION_STARTED:
-            self._set(e.session_id, generating=True)
-        elif t == T.GENERATION_FINISHED:
-            self._set(e.session_id, generating=False)
-        return self.doc
