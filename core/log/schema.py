@@ -1,5 +1,5 @@
 """The log's tables. Alembic revisions in migrations/ must agree with these
-(tests/core/test_migrations.py checks it).
+(tests/migrations/test_migrations.py checks it).
 
 ``events.position`` is assigned by the writer under the database's write lock
 (SQLite's, or a transaction-scoped advisory lock on PostgreSQL), so positions

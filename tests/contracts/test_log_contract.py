@@ -1,6 +1,6 @@
 """The log contract: written once, run on every log backend (SQLite file, PostgreSQL).
 
-What any backend must guarantee, beyond the basics of tests/core/test_log.py
+What any backend must guarantee, beyond the basics of tests/core/log/test_log.py
 (which also runs on both): a refused append consumes nothing (no version, no
 position); positions are gapless and increasing across sessions and across
 processes sharing the database; a subscription from any position delivers

@@ -1,4 +1,4 @@
-"""Small client-side helpers for the grpc_sessions tests (generated stubs only)."""
+"""Small client-side helpers for the Salience and Kakeya tests (generated stubs only)."""
 
 from __future__ import annotations
 

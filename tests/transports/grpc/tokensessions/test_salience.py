@@ -14,8 +14,8 @@ from core.engine import EngineInfo, SamplingParams
 from core.events import T
 from engines.reference import EOS, ReferenceEngine
 from engines.sampling import log_softmax, top_logprobs
-from tests.transports.grpc_sessions.conftest import Serve
-from tests.transports.grpc_sessions.helpers import (
+from tests.transports.grpc.tokensessions.conftest import Serve
+from tests.transports.grpc.tokensessions.helpers import (
     IMAGE_BLOCK,
     PNG,
     dump,

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from core.engine import SamplingParams, Step
 from core.events import T
 from engines.reference import EOS, ReferenceEngine
-from tests.transports.grpc_sessions.conftest import Serve
-from tests.transports.grpc_sessions.helpers import events, expect_code, version, wait_finished
+from tests.transports.grpc.tokensessions.conftest import Serve
+from tests.transports.grpc.tokensessions.helpers import events, expect_code, version, wait_finished
 from transports.grpc.gen.kakeya.v1 import runtime_pb2 as kpb
 
 Code = grpc.StatusCode
