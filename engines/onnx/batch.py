@@ -235,10 +235,14 @@ class BatchScheduler:
             self._cond.notify()
 
     def close(self) -> None:
+        self.shutdown()
+        self._thread.join(timeout=30)
+
+    def shutdown(self) -> None:
+        """Tell the thread to end (members leave with an error) without waiting for it."""
         with self._cond:
             self._closed = True
             self._cond.notify()
-        self._thread.join(timeout=30)
 
     # -- the scheduler thread ------------------------------------------------
 

@@ -58,6 +58,7 @@ import contextlib
 import io
 import logging
 import os
+import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -263,6 +264,8 @@ class OnnxEngine(Engine):
                 wait_s=float(batch_wait_s),
                 readout_layers=self._readout_layers,
             )
+            # an engine dropped without aclose() must not leave its thread (and model) behind
+            weakref.finalize(self, self._batch.shutdown)
         #: new positions run through the model (padding and re-run rows excluded), and forward passes
         self.positions_computed = 0
         self.passes = 0
