@@ -132,6 +132,7 @@ class BatchScheduler:
         prefill_share: int = 1,
         wait_s: float = 30.0,
         readout_layers: Sequence[int] = (),
+        single_row: bool = False,
     ) -> None:
         self.sess = sess
         self.spec = spec
@@ -143,6 +144,8 @@ class BatchScheduler:
         self.prefill_share = int(prefill_share)
         self.wait_s = float(wait_s)
         self.readout_layers = tuple(readout_layers)
+        #: one row per slot when a pass spans two or more slots (see _decode)
+        self.single_row = bool(single_row)
         self.names = [
             f"past_key_values.{i}.{k}" for i in range(spec.layers) for k in ("key", "value")
         ]
@@ -385,12 +388,20 @@ class BatchScheduler:
         self._fit(max(len(m.run.hist) for m in ready))
         k = 1 + max(m.slot for m in ready if m.slot is not None)
         cap = self.capacity
-        ids = np.full((k, ROWS), self.pad, np.int64)
-        pos = np.full((k, ROWS), cap - 1, np.int64)
+        # A pass over two or more slots runs one row per slot: its weight GEMMs have k >= 2
+        # rows, and a model that folds a KV group's queries into rows (the static demo
+        # layout, query_group >= 2) gives attention >= 2 rows too, so no MatMul takes
+        # ORT's one-row path. A lone slot keeps the pair [token, lookahead guess or pad].
+        rows = 1 if self.single_row and k >= 2 else ROWS
+        ids = np.full((k, rows), self.pad, np.int64)
+        pos = np.full((k, rows), cap - 1, np.int64)
         for m in ready:
             assert m.slot is not None
             ids[m.slot, 0] = m.run.hist[m.row_pos]
             pos[m.slot, 0] = m.row_pos
+            if rows == 1:
+                m.row_guess = None
+                continue
             if m.row_guess is not None:
                 ids[m.slot, 1] = m.row_guess
             pos[m.slot, 1] = min(m.row_pos + 1, cap - 1)

@@ -263,6 +263,7 @@ class OnnxEngine(Engine):
                 prefill_share=int(batch_prefill_share),
                 wait_s=float(batch_wait_s),
                 readout_layers=self._readout_layers,
+                single_row=int(facts["query_group"]) >= 2,
             )
             # an engine dropped without aclose() must not leave its thread (and model) behind
             weakref.finalize(self, self._batch.shutdown)

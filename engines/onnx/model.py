@@ -150,7 +150,11 @@ def model_facts(folder: Path) -> dict[str, Any]:
         cfg.get("max_length") or cfg.get("max_position_embeddings") or genai.get("context_length")
     )
     name = cfg.get("name")
+    heads = cfg.get("heads") or cfg.get("num_attention_heads")
+    kv_heads = cfg.get("kv_heads") or cfg.get("num_key_value_heads") or heads
     return {
+        #: query heads per KV head (1 when config.json does not say)
+        "query_group": int(heads) // int(kv_heads) if heads and kv_heads else 1,
         "eos_token_ids": eos_ids,
         "max_length": int(max_length) if max_length else None,
         "vocab_size": cfg.get("vocab_size") or genai.get("vocab_size"),
