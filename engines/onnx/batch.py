@@ -11,8 +11,8 @@ runs one thread that owns the ONNX Runtime session's passes. Every turn it
    or failed ones (sessions join and leave between passes),
 3. samples the next token of every admitted session from its last logits
    (per-session seeds, temperature, top-k/top-p, stop ids, logprobs, readouts)
-   and runs one pass with a row pair ``[token, lookahead guess or pad]`` per
-   slot, then hands each session its rows.
+   and runs one pass with a row per slot (a lone slot: ``[token, lookahead
+   guess or pad]``), then hands each session its rows.
 
 **KV slots.** One pool per layer and kind, ``[slots, kv_heads, capacity,
 head_dim]``. A session's prefill runs on its own buffer (the engine's KV
@@ -25,7 +25,7 @@ with the longest admitted history and shrinks when it halves, so short
 sessions do not attend over empty slots.
 
 **Bit-exactness.** A pass over ``k`` slots is ONNX Runtime's GEMMs over
-``2k`` rows and per-slot attention; on the CPU provider a row's bits do not
+``k`` (or 2) rows and per-slot attention over the query rows of each KV group; on the CPU provider a row's bits do not
 depend on the row count (two or more), on the masked tail of its buffer or
 on what the other rows hold (tests/engines/test_onnx_batch.py), so a
 session's tokens and logprobs are the same alone, beside any neighbours,
