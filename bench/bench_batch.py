@@ -13,8 +13,13 @@ order rotating) and report medians. Two baselines from the same run:
 
 - ``unbatched``: the same engine with ``batch_slots=0`` (each session its own
   passes, what the engine did before the scheduler) at the largest N;
-- onnxruntime-genai's batched generation on the same model file, when the
-  package is installed (the ``bench`` extra; on a GPU ``onnxruntime-genai-cuda``).
+- onnxruntime-genai's batched generation (greedy, ``batch_size=N``) on the same
+  model file, when the package is installed (the ``bench`` extra; on a GPU
+  ``onnxruntime-genai-cuda``), or from another environment with
+  ``--genai-python PATH`` (the CPU ``onnxruntime-genai`` depends on the CPU-only
+  ``onnxruntime``, which must not sit beside onnxruntime-gpu in the project's
+  environment: ``python3 -m venv /tmp/genai && /tmp/genai/bin/pip install
+  onnxruntime-genai``).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import argparse
 import asyncio
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,15 +36,46 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from core.engine import SamplingParams
-from engines.onnx.demo import ensure_demo
-from engines.onnx.engine import OnnxEngine
+def genai_batched(folder: Path, n: int, tokens: int, plen: int, provider: str) -> float:
+    """onnxruntime-genai generating ``n`` sequences in one batch: aggregate tok/s."""
+    import onnxruntime_genai as og
+
+    config = og.Config(str(folder))
+    config.clear_providers()
+    if provider == "cuda":
+        config.append_provider("cuda")
+    model = og.Model(config)
+    params = og.GeneratorParams(model)
+    params.set_search_options(
+        max_length=-(-(plen + tokens) // 64) * 64, do_sample=False, batch_size=n
+    )
+    gen = og.Generator(model, params)
+    gen.append_tokens(np.asarray([prompt(i, plen) for i in range(n)], dtype=np.int32))
+    gen.generate_next_token()
+    t0 = time.perf_counter()
+    count = 1
+    while not gen.is_done() and count < tokens:
+        gen.generate_next_token()
+        count += 1
+    return n * (count - 1) / (time.perf_counter() - t0)
 
 
 def prompt(i: int, n: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(1000 + i).integers(3, 250, n)]
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--genai-child"]:
+    # run by --genai-python in another environment: only numpy and onnxruntime_genai here
+    _, _, folder_, n_, tokens_, plen_, provider_ = sys.argv
+    print(genai_batched(Path(folder_), int(n_), int(tokens_), int(plen_), provider_))
+    sys.exit(0)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from core.engine import SamplingParams  # noqa: E402
+from engines.onnx.demo import ensure_demo  # noqa: E402
+from engines.onnx.engine import OnnxEngine  # noqa: E402
 
 
 async def one_round(
@@ -72,30 +109,6 @@ async def one_round(
     return time.perf_counter() - t0, rates, gaps
 
 
-def genai_batched(folder: Path, n: int, tokens: int, plen: int, provider: str) -> float:
-    """onnxruntime-genai generating ``n`` sequences in one batch: aggregate tok/s."""
-    import onnxruntime_genai as og
-
-    config = og.Config(str(folder))
-    config.clear_providers()
-    if provider == "cuda":
-        config.append_provider("cuda")
-    model = og.Model(config)
-    params = og.GeneratorParams(model)
-    params.set_search_options(
-        max_length=-(-(plen + tokens) // 64) * 64, do_sample=False, batch_size=n
-    )
-    gen = og.Generator(model, params)
-    gen.append_tokens(np.asarray([prompt(i, plen) for i in range(n)], dtype=np.int32))
-    gen.generate_next_token()
-    t0 = time.perf_counter()
-    count = 1
-    while not gen.is_done() and count < tokens:
-        gen.generate_next_token()
-        count += 1
-    return n * (count - 1) / (time.perf_counter() - t0)
-
-
 def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
 
@@ -109,6 +122,9 @@ async def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians)")
     ap.add_argument("--providers", default="auto", help="onnx engine providers")
     ap.add_argument("--slots", type=int, default=16, help="batch_slots of the batching engine")
+    ap.add_argument(
+        "--genai-python", help="an interpreter whose environment has onnxruntime-genai (baseline)"
+    )
     args = ap.parse_args()
     ns = [int(x) for x in args.sessions.split(",")]
     folder = ensure_demo(args.size)
@@ -170,7 +186,17 @@ async def main() -> None:
     )
     provider = "cuda" if "CUDA" in info.provider else "cpu"
     try:
-        rates = {n: genai_batched(folder, n, args.tokens, args.prompt, provider) for n in ns}
+        rates: dict[int, float] = {}
+        for n in ns:
+            if args.genai_python:
+                cmd = [args.genai_python, __file__, "--genai-child", str(folder), str(n)]
+                cmd += [str(args.tokens), str(args.prompt), provider]
+                out = await asyncio.to_thread(
+                    subprocess.run, cmd, capture_output=True, text=True, check=True, timeout=600
+                )
+                rates[n] = float(out.stdout.split()[-1])
+            else:
+                rates[n] = genai_batched(folder, n, args.tokens, args.prompt, provider)
     except Exception as exc:  # not installed, or this genai build cannot batch this file
         print(f"no onnxruntime-genai batched baseline: {exc}")
     else:
