@@ -156,7 +156,9 @@ async def main() -> None:
             got[(name, n)].append(await one_round(engines[name], n, args.tokens, args.prompt, name))
 
     def agg(cell: tuple[str, int]) -> float:
-        return statistics.median(cell[1] * (args.tokens - 1) / w for w, _, _ in got[cell] if w)
+        return float(
+            statistics.median(cell[1] * (args.tokens - 1) / w for w, _, _ in got[cell] if w)
+        )
 
     def per_session(cell: tuple[str, int]) -> float:
         return statistics.median(statistics.median(rs) for _, rs, _ in got[cell])
