@@ -64,15 +64,11 @@ MAX_EXACT_JSON_INT = 2**53
 
 def params_view(recorded: Any) -> dict[str, Any]:
     """A generation's recorded parameters for the document: the seed (recorded as a string, since
-    it may need 64 bits) as a number where JSON holds it exactly, else still a string."""
+    it may need 64 bits) as a JSON integer, exact at any size (a reader that parses numbers as
+    doubles, such as JavaScript's JSON.parse, must keep the digits of one above 2**53)."""
     out = dict(recorded)
     seed = out.get("seed")
-    if (
-        isinstance(seed, str)
-        and seed.isascii()
-        and seed.isdigit()
-        and int(seed) <= MAX_EXACT_JSON_INT
-    ):
+    if isinstance(seed, str) and seed.isascii() and seed.isdigit():
         out["seed"] = int(seed)
     return out
 

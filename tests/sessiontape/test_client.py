@@ -242,3 +242,23 @@ async def test_sync_tail_resume_with_saved_document(live: Served) -> None:
     updates, server_doc = await asyncio.to_thread(run)
     assert updates[-1].document == server_doc
     assert [u.kind for u in updates].count("snapshot") == 1
+
+
+async def test_seed_comes_back_as_an_exact_integer(live: Served) -> None:
+    """Issue 15: "seed comes back as a string". Through the client, every document shows a
+    generation's seed as an int, exact above 2**53 (JSON holds it; a double would not)."""
+    big = 2**64 - 1
+    async with AsyncClient(live.url) as st:
+        sid = (await st.create_session())["id"]
+        await st.append(sid, text="Hi")
+        gen = (await st.generate(sid, max_tokens=2, seed=big))["generation"]
+        streamed = [u async for u in st.generate_stream(sid, max_tokens=2, seed=2**53 + 1)]
+        doc = await st.get_session(sid)
+        gid = await st.generate_background(sid, max_tokens=2, seed=str(2**63))
+        tailed = [u async for u in st.tail(sid, until_generation=gid)]
+    assert gen["params"]["seed"] == big and type(gen["params"]["seed"]) is int
+    seeds = [big, 2**53 + 1]
+    assert [g["params"]["seed"] for g in streamed[-1].document["generations"]] == seeds
+    assert [g["params"]["seed"] for g in doc["generations"]] == seeds
+    assert [g["params"]["seed"] for g in tailed[-1].document["generations"]] == [*seeds, 2**63]
+    assert all(type(g["params"]["seed"]) is int for g in tailed[-1].document["generations"])

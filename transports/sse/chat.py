@@ -175,6 +175,7 @@ class ChatCompletions:
             "model": turn.request.get("model"),
             "system_fingerprint": "st-" + self.runtime.engine.info.model_hash[:12],
             "session_id": turn.session_id,
+            "seed": turn.seed,
         }
 
     def _usage(self, turn: Turn) -> dict[str, Any]:

@@ -22,8 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from core import errors as E
-from core.bodies import GenerationStarted, generated_token
-from core.bodies import body as typed_body
+from core.bodies import generated_token
 from core.engine import OutputOptions, SamplingParams
 from core.events import Event
 from core.state import OPEN
@@ -328,7 +327,6 @@ class Responses:
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": turn.prompt_tokens + len(turn.tokens),
             }
-        seed = r.get("seed")
         return {
             "id": rid,
             "object": "response",
@@ -360,9 +358,7 @@ class Responses:
             else int(turn.finished.recorded_at),
             # extensions: where the response lives in the log
             "session_id": turn.session_id,
-            "seed": seed
-            if seed is not None
-            else typed_body(turn.started, GenerationStarted)["params"].get("seed"),
+            "seed": turn.seed,
         }
 
     def _logprobs(self, turn: Turn, events: list[Event]) -> list[dict[str, Any]]:

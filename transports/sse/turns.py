@@ -61,6 +61,16 @@ class Turn:
         return int(body(self.started, GenerationStarted).get("prompt_length", 0))
 
     @property
+    def seed(self) -> int | None:
+        """The seed the generation ran with (the request's, or the one drawn for it), as an
+        integer; the log records it as a string of digits, since it may exceed 2**53."""
+        recorded = body(self.started, GenerationStarted)["params"].get("seed")
+        if recorded is None:
+            requested = self.request.get("seed")
+            return None if requested is None else int(requested)
+        return int(recorded)
+
+    @property
     def end(self) -> int:
         """The token position right after this turn's generated tokens."""
         return self.prompt_tokens + len(self.tokens)

@@ -1,11 +1,15 @@
-"""What a new user of the HTTP API sees first: create's answer, and seeds that stay numbers."""
+"""What a new user of the HTTP API sees first: create's answer, and seeds that are integers."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import httpx
+
+from core.events import T
+from core.runtime import Runtime
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -26,22 +30,45 @@ async def test_create_answers_the_whole_document_as_the_readme_says(
     assert "session document" in line and not re.search(r'-> \{"id": "s_\.\.\."\}\s*$', line)
 
 
-async def test_seed_is_a_number_where_json_holds_it_exactly(client: httpx.AsyncClient) -> None:
+async def test_seed_is_an_integer_in_every_answer_and_exact_above_2_53(
+    client: httpx.AsyncClient, runtime: Runtime
+) -> None:
+    """Issue 15: "seed comes back as a string". Every answer shows it as a JSON integer, exact at any
+    size (2**53 + 1 is where a double starts rounding); the log keeps its string of digits."""
     sid = (await client.post("/v1/sessions", json={})).json()["id"]
     await client.post(f"/v1/sessions/{sid}/append", json={"text": "Hi"})
-    cases = [
-        (7, 7),
-        ("42", 42),
-        (2**53, 2**53),
-        (2**53 + 1, str(2**53 + 1)),
-        (2**64 - 1, str(2**64 - 1)),
-    ]
-    for given, shown in cases:
+    seeds = [7, 42, 2**53, 2**53 + 1, 2**63 + 12345, 2**64 - 1]
+    for seed in seeds:
+        given: int | str = str(seed) if seed == 42 else seed  # the API takes digits too
         r = await client.post(
             f"/v1/sessions/{sid}/generate", json={"max_tokens": 1, "seed": given, "stream": False}
         )
         assert r.status_code == 200, r.text
-        assert r.json()["generation"]["params"]["seed"] == shown, given
+        shown = r.json()["generation"]["params"]["seed"]
+        assert type(shown) is int and shown == seed, (given, shown)
+        # the JSON text has the digits themselves, not a float's rendering
+        assert re.search(rf'"seed":\s*{seed}\b', r.text), r.text[:300]
     doc = (await client.get(f"/v1/sessions/{sid}")).json()
-    assert [g["params"]["seed"] for g in doc["generations"]] == [shown for _, shown in cases]
-    assert type(doc["generations"][0]["params"]["seed"]) is int
+    assert [g["params"]["seed"] for g in doc["generations"]] == seeds
+    assert all(type(g["params"]["seed"]) is int for g in doc["generations"])
+    replay = json.loads((await client.get(f"/v1/sessions/{sid}/replay")).text)
+    assert replay["base"]["generations"] == []
+    started = [
+        op["value"]["params"]["seed"]
+        for step in replay["steps"]
+        for op in step["patch"]
+        if op["path"] == "/generations"
+    ]
+    assert started == seeds
+    # the streamed document too (its snapshot holds the earlier generations)
+    async with client.stream(
+        "POST", f"/v1/sessions/{sid}/generate", json={"max_tokens": 1, "seed": 2**64 - 2}
+    ) as r:
+        text = (await r.aread()).decode()
+    snapshot = json.loads(text.split("event: snapshot\ndata: ", 1)[1].split("\n", 1)[0])
+    assert [g["params"]["seed"] for g in snapshot["generations"]][: len(seeds)] == seeds
+    assert '"seed": 18446744073709551614' in text or '"seed":18446744073709551614' in text
+    # the stored format is unchanged: a string of digits
+    events = await runtime.log.read(sid)
+    recorded = [e.body["params"]["seed"] for e in events if e.type == T.GENERATION_STARTED]
+    assert recorded == [str(s) for s in [*seeds, 2**64 - 2]]

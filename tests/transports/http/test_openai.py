@@ -653,3 +653,78 @@ async def test_a_response_left_running_by_a_stopped_process_can_be_continued(liv
     assert session_of(nxt.id)[0] == sid  # continued, not forked
     assert after.status == "failed" and after.output_text == "AB"
     assert (await rt.get(sid)).generations["g_1"].finish_reason == "interrupted"
+
+
+async def test_seed_is_an_integer_in_every_reply(live: Served) -> None:
+    """Issue 15: "seed comes back as a string". A response's and a chat completion's ``seed``
+    (an extension: the one given, or the one drawn and recorded) is a JSON integer, exact above
+    2**53; the wire record keeps the stored format, a string of digits."""
+    big = 2**63 - 1
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    async with httpx.AsyncClient(base_url=live.url, headers=auth, timeout=20) as h:
+        r = await h.post(
+            "/v1/responses",
+            json={"model": MODEL, "input": "s", "max_output_tokens": 2, "seed": big},
+        )
+        assert r.status_code == 200, r.text
+        assert f'"seed": {big}' in r.text or f'"seed":{big}' in r.text
+        assert type(r.json()["seed"]) is int and r.json()["seed"] == big
+        again = (await h.get(f"/v1/responses/{r.json()['id']}")).json()
+        assert again["seed"] == big
+        async with h.stream(
+            "POST",
+            "/v1/responses",
+            json={
+                "model": MODEL,
+                "input": "s",
+                "max_output_tokens": 2,
+                "seed": big,
+                "stream": True,
+            },
+        ) as s:
+            events = [
+                json.loads(line[6:]) async for line in s.aiter_lines() if line.startswith("data: ")
+            ]
+        assert {e["response"]["seed"] for e in events if "response" in e} == {big}
+        c = await h.post(
+            "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "s"}],
+                "max_tokens": 2,
+                "seed": big,
+            },
+        )
+        assert c.status_code == 200, c.text
+        assert type(c.json()["seed"]) is int and c.json()["seed"] == big
+        async with h.stream(
+            "POST",
+            "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "s"}],
+                "max_tokens": 2,
+                "seed": big,
+                "stream": True,
+            },
+        ) as s:
+            chunks = [
+                json.loads(line[6:]) async for line in s.aiter_lines() if line.startswith("data: {")
+            ]
+        assert chunks and {ch["seed"] for ch in chunks} == {big}
+    # without a seed, the drawn one is shown (an integer) and re-running with it repeats the text
+    async with async_client(live) as oai:
+        drawn = await oai.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "d"}], max_tokens=6
+        )
+        seed = (drawn.model_extra or {})["seed"]
+        assert type(seed) is int
+        twice = await oai.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "d"}], max_tokens=6, seed=seed
+        )
+        resp = await oai.responses.create(model=MODEL, input="d", max_output_tokens=3)
+    assert twice.choices[0].message.content == drawn.choices[0].message.content
+    assert type((resp.model_extra or {})["seed"]) is int
+    sid, version = session_of(r.json()["id"])
+    turn = await load_turn(live.runtime, sid, version, "responses")
+    assert turn.request["seed"] == str(big)
