@@ -406,3 +406,92 @@ async def test_long_and_forked_sessions_lay_out_cleanly(
         "return [r.left, r.right, el.scrollWidth <= el.clientWidth]; }",
     )
     assert box[0] >= 0 and box[1] <= width and box[2]
+
+
+def _frag(nid: str, text: str) -> list[FragmentIn]:
+    return [
+        FragmentIn(id=nid, has_chunk=True, data=text.encode(), metadata={"mimetype": "text/plain"})
+    ]
+
+
+async def test_fork_after_any_node_of_a_long_live_session_and_of_a_fork(  # noqa: F811
+    server: Served, page: Any
+) -> None:
+    """Every node offers "fork after": those that arrive while the page follows the session live
+    (late in a long session: past the replay it loaded), and those a fork inherited."""
+    rt = server.runtime
+    sid = (await rt.open_session("evergreen", label="many nodes")).session_id
+    for i in range(300):  # more than one of the scrubber's 256-step checkpoints
+        await rt.append_fragments(sid, _frag(f"n{i}", f"node {i}"))
+
+    await page.goto(f"{server.url}/#/s/{sid}")
+    await page.wait_for_selector("#mode:text('live')")
+    await page.wait_for_selector("li[data-node='n299']")
+    for i in range(300, 306):  # late: after the page loaded
+        await rt.append_fragments(sid, _frag(f"n{i}", f"node {i}"))
+    await page.wait_for_selector("li[data-node='n305']")
+    buttons = await page.eval_on_selector_all(".fork-node", "els => els.map(e => e.dataset.node)")
+    assert sorted(buttons) == sorted(f"n{i}" for i in range(306))
+    v303 = next(
+        e.version
+        for e in await rt.log.read(sid)
+        if e.type == "node.fragment" and e.body["id"] == "n303"
+    )
+    await page.click(".fork-node[data-node='n303']")
+    await page.wait_for_function(f"!location.hash.includes('{sid}')")
+    child = page.url.split("#/s/")[1].split("?")[0]
+    async with httpx.AsyncClient(base_url=server.url, timeout=20) as c:
+        doc = (await c.get(f"/v1/sessions/{child}")).json()
+        assert doc["parent"] == {"session_id": sid, "version": v303, "token_position": None}
+        assert set(doc["nodes"]) == {f"n{i}" for i in range(304)}
+
+        # the fork's inherited nodes can be forked after too (from the fork's first version)
+        await page.wait_for_selector("li[data-node='n303'] .fork-node")
+        assert await page.eval_on_selector_all(".fork-node", "els => els.length") == 304
+        await page.click(".fork-node[data-node='n10']")
+        await page.wait_for_function(f"!location.hash.includes('{child}')")
+        grandchild = page.url.split("#/s/")[1].split("?")[0]
+        gdoc = (await c.get(f"/v1/sessions/{grandchild}")).json()
+        assert gdoc["parent"] == {"session_id": child, "version": 1, "token_position": None}
+        assert gdoc["nodes"]["n10"]["text"] == "node 10"
+
+    # scrubbed back, a node is forked as the page shows it then, not as it ended up
+    await rt.append_fragments(sid, _frag("n0", " and more"))
+    await rt.close(sid)
+    first = next(e for e in await rt.log.read(sid) if e.type == "node.fragment")
+    await page.goto(f"{server.url}/#/s/{sid}?at={first.position}")
+    await page.wait_for_selector("li[data-node='n0'] .fork-node")
+    await page.click(".fork-node[data-node='n0']")
+    await page.wait_for_function(f"!location.hash.includes('{sid}')")
+    early = page.url.split("#/s/")[1].split("?")[0]
+    async with httpx.AsyncClient(base_url=server.url, timeout=20) as c:
+        edoc = (await c.get(f"/v1/sessions/{early}")).json()
+    assert edoc["parent"]["version"] == first.version and set(edoc["nodes"]) == {"n0"}
+
+
+async def test_rerun_keeps_a_seed_above_2_53_exact(server: Served, page: Any) -> None:  # noqa: F811
+    """The document shows seeds as JSON integers; the page keeps the digits of one a JavaScript
+    number would round, shows them, and re-runs with the very same seed."""
+    seed = 2**64 - 1
+    async with httpx.AsyncClient(base_url=server.url, timeout=20) as c:
+        sid = (await c.post("/v1/sessions", json={"label": "big seed"})).json()["id"]
+        await c.post(f"/v1/sessions/{sid}/append", json={"text": "Hello viewer"})
+        g = await _gen(c, sid, max_tokens=8, seed=seed, temperature=1.0)
+        assert g["params"]["seed"] == seed
+        await c.post(f"/v1/sessions/{sid}/close", json={})
+
+        await page.goto(f"{server.url}/#/s/{sid}")
+        await page.wait_for_selector(f".rerun[data-gen='{g['id']}']")
+        summary = await page.text_content(f".gen-summary[data-gen='{g['id']}']") or ""
+        assert f"seed {seed}" in summary, summary
+        await page.click(f".rerun[data-gen='{g['id']}']")
+        await page.wait_for_function(f"!location.hash.includes('{sid}')")
+        rerun = page.url.split("#/s/")[1].split("?")[0]
+        for _ in range(500):
+            again = (await c.get(f"/v1/sessions/{rerun}")).json()
+            if again["generations"] and again["generations"][0]["status"] == "finished":
+                break
+            await asyncio.sleep(0.02)
+    [g2] = again["generations"]
+    assert g2["params"]["seed"] == seed
+    assert [t["id"] for t in g2["tokens"]] == [t["id"] for t in g["tokens"]]

@@ -18,9 +18,16 @@ function url(path) {
   return path + (path.includes("?") ? "&" : "?") + "access_token=" + encodeURIComponent(token);
 }
 
+// JSON.parse, but an integer beyond what a Number holds exactly (a seed up to 2**64 - 1) stays its
+// digits, as a string: shown as sent, and sent back (the API takes a seed as digits) unrounded.
+function parseJSON(text) {
+  return JSON.parse(text, (_, v, ctx) =>
+    (typeof v === "number" && !Number.isSafeInteger(v) && ctx?.source && /^-?[0-9]+$/.test(ctx.source) ? ctx.source : v));
+}
+
 async function getJSON(path) {
   const r = await fetch(url(path));
-  const body = await r.json();
+  const body = parseJSON(await r.text());
   if (!r.ok) throw new Error(`${body.error?.code}: ${body.error?.message}`);
   return body;
 }
@@ -80,11 +87,17 @@ function notice(text, isError = false) {
 }
 
 // A patch stream: snapshot, then patches; EventSource resumes with Last-Event-ID by itself.
-function stream(path, onDoc, onEnd) {
+// onPatch(ops, doc) sees each patch once it is applied.
+function stream(path, onDoc, onEnd, onPatch) {
   let doc = null;
   const es = new EventSource(url(path));
-  es.addEventListener("snapshot", (e) => { doc = JSON.parse(e.data); onDoc(doc); });
-  es.addEventListener("patch", (e) => { doc = applyPatch(doc, JSON.parse(e.data), true); onDoc(doc); });
+  es.addEventListener("snapshot", (e) => { doc = parseJSON(e.data); onDoc(doc); });
+  es.addEventListener("patch", (e) => {
+    const ops = parseJSON(e.data);
+    doc = applyPatch(doc, ops, true);
+    onPatch?.(ops, doc);
+    onDoc(doc);
+  });
   es.addEventListener("end", () => { es.close(); conn.textContent = "ended"; onEnd?.(doc); });
   es.onopen = () => { conn.textContent = "live"; };
   es.onerror = () => { conn.textContent = es.readyState === EventSource.CLOSED ? "closed" : "reconnecting…"; };
@@ -243,18 +256,34 @@ function conversation(doc) {
   return out;
 }
 
-// node id -> the session's last own event version that touched it (from the /replay steps' patches):
-// forking at that version gives a session that holds the node as it ended up.
+// node id -> the session's own event versions that touched it, ascending: from the /replay steps'
+// patches, then from each live patch (noteNodes). A fork's inherited nodes are there from its first version.
 function nodeVersions(rep) {
   const out = new Map();
+  for (const id of Object.keys(rep.base?.nodes || {})) out.set(id, [1]);
   for (const st of rep.steps) {
-    if (st.version == null || st.session_id !== rep.session_id) continue;
-    for (const op of st.patch) {
-      const parts = (op.path || "").split("/");
-      if (parts[1] === "nodes" && parts[2]) out.set(parts[2].replace(/~1/g, "/").replace(/~0/g, "~"), st.version);
-    }
+    if (st.version != null && st.session_id === rep.session_id) noteNodes(out, st.patch, st.version);
   }
   return out;
+}
+
+function noteNodes(versions, ops, version) {
+  for (const op of ops) {
+    const parts = (op.path || "").split("/");
+    if (parts[1] !== "nodes" || !parts[2]) continue;
+    const id = parts[2].replace(/~1/g, "/").replace(/~0/g, "~");
+    const seen = versions.get(id) || [];
+    if (seen[seen.length - 1] !== version) seen.push(version);
+    versions.set(id, seen);
+  }
+}
+
+// The version to fork at so that node `id` is as `doc` shows it: the last version up to the document's
+// that touched it (a scrubbed-back document shows an earlier state); failing that, the document's own.
+function nodeVersion(versions, id, doc) {
+  const seen = versions?.get(id) || [];
+  for (let i = seen.length - 1; i >= 0; i--) if (seen[i] <= doc.version) return seen[i];
+  return doc.version > 0 ? doc.version : null;
 }
 
 function nodeTree(doc, id, seen = new Set(), versions = null) {
@@ -262,7 +291,7 @@ function nodeTree(doc, id, seen = new Set(), versions = null) {
   if (!n || seen.has(id)) return h("li", {}, h("span", { class: "node-id" }, `${id} (missing)`));
   seen.add(id);
   const label = h("span", { class: "node-id" }, `${id} · ${n.kind}${n.mimetype ? " · " + n.mimetype : ""}${n.role ? " · " + n.role : ""}${n.complete ? "" : " · incomplete"}`);
-  const v = versions?.get(id);
+  const v = nodeVersion(versions, id, doc);
   const fork = v ? h("button", { class: "fork-node", "data-node": id, title: `fork the session once this node is as shown (event v${v})`,
     onclick: () => forkAt(doc.id, { at_version: v }) }, "fork after") : null;
   const body = [];
@@ -457,7 +486,8 @@ function sessionPage(id, query) {
     const live = rep.steps.length && ["open"].includes(docAt(rep, rep.steps.length).status);
     if (live && at == null) {
       controls.replaceChildren(h("span", { class: "meta", id: "mode" }, "live"));
-      stop = stream(`/v1/sessions/${id}/events`, render, (doc) => { if (doc) render(doc); });
+      stop = stream(`/v1/sessions/${id}/events`, render, (doc) => { if (doc) render(doc); },
+        (ops, doc) => noteNodes(versions, ops, doc.version));
     } else {
       stop = scrubber(rep, controls, render, id, at, (pos) => { at = pos; syncUrl(); });
     }
