@@ -414,8 +414,9 @@ def _frag(nid: str, text: str) -> list[FragmentIn]:
     ]
 
 
-async def test_fork_after_any_node_of_a_long_live_session_and_of_a_fork(  # noqa: F811
-    server: Served, page: Any
+async def test_fork_after_any_node_of_a_long_live_session_and_of_a_fork(
+    server: Served,
+    page: Any,  # noqa: F811
 ) -> None:
     """Every node offers "fork after": those that arrive while the page follows the session live
     (late in a long session: past the replay it loaded), and those a fork inherited."""
