@@ -266,8 +266,15 @@ class BatchScheduler:
                 ]
             for t in tasks:
                 self._run_task(t)
-            self._admit_and_retire()
-            self._decode()
+            try:
+                self._admit_and_retire()
+                self._decode()
+            except BaseException as exc:  # a bug here must not hang every generation
+                log.exception("batch scheduler turn failed; its sessions end with an error")
+                err = EngineError(f"the batch scheduler failed: {exc!r}")
+                for m in list(self._slot_of.values()):
+                    if m.state == "active" and not m.left_called:
+                        self._retire(m, err)
         # closing: every member leaves, every queued task fails
         for m in list(self._slot_of.values()):
             self._retire(m, EngineError("the engine is closed"))

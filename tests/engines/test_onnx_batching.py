@@ -337,3 +337,32 @@ def test_every_wire_answers_engine_busy_as_retryable_resource_exhaustion() -> No
     assert resp.status_code == 429 and resp.headers["retry-after"] == "1"
     assert b'"engine_busy"' in resp.body
     assert code_for(exc) == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+async def test_a_fault_in_the_scheduler_ends_its_sessions_with_an_error_not_a_hang(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    eng = batching_engine(tiny_dir, batch_slots=4)
+    assert eng._batch is not None
+    real = eng._batch._finish_row
+    calls = 0
+
+    def broken(*args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 5:
+            raise IndexError("a bug")
+        return real(*args)
+
+    monkeypatch.setattr(eng._batch, "_finish_row", broken)
+    results = await asyncio.wait_for(
+        asyncio.gather(
+            *[run(eng, f"x{i}", history(s, m), p) for i, (s, m, p) in enumerate(SESSIONS[:3])],
+            return_exceptions=True,
+        ),
+        timeout=30,
+    )
+    assert any(isinstance(r, EngineError) for r in results)
+    monkeypatch.setattr(eng._batch, "_finish_row", real)
+    s, m, p = SESSIONS[0]
+    assert len(await run(eng, "after", history(s, m), p)) == 20
