@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from transports.sse import openai_schema
+
 _ERROR = {"$ref": "#/components/schemas/Error"}
 _DOC = {"$ref": "#/components/schemas/SessionDocument"}
 
@@ -77,99 +79,6 @@ _GEN = _obj(
 )
 
 
-_OPENAI_ERROR = _json(
-    _obj(
-        error=_obj(
-            message=_STR,
-            type=_STR,
-            param={"type": ["string", "null"]},
-            code={"type": ["string", "null"]},
-        )
-    ),
-    "an error in OpenAI's shape",
-)
-
-
-def _openai(
-    summary: str, ok: dict[str, Any], params: list[dict[str, Any]] | None = None, body: bool = False
-) -> dict[str, Any]:
-    op: dict[str, Any] = {
-        "summary": summary,
-        "tags": ["openai"],
-        "responses": {**ok, "4XX": _OPENAI_ERROR, "5XX": _OPENAI_ERROR},
-    }
-    if params:
-        op["parameters"] = params
-    if body:
-        op["requestBody"] = {"content": {"application/json": {"schema": {"type": "object"}}}}
-    return op
-
-
-def _openai_paths() -> dict[str, Any]:
-    """The OpenAI-compatible routes (transports/sse/openai.py; request and response bodies are
-    OpenAI's own, see docs/clients.md), at the level of detail this document keeps for them."""
-
-    def path(name: str) -> list[dict[str, Any]]:
-        return [{"name": name, "in": "path", "required": True, "schema": _STR}]
-
-    obj = {"type": "object"}
-    return {
-        "/v1/models": {"get": _openai("the configured engines and models", {"200": _json(obj)})},
-        "/v1/models/{model}": {"get": _openai("one model", {"200": _json(obj)}, path("model"))},
-        "/v1/responses": {
-            "post": _openai(
-                "create a response (a generation in a session); stream=true answers with Responses events",
-                {
-                    "200": {
-                        "description": "the response, or its event stream",
-                        "content": {
-                            "application/json": {"schema": obj},
-                            "text/event-stream": {"schema": _STR},
-                        },
-                    }
-                },
-                body=True,
-            )
-        },
-        "/v1/responses/{rid}": {
-            "get": _openai(
-                "retrieve a response (stream=true&starting_after=N resumes its event stream)",
-                {
-                    "200": {
-                        "description": "the response, or its event stream",
-                        "content": {
-                            "application/json": {"schema": obj},
-                            "text/event-stream": {"schema": _STR},
-                        },
-                    }
-                },
-                path("rid"),
-            )
-        },
-        "/v1/responses/{rid}/cancel": {
-            "post": _openai("cancel a background response", {"200": _json(obj)}, path("rid"))
-        },
-        "/v1/responses/{rid}/input_items": {
-            "get": _openai("the input items of a response", {"200": _json(obj)}, path("rid"))
-        },
-        "/v1/chat/completions": {
-            "post": _openai(
-                "a chat completion, recorded as a session (stream=true: chat.completion.chunk events)",
-                {
-                    "200": {
-                        "description": "the completion, or its chunks",
-                        "content": {
-                            "application/json": {"schema": obj},
-                            "text/event-stream": {"schema": _STR},
-                        },
-                    }
-                },
-                body=True,
-            )
-        },
-    }
-
-
 #: the error statuses each native route answers (each is produced in tests/transports/http/test_openapi.py);
 #: a route not listed here documents all four of ``_ERRORS``
 _ERRORS_OF: dict[tuple[str, str], tuple[str, ...]] = {
@@ -212,6 +121,7 @@ def _spec() -> dict[str, Any]:
                     "type": "object",
                     "description": "docs/protocols/session-document.md",
                 },
+                **openai_schema.SCHEMAS,
             },
         },
         "security": [{"bearer": []}],
@@ -438,6 +348,6 @@ def _spec() -> dict[str, Any]:
                     params=[_SID, {"name": "nid", "in": "path", "required": True, "schema": _STR}],
                 )
             },
-            **_openai_paths(),
+            **openai_schema.paths(),
         },
     }

@@ -370,14 +370,18 @@ class Responses:
     def _sse(self, turn: Turn, starting_after: int, *, cancel_on_disconnect: bool) -> Response:
         async def body() -> AsyncIterator[bytes]:
             done = False
+            last = -1
             try:
                 async for seq, event in self.events(turn):
+                    last = seq
                     if seq > starting_after:
                         yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
                 done = True
             except Exception as exc:
                 done = True
-                yield f"event: error\ndata: {json.dumps({'type': 'error', **error_event(exc)})}\n\n".encode()
+                # OpenAI's error event: its type is "error" (the error's own type is not a field)
+                error = {**error_event(exc), "type": "error", "sequence_number": last + 1}
+                yield f"event: error\ndata: {json.dumps(error)}\n\n".encode()
             finally:
                 if cancel_on_disconnect and not done:  # the client went away mid-stream
                     await self.turns.cancel(turn)

@@ -11,19 +11,25 @@ import asyncio
 import hashlib
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
 
 import httpx
+import pytest
+from openapi_schema_validator import OAS31Validator
 from openapi_spec_validator import validate
 from starlette.routing import BaseRoute, Mount, Route
 
 from core.nodes import FragmentIn
 from core.runtime import Runtime
 from core.tokens import ImageIn
-from engines.reference import IMAGE_PAD
+from engines.reference import IMAGE_PAD, ReferenceEngine
+from tests.conftest import make_config
 from tests.transports.http.conftest import Served
+from transports.sse import openai_schema
 from transports.sse.app import create_app
 from transports.sse.openapi import spec
+from transports.sse.plugin import HttpTransport
 
 _CONVERTER = re.compile(r"\{(\w+)(?::\w+)?\}")
 
@@ -248,3 +254,275 @@ async def test_every_documented_error_is_answered(runtime: Runtime) -> None:
             assert produced >= 40
     finally:
         await app.state.api.aclose()
+
+
+# -- the OpenAI-compatible routes --------------------------------------------------------------
+
+TOKEN = "t0k"
+MODEL = "reference-bigram-v1"
+
+
+class Flaky(ReferenceEngine):
+    """The reference engine, except that a generation whose prompt holds ``FAIL`` raises after its
+    first step (an engine failure, recorded as ``error``), and one whose prompt holds ``END`` ends
+    at once (EOS: a completed response)."""
+
+    def logits(self, history: Sequence[int], position: int) -> Any:
+        out = super().logits(history, position)
+        if "END" in self.detokenize(list(history[:position])):
+            out[self.info.eos_token_ids[0]] += 100.0
+        return out
+
+    async def generate(self, *a: Any, **k: Any) -> AsyncIterator[Any]:  # type: ignore[override]
+        history = a[1] if len(a) > 1 else k.get("history", ())
+        fail = "FAIL" in self.detokenize(list(history))
+        async for step in super().generate(*a, **k):
+            yield step
+            if fail:
+                raise RuntimeError("the engine fell over")
+
+
+@pytest.fixture
+async def openai_server(sqlite_url: str, port: int) -> AsyncIterator[Served]:
+    cfg = make_config(sqlite_url, auth={"token": TOKEN})
+    rt = await Runtime.create(cfg, engine=Flaky(step_delay_s=0.02))
+    tr = HttpTransport(rt, {"listen": f"127.0.0.1:{port}", "heartbeat_s": 1.0}, cfg)
+    await tr.start()
+    try:
+        yield Served(rt, tr, f"http://127.0.0.1:{port}")
+    finally:
+        await tr.stop(grace=1.0)
+        await rt.aclose()
+
+
+def _sse_data(text: str) -> list[tuple[str, str]]:
+    """(event name, data) of each event of a Server-Sent Events body."""
+    out = []
+    for block in text.split("\n\n"):
+        event, data = "message", []
+        for line in block.splitlines():
+            if line.startswith("event: "):
+                event = line[7:]
+            elif line.startswith("data: "):
+                data.append(line[6:])
+        if data:
+            out.append((event, "\n".join(data)))
+    return out
+
+
+class Checker:
+    """Checks each answer of an OpenAI route against the document: status, content type, and the
+    body (or each streamed event) against the schema documented for it."""
+
+    def __init__(self, doc: dict[str, Any]) -> None:
+        self.doc = doc
+        self.produced: set[tuple[str, str, str]] = set()
+        self.events: set[str] = set()
+
+    def schema(self, node: dict[str, Any]) -> OAS31Validator:
+        return OAS31Validator({**node, "components": self.doc["components"]})
+
+    def template(self, path: str) -> str:
+        for p in self.doc["paths"]:
+            if re.fullmatch(re.sub(r"\\\{\w+\\\}", "[^/]+", re.escape(p)), path):
+                return str(p)
+        raise AssertionError(f"{path} matches no documented path")
+
+    def __call__(self, r: httpx.Response) -> Any:
+        path, method = self.template(r.request.url.path), r.request.method.lower()
+        responses = self.doc["paths"][path][method]["responses"]
+        key = str(r.status_code) if str(r.status_code) in responses else f"{r.status_code // 100}XX"
+        assert key in responses, (path, method, r.status_code, "status not documented", r.text)
+        ctype = r.headers["content-type"].split(";")[0]
+        media = responses[key]["content"].get(ctype)
+        assert media is not None, (path, method, r.status_code, ctype, "content type")
+        self.produced.add((path, method, key))
+        if ctype == "application/json":
+            body = r.json()
+            self.schema(media["schema"]).validate(body)
+            return body
+        assert ctype == "text/event-stream"
+        out = []
+        for event, data in _sse_data(r.text):
+            if data == "[DONE]":
+                continue
+            value = json.loads(data)
+            is_error = event == "error" or "error" in value
+            self.schema(media["x-sse-error" if is_error else "x-sse-data"]).validate(value)
+            if event != "message":
+                assert value["type"] == event, (event, value)
+            self.events.add(event if event != "message" else value.get("object", "error"))
+            out.append(value)
+        return out
+
+
+async def test_openai_answers_match_their_schemas(openai_server: Served) -> None:
+    """Each OpenAI-compatible route, driven over loopback: every answer (each streamed event too) is
+    valid against the schema the document gives it, and every status the document lists for these
+    routes is produced here."""
+    doc = spec()
+    check = Checker(doc)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    rt = openai_server.runtime
+    async with httpx.AsyncClient(base_url=openai_server.url, headers=auth, timeout=30) as c:
+        # models
+        check(await c.get("/v1/models"))
+        check(await c.get(f"/v1/models/{MODEL}"))
+        check(await c.get("/v1/models/gpt-4o"))
+        # responses: plain, with logprobs and instructions, streamed
+        r = check(
+            await c.post(
+                "/v1/responses",
+                json={
+                    "model": MODEL,
+                    "input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}],
+                    "instructions": "Be brief.",
+                    "max_output_tokens": 4,
+                    "seed": 3,
+                    "metadata": {"k": "v"},
+                    "include": ["message.output_text.logprobs"],
+                    "top_logprobs": 2,
+                },
+            )
+        )
+        assert r["output"][0]["content"][0]["logprobs"]
+        check(
+            await c.post(
+                "/v1/responses",
+                json={"model": MODEL, "input": "s", "stream": True, "max_output_tokens": 3},
+            )
+        )
+        done = check(
+            await c.post("/v1/responses", json={"model": MODEL, "input": "END", "stream": True})
+        )
+        assert done[-1]["type"] == "response.completed"
+        check(await c.get(f"/v1/responses/{r['id']}"))
+        check(await c.get(f"/v1/responses/{r['id']}?stream=true&starting_after=2"))
+        check(await c.get(f"/v1/responses/{r['id']}/input_items?order=asc&limit=1"))
+        # a background response: continuing it while it runs is 409; cancel it
+        bg = check(
+            await c.post(
+                "/v1/responses",
+                json={
+                    "model": MODEL,
+                    "input": "long",
+                    "background": True,
+                    "max_output_tokens": 400,
+                },
+            )
+        )
+        busy = await c.post(
+            "/v1/responses",
+            json={"model": MODEL, "input": "x", "previous_response_id": bg["id"]},
+        )
+        assert busy.status_code == 409 and check(busy)["error"]["code"] == "session_busy"
+        assert check(await c.post(f"/v1/responses/{bg['id']}/cancel"))["status"] == "cancelled"
+        # a response whose generation failed: status failed, its stream ends with response.failed
+        failed = check(await c.post("/v1/responses", json={"model": MODEL, "input": "FAIL"}))
+        assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
+        check(await c.get(f"/v1/responses/{failed['id']}?stream=true"))
+        # chat completions: plain with logprobs, streamed with usage, and a failing engine
+        chat = check(
+            await c.post(
+                "/v1/chat/completions",
+                json={
+                    "model": MODEL,
+                    "messages": [
+                        {"role": "system", "content": "s"},
+                        {"role": "user", "content": "Hi"},
+                    ],
+                    "max_tokens": 3,
+                    "logprobs": True,
+                    "top_logprobs": 1,
+                    "stop": ["\n\n"],
+                },
+            )
+        )
+        chunks = check(
+            await c.post(
+                "/v1/chat/completions",
+                json={
+                    "model": MODEL,
+                    "messages": [{"role": "user", "content": "More"}],
+                    "max_completion_tokens": 3,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                    "logprobs": True,
+                    "session_id": chat["session_id"],
+                },
+            )
+        )
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] >= 1
+        boom = await c.post(
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "FAIL"}]},
+        )
+        assert boom.status_code >= 500 and check(boom)["error"]["type"] == "server_error"
+        streamed_boom = check(
+            await c.post(
+                "/v1/chat/completions",
+                json={
+                    "model": MODEL,
+                    "messages": [{"role": "user", "content": "FAIL"}],
+                    "stream": True,
+                },
+            )
+        )
+        assert "error" in streamed_boom[-1]
+        await rt.close(chat["session_id"])
+        closed = await c.post(
+            "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "x"}],
+                "session_id": chat["session_id"],
+            },
+        )
+        assert closed.status_code == 409 and check(closed)["error"]["code"] == "session_closed"
+
+        # the errors of each route: 400 (a bad field or query), 404 (an unknown id or model)
+        chat_msg = [{"role": "user", "content": "x"}]
+        for method, url, body in [
+            ("POST", "/v1/responses", {"model": MODEL, "input": "x", "temperature": 3}),
+            ("POST", "/v1/responses", {"model": "gpt-4o", "input": "x"}),
+            ("GET", f"/v1/responses/{r['id']}?stream=true&starting_after=abc", None),
+            ("GET", "/v1/responses/resp_s_nope_3", None),
+            ("POST", f"/v1/responses/{r['id']}/cancel", None),  # not a background response
+            ("POST", "/v1/responses/resp_s_nope_3/cancel", None),
+            ("GET", f"/v1/responses/{r['id']}/input_items?limit=0", None),
+            ("GET", "/v1/responses/resp_s_nope_3/input_items", None),
+            ("POST", "/v1/chat/completions", {"model": MODEL, "messages": chat_msg, "n": 2}),
+            ("POST", "/v1/chat/completions", {"model": "gpt-4o", "messages": chat_msg}),
+        ]:
+            answer = await c.request(method, url, json=body)
+            assert answer.status_code in (400, 404), (method, url, answer.status_code)
+            check(answer)
+        # 401: every route, without the token
+        for (path, method), _ in openai_schema.ERRORS_OF.items():
+            real = path.replace("{model}", MODEL).replace("{rid}", r["id"])
+            answer = await c.request(method.upper(), real, headers={"Authorization": "Bearer no"})
+            assert answer.status_code == 401
+            assert check(answer)["error"]["type"] == "authentication_error"
+
+    assert check.events >= {
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+        "response.incomplete",
+        "response.failed",
+        "chat.completion.chunk",
+    }, check.events
+    documented = {
+        (p, m, s)
+        for p, ops in doc["paths"].items()
+        for m, op in ops.items()
+        if op.get("tags") == ["openai"]
+        for s in op["responses"]
+    }
+    assert documented - check.produced == set(), "documented but never answered"
