@@ -30,6 +30,7 @@ from transports.sse.openai import (
     Api,
     BadParam,
     Models,
+    check_fields,
     error_event,
     flag,
     integer,
@@ -42,6 +43,46 @@ from transports.sse.turns import Turn, Turns, follow, load_turn, logprob_entry
 
 API = "chat.completions"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+#: the request fields read (the unsupported ones only to refuse them unless they ask for
+#: nothing); any other is refused (openai.check_fields)
+UNSUPPORTED = (
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "logit_bias",
+    "audio",
+    "prediction",
+    "frequency_penalty",
+    "presence_penalty",
+    "reasoning_effort",
+    "web_search_options",
+)
+FIELDS = frozenset(
+    {
+        "model",
+        "messages",
+        "n",
+        "stream",
+        "stream_options",
+        "logprobs",
+        "top_logprobs",
+        "max_tokens",
+        "max_completion_tokens",
+        "seed",
+        "temperature",
+        "top_p",
+        "stop",
+        "metadata",
+        "response_format",
+        "modalities",
+        "store",
+        "session_id",
+        *UNSUPPORTED,
+    }
+)
 
 
 def completion_id(turn: Turn) -> str:
@@ -90,19 +131,12 @@ class ChatCompletions:
 
     async def create(self, request: Request) -> Response:
         b = await json_body(request, self.limits)
+        check_fields(b, FIELDS)
         model = self.models.check(b)
-        reject_unsupported(
-            b,
-            (
-                "tools",
-                "functions",
-                "logit_bias",
-                "audio",
-                "prediction",
-                "frequency_penalty",
-                "presence_penalty",
-            ),
-        )
+        reject_unsupported(b, UNSUPPORTED)
+        if b.get("modalities") not in (None, ["text"]):
+            raise BadParam("modalities", 'only modalities ["text"] is supported')
+        flag(b, "store", True)  # every completion is recorded: store=false changes nothing
         fmt = b.get("response_format")
         if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
             raise BadParam("response_format", 'only response_format {"type": "text"} is supported')

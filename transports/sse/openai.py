@@ -189,6 +189,40 @@ def metadata(b: Mapping[str, Any]) -> dict[str, str]:
     return dict(v)
 
 
+class UnknownParam(BadParam):
+    """A field neither OpenAI's API nor this server knows (a typo, most often): refused, as OpenAI
+    refuses it, rather than silently ignored."""
+
+    code = "unknown_field"
+
+    def __init__(self, names: Iterable[str]) -> None:
+        names = sorted(names)
+        super().__init__(names[0], f"Unrecognized request argument supplied: {', '.join(names)}")
+        self.fields = names
+
+
+#: OpenAI request fields that change nothing here, taken and dropped: an end-user id, a service
+#: tier, caching and safety hints (a session caches by itself), parallel tool calls (no tools)
+NO_OPS = frozenset(
+    {
+        "user",
+        "service_tier",
+        "safety_identifier",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+        "parallel_tool_calls",
+    }
+)
+
+
+def check_fields(b: Mapping[str, Any], known: Iterable[str]) -> None:
+    """Refuse a field that is neither in ``known`` (what the route reads, or refuses by name)
+    nor one of :data:`NO_OPS`."""
+    unknown = set(b) - set(known) - NO_OPS
+    if unknown:
+        raise UnknownParam(unknown)
+
+
 def reject_unsupported(b: Mapping[str, Any], names: Iterable[str]) -> None:
     """Features this server does not have are refused, not silently dropped."""
     for name in names:

@@ -137,9 +137,14 @@ SCHEMAS: dict[str, Any] = {
             },
             top_logprobs={"type": "integer", "minimum": 0, "maximum": 20},
             text=obj(format=obj(("type",), type={"const": "text"})),
+            truncation={"const": "disabled"},
+            stream_options={"type": "object", "description": "taken; changes nothing"},
         ),
-        "description": "tools, conversation, prompt and a text.format other than text are "
-        "refused (400), not ignored",
+        "description": "tools, conversation, prompt, a tool_choice or reasoning that asks for "
+        "something, a truncation other than disabled and a text.format other than text are "
+        "refused (400), not ignored; so is any field not listed here (unknown_field), except "
+        "user, service_tier, safety_identifier, prompt_cache_key, prompt_cache_retention and "
+        "parallel_tool_calls, which change nothing",
     },
     "OutputText": obj(
         ("type", "text", "annotations", "logprobs"),
@@ -317,9 +322,13 @@ SCHEMAS: dict[str, Any] = {
                 "type": "string",
                 "description": "extension: continue this session without resending history",
             },
+            store={"type": "boolean", "description": "taken; every completion is recorded"},
+            modalities={"type": "array", "items": {"const": "text"}},
         ),
-        "description": "tools, functions, tool calls, logit_bias, audio, prediction and non-zero "
-        "penalties are refused (400), not ignored",
+        "description": "tools, functions, tool calls, logit_bias, audio, prediction, "
+        "reasoning_effort and non-zero penalties are refused (400), not ignored; so is any field "
+        "not listed here (unknown_field), except user, service_tier, safety_identifier, "
+        "prompt_cache_key, prompt_cache_retention and parallel_tool_calls, which change nothing",
     },
     "ChatUsage": obj(
         ("prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"),

@@ -32,6 +32,7 @@ from transports.sse.openai import (
     Api,
     BadParam,
     Models,
+    check_fields,
     error_event,
     flag,
     integer,
@@ -47,6 +48,36 @@ API = "responses"
 #: the one ``include`` value served: per-token logprobs of the output text
 LOGPROBS = "message.output_text.logprobs"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+#: the request fields read (``tools``, ``conversation``, ``prompt`` and ``tool_choice`` only to
+#: refuse them unless they ask for nothing); any other is refused (openai.check_fields)
+FIELDS = frozenset(
+    {
+        "model",
+        "input",
+        "instructions",
+        "previous_response_id",
+        "store",
+        "background",
+        "stream",
+        "stream_options",
+        "max_output_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "metadata",
+        "include",
+        "top_logprobs",
+        "text",
+        "truncation",
+        "tools",
+        "tool_choice",
+        "conversation",
+        "prompt",
+        "reasoning",
+    }
+)
 
 
 def response_id(turn: Turn) -> str:
@@ -89,8 +120,14 @@ class Responses:
 
     async def create(self, request: Request) -> Response:
         b = await json_body(request, self.limits)
+        check_fields(b, FIELDS)
         model = self.models.check(b)
-        reject_unsupported(b, ("tools", "conversation", "prompt"))
+        reject_unsupported(b, ("tools", "tool_choice", "conversation", "prompt", "reasoning"))
+        if b.get("truncation") not in (None, "disabled"):
+            raise BadParam("truncation", 'only truncation "disabled" is supported')
+        stream_opts = b.get("stream_options")
+        if stream_opts is not None and not isinstance(stream_opts, dict):
+            raise BadParam("stream_options", "stream_options must be an object")
         text_cfg = b.get("text")
         fmt = text_cfg.get("format") if isinstance(text_cfg, dict) else None
         if text_cfg is not None and (

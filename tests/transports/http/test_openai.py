@@ -728,3 +728,55 @@ async def test_seed_is_an_integer_in_every_reply(live: Served) -> None:
     sid, version = session_of(r.json()["id"])
     turn = await load_turn(live.runtime, sid, version, "responses")
     assert turn.request["seed"] == str(big)
+
+
+async def test_unknown_fields_are_refused_not_ignored(live: Served) -> None:
+    """Issue 15: "unknown request fields are silently ignored". On these routes a field that neither
+    OpenAI's API nor this server knows is 400 ``unknown_field`` naming it (as OpenAI answers), and
+    nothing is written; OpenAI fields that change nothing here (``user``, ``service_tier`` ...) are
+    taken."""
+    async with async_client(live) as c:
+        with pytest.raises(openai.BadRequestError) as typo:
+            await c.responses.create(
+                model=MODEL, input="x", max_output_tokens=2, extra_body={"temprature": 0.5}
+            )
+        assert typo.value.code == "unknown_field" and typo.value.param == "temprature"
+        assert "temprature" in typo.value.message
+        with pytest.raises(openai.BadRequestError) as chat_typo:
+            await c.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "x"}],
+                extra_body={"max_token": 2, "sesion_id": "s_1"},
+            )
+        assert chat_typo.value.code == "unknown_field"
+        assert chat_typo.value.param == "max_token" and "sesion_id" in chat_typo.value.message
+        with pytest.raises(openai.BadRequestError) as trunc:
+            await c.responses.create(model=MODEL, input="x", truncation="auto")
+        assert trunc.value.param == "truncation"
+        with pytest.raises(openai.BadRequestError) as modal:
+            await c.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "x"}], modalities=["audio"]
+            )
+        assert modal.value.param == "modalities"
+        sessions = await live.runtime.list_sessions()
+        assert sessions == []  # refused requests wrote nothing
+        ok = await c.responses.create(
+            model=MODEL,
+            input="x",
+            max_output_tokens=2,
+            user="u-1",
+            service_tier="auto",
+            truncation="disabled",
+            parallel_tool_calls=False,
+            tool_choice="none",
+        )
+        chat = await c.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "x"}],
+            max_tokens=2,
+            user="u-1",
+            store=True,
+            modalities=["text"],
+            service_tier="auto",
+        )
+    assert ok.status in ("completed", "incomplete") and chat.choices[0].message.role == "assistant"
