@@ -55,9 +55,12 @@ class ForkPoint(TypedDict):
     token_position: ReadOnly[int | None]
 
 
+SessionMode = Literal["offset", "append_only"]
+
+
 class SessionOpened(TypedDict):
     protocol: ReadOnly[str]
-    mode: ReadOnly[Literal["offset", "append_only"]]
+    mode: ReadOnly[SessionMode]
     label: ReadOnly[str]
     eos_token_ids: ReadOnly[list[int]]
     ttl_s: ReadOnly[float | None]
@@ -307,6 +310,44 @@ def session_purged(reason: str, through_version: int, last_hash: str) -> Session
     """The one place a ``session.purged`` tombstone's body is built (by the log's
     writer, which knows the purged head inside the purge's transaction)."""
     return {"reason": reason, "through_version": through_version, "last_hash": last_hash}
+
+
+def session_opened(
+    *,
+    protocol: str,
+    mode: SessionMode,
+    label: str,
+    eos_token_ids: list[int],
+    ttl_s: float | None,
+    engine: EngineBinding,
+    meta: dict[str, Any],
+    parent: ForkPoint | None,
+) -> SessionOpened:
+    """The one place a ``session.opened`` body is built (a new session and a fork)."""
+    return {
+        "protocol": protocol,
+        "mode": mode,
+        "label": label,
+        "eos_token_ids": eos_token_ids,
+        "ttl_s": ttl_s,
+        "engine": engine,
+        "meta": meta,
+        "parent": parent,
+    }
+
+
+def tokens_truncated(
+    reason: Literal["rewind", "sink_window"],
+    keep: list[list[int]],
+    dropped: int,
+    sink_window: tuple[int, int] | None = None,
+) -> TokensTruncated:
+    """The one place a ``tokens.truncated`` body is built: a rewind (Salience's offset
+    moving back) or Kakeya's sink+window truncation (which records ``sink``/``window``)."""
+    out: TokensTruncated = {"reason": reason, "keep": keep, "dropped": dropped}
+    if sink_window is not None:
+        out = {**out, "sink": sink_window[0], "window": sink_window[1]}
+    return out
 
 
 # -- readers of a key several event types share ---------------------------------

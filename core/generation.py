@@ -36,7 +36,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from core import metrics
-from core.bodies import FinishReason, GenerationFinished
+from core.bodies import FinishReason, GenerationFinished, tokens_truncated
 from core.engine import OutputOptions, SamplingParams, Step
 from core.errors import (
     CacheInvariantViolation,
@@ -567,13 +567,7 @@ async def _begin(
                 new.append(
                     NewEvent(
                         T.TOKENS_TRUNCATED,
-                        {
-                            "reason": "sink_window",
-                            "keep": keep,
-                            "dropped": dropped,
-                            "sink": sink_window[0],
-                            "window": sink_window[1],
-                        },
+                        tokens_truncated("sink_window", keep, dropped, sink_window),
                     )
                 )
                 length -= dropped

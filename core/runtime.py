@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from typing import Any, TypeVar, cast
 
 from core import document, metrics
+from core.bodies import EngineBinding, ForkPoint, SessionMode, session_opened, tokens_truncated
 from core.config import Config
 from core.engine import DEFAULT_OUTPUT, Engine, OutputOptions, SamplingParams
 from core.errors import (
@@ -228,16 +229,16 @@ class Runtime(SessionStates):
         # emits never matches; only the history's tokens are range-checked
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < 2**32 for t in eos):
             raise InvalidParameters("eos_token_ids must be integers in [0, 2**32)")
-        body = {
-            "protocol": protocol,
-            "mode": mode,
-            "label": label,
-            "eos_token_ids": eos,
-            "ttl_s": self.config.idle_ttl(protocol) if ttl_s is None else ttl_s,
-            "engine": info.provenance(),
-            "meta": dict(meta or {}),
-            "parent": None,
-        }
+        body = session_opened(
+            protocol=protocol,
+            mode=cast(SessionMode, mode),  # checked against the two modes above
+            label=label,
+            eos_token_ids=eos,
+            ttl_s=self.config.idle_ttl(protocol) if ttl_s is None else ttl_s,
+            engine=cast(EngineBinding, info.provenance()),
+            meta=dict(meta or {}),
+            parent=None,
+        )
         st = SessionState(sid)
         await self._commit(st, [NewEvent(T.SESSION_OPENED, body)])
         self._cache(st)
@@ -276,18 +277,22 @@ class Runtime(SessionStates):
             check_fork_point(base, at_position)
         sid = new_session_id()
         st = fork_state(base, sid, at_position)
-        pinfo = {"session_id": session_id, "version": base.version, "token_position": at_position}
-        st.parent = pinfo
-        body = {
-            "protocol": protocol or parent.protocol,
-            "mode": parent.mode,
-            "label": label or parent.label,
-            "eos_token_ids": parent.eos_token_ids,
-            "ttl_s": parent.ttl_s,
-            "engine": self.engine.info.provenance(),
-            "meta": dict(parent.meta),
-            "parent": pinfo,
+        pinfo: ForkPoint = {
+            "session_id": session_id,
+            "version": base.version,
+            "token_position": at_position,
         }
+        st.parent = dict(pinfo)
+        body = session_opened(
+            protocol=protocol or parent.protocol,
+            mode=cast(SessionMode, parent.mode),
+            label=label or parent.label,
+            eos_token_ids=parent.eos_token_ids,
+            ttl_s=parent.ttl_s,
+            engine=cast(EngineBinding, self.engine.info.provenance()),
+            meta=dict(parent.meta),
+            parent=pinfo,
+        )
         await self._commit(st, [NewEvent(T.SESSION_OPENED, body)])
         self._cache(st)
         if at_position is not None:
@@ -483,8 +488,7 @@ class Runtime(SessionStates):
         if cut is not None:
             out.append(
                 NewEvent(
-                    T.TOKENS_TRUNCATED,
-                    {"reason": "rewind", "keep": [[0, cut]], "dropped": st.length - cut},
+                    T.TOKENS_TRUNCATED, tokens_truncated("rewind", [[0, cut]], st.length - cut)
                 )
             )
         if tokens or images:
