@@ -780,3 +780,52 @@ async def test_unknown_fields_are_refused_not_ignored(live: Served) -> None:
             service_tier="auto",
         )
     assert ok.status in ("completed", "incomplete") and chat.choices[0].message.role == "assistant"
+
+
+async def test_a_response_replays_audits_and_exports_like_any_session(live: Served) -> None:
+    """A response's id names a log position: its session exports, audits and replays with the native
+    client and the replay renderer, and the log holds the sampling fields the request gave."""
+    import io
+
+    from core.replay import replay
+    from sessiontape import AsyncClient
+
+    async with async_client(live) as c:
+        r = await c.responses.create(
+            model=MODEL,
+            input="Once",
+            max_output_tokens=5,
+            temperature=0.7,
+            top_p=0.9,
+            extra_body={"seed": 11},
+        )
+        chat = await c.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Once"}],
+            max_completion_tokens=4,
+            temperature=0.3,
+            top_p=0.8,
+            seed=12,
+        )
+    assert r.temperature == 0.7 and r.top_p == 0.9
+    sid, version = session_of(r.id)
+    async with AsyncClient(live.url, token=TOKEN) as st:
+        events = await st.export(sid)
+        audit = await st.audit(sid)
+        chat_events = await st.export(chat.model_extra["session_id"])  # type: ignore[index]
+    assert audit["ok"] is True
+    [started] = [e for e in events if e["version"] == version]
+    assert started["type"] == "generation.started"
+    assert {k: started["body"]["params"][k] for k in ("max_tokens", "temperature", "top_p")} == {
+        "max_tokens": 5,
+        "temperature": 0.7,
+        "top_p": 0.9,
+    }
+    assert started["body"]["params"]["seed"] == "11"  # the stored format: digits
+    [chat_started] = [e for e in chat_events if e["type"] == "generation.started"]
+    assert chat_started["body"]["params"]["top_p"] == 0.8
+    assert chat_started["body"]["params"]["temperature"] == 0.3
+    assert chat_started["body"]["params"]["max_tokens"] == 4
+    out = io.StringIO()
+    assert await replay(await live.runtime.log.read(sid), out, instant=True) > 0
+    assert r.output_text.strip() and r.output_text.strip()[:3] in out.getvalue()
