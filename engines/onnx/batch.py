@@ -27,7 +27,7 @@ sessions do not attend over empty slots.
 **Bit-exactness.** A pass over ``k`` slots is ONNX Runtime's GEMMs over
 ``k`` (or 2) rows and per-slot attention over the query rows of each KV group; on the CPU provider a row's bits do not
 depend on the row count (two or more), on the masked tail of its buffer or
-on what the other rows hold (tests/engines/test_onnx_batch.py), so a
+on what the other rows hold (tests/engines/onnx/test_batch_invariance.py), so a
 session's tokens and logprobs are the same alone, beside any neighbours,
 and as in the engine's single-session path. A slot that is not generating
 this pass is padding: its rows write only the pool's last slot, which no

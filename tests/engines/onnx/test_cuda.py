@@ -2,7 +2,7 @@
 
 Every test here is marked ``cuda`` and skips with a reason where this
 onnxruntime build or machine has no CUDA provider. The provider-independent
-suite (test_onnx_engine.py, bit-exactness included) runs on CUDA as it is.
+suite (test_engine.py, bit-exactness included) runs on CUDA as it is.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from core.engine import OutputOptions, SamplingParams
 from engines.onnx import OnnxEngine
 from engines.onnx.session import CUDA, cuda_loads, quiet_ort
-from tests.engines.test_onnx_engine import collect, history
+from tests.engines.onnx.test_engine import collect, history
 
 pytestmark = pytest.mark.cuda
 
