@@ -475,7 +475,8 @@ class Responses:
                     )
                     behind = []
         delta = ts.finish()
-        if delta:
+        # tokens with no text of their own (EOS) still carry a logprob: the last delta brings it
+        if delta or (behind and turn.request.get("logprobs")):
             yield ev(
                 "response.output_text.delta",
                 item_id=item_id,

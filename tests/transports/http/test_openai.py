@@ -829,3 +829,55 @@ async def test_a_response_replays_audits_and_exports_like_any_session(live: Serv
     out = io.StringIO()
     assert await replay(await live.runtime.log.read(sid), out, instant=True) > 0
     assert r.output_text.strip() and r.output_text.strip()[:3] in out.getvalue()
+
+
+async def test_chat_stream_dropped_mid_way_cancels(live: Served) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "x"}],
+        "stream": True,
+        "max_tokens": 400,
+    }
+    sid = None
+    async with (
+        httpx.AsyncClient(base_url=live.url, headers={"Authorization": f"Bearer {TOKEN}"}) as h,
+        h.stream("POST", "/v1/chat/completions", json=body) as r,
+    ):
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                sid = chunk["session_id"]
+                if chunk["choices"][0]["delta"].get("content"):
+                    break
+    assert sid is not None
+    for _ in range(200):
+        if (await live.runtime.get(sid)).active_generation is None:
+            break
+        await asyncio.sleep(0.02)
+    [gen] = (await live.runtime.get(sid)).generations.values()
+    assert gen.finish_reason == "cancelled" and len(gen.tokens) < 400
+
+
+async def test_streamed_logprobs_include_a_closing_eos(eager: Served) -> None:
+    """A reply that ends with EOS (a token with no text): its logprob is streamed too, so the
+    stream's logprobs are the response's."""
+    async with async_client(eager) as c:
+        for seed in range(1, 6):
+            r = await c.responses.create(
+                model=MODEL,
+                input="lp",
+                max_output_tokens=200,
+                top_logprobs=1,
+                include=["message.output_text.logprobs"],
+                extra_body={"seed": seed},
+            )
+            assert r.status == "completed"  # EOS ended it
+            events = [e async for e in await c.responses.retrieve(r.id, stream=True)]
+            streamed = [
+                lp.logprob
+                for e in events
+                if e.type == "response.output_text.delta"
+                for lp in e.logprobs  # type: ignore[union-attr]
+            ]
+            final = [lp.logprob for lp in r.output[0].content[0].logprobs]  # type: ignore[union-attr]
+            assert streamed == final and len(final) == r.usage.output_tokens  # type: ignore[union-attr]
