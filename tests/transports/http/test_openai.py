@@ -80,7 +80,12 @@ async def test_models(live: Served) -> None:
     async with async_client(live) as c:
         with pytest.raises(openai.NotFoundError) as exc:
             await c.models.retrieve("gpt-4o")
+        # the engine's name is an alias of its model
+        alias = await c.models.retrieve("reference")
+        by_alias = await c.responses.create(model="reference", input="x", max_output_tokens=1)
     assert exc.value.code == "model_not_found"
+    assert alias.id == MODEL and (alias.model_extra or {})["engine"] == "reference"
+    assert by_alias.model == MODEL
 
 
 async def test_response_sync_is_a_generation_in_the_log(live: Served) -> None:
