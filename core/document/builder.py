@@ -417,7 +417,11 @@ class DocumentBuilder:
     def _gen_finished(self, doc: Doc, e: Event, _: int) -> None:
         b = body(e, GenerationFinished)
         gid = str(b["generation_id"])
-        i = self._gen_index[gid]
+        i = self._gen_index.get(gid)
+        if i is None:
+            # a fork made while its parent generated inherits that generation running, and ends
+            # it (interrupted) before its own first one: the document lists only its own
+            return
         g = doc["generations"][i]
         gpath = f"/generations/{i}"
         run = self._gen_runs.pop(gid, None)

@@ -16,6 +16,7 @@ from core.runtime import Runtime
 from core.tokens import ImageIn
 from engines.reference import IMAGE_PAD, ReferenceEngine
 from tests.conftest import make_config
+from tests.transports.http.conftest import Served
 from transports.sse.app import create_app
 from transports.sse.errors import ClientGone, PayloadTooLarge, RequestTimeout, status_for
 
@@ -353,3 +354,38 @@ async def test_forks_cost_one_index_query_per_document(
         calls.clear()
         assert (await client.get(f"/v1/sessions/{sid}")).json() == first
         assert calls == {"list_sessions": 1, "read": 1}
+
+
+async def test_a_fork_made_while_its_parent_generates_renders(server: Served) -> None:
+    """The viewer's re-run on a live session: fork at an earlier generation while the parent still
+    generates, then generate in the fork. The fork inherits the running generation and ends it
+    (interrupted) in its own log first; its document, replay and live stream still render."""
+    async with httpx.AsyncClient(base_url=server.url, timeout=20) as c:
+        sid = (await c.post("/v1/sessions", json={})).json()["id"]
+        await c.post(f"/v1/sessions/{sid}/append", json={"text": "Hello"})
+        first = (
+            await c.post(
+                f"/v1/sessions/{sid}/generate", json={"max_tokens": 4, "seed": 1, "stream": False}
+            )
+        ).json()["generation"]
+        await c.post(
+            f"/v1/sessions/{sid}/generate", json={"max_tokens": 1000, "seed": 2, "background": True}
+        )
+        child = (
+            await c.post(f"/v1/sessions/{sid}/fork", json={"at_position": first["prompt_length"]})
+        ).json()["id"]
+        again = await c.post(
+            f"/v1/sessions/{child}/generate", json={"max_tokens": 4, "seed": 1, "stream": False}
+        )
+        assert again.status_code == 200, again.text
+        doc = await c.get(f"/v1/sessions/{child}")
+        assert doc.status_code == 200, doc.text
+        [gen] = doc.json()["generations"]
+        assert [t["id"] for t in gen["tokens"]] == [t["id"] for t in first["tokens"]]
+        replay = await c.get(f"/v1/sessions/{child}/replay")
+        assert replay.status_code == 200, replay.text
+        await c.post(f"/v1/sessions/{child}/close", json={})
+        async with c.stream("GET", f"/v1/sessions/{child}/events") as r:
+            text = (await r.aread()).decode()
+        assert "event: snapshot" in text and "event: end" in text and "event: error" not in text
+    assert server.runtime.is_generating(sid)  # the parent's generation ran on
