@@ -496,3 +496,63 @@ async def test_rerun_keeps_a_seed_above_2_53_exact(server: Served, page: Any) ->
     [g2] = again["generations"]
     assert g2["params"]["seed"] == seed
     assert [t["id"] for t in g2["tokens"]] == [t["id"] for t in g["tokens"]]
+
+
+async def _press(pg: Any, selector: str) -> None:
+    """A person's click: press, hold a moment, release (a redraw in between must not lose it)."""
+    box = await pg.eval_on_selector(
+        selector,
+        "el => { el.scrollIntoView({block: 'center'}); const r = el.getBoundingClientRect(); "
+        "return [r.x + r.width / 2, r.y + r.height / 2]; }",
+    )
+    await pg.mouse.move(box[0], box[1])
+    await pg.mouse.down()
+    await asyncio.sleep(0.1)
+    await pg.mouse.up()
+
+
+async def test_fork_and_rerun_while_the_session_generates(server: Served, page: Any) -> None:  # noqa: F811
+    """On a live session the page redraws on every committed token: a click on a re-run button or a
+    token of an earlier generation still lands, and the fork it makes (while the parent generates)
+    renders and re-runs with the same parameters."""
+    async with httpx.AsyncClient(base_url=server.url, timeout=20) as c:
+        sid = (await c.post("/v1/sessions", json={"label": "busy"})).json()["id"]
+        await c.post(f"/v1/sessions/{sid}/append", json={"text": "Hello viewer"})
+        g = await _gen(c, sid, max_tokens=6, seed=4)
+        await c.post(f"/v1/sessions/{sid}/append", json={"text": " and on"})
+        await page.goto(f"{server.url}/#/s/{sid}")
+        await page.wait_for_selector("#mode:text('live')")
+        await page.wait_for_selector(f".rerun[data-gen='{g['id']}']")
+        await c.post(
+            f"/v1/sessions/{sid}/generate",
+            json={"max_tokens": 2000, "seed": 5, "background": True},
+        )
+        await page.wait_for_selector(".finish.running")
+
+        await _press(page, f".rerun[data-gen='{g['id']}']")
+        await page.wait_for_function(f"!location.hash.includes('{sid}')", timeout=5000)
+        rerun = page.url.split("#/s/")[1].split("?")[0]
+        for _ in range(500):
+            again = (await c.get(f"/v1/sessions/{rerun}")).json()
+            if again["generations"] and again["generations"][0]["status"] == "finished":
+                break
+            await asyncio.sleep(0.02)
+        [g2] = again["generations"]
+        assert again["parent"]["token_position"] == g["prompt_length"]
+        assert [t["id"] for t in g2["tokens"]] == [t["id"] for t in g["tokens"]]
+        await page.wait_for_function(
+            f"document.querySelectorAll('#conversation .tok').length === {len(g['tokens'])}"
+        )
+
+        await page.goto(f"{server.url}/#/s/{sid}")
+        await page.wait_for_selector(f".rerun[data-gen='{g['id']}']")
+        assert server.runtime.is_generating(sid)
+        third = g["tokens"][2]
+        await _press(page, f"#conversation .tok[data-pos='{third['position']}']")
+        await page.wait_for_selector("#fork-token", timeout=5000)
+        await _press(page, "#fork-token")
+        await page.wait_for_function(f"!location.hash.includes('{sid}')", timeout=5000)
+        child = page.url.split("#/s/")[1].split("?")[0]
+        doc = (await c.get(f"/v1/sessions/{child}")).json()
+        assert doc["parent"]["token_position"] == third["position"]
+        assert server.runtime.is_generating(sid)  # all along

@@ -52,6 +52,28 @@ function h(tag, attrs = {}, ...children) {
   return el;
 }
 
+// Make `parent`'s children `next`, keeping each existing node that equals its replacement (or, for an
+// element with the same tag and attributes, morphing its children): a live session redraws on every
+// committed event, and a click (mousedown, then mouseup) on a node replaced in between would be lost.
+function morph(parent, next) {
+  for (let i = 0; i < next.length; i++) {
+    const want = next[i];
+    const have = parent.childNodes[i];
+    if (!have) parent.append(want);
+    else if (have.isEqualNode(want)) continue;
+    else if (have.nodeType === 1 && want.nodeType === 1 && have.tagName === want.tagName && sameAttributes(have, want)) {
+      morph(have, [...want.childNodes]);
+    } else parent.replaceChild(want, have);
+  }
+  while (parent.childNodes.length > next.length) parent.lastChild.remove();
+}
+
+function sameAttributes(a, b) {
+  if (a.attributes.length !== b.attributes.length) return false;
+  for (const { name, value } of a.attributes) if (b.getAttribute(name) !== value) return false;
+  return true;
+}
+
 const fmtTime = (t) => (t ? new Date(t * 1000).toLocaleString() : "");
 // The list's compact local time: 2026-11-23 06:40 (a line break may fall only between date and time).
 const fmtShort = (t) => {
@@ -134,7 +156,7 @@ function listPage(query) {
       && (!status.value || s.status === status.value)
       && (lo == null || s.created_at >= lo) && (hi == null || s.created_at < hi));
     count.textContent = rows.length === all.length ? `${all.length} sessions` : `${rows.length} of ${all.length} sessions`;
-    tbody.replaceChildren(...rows.map((s) => h("tr", {
+    morph(tbody, rows.map((s) => h("tr", {
       class: `session-row status-${s.status}${s.generating ? " generating" : ""}`, "data-id": s.id,
       onclick: () => { location.hash = `#/s/${s.id}`; },
     }, h("td", { class: "col-id" }, h("a", { href: `#/s/${s.id}` }, s.id)), h("td", { class: "status col-status" }, s.status),
@@ -461,9 +483,9 @@ function sessionPage(id, query) {
   });
 
   const draw = (d) => {
-    head.replaceChildren(...header(d));
-    convo.replaceChildren(...conversation(d));
-    nodes.replaceChildren(...(d.roots.length ? [h("h3", {}, "Nodes"), h("ul", { class: "nodes" }, d.roots.map((r) => nodeTree(d, r, new Set(), versions)))] : []), ...actionsList(d));
+    morph(head, header(d).flat());
+    morph(convo, conversation(d));
+    morph(nodes, [...(d.roots.length ? [h("h3", {}, "Nodes"), h("ul", { class: "nodes" }, d.roots.map((r) => nodeTree(d, r, new Set(), versions)))] : []), ...actionsList(d)]);
   };
   let pending = null;
   const render = (doc) => {
