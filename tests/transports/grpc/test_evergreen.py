@@ -11,6 +11,7 @@ import pytest
 from core.events import Event, T
 from core.runtime import Runtime
 from core.state import SessionState
+from engines.reference import ReferenceEngine
 from tests.transports.grpc.conftest import Served
 from transports.grpc.client import (
     EvergreenClient,
@@ -681,6 +682,11 @@ async def test_client_cancel_records_the_generation_as_cancelled(
     import asyncio
 
     rt = server.runtime
+    engine = rt.engine
+    assert isinstance(engine, ReferenceEngine)
+    # slow enough that the cancel always lands before the generation could end by itself
+    # (without a delay it races an EOS that seed 7 samples at token 173)
+    engine.step_delay_s = 0.01
     async with client.session() as s:
         sid = await s.session_id()
         await s.send(
