@@ -217,8 +217,9 @@ NO_OPS = frozenset(
 
 def check_fields(b: Mapping[str, Any], known: Iterable[str]) -> None:
     """Refuse a field that is neither in ``known`` (what the route reads, or refuses by name)
-    nor one of :data:`NO_OPS`."""
-    unknown = set(b) - set(known) - NO_OPS
+    nor one of :data:`NO_OPS`, unless it is null (which asks for nothing: some clients send
+    every field they know, unset ones as null)."""
+    unknown = {k for k, v in b.items() if v is not None} - set(known) - NO_OPS
     if unknown:
         raise UnknownParam(unknown)
 
