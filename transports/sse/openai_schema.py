@@ -142,7 +142,7 @@ SCHEMAS: dict[str, Any] = {
         ),
         "description": "tools, conversation, prompt, a tool_choice or reasoning that asks for "
         "something, a truncation other than disabled and a text.format other than text are "
-        "refused (400), not ignored; so is any field not listed here (unknown_field), except "
+        "refused (400), not ignored; so is any non-null field not listed here (unknown_field), except "
         "user, service_tier, safety_identifier, prompt_cache_key, prompt_cache_retention and "
         "parallel_tool_calls, which change nothing",
     },
@@ -327,7 +327,7 @@ SCHEMAS: dict[str, Any] = {
         ),
         "description": "tools, functions, tool calls, logit_bias, audio, prediction, "
         "reasoning_effort and non-zero penalties are refused (400), not ignored; so is any field "
-        "not listed here (unknown_field), except user, service_tier, safety_identifier, "
+        "not listed here and not null (unknown_field), except user, service_tier, safety_identifier, "
         "prompt_cache_key, prompt_cache_retention and parallel_tool_calls, which change nothing",
     },
     "ChatUsage": obj(
