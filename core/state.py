@@ -499,6 +499,12 @@ def fork_state(parent: SessionState, child_id: str, token_position: int | None) 
     st.head_hash = GENESIS_HASH
     st.status = OPEN
     st.abort = None
+    # a generation still running in the parent at the fork point is the parent's: the
+    # child keeps its tokens as history but has no generation of its own running (else
+    # its first generate would record the parent's as interrupted in the child's log)
+    running = st.active_generation
+    if running is not None:
+        del st.generations[running.id]
     if token_position is not None:
         st.tokens = st.tokens[:token_position]
         st.images = [im for im in st.images if im.end <= token_position]

@@ -313,3 +313,49 @@ async def test_snapshots_make_loading_cheap_and_identical(sqlite_url: str) -> No
         assert loaded.head_hash == live.head_hash
     finally:
         await rt.aclose()
+
+
+async def test_a_fork_of_a_generating_session_does_not_inherit_its_running_generation(
+    runtime: Runtime,
+) -> None:
+    """The parent's running generation stays the parent's: the child starts idle, its
+    first generate records nothing about it, and the parent's generation runs on."""
+    engine = runtime.engine
+    assert isinstance(engine, ReferenceEngine)
+    engine.step_delay_s = 0.005
+    s = await runtime.open_session("http", eos_token_ids=[])
+    await runtime.append_text(s.session_id, "parent")
+    five = asyncio.Event()
+    finished: list[str] = []
+
+    async def parent_generates() -> None:
+        seen = 0
+        async for e in runtime.generate(s.session_id, SamplingParams(max_tokens=40, seed=3)):
+            seen += e.type == T.GENERATION_TOKEN
+            if seen == 5:
+                five.set()
+            if e.type == T.GENERATION_FINISHED:
+                finished.append(e.body["finish_reason"])
+
+    task = asyncio.create_task(parent_generates())
+    await five.wait()
+    parent = await runtime.get(s.session_id)
+    assert parent.active_generation is not None  # the parent is generating
+    child = await runtime.fork(s.session_id, at_position=parent.length)
+    assert child.active_generation is None
+    evs = [
+        e async for e in runtime.generate(child.session_id, SamplingParams(max_tokens=3, seed=1))
+    ]
+    own = [e for e in evs if e.type == T.GENERATION_FINISHED]
+    assert len(own) == 1 and own[0].body["finish_reason"] != "interrupted"
+    log = await runtime.log.read(child.session_id, 1, None)
+    assert [e.body["finish_reason"] for e in log if e.type == T.GENERATION_FINISHED] == [
+        own[0].body["finish_reason"]
+    ]
+    # rebuilt from the log (the loader's fork path), the child agrees
+    again = await runtime.load(child.session_id)
+    assert again.active_generation is None and len(again.generations) == len(
+        (await runtime.get(child.session_id)).generations
+    )
+    await task
+    assert finished == ["length"]  # the parent's generation ran on to its end
