@@ -208,7 +208,7 @@ class GrpcServer:
             await self._health.enter_graceful_shutdown()
         await self._server.stop(grace)
         for service in self._services:
-            await service.drain(max(grace, 1.0))
+            await service.drain(max(grace, 5.0))
         self._server = None
 
     async def wait(self) -> None:
