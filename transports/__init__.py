@@ -1,0 +1,1 @@
+"""Transports: gRPC, HTTP (JSON API, SSE, viewer) and Nostr (installed as ``sessiontape.transports``)."""
