@@ -200,6 +200,33 @@ def test_core_imports_no_engine_or_transport(forbidden: str) -> None:
     assert {m: t for m, t in bad.items() if t} == {}
 
 
+def _imported(node: ast.Import | ast.ImportFrom) -> list[str]:
+    """The absolute names an import statement reads (none for a relative one)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    return [node.module] if node.module and not node.level else []
+
+
+def test_ours_are_imported_by_their_installed_names() -> None:
+    """``core``, ``engines``, ... are folders: imports say ``sessiontape.core...``.
+
+    From the repository root the folders still import as top-level ``core``,
+    ``engines``, ... (the current directory is on ``sys.path``), which would load a
+    second copy of a module beside the installed one; the walk above would not see
+    such an import either. The tests and the benchmarks are held to it too.
+    """
+    files = [*MODULES.values(), *sorted((ROOT / "tests").rglob("*.py"))]
+    files += sorted((ROOT / "bench").rglob("*.py"))
+    stale = [
+        f"{path.relative_to(ROOT)}:{node.lineno}: {name}"
+        for path in files
+        for node, _ in _imports(ast.parse(path.read_text(), str(path)))
+        for name in _imported(node)
+        if name.split(".")[0] in SUBPACKAGES
+    ]
+    assert stale == []
+
+
 def test_transports_reach_the_log_only_through_the_runtime() -> None:
     """No ``runtime.log`` in transports: they ask the runtime (read_events, last_position, ...)."""
 
