@@ -29,11 +29,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from core.config import Config
-from core.engine import Engine, SamplingParams
-from core.events import T
-from core.registry import ENGINES, TRANSPORTS, load
-from core.runtime import Runtime
+from sessiontape.core.config import Config
+from sessiontape.core.engine import Engine, SamplingParams
+from sessiontape.core.events import T
+from sessiontape.core.registry import ENGINES, TRANSPORTS, load
+from sessiontape.core.runtime import Runtime
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 2
 
@@ -167,12 +167,17 @@ async def wire_client(wire: str, gport: int, hport: int, tokens: int) -> dict[st
     import grpc
     import httpx
 
-    from engines.tokenizer import ByteTokenizer
-    from transports.grpc.client import EvergreenClient, action, sampling_config, text_fragments
-    from transports.grpc.gen.kakeya.v1 import runtime_pb2 as kpb
-    from transports.grpc.gen.kakeya.v1 import runtime_pb2_grpc as kgrpc
-    from transports.grpc.gen.salience.v1 import salience_pb2 as spb
-    from transports.grpc.gen.salience.v1 import salience_pb2_grpc as sgrpc
+    from sessiontape.engines.tokenizer import ByteTokenizer
+    from sessiontape.transports.grpc.client import (
+        EvergreenClient,
+        action,
+        sampling_config,
+        text_fragments,
+    )
+    from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2 as kpb
+    from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2_grpc as kgrpc
+    from sessiontape.transports.grpc.gen.salience.v1 import salience_pb2 as spb
+    from sessiontape.transports.grpc.gen.salience.v1 import salience_pb2_grpc as sgrpc
 
     prompt = ByteTokenizer(259).encode(PROMPT)
     arrivals: list[tuple[int, float]] = []

@@ -23,11 +23,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from core.events import Event, NewEvent, T, canonical_json
-from core.loader import load_state
-from core.log import EventLog
-from core.snapshot import state_to_json
-from core.state import SessionState, apply
+from sessiontape.core.events import Event, NewEvent, T, canonical_json
+from sessiontape.core.loader import load_state
+from sessiontape.core.log import EventLog
+from sessiontape.core.snapshot import state_to_json
+from sessiontape.core.state import SessionState, apply
 
 ROWS: list[tuple[str, float]] = []
 

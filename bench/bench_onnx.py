@@ -41,10 +41,10 @@ from typing import Any
 
 import numpy as np
 
-from core.engine import SamplingParams
-from engines.onnx import OnnxEngine
-from engines.onnx.demo import SIZES, ensure_demo
-from engines.onnx.session import quiet_ort
+from sessiontape.core.engine import SamplingParams
+from sessiontape.engines.onnx import OnnxEngine
+from sessiontape.engines.onnx.demo import SIZES, ensure_demo
+from sessiontape.engines.onnx.session import quiet_ort
 
 Rate = Callable[[list[int], int], Awaitable[float]]
 
@@ -182,7 +182,7 @@ def engine_at_rev(rev: str, folder: Path, threads: int, **options: Any) -> Any:
             if m.isfile() and m.name.endswith(".py"):
                 data = t.extractfile(m)
                 assert data is not None
-                text = data.read().decode().replace("engines.onnx", name)
+                text = data.read().decode().replace("sessiontape.engines.onnx", name)
                 out = dest / name / Path(m.name).name
                 out.parent.mkdir(exist_ok=True)
                 out.write_text(text)

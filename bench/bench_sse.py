@@ -103,14 +103,14 @@ async def run(tokens: int, repeats: int, counts: list[int]) -> None:
     from starlette.responses import StreamingResponse
     from starlette.routing import Route
 
-    from core.config import Config
-    from core.document import DocumentBuilder
-    from core.engine import SamplingParams
-    from core.runtime import Runtime
-    from engines.reference import ReferenceEngine
+    from sessiontape.core.config import Config
+    from sessiontape.core.document import DocumentBuilder
+    from sessiontape.core.engine import SamplingParams
+    from sessiontape.core.runtime import Runtime
+    from sessiontape.engines.reference import ReferenceEngine
+    from sessiontape.transports.sse.feeds import dumps, frame
+    from sessiontape.transports.sse.plugin import HttpTransport
     from tests.conftest import free_port
-    from transports.sse.feeds import dumps, frame
-    from transports.sse.plugin import HttpTransport
 
     tmp = tempfile.mkdtemp()
     cfg = Config.load(
@@ -235,15 +235,15 @@ async def fold(histories: list[int], tokens: int, repeats: int) -> None:
     append, then generates ``tokens``; the generation's token events are
     then folded from the log: into the session document with its patch
     serialised (what a live feed does per event), and, as the baseline, into
-    the runtime's own state (``core.state.apply``). Medians of ``repeats``.
+    the runtime's own state (``sessiontape.core.state.apply``). Medians of ``repeats``.
     """
-    from core.config import Config
-    from core.document import DocumentBuilder
-    from core.engine import SamplingParams
-    from core.runtime import Runtime
-    from core.state import SessionState, apply
-    from engines.reference import ReferenceEngine
-    from transports.sse.feeds import dumps
+    from sessiontape.core.config import Config
+    from sessiontape.core.document import DocumentBuilder
+    from sessiontape.core.engine import SamplingParams
+    from sessiontape.core.runtime import Runtime
+    from sessiontape.core.state import SessionState, apply
+    from sessiontape.engines.reference import ReferenceEngine
+    from sessiontape.transports.sse.feeds import dumps
 
     tmp = tempfile.mkdtemp()
     cfg = Config.load(

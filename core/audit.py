@@ -15,20 +15,20 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.bodies import (
+from sessiontape.core.bodies import (
     GenerationFinished,
     GenerationStarted,
     GenerationToken,
     body,
     generation_id_of,
 )
-from core.engine import Engine, OutputOptions, SamplingParams
-from core.errors import ChainBroken, SessiontapeError
-from core.events import T
-from core.loader import base_state
-from core.log.store import EventLog, verify_chain
-from core.runtime import Runtime
-from core.state import apply
+from sessiontape.core.engine import Engine, OutputOptions, SamplingParams
+from sessiontape.core.errors import ChainBroken, SessiontapeError
+from sessiontape.core.events import T
+from sessiontape.core.loader import base_state
+from sessiontape.core.log.store import EventLog, verify_chain
+from sessiontape.core.runtime import Runtime
+from sessiontape.core.state import apply
 
 
 @dataclass
@@ -98,7 +98,7 @@ async def audit_session(
     log = source.log if isinstance(source, Runtime) else source
     evs = await log.read(session_id)
     if not evs:
-        from core.errors import SessionNotFound
+        from sessiontape.core.errors import SessionNotFound
 
         raise SessionNotFound(session_id)
     try:

@@ -17,7 +17,7 @@ constructing an object per event would not be free on the token path.
 
 Usage::
 
-    from core.bodies import body
+    from sessiontape.core.bodies import body
     b = body(e, GenerationToken)     # e.type must be "generation.token"
     b["token"], b["position"]        # checked keys and types
 
@@ -31,7 +31,7 @@ from typing import Any, Literal, NotRequired, Protocol, TypeVar, cast
 
 from typing_extensions import ReadOnly, TypedDict
 
-from core.events import T
+from sessiontape.core.events import T
 
 SCHEMA_VERSION = 1
 
@@ -277,8 +277,8 @@ B = TypeVar("B")
 
 
 class HasBody(Protocol):
-    """What the accessors read: an :class:`~core.events.Event` or a
-    :class:`~core.events.NewEvent`."""
+    """What the accessors read: an :class:`~sessiontape.core.events.Event` or a
+    :class:`~sessiontape.core.events.NewEvent`."""
 
     @property
     def type(self) -> str: ...

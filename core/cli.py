@@ -26,15 +26,15 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from core.commands import audit, maintenance, replay, serve, sessions, transfer
-from core.commands.audit import audit_reason, cmd_audit, divergence_text
-from core.commands.common import check_database_url, load_config
-from core.commands.maintenance import cmd_db_upgrade, cmd_purge
-from core.commands.replay import cmd_replay
-from core.commands.serve import cmd_serve, serve_overrides
-from core.commands.sessions import cmd_sessions_ls, cmd_sessions_show
-from core.commands.transfer import cmd_export, cmd_import
-from core.errors import ConfigError, SessiontapeError
+from sessiontape.core.commands import audit, maintenance, replay, serve, sessions, transfer
+from sessiontape.core.commands.audit import audit_reason, cmd_audit, divergence_text
+from sessiontape.core.commands.common import check_database_url, load_config
+from sessiontape.core.commands.maintenance import cmd_db_upgrade, cmd_purge
+from sessiontape.core.commands.replay import cmd_replay
+from sessiontape.core.commands.serve import cmd_serve, serve_overrides
+from sessiontape.core.commands.sessions import cmd_sessions_ls, cmd_sessions_show
+from sessiontape.core.commands.transfer import cmd_export, cmd_import
+from sessiontape.core.errors import ConfigError, SessiontapeError
 
 #: importable from here as before the commands moved to core/commands/
 __all__ = [
@@ -110,7 +110,7 @@ def _config_logging(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from core.logformat import configure
+    from sessiontape.core.logformat import configure
 
     settings = _config_logging(args)
     level = "DEBUG" if args.verbose else str(settings.get("level", "INFO"))

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.errors import ConfigError
+from sessiontape.core.errors import ConfigError
 
 DEFAULT_DB_URL = "sqlite+aiosqlite:///./sessiontape.db"
 

@@ -2,7 +2,7 @@
 
 Engines live in the top-level ``engines`` package (or any third-party
 distribution) and register under the ``sessiontape.engines`` entry-point
-group; the runtime finds them by name through :mod:`core.registry`. The ABC
+group; the runtime finds them by name through :mod:`sessiontape.core.registry`. The ABC
 lives here so ``core`` never imports an engine module.
 
 An engine is stateless from the log's point of view: the log is the truth,
@@ -93,7 +93,7 @@ class SamplingParams:
         temperature finite and >= 0, top_p in (0, 1], top_k >= 0,
         0 <= max_tokens <= 2**31, seed in [0, 2**64) when given, stop ids >= 0.
         """
-        from core.errors import InvalidParameters
+        from sessiontape.core.errors import InvalidParameters
 
         def integer(value: Any) -> bool:
             return isinstance(value, int) and not isinstance(value, bool)
@@ -207,8 +207,8 @@ class Engine(ABC):
         The result must depend only on ``history``, ``params`` and the model:
         never on how the history was built up or on cache state (INV-3).
 
-        Raises :class:`core.errors.ContextOverflow` when the history plus
-        ``max_tokens`` exceeds the model, :class:`core.errors.EngineError`
+        Raises :class:`sessiontape.core.errors.ContextOverflow` when the history plus
+        ``max_tokens`` exceeds the model, :class:`sessiontape.core.errors.EngineError`
         on engine failure.
         """
 
@@ -256,7 +256,7 @@ class Engine(ABC):
 
     def image_block_length(self, image: bytes, mime: str) -> int:
         """How many pad tokens ``image`` becomes; raises InvalidImage when unsupported."""
-        from core.errors import InvalidImage
+        from sessiontape.core.errors import InvalidImage
 
         n = self.info.image_block_tokens
         if n is None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import orjson
 
-from core.errors import InvalidValue
+from sessiontape.core.errors import InvalidValue
 
 GENESIS_HASH = "0" * 64
 

@@ -35,22 +35,22 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from core import metrics
-from core.bodies import FinishReason, GenerationFinished, tokens_truncated
-from core.engine import OutputOptions, SamplingParams, Step
-from core.errors import (
+from sessiontape.core import metrics
+from sessiontape.core.bodies import FinishReason, GenerationFinished, tokens_truncated
+from sessiontape.core.engine import OutputOptions, SamplingParams, Step
+from sessiontape.core.errors import (
     CacheInvariantViolation,
     ConcurrencyError,
     InvalidRange,
     SessionBusy,
     SessiontapeError,
 )
-from core.events import Event, NewEvent, T
-from core.state import SessionState
-from core.tokens import ImageIn, check_ranges, length_after, sink_window_keep
+from sessiontape.core.events import Event, NewEvent, T
+from sessiontape.core.state import SessionState
+from sessiontape.core.tokens import ImageIn, check_ranges, length_after, sink_window_keep
 
 if TYPE_CHECKING:
-    from core.runtime import Runtime
+    from sessiontape.core.runtime import Runtime
 
 #: how often a generation's first append is tried again on a reloaded state
 STALE_RETRIES = 3

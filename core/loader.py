@@ -3,12 +3,12 @@ after it; a fork folds its parent up to the fork point first."""
 
 from __future__ import annotations
 
-from core.bodies import fork_point
-from core.errors import SessionNotFound
-from core.events import Event
-from core.log.store import EventLog
-from core.snapshot import state_from_json
-from core.state import SessionState, apply, fork_state
+from sessiontape.core.bodies import fork_point
+from sessiontape.core.errors import SessionNotFound
+from sessiontape.core.events import Event
+from sessiontape.core.log.store import EventLog
+from sessiontape.core.snapshot import state_from_json
+from sessiontape.core.state import SessionState, apply, fork_state
 
 
 async def base_state(log: EventLog, first: Event) -> SessionState:

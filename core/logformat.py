@@ -43,7 +43,7 @@ class JsonFormatter(logging.Formatter):
 def configure(level: str = "INFO", fmt: str = "text", stream: TextIO | None = None) -> None:
     """Send every logger's records to ``stream`` (stderr) as ``fmt`` at ``level``."""
     if fmt not in FORMATS:
-        from core.errors import ConfigError
+        from sessiontape.core.errors import ConfigError
 
         raise ConfigError(f"logging.format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     handler = logging.StreamHandler(stream or sys.stderr)

@@ -14,7 +14,7 @@ Usage::
     rfc = to_rfc6902(ops, after)         # the same change without ``append``
 
 :func:`apply_patch` is all-or-nothing: it works on a copy and raises
-:class:`core.errors.InvalidPatch` (the input untouched) on a malformed op, a
+:class:`sessiontape.core.errors.InvalidPatch` (the input untouched) on a malformed op, a
 missing target or a failed ``test``.
 """
 
@@ -24,7 +24,7 @@ import copy
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from core.errors import InvalidPatch
+from sessiontape.core.errors import InvalidPatch
 
 Op = dict[str, Any]
 

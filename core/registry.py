@@ -14,7 +14,7 @@ import importlib
 from importlib.metadata import entry_points
 from typing import Any
 
-from core.errors import PluginNotFound
+from sessiontape.core.errors import PluginNotFound
 
 ENGINES = "sessiontape.engines"
 TRANSPORTS = "sessiontape.transports"

@@ -18,7 +18,7 @@ import re
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any, TextIO
 
-from core.bodies import (
+from sessiontape.core.bodies import (
     ActionFailed,
     ActionSubmitted,
     ErrorRecorded,
@@ -31,7 +31,7 @@ from core.bodies import (
     body,
     generated_token,
 )
-from core.events import Event, T
+from sessiontape.core.events import Event, T
 
 #: C0 and C1 controls except \t and \n, DEL, and the bidirectional embedding/override/isolate marks
 _UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")

@@ -28,11 +28,17 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
-from core import document, metrics
-from core.bodies import EngineBinding, ForkPoint, SessionMode, session_opened, tokens_truncated
-from core.config import Config
-from core.engine import DEFAULT_OUTPUT, Engine, OutputOptions, SamplingParams
-from core.errors import (
+from sessiontape.core import document, metrics
+from sessiontape.core.bodies import (
+    EngineBinding,
+    ForkPoint,
+    SessionMode,
+    session_opened,
+    tokens_truncated,
+)
+from sessiontape.core.config import Config
+from sessiontape.core.engine import DEFAULT_OUTPUT, Engine, OutputOptions, SamplingParams
+from sessiontape.core.errors import (
     ConcurrencyError,
     InvalidAction,
     InvalidParameters,
@@ -40,13 +46,13 @@ from core.errors import (
     SessionBusy,
     SessionNotFound,
 )
-from core.events import Event, NewEvent, T
-from core.generation import PipelineLimits, generate_runs
-from core.log import EventLog, SessionRow
-from core.nodes import FragmentIn, check_fragment
-from core.scheduler import PriorityGate
-from core.sessions import SessionStates
-from core.state import (
+from sessiontape.core.events import Event, NewEvent, T
+from sessiontape.core.generation import PipelineLimits, generate_runs
+from sessiontape.core.log import EventLog, SessionRow
+from sessiontape.core.nodes import FragmentIn, check_fragment
+from sessiontape.core.scheduler import PriorityGate
+from sessiontape.core.sessions import SessionStates
+from sessiontape.core.state import (
     OPEN,
     PURGED,
     SessionState,
@@ -54,7 +60,7 @@ from core.state import (
     overlay,
     overlay_apply,
 )
-from core.tokens import (
+from sessiontape.core.tokens import (
     ImageIn,
     check_fork_point,
     check_images,
@@ -145,7 +151,7 @@ class Runtime(SessionStates):
         cls, config: Config, *, engine: Engine | None = None, clock: Clock = time.time
     ) -> Runtime:
         """Open the log (migrating a fresh database) and load the configured engine."""
-        from core.registry import ENGINES, load
+        from sessiontape.core.registry import ENGINES, load
 
         if engine is None:
             factory = load(ENGINES, config.engine_name)
@@ -695,7 +701,7 @@ class Runtime(SessionStates):
         newest_first: bool = True,
         active_after: float | None = None,
     ) -> list[SessionRow]:
-        """Rows of the sessions index (see :meth:`core.log.EventLog.list_sessions`)."""
+        """Rows of the sessions index (see :meth:`sessiontape.core.log.EventLog.list_sessions`)."""
         return await self.log.list_sessions(
             status=status,
             protocol=protocol,

@@ -7,7 +7,7 @@ clocks behind the TTL sweeper, and the snapshot cadence. Every mutation
 goes through :meth:`SessionStates._commit`: append after the state's
 version, then fold the committed events into it; a commit a cancel lands in
 settles before the cancel goes on, so the cached state always matches the
-log. :class:`core.runtime.Runtime` is built on it.
+log. :class:`sessiontape.core.runtime.Runtime` is built on it.
 """
 
 from __future__ import annotations
@@ -19,16 +19,16 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from core import metrics
-from core.config import Config
-from core.engine import Engine
-from core.errors import ConcurrencyError, SessionClosed, SessionExpired, SessionNotFound
-from core.events import Event, NewEvent, T
-from core.loader import load_state
-from core.log import EventLog
-from core.snapshot import state_to_json
-from core.state import EXPIRED, OPEN, PURGED, SessionState, apply
-from core.tokens import length_after
+from sessiontape.core import metrics
+from sessiontape.core.config import Config
+from sessiontape.core.engine import Engine
+from sessiontape.core.errors import ConcurrencyError, SessionClosed, SessionExpired, SessionNotFound
+from sessiontape.core.events import Event, NewEvent, T
+from sessiontape.core.loader import load_state
+from sessiontape.core.log import EventLog
+from sessiontape.core.snapshot import state_to_json
+from sessiontape.core.state import EXPIRED, OPEN, PURGED, SessionState, apply
+from sessiontape.core.tokens import length_after
 
 log = logging.getLogger("sessiontape.runtime")
 

@@ -3,7 +3,7 @@
 ``apply(state, event)`` is the only way state changes: it does no I/O and
 the same function serves live sessions, replay, audit, snapshots and tests.
 Commands are checked *before* their events are appended (see
-:mod:`core.nodes`, :mod:`core.tokens` and :mod:`core.runtime`); ``apply``
+:mod:`sessiontape.core.nodes`, :mod:`sessiontape.core.tokens` and :mod:`sessiontape.core.runtime`); ``apply``
 re-checks what is cheap and raises :class:`InvalidEvent` on an event that
 cannot follow the current state, which is how ``audit`` finds broken
 invariants in a log that was written by something else.
@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from core.bodies import (
+from sessiontape.core.bodies import (
     BODIES,
     ActionCompleted,
     ActionFailed,
@@ -43,8 +43,8 @@ from core.bodies import (
     WireMessage,
     body_as,
 )
-from core.errors import InvalidEvent
-from core.events import GENESIS_HASH, Event, T
+from sessiontape.core.errors import InvalidEvent
+from sessiontape.core.events import GENESIS_HASH, Event, T
 
 OPEN, CLOSED, ABORTED, EXPIRED, PURGED = "open", "closed", "aborted", "expired", "purged"
 
@@ -269,7 +269,7 @@ def _purged(state: SessionState, e: Event, b: SessionPurged) -> None:
 
 
 def apply_fragment(state: SessionState, fragment: Mapping[str, Any], data: bytes | None) -> None:
-    """Record a fragment that :func:`core.nodes.check_fragment` accepted (first wins).
+    """Record a fragment that :func:`sessiontape.core.nodes.check_fragment` accepted (first wins).
 
     ``fragment``: a ``node.fragment`` body."""
     b = body_as(T.NODE_FRAGMENT, fragment, NodeFragment)

@@ -8,8 +8,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from core.bodies import GenerationToken, TokensAppended, TokensTruncated, body_as
-from core.errors import (
+from sessiontape.core.bodies import GenerationToken, TokensAppended, TokensTruncated, body_as
+from sessiontape.core.errors import (
     AppendOnlyViolation,
     ContextOverflow,
     ImageBlockSplit,
@@ -18,7 +18,7 @@ from core.errors import (
     OffsetMismatch,
     TokenOutOfVocabulary,
 )
-from core.state import SessionState
+from sessiontape.core.state import SessionState
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ def sink_window_keep(length: int, sink: int, window: int) -> list[list[int]] | N
 def length_after(length: int, body_type: str, body: Mapping[str, Any]) -> int:
     """History length after an event (for the sessions index): ``body`` is the
     event's body, ``body_type`` its type."""
-    from core.events import T
+    from sessiontape.core.events import T
 
     if body_type == T.TOKENS_APPENDED:
         return length + len(body_as(body_type, body, TokensAppended)["tokens"])

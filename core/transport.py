@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from core.config import Config
-    from core.runtime import Runtime
+    from sessiontape.core.config import Config
+    from sessiontape.core.runtime import Runtime
 
 
 class Transport(ABC):
@@ -31,7 +31,7 @@ class Transport(ABC):
     async def start(self) -> str:
         """Start serving; return one line saying where (logged by ``serve``).
 
-        Raises :class:`core.errors.ConfigError` for unusable options.
+        Raises :class:`sessiontape.core.errors.ConfigError` for unusable options.
         """
 
     @abstractmethod

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from core.engine import (
+from sessiontape.core.engine import (
     DEFAULT_OUTPUT,
     Engine,
     EngineInfo,
@@ -25,9 +25,9 @@ from core.engine import (
     SamplingParams,
     Step,
 )
-from core.errors import ConfigError, ContextOverflow
-from engines.sampling import log_softmax, sample, top_logprobs
-from engines.tokenizer import ByteTokenizer
+from sessiontape.core.errors import ConfigError, ContextOverflow
+from sessiontape.engines.sampling import log_softmax, sample, top_logprobs
+from sessiontape.engines.tokenizer import ByteTokenizer
 
 BOS, EOS, IMAGE_PAD = 256, 257, 258
 VOCAB = 259

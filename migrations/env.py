@@ -1,6 +1,6 @@
-"""Alembic environment: runs on the connection handed in by migrations.runner.
+"""Alembic environment: runs on the connection handed in by sessiontape.migrations.runner.
 
-It imports nothing of the application: ``core.log`` runs the migrations, so
+It imports nothing of the application: ``sessiontape.core.log`` runs the migrations, so
 the dependency is one way. A caller that needs the models' metadata (to
 autogenerate or compare) passes it in as ``target_metadata``.
 """
@@ -11,7 +11,9 @@ from alembic import context
 
 connection = context.config.attributes.get("connection")
 if connection is None:
-    raise RuntimeError("run migrations through `sessiontape db upgrade` (migrations.runner)")
+    raise RuntimeError(
+        "run migrations through `sessiontape db upgrade` (sessiontape.migrations.runner)"
+    )
 
 context.configure(
     connection=connection,

@@ -1,6 +1,6 @@
 """Run Alembic programmatically on a connection (used at start and by ``db upgrade``).
 
-``core.log`` calls this; nothing in ``migrations`` imports ``core`` back.
+``sessiontape.core.log`` calls this; nothing in ``migrations`` imports ``core`` back.
 """
 
 from __future__ import annotations

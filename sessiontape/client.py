@@ -43,7 +43,7 @@ from typing import Any
 
 import httpx
 
-from core.patch import apply_op
+from sessiontape.core.patch import apply_op
 from sessiontape.errors import APIError, TransportError, from_body, from_response
 
 DEFAULT_URL = "http://127.0.0.1:8080"

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from core.config import Config
-from core.runtime import Runtime
-from engines.reference import ReferenceEngine
+from sessiontape.core.config import Config
+from sessiontape.core.runtime import Runtime
+from sessiontape.engines.reference import ReferenceEngine
 
 PG_HOST = os.environ.get("SESSIONTAPE_TEST_PG_HOST", "127.0.0.1")
 PG_PORT = int(os.environ.get("SESSIONTAPE_TEST_PG_PORT", "5432"))

@@ -153,13 +153,15 @@ RUNTIME, EVERY = _graph()
 
 def test_the_walk_sees_the_packages() -> None:
     assert {
-        "core.runtime",
-        "core.log.store",
-        "transports.nostr.worker",
-        "migrations.runner",
+        "sessiontape.core.runtime",
+        "sessiontape.core.log.store",
+        "sessiontape.transports.nostr.worker",
+        "sessiontape.migrations.runner",
     } <= set(MODULES)
-    assert "core.state" in RUNTIME["core.nodes"]
-    assert "migrations.runner" in RUNTIME["core.log.store"]  # an import inside a function
+    assert "sessiontape.core.state" in RUNTIME["sessiontape.core.nodes"]
+    assert (
+        "sessiontape.migrations.runner" in RUNTIME["sessiontape.core.log.store"]
+    )  # an import inside a function
 
 
 def test_a_cycle_is_found() -> None:
@@ -174,9 +176,9 @@ def test_no_import_cycle_between_modules() -> None:
 
 
 #: cycles closed only by annotation imports, left to untangle (a ratchet: the test fails on a new
-#: one, and on a listed one that is gone, so the list only shrinks). core.generation names the
+#: one, and on a listed one that is gone, so the list only shrinks). sessiontape.core.generation names the
 #: Runtime it is handed; a Protocol of what it uses would end it.
-ANNOTATION_CYCLES_LEFT = [["core.generation", "core.runtime"]]
+ANNOTATION_CYCLES_LEFT = [["sessiontape.core.generation", "sessiontape.core.runtime"]]
 
 
 def test_no_new_cycle_through_annotations() -> None:

@@ -24,12 +24,12 @@ import grpc
 import httpx
 import pytest
 
-from core.events import Event, T
-from core.log import EventLog
-from core.log.store import verify_chain
+from sessiontape.core.events import Event, T
+from sessiontape.core.log import EventLog
+from sessiontape.core.log.store import verify_chain
+from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2 as kpb
+from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2_grpc as kgrpc
 from tests.conftest import free_port
-from transports.grpc.gen.kakeya.v1 import runtime_pb2 as kpb
-from transports.grpc.gen.kakeya.v1 import runtime_pb2_grpc as kgrpc
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
@@ -57,7 +57,7 @@ class Replica:
             [
                 sys.executable,
                 "-m",
-                "core.cli",
+                "sessiontape.core.cli",
                 "serve",
                 "--db",
                 self.url,
@@ -274,7 +274,7 @@ async def test_three_replicas_on_one_postgresql(replicas: list[Replica], pg_url:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
-                "core.cli",
+                "sessiontape.core.cli",
                 *cmd,
                 "--db",
                 pg_url,

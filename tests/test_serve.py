@@ -23,7 +23,7 @@ def start(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], list[str]]
         [
             sys.executable,
             "-m",
-            "core.cli",
+            "sessiontape.core.cli",
             "serve",
             "--db",
             f"sqlite+aiosqlite:///{tmp_path / 'st.db'}",
@@ -94,7 +94,7 @@ def test_serve_defaults_demo_model_over_http_and_grpc(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "core.cli",
+            "sessiontape.core.cli",
             "sessions",
             "ls",
             "--json",
@@ -116,7 +116,7 @@ def test_serve_refuses_bad_config_with_one_line(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "core.cli",
+            "sessiontape.core.cli",
             "serve",
             "--engine",
             "nope",
@@ -137,7 +137,7 @@ def test_serve_refuses_bad_config_with_one_line(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "core.cli",
+            "sessiontape.core.cli",
             "serve",
             "--engine",
             "reference",

@@ -8,14 +8,14 @@ import json
 import sys
 from typing import Any
 
-from core.commands.common import add_common, load_config, log_only
-from core.errors import SessiontapeError
+from sessiontape.core.commands.common import add_common, load_config, log_only
+from sessiontape.core.errors import SessiontapeError
 
 
 async def cmd_audit(args: argparse.Namespace) -> int:
-    from core.audit import AuditReport, audit_session
-    from core.engine import Engine
-    from core.registry import ENGINES, load
+    from sessiontape.core.audit import AuditReport, audit_session
+    from sessiontape.core.engine import Engine
+    from sessiontape.core.registry import ENGINES, load
 
     cfg = load_config(args)
     log_ = await log_only(args)

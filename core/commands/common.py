@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from core.config import Config
-from core.errors import ConfigError
+from sessiontape.core.config import Config
+from sessiontape.core.errors import ConfigError
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
@@ -37,7 +37,7 @@ async def log_only(
     A SQLite file that is not there is an error rather than a new, empty
     database (only ``serve``, ``import`` and ``db upgrade`` create one).
     """
-    from core.log import EventLog
+    from sessiontape.core.log import EventLog
 
     cfg = load_config(args)
     check_database_url(cfg.db_url, must_exist=must_exist)
@@ -51,7 +51,7 @@ def check_database_url(url: str, *, must_exist: bool) -> None:
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
-    from core.errors import NotFound
+    from sessiontape.core.errors import NotFound
 
     try:
         parsed = make_url(url)

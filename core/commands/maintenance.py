@@ -5,14 +5,20 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from core.commands.common import add_common, check_database_url, load_config, log_only, redact
+from sessiontape.core.commands.common import (
+    add_common,
+    check_database_url,
+    load_config,
+    log_only,
+    redact,
+)
 
 
 async def cmd_purge(args: argparse.Namespace) -> int:
     import time
 
-    from core.bodies import SessionPurged, body
-    from core.errors import InvalidParameters
+    from sessiontape.core.bodies import SessionPurged, body
+    from sessiontape.core.errors import InvalidParameters
 
     if not args.ids and args.older_than_days is None:
         raise InvalidParameters("name session ids or --older-than-days N")
@@ -44,8 +50,8 @@ async def cmd_purge(args: argparse.Namespace) -> int:
 
 
 async def cmd_db_upgrade(args: argparse.Namespace) -> int:
-    from core.log import EventLog
-    from migrations.runner import current_revision
+    from sessiontape.core.log import EventLog
+    from sessiontape.migrations.runner import current_revision
 
     cfg = load_config(args)
     check_database_url(cfg.db_url, must_exist=False)

@@ -6,11 +6,11 @@ import argparse
 import sys
 from typing import Any
 
-from core.commands.common import add_common, log_only
+from sessiontape.core.commands.common import add_common, log_only
 
 
 async def cmd_replay(args: argparse.Namespace) -> int:
-    from core.replay import replay
+    from sessiontape.core.replay import replay
 
     log_ = await log_only(args, follow=args.follow)
     try:

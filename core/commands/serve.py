@@ -9,7 +9,7 @@ import logging
 import signal
 from typing import Any
 
-from core.commands.common import add_common, check_database_url, load_config, redact
+from sessiontape.core.commands.common import add_common, check_database_url, load_config, redact
 
 log = logging.getLogger("sessiontape")
 
@@ -37,9 +37,9 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def cmd_serve(args: argparse.Namespace) -> int:
-    from core.registry import TRANSPORTS, load
-    from core.runtime import Runtime
-    from core.transport import Transport
+    from sessiontape.core.registry import TRANSPORTS, load
+    from sessiontape.core.runtime import Runtime
+    from sessiontape.core.transport import Transport
 
     cfg = load_config(args, serve_overrides(args))
     check_database_url(cfg.db_url, must_exist=False)

@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from core.commands.common import add_common, log_only
+from sessiontape.core.commands.common import add_common, log_only
 
 
 async def cmd_sessions_ls(args: argparse.Namespace) -> int:
@@ -31,8 +31,8 @@ async def cmd_sessions_ls(args: argparse.Namespace) -> int:
 
 
 async def cmd_sessions_show(args: argparse.Namespace) -> int:
-    from core.loader import load_state
-    from core.replay import escape_controls, render_tokens
+    from sessiontape.core.loader import load_state
+    from sessiontape.core.replay import escape_controls, render_tokens
 
     log_ = await log_only(args)
     try:

@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from core.commands.common import add_common, log_only
+from sessiontape.core.commands.common import add_common, log_only
 
 
 async def cmd_export(args: argparse.Namespace) -> int:
@@ -25,9 +25,9 @@ async def cmd_export(args: argparse.Namespace) -> int:
 
 
 async def cmd_import(args: argparse.Namespace) -> int:
-    from core.errors import FailedPrecondition, InvalidEvent
-    from core.events import Event
-    from core.tokens import length_after
+    from sessiontape.core.errors import FailedPrecondition, InvalidEvent
+    from sessiontape.core.events import Event
+    from sessiontape.core.tokens import length_after
 
     by_session: dict[str, list[Event]] = {}
     from pathlib import Path
@@ -68,7 +68,7 @@ async def cmd_import(args: argparse.Namespace) -> int:
 
 
 async def _exists(log_: Any, sid: str) -> bool:
-    from core.errors import SessionNotFound
+    from sessiontape.core.errors import SessionNotFound
 
     try:
         await log_.get_session(sid)

@@ -2,7 +2,7 @@
 
 Every transport that shows a session as JSON (the HTTP API, the SSE patch
 streams, the replay viewer) uses this one view. :class:`DocumentBuilder`
-folds events one at a time with the core fold (:func:`core.state.apply`,
+folds events one at a time with the core fold (:func:`sessiontape.core.state.apply`,
 so the document can never disagree with the runtime's state) and returns,
 for each event, the JSON Patch+ that turns the previous document into the
 new one. The patch is written by the fold itself, so a generated token costs
@@ -24,8 +24,8 @@ keeps a copy (or its serialisation), and the ops of one ``apply`` may share
 objects with the document, so they are serialised before the next one.
 """
 
-from core.document.builder import DocumentBuilder, build_document, fork_base
-from core.document.schema import (
+from sessiontape.core.document.builder import DocumentBuilder, build_document, fork_base
+from sessiontape.core.document.schema import (
     MAX_EXACT_JSON_INT,
     SCHEMA,
     TERMINAL,
@@ -36,8 +36,8 @@ from core.document.schema import (
     node_view,
     params_view,
 )
-from core.document.sessionlist import SessionListBuilder, session_summary
-from core.document.text import REPLACEMENT, Detokenize, TextRun
+from sessiontape.core.document.sessionlist import SessionListBuilder, session_summary
+from sessiontape.core.document.text import REPLACEMENT, Detokenize, TextRun
 
 __all__ = [
     "MAX_EXACT_JSON_INT",

@@ -1,12 +1,12 @@
 """The session document's fold: :class:`DocumentBuilder` turns each event into
-the JSON Patch+ that updates the document (see :mod:`core.document`)."""
+the JSON Patch+ that updates the document (see :mod:`sessiontape.core.document`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from core.bodies import (
+from sessiontape.core.bodies import (
     ErrorRecorded,
     FeedbackRecorded,
     GenerationFinished,
@@ -19,26 +19,26 @@ from core.bodies import (
     body,
     fork_point,
 )
-from core.document.schema import (
+from sessiontape.core.document.schema import (
     Doc,
     empty_document,
     image_view,
     node_view,
     params_view,
 )
-from core.document.text import Detokenize, TextRun
-from core.events import GENESIS_HASH, Event, T, event_hash
-from core.loader import base_state
-from core.log.store import EventLog
-from core.patch import Op, diff, escape
-from core.state import SessionState, apply
+from sessiontape.core.document.text import Detokenize, TextRun
+from sessiontape.core.events import GENESIS_HASH, Event, T, event_hash
+from sessiontape.core.loader import base_state
+from sessiontape.core.log.store import EventLog
+from sessiontape.core.patch import Op, diff, escape
+from sessiontape.core.state import SessionState, apply
 
 
 async def fork_base(log: EventLog, first: Event) -> SessionState | None:
     """The state a fork's document starts from, given the fork's first event.
 
     None for a session that is not a fork. The parent is loaded with
-    :func:`core.loader.load_state` (snapshot, then events) at the fork's
+    :func:`sessiontape.core.loader.load_state` (snapshot, then events) at the fork's
     version and cut at its token position, as the runtime does.
     """
     if not fork_point(first):
@@ -180,7 +180,7 @@ class DocumentBuilder:
         """Fold ``e`` into ``doc``; returns the JSON Patch+ from the previous document to it.
 
         The ops may share objects with ``doc``: serialise them before the
-        next ``apply``. Raises :class:`core.errors.InvalidEvent` if ``e``
+        next ``apply``. Raises :class:`sessiontape.core.errors.InvalidEvent` if ``e``
         cannot follow (the document is then unchanged).
         """
         ops: list[Op] = []

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from core.events import GENESIS_HASH
-from core.state import Image, Node
+from sessiontape.core.events import GENESIS_HASH
+from sessiontape.core.state import Image, Node
 
 Doc = dict[str, Any]
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from core.bodies import SessionOpened, body
-from core.document.schema import Doc
-from core.events import Event, T
+from sessiontape.core.bodies import SessionOpened, body
+from sessiontape.core.document.schema import Doc
+from sessiontape.core.events import Event, T
 
 
 def session_summary(row: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """The persistent event log (SQLAlchemy async: SQLite or PostgreSQL)."""
 
-from core.log.store import EventLog, SessionRow
+from sessiontape.core.log.store import EventLog, SessionRow
 
 __all__ = ["EventLog", "SessionRow"]

@@ -31,14 +31,14 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from core.bodies import SessionPurged
-from core.bodies import body as typed_body
-from core.errors import ChainBroken, InvalidEvent, SessionNotFound, SessiontapeError
-from core.events import GENESIS_HASH, Event, NewEvent, T, event_hash, parse_json
-from core.log.dialect import Dialect, session_lock_key
-from core.log.schema import blobs, events, sessions, snapshots
-from core.log.subscriptions import Subscriptions
-from core.log.writer import Request, Writer, unavailable
+from sessiontape.core.bodies import SessionPurged
+from sessiontape.core.bodies import body as typed_body
+from sessiontape.core.errors import ChainBroken, InvalidEvent, SessionNotFound, SessiontapeError
+from sessiontape.core.events import GENESIS_HASH, Event, NewEvent, T, event_hash, parse_json
+from sessiontape.core.log.dialect import Dialect, session_lock_key
+from sessiontape.core.log.schema import blobs, events, sessions, snapshots
+from sessiontape.core.log.subscriptions import Subscriptions
+from sessiontape.core.log.writer import Request, Writer, unavailable
 
 __all__ = ["EventLog", "SessionRow", "session_lock_key", "verify_chain"]
 
@@ -182,7 +182,7 @@ class EventLog:
             follow=follow,
         )
         if migrate:
-            from migrations.runner import upgrade_connection
+            from sessiontape.migrations.runner import upgrade_connection
 
             async with dialect.engine.begin() as conn:
                 # several servers starting on a fresh database migrate one at a time

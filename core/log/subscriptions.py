@@ -16,8 +16,8 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from core import metrics
-from core.events import Event
+from sessiontape.core import metrics
+from sessiontape.core.events import Event
 
 log = logging.getLogger("sessiontape.log")
 

@@ -23,9 +23,9 @@ from typing import Any
 
 from sqlalchemy.exc import DBAPIError, OperationalError
 
-from core import metrics
-from core.bodies import SessionOpened, SessionPurged, body, session_purged
-from core.errors import (
+from sessiontape.core import metrics
+from sessiontape.core.bodies import SessionOpened, SessionPurged, body, session_purged
+from sessiontape.core.errors import (
     ChainBroken,
     ConcurrencyError,
     InvalidArgument,
@@ -34,7 +34,7 @@ from core.errors import (
     LogUnavailable,
     SessionNotFound,
 )
-from core.events import (
+from sessiontape.core.events import (
     GENESIS_HASH,
     Event,
     NewEvent,
@@ -43,8 +43,8 @@ from core.events import (
     chain_hasher,
     parse_json,
 )
-from core.log.dialect import Dialect
-from core.log.schema import sessions
+from sessiontape.core.log.dialect import Dialect
+from sessiontape.core.log.schema import sessions
 
 _STATUS_BY_TYPE = {
     T.SESSION_CLOSED: "closed",

@@ -9,14 +9,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engines.onnx.engine import OnnxEngine
+    from sessiontape.engines.onnx.engine import OnnxEngine
 
 __all__ = ["OnnxEngine"]
 
 
 def __getattr__(name: str) -> Any:
     if name == "OnnxEngine":
-        from engines.onnx.engine import OnnxEngine
+        from sessiontape.engines.onnx.engine import OnnxEngine
 
         return OnnxEngine
     raise AttributeError(name)

@@ -19,7 +19,7 @@ head_dim]``. A session's prefill runs on its own buffer (the engine's KV
 cache entry); on admission its positions are copied into a free slot, and on
 leaving the slot's positions are copied into a new buffer that the cache
 entry then holds. Slots are held only by generating sessions, so a full pool
-makes new sessions wait (``wait_s``, then :class:`core.errors.EngineBusy`)
+makes new sessions wait (``wait_s``, then :class:`sessiontape.core.errors.EngineBusy`)
 and never evicts a generating one. The capacity grows in ``bucket`` steps
 with the longest admitted history and shrinks when it halves, so short
 sessions do not attend over empty slots.
@@ -47,13 +47,13 @@ from typing import Any
 
 import numpy as np
 
-from core.engine import OutputOptions, SamplingParams, Step
-from core.errors import EngineBusy, EngineError
-from engines.onnx.kvcache import KV
-from engines.onnx.model import GraphSpec
-from engines.onnx.run import Guess, Run
-from engines.onnx.session import PassResult, quiet_ort
-from engines.sampling import log_softmax, sample, top_logprobs
+from sessiontape.core.engine import OutputOptions, SamplingParams, Step
+from sessiontape.core.errors import EngineBusy, EngineError
+from sessiontape.engines.onnx.kvcache import KV
+from sessiontape.engines.onnx.model import GraphSpec
+from sessiontape.engines.onnx.run import Guess, Run
+from sessiontape.engines.onnx.session import PassResult, quiet_ort
+from sessiontape.engines.sampling import log_softmax, sample, top_logprobs
 
 log = logging.getLogger("sessiontape.engines.onnx")
 

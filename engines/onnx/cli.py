@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engines.onnx.demo import SIZES, build_demo, cache_root
+from sessiontape.engines.onnx.demo import SIZES, build_demo, cache_root
 
 
 def register(subparsers: Any) -> None:
@@ -24,7 +24,7 @@ def register(subparsers: Any) -> None:
 
 
 def build_demo_cmd(args: argparse.Namespace) -> int:
-    from engines.onnx.demo import BUILDER_VERSION
+    from sessiontape.engines.onnx.demo import BUILDER_VERSION
 
     out = args.out or cache_root() / f"{args.size}-v{BUILDER_VERSION}"
     t0 = time.perf_counter()

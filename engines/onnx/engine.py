@@ -37,7 +37,7 @@ Options (all keyword, as ``[engine.options]`` in the config):
   256-slot steps). Setting either fixes the shape on any provider.
 - ``cuda_graph``: capture the fixed-shape pass as a CUDA graph and replay it
   (default: on with CUDA and a fixed shape).
-- ``batch_slots``: continuous batching (:mod:`engines.onnx.batch`): the decode steps
+- ``batch_slots``: continuous batching (:mod:`sessiontape.engines.onnx.batch`): the decode steps
   of up to this many generating sessions run in one forward pass (default 8 for a
   static-layout model on growing buffers, the CPU default; 0 turns it off). Not
   built for the fixed CUDA shape yet.
@@ -66,12 +66,12 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
-from core.engine import Engine, EngineInfo, OutputOptions, SamplingParams, Step
-from core.errors import ConfigError, ContextOverflow, EngineError, InvalidParameters
-from engines.onnx.batch import BatchScheduler, Member, Stats
-from engines.onnx.demo import PAD, SIZES, SLOT_BLOCK, ensure_demo
-from engines.onnx.kvcache import KV, KVCache, common_prefix
-from engines.onnx.model import (
+from sessiontape.core.engine import Engine, EngineInfo, OutputOptions, SamplingParams, Step
+from sessiontape.core.errors import ConfigError, ContextOverflow, EngineError, InvalidParameters
+from sessiontape.engines.onnx.batch import BatchScheduler, Member, Stats
+from sessiontape.engines.onnx.demo import PAD, SIZES, SLOT_BLOCK, ensure_demo
+from sessiontape.engines.onnx.kvcache import KV, KVCache, common_prefix
+from sessiontape.engines.onnx.model import (
     Concepts,
     GraphSpec,
     file_sha256,
@@ -80,10 +80,17 @@ from engines.onnx.model import (
     load_tokenizer,
     model_facts,
 )
-from engines.onnx.run import HOP_END, Guess, Run, Stored
-from engines.onnx.session import CUDA, PassResult, Runner, choose_providers, open_session, quiet_ort
-from engines.onnx.static import StaticRunner
-from engines.sampling import log_softmax, sample, top_logprobs
+from sessiontape.engines.onnx.run import HOP_END, Guess, Run, Stored
+from sessiontape.engines.onnx.session import (
+    CUDA,
+    PassResult,
+    Runner,
+    choose_providers,
+    open_session,
+    quiet_ort,
+)
+from sessiontape.engines.onnx.static import StaticRunner
+from sessiontape.engines.sampling import log_softmax, sample, top_logprobs
 
 log = logging.getLogger("sessiontape.engines.onnx")
 

@@ -2,8 +2,8 @@
 
 :class:`Run` is where a generation stands in its history (the KV buffer it
 extends, the logits of its last position, lookahead guesses); the engine's
-single-session hops (:mod:`engines.onnx.engine`) and the batch scheduler
-(:mod:`engines.onnx.batch`) both drive it.
+single-session hops (:mod:`sessiontape.engines.onnx.engine`) and the batch scheduler
+(:mod:`sessiontape.engines.onnx.batch`) both drive it.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines.onnx.kvcache import KV
-from engines.onnx.session import PassResult
+from sessiontape.engines.onnx.kvcache import KV
+from sessiontape.engines.onnx.session import PassResult
 
 #: lookahead guesses come from the last this many tokens of the history (building the
 #: index is Python work per call; results never depend on it, only the hit rate)

@@ -32,9 +32,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from core.errors import EngineError
-from engines.onnx.kvcache import KV
-from engines.onnx.model import GraphSpec
+from sessiontape.core.errors import EngineError
+from sessiontape.engines.onnx.kvcache import KV
+from sessiontape.engines.onnx.model import GraphSpec
 
 log = logging.getLogger("sessiontape.engines.onnx")
 

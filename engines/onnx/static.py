@@ -1,6 +1,6 @@
 """Forward passes over a static KV buffer updated in place (the ``static`` model layout).
 
-A static-layout model (see :mod:`engines.onnx.demo`) takes one buffer per
+A static-layout model (see :mod:`sessiontape.engines.onnx.demo`) takes one buffer per
 layer and kind, ``[1, kv_heads, capacity, head_dim]``, writes the pass's new
 keys and values into it at ``position_ids`` and masks slot j for the query
 at position q unless j <= q. :class:`StaticRunner` binds ``present`` to the
@@ -42,10 +42,10 @@ from typing import Any
 
 import numpy as np
 
-from core.errors import EngineError
-from engines.onnx.kvcache import KV
-from engines.onnx.model import GraphSpec
-from engines.onnx.session import CUDA, PassResult, quiet_ort
+from sessiontape.core.errors import EngineError
+from sessiontape.engines.onnx.kvcache import KV
+from sessiontape.engines.onnx.model import GraphSpec
+from sessiontape.engines.onnx.session import CUDA, PassResult, quiet_ort
 
 log = logging.getLogger("sessiontape.engines.onnx")
 

@@ -32,28 +32,28 @@ import httpx
 import numpy as np
 import pytest
 
-from core.document import build_document, fork_base
-from core.events import Event
-from core.log import EventLog
-from core.log.store import verify_chain
-from core.patch import apply_patch
-from core.runtime import Runtime
-from engines.reference import ReferenceEngine
-from tests.conftest import free_port, make_config
-from tests.transports.http.sse_client import SseEvent, events
-from transports.grpc.client import (
+from sessiontape.core.document import build_document, fork_base
+from sessiontape.core.events import Event
+from sessiontape.core.log import EventLog
+from sessiontape.core.log.store import verify_chain
+from sessiontape.core.patch import apply_patch
+from sessiontape.core.runtime import Runtime
+from sessiontape.engines.reference import ReferenceEngine
+from sessiontape.transports.grpc.client import (
     EvergreenClient,
     action,
     assemble,
     sampling_config,
     text_fragments,
 )
-from transports.grpc.gen.kakeya.v1 import runtime_pb2 as kpb
-from transports.grpc.gen.kakeya.v1 import runtime_pb2_grpc as kakeya_grpc
-from transports.grpc.gen.salience.v1 import salience_pb2 as spb
-from transports.grpc.gen.salience.v1 import salience_pb2_grpc as salience_grpc
-from transports.grpc.plugin import GrpcTransport
-from transports.sse.plugin import HttpTransport
+from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2 as kpb
+from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2_grpc as kakeya_grpc
+from sessiontape.transports.grpc.gen.salience.v1 import salience_pb2 as spb
+from sessiontape.transports.grpc.gen.salience.v1 import salience_pb2_grpc as salience_grpc
+from sessiontape.transports.grpc.plugin import GrpcTransport
+from sessiontape.transports.sse.plugin import HttpTransport
+from tests.conftest import free_port, make_config
+from tests.transports.http.sse_client import SseEvent, events
 
 TOKEN = "conformance-token"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
@@ -509,8 +509,8 @@ async def test_d4_results_and_feedback_read_the_same_over_sse_and_http(
 ) -> None:
     import nostr_sdk as ns
 
+    from sessiontape.transports.nostr.plugin import NostrTransport
     from tests.transports.nostr.conftest import Caller, LocalRelay, call_body, eventually
-    from transports.nostr.plugin import NostrTransport
 
     st = stack
     ns.uniffi_set_event_loop(asyncio.get_running_loop())

@@ -1,4 +1,4 @@
-"""The engine contract: written once against core.engine's ABC, run on every engine present.
+"""The engine contract: written once against sessiontape.core.engine's ABC, run on every engine present.
 
 Engines: the reference engine, and the ONNX engine on the tiny demo model
 with its provider's default pass shape and with one fixed pass shape (the
@@ -18,7 +18,7 @@ from typing import Any, cast
 
 import pytest
 
-from core.engine import Engine, OutputOptions, SamplingParams, Step
+from sessiontape.core.engine import Engine, OutputOptions, SamplingParams, Step
 
 Factory = Callable[[], Engine]
 
@@ -29,7 +29,7 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
 
 @pytest.fixture(scope="module")
 def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engines.onnx.demo import build_demo
+    from sessiontape.engines.onnx.demo import build_demo
 
     folder = tmp_path_factory.mktemp("tiny")
     build_demo("tiny", folder)
@@ -54,11 +54,11 @@ async def make_engine(request: pytest.FixtureRequest, demo_dir: Path) -> AsyncIt
         kind = request.param
         eng: Engine
         if kind == "reference":
-            from engines.reference import ReferenceEngine
+            from sessiontape.engines.reference import ReferenceEngine
 
             eng = ReferenceEngine()
         else:
-            from engines.onnx import OnnxEngine
+            from sessiontape.engines.onnx import OnnxEngine
 
             if kind == "onnx-cuda":  # what "auto" picks on a GPU: fixed shapes, CUDA graphs
                 eng = OnnxEngine(model_dir=demo_dir, providers="auto")

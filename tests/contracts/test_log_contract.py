@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import ChainBroken, ConcurrencyError, InvalidEvent
-from core.events import Event, NewEvent
-from core.log import EventLog
-from core.log.store import verify_chain
+from sessiontape.core.errors import ChainBroken, ConcurrencyError, InvalidEvent
+from sessiontape.core.events import Event, NewEvent
+from sessiontape.core.log import EventLog
+from sessiontape.core.log.store import verify_chain
 
 
 def opened() -> NewEvent:

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from core.bodies import BODIES, GenerationToken, SessionClosed, body
-from core.engine import OutputOptions, SamplingParams
-from core.events import T
-from core.runtime import Runtime
-from core.tokens import ImageIn
-from engines.reference import IMAGE_PAD
+from sessiontape.core.bodies import BODIES, GenerationToken, SessionClosed, body
+from sessiontape.core.engine import OutputOptions, SamplingParams
+from sessiontape.core.events import T
+from sessiontape.core.runtime import Runtime
+from sessiontape.core.tokens import ImageIn
+from sessiontape.engines.reference import IMAGE_PAD
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "events.md"
 
@@ -48,7 +48,7 @@ def test_every_registered_name_is_an_event_type() -> None:
 
 
 def test_body_refuses_the_wrong_type(runtime: Runtime) -> None:
-    from core.events import Event
+    from sessiontape.core.events import Event
 
     e = Event(1, "s", 1, T.SESSION_CLOSED, {"reason": "client"}, None, 0.0, "h", "p")
     assert body(e, SessionClosed)["reason"] == "client"
@@ -136,7 +136,7 @@ def untyped_body_reads(source: str) -> list[tuple[int, str]]:
     (``x.body.get(...)``, ``.items()``, ...), testing a key with
     ``k in x.body``, and binding it to a name (``b = x.body``, which is how an
     untyped read hides behind an alias). A typed read goes through
-    ``core.bodies`` instead: ``body(e, Kind)[...]`` or one of its readers.
+    ``sessiontape.core.bodies`` instead: ``body(e, Kind)[...]`` or one of its readers.
     """
     found: list[tuple[int, str]] = []
     for node in ast.walk(ast.parse(source)):
@@ -184,7 +184,9 @@ def test_no_event_body_is_read_by_string_key_outside_the_event_types() -> None:
         for p in files
         for line, what in untyped_body_reads(p.read_text())
     ]
-    assert not bad, "untyped event body reads (use core.bodies.body(e, Kind)):\n" + "\n".join(bad)
+    assert not bad, (
+        "untyped event body reads (use sessiontape.core.bodies.body(e, Kind)):\n" + "\n".join(bad)
+    )
 
 
 @pytest.mark.parametrize(

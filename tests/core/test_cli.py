@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from core.engine import OutputOptions, SamplingParams
-from core.nodes import FragmentIn
-from core.runtime import Runtime
-from engines.reference import ReferenceEngine
+from sessiontape.core.engine import OutputOptions, SamplingParams
+from sessiontape.core.nodes import FragmentIn
+from sessiontape.core.runtime import Runtime
+from sessiontape.engines.reference import ReferenceEngine
 from tests.conftest import make_config
 
-EXE = [sys.executable, "-m", "core.cli"]
+EXE = [sys.executable, "-m", "sessiontape.core.cli"]
 
 
 def cli(*args: str, db: str, check: bool = True) -> subprocess.CompletedProcess[str]:

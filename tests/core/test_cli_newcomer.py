@@ -10,9 +10,9 @@ import io
 import json
 from pathlib import Path
 
-from core.cli import build_parser
-from core.events import Event, T
-from core.replay import escape_controls, render_tokens, replay
+from sessiontape.core.cli import build_parser
+from sessiontape.core.events import Event, T
+from sessiontape.core.replay import escape_controls, render_tokens, replay
 from tests.core.test_cli import cli, populated  # noqa: F401  (the fixture)
 
 
@@ -73,8 +73,8 @@ def test_control_characters_are_escaped() -> None:
 def test_replay_cli_escapes_what_would_steer_the_terminal(tmp_path: Path) -> None:
     import asyncio
 
-    from core.runtime import Runtime
-    from engines.reference import ReferenceEngine
+    from sessiontape.core.runtime import Runtime
+    from sessiontape.engines.reference import ReferenceEngine
     from tests.conftest import make_config
 
     url = f"sqlite+aiosqlite:///{tmp_path / 'esc.db'}"
@@ -254,7 +254,7 @@ def test_progress_is_drawn_on_a_terminal(populated: tuple[str, list[str]]) -> No
     leader, follower = pty.openpty()
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "core.cli", "audit", *ids],
+            [sys.executable, "-m", "sessiontape.core.cli", "audit", *ids],
             stderr=follower,
             stdout=subprocess.PIPE,
             env={**os.environ, "SESSIONTAPE_DB": url},

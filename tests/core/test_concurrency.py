@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from core.engine import SamplingParams
-from core.errors import (
+from sessiontape.core.engine import SamplingParams
+from sessiontape.core.errors import (
     InvalidParameters,
     InvalidRange,
     LogClosed,
@@ -16,10 +16,10 @@ from core.errors import (
     SessionClosed,
     SessionNotFound,
 )
-from core.events import T
-from core.log import EventLog
-from core.runtime import Runtime
-from engines.reference import ReferenceEngine
+from sessiontape.core.events import T
+from sessiontape.core.log import EventLog
+from sessiontape.core.runtime import Runtime
+from sessiontape.engines.reference import ReferenceEngine
 from tests.conftest import make_config
 
 
@@ -166,7 +166,7 @@ async def test_engine_failure_is_recorded_as_error(sqlite_url: str) -> None:
 
 
 async def test_checks_before_anything_is_committed(sqlite_url: str) -> None:
-    from core.engine import OutputOptions, ReadoutManifest  # noqa: F401
+    from sessiontape.core.engine import OutputOptions, ReadoutManifest  # noqa: F401
 
     class NoReadouts(ReferenceEngine):
         def __init__(self) -> None:
@@ -234,7 +234,7 @@ async def test_close_is_busy_while_generating(sqlite_url: str) -> None:
 
 
 async def test_appends_after_close_of_the_log_fail_typed(sqlite_url: str) -> None:
-    from core.events import NewEvent
+    from sessiontape.core.events import NewEvent
 
     log = await EventLog.open(sqlite_url)
     await log.append("s", 0, [NewEvent(T.SESSION_OPENED, {})])

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from core.cli import build_parser, load_config, serve_overrides
-from core.config import DEFAULTS, Config, env_overrides
-from core.errors import ConfigError
+from sessiontape.core.cli import build_parser, load_config, serve_overrides
+from sessiontape.core.config import DEFAULTS, Config, env_overrides
+from sessiontape.core.errors import ConfigError
 
 FILE = """
 [database]

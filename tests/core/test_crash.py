@@ -12,15 +12,15 @@ import sys
 import textwrap
 from pathlib import Path
 
-from core.log import EventLog
-from core.log.store import verify_chain
+from sessiontape.core.log import EventLog
+from sessiontape.core.log.store import verify_chain
 
 WRITER = textwrap.dedent(
     """
     import asyncio, json, sys
-    from core.engine import SamplingParams
-    from core.runtime import Runtime
-    from engines.reference import ReferenceEngine
+    from sessiontape.core.engine import SamplingParams
+    from sessiontape.core.runtime import Runtime
+    from sessiontape.engines.reference import ReferenceEngine
     from tests.conftest import make_config
 
     async def main():
@@ -50,9 +50,9 @@ WRITER = textwrap.dedent(
 GENERATOR = textwrap.dedent(
     """
     import asyncio, json, sys
-    from core.engine import SamplingParams
-    from core.runtime import Runtime
-    from engines.reference import ReferenceEngine
+    from sessiontape.core.engine import SamplingParams
+    from sessiontape.core.runtime import Runtime
+    from sessiontape.engines.reference import ReferenceEngine
     from tests.conftest import make_config
 
     async def main():
@@ -120,10 +120,10 @@ def _kill_and_check(tmp_path: Path, source: str, count: int) -> None:
 
 
 async def test_generation_left_open_by_a_crash_is_closed_as_interrupted(sqlite_url: str) -> None:
-    from core.engine import SamplingParams
-    from core.events import NewEvent, T
-    from core.runtime import Runtime
-    from engines.reference import ReferenceEngine
+    from sessiontape.core.engine import SamplingParams
+    from sessiontape.core.events import NewEvent, T
+    from sessiontape.core.runtime import Runtime
+    from sessiontape.engines.reference import ReferenceEngine
     from tests.conftest import make_config
 
     rt = await Runtime.create(make_config(sqlite_url), engine=ReferenceEngine())

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core.document import (
+from sessiontape.core.document import (
     REPLACEMENT,
     DocumentBuilder,
     SessionListBuilder,
@@ -20,14 +20,14 @@ from core.document import (
     build_document,
     fork_base,
 )
-from core.engine import OutputOptions, SamplingParams
-from core.errors import InvalidEvent
-from core.events import Event
-from core.nodes import FragmentIn
-from core.patch import apply_patch, to_rfc6902
-from core.runtime import Runtime
-from core.tokens import ImageIn
-from engines.reference import IMAGE_PAD, ReferenceEngine
+from sessiontape.core.engine import OutputOptions, SamplingParams
+from sessiontape.core.errors import InvalidEvent
+from sessiontape.core.events import Event
+from sessiontape.core.nodes import FragmentIn
+from sessiontape.core.patch import apply_patch, to_rfc6902
+from sessiontape.core.runtime import Runtime
+from sessiontape.core.tokens import ImageIn
+from sessiontape.engines.reference import IMAGE_PAD, ReferenceEngine
 from tests.conftest import make_config
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from core.errors import InvalidAction, InvalidFragment, NodeNotFound, ProtocolViolation
-from core.nodes import FragmentIn, flatten, is_complete, missing
-from core.runtime import Runtime
+from sessiontape.core.errors import InvalidAction, InvalidFragment, NodeNotFound, ProtocolViolation
+from sessiontape.core.nodes import FragmentIn, flatten, is_complete, missing
+from sessiontape.core.runtime import Runtime
 
 
 def leaf(

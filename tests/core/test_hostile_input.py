@@ -14,11 +14,11 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from core.audit import audit_session
-from core.engine import SamplingParams
-from core.errors import InvalidParameters, InvalidValue
-from core.events import NewEvent, T, check_body
-from core.runtime import Runtime
+from sessiontape.core.audit import audit_session
+from sessiontape.core.engine import SamplingParams
+from sessiontape.core.errors import InvalidParameters, InvalidValue
+from sessiontape.core.events import NewEvent, T, check_body
+from sessiontape.core.runtime import Runtime
 
 
 @pytest.mark.parametrize(
@@ -96,7 +96,7 @@ async def _poison(url: str, sid: str) -> None:
 
     The body is rewritten and the hash chain re-sealed, so only the bad parameter is wrong.
     """
-    from core.events import Event, event_hash
+    from sessiontape.core.events import Event, event_hash
 
     eng = create_async_engine(url)
     async with eng.begin() as conn:
@@ -148,7 +148,17 @@ async def test_audit_reports_unusable_recorded_params_and_goes_on(
     assert (await audit_session(runtime.log, good, reexecute=True, engine=runtime.engine)).ok
     proc = await asyncio.to_thread(
         subprocess.run,
-        [sys.executable, "-m", "core.cli", "audit", bad, "nope", good, "--reexecute", "--json"],
+        [
+            sys.executable,
+            "-m",
+            "sessiontape.core.cli",
+            "audit",
+            bad,
+            "nope",
+            good,
+            "--reexecute",
+            "--json",
+        ],
         capture_output=True,
         text=True,
         timeout=60,

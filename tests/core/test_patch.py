@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core.errors import InvalidArgument, InvalidPatch
-from core.patch import apply_patch, diff, parse_pointer, pointer, resolve, to_rfc6902
+from sessiontape.core.errors import InvalidArgument, InvalidPatch
+from sessiontape.core.patch import apply_patch, diff, parse_pointer, pointer, resolve, to_rfc6902
 
 keys = st.text(alphabet="ab~/-0", min_size=0, max_size=3)
 scalars = st.none() | st.booleans() | st.integers(-5, 5) | st.text(alphabet="xyz", max_size=4)

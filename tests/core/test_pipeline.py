@@ -13,11 +13,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from core.engine import DEFAULT_OUTPUT, OutputOptions, SamplingParams, Step
-from core.errors import EngineError
-from core.events import Event, T
-from core.runtime import Runtime
-from engines.reference import ReferenceEngine
+from sessiontape.core.engine import DEFAULT_OUTPUT, OutputOptions, SamplingParams, Step
+from sessiontape.core.errors import EngineError
+from sessiontape.core.events import Event, T
+from sessiontape.core.runtime import Runtime
+from sessiontape.engines.reference import ReferenceEngine
 from tests.conftest import make_config
 
 
@@ -100,8 +100,8 @@ async def test_stops_with_the_onnx_cache_rewind_it_to_the_log(
 ) -> None:
     """After a stop at any step the ONNX engine's cache holds no token the log lacks, and the
     next generation is bit-identical to one from a fresh session with the same history."""
-    from engines.onnx import OnnxEngine
-    from engines.onnx.demo import build_demo
+    from sessiontape.engines.onnx import OnnxEngine
+    from sessiontape.engines.onnx.demo import build_demo
 
     folder = tmp_path / "tiny"
     build_demo("tiny", folder)

@@ -10,11 +10,11 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from core.engine import SamplingParams
-from core.errors import SessiontapeError
-from core.log.store import verify_chain
-from core.runtime import Runtime
-from engines.reference import ReferenceEngine
+from sessiontape.core.engine import SamplingParams
+from sessiontape.core.errors import SessiontapeError
+from sessiontape.core.log.store import verify_chain
+from sessiontape.core.runtime import Runtime
+from sessiontape.engines.reference import ReferenceEngine
 from tests.conftest import make_config
 
 token = st.integers(min_value=0, max_value=258)
@@ -55,7 +55,7 @@ def snapshot(s: Any) -> tuple[Any, ...]:
 
 
 async def run_ops(rt: Runtime, sid: str, program: list[tuple[Any, ...]]) -> None:
-    from core.nodes import FragmentIn
+    from sessiontape.core.nodes import FragmentIn
 
     for op in program:
         try:
@@ -124,8 +124,8 @@ bad_ops = st.one_of(
 def test_invalid_inputs_leave_the_log_unchanged(
     tmp_path: Path, prefix: list[int], bad: list[tuple[Any, ...]]
 ) -> None:
-    from core.engine import OutputOptions
-    from core.nodes import FragmentIn
+    from sessiontape.core.engine import OutputOptions
+    from sessiontape.core.nodes import FragmentIn
 
     async def main() -> None:
         db = tmp_path / f"b{abs(hash(str((prefix, bad))))}.db"

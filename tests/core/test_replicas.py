@@ -12,13 +12,13 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from core.engine import SamplingParams
-from core.errors import OffsetMismatch, SessionBusy
-from core.events import T
-from core.log.dialect import PostgresDialect
-from core.log.store import verify_chain
-from core.runtime import Runtime
-from engines.reference import ReferenceEngine
+from sessiontape.core.engine import SamplingParams
+from sessiontape.core.errors import OffsetMismatch, SessionBusy
+from sessiontape.core.events import T
+from sessiontape.core.log.dialect import PostgresDialect
+from sessiontape.core.log.store import verify_chain
+from sessiontape.core.runtime import Runtime
+from sessiontape.engines.reference import ReferenceEngine
 from tests.conftest import make_config
 
 pytestmark = pytest.mark.postgres

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from core.engine import OutputOptions, SamplingParams
-from core.errors import (
+from sessiontape.core.engine import OutputOptions, SamplingParams
+from sessiontape.core.errors import (
     AppendOnlyViolation,
     ContextOverflow,
     ImageBlockSplit,
@@ -21,11 +21,11 @@ from core.errors import (
     SessionNotFound,
     TokenOutOfVocabulary,
 )
-from core.events import T
-from core.log.store import verify_chain
-from core.runtime import Runtime
-from core.tokens import ImageIn
-from engines.reference import EOS, IMAGE_PAD, ReferenceEngine
+from sessiontape.core.events import T
+from sessiontape.core.log.store import verify_chain
+from sessiontape.core.runtime import Runtime
+from sessiontape.core.tokens import ImageIn
+from sessiontape.engines.reference import EOS, IMAGE_PAD, ReferenceEngine
 from tests.conftest import make_config
 
 

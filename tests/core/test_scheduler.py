@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from core.scheduler import PriorityGate
+from sessiontape.core.scheduler import PriorityGate
 
 
 async def settle() -> None:

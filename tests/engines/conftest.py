@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from core.engine import SamplingParams
-from engines.onnx import OnnxEngine
-from engines.onnx.demo import build_demo
+from sessiontape.core.engine import SamplingParams
+from sessiontape.engines.onnx import OnnxEngine
+from sessiontape.engines.onnx.demo import build_demo
 
 #: engines that other sessions are generating on while a test runs
 _BUSY: weakref.WeakSet[OnnxEngine] = weakref.WeakSet()

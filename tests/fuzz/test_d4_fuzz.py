@@ -18,11 +18,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from core.runtime import Runtime
+from sessiontape.core.runtime import Runtime
+from sessiontape.transports.nostr.worker import D4Worker
 from tests.fuzz.conftest import LONG, QUICK, fuzz_settings
 from tests.fuzz.strategies import HOSTILE_JSON, HOSTILE_TEXT, encode, plausible
 from tests.transports.nostr.conftest import LocalRelay, WorkerFactory, call_body, eventually
-from transports.nostr.worker import D4Worker
 
 ARG_SCHEMA = {
     "prompt": {"type": "string"},

@@ -19,16 +19,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from core.runtime import Runtime
-from engines.reference import ReferenceEngine
+from sessiontape.core.runtime import Runtime
+from sessiontape.engines.reference import ReferenceEngine
+from sessiontape.transports.grpc.gen.evergreen.v2 import evergreen_pb2
+from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2 as kakeya_pb2
+from sessiontape.transports.grpc.gen.salience.v1 import salience_pb2
+from sessiontape.transports.grpc.plugin import GrpcTransport
 from tests.conftest import make_config
 from tests.fuzz.conftest import LONG, QUICK, fuzz_settings
 from tests.fuzz.strategies import message
 from tests.transports.grpc.test_hostile import raw_call
-from transports.grpc.gen.evergreen.v2 import evergreen_pb2
-from transports.grpc.gen.kakeya.v1 import runtime_pb2 as kakeya_pb2
-from transports.grpc.gen.salience.v1 import salience_pb2
-from transports.grpc.plugin import GrpcTransport
 
 FORBIDDEN = {
     grpc.StatusCode.UNKNOWN,

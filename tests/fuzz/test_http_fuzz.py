@@ -21,13 +21,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from core.runtime import Runtime
-from engines.reference import ReferenceEngine
+from sessiontape.core.runtime import Runtime
+from sessiontape.engines.reference import ReferenceEngine
+from sessiontape.transports.sse.openapi import spec
+from sessiontape.transports.sse.plugin import HttpTransport
 from tests.conftest import make_config
 from tests.fuzz.conftest import LONG, QUICK, fuzz_settings
 from tests.fuzz.strategies import HOSTILE_TEXT, body_for
-from transports.sse.openapi import spec
-from transports.sse.plugin import HttpTransport
 
 #: errors after which nothing may have changed
 REFUSALS = {400, 401, 404, 405, 408, 413, 422}

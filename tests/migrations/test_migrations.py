@@ -5,9 +5,9 @@ from __future__ import annotations
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
-from core.log import EventLog
-from core.log.schema import metadata
-from migrations.runner import current_revision
+from sessiontape.core.log import EventLog
+from sessiontape.core.log.schema import metadata
+from sessiontape.migrations.runner import current_revision
 
 
 async def test_models_and_migrations_agree(db_url: str) -> None:

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from core.cli import main
+from sessiontape.core.cli import main
 from tests.conftest import free_port
 from tests.transports.http.conftest import Served, serve
 

@@ -176,10 +176,10 @@ async def test_typed_errors(live: Served) -> None:
 
 
 async def test_unauthenticated(sqlite_url: str, port: int) -> None:
-    from core.runtime import Runtime
-    from engines.reference import ReferenceEngine
+    from sessiontape.core.runtime import Runtime
+    from sessiontape.engines.reference import ReferenceEngine
+    from sessiontape.transports.sse.plugin import HttpTransport
     from tests.conftest import make_config
-    from transports.sse.plugin import HttpTransport
 
     cfg = make_config(sqlite_url, auth={"token": "t0ken"})
     rt = await Runtime.create(cfg, engine=ReferenceEngine())

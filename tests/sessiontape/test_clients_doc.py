@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from core.runtime import Runtime
-from engines.reference import ReferenceEngine
+from sessiontape.core.runtime import Runtime
+from sessiontape.engines.reference import ReferenceEngine
+from sessiontape.transports.sse.plugin import HttpTransport
 from tests.conftest import make_config
 from tests.transports.http.conftest import Served
-from transports.sse.plugin import HttpTransport
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "clients.md"
 
@@ -73,7 +73,7 @@ def test_the_curl_examples_name_documented_routes_and_valid_json() -> None:
     is a JSON object."""
     import json
 
-    from transports.sse.openapi import spec
+    from sessiontape.transports.sse.openapi import spec
 
     doc = spec()
     text = "\n".join(re.findall(r"```sh\n(.*?)```", DOC.read_text(), flags=re.S))

@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 from google.protobuf import any_pb2, json_format, struct_pb2
 
-from transports.grpc.gen.evergreen.v2 import evergreen_pb2, evergreen_pb2_grpc
+from sessiontape.transports.grpc.gen.evergreen.v2 import evergreen_pb2, evergreen_pb2_grpc
 
 SessionMessage = evergreen_pb2.SessionMessage
 NodeFragment = evergreen_pb2.NodeFragment

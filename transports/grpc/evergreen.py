@@ -4,7 +4,7 @@ Each stream opens a session (protocol ``evergreen``) and runs two tasks
 beside the response generator:
 
 * the *reader* records every incoming ``NodeFragment`` (``node.fragment``,
-  direction ``in``; the rules are :func:`core.nodes.check_fragment`) and
+  direction ``in``; the rules are :func:`sessiontape.core.nodes.check_fragment`) and
   ``Action`` (``action.submitted``) as it arrives, and queues the actions;
 * the *worker* runs the queued actions in arrival order. An action first
   waits at a data-dependency barrier until every node it reads is complete
@@ -14,7 +14,7 @@ beside the response generator:
 
 Any failed action, invalid fragment or protocol violation aborts the
 session (``session.aborted`` with the error's code) and ends the stream with
-the status from :mod:`transports.grpc.status`. A client that half-closes
+the status from :mod:`sessiontape.transports.grpc.status`. A client that half-closes
 after its last message gets every pending action's output, then the stream
 ends OK and the session is closed (reason ``client``); a stream cancelled
 by the client or by server shutdown stops the running generation (recorded
@@ -34,9 +34,9 @@ from typing import Any, cast
 
 from google.protobuf import json_format, message, struct_pb2
 
-from core.bodies import action_id_of, generated_token
-from core.engine import SamplingParams
-from core.errors import (
+from sessiontape.core.bodies import action_id_of, generated_token
+from sessiontape.core.engine import SamplingParams
+from sessiontape.core.errors import (
     InvalidAction,
     InvalidFragment,
     InvalidParameters,
@@ -44,12 +44,12 @@ from core.errors import (
     SessiontapeError,
     TargetNotFound,
 )
-from core.events import Event
-from core.nodes import FragmentIn, flatten, missing
-from core.runtime import Runtime
-from transports.grpc.gen.evergreen.v2 import evergreen_pb2, evergreen_pb2_grpc
-from transports.grpc.service import GrpcService
-from transports.grpc.status import code_for, message_for
+from sessiontape.core.events import Event
+from sessiontape.core.nodes import FragmentIn, flatten, missing
+from sessiontape.core.runtime import Runtime
+from sessiontape.transports.grpc.gen.evergreen.v2 import evergreen_pb2, evergreen_pb2_grpc
+from sessiontape.transports.grpc.service import GrpcService
+from sessiontape.transports.grpc.status import code_for, message_for
 
 log = logging.getLogger("sessiontape.grpc.evergreen")
 

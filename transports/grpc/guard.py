@@ -6,7 +6,7 @@
   string field) ends the call with ``INVALID_ARGUMENT``, not the ``UNKNOWN``
   or ``INTERNAL`` grpc answers by itself;
 - a core error that escapes a servicer ends it with its mapped status
-  (:mod:`transports.grpc.status`);
+  (:mod:`sessiontape.transports.grpc.status`);
 - anything else ends it with ``INTERNAL`` and a request id, logged once with
   that id; the exception's text never reaches the client.
 """
@@ -19,8 +19,8 @@ from typing import Any
 
 import grpc
 
-from core.errors import InvalidArgument
-from transports.grpc.status import code_for, message_for
+from sessiontape.core.errors import InvalidArgument
+from sessiontape.transports.grpc.status import code_for, message_for
 
 
 class _Undecodable:

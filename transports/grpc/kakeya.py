@@ -1,6 +1,6 @@
 """kakeya.v1.RuntimeService: append-only raw-token sessions with seeded Generate.
 
-A translation onto :class:`core.runtime.Runtime` (sessions opened with
+A translation onto :class:`sessiontape.core.runtime.Runtime` (sessions opened with
 ``mode="append_only"``); the rules (vocabulary, append-only, sink+window
 truncation, INV-1/INV-2 checks) are the core's. Wire-level decisions, listed
 in docs/protocols/kakeya.md:
@@ -25,17 +25,17 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from core.bodies import GenerationFinished, TokensTruncated, body, generated_token
-from core.config import Config
-from core.engine import SamplingParams
-from core.errors import CacheInvariantViolation, ConfigError
-from core.events import T
-from core.runtime import Runtime
-from core.state import ABORTED
-from transports.grpc.gen.kakeya.v1 import runtime_pb2 as pb
-from transports.grpc.gen.kakeya.v1 import runtime_pb2_grpc as pb_grpc
-from transports.grpc.service import GrpcService
-from transports.grpc.tokensessions import (
+from sessiontape.core.bodies import GenerationFinished, TokensTruncated, body, generated_token
+from sessiontape.core.config import Config
+from sessiontape.core.engine import SamplingParams
+from sessiontape.core.errors import CacheInvariantViolation, ConfigError
+from sessiontape.core.events import T
+from sessiontape.core.runtime import Runtime
+from sessiontape.core.state import ABORTED
+from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2 as pb
+from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2_grpc as pb_grpc
+from sessiontape.transports.grpc.service import GrpcService
+from sessiontape.transports.grpc.tokensessions import (
     Generations,
     closing,
     grpc_errors,

@@ -1,16 +1,16 @@
-"""The ``grpc`` entry point of ``sessiontape.transports``: see :mod:`transports.grpc.server`."""
+"""The ``grpc`` entry point of ``sessiontape.transports``: see :mod:`sessiontape.transports.grpc.server`."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from core.transport import Transport
+from sessiontape.core.transport import Transport
 
 if TYPE_CHECKING:
-    from core.config import Config
-    from core.runtime import Runtime
-    from transports.grpc.server import GrpcServer
+    from sessiontape.core.config import Config
+    from sessiontape.core.runtime import Runtime
+    from sessiontape.transports.grpc.server import GrpcServer
 
 
 class GrpcTransport(Transport):
@@ -24,7 +24,7 @@ class GrpcTransport(Transport):
 
     async def start(self) -> str:
         # grpc is heavy: import it only when the transport is actually enabled.
-        from transports.grpc.server import GrpcServer
+        from sessiontape.transports.grpc.server import GrpcServer
 
         self.server = GrpcServer(self.runtime, self.options, self.config.auth_token)
         return await self.server.start()

@@ -1,6 +1,6 @@
 """salience.v1.Salience: token sessions with offsets, forks, logprobs and readouts.
 
-Every call is a thin translation onto :class:`core.runtime.Runtime`; the
+Every call is a thin translation onto :class:`sessiontape.core.runtime.Runtime`; the
 rules about the session (offset drift, truncating rewinds, vocabulary,
 image pad runs, fork boundaries, context length) are the core's. What this
 module decides is wire-level only, and docs/protocols/salience.md lists it:
@@ -27,16 +27,16 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from core.bodies import GenerationFinished, GenerationToken, body
-from core.engine import OutputOptions, SamplingParams
-from core.errors import ModelMismatch
-from core.events import Event, T
-from core.runtime import Runtime
-from core.tokens import ImageIn
-from transports.grpc.gen.salience.v1 import salience_pb2 as pb
-from transports.grpc.gen.salience.v1 import salience_pb2_grpc as pb_grpc
-from transports.grpc.service import GrpcService
-from transports.grpc.tokensessions import (
+from sessiontape.core.bodies import GenerationFinished, GenerationToken, body
+from sessiontape.core.engine import OutputOptions, SamplingParams
+from sessiontape.core.errors import ModelMismatch
+from sessiontape.core.events import Event, T
+from sessiontape.core.runtime import Runtime
+from sessiontape.core.tokens import ImageIn
+from sessiontape.transports.grpc.gen.salience.v1 import salience_pb2 as pb
+from sessiontape.transports.grpc.gen.salience.v1 import salience_pb2_grpc as pb_grpc
+from sessiontape.transports.grpc.service import GrpcService
+from sessiontape.transports.grpc.tokensessions import (
     Generations,
     closing,
     covered,

@@ -1,10 +1,10 @@
 """The gRPC server: one ``grpc.aio`` server for every sessiontape service.
 
 It hosts, on one port, every service registered under the entry-point group
-``sessiontape.grpc_services`` (a :class:`transports.grpc.service.GrpcService`,
+``sessiontape.grpc_services`` (a :class:`sessiontape.transports.grpc.service.GrpcService`,
 one instance per server), the standard health service
 (``grpc.health.v1.Health``) and server reflection (``grpc.reflection.v1`` and
-``v1alpha``, see :mod:`transports.grpc.reflection`) listing all of them. After
+``v1alpha``, see :mod:`sessiontape.transports.grpc.reflection`) listing all of them. After
 the server stopped, each service's ``drain`` is awaited so that work cancelled
 at the grace deadline (a running generation) is recorded before the runtime
 closes.
@@ -14,7 +14,7 @@ Options (``[transports.grpc]``): ``listen`` (HOST:PORT, default
 paths; both or neither), ``max_message_bytes`` (receive and send limit,
 default ``[limits] max_body_bytes``), ``max_concurrent_streams`` (per client
 connection, default ``[limits] max_streams_per_connection``), ``grace_s``
-(default 5). Every handler is wrapped by :class:`transports.grpc.guard.GuardInterceptor`. When ``config.auth_token`` is set
+(default 5). Every handler is wrapped by :class:`sessiontape.transports.grpc.guard.GuardInterceptor`. When ``config.auth_token`` is set
 every call but health needs ``authorization: Bearer <token>``.
 """
 
@@ -30,14 +30,14 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from core import registry
-from core.config import parse_listen
-from core.errors import ConfigError, Unauthenticated
-from core.runtime import Runtime
-from transports.grpc import reflection
-from transports.grpc.guard import GuardInterceptor
-from transports.grpc.service import GROUP, GrpcService
-from transports.grpc.status import code_for, message_for
+from sessiontape.core import registry
+from sessiontape.core.config import parse_listen
+from sessiontape.core.errors import ConfigError, Unauthenticated
+from sessiontape.core.runtime import Runtime
+from sessiontape.transports.grpc import reflection
+from sessiontape.transports.grpc.guard import GuardInterceptor
+from sessiontape.transports.grpc.service import GROUP, GrpcService
+from sessiontape.transports.grpc.status import code_for, message_for
 
 log = logging.getLogger("sessiontape.grpc")
 

@@ -2,7 +2,7 @@
 
 Services register under the entry-point group ``sessiontape.grpc_services``
 (pyproject.toml), like engines and transports, so that list is the only one:
-the server loads each by name through :mod:`core.registry`, and a third
+the server loads each by name through :mod:`sessiontape.core.registry`, and a third
 party adds a service by publishing an entry point.
 
 A service is an object the server creates per server instance: whatever it
@@ -16,13 +16,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any
 
-from core.runtime import Runtime
+from sessiontape.core.runtime import Runtime
 
 GROUP = "sessiontape.grpc_services"
 
 
 class GrpcService(ABC):
-    """One gRPC service hosted by :class:`transports.grpc.server.GrpcServer`."""
+    """One gRPC service hosted by :class:`sessiontape.transports.grpc.server.GrpcServer`."""
 
     @classmethod
     @abstractmethod

@@ -29,7 +29,7 @@ from typing import NoReturn
 
 import grpc
 
-from core import errors
+from sessiontape.core import errors
 
 log = logging.getLogger("sessiontape.grpc")
 _REQUEST_ID = "_sessiontape_request_id"

@@ -4,7 +4,7 @@ Both protocols treat a session that was closed, aborted or expired as gone:
 later calls answer NOT_FOUND, never FAILED_PRECONDITION. The core reports a
 closed session as :class:`SessionClosed` (right for Evergreen, where a
 closed stream is a protocol state), so this module restates it as
-:class:`SessionNotFound` before :mod:`transports.grpc.status` maps it.
+:class:`SessionNotFound` before :mod:`sessiontape.transports.grpc.status` maps it.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import weakref
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
-from core.errors import SessionClosed, SessionNotFound, SessiontapeError
-from core.runtime import Runtime
-from core.state import SessionState
-from transports.grpc.status import abort_with
+from sessiontape.core.errors import SessionClosed, SessionNotFound, SessiontapeError
+from sessiontape.core.runtime import Runtime
+from sessiontape.core.state import SessionState
+from sessiontape.transports.grpc.status import abort_with
 
 
 async def live_session(runtime: Runtime, session_id: str) -> SessionState:

@@ -16,11 +16,11 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from core.bodies import NoteRecorded, WireMessage, body
-from core.errors import InvalidParameters
-from core.events import Event, T
-from transports.nostr import d4, nip90
-from transports.nostr.settings import Settings
+from sessiontape.core.bodies import NoteRecorded, WireMessage, body
+from sessiontape.core.errors import InvalidParameters
+from sessiontape.core.events import Event, T
+from sessiontape.transports.nostr import d4, nip90
+from sessiontape.transports.nostr.settings import Settings
 
 FUNCTION_TAG = "d4-function"
 

@@ -1,9 +1,9 @@
 """D4 (DDIP-001) messages: parsing, validation, cost rules and result bodies.
 
 Pure functions over JSON values: no relay, no runtime, no nostr-sdk. The
-worker (:mod:`transports.nostr.worker`) calls these and turns what they raise
-(:class:`core.errors.InvalidParameters`) into a D4 ``err`` through
-:mod:`transports.nostr.errors`.
+worker (:mod:`sessiontape.transports.nostr.worker`) calls these and turns what they raise
+(:class:`sessiontape.core.errors.InvalidParameters`) into a D4 ``err`` through
+:mod:`sessiontape.transports.nostr.errors`.
 
 A call's ``content`` is parsed with :func:`json.loads`, which keeps JSON
 integers exact (a ``seed`` above 2**53 survives); nothing here converts an
@@ -18,8 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from core.errors import InvalidParameters, InvalidValue
-from core.events import check_body
+from sessiontape.core.errors import InvalidParameters, InvalidValue
+from sessiontape.core.events import check_body
 
 VERSION = "0.1.0"
 _VERSION_RE = re.compile(r"^0\.1\.\d+$")

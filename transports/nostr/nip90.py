@@ -18,13 +18,13 @@ from collections.abc import AsyncGenerator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol, cast
 
-from core.engine import SamplingParams
-from core.errors import InvalidParameters, SessiontapeError
-from core.events import Event
-from core.runtime import Runtime
-from transports.nostr import d4
-from transports.nostr.errors import to_err
-from transports.nostr.settings import Settings
+from sessiontape.core.engine import SamplingParams
+from sessiontape.core.errors import InvalidParameters, SessiontapeError
+from sessiontape.core.events import Event
+from sessiontape.core.runtime import Runtime
+from sessiontape.transports.nostr import d4
+from sessiontape.transports.nostr.errors import to_err
+from sessiontape.transports.nostr.settings import Settings
 
 KIND_JOB = 5050
 KIND_RESULT = 6050
@@ -32,7 +32,7 @@ KIND_FEEDBACK = 7000
 
 
 class Host(Protocol):
-    """What a job needs of the worker (:class:`transports.nostr.worker.D4Worker`'s public side)."""
+    """What a job needs of the worker (:class:`sessiontape.transports.nostr.worker.D4Worker`'s public side)."""
 
     runtime: Runtime
     settings: Settings

@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from core.transport import Transport
+from sessiontape.core.transport import Transport
 
 if TYPE_CHECKING:
-    from core.config import Config
-    from core.runtime import Runtime
-    from transports.nostr.worker import D4Worker
+    from sessiontape.core.config import Config
+    from sessiontape.core.runtime import Runtime
+    from sessiontape.transports.nostr.worker import D4Worker
 
 
 class NostrTransport(Transport):
@@ -21,8 +21,8 @@ class NostrTransport(Transport):
         self.worker: D4Worker | None = None
 
     async def start(self) -> str:
-        from transports.nostr.settings import Settings
-        from transports.nostr.worker import D4Worker
+        from sessiontape.transports.nostr.settings import Settings
+        from sessiontape.transports.nostr.worker import D4Worker
 
         self.worker = D4Worker(self.runtime, Settings.from_options(self.options))
         return await self.worker.start()

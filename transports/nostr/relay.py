@@ -17,8 +17,8 @@ from typing import Any
 
 import nostr_sdk as ns
 
-from core.errors import ConfigError
-from transports.nostr.settings import Settings
+from sessiontape.core.errors import ConfigError
+from sessiontape.transports.nostr.settings import Settings
 
 log = logging.getLogger("sessiontape.nostr")
 

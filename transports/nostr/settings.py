@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.errors import ConfigError
-from transports.nostr.d4 import SAMPLE_NEGOTIATE_FUNCTION_ID
+from sessiontape.core.errors import ConfigError
+from sessiontape.transports.nostr.d4 import SAMPLE_NEGOTIATE_FUNCTION_ID
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 

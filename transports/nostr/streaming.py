@@ -14,18 +14,18 @@ from collections import Counter
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any, Protocol, cast
 
-from core.bodies import GenerationFinished, generated_token
-from core.bodies import body as typed_body
-from core.engine import SamplingParams
-from core.errors import InvalidParameters
-from core.events import Event, T
-from core.runtime import Runtime
-from transports.nostr import d4
-from transports.nostr.settings import Settings
+from sessiontape.core.bodies import GenerationFinished, generated_token
+from sessiontape.core.bodies import body as typed_body
+from sessiontape.core.engine import SamplingParams
+from sessiontape.core.errors import InvalidParameters
+from sessiontape.core.events import Event, T
+from sessiontape.core.runtime import Runtime
+from sessiontape.transports.nostr import d4
+from sessiontape.transports.nostr.settings import Settings
 
 
 class Send(Protocol):
-    """The worker's :meth:`~transports.nostr.worker.D4Worker.send`."""
+    """The worker's :meth:`~sessiontape.transports.nostr.worker.D4Worker.send`."""
 
     async def __call__(
         self,

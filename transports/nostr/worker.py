@@ -37,7 +37,7 @@ from typing import Any
 
 import nostr_sdk as ns
 
-from core.errors import (
+from sessiontape.core.errors import (
     ConcurrencyError,
     ConfigError,
     FailedPrecondition,
@@ -45,10 +45,10 @@ from core.errors import (
     SessionNotFound,
     SessiontapeError,
 )
-from core.events import NewEvent, T
-from core.runtime import Runtime
-from transports.nostr import d4, nip90
-from transports.nostr.calls import (
+from sessiontape.core.events import NewEvent, T
+from sessiontape.core.runtime import Runtime
+from sessiontape.transports.nostr import d4, nip90
+from sessiontape.transports.nostr.calls import (
     FUNCTION_TAG,
     CallBook,
     CallRef,
@@ -59,10 +59,10 @@ from transports.nostr.calls import (
     call_session_id,
     is_function_event,
 )
-from transports.nostr.errors import to_err
-from transports.nostr.relay import Relays
-from transports.nostr.settings import FunctionSpec, Settings
-from transports.nostr.streaming import stream_answer
+from sessiontape.transports.nostr.errors import to_err
+from sessiontape.transports.nostr.relay import Relays
+from sessiontape.transports.nostr.settings import FunctionSpec, Settings
+from sessiontape.transports.nostr.streaming import stream_answer
 
 __all__ = [
     "FUNCTION_TAG",
@@ -79,9 +79,9 @@ log = logging.getLogger("sessiontape.nostr")
 
 class D4Worker:
     """One worker identity on its relays: lifecycle, dispatch of incoming events, recording and
-    delivering answers. Relay I/O is :mod:`~transports.nostr.relay`, call state
-    :mod:`~transports.nostr.calls`, streaming :mod:`~transports.nostr.streaming`, NIP-90
-    :mod:`~transports.nostr.nip90`."""
+    delivering answers. Relay I/O is :mod:`~sessiontape.transports.nostr.relay`, call state
+    :mod:`~sessiontape.transports.nostr.calls`, streaming :mod:`~sessiontape.transports.nostr.streaming`, NIP-90
+    :mod:`~sessiontape.transports.nostr.nip90`."""
 
     def __init__(self, runtime: Runtime, settings: Settings) -> None:
         self.runtime = runtime

@@ -4,7 +4,7 @@ Written when the response ends (for an SSE stream, when the stream closes), so
 ``duration_s`` is the whole exchange. The record's message is one text line;
 its ``extra`` fields (request id, session id, route template, status,
 duration, bytes) become the object's keys when logs are JSON
-(:mod:`core.logformat`). The route is the template (``/v1/sessions/{sid}``),
+(:mod:`sessiontape.core.logformat`). The route is the template (``/v1/sessions/{sid}``),
 never a client's raw path, so it is safe to aggregate on.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from transports.sse.errors import REQUEST_ID
+from sessiontape.transports.sse.errors import REQUEST_ID
 
 log = logging.getLogger("sessiontape.access")
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")

@@ -2,7 +2,7 @@
 
 Routes and error codes are described in docs/protocols/http.md and served
 as OpenAPI at ``/openapi.json``. Every handler calls the runtime; every
-core error becomes an HTTP status in :mod:`transports.sse.errors`.
+core error becomes an HTTP status in :mod:`sessiontape.transports.sse.errors`.
 """
 
 from __future__ import annotations
@@ -24,23 +24,23 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from core.audit import audit_session
-from core.bodies import ImageAttached, body, fork_point, generation_id_of
-from core.document import DocumentBuilder
-from core.engine import MAX_TOKENS_LIMIT, OutputOptions, SamplingParams
-from core.errors import (
+from sessiontape.core.audit import audit_session
+from sessiontape.core.bodies import ImageAttached, body, fork_point, generation_id_of
+from sessiontape.core.document import DocumentBuilder
+from sessiontape.core.engine import MAX_TOKENS_LIMIT, OutputOptions, SamplingParams
+from sessiontape.core.errors import (
     InvalidParameters,
     NodeNotFound,
     NotFound,
     SessiontapeError,
     Unauthenticated,
 )
-from core.events import T
-from core.runtime import Runtime
-from transports.sse import errors, inputs
-from transports.sse.accesslog import AccessLog
-from transports.sse.drain import Drain, Inflight
-from transports.sse.feeds import (
+from sessiontape.core.events import T
+from sessiontape.core.runtime import Runtime
+from sessiontape.transports.sse import errors, inputs
+from sessiontape.transports.sse.accesslog import AccessLog
+from sessiontape.transports.sse.drain import Drain, Inflight
+from sessiontape.transports.sse.feeds import (
     Feeds,
     dumps,
     events_after,
@@ -48,11 +48,11 @@ from transports.sse.feeds import (
     load_builder,
     session_stream,
 )
-from transports.sse.limits import PerClientLimit
-from transports.sse.openai import PREFIXES as OPENAI_PREFIXES
-from transports.sse.openai import error_response as openai_error
-from transports.sse.openai_routes import routes as openai_routes
-from transports.sse.openapi import spec
+from sessiontape.transports.sse.limits import PerClientLimit
+from sessiontape.transports.sse.openai import PREFIXES as OPENAI_PREFIXES
+from sessiontape.transports.sse.openai import error_response as openai_error
+from sessiontape.transports.sse.openai_routes import routes as openai_routes
+from sessiontape.transports.sse.openapi import spec
 
 STATIC = Path(__file__).parent / "static"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -1,6 +1,6 @@
 """``/v1/chat/completions``: OpenAI's Chat Completions API over sessions.
 
-Each call is a turn (:mod:`transports.sse.turns`) in a new session, so it
+Each call is a turn (:mod:`sessiontape.transports.sse.turns`) in a new session, so it
 can be audited, replayed and exported; its id is
 ``chatcmpl-<session id>_<version of generation.started>``, and every reply
 carries the session's id as the extension field ``session_id``. A request
@@ -19,13 +19,13 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from core import errors as E
-from core.bodies import GenerationFinished, generated_token
-from core.bodies import body as typed_body
-from core.engine import OutputOptions, SamplingParams
-from core.events import Event, T
-from transports.sse.chat_template import ROLES, TextStream, message_text
-from transports.sse.openai import (
+from sessiontape.core import errors as E
+from sessiontape.core.bodies import GenerationFinished, generated_token
+from sessiontape.core.bodies import body as typed_body
+from sessiontape.core.engine import OutputOptions, SamplingParams
+from sessiontape.core.events import Event, T
+from sessiontape.transports.sse.chat_template import ROLES, TextStream, message_text
+from sessiontape.transports.sse.openai import (
     DEFAULT_MAX_TOKENS,
     Api,
     BadParam,
@@ -39,7 +39,7 @@ from transports.sse.openai import (
     number,
     reject_unsupported,
 )
-from transports.sse.turns import Turn, Turns, follow, load_turn, logprob_entry
+from sessiontape.transports.sse.turns import Turn, Turns, follow, load_turn, logprob_entry
 
 API = "chat.completions"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

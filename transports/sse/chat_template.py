@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.config import Config
-from core.document import TextRun
-from core.errors import ConfigError, InvalidParameters
+from sessiontape.core.config import Config
+from sessiontape.core.document import TextRun
+from sessiontape.core.errors import ConfigError, InvalidParameters
 
 ROLES = ("system", "developer", "user", "assistant")
 

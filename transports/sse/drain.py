@@ -26,7 +26,7 @@ import contextlib
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from transports.sse.errors import error_response
+from sessiontape.transports.sse.errors import error_response
 
 
 class Inflight:

@@ -17,8 +17,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from core import errors as E
-from core import metrics
+from sessiontape.core import errors as E
+from sessiontape.core import metrics
 
 log = logging.getLogger("sessiontape.http")
 REQUEST_ID = "sessiontape.request_id"

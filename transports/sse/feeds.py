@@ -20,12 +20,12 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.bodies import fork_point
-from core.document import TERMINAL, DocumentBuilder, SessionListBuilder
-from core.errors import InvalidParameters, SessionNotFound
-from core.events import Event, T
-from core.patch import diff, to_rfc6902
-from core.runtime import Runtime
+from sessiontape.core.bodies import fork_point
+from sessiontape.core.document import TERMINAL, DocumentBuilder, SessionListBuilder
+from sessiontape.core.errors import InvalidParameters, SessionNotFound
+from sessiontape.core.events import Event, T
+from sessiontape.core.patch import diff, to_rfc6902
+from sessiontape.core.runtime import Runtime
 
 log = logging.getLogger("sessiontape.http.feeds")
 
@@ -417,7 +417,7 @@ async def session_stream(
             if until is not None and until.done():
                 exc = None if until.cancelled() else until.exception()
                 if exc is not None:
-                    from transports.sse.errors import error_body
+                    from sessiontape.transports.sse.errors import error_body
 
                     code = getattr(exc, "code", "internal")
                     message = getattr(exc, "message", "generation failed")

@@ -30,9 +30,9 @@ from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 
-from core.errors import InvalidArgument, InvalidParameters
-from core.events import check_body
-from transports.sse.errors import ClientGone, PayloadTooLarge, RequestTimeout
+from sessiontape.core.errors import InvalidArgument, InvalidParameters
+from sessiontape.core.events import check_body
+from sessiontape.transports.sse.errors import ClientGone, PayloadTooLarge, RequestTimeout
 
 INT64 = (-(2**63), 2**63 - 1)
 _DIGITS = re.compile(r"-?[0-9]{1,19}")

@@ -13,7 +13,7 @@ from collections import Counter
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from transports.sse import errors
+from sessiontape.transports.sse import errors
 
 
 class PerClientLimit:

@@ -1,6 +1,6 @@
 """The OpenAI-compatible routes' shared parts (``/v1/responses``, ``/v1/chat/completions``,
 ``/v1/models``): error shapes, request fields, the model card. The route table is
-:mod:`transports.sse.openai_routes`.
+:mod:`sessiontape.transports.sse.openai_routes`.
 
 They are views of the log like every other transport: a response or a chat
 completion is one generation in a session, its id names the session and the
@@ -11,7 +11,7 @@ its session. docs/protocols/openai.md describes the mapping.
 
 Errors on these routes have OpenAI's shape,
 ``{"error": {"message", "type", "param", "code"}}``, with the status of the
-native API (:mod:`transports.sse.errors`) and the core error's code.
+native API (:mod:`sessiontape.transports.sse.errors`) and the core error's code.
 """
 
 from __future__ import annotations
@@ -25,17 +25,17 @@ from typing import Any, Protocol
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from core import errors as E
-from core import metrics
-from core.errors import InvalidParameters, NotFound, SessiontapeError
-from core.runtime import Runtime
-from transports.sse import errors, inputs
+from sessiontape.core import errors as E
+from sessiontape.core import metrics
+from sessiontape.core.errors import InvalidParameters, NotFound, SessiontapeError
+from sessiontape.core.runtime import Runtime
+from sessiontape.transports.sse import errors, inputs
 
 log = logging.getLogger("sessiontape.http.openai")
 
 
 class Api(Protocol):
-    """What these routes use of the native API (:class:`transports.sse.app.Api`)."""
+    """What these routes use of the native API (:class:`sessiontape.transports.sse.app.Api`)."""
 
     runtime: Runtime
     limits: inputs.Limits

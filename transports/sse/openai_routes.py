@@ -1,15 +1,15 @@
-"""The OpenAI-compatible route table (handlers in :mod:`~transports.sse.responses`,
-:mod:`~transports.sse.chat`; shared parts in :mod:`~transports.sse.openai`)."""
+"""The OpenAI-compatible route table (handlers in :mod:`~sessiontape.transports.sse.responses`,
+:mod:`~sessiontape.transports.sse.chat`; shared parts in :mod:`~sessiontape.transports.sse.openai`)."""
 
 from __future__ import annotations
 
 from starlette.routing import BaseRoute, Route
 
-from transports.sse.chat import ChatCompletions
-from transports.sse.chat_template import load_template
-from transports.sse.openai import Api, Handler, Models, openai_errors
-from transports.sse.responses import Responses
-from transports.sse.turns import Turns
+from sessiontape.transports.sse.chat import ChatCompletions
+from sessiontape.transports.sse.chat_template import load_template
+from sessiontape.transports.sse.openai import Api, Handler, Models, openai_errors
+from sessiontape.transports.sse.responses import Responses
+from sessiontape.transports.sse.turns import Turns
 
 
 def routes(api: Api) -> list[BaseRoute]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from transports.sse import openai_schema
+from sessiontape.transports.sse import openai_schema
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 _DOC = {"$ref": "#/components/schemas/SessionDocument"}
@@ -296,7 +296,7 @@ def _spec() -> dict[str, Any]:
             },
             "/v1/sessions/{sid}/audit": {
                 "get": _op(
-                    "verify the hash chain and the fold's invariants (core.audit.audit_session)",
+                    "verify the hash chain and the fold's invariants (sessiontape.core.audit.audit_session)",
                     {
                         "200": _json(
                             _obj(

@@ -15,16 +15,16 @@ import socket
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from core.config import parse_listen
-from core.errors import ConfigError
-from core.transport import Transport
+from sessiontape.core.config import parse_listen
+from sessiontape.core.errors import ConfigError
+from sessiontape.core.transport import Transport
 
 if TYPE_CHECKING:
     import uvicorn
 
-    from core.config import Config
-    from core.runtime import Runtime
-    from transports.sse.drain import Inflight
+    from sessiontape.core.config import Config
+    from sessiontape.core.runtime import Runtime
+    from sessiontape.transports.sse.drain import Inflight
 
 
 def guarded_h11(header_timeout_s: float) -> type[Any]:
@@ -100,8 +100,8 @@ class HttpTransport(Transport):
     async def start(self) -> str:
         import uvicorn
 
-        from transports.sse.app import create_app
-        from transports.sse.inputs import Limits
+        from sessiontape.transports.sse.app import create_app
+        from sessiontape.transports.sse.inputs import Limits
 
         limit = self.config.limit
         limits = Limits(

@@ -1,6 +1,6 @@
 """``/v1/responses``: OpenAI's Responses API over sessions.
 
-Each response is a turn (:mod:`transports.sse.turns`) in a session; its id
+Each response is a turn (:mod:`sessiontape.transports.sse.turns`) in a session; its id
 is ``resp_<session id>_<version of generation.started>``. Without
 ``previous_response_id`` a response opens a session; with one, it continues
 that response's session when the response is the session's latest (the
@@ -21,13 +21,13 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from core import errors as E
-from core.bodies import generated_token
-from core.engine import OutputOptions, SamplingParams
-from core.events import Event
-from core.state import OPEN
-from transports.sse.chat_template import ROLES, TextStream, message_text
-from transports.sse.openai import (
+from sessiontape.core import errors as E
+from sessiontape.core.bodies import generated_token
+from sessiontape.core.engine import OutputOptions, SamplingParams
+from sessiontape.core.events import Event
+from sessiontape.core.state import OPEN
+from sessiontape.transports.sse.chat_template import ROLES, TextStream, message_text
+from sessiontape.transports.sse.openai import (
     DEFAULT_MAX_TOKENS,
     Api,
     BadParam,
@@ -42,7 +42,7 @@ from transports.sse.openai import (
     reject_unsupported,
     split_id,
 )
-from transports.sse.turns import Turn, Turns, follow, load_turn, logprob_entry
+from sessiontape.transports.sse.turns import Turn, Turns, follow, load_turn, logprob_entry
 
 API = "responses"
 #: the one ``include`` value served: per-token logprobs of the output text

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.bodies import (
+from sessiontape.core.bodies import (
     GenerationFinished,
     GenerationStarted,
     GenerationToken,
@@ -26,11 +26,11 @@ from core.bodies import (
     generated_token,
     generation_id_of,
 )
-from core.engine import OutputOptions, SamplingParams
-from core.errors import NotFound, SessiontapeError
-from core.events import Event, T
-from core.runtime import Runtime
-from transports.sse.chat_template import ChatTemplate, TextStream
+from sessiontape.core.engine import OutputOptions, SamplingParams
+from sessiontape.core.errors import NotFound, SessiontapeError
+from sessiontape.core.events import Event, T
+from sessiontape.core.runtime import Runtime
+from sessiontape.transports.sse.chat_template import ChatTemplate, TextStream
 
 WIRE = "openai"
 

@@ -7,10 +7,10 @@ import dataclasses
 
 import pytest
 
-from core.errors import ChainBroken, ConcurrencyError
-from core.events import GENESIS_HASH, NewEvent, T
-from core.log import EventLog
-from core.log.store import verify_chain
+from sessiontape.core.errors import ChainBroken, ConcurrencyError
+from sessiontape.core.events import GENESIS_HASH, NewEvent, T
+from sessiontape.core.log import EventLog
+from sessiontape.core.log.store import verify_chain
 
 
 def opened(**extra: object) -> NewEvent:
@@ -209,7 +209,7 @@ async def test_follower_sees_another_process_on_sqlite(sqlite_url: str) -> None:
 def test_the_append_hasher_is_the_chain_hash() -> None:
     """The writer's per-append hasher (shared parts encoded once) computes exactly
     chain_hash_json, for every kind of body, payload and time."""
-    from core.events import canonical_json, chain_hash_json, chain_hasher
+    from sessiontape.core.events import canonical_json, chain_hash_json, chain_hasher
 
     cases = [
         ({"a": 1, "t": "é\u2028"}, None),

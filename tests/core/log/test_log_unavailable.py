@@ -7,12 +7,12 @@ import asyncpg
 import grpc
 import pytest
 
-from core.errors import LogUnavailable
-from core.events import NewEvent, T
-from core.log import EventLog
+from sessiontape.core.errors import LogUnavailable
+from sessiontape.core.events import NewEvent, T
+from sessiontape.core.log import EventLog
+from sessiontape.transports.grpc.status import code_for
+from sessiontape.transports.sse.errors import to_response
 from tests.conftest import PG_DB, PG_HOST, PG_PORT, PG_USER
-from transports.grpc.status import code_for
-from transports.sse.errors import to_response
 
 
 async def terminate_backends(url: str) -> int:

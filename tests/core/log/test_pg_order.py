@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 
-from core.events import NewEvent, T
-from core.log import EventLog
+from sessiontape.core.events import NewEvent, T
+from sessiontape.core.log import EventLog
 
 
 def opened() -> NewEvent:

@@ -21,9 +21,9 @@ import pytest
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from core.engine import OutputOptions, SamplingParams, Step
-from core.errors import EngineBusy, EngineError
-from engines.onnx.engine import OnnxEngine
+from sessiontape.core.engine import OutputOptions, SamplingParams, Step
+from sessiontape.core.errors import EngineBusy, EngineError
+from sessiontape.engines.onnx.engine import OnnxEngine
 
 
 def history(seed_: int, n: int) -> list[int]:
@@ -313,7 +313,7 @@ async def test_the_scheduler_reports_slots_queue_and_occupancy(tiny_dir: Path) -
 async def test_metrics_show_the_schedulers_gauges(tiny_dir: Path) -> None:
     from prometheus_client import generate_latest
 
-    from core import metrics
+    from sessiontape.core import metrics
 
     eng = batching_engine(tiny_dir, batch_slots=3)
     metrics.watch_engine(eng.scheduler_stats)
@@ -329,8 +329,8 @@ async def test_metrics_show_the_schedulers_gauges(tiny_dir: Path) -> None:
 def test_every_wire_answers_engine_busy_as_retryable_resource_exhaustion() -> None:
     import grpc
 
-    from transports.grpc.status import code_for
-    from transports.sse.errors import to_response
+    from sessiontape.transports.grpc.status import code_for
+    from sessiontape.transports.sse.errors import to_response
 
     exc = EngineBusy("all 8 KV slots are held by generating sessions (waited 30 s)")
     resp = to_response(exc)

@@ -13,13 +13,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from core.engine import OutputOptions, SamplingParams, Step
-from core.errors import ConfigError, ContextOverflow, EngineError, InvalidParameters
-from engines.onnx import OnnxEngine
-from engines.onnx.demo import EOS, SIZES, build_demo
-from engines.onnx.model import infer_graph
-from engines.onnx.session import quiet_ort
-from engines.sampling import log_softmax
+from sessiontape.core.engine import OutputOptions, SamplingParams, Step
+from sessiontape.core.errors import ConfigError, ContextOverflow, EngineError, InvalidParameters
+from sessiontape.engines.onnx import OnnxEngine
+from sessiontape.engines.onnx.demo import EOS, SIZES, build_demo
+from sessiontape.engines.onnx.model import infer_graph
+from sessiontape.engines.onnx.session import quiet_ort
+from sessiontape.engines.sampling import log_softmax
 from tests.engines.conftest import alone_only
 
 
@@ -457,7 +457,7 @@ async def test_the_event_loop_keeps_serving_during_a_pass(onnx_engine: OnnxEngin
 def test_cli_builds_the_demo(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import argparse
 
-    from engines.onnx.cli import register
+    from sessiontape.engines.onnx.cli import register
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers(dest="cmd"))

@@ -1,4 +1,4 @@
-"""The ONNX engine driven through core.runtime.Runtime, and contract checks shared with the reference engine."""
+"""The ONNX engine driven through sessiontape.core.runtime.Runtime, and contract checks shared with the reference engine."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from core.audit import audit_session
-from core.engine import Engine, OutputOptions, SamplingParams
-from core.errors import InvalidImage
-from core.events import T
-from core.runtime import Runtime
-from engines.onnx import OnnxEngine
-from engines.reference import ReferenceEngine
+from sessiontape.core.audit import audit_session
+from sessiontape.core.engine import Engine, OutputOptions, SamplingParams
+from sessiontape.core.errors import InvalidImage
+from sessiontape.core.events import T
+from sessiontape.core.runtime import Runtime
+from sessiontape.engines.onnx import OnnxEngine
+from sessiontape.engines.reference import ReferenceEngine
 from tests.conftest import make_config
 
 
@@ -105,10 +105,10 @@ async def test_contract_same_seed_same_tokens(engine: Engine) -> None:
 
 
 async def test_kv_bytes_gauge_follows_the_engine_caches(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from core import metrics
-    from core.engine import SamplingParams
-    from core.runtime import Runtime
-    from engines.onnx import OnnxEngine
+    from sessiontape.core import metrics
+    from sessiontape.core.engine import SamplingParams
+    from sessiontape.core.runtime import Runtime
+    from sessiontape.engines.onnx import OnnxEngine
     from tests.conftest import make_config
 
     engine = OnnxEngine(size="tiny")

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from core.runtime import Runtime
+from sessiontape.core.runtime import Runtime
+from sessiontape.transports.grpc.client import EvergreenClient
+from sessiontape.transports.grpc.plugin import GrpcTransport
 from tests.conftest import make_config
-from transports.grpc.client import EvergreenClient
-from transports.grpc.plugin import GrpcTransport
 
 
 @dataclass

@@ -120,9 +120,9 @@ def test_runtime_dependencies_accept_the_generated_code() -> None:
 
 
 def test_generated_code_imports_as_a_package() -> None:
-    from transports.grpc.gen.evergreen.v2 import evergreen_pb2, evergreen_pb2_grpc
-    from transports.grpc.gen.kakeya.v1 import runtime_pb2_grpc
-    from transports.grpc.gen.salience.v1 import salience_pb2_grpc
+    from sessiontape.transports.grpc.gen.evergreen.v2 import evergreen_pb2, evergreen_pb2_grpc
+    from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2_grpc
+    from sessiontape.transports.grpc.gen.salience.v1 import salience_pb2_grpc
 
     assert evergreen_pb2_grpc.EvergreenServiceStub is not None
     assert salience_pb2_grpc.SalienceStub is not None
@@ -130,5 +130,6 @@ def test_generated_code_imports_as_a_package() -> None:
     # No top-level "evergreen" package was put on sys.path to make this work.
     assert "evergreen" not in sys.modules
     assert (
-        evergreen_pb2.SessionMessage.__module__ == "transports.grpc.gen.evergreen.v2.evergreen_pb2"
+        evergreen_pb2.SessionMessage.__module__
+        == "sessiontape.transports.grpc.gen.evergreen.v2.evergreen_pb2"
     )

@@ -8,12 +8,11 @@ from typing import Any
 import grpc
 import pytest
 
-from core.events import Event, T
-from core.runtime import Runtime
-from core.state import SessionState
-from engines.reference import ReferenceEngine
-from tests.transports.grpc.conftest import Served
-from transports.grpc.client import (
+from sessiontape.core.events import Event, T
+from sessiontape.core.runtime import Runtime
+from sessiontape.core.state import SessionState
+from sessiontape.engines.reference import ReferenceEngine
+from sessiontape.transports.grpc.client import (
     EvergreenClient,
     action,
     assemble,
@@ -21,7 +20,8 @@ from transports.grpc.client import (
     sampling_config,
     text_fragments,
 )
-from transports.grpc.gen.evergreen.v2 import evergreen_pb2
+from sessiontape.transports.grpc.gen.evergreen.v2 import evergreen_pb2
+from tests.transports.grpc.conftest import Served
 
 SessionMessage = evergreen_pb2.SessionMessage
 

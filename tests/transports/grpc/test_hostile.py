@@ -12,16 +12,16 @@ import grpc
 import pytest
 from google.protobuf import any_pb2, struct_pb2
 
-from core.runtime import Runtime
+from sessiontape.core.runtime import Runtime
+from sessiontape.transports.grpc.client import action, fragment, text_fragments
+from sessiontape.transports.grpc.gen.evergreen.v2 import evergreen_pb2
+from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2 as kakeya_pb2
+from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2_grpc as kakeya_grpc
+from sessiontape.transports.grpc.gen.salience.v1 import salience_pb2
+from sessiontape.transports.grpc.gen.salience.v1 import salience_pb2_grpc as salience_grpc
+from sessiontape.transports.grpc.guard import GuardInterceptor
 from tests.transports.grpc.conftest import Serve
 from tests.transports.grpc.test_evergreen import exchange, msg
-from transports.grpc.client import action, fragment, text_fragments
-from transports.grpc.gen.evergreen.v2 import evergreen_pb2
-from transports.grpc.gen.kakeya.v1 import runtime_pb2 as kakeya_pb2
-from transports.grpc.gen.kakeya.v1 import runtime_pb2_grpc as kakeya_grpc
-from transports.grpc.gen.salience.v1 import salience_pb2
-from transports.grpc.gen.salience.v1 import salience_pb2_grpc as salience_grpc
-from transports.grpc.guard import GuardInterceptor
 
 #: field 1, length-delimited, length 2**35: truncated whatever the message type
 UNDECODABLE = b"\x0a\xff\xff\xff\xff\x0f"

@@ -11,14 +11,19 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from core.errors import ConfigError
-from core.events import T
-from core.registry import TRANSPORTS, available, load
-from engines.reference import ReferenceEngine
+from sessiontape.core.errors import ConfigError
+from sessiontape.core.events import T
+from sessiontape.core.registry import TRANSPORTS, available, load
+from sessiontape.engines.reference import ReferenceEngine
+from sessiontape.transports.grpc.client import (
+    EvergreenClient,
+    action,
+    sampling_config,
+    text_fragments,
+)
+from sessiontape.transports.grpc.plugin import GrpcTransport
 from tests.conftest import make_config
 from tests.transports.grpc.conftest import Serve, Served
-from transports.grpc.client import EvergreenClient, action, sampling_config, text_fragments
-from transports.grpc.plugin import GrpcTransport
 
 EVERGREEN = "evergreen.v2.EvergreenService"
 HEALTH = "grpc.health.v1.Health"
@@ -191,7 +196,7 @@ async def test_shutdown_cancels_a_generation_still_running_at_the_deadline(serve
 
 
 def test_services_come_from_the_entry_point_group() -> None:
-    from transports.grpc.service import GROUP, GrpcService
+    from sessiontape.transports.grpc.service import GROUP, GrpcService
 
     names = available(GROUP)
     assert {"evergreen", "salience", "kakeya"} <= set(names)

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from core.runtime import Runtime
-from engines.reference import ReferenceEngine
+from sessiontape.core.runtime import Runtime
+from sessiontape.engines.reference import ReferenceEngine
+from sessiontape.transports.sse.app import create_app
+from sessiontape.transports.sse.plugin import HttpTransport
 from tests.conftest import make_config
-from transports.sse.app import create_app
-from transports.sse.plugin import HttpTransport
 
 
 @pytest.fixture

@@ -114,7 +114,7 @@ def test_access_log_can_be_turned_off_and_bad_formats_refused(tmp_path: Path) ->
     bad = tmp_path / "bad.toml"
     bad.write_text('[logging]\nformat = "xml"\n')
     p = subprocess.run(
-        [sys.executable, "-m", "core.cli", "sessions", "ls", "--config", str(bad)],
+        [sys.executable, "-m", "sessiontape.core.cli", "sessions", "ls", "--config", str(bad)],
         capture_output=True,
         text=True,
         timeout=60,

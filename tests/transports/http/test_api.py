@@ -10,15 +10,20 @@ from typing import Any
 import httpx
 import pytest
 
-import core.errors as E
-from core.patch import apply_patch
-from core.runtime import Runtime
-from core.tokens import ImageIn
-from engines.reference import IMAGE_PAD, ReferenceEngine
+import sessiontape.core.errors as E
+from sessiontape.core.patch import apply_patch
+from sessiontape.core.runtime import Runtime
+from sessiontape.core.tokens import ImageIn
+from sessiontape.engines.reference import IMAGE_PAD, ReferenceEngine
+from sessiontape.transports.sse.app import create_app
+from sessiontape.transports.sse.errors import (
+    ClientGone,
+    PayloadTooLarge,
+    RequestTimeout,
+    status_for,
+)
 from tests.conftest import make_config
 from tests.transports.http.conftest import Served
-from transports.sse.app import create_app
-from transports.sse.errors import ClientGone, PayloadTooLarge, RequestTimeout, status_for
 
 
 async def _open(c: httpx.AsyncClient, **body: Any) -> str:

@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import ConfigError, InvalidParameters
-from engines.tokenizer import ByteTokenizer
-from tests.conftest import make_config
-from transports.sse.chat_template import (
+from sessiontape.core.errors import ConfigError, InvalidParameters
+from sessiontape.engines.tokenizer import ByteTokenizer
+from sessiontape.transports.sse.chat_template import (
     ROLE_MARKERS,
     ChatTemplate,
     TextStream,
     load_template,
     message_text,
 )
+from tests.conftest import make_config
 
 CUSTOM = {
     "name": "brackets",

@@ -19,13 +19,13 @@ import pytest
 from prometheus_client import generate_latest
 from starlette.routing import Route
 
-from core.runtime import Runtime
-from engines.reference import ReferenceEngine
+from sessiontape.core.runtime import Runtime
+from sessiontape.engines.reference import ReferenceEngine
+from sessiontape.transports.sse.app import create_app
+from sessiontape.transports.sse.inputs import Limits
+from sessiontape.transports.sse.plugin import HttpTransport
 from tests.conftest import make_config
 from tests.transports.http.conftest import Served
-from transports.sse.app import create_app
-from transports.sse.inputs import Limits
-from transports.sse.plugin import HttpTransport
 
 
 async def _open(client: httpx.AsyncClient, **body: Any) -> str:
@@ -387,7 +387,7 @@ async def test_audit_route_reports_a_poisoned_session(
     client: httpx.AsyncClient, runtime: Runtime
 ) -> None:
     """What an older server stored for ``temperature: NaN`` (null): the audit answers, reporting the failure."""
-    from core.engine import SamplingParams
+    from sessiontape.core.engine import SamplingParams
     from tests.core.test_hostile_input import _poison
 
     sid = await _open(client)

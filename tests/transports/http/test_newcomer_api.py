@@ -8,8 +8,8 @@ from pathlib import Path
 
 import httpx
 
-from core.events import T
-from core.runtime import Runtime
+from sessiontape.core.events import T
+from sessiontape.core.runtime import Runtime
 
 ROOT = Path(__file__).resolve().parents[3]
 

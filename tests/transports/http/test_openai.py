@@ -16,13 +16,13 @@ import httpx
 import openai
 import pytest
 
-from core.events import T
-from core.runtime import Runtime
-from engines.reference import ReferenceEngine
+from sessiontape.core.events import T
+from sessiontape.core.runtime import Runtime
+from sessiontape.engines.reference import ReferenceEngine
+from sessiontape.transports.sse.chat_template import ROLE_MARKERS
+from sessiontape.transports.sse.plugin import HttpTransport
+from sessiontape.transports.sse.turns import load_turn
 from tests.conftest import make_config
-from transports.sse.chat_template import ROLE_MARKERS
-from transports.sse.plugin import HttpTransport
-from transports.sse.turns import load_turn
 
 from .conftest import Served
 
@@ -576,8 +576,8 @@ async def test_response_logprobs(live: Served) -> None:
 
 async def test_a_response_left_running_by_a_stopped_process_can_be_continued(live: Served) -> None:
     """The log a process leaves when it dies mid-generation: started, two tokens, no finish."""
-    from core.engine import SamplingParams
-    from core.events import NewEvent
+    from sessiontape.core.engine import SamplingParams
+    from sessiontape.core.events import NewEvent
 
     rt = live.runtime
     sid = "s_orphan"
@@ -793,8 +793,8 @@ async def test_a_response_replays_audits_and_exports_like_any_session(live: Serv
     client and the replay renderer, and the log holds the sampling fields the request gave."""
     import io
 
-    from core.replay import replay
     from sessiontape import AsyncClient
+    from sessiontape.core.replay import replay
 
     async with async_client(live) as c:
         r = await c.responses.create(

@@ -20,16 +20,16 @@ from openapi_schema_validator import OAS31Validator
 from openapi_spec_validator import validate
 from starlette.routing import BaseRoute, Mount, Route
 
-from core.nodes import FragmentIn
-from core.runtime import Runtime
-from core.tokens import ImageIn
-from engines.reference import IMAGE_PAD, ReferenceEngine
+from sessiontape.core.nodes import FragmentIn
+from sessiontape.core.runtime import Runtime
+from sessiontape.core.tokens import ImageIn
+from sessiontape.engines.reference import IMAGE_PAD, ReferenceEngine
+from sessiontape.transports.sse import openai_schema
+from sessiontape.transports.sse.app import create_app
+from sessiontape.transports.sse.openapi import spec
+from sessiontape.transports.sse.plugin import HttpTransport
 from tests.conftest import make_config
 from tests.transports.http.conftest import Served
-from transports.sse import openai_schema
-from transports.sse.app import create_app
-from transports.sse.openapi import spec
-from transports.sse.plugin import HttpTransport
 
 _CONVERTER = re.compile(r"\{(\w+)(?::\w+)?\}")
 

@@ -80,7 +80,7 @@ def test_stop_ends_open_streams_cleanly(tmp_path: Path) -> None:
             [
                 sys.executable,
                 "-m",
-                "core.cli",
+                "sessiontape.core.cli",
                 "sessions",
                 "show",
                 sid,

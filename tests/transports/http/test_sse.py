@@ -12,12 +12,12 @@ import httpx
 import jsonpatch
 import pytest
 
-from core.engine import SamplingParams
-from core.patch import apply_patch
-from core.runtime import Runtime
+from sessiontape.core.engine import SamplingParams
+from sessiontape.core.patch import apply_patch
+from sessiontape.core.runtime import Runtime
+from sessiontape.transports.sse.feeds import list_stream
 from tests.transports.http.conftest import Served, serve
 from tests.transports.http.sse_client import SseEvent, events
-from transports.sse.feeds import list_stream
 
 
 async def _session(c: httpx.AsyncClient, text: str = "Once upon a time") -> str:

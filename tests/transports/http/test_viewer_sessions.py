@@ -15,7 +15,7 @@ from urllib.parse import quote
 import httpx
 import pytest
 
-from core.nodes import FragmentIn
+from sessiontape.core.nodes import FragmentIn
 from tests.transports.http.conftest import Served
 from tests.transports.http.test_viewer import ARTIFACTS, CHROMIUM, REQUIRED, _browser_present, page  # noqa: F401
 from tests.transports.http.test_viewer import pytestmark as viewer_marks

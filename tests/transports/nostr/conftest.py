@@ -16,11 +16,11 @@ from typing import Any
 import nostr_sdk as ns
 import pytest
 
-from core.runtime import Runtime
-from engines.reference import ReferenceEngine
+from sessiontape.core.runtime import Runtime
+from sessiontape.engines.reference import ReferenceEngine
+from sessiontape.transports.nostr.settings import Settings
+from sessiontape.transports.nostr.worker import D4Worker
 from tests.conftest import free_port, make_config
-from transports.nostr.settings import Settings
-from transports.nostr.worker import D4Worker
 
 WAIT_S = 20.0
 

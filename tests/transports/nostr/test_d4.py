@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from core.errors import ConfigError, InvalidParameters
+from sessiontape.core.errors import ConfigError, InvalidParameters
+from sessiontape.transports.nostr import d4
+from sessiontape.transports.nostr.settings import Settings
 from tests.transports.nostr.conftest import call_body
-from transports.nostr import d4
-from transports.nostr.settings import Settings
 
 # the DDIP's wire sample, verbatim apart from the triple quotes
 SAMPLE_CONTENT = (

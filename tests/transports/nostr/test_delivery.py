@@ -10,8 +10,9 @@ from typing import Any
 
 import nostr_sdk as ns
 
-from core.events import T
-from core.runtime import Runtime
+from sessiontape.core.events import T
+from sessiontape.core.runtime import Runtime
+from sessiontape.transports.nostr.worker import D4Worker, answer_of
 from tests.transports.nostr.conftest import (
     Caller,
     LocalRelay,
@@ -19,7 +20,6 @@ from tests.transports.nostr.conftest import (
     call_body,
     eventually,
 )
-from transports.nostr.worker import D4Worker, answer_of
 
 FID = "cd" * 32
 

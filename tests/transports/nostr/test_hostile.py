@@ -9,7 +9,7 @@ import math
 import nostr_sdk as ns
 import pytest
 
-from core.runtime import Runtime
+from sessiontape.core.runtime import Runtime
 from tests.transports.nostr.conftest import Caller, LocalRelay, WorkerFactory, call_body, eventually
 
 

@@ -13,8 +13,8 @@ import nostr_sdk as ns
 import pytest
 import websockets
 
-from core.events import T
-from core.runtime import Runtime
+from sessiontape.core.events import T
+from sessiontape.core.runtime import Runtime
 from tests.transports.nostr.conftest import (
     Caller,
     LocalRelay,
@@ -427,8 +427,8 @@ async def test_relay_outage_reconnects_and_catches_up(
 async def test_plugin_from_the_registry(
     runtime: Runtime, local_relay: LocalRelay, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from core.errors import ConfigError
-    from core.registry import TRANSPORTS, load
+    from sessiontape.core.errors import ConfigError
+    from sessiontape.core.registry import TRANSPORTS, load
 
     cls = load(TRANSPORTS, "nostr")
     with pytest.raises(ConfigError):

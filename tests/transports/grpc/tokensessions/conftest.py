@@ -1,4 +1,4 @@
-"""A real gRPC server on loopback (transports.grpc.plugin) over a Runtime on a
+"""A real gRPC server on loopback (sessiontape.transports.grpc.plugin) over a Runtime on a
 SQLite file, with clients built from the generated stubs only.
 
 ``serve`` starts one (``await serve(engine=..., options=...)``); at teardown
@@ -16,14 +16,14 @@ from typing import Any
 import grpc
 import pytest
 
-from core.engine import Engine
-from core.log.store import verify_chain
-from core.runtime import Runtime
-from engines.reference import ReferenceEngine
+from sessiontape.core.engine import Engine
+from sessiontape.core.log.store import verify_chain
+from sessiontape.core.runtime import Runtime
+from sessiontape.engines.reference import ReferenceEngine
+from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2_grpc as kakeya_grpc
+from sessiontape.transports.grpc.gen.salience.v1 import salience_pb2_grpc as salience_grpc
+from sessiontape.transports.grpc.plugin import GrpcTransport
 from tests.conftest import make_config
-from transports.grpc.gen.kakeya.v1 import runtime_pb2_grpc as kakeya_grpc
-from transports.grpc.gen.salience.v1 import salience_pb2_grpc as salience_grpc
-from transports.grpc.plugin import GrpcTransport
 
 TOKEN = "s3cret-token"
 

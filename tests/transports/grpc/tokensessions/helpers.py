@@ -9,10 +9,10 @@ from typing import Any
 import grpc
 import pytest
 
-from core.events import Event, T
-from core.runtime import Runtime
-from engines.reference import IMAGE_PAD
-from transports.grpc.gen.salience.v1 import salience_pb2 as spb
+from sessiontape.core.events import Event, T
+from sessiontape.core.runtime import Runtime
+from sessiontape.engines.reference import IMAGE_PAD
+from sessiontape.transports.grpc.gen.salience.v1 import salience_pb2 as spb
 
 #: a valid image block for the reference engine: marker, 8 pads, marker (10 tokens)
 IMAGE_BLOCK = [1, *([IMAGE_PAD] * 8), 2]

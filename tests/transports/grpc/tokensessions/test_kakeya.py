@@ -11,12 +11,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from core.engine import SamplingParams, Step
-from core.events import T
-from engines.reference import EOS, ReferenceEngine
+from sessiontape.core.engine import SamplingParams, Step
+from sessiontape.core.events import T
+from sessiontape.engines.reference import EOS, ReferenceEngine
+from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2 as kpb
 from tests.transports.grpc.tokensessions.conftest import Serve
 from tests.transports.grpc.tokensessions.helpers import events, expect_code, version, wait_finished
-from transports.grpc.gen.kakeya.v1 import runtime_pb2 as kpb
 
 Code = grpc.StatusCode
 Done = kpb.GenerateDone
@@ -349,9 +349,9 @@ def make_engine(name: str) -> Any:
     if name == "reference":
         return ReferenceEngine()
     try:
-        from engines.onnx import OnnxEngine
+        from sessiontape.engines.onnx import OnnxEngine
     except ImportError as exc:  # pragma: no cover - depends on the checkout
-        pytest.skip(f"engines.onnx.OnnxEngine is not importable: {exc}")
+        pytest.skip(f"sessiontape.engines.onnx.OnnxEngine is not importable: {exc}")
     return OnnxEngine()
 
 

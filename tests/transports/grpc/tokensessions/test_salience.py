@@ -10,10 +10,11 @@ from typing import Any
 import grpc
 import pytest
 
-from core.engine import EngineInfo, SamplingParams
-from core.events import T
-from engines.reference import EOS, ReferenceEngine
-from engines.sampling import log_softmax, top_logprobs
+from sessiontape.core.engine import EngineInfo, SamplingParams
+from sessiontape.core.events import T
+from sessiontape.engines.reference import EOS, ReferenceEngine
+from sessiontape.engines.sampling import log_softmax, top_logprobs
+from sessiontape.transports.grpc.gen.salience.v1 import salience_pb2 as spb
 from tests.transports.grpc.tokensessions.conftest import Serve
 from tests.transports.grpc.tokensessions.helpers import (
     IMAGE_BLOCK,
@@ -26,7 +27,6 @@ from tests.transports.grpc.tokensessions.helpers import (
     version,
     wait_finished,
 )
-from transports.grpc.gen.salience.v1 import salience_pb2 as spb
 
 Code = grpc.StatusCode
 FR = spb.GenerateDone

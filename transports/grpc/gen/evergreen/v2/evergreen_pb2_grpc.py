@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from transports.grpc.gen.evergreen.v2 import evergreen_pb2 as evergreen_dot_v2_dot_evergreen__pb2
+from sessiontape.transports.grpc.gen.evergreen.v2 import evergreen_pb2 as evergreen_dot_v2_dot_evergreen__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -13,7 +13,7 @@ the plural repeated fields. Wire compatibility means this schema.
 """
 
 from collections import abc as _abc
-from transports.grpc.gen.evergreen.v2 import evergreen_pb2 as _evergreen_pb2
+from sessiontape.transports.grpc.gen.evergreen.v2 import evergreen_pb2 as _evergreen_pb2
 from grpc import aio as _aio
 import abc as _abc_1
 import grpc as _grpc

@@ -28,7 +28,7 @@ DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kakeya/v1/runt
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'transports.grpc.gen.kakeya.v1.runtime_pb2', _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'sessiontape.transports.grpc.gen.kakeya.v1.runtime_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CREATESESSIONREQUEST']._serialized_start=38

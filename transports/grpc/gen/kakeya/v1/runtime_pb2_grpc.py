@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from transports.grpc.gen.kakeya.v1 import runtime_pb2 as kakeya_dot_v1_dot_runtime__pb2
+from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2 as kakeya_dot_v1_dot_runtime__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -34,7 +34,7 @@ targets, no service implementation. The file is documentation in
 
 from collections import abc as _abc
 from grpc import aio as _aio
-from transports.grpc.gen.kakeya.v1 import runtime_pb2 as _runtime_pb2
+from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2 as _runtime_pb2
 import abc as _abc_1
 import grpc as _grpc
 import sys

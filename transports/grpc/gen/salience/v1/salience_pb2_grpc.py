@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from transports.grpc.gen.salience.v1 import salience_pb2 as salience_dot_v1_dot_salience__pb2
+from sessiontape.transports.grpc.gen.salience.v1 import salience_pb2 as salience_dot_v1_dot_salience__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -10,7 +10,7 @@ full semantics (offset/truncating drift rules, image blocks, errors).
 
 from collections import abc as _abc
 from grpc import aio as _aio
-from transports.grpc.gen.salience.v1 import salience_pb2 as _salience_pb2
+from sessiontape.transports.grpc.gen.salience.v1 import salience_pb2 as _salience_pb2
 import abc as _abc_1
 import grpc as _grpc
 import sys
