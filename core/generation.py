@@ -33,7 +33,7 @@ import dataclasses
 import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sessiontape.core import metrics
 from sessiontape.core.bodies import FinishReason, GenerationFinished, tokens_truncated
@@ -50,7 +50,9 @@ from sessiontape.core.state import SessionState
 from sessiontape.core.tokens import ImageIn, check_ranges, length_after, sink_window_keep
 
 if TYPE_CHECKING:
-    from sessiontape.core.runtime import Runtime
+    from sessiontape.core.engine import Engine
+    from sessiontape.core.log import EventLog
+    from sessiontape.core.scheduler import PriorityGate
 
 #: how often a generation's first append is tried again on a reloaded state
 STALE_RETRIES = 3
@@ -72,6 +74,50 @@ class PipelineLimits:
     burst: int = 16
     #: a caller slower than the engine gets runs it handles in about this long
     pace_s: float = 0.002
+
+
+class Runtime(Protocol):
+    """What the generation loop needs of the runtime (:class:`sessiontape.core.runtime.Runtime`
+    is the one implementation); a protocol, so this module does not import the runtime,
+    which imports it."""
+
+    engine: Engine
+    log: EventLog
+    gate: PriorityGate
+    pipeline: PipelineLimits
+    _stop_requested: set[str]
+
+    def _lock(self, sid: str) -> asyncio.Lock: ...
+
+    def _drop(self, st: SessionState) -> None: ...
+
+    async def _open_locked(self, session_id: str) -> SessionState: ...
+
+    async def _commit(
+        self, st: SessionState, new: Sequence[NewEvent], *, length: int | None = None
+    ) -> list[Event]: ...
+
+    async def _image_events(
+        self, images: Sequence[ImageIn]
+    ) -> tuple[list[NewEvent], list[tuple[str, int]]]: ...
+
+    def _append_events(
+        self,
+        st: SessionState,
+        tokens: Sequence[int],
+        offset: int | None,
+        truncating: bool,
+        images: Sequence[ImageIn],
+        image_blobs: list[tuple[str, int]],
+    ) -> list[NewEvent]: ...
+
+    def _begin_generation(self, session_id: str) -> None: ...
+
+    def _end_generation(self, session_id: str) -> None: ...
+
+    def _violation(self, session_id: str, which: int) -> None: ...
+
+    def is_generating(self, session_id: str) -> bool: ...
 
 
 class _End:
