@@ -29,7 +29,7 @@ from sessiontape.transports.sse.app import create_app
 from sessiontape.transports.sse.openapi import spec
 from sessiontape.transports.sse.plugin import HttpTransport
 from tests.conftest import make_config
-from tests.transports.http.conftest import Served
+from tests.transports.sse.conftest import Served
 
 _CONVERTER = re.compile(r"\{(\w+)(?::\w+)?\}")
 

@@ -23,7 +23,7 @@ from sessiontape.transports.sse.errors import (
     status_for,
 )
 from tests.conftest import make_config
-from tests.transports.http.conftest import Served
+from tests.transports.sse.conftest import Served
 
 
 async def _open(c: httpx.AsyncClient, **body: Any) -> str:

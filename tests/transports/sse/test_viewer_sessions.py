@@ -16,9 +16,9 @@ import httpx
 import pytest
 
 from sessiontape.core.nodes import FragmentIn
-from tests.transports.http.conftest import Served
-from tests.transports.http.test_viewer import ARTIFACTS, CHROMIUM, REQUIRED, _browser_present, page  # noqa: F401
-from tests.transports.http.test_viewer import pytestmark as viewer_marks
+from tests.transports.sse.conftest import Served
+from tests.transports.sse.test_viewer import ARTIFACTS, CHROMIUM, REQUIRED, _browser_present, page  # noqa: F401
+from tests.transports.sse.test_viewer import pytestmark as viewer_marks
 
 pytestmark = viewer_marks
 _ = (CHROMIUM, REQUIRED)

@@ -16,8 +16,8 @@ from sessiontape.core.engine import SamplingParams
 from sessiontape.core.patch import apply_patch
 from sessiontape.core.runtime import Runtime
 from sessiontape.transports.sse.feeds import list_stream
-from tests.transports.http.conftest import Served, serve
-from tests.transports.http.sse_client import SseEvent, events
+from tests.transports.sse.conftest import Served, serve
+from tests.transports.sse.sse_client import SseEvent, events
 
 
 async def _session(c: httpx.AsyncClient, text: str = "Once upon a time") -> str:

@@ -25,7 +25,7 @@ from sessiontape.transports.sse.app import create_app
 from sessiontape.transports.sse.inputs import Limits
 from sessiontape.transports.sse.plugin import HttpTransport
 from tests.conftest import make_config
-from tests.transports.http.conftest import Served
+from tests.transports.sse.conftest import Served
 
 
 async def _open(client: httpx.AsyncClient, **body: Any) -> str:

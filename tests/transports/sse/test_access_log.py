@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import free_port
 from tests.test_serve import start, stop
-from tests.transports.http.conftest import Served
+from tests.transports.sse.conftest import Served
 
 
 async def test_every_request_is_logged_with_its_route_and_session(

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.transports.http.conftest import Served
+from tests.transports.sse.conftest import Served
 
 CHROMIUM = os.environ.get("SESSIONTAPE_CHROMIUM", "/usr/bin/chromium")
 #: set by .ci/run: a missing browser is then a failure, not a skip
