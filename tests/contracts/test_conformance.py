@@ -53,7 +53,7 @@ from sessiontape.transports.grpc.gen.salience.v1 import salience_pb2_grpc as sal
 from sessiontape.transports.grpc.plugin import GrpcTransport
 from sessiontape.transports.sse.plugin import HttpTransport
 from tests.conftest import free_port, make_config
-from tests.transports.http.sse_client import SseEvent, events
+from tests.transports.sse.sse_client import SseEvent, events
 
 TOKEN = "conformance-token"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)

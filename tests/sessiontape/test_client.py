@@ -14,7 +14,7 @@ import pytest
 from sessiontape import AsyncClient, Client, errors
 from sessiontape.client import SSEDecoder, Update
 from tests.conftest import free_port
-from tests.transports.http.conftest import Served, serve
+from tests.transports.sse.conftest import Served, serve
 
 
 @pytest.fixture

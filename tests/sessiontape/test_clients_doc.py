@@ -16,7 +16,7 @@ from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
 from sessiontape.transports.sse.plugin import HttpTransport
 from tests.conftest import make_config
-from tests.transports.http.conftest import Served
+from tests.transports.sse.conftest import Served
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "clients.md"
 

@@ -6,7 +6,7 @@ Only what this server takes and answers is described: fields it refuses rather t
 extension fields every reply carries (``session_id``, ``seed``) are in the response schemas.
 The event streams' ``data:`` payloads are given by ``x-sse-data`` on the ``text/event-stream``
 media type (OpenAPI 3.1 has no item schema for streams).
-``tests/transports/http/test_openapi.py`` checks every answer of these routes against them.
+``tests/transports/sse/test_openapi.py`` checks every answer of these routes against them.
 """
 
 from __future__ import annotations
@@ -416,7 +416,7 @@ _ERR = {
     "5XX": _error("the engine or the log failed"),
 }
 
-#: the error statuses each OpenAI route answers (each produced in tests/transports/http/test_openapi.py)
+#: the error statuses each OpenAI route answers (each produced in tests/transports/sse/test_openapi.py)
 ERRORS_OF: dict[tuple[str, str], tuple[str, ...]] = {
     ("/v1/models", "get"): ("401",),
     ("/v1/models/{model}", "get"): ("401", "404"),

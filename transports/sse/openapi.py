@@ -79,7 +79,7 @@ _GEN = _obj(
 )
 
 
-#: the error statuses each native route answers (each is produced in tests/transports/http/test_openapi.py);
+#: the error statuses each native route answers (each is produced in tests/transports/sse/test_openapi.py);
 #: a route not listed here documents all four of ``_ERRORS``
 _ERRORS_OF: dict[tuple[str, str], tuple[str, ...]] = {
     ("/v1/sessions", "post"): ("400", "401"),
