@@ -684,9 +684,10 @@ async def test_client_cancel_records_the_generation_as_cancelled(
     rt = server.runtime
     engine = rt.engine
     assert isinstance(engine, ReferenceEngine)
-    # slow enough that the cancel always lands before the generation could end by itself
-    # (without a delay it races an EOS that seed 7 samples at token 173)
+    # slow and never EOS, so the cancel always lands before the generation could end by
+    # itself (it raced an EOS that seed 7 samples at token 173)
     engine.step_delay_s = 0.01
+    engine.eos_bias = -100.0
     async with client.session() as s:
         sid = await s.session_id()
         await s.send(

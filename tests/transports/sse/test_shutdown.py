@@ -38,9 +38,9 @@ def _read_all(s: socket.socket) -> bytes:
 
 def test_stop_ends_open_streams_cleanly(tmp_path: Path) -> None:
     cfg = tmp_path / "slow.toml"
-    # a generation that outlives the grace period: 0.05 s a token, 2000 tokens
+    # a generation that outlives the grace period: 0.05 s a token, 2000 tokens, never EOS
     cfg.write_text(
-        '[engine]\nname = "reference"\n[engine.options]\nstep_delay_s = 0.05\n'
+        '[engine]\nname = "reference"\n[engine.options]\nstep_delay_s = 0.05\neos_bias = -100.0\n'
         "[transports.http]\ngrace_s = 1.0\n"
     )
     h = free_port()
