@@ -53,7 +53,6 @@ from sessiontape.engines.onnx.kvcache import KV
 from sessiontape.engines.onnx.model import GraphSpec
 from sessiontape.engines.onnx.run import Guess, Run
 from sessiontape.engines.onnx.session import PassResult, quiet_ort
-from sessiontape.engines.sampling import log_softmax, sample, top_logprobs
 
 log = logging.getLogger("sessiontape.engines.onnx")
 
@@ -435,21 +434,8 @@ class BatchScheduler:
         r, params, options = m.run, m.params, m.options
         while m.sent + sum(isinstance(i, Step) for i in items) - m.taken < self.credit:
             p = len(r.hist)
-            tok, tok_lp = sample(r.last, params, p)
-            top = (
-                top_logprobs(log_softmax(r.last), options.logprob_top_k)
-                if options.logprob_top_k
-                else ()
-            )
-            more = p - r.n + 1 < params.max_tokens and tok not in params.stop_token_ids
-            want = options.wants_readout(p)
-            step = Step(
-                token_id=tok,
-                position=p,
-                is_prefill=False,
-                logprob=tok_lp if options.wants_logprobs(p, generated=True) else None,
-                top_logprobs=top,
-            )
+            step, more, want = r.next_step(params, options)
+            tok = step.token_id
             if not (want or more):
                 r.done = True
                 items.append(step)

@@ -90,7 +90,7 @@ from sessiontape.engines.onnx.session import (
     quiet_ort,
 )
 from sessiontape.engines.onnx.static import StaticRunner
-from sessiontape.engines.sampling import log_softmax, sample, top_logprobs
+from sessiontape.engines.sampling import log_softmax, top_logprobs
 
 log = logging.getLogger("sessiontape.engines.onnx")
 
@@ -427,21 +427,8 @@ class OnnxEngine(Engine):
         flush: Callable[[], None],
     ) -> None:
         p = len(r.hist)
-        tok, tok_lp = sample(r.last, params, p)
-        top = (
-            top_logprobs(log_softmax(r.last), options.logprob_top_k)
-            if options.logprob_top_k
-            else ()
-        )
-        more = p - r.n + 1 < params.max_tokens and tok not in params.stop_token_ids
-        want = options.wants_readout(p)
-        step = Step(
-            token_id=tok,
-            position=p,
-            is_prefill=False,
-            logprob=tok_lp if options.wants_logprobs(p, generated=True) else None,
-            top_logprobs=top,
-        )
+        step, more, want = r.next_step(params, options)
+        tok = step.token_id
         if not (want or more):
             r.done = True
             emit(step)
@@ -475,7 +462,7 @@ class OnnxEngine(Engine):
                     position=p,
                     is_prefill=False,
                     logprob=step.logprob,
-                    top_logprobs=top,
+                    top_logprobs=step.top_logprobs,
                     readout=self._readout(res, p - start),
                 )
             )

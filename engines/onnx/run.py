@@ -11,8 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from sessiontape.core.engine import OutputOptions, SamplingParams, Step
 from sessiontape.engines.onnx.kvcache import KV
 from sessiontape.engines.onnx.session import PassResult
+from sessiontape.engines.sampling import log_softmax, sample, top_logprobs
 
 #: lookahead guesses come from the last this many tokens of the history (building the
 #: index is Python work per call; results never depend on it, only the hit rate)
@@ -53,6 +55,27 @@ class Run:
         h = self.hist[-LOOKAHEAD_WINDOW:]
         self.follow = {(h[i - 2], h[i - 1]): h[i] for i in range(2, len(h))}
         self.follow1 = {h[i - 1]: h[i] for i in range(1, len(h))}
+
+    def next_step(self, params: SamplingParams, options: OutputOptions) -> tuple[Step, bool, bool]:
+        """Sample the token at the next position from ``last``: the step to report, whether
+        the generation goes on after it, and whether its readout is wanted (which needs
+        the pass that runs it). Nothing is appended."""
+        p = len(self.hist)
+        tok, tok_lp = sample(self.last, params, p)
+        top = (
+            top_logprobs(log_softmax(self.last), options.logprob_top_k)
+            if options.logprob_top_k
+            else ()
+        )
+        step = Step(
+            token_id=tok,
+            position=p,
+            is_prefill=False,
+            logprob=tok_lp if options.wants_logprobs(p, generated=True) else None,
+            top_logprobs=top,
+        )
+        more = p - self.n + 1 < params.max_tokens and tok not in params.stop_token_ids
+        return step, more, options.wants_readout(p)
 
     def append(self, tok: int) -> None:
         h = self.hist
