@@ -57,6 +57,7 @@ import asyncio
 import contextlib
 import io
 import logging
+import math
 import os
 import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -142,6 +143,7 @@ class OnnxEngine(Engine):
                 "prefill_chunk, workers, decode_batch and min_rows must be >= 1 "
                 "and kv_cache_bytes >= 0"
             )
+        _check_batch_options(batch_slots, batch_wait_s, batch_prefill_share)
         if (pass_rows is not None and int(pass_rows) < 1) or (
             kv_capacity is not None and int(kv_capacity) < 2
         ):
@@ -246,15 +248,11 @@ class OnnxEngine(Engine):
         self.cache = KVCache(int(kv_cache_bytes), on_free=self.runner.release)
         self._pool = ThreadPoolExecutor(max_workers=int(workers), thread_name_prefix="onnx-engine")
         growing = isinstance(self.runner, StaticRunner) and not self.runner.fixed
-        if batch_slots is not None and int(batch_slots) < 0:
-            raise ConfigError("batch_slots must be >= 0")
         if batch_slots and not growing:
             raise ConfigError(
                 "batch_slots needs a static-layout model on growing buffers (the CPU default); "
                 "batching the fixed CUDA shape is not built yet"
             )
-        if int(batch_prefill_share) < 1 or not float(batch_wait_s) >= 0:
-            raise ConfigError("batch_prefill_share must be >= 1 and batch_wait_s >= 0")
         slots = (8 if batch_slots is None else int(batch_slots)) if growing else 0
         self._batch: BatchScheduler | None = None
         if slots:
@@ -661,6 +659,29 @@ class OnnxEngine(Engine):
             self.cache.release(entry)
             if r is not None and static and not self.cache.holds(r.base):
                 self.runner.release(r.base)  # a buffer that no pass stored (the first one failed)
+
+
+#: the most KV slots a batch pool may have (each is a full-length buffer per layer)
+MAX_BATCH_SLOTS = 1024
+
+
+def _check_batch_options(slots: object, wait_s: object, prefill_share: object) -> None:
+    """ConfigError unless the batching options are in range and of the right type."""
+    if slots is not None and (
+        isinstance(slots, bool) or not isinstance(slots, int) or not 0 <= slots <= MAX_BATCH_SLOTS
+    ):
+        raise ConfigError(
+            f"batch_slots must be an integer in [0, {MAX_BATCH_SLOTS}], got {slots!r}"
+        )
+    if isinstance(prefill_share, bool) or not isinstance(prefill_share, int) or prefill_share < 1:
+        raise ConfigError(f"batch_prefill_share must be an integer >= 1, got {prefill_share!r}")
+    if (
+        isinstance(wait_s, bool)
+        or not isinstance(wait_s, int | float)
+        or not math.isfinite(wait_s)
+        or wait_s < 0
+    ):
+        raise ConfigError(f"batch_wait_s must be a finite number >= 0, got {wait_s!r}")
 
 
 def _positions(ranges: Sequence[tuple[int, int]], lo: int, hi: int) -> list[int]:

@@ -149,6 +149,17 @@ def test_bad_options_are_config_errors(tiny_dir: Path, tmp_path: Path) -> None:
         {"min_rows": 0},
         {"prefill_chunk": 0},
         {"workers": 0},
+        {"batch_slots": -1},
+        {"batch_slots": 10**9},
+        {"batch_slots": "8"},
+        {"batch_slots": True},
+        {"batch_prefill_share": 0},
+        {"batch_prefill_share": 1.5},
+        {"batch_wait_s": -1},
+        {"batch_wait_s": float("nan")},
+        {"batch_wait_s": float("inf")},
+        {"batch_wait_s": "30"},
+        {"batch_slots": 4, "pass_rows": 4},  # the fixed shape does not batch (yet)
     ]
     for bad in bads:
         with pytest.raises(ConfigError):
