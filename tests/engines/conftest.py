@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -83,3 +84,24 @@ async def _neighbours(engine: OnnxEngine) -> None:
             await asyncio.sleep(0)
 
     await asyncio.gather(*(one(f"neighbour-{i}") for i in range(3)))
+
+
+@contextlib.contextmanager
+def failing_once(target: Any, name: str, at_call: int, exc: BaseException) -> Iterator[None]:
+    """Inside the block, ``target.name`` raises ``exc`` on its ``at_call``-th call (and
+    works otherwise); the real one is back after it."""
+    real = getattr(target, name)
+    calls = 0
+
+    def flaky(*args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == at_call:
+            raise exc
+        return real(*args)
+
+    setattr(target, name, flaky)
+    try:
+        yield
+    finally:
+        setattr(target, name, real)

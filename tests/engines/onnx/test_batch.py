@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from sessiontape.core.engine import OutputOptions, SamplingParams, Step
 from sessiontape.core.errors import EngineBusy, EngineError
 from sessiontape.engines.onnx.engine import OnnxEngine
+from tests.engines.conftest import failing_once
 
 
 def history(seed_: int, n: int) -> list[int]:
@@ -186,28 +187,15 @@ async def test_a_full_pool_makes_new_sessions_wait_then_answers_engine_busy(tiny
     assert late is not None and late.users == 0
 
 
-async def test_a_failed_pass_fails_its_sessions_and_the_next_ones_run(
-    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_a_failed_pass_fails_its_sessions_and_the_next_ones_run(tiny_dir: Path) -> None:
     eng = batching_engine(tiny_dir, batch_slots=4)
     assert eng._batch is not None
-    real = eng._batch._pass
-    calls = 0
-
-    def flaky(*args: Any) -> Any:
-        nonlocal calls
-        calls += 1
-        if calls == 3:
-            raise RuntimeError("injected")
-        return real(*args)
-
-    monkeypatch.setattr(eng._batch, "_pass", flaky)
-    results = await asyncio.gather(
-        *[run(eng, f"f{i}", history(s, m), p) for i, (s, m, p) in enumerate(SESSIONS[:3])],
-        return_exceptions=True,
-    )
+    with failing_once(eng._batch, "_pass", 3, RuntimeError("injected")):
+        results = await asyncio.gather(
+            *[run(eng, f"f{i}", history(s, m), p) for i, (s, m, p) in enumerate(SESSIONS[:3])],
+            return_exceptions=True,
+        )
     assert any(isinstance(r, EngineError) and "injected" in str(r) for r in results)
-    monkeypatch.setattr(eng._batch, "_pass", real)
     solo = batching_engine(tiny_dir, batch_slots=0)
     s, m, p = SESSIONS[0]
     assert await run(eng, "f0", history(s, m), p) == await run(solo, "r", history(s, m), p)
@@ -340,29 +328,18 @@ def test_every_wire_answers_engine_busy_as_retryable_resource_exhaustion() -> No
 
 
 async def test_a_fault_in_the_scheduler_ends_its_sessions_with_an_error_not_a_hang(
-    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_dir: Path,
 ) -> None:
     eng = batching_engine(tiny_dir, batch_slots=4)
     assert eng._batch is not None
-    real = eng._batch._finish_row
-    calls = 0
-
-    def broken(*args: Any) -> Any:
-        nonlocal calls
-        calls += 1
-        if calls == 5:
-            raise IndexError("a bug")
-        return real(*args)
-
-    monkeypatch.setattr(eng._batch, "_finish_row", broken)
-    results = await asyncio.wait_for(
-        asyncio.gather(
-            *[run(eng, f"x{i}", history(s, m), p) for i, (s, m, p) in enumerate(SESSIONS[:3])],
-            return_exceptions=True,
-        ),
-        timeout=30,
-    )
+    with failing_once(eng._batch, "_finish_row", 5, IndexError("a bug")):
+        results = await asyncio.wait_for(
+            asyncio.gather(
+                *[run(eng, f"x{i}", history(s, m), p) for i, (s, m, p) in enumerate(SESSIONS[:3])],
+                return_exceptions=True,
+            ),
+            timeout=30,
+        )
     assert any(isinstance(r, EngineError) for r in results)
-    monkeypatch.setattr(eng._batch, "_finish_row", real)
     s, m, p = SESSIONS[0]
     assert len(await run(eng, "after", history(s, m), p)) == 20

@@ -20,7 +20,7 @@ from sessiontape.engines.onnx.demo import EOS, SIZES, build_demo
 from sessiontape.engines.onnx.model import infer_graph
 from sessiontape.engines.onnx.session import quiet_ort
 from sessiontape.engines.sampling import log_softmax
-from tests.engines.conftest import alone_only
+from tests.engines.conftest import alone_only, failing_once
 
 
 async def collect(
@@ -516,7 +516,7 @@ async def test_stopping_at_any_step_leaves_a_cache_of_what_was_yielded(
 
 @pytest.mark.parametrize("batching", [False, True])
 async def test_a_failing_pass_mid_decode_raises_engine_error_and_keeps_the_cache(
-    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch, batching: bool
+    tiny_dir: Path, batching: bool
 ) -> None:
     eng = OnnxEngine(
         model_dir=tiny_dir, intra_op_threads=1, decode_batch=4, batch_slots=4 if batching else 0
@@ -525,26 +525,17 @@ async def test_a_failing_pass_mid_decode_raises_engine_error_and_keeps_the_cache
     # the single-session hops run passes through the runner; the batch scheduler runs its own
     target: Any = eng._batch if batching else eng.runner
     name = "_pass" if batching else "run"
-    real_run = getattr(target, name)
-    calls = 0
-
-    def flaky(*args: Any) -> Any:
-        nonlocal calls
-        calls += 1
-        if calls == 4:
-            raise EngineError("onnxruntime run failed: injected")
-        return real_run(*args)
-
-    monkeypatch.setattr(target, name, flaky)
     got: list[Step] = []
-    with pytest.raises(EngineError, match="injected"):
+    with (
+        failing_once(target, name, 4, EngineError("onnxruntime run failed: injected")),
+        pytest.raises(EngineError, match="injected"),
+    ):
         async for step in eng.generate("f", hist, SamplingParams(max_tokens=10, temperature=0)):
             got.append(step)
     assert 1 <= len(got) < 10
     entry = eng.cache.get("f")
     assert entry is not None and entry.users == 0
     assert entry.tokens == (hist + [s.token_id for s in got])[: len(entry.tokens)]
-    monkeypatch.setattr(target, name, real_run)
     again = await collect(eng, "f", hist, SamplingParams(max_tokens=10, temperature=0))
     assert [s.token_id for s in again[: len(got)]] == [s.token_id for s in got]
 
