@@ -29,6 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from sessiontape.core import gctune
 from sessiontape.core.config import Config
 from sessiontape.core.engine import Engine, SamplingParams
 from sessiontape.core.events import T
@@ -360,7 +361,14 @@ async def main() -> None:
     )
     ap.add_argument("--client", help=argparse.SUPPRESS)  # internal: be the client of one wire
     ap.add_argument("--ports", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--default-gc",
+        action="store_true",
+        help="keep CPython's collector defaults instead of the server's (core/gctune.py)",
+    )
     args = ap.parse_args()
+    if not args.default_gc:
+        gctune.tune_for_serving()  # as `sessiontape serve` runs
     if args.client:
         import json
 

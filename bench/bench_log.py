@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from sessiontape.core import gctune
 from sessiontape.core.events import Event, NewEvent, T, canonical_json
 from sessiontape.core.loader import load_state
 from sessiontape.core.log import EventLog
@@ -279,7 +280,14 @@ async def main() -> None:
         metavar=("URL", "SESSIONS", "PER_SESSION", "BATCH"),
         help=argparse.SUPPRESS,
     )
+    ap.add_argument(
+        "--default-gc",
+        action="store_true",
+        help="keep CPython's collector defaults instead of the server's (core/gctune.py)",
+    )
     args = ap.parse_args()
+    if not args.default_gc:
+        gctune.tune_for_serving()  # as `sessiontape serve` runs
     if args.append_worker:
         url, *nums = args.append_worker
         await append_worker(url, *(int(n) for n in nums))

@@ -21,8 +21,7 @@ import functools
 import hashlib
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -59,32 +58,51 @@ class T:
 UNCHECKED_TYPES = frozenset({T.GENERATION_TOKEN})
 
 
-@dataclass(frozen=True)
-class NewEvent:
+class _NewEventFields(NamedTuple):
+    type: str
+    body: Mapping[str, Any]
+    data: bytes | None
+    #: the body's canonical JSON, encoded once when the event is made: it is
+    #: what the writer hashes and stores (a later change to ``body`` is not)
+    body_json: str
+
+
+class NewEvent(_NewEventFields):
     """An event to append: the caller's part, before the log numbers it.
 
-    Its body is checked on construction (:func:`check_body`), so a value the
-    log cannot store exactly raises InvalidValue before anything is queued.
+    Its body is checked and encoded on construction (:func:`encode_body`), so
+    a value the log cannot store exactly raises InvalidValue before anything
+    is queued, and the writer never encodes it again. Immutable (a tuple).
     """
 
-    type: str
-    body: Mapping[str, Any] = field(default_factory=dict)
-    data: bytes | None = None
+    __slots__ = ()
 
-    def __post_init__(self) -> None:
-        if self.type not in UNCHECKED_TYPES:
-            check_body(self.body)
+    def __new__(
+        cls, type: str, body: Mapping[str, Any] | None = None, data: bytes | None = None
+    ) -> NewEvent:
+        if body is None:
+            body = {}
+        encoded = canonical_json(body) if type in UNCHECKED_TYPES else encode_body(body)
+        return tuple.__new__(cls, (type, body, data, encoded))
+
+    def __repr__(self) -> str:
+        return f"NewEvent(type={self.type!r}, body={self.body!r}, data={self.data!r})"
 
 
 def check_body(body: Any) -> None:
-    """Raise InvalidValue unless ``body`` stores as strict JSON, unchanged.
+    """Raise InvalidValue unless ``body`` stores as strict JSON, unchanged."""
+    encode_body(body)
+
+
+def encode_body(body: Any) -> str:
+    """``body``'s canonical JSON; InvalidValue unless it stores as strict JSON, unchanged.
 
     Refused: NaN and infinities (the encoder would write ``null``), integers
     outside 64 bits, strings with lone surrogates, nesting beyond the
     encoder's limit. Reading old logs never calls this.
     """
     try:
-        out: bytes | None = orjson.dumps(body)
+        out: bytes | None = orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
     except orjson.JSONEncodeError as exc:
         if "not JSON serializable" not in str(exc):
             raise InvalidValue(f"value cannot be stored as JSON: {exc}") from None
@@ -99,11 +117,11 @@ def check_body(body: Any) -> None:
             ) from None
         except RecursionError:
             raise InvalidValue("value is nested too deeply to store") from None
+    return canonical_json(body) if out is None else out.decode()
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
-    """A committed event, as read back from the log."""
+class Event(NamedTuple):
+    """A committed event, as read back from the log (immutable: a tuple)."""
 
     position: int
     session_id: str

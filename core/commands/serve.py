@@ -9,6 +9,7 @@ import logging
 import signal
 from typing import Any
 
+from sessiontape.core import gctune
 from sessiontape.core.commands.common import add_common, check_database_url, load_config, redact
 
 log = logging.getLogger("sessiontape")
@@ -61,6 +62,7 @@ async def cmd_serve(args: argparse.Namespace) -> int:
             log.info("%s: %s", name, line)
         if not started:
             log.warning("no transport enabled; serving nothing but the TTL sweeper")
+        gctune.tune_for_serving()
         log.info("sessiontape ready (engine %s, pid %d)", runtime.engine.info.name, _pid())
         await stop.wait()
         log.info("shutting down")

@@ -23,10 +23,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import itertools
 import logging
 import sqlite3
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -90,6 +91,15 @@ class Dialect(ABC):
         ``small``: the transaction carries one request (nothing else was
         waiting to be committed with it).
         """
+
+    def insert_rows(
+        self, cur: Any, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]
+    ) -> None:
+        """Inside a write transaction: insert ``rows`` (one value per column each)."""
+        marks = ", ".join("?" * len(columns))
+        cur.executemany(
+            self.sql(f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({marks})"), rows
+        )
 
     def lock_positions(self, cur: Any) -> None:  # noqa: B027
         """Inside a write transaction: serialize position assignment with every other writer."""
@@ -175,6 +185,10 @@ class _Locked(Exception):
     """Another connection holds SQLite's write lock (a try that does not wait)."""
 
 
+#: the most rows one multi-row INSERT carries on SQLite (a power of two)
+ROWS_PER_INSERT = 1024
+
+
 class SQLiteDialect(Dialect):
     """SQLite in WAL mode: one server process writes; others (the CLI) read."""
 
@@ -188,6 +202,9 @@ class SQLiteDialect(Dialect):
         self._thread = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="sessiontape-log-writer"
         )
+        #: multi-row INSERT texts by (prefix, rows); SQLite's bound-variable limit
+        self._insert_sql: dict[tuple[str, int], str] = {}
+        self._variable_limit: int | None = None
 
     def _pragmas(self, dbapi_conn: Any, _rec: Any = None) -> None:
         cur = dbapi_conn.cursor()
@@ -252,6 +269,46 @@ class SQLiteDialect(Dialect):
                 raw.execute("ROLLBACK")
             raise
         return result
+
+    def insert_rows(
+        self, cur: Any, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]
+    ) -> None:
+        """Multi-row INSERTs of up to :data:`ROWS_PER_INSERT` rows each.
+
+        ``executemany`` steps SQLite once per row and takes the GIL back after
+        every step: while the event loop's thread runs Python, the writer
+        thread then waits up to the interpreter's switch interval (5 ms) for
+        each row. One statement of many rows binds them all, then runs in one
+        step with the GIL released throughout, so SQLite's work overlaps the
+        loop's instead of queueing behind it (and it is no slower alone). The
+        rows of a batch are split into power-of-two statements, so at most a
+        dozen statement texts exist and all stay in the prepared cache.
+        """
+        n = len(columns)
+        prefix = f"INSERT INTO {table} ({', '.join(columns)}) VALUES "
+        group = "(" + ", ".join("?" * n) + ")"
+        size = self._rows_per_insert(cur, n)
+        chain = itertools.chain.from_iterable
+        i, total = 0, len(rows)
+        while i < total:
+            while total - i < size:
+                size //= 2
+            sql = self._insert_sql.get((prefix, size))
+            if sql is None:
+                sql = self._insert_sql[(prefix, size)] = prefix + ", ".join([group] * size)
+            cur.execute(sql, list(chain(rows[i : i + size])))
+            i += size
+
+    def _rows_per_insert(self, cur: Any, columns: int) -> int:
+        limit = self._variable_limit
+        if limit is None:
+            limit = self._variable_limit = cur.connection.getlimit(
+                sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER
+            )
+        size = 1
+        while size * 2 <= ROWS_PER_INSERT and size * 2 * columns <= limit:
+            size *= 2
+        return size
 
     def _close_raw(self) -> None:
         if self._raw is not None:

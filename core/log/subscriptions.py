@@ -81,10 +81,14 @@ class Subscriptions:
             self._published = max(self._published, evs[-1].position)
 
     def _publish(self, evs: list[Event]) -> None:
-        for e in evs:
-            self._published = max(self._published, e.position)
-            for sub in list(self._subscribers):
-                sub.offer(e)
+        if not evs:
+            return
+        subs = list(self._subscribers)
+        if subs:
+            for e in evs:
+                for sub in subs:
+                    sub.offer(e)
+        self._published = max(self._published, evs[-1].position)
 
     async def _tail_loop(self) -> None:
         """Pick up committed events from every process, in position order."""

@@ -46,6 +46,24 @@ from sessiontape.core.events import (
 from sessiontape.core.log.dialect import Dialect
 from sessiontape.core.log.schema import sessions
 
+#: builds an Event from a ready tuple of its fields (skips the keyword handling of
+#: the NamedTuple's constructor on the hot path)
+new_event = tuple.__new__
+
+#: the events table's columns, in the order of the writer's rows
+EVENT_COLUMNS = (
+    "position",
+    "session_id",
+    "version",
+    "type",
+    "body",
+    "data",
+    "blob_sha",
+    "recorded_at",
+    "hash",
+    "prev_hash",
+)
+
 _STATUS_BY_TYPE = {
     T.SESSION_CLOSED: "closed",
     T.SESSION_ABORTED: "aborted",
@@ -65,6 +83,32 @@ class Request:
     future: asyncio.Future[list[Event]] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
+
+
+@dataclass
+class _Plan:
+    """A batch made ready to write: what :meth:`Writer._apply` sends to the database."""
+
+    #: the log's last position the plan follows
+    start: int
+    end: int = 0
+    rows: list[tuple[Any, ...]] = field(default_factory=list)
+    blob_rows: dict[str, dict[str, Any]] = field(default_factory=dict)
+    results: list[list[Event]] = field(default_factory=list)
+    new_sessions: dict[str, dict[str, Any]] = field(default_factory=dict)
+    updates: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: sessions whose events and snapshots are deleted first
+    purged: list[str] = field(default_factory=list)
+    #: the (version, hash) of each session the plan appends to, after it
+    heads: dict[str, tuple[int, str]] = field(default_factory=dict)
+
+
+class _CacheMiss(Exception):
+    """Planning needs the database: a session head this writer does not know."""
+
+
+class _Moved(Exception):
+    """Another process wrote after a plan was made from the cache."""
 
 
 def unavailable(exc: BaseException) -> LogUnavailable:
@@ -94,6 +138,8 @@ class Writer:
         self._queue: asyncio.Queue[Request | None] = asyncio.Queue()
         #: session heads this writer knows (version, hash); read from the database when not
         self._heads: OrderedDict[str, tuple[int, str]] = OrderedDict()
+        #: the last position this writer committed (None until its first commit)
+        self._last_position: int | None = None
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         #: test hook: awaited inside the write transaction, just before COMMIT
@@ -129,27 +175,51 @@ class Writer:
         return await req.future
 
     async def _write_loop(self) -> None:
-        while True:
-            first = await self._queue.get()
-            if first is None:
-                return
-            batch, n = [first], len(first.events)
-            stop = False
-            while n < self.batch_max and not self._queue.empty():
-                nxt = self._queue.get_nowait()
-                if nxt is None:
-                    stop = True
-                    break
-                batch.append(nxt)
-                n += len(nxt.events)
-            await self._commit_batch(batch)
-            if stop:
-                return
+        """Take what is queued as one batch, plan it, commit it; repeat.
 
-    async def _commit_batch(self, batch: list[Request]) -> None:
+        A batch is planned while the one before it is still committing (on the
+        writer thread), from what the log will be once that commits: the
+        Python work of the next batch overlaps SQLite's work of this one. If
+        the earlier batch did not commit exactly as planned, the later plan is
+        dropped and made again inside its own transaction.
+        """
+        committing: asyncio.Task[bool] | None = None
+        ahead: _Plan | None = None  # the plan ``committing`` carries out
+        try:
+            while True:
+                first = await self._queue.get()
+                if first is None:
+                    return
+                batch, n = [first], len(first.events)
+                stop = False
+                while n < self.batch_max and not self._queue.empty():
+                    nxt = self._queue.get_nowait()
+                    if nxt is None:
+                        stop = True
+                        break
+                    batch.append(nxt)
+                    n += len(nxt.events)
+                if committing is not None and not committing.done():
+                    plan = None if ahead is None else self._plan_from_cache(batch, after=ahead)
+                    if not await committing:
+                        plan = None
+                else:
+                    plan = self._plan_from_cache(batch, after=None)
+                committing = asyncio.create_task(self._commit_batch(batch, plan))
+                ahead = plan
+                # let the commit reach the writer thread before planning the next batch
+                await asyncio.sleep(0)
+                if stop:
+                    return
+        finally:
+            if committing is not None:
+                await committing
+
+    async def _commit_batch(self, batch: list[Request], plan: _Plan | None) -> bool:
+        """Commit ``batch``; True when it committed whole, as ``plan`` said."""
         t0 = time.perf_counter()
         try:
-            results = await self._run_tx(batch)
+            results, as_planned = await self._run_tx(batch, plan)
         except Exception as exc:
             if self.dialect.is_unavailable(exc):
                 # the database went away: nothing of the batch was written, and
@@ -157,24 +227,25 @@ class Writer:
                 await self.dialect.reset_pool()
                 for req in batch:
                     self._fail(req, exc)
-                return
+                return False
             # Something in the batch failed (a conflict with another process,
             # a stale cache, one bad request): retry each request alone so
             # only the guilty one fails.
             self._heads.clear()
             if len(batch) == 1:
                 self._fail(batch[0], exc)
-                return
+                return False
             for req in batch:
                 try:
-                    res = await self._run_tx([req])
+                    res, _ = await self._run_tx([req], None)
                 except Exception as one_exc:
                     self._heads.pop(req.session_id, None)
                     self._fail(req, one_exc)
                 else:
                     self._finish([req], [res[0]], t0)
-            return
+            return False
         self._finish(batch, results, t0)
+        return as_planned
 
     def _fail(self, req: Request, exc: BaseException) -> None:
         if self.dialect.is_conflict(exc):
@@ -221,59 +292,128 @@ class Writer:
         while len(self._heads) > 100_000:
             self._heads.popitem(last=False)
 
-    async def _run_tx(self, batch: list[Request]) -> list[list[Event]]:
+    async def _run_tx(
+        self, batch: list[Request], plan: _Plan | None
+    ) -> tuple[list[list[Event]], bool]:
+        """Commit ``batch``, by ``plan`` when one was made and still holds; the
+        results, and whether the plan was used."""
         hook = self.before_commit
 
         async def before(results: list[list[Event]]) -> None:
             assert hook is not None
             await hook([e for r in results for e in r])
 
-        results = await self.dialect.transaction(
-            lambda cur: self._write(cur, batch),
-            None if hook is None else before,
-            small=len(batch) == 1,
-        )
+        results: list[list[Event]] | None = None
+        if plan is not None:
+            planned = plan
+            try:
+                results = await self.dialect.transaction(
+                    lambda cur: self._apply(cur, planned, expect_position=True),
+                    None if hook is None else before,
+                    small=len(batch) == 1,
+                )
+            except _Moved:
+                plan = None  # another process wrote: plan again, inside the transaction
+        if results is None:
+            results = await self.dialect.transaction(
+                lambda cur: self._write(cur, batch),
+                None if hook is None else before,
+                small=len(batch) == 1,
+            )
         for evs in results:
             if evs:
                 self._remember(evs[-1].session_id, (evs[-1].version, evs[-1].hash))
-        return results
+                self._last_position = max(self._last_position or 0, evs[-1].position)
+        return results, plan is not None
+
+    def _plan_from_cache(self, batch: list[Request], *, after: _Plan | None) -> _Plan | None:
+        """The batch's rows, hashes and events, computed before its transaction from
+        what this writer knows (session heads, the last position; or, ``after``,
+        what the log will be once that plan commits), or None when something
+        must be read from the database first.
+
+        Run on the event loop's thread, so that the writer thread (SQLite) does
+        little but SQL: SQLite's work, which releases the GIL, overlaps this
+        Python work. :meth:`_apply` checks, under the write lock, that the log
+        still ends where the plan assumed (:class:`_Moved`). A database shared by
+        several processes (PostgreSQL) always plans inside its transaction.
+        """
+        if self.dialect.shared:
+            return None
+        start = self._last_position if after is None else after.end
+        if start is None or any(req.kind not in ("append", "touch") for req in batch):
+            return None
+        heads = self._heads
+        later = {} if after is None else after.heads
+
+        def head_of(_cur: Any, sid: str) -> tuple[int, str] | None:
+            head = later.get(sid) or heads.get(sid)
+            if head is not None:
+                return head
+            raise _CacheMiss
+
+        try:
+            return self._plan(None, batch, start, head_of, recheck=None)
+        except (_CacheMiss, ConcurrencyError):
+            # an unknown session, or a version that does not match: the database decides
+            return None
 
     def _write(self, cur: Any, batch: list[Request]) -> list[list[Event]]:
-        """The batch's statements on a DBAPI cursor, inside the caller's transaction.
-
-        Plain SQL on the driver's cursor: SQLAlchemy's per-statement machinery
-        costs more than the statements themselves on this path.
-        """
+        """The batch's statements on a DBAPI cursor, inside the caller's transaction:
+        plan with the database at hand, then apply."""
         self.dialect.lock_positions(cur)
         cur.execute("SELECT COALESCE(MAX(position), 0) FROM events")
         pos = int(cur.fetchone()[0])
+
+        def recheck(cur: Any, sid: str) -> tuple[int, str] | None:
+            # the cached head may be stale (another process wrote): ask the database
+            if self._heads.pop(sid, None) is None:
+                raise _CacheMiss  # it came from the database already
+            return self._head(cur, sid)
+
+        plan = self._plan(cur, batch, pos, self._head, recheck=recheck)
+        return self._apply(cur, plan, expect_position=False)
+
+    def _plan(
+        self,
+        cur: Any,
+        batch: list[Request],
+        pos: int,
+        head_of: Callable[[Any, str], tuple[int, str] | None],
+        *,
+        recheck: Callable[[Any, str], tuple[int, str] | None] | None,
+    ) -> _Plan:
+        """Number, hash and encode the batch's events after position ``pos``.
+
+        ``head_of(cur, session_id)`` gives a session's (version, hash) before
+        this batch; ``recheck`` a fresher one when the version does not match
+        (None: no fresher one exists).
+        """
         now = time.time()
-        rows: list[tuple[Any, ...]] = []
-        blob_rows: dict[str, dict[str, Any]] = {}
-        results: list[list[Event]] = []
-        pending: dict[str, tuple[int, str]] = {}
-        new_sessions: dict[str, dict[str, Any]] = {}
-        updates: dict[str, dict[str, Any]] = {}
+        plan = _Plan(start=pos)
+        rows = plan.rows
+        blob_rows = plan.blob_rows
+        pending = plan.heads
         inline_max = self.inline_max_bytes
         for req in batch:
             sid = req.session_id
-            head = pending.get(sid) or self._head(cur, sid)
+            head = pending.get(sid) or head_of(cur, sid)
             if req.kind == "touch":
                 if head is not None:
-                    upd = updates.setdefault(sid, {"n": 0})
+                    upd = plan.updates.setdefault(sid, {"n": 0})
                     upd["last_active_at"] = req.at
-                results.append([])
+                plan.results.append([])
                 continue
             cur_version = head[0] if head else 0
             if (
                 req.kind != "purge"
                 and cur_version != req.expected_version
                 and sid not in pending
-                and self._heads.pop(sid, None) is not None
+                and recheck is not None
             ):
-                # the cached head may be stale (another process wrote): ask the database
-                head = self._head(cur, sid)
-                cur_version = head[0] if head else 0
+                with contextlib.suppress(_CacheMiss):
+                    head = recheck(cur, sid)
+                    cur_version = head[0] if head else 0
             if req.kind != "purge" and cur_version != req.expected_version:
                 raise ConcurrencyError(
                     f"session {sid}: expected version {req.expected_version}, log is at {cur_version}"
@@ -290,72 +430,81 @@ class Writer:
                             f"import of {sid} v{e.version} does not continue the chain"
                         )
                     pos += 1
-                    ev = Event(
-                        pos,
-                        sid,
-                        e.version,
-                        e.type,
-                        e.body,
-                        e.data,
-                        e.recorded_at,
-                        e.hash,
-                        e.prev_hash,
-                    )
+                    ev = e._replace(position=pos)
                     out.append(ev)
                     rows.append(self._row(ev, canonical_json(ev.body), blob_rows, now, inline_max))
                     prev = e.hash
             else:
                 version = cur_version
-                if req.kind == "purge":
-                    cur.execute(self.dialect.sql("DELETE FROM events WHERE session_id = ?"), (sid,))
-                    cur.execute(
-                        self.dialect.sql("DELETE FROM snapshots WHERE session_id = ?"), (sid,)
-                    )
+                purge = req.kind == "purge"
+                if purge:
+                    plan.purged.append(sid)
                 hasher = chain_hasher(sid, now)
                 for ne in req.events:
                     assert isinstance(ne, NewEvent)
                     version += 1
                     pos += 1
-                    body_json = canonical_json(
-                        session_purged(body(ne, SessionPurged)["reason"], cur_version, prev)
-                        if req.kind == "purge"
-                        else ne.body
+                    body_json = (
+                        canonical_json(
+                            session_purged(body(ne, SessionPurged)["reason"], cur_version, prev)
+                        )
+                        if purge
+                        else ne.body_json
                     )
-                    h = hasher(prev, version, ne.type, body_json, ne.data)
+                    data = ne.data
+                    h = hasher(prev, version, ne.type, body_json, data)
                     # The body as a reader of the log will see it (lists, not
                     # tuples; null for non-finite floats): live == replay.
-                    ev = Event(
-                        pos, sid, version, ne.type, parse_json(body_json), ne.data, now, h, prev
+                    ev = new_event(
+                        Event,
+                        (pos, sid, version, ne.type, parse_json(body_json), data, now, h, prev),
                     )
                     out.append(ev)
-                    rows.append(self._row(ev, body_json, blob_rows, now, inline_max))
+                    if data is None:
+                        rows.append(
+                            (pos, sid, version, ne.type, body_json, None, None, now, h, prev)
+                        )
+                    else:
+                        rows.append(self._row(ev, body_json, blob_rows, now, inline_max))
                     prev = h
             if out:
-                self._index(req, head, out, now, new_sessions, updates)
+                self._index(req, head, out, now, plan.new_sessions, plan.updates)
                 pending[sid] = (out[-1].version, out[-1].hash)
-            results.append(out)
-        if blob_rows:
-            self._put_blobs(cur, list(blob_rows.values()))
-        if new_sessions:
+            plan.results.append(out)
+        plan.end = pos
+        return plan
+
+    def _apply(self, cur: Any, plan: _Plan, *, expect_position: bool) -> list[list[Event]]:
+        """A plan's statements, inside the write transaction.
+
+        ``expect_position``: the plan was made before the transaction; it holds
+        only if the log still ends where the plan assumed (else :class:`_Moved`).
+        """
+        if expect_position:
+            self.dialect.lock_positions(cur)
+            cur.execute("SELECT COALESCE(MAX(position), 0) FROM events")
+            if int(cur.fetchone()[0]) != plan.start:
+                raise _Moved
+        for sid in plan.purged:
+            cur.execute(self.dialect.sql("DELETE FROM events WHERE session_id = ?"), (sid,))
+            cur.execute(self.dialect.sql("DELETE FROM snapshots WHERE session_id = ?"), (sid,))
+        if plan.blob_rows:
+            self._put_blobs(cur, list(plan.blob_rows.values()))
+        if plan.new_sessions:
             cols = [c.name for c in sessions.columns]
             cur.executemany(
                 self.dialect.sql(
                     f"INSERT INTO sessions ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})"
                 ),
-                [tuple(row[c] for c in cols) for row in new_sessions.values()],
+                [tuple(row[c] for c in cols) for row in plan.new_sessions.values()],
             )
-        if rows:
-            cur.executemany(self._insert_sql, rows)
-        if updates:
-            self._apply_updates(cur, updates)
-        if rows:
-            self.dialect.notify(cur, pos)
-        return results
-
-    @property
-    def _insert_sql(self) -> str:
-        cols = "position, session_id, version, type, body, data, blob_sha, recorded_at, hash, prev_hash"
-        return self.dialect.sql(f"INSERT INTO events ({cols}) VALUES ({', '.join('?' * 10)})")
+        if plan.rows:
+            self.dialect.insert_rows(cur, "events", EVENT_COLUMNS, plan.rows)
+        if plan.updates:
+            self._apply_updates(cur, plan.updates)
+        if plan.rows:
+            self.dialect.notify(cur, plan.end)
+        return plan.results
 
     @staticmethod
     def _row(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
 import pytest
 
@@ -160,7 +159,7 @@ async def test_import_roundtrip_is_exact_and_rejects_broken_chains(log: EventLog
     )
     other = await EventLog.open(f"sqlite+aiosqlite:///{tmp_path / 'other.db'}")
     try:
-        tampered = [evs[0], dataclasses.replace(evs[1], body={"start": 0, "tokens": [9]}), evs[2]]
+        tampered = [evs[0], evs[1]._replace(body={"start": 0, "tokens": [9]}), evs[2]]
         with pytest.raises(ChainBroken):
             await other.import_events(tampered)
         assert await other.read("s1") == []

@@ -1,0 +1,142 @@
+"""The writer's pipeline: batches planned ahead of their transaction, multi-row
+inserts, and what happens when a plan no longer holds.
+
+Run against SQLite and PostgreSQL alike (PostgreSQL plans inside the
+transaction; the results must be the same).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from sessiontape.core.errors import ConcurrencyError, InvalidValue
+from sessiontape.core.events import NewEvent, T, canonical_json
+from sessiontape.core.log import EventLog
+from sessiontape.core.log.store import verify_chain
+
+
+def opened() -> NewEvent:
+    return NewEvent(T.SESSION_OPENED, {"protocol": "test"})
+
+
+def appended(start: int, toks: list[int]) -> NewEvent:
+    return NewEvent(T.TOKENS_APPENDED, {"start": start, "tokens": toks})
+
+
+@pytest.fixture
+async def log(db_url: str):  # type: ignore[no-untyped-def]
+    lg = await EventLog.open(db_url)
+    yield lg
+    await lg.close()
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 511, 1023, 1024, 1025, 3001])
+async def test_every_batch_size_is_written_whole_and_in_order(log: EventLog, n: int) -> None:
+    await log.append("s", 0, [opened()])
+    evs = await log.append("s", 1, [appended(i, [i % 250]) for i in range(n)])
+    back = await log.read("s")
+    assert back[1:] == evs
+    assert [e.version for e in back] == list(range(1, n + 2))
+    assert [e.position for e in back] == list(range(1, n + 2))
+    assert [e.body["start"] for e in back[1:]] == list(range(n))
+    verify_chain(back)
+
+
+async def test_planned_batches_stay_gapless_while_many_sessions_append(log: EventLog) -> None:
+    """Enough appenders that batches queue up behind each other, so each is
+    planned while the one before it commits."""
+
+    async def writer(i: int) -> None:
+        sid = f"w{i}"
+        await log.append(sid, 0, [opened()])
+        for v in range(1, 30, 3):
+            await log.append(sid, v, [appended(v - 1 + k, [k]) for k in range(3)])
+
+    await asyncio.gather(*(writer(i) for i in range(40)))
+    allev = await log.read_all(0, limit=100_000)
+    assert [e.position for e in allev] == list(range(1, 40 * 31 + 1))
+    for i in range(40):
+        evs = await log.read(f"w{i}")
+        assert [e.version for e in evs] == list(range(1, 32))
+        verify_chain(evs)
+        row = await log.get_session(f"w{i}")
+        assert (row.version, row.event_count, row.head_hash) == (31, 31, evs[-1].hash)
+
+
+async def test_a_failed_request_does_not_break_the_batches_planned_after_it(
+    log: EventLog,
+) -> None:
+    """A conflict inside one batch makes the writer retry its requests one by one;
+    the batch planned behind it assumed the first would commit whole, so it
+    must be planned again: every good append lands once, at the right version."""
+    sids = [f"c{i}" for i in range(30)]
+    for sid in sids:
+        await log.append(sid, 0, [opened()])
+
+    async def good(sid: str) -> None:
+        for v in range(1, 11):
+            await log.append(sid, v, [appended(v - 1, [v])])
+
+    async def bad(sid: str) -> list[BaseException | list[object]]:
+        # stale versions, refused every time, interleaved with the good appends
+        return await asyncio.gather(
+            *(log.append(sid, 0, [appended(0, [9])]) for _ in range(10)),
+            return_exceptions=True,
+        )
+
+    results = await asyncio.gather(*(good(s) for s in sids), bad(sids[0]), bad(sids[7]))
+    for refused in results[-2:]:
+        assert refused and all(isinstance(r, ConcurrencyError) for r in refused)
+    for sid in sids:
+        evs = await log.read(sid)
+        assert [e.version for e in evs] == list(range(1, 12))
+        assert [e.body["tokens"] for e in evs[1:]] == [[v] for v in range(1, 11)]
+        verify_chain(evs)
+    allev = await log.read_all(0, limit=100_000)
+    assert [e.position for e in allev] == list(range(1, len(allev) + 1))
+
+
+async def test_another_writer_in_between_is_noticed(sqlite_url: str) -> None:
+    """A second process writing the same SQLite file (here: a second log) moves
+    the end of the log after this writer planned from its cache: the writer
+    notices under the write lock and plans again, so positions stay gapless
+    and unique."""
+    first = await EventLog.open(sqlite_url)
+    second = await EventLog.open(sqlite_url)
+    try:
+        await first.append("a", 0, [opened()])
+        await first.append("a", 1, [appended(0, [1])])  # the writer now plans from its cache
+        await second.append("b", 0, [opened(), appended(0, [5])])
+        evs = await first.append("a", 2, [appended(1, [2]), appended(2, [3])])
+        assert [e.position for e in evs] == [5, 6]
+        allev = await first.read_all(0, limit=100)
+        assert [(e.session_id, e.position) for e in allev] == [
+            ("a", 1),
+            ("a", 2),
+            ("b", 3),
+            ("b", 4),
+            ("a", 5),
+            ("a", 6),
+        ]
+        verify_chain(await first.read("a"))
+    finally:
+        await second.close()
+        await first.close()
+
+
+async def test_the_stored_body_is_the_body_when_the_event_was_made(log: EventLog) -> None:
+    """A NewEvent encodes its body once, when made (and refuses what cannot be
+    stored then): changing the dict afterwards changes neither what is stored
+    nor what is hashed, and the committed event shows what was stored."""
+    body: dict[str, object] = {"start": 0, "tokens": [1]}
+    ne = NewEvent(T.TOKENS_APPENDED, body)
+    body["tokens"] = [2]
+    await log.append("s", 0, [opened()])
+    (ev,) = await log.append("s", 1, [ne])
+    assert ev.body == {"start": 0, "tokens": [1]}
+    assert (await log.read("s"))[1] == ev
+    assert ne.body_json == canonical_json({"start": 0, "tokens": [1]})
+    with pytest.raises(InvalidValue):
+        NewEvent(T.NOTE, {"x": float("nan")})
