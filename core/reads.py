@@ -21,10 +21,11 @@ class LogReads:
     log: EventLog
 
     def subscribe(
-        self, from_position: int = 0, session_id: str | None = None
+        self, from_position: int = 0, session_id: str | None = None, *, with_forks: bool = False
     ) -> AsyncIterator[Event]:
-        """Committed events after ``from_position`` (catch-up, then live)."""
-        return self.log.subscribe(from_position, session_id)
+        """Committed events after ``from_position`` (catch-up, then live): every
+        session's, or one session's (``with_forks``: and the opening of each fork of it)."""
+        return self.log.subscribe(from_position, session_id, with_forks=with_forks)
 
     async def read_events(
         self, session_id: str, from_version: int = 1, to_version: int | None = None

@@ -436,10 +436,11 @@ class EventLog:
     # -- subscriptions -----------------------------------------------------
 
     def subscribe(
-        self, from_position: int = 0, session_id: str | None = None
+        self, from_position: int = 0, session_id: str | None = None, *, with_forks: bool = False
     ) -> AsyncIterator[Event]:
-        """Events with position > ``from_position``: the past from the log, then live."""
-        return self.subscriptions.subscribe(from_position, session_id)
+        """Events with position > ``from_position``: the past from the log, then live
+        (one session's, with ``with_forks`` also the opening of each fork of it)."""
+        return self.subscriptions.subscribe(from_position, session_id, with_forks=with_forks)
 
 
 def verify_chain(evs: Sequence[Event], start_hash: str | None = None) -> None:

@@ -17,6 +17,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from sessiontape.core import metrics
+from sessiontape.core.bodies import fork_point
 from sessiontape.core.events import Event
 
 log = logging.getLogger("sessiontape.log")
@@ -28,13 +29,23 @@ PAGE = 1000
 
 
 class _Subscriber:
-    def __init__(self, session_id: str | None) -> None:
+    def __init__(self, session_id: str | None, with_forks: bool = False) -> None:
         self.session_id = session_id
+        self.with_forks = with_forks
         self.queue: asyncio.Queue[Event] = asyncio.Queue(maxsize=10_000)
         self.overflowed = False
 
+    def wants(self, e: Event) -> bool:
+        sid = self.session_id
+        if sid is None or e.session_id == sid:
+            return True
+        if not self.with_forks:
+            return False
+        parent = fork_point(e)
+        return parent is not None and parent.get("session_id") == sid
+
     def offer(self, e: Event) -> None:
-        if self.session_id is not None and e.session_id != self.session_id:
+        if self.session_id is not None and e.session_id != self.session_id and not self.wants(e):
             return
         try:
             self.queue.put_nowait(e)
@@ -110,10 +121,19 @@ class Subscriptions:
                 await asyncio.sleep(self.poll_interval_s)
 
     async def subscribe(
-        self, from_position: int = 0, session_id: str | None = None
+        self, from_position: int = 0, session_id: str | None = None, *, with_forks: bool = False
     ) -> AsyncIterator[Event]:
-        """Events with position > ``from_position``: the past from the log, then live."""
-        sub = _Subscriber(session_id)
+        """Events with position > ``from_position``: the past from the log, then live.
+
+        ``session_id``: only that session's events; ``with_forks`` adds the
+        ``session.opened`` of every session forked from it (what a live session
+        document shows). Filtering here, where events are handed out, keeps
+        the cost of a committed event to a watcher of another session at one
+        comparison instead of a queue hop and a task switch.
+        """
+        sub = _Subscriber(session_id, with_forks)
+        # forks are other sessions' events: catch-up reads every session's, filtered here
+        read_id = None if with_forks else session_id
         self._subscribers.add(sub)
         metrics.SUBSCRIBERS.inc()
         last = from_position
@@ -121,9 +141,10 @@ class Subscriptions:
             while True:
                 # catch up from the database
                 while True:
-                    evs = await self._read(last, PAGE, session_id)
+                    evs = await self._read(last, PAGE, read_id)
                     for e in evs:
-                        yield e
+                        if sub.wants(e):
+                            yield e
                         last = e.position
                     if len(evs) < PAGE:
                         break

@@ -20,6 +20,8 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from sessiontape.core.bodies import fork_point
 from sessiontape.core.document import TERMINAL, DocumentBuilder, SessionListBuilder
 from sessiontape.core.errors import InvalidParameters, SessionNotFound
@@ -31,7 +33,12 @@ log = logging.getLogger("sessiontape.http.feeds")
 
 
 def dumps(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    """Compact JSON text of a document or a patch (orjson; the standard library
+    for what orjson refuses, such as integers beyond 64 bits)."""
+    try:
+        return orjson.dumps(value).decode()
+    except (orjson.JSONEncodeError, TypeError):
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 def frame(event: str, data: str, id_: int | None = None) -> bytes:
@@ -198,7 +205,7 @@ class SessionFeed:
 
     async def _run(self) -> None:
         try:
-            async for e in self.runtime.subscribe(self.position, None):
+            async for e in self.runtime.subscribe(self.position, self.session_id, with_forks=True):
                 self.publish(e)
                 if self.ended:
                     break

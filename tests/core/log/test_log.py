@@ -222,3 +222,41 @@ def test_the_append_hasher_is_the_chain_hash() -> None:
             assert h("0" * 64, v, "note.recorded", bj, data) == chain_hash_json(
                 "0" * 64, "s_\u00fc", v, "note.recorded", bj, data, recorded_at
             )
+
+
+async def test_a_session_subscription_with_forks_sees_its_events_and_its_forks_only(
+    log: EventLog,
+) -> None:
+    """Catch-up and live alike: the session's own events and the opening of each
+    fork of it; another session's events, and the rest of a fork's, never."""
+
+    def fork_of(parent: str) -> NewEvent:
+        return NewEvent(
+            T.SESSION_OPENED,
+            {"protocol": "test", "parent": {"session_id": parent, "version": 1}},
+        )
+
+    await log.append("a", 0, [opened()])
+    await log.append("b", 0, [opened(), appended(0, [1])])
+    await log.append("a-fork-1", 0, [fork_of("a"), appended(0, [2])])
+    await log.append("b-fork", 0, [fork_of("b")])
+    got: list[tuple[str, int]] = []
+    done = asyncio.Event()
+
+    async def watch() -> None:
+        async for e in log.subscribe(0, "a", with_forks=True):
+            got.append((e.session_id, e.version))
+            if len(got) == 5:
+                done.set()
+                return
+
+    task = asyncio.create_task(watch())
+    await asyncio.sleep(0.05)  # caught up: now live
+    await log.append("b", 2, [appended(1, [3])])
+    await log.append("a", 1, [appended(0, [4])])
+    await log.append("a-fork-2", 0, [fork_of("a")])
+    await log.append("a-fork-1", 2, [appended(1, [5])])
+    await log.append("a", 2, [appended(1, [6])])
+    await asyncio.wait_for(done.wait(), 10)
+    await task
+    assert got == [("a", 1), ("a-fork-1", 1), ("a", 2), ("a-fork-2", 1), ("a", 3)]
