@@ -73,8 +73,10 @@ DEFAULTS: dict[str, Any] = {
         # a fast engine's steps are gathered for up to linger_s, or until min_run wait
         "min_run": 64,
         "linger_s": 0.005,
-        # engine steps a generation takes per turn of the priority gate
-        "burst": 16,
+        # engine steps a generation takes per turn of the priority gate, holding it
+        # at most burst_s (a turn fills a run: burst >= min_run)
+        "burst": 64,
+        "burst_s": 0.005,
     },
     "logging": {"level": "INFO", "format": "text", "access_log": True},
     # what one request may cost (docs/security.md); every wire reads these
@@ -174,7 +176,7 @@ class Config:
         numbers = {
             "sessions": ("sweep_interval_s", "max_nesting_depth", "max_nodes", "state_cache_size"),
             "log": ("batch_max", "snapshot_every", "inline_max_bytes", "poll_interval_s"),
-            "generation": ("run_ahead", "max_run"),
+            "generation": ("run_ahead", "max_run", "min_run", "linger_s", "burst", "burst_s"),
             "limits": tuple(DEFAULTS["limits"]),
         }
         for section, keys in numbers.items():

@@ -70,8 +70,10 @@ class PipelineLimits:
     min_run: int = 64
     #: ... waiting at most this long for them
     linger_s: float = 0.005
-    #: engine steps a generation takes in one turn of the priority gate
-    burst: int = 16
+    #: engine steps a generation takes in one turn of the priority gate ...
+    burst: int = 64
+    #: ... holding it at most this long (a slow engine hands over after a step or two)
+    burst_s: float = 0.005
     #: a caller slower than the engine gets runs it handles in about this long
     pace_s: float = 0.002
 
@@ -198,7 +200,7 @@ class Generation:
         waits and the queue has room) keeps equal-priority generations
         taking turns without a hand-over per token.
         """
-        gate, q, burst = self.rt.gate, self._queue, self.limits.burst
+        gate, q, burst, burst_s = self.rt.gate, self._queue, self.limits.burst, self.limits.burst_s
         if self.rt.engine.batches:
             # the engine schedules every generation's steps into shared passes itself:
             # taking turns here would leave all but one session idle in each pass
@@ -209,6 +211,7 @@ class Generation:
             step: Step | None = None
             while not done:
                 async with gate.slot(self.priority):
+                    turn_ends = time.perf_counter() + burst_s
                     for _ in range(burst):
                         try:
                             step = await anext(steps)
@@ -229,7 +232,9 @@ class Generation:
                         step = None
                         if self._enough is not None and q.qsize() >= self._enough_at:
                             self._enough.set()
-                        if gate.more_urgent_waiting(self.priority):
+                        if gate.more_urgent_waiting(self.priority) or (
+                            now >= turn_ends and gate.waiting()
+                        ):
                             break
                 if not done and step is not None:
                     await q.put(step)
@@ -672,6 +677,9 @@ class _OpenGate:
         yield
 
     def more_urgent_waiting(self, priority: int) -> bool:
+        return False
+
+    def waiting(self) -> bool:
         return False
 
 

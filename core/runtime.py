@@ -143,6 +143,7 @@ class Runtime(SessionStates, LogReads):
             min_run=int(config.generation_opt("min_run")),
             linger_s=float(config.generation_opt("linger_s")),
             burst=int(config.generation_opt("burst")),
+            burst_s=float(config.generation_opt("burst_s")),
         )
 
     # -- construction ------------------------------------------------------

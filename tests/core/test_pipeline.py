@@ -297,3 +297,66 @@ async def test_property_any_limits_any_stop(
     finally:
         with contextlib.suppress(Exception):
             await rt.aclose()
+
+
+class _RecordingEngine(ReferenceEngine):
+    """The reference engine, noting which session each decoded step belongs to."""
+
+    def __init__(self, order: list[str], **kw: Any) -> None:
+        super().__init__(**kw)
+        self.order = order
+
+    async def generate(  # type: ignore[override]
+        self,
+        session_key: str,
+        history: Sequence[int],
+        params: SamplingParams,
+        options: OutputOptions = DEFAULT_OUTPUT,
+    ) -> AsyncIterator[Step]:
+        async for step in super().generate(session_key, history, params, options):
+            if not step.is_prefill:
+                self.order.append(session_key)
+            yield step
+
+
+def _longest_turn(order: list[str]) -> int:
+    """The most steps one session decoded in a row while the other still had steps to come."""
+    last = {k: i for i, k in enumerate(order)}
+    end = min(last.values())  # past this, one session is alone
+    best = run = 0
+    for i, k in enumerate(order[: end + 1]):
+        run = run + 1 if i and order[i - 1] == k else 1
+        best = max(best, run)
+    return best
+
+
+@pytest.mark.parametrize(
+    ("burst", "burst_s", "shortest", "longest"),
+    [
+        (64, 0.001, 1, 2),  # a slow engine (5 ms a step) hands over after a step or two
+        (4, 10.0, 4, 4),  # the step count ends a turn when the time slice does not
+    ],
+)
+async def test_a_turn_of_the_gate_ends_after_burst_steps_or_burst_s(
+    sqlite_url: str, burst: int, burst_s: float, shortest: int, longest: int
+) -> None:
+    order: list[str] = []
+    engine = _RecordingEngine(order, eos_bias=-1000.0, step_delay_s=0.005)
+    cfg = make_config(sqlite_url, generation={"burst": burst, "burst_s": burst_s})
+    rt = await Runtime.create(cfg, engine=engine)
+    try:
+        sids = []
+        for _ in range(2):
+            sid = (await rt.open_session("t")).session_id
+            await rt.append_text(sid, "abc")
+            sids.append(sid)
+
+        async def one(sid: str) -> None:
+            async for _ in rt.generate(sid, SamplingParams(max_tokens=24, seed=1)):
+                pass
+
+        await asyncio.gather(*(one(s) for s in sids))
+        assert sorted(set(order)) == sorted(sids) and len(order) == 48
+        assert shortest <= _longest_turn(order) <= longest
+    finally:
+        await rt.aclose()
