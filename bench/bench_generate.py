@@ -335,10 +335,66 @@ async def wire_rows(engine: Engine, url: str, tokens: int, rounds: int) -> None:
                 via(wire),
                 lambda: f"{statistics.median(clock.lat) * 1e3:.2f} ms" if clock.lat else "n/a",
             )
+        # the wire's own ceiling: the same Kakeya messages from a servicer that
+        # generates nothing (no engine, no log), to the same client
+        ceiling = await _bare_kakeya(tokens)
+        try:
+            cport = ceiling.port
+
+            async def bare() -> float:
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    __file__,
+                    "--client",
+                    "kakeya",
+                    "--ports",
+                    f"{cport},{hport}",
+                    "--tokens",
+                    str(tokens),
+                    stdout=asyncio.subprocess.PIPE,
+                )
+                out, _ = await proc.communicate()
+                res = json.loads(out)
+                return float(res["n"]) / float(res["dt"])
+
+            await compare("Kakeya messages, no generation (ceiling)", rounds, alone, bare)
+        finally:
+            await ceiling.server.stop(0)
     finally:
         await http_t.stop()
         await grpc_t.stop()
         await rt.aclose()
+
+
+class _Bare:
+    def __init__(self, server: Any, port: int) -> None:
+        self.server, self.port = server, port
+
+
+async def _bare_kakeya(tokens: int) -> _Bare:
+    """A grpc.aio server whose Kakeya Generate streams ``tokens`` ready-made messages."""
+    import grpc
+
+    from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2 as kpb
+    from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2_grpc as kgrpc
+
+    class Bare(kgrpc.RuntimeServiceServicer):  # type: ignore[misc]
+        async def CreateSession(self, request: Any, context: Any) -> Any:
+            return kpb.CreateSessionResponse(session_id="bare")
+
+        async def AppendTokens(self, request: Any, context: Any) -> Any:
+            return kpb.AppendTokensResponse()
+
+        async def Generate(self, request: Any, context: Any) -> Any:
+            for i in range(request.max_tokens):
+                yield kpb.GenerateResponse(token_id=i % 250)
+            yield kpb.GenerateResponse(done=kpb.GenerateDone())
+
+    server = grpc.aio.server()
+    kgrpc.add_RuntimeServiceServicer_to_server(Bare(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return _Bare(server, port)
 
 
 async def main() -> None:
