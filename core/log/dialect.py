@@ -321,6 +321,10 @@ class SQLiteDialect(Dialect):
         await super().close()
 
 
+#: the fewest rows PostgreSQL inserts with COPY rather than executemany
+PG_COPY_MIN_ROWS = 32
+
+
 class _PgCursor:
     """The DBAPI cursor of a write transaction, and the asyncpg connection under it
     (for ``COPY``, which the DBAPI layer does not offer)."""
@@ -380,7 +384,8 @@ class PostgresDialect(Dialect):
         import asyncpg
 
         driver = getattr(cur, "driver", None)
-        if driver is None:
+        if driver is None or len(rows) < PG_COPY_MIN_ROWS:
+            # a few rows: COPY's extra round trip costs more than it saves
             super().insert_rows(cur, table, columns, rows)
             return
         statement = f"COPY {table} ({', '.join(columns)}) FROM STDIN (FORMAT binary)"

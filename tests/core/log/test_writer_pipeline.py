@@ -147,12 +147,15 @@ async def test_a_row_postgresql_refuses_in_the_copy_is_the_requests_fault(pg_url
     there (a type longer than its column) fails that request alone with
     InvalidArgument, writes nothing of it, and the others of its batch commit."""
     from sessiontape.core.errors import InvalidArgument
+    from sessiontape.core.log.dialect import PG_COPY_MIN_ROWS
 
+    assert PG_COPY_MIN_ROWS <= 41
     log = await EventLog.open(pg_url)
     try:
         await log.append("a", 0, [opened()])
         await log.append("b", 0, [opened()])
-        bad = log.append("a", 1, [NewEvent("x" * 65, {})])
+        # enough rows for COPY (PG_COPY_MIN_ROWS), the last one refused
+        bad = log.append("a", 1, [appended(i, [i]) for i in range(40)] + [NewEvent("x" * 65, {})])
         good = log.append("b", 1, [appended(0, [1])])
         results = await asyncio.gather(bad, good, return_exceptions=True)
         assert isinstance(results[0], InvalidArgument)
