@@ -258,9 +258,27 @@ async def wire_client(wire: str, gport: int, hport: int, tokens: int) -> dict[st
     return {"n": n, "dt": dt, "arrivals": arrivals}
 
 
-async def wire_rows(engine: Engine, url: str, tokens: int, rounds: int) -> None:
+async def run_client(wire: str, gport: int, hport: int, tokens: int) -> dict[str, Any]:
+    """:func:`wire_client` in a separate process (as a real client is); its result."""
     import json
 
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        __file__,
+        "--client",
+        wire,
+        "--ports",
+        f"{gport},{hport}",
+        "--tokens",
+        str(tokens),
+        stdout=asyncio.subprocess.PIPE,
+    )
+    out, _ = await proc.communicate()
+    res: dict[str, Any] = json.loads(out)
+    return res
+
+
+async def wire_rows(engine: Engine, url: str, tokens: int, rounds: int) -> None:
     def free() -> int:
         import socket
 
@@ -293,19 +311,7 @@ async def wire_rows(engine: Engine, url: str, tokens: int, rounds: int) -> None:
         def via(wire: str) -> Callable[[], Awaitable[float]]:
             async def run() -> float:
                 clock.start()
-                proc = await asyncio.create_subprocess_exec(
-                    sys.executable,
-                    __file__,
-                    "--client",
-                    wire,
-                    "--ports",
-                    f"{gport},{hport}",
-                    "--tokens",
-                    str(tokens),
-                    stdout=asyncio.subprocess.PIPE,
-                )
-                out, _ = await proc.communicate()
-                res = json.loads(out)
+                res = await run_client(wire, gport, hport, tokens)
                 for key, t in res["arrivals"]:
                     committed = (
                         clock.by_position.get(key)
@@ -342,19 +348,7 @@ async def wire_rows(engine: Engine, url: str, tokens: int, rounds: int) -> None:
             cport = ceiling.port
 
             async def bare() -> float:
-                proc = await asyncio.create_subprocess_exec(
-                    sys.executable,
-                    __file__,
-                    "--client",
-                    "kakeya",
-                    "--ports",
-                    f"{cport},{hport}",
-                    "--tokens",
-                    str(tokens),
-                    stdout=asyncio.subprocess.PIPE,
-                )
-                out, _ = await proc.communicate()
-                res = json.loads(out)
+                res = await run_client("kakeya", cport, hport, tokens)
                 return float(res["n"]) / float(res["dt"])
 
             await compare("Kakeya messages, no generation (ceiling)", rounds, alone, bare)

@@ -15,14 +15,7 @@ from sessiontape.core.errors import ConcurrencyError, InvalidValue
 from sessiontape.core.events import NewEvent, T, canonical_json
 from sessiontape.core.log import EventLog
 from sessiontape.core.log.store import verify_chain
-
-
-def opened() -> NewEvent:
-    return NewEvent(T.SESSION_OPENED, {"protocol": "test"})
-
-
-def appended(start: int, toks: list[int]) -> NewEvent:
-    return NewEvent(T.TOKENS_APPENDED, {"start": start, "tokens": toks})
+from tests.core.log.test_log import appended, opened
 
 
 @pytest.fixture
