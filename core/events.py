@@ -88,6 +88,18 @@ class NewEvent(_NewEventFields):
     def __repr__(self) -> str:
         return f"NewEvent(type={self.type!r}, body={self.body!r}, data={self.data!r})"
 
+    def __getnewargs__(self) -> tuple[str, Mapping[str, Any], bytes | None]:
+        # copy and pickle make it again from its parts (checked and encoded again)
+        return (self.type, self.body, self.data)
+
+    def _replace(self, **changes: Any) -> NewEvent:
+        """A changed copy, checked and encoded again (the tuple's own would keep
+        the old ``body_json``)."""
+        if "body_json" in changes:
+            raise TypeError("body_json follows from body; replace body instead")
+        parts = {"type": self.type, "body": self.body, "data": self.data, **changes}
+        return NewEvent(parts["type"], parts["body"], parts["data"])
+
 
 def check_body(body: Any) -> None:
     """Raise InvalidValue unless ``body`` stores as strict JSON, unchanged."""

@@ -53,6 +53,8 @@ async def cmd_serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
+    # before any transport accepts a connection: what exists now lives as long as the process
+    gctune.tune_for_serving()
     try:
         for name in cfg.enabled_transports():
             cls = load(TRANSPORTS, name)
@@ -62,7 +64,6 @@ async def cmd_serve(args: argparse.Namespace) -> int:
             log.info("%s: %s", name, line)
         if not started:
             log.warning("no transport enabled; serving nothing but the TTL sweeper")
-        gctune.tune_for_serving()
         log.info("sessiontape ready (engine %s, pid %d)", runtime.engine.info.name, _pid())
         await stop.wait()
         log.info("shutting down")

@@ -397,6 +397,8 @@ class PostgresDialect(Dialect):
             asyncpg.exceptions.PostgresConnectionError,
             asyncpg.exceptions.OperatorInterventionError,
             asyncpg.exceptions.InterfaceError,
+            # how asyncpg reports a connection the server ended mid-protocol
+            asyncpg.exceptions.InternalClientError,
         ) as exc:
             raise OperationalError(statement, None, exc, connection_invalidated=True) from exc
         except asyncpg.exceptions.PostgresError as exc:

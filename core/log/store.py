@@ -33,7 +33,13 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from sessiontape.core.bodies import SessionPurged
 from sessiontape.core.bodies import body as typed_body
-from sessiontape.core.errors import ChainBroken, InvalidEvent, SessionNotFound, SessiontapeError
+from sessiontape.core.errors import (
+    ChainBroken,
+    InvalidArgument,
+    InvalidEvent,
+    SessionNotFound,
+    SessiontapeError,
+)
 from sessiontape.core.events import GENESIS_HASH, Event, NewEvent, T, event_hash, parse_json
 from sessiontape.core.log.dialect import Dialect, session_lock_key
 from sessiontape.core.log.schema import blobs, events, sessions, snapshots
@@ -216,6 +222,8 @@ class EventLog:
         current version is not ``expected_version``. ``index`` carries
         sessions-table columns the caller knows (``history_length``).
         """
+        if isinstance(new_events, NewEvent) or not all(isinstance(e, NewEvent) for e in new_events):
+            raise InvalidArgument("append takes a sequence of NewEvent")
         if not new_events:
             return []
         return await self.writer.submit(

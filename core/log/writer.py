@@ -2,8 +2,9 @@
 
 Appends from every session queue up as requests; the writer task drains
 what is queued (up to ``batch_max`` events) and commits it in one
-transaction (:meth:`Dialect.transaction`): position lock, one ``executemany``
-for the events and one for the sessions index, blobs deduplicated by sha256.
+transaction (:meth:`Dialect.transaction`): position lock, the events in
+multi-row INSERTs (SQLite) or one COPY (PostgreSQL, 32 rows or more), one
+statement for the sessions index, blobs deduplicated by sha256.
 Each body is encoded to canonical JSON once, for both the hash and the
 stored column. Only after COMMIT are the appenders' futures resolved and
 the events handed on (``on_commit``): durable before visible. A batch that
@@ -354,8 +355,10 @@ class Writer:
 
         try:
             return self._plan(None, batch, start, head_of, recheck=None)
-        except (_CacheMiss, ConcurrencyError):
-            # an unknown session, or a version that does not match: the database decides
+        except Exception:
+            # an unknown session, a version that does not match, a request that
+            # cannot be planned at all: planned inside the transaction instead,
+            # where what fails fails only its own request
             return None
 
     def _write(self, cur: Any, batch: list[Request]) -> list[list[Event]]:

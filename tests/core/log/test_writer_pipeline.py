@@ -160,3 +160,60 @@ async def test_a_row_postgresql_refuses_in_the_copy_is_the_requests_fault(pg_url
         assert [e.version for e in await log.read("a")] == [1, 2]
     finally:
         await log.close()
+
+
+async def test_an_append_that_is_not_a_list_of_new_events_is_refused_and_the_log_goes_on(
+    log: EventLog,
+) -> None:
+    """A NewEvent is a tuple: passed without its list it must not be taken apart
+    into 'events' (which once killed the writer when planned on the loop)."""
+    from sessiontape.core.errors import InvalidArgument
+
+    await log.append("s", 0, [opened()])
+    await log.append("s", 1, [appended(0, [1])])  # the writer now plans from its cache
+    with pytest.raises(InvalidArgument):
+        await asyncio.wait_for(log.append("s", 2, appended(1, [2])), 10)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument):
+        await asyncio.wait_for(log.append("s", 2, [{"type": T.NOTE}]), 10)  # type: ignore[list-item]
+    evs = await asyncio.wait_for(log.append("s", 2, [appended(1, [2])]), 10)
+    assert [e.version for e in evs] == [3]
+    assert [e.version for e in await log.read("s")] == [1, 2, 3]
+
+
+async def test_a_request_that_cannot_be_planned_fails_alone(log: EventLog) -> None:
+    """Whatever goes wrong while a batch is planned ahead on the loop fails the
+    request it belongs to (planned again inside the transaction), never the
+    writer: the rest of the batch commits and later appends are served."""
+    await log.append("a", 0, [opened()])
+    await log.append("b", 0, [opened()])
+    await log.append("a", 1, [appended(0, [1])])
+    await log.append("b", 1, [appended(0, [1])])
+    # data that is not bytes: the chain hash cannot digest it
+    broken = NewEvent(T.NOTE, {"text": "x"}, "not bytes")  # type: ignore[arg-type]
+    results = await asyncio.wait_for(
+        asyncio.gather(
+            log.append("a", 2, [broken]),
+            log.append("b", 2, [appended(1, [2])]),
+            return_exceptions=True,
+        ),
+        10,
+    )
+    assert isinstance(results[0], Exception)
+    assert not isinstance(results[1], BaseException)
+    evs = await asyncio.wait_for(log.append("a", 2, [appended(1, [3])]), 10)
+    assert [e.version for e in evs] == [3]
+
+
+def test_a_new_event_copied_pickled_or_replaced_is_checked_and_encoded_again() -> None:
+    import copy
+    import pickle
+
+    ne = NewEvent(T.NOTE, {"a": 1}, b"x")
+    for again in (copy.copy(ne), copy.deepcopy(ne), pickle.loads(pickle.dumps(ne))):
+        assert again == ne and isinstance(again, NewEvent)
+    changed = ne._replace(body={"b": 2})
+    assert changed.body_json == canonical_json({"b": 2}) and changed.data == b"x"
+    with pytest.raises(InvalidValue):
+        ne._replace(body={"x": float("inf")})
+    with pytest.raises(TypeError):
+        ne._replace(body_json="{}")
