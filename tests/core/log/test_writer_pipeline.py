@@ -217,3 +217,42 @@ def test_a_new_event_copied_pickled_or_replaced_is_checked_and_encoded_again() -
         ne._replace(body={"x": float("inf")})
     with pytest.raises(TypeError):
         ne._replace(body_json="{}")
+
+
+async def test_a_planned_batch_that_fails_drops_the_plan_made_after_it(log: EventLog) -> None:
+    """The first planned batch fails inside its transaction (a hook raises once);
+    the batch behind it was planned from what that one would have written, so it
+    must be planned again: every append lands once, positions stay gapless."""
+    sids = [f"p{i}" for i in range(12)]
+    for sid in sids:
+        await log.append(sid, 0, [opened()])
+    failed = asyncio.Event()
+
+    async def hook(_evs: list[object]) -> None:
+        if not failed.is_set():
+            failed.set()
+            await asyncio.sleep(0.05)  # the next batch gets planned meanwhile
+            raise RuntimeError("the disk hiccuped")
+
+    log.writer.before_commit = hook
+
+    async def writer(sid: str) -> list[BaseException | object]:
+        out: list[BaseException | object] = []
+        v = 1
+        for k in range(4):
+            try:
+                await log.append(sid, v, [appended(k, [k])])
+                v += 1
+            except RuntimeError as exc:  # the failed batch's requests, retried alone, succeed
+                out.append(exc)
+        return out
+
+    await asyncio.wait_for(asyncio.gather(*(writer(s) for s in sids)), 30)
+    log.writer.before_commit = None
+    assert failed.is_set()
+    allev = await log.read_all(0, limit=10_000)
+    assert [e.position for e in allev] == list(range(1, len(allev) + 1))
+    for sid in sids:
+        evs = await log.read(sid)
+        verify_chain(evs)
+        assert [e.version for e in evs] == list(range(1, len(evs) + 1))
