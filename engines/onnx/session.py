@@ -120,6 +120,10 @@ def open_session(
     so.intra_op_num_threads = int(intra_op_threads)
     so.inter_op_num_threads = int(inter_op_threads)
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    if spinning:
+        # spin between the operators of a pass, not after it: idle threads then leave
+        # the CPU to the event loop and the log between passes (docs/engines.md, Threads)
+        so.add_session_config_entry("session.force_spinning_stop", "1")
     cuda_opts = {"enable_cuda_graph": "1"} if cuda_graph else {}
     chosen: list[Any] = [(p, cuda_opts) if p == CUDA else p for p in providers]
     try:

@@ -120,6 +120,8 @@ def test_session_options_are_applied_and_reported(tiny_dir: Path) -> None:
     opts = eng._sess.get_session_options()
     assert opts.intra_op_num_threads == 1
     assert opts.get_session_config_entry("session.intra_op.allow_spinning") == "1"
+    # spinning stops when a pass returns (the loop and the log get the CPU between passes)
+    assert opts.get_session_config_entry("session.force_spinning_stop") == "1"
     default = OnnxEngine(model_dir=tiny_dir)
     assert (
         default._sess.get_session_options().get_session_config_entry(
