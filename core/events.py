@@ -17,6 +17,7 @@ is in docs/events.md; the type names are the constants of :class:`T`.
 
 from __future__ import annotations
 
+import builtins
 import functools
 import hashlib
 import json
@@ -82,6 +83,8 @@ class NewEvent(_NewEventFields):
     ) -> NewEvent:
         if body is None:
             body = {}
+        if data is not None and not isinstance(data, bytes):
+            raise InvalidValue(f"event data must be bytes, got {builtins.type(data).__name__}")
         encoded = canonical_json(body) if type in UNCHECKED_TYPES else encode_body(body)
         return tuple.__new__(cls, (type, body, data, encoded))
 
