@@ -45,7 +45,7 @@ class _Subscriber:
         return parent is not None and parent.get("session_id") == sid
 
     def offer(self, e: Event) -> None:
-        if self.session_id is not None and e.session_id != self.session_id and not self.wants(e):
+        if not self.wants(e):
             return
         try:
             self.queue.put_nowait(e)

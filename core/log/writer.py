@@ -304,23 +304,20 @@ class Writer:
             assert hook is not None
             await hook([e for r in results for e in r])
 
+        def run(work: Callable[[Any], list[list[Event]]]) -> Awaitable[list[list[Event]]]:
+            return self.dialect.transaction(
+                work, None if hook is None else before, small=len(batch) == 1
+            )
+
         results: list[list[Event]] | None = None
         if plan is not None:
             planned = plan
             try:
-                results = await self.dialect.transaction(
-                    lambda cur: self._apply(cur, planned, expect_position=True),
-                    None if hook is None else before,
-                    small=len(batch) == 1,
-                )
+                results = await run(lambda cur: self._apply(cur, planned, expect_position=True))
             except _Moved:
                 plan = None  # another process wrote: plan again, inside the transaction
         if results is None:
-            results = await self.dialect.transaction(
-                lambda cur: self._write(cur, batch),
-                None if hook is None else before,
-                small=len(batch) == 1,
-            )
+            results = await run(lambda cur: self._write(cur, batch))
         for evs in results:
             if evs:
                 self._remember(evs[-1].session_id, (evs[-1].version, evs[-1].hash))

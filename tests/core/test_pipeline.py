@@ -142,13 +142,16 @@ async def test_stops_with_the_onnx_cache_rewind_it_to_the_log(
 
 
 class CountingEngine(ReferenceEngine):
-    """The reference engine, counting the steps it handed out; optionally failing after some."""
+    """The reference engine, counting the steps it handed out (and noting whose each
+    generated one was); optionally failing after some."""
 
     def __init__(self, fail_after: int | None = None, **kw: Any) -> None:
         super().__init__(**kw)
         self.yielded = 0
         self.fail_after = fail_after
         self.rewound: list[tuple[str, int]] = []
+        #: the session key of each generated (not prefill) step, in order
+        self.order: list[str] = []
 
     async def generate(
         self,
@@ -161,6 +164,8 @@ class CountingEngine(ReferenceEngine):
             if self.fail_after is not None and self.yielded >= self.fail_after:
                 raise EngineError("the device fell over")
             self.yielded += 1
+            if not step.is_prefill:
+                self.order.append(session_key)
             yield step
 
     def rewind(self, session_key: str, length: int) -> None:
@@ -299,26 +304,6 @@ async def test_property_any_limits_any_stop(
             await rt.aclose()
 
 
-class _RecordingEngine(ReferenceEngine):
-    """The reference engine, noting which session each decoded step belongs to."""
-
-    def __init__(self, order: list[str], **kw: Any) -> None:
-        super().__init__(**kw)
-        self.order = order
-
-    async def generate(  # type: ignore[override]
-        self,
-        session_key: str,
-        history: Sequence[int],
-        params: SamplingParams,
-        options: OutputOptions = DEFAULT_OUTPUT,
-    ) -> AsyncIterator[Step]:
-        async for step in super().generate(session_key, history, params, options):
-            if not step.is_prefill:
-                self.order.append(session_key)
-            yield step
-
-
 def _longest_turn(order: list[str]) -> int:
     """The most steps one session decoded in a row while the other still had steps to come."""
     last = {k: i for i, k in enumerate(order)}
@@ -340,8 +325,8 @@ def _longest_turn(order: list[str]) -> int:
 async def test_a_turn_of_the_gate_ends_after_burst_steps_or_burst_s(
     sqlite_url: str, burst: int, burst_s: float, shortest: int, longest: int
 ) -> None:
-    order: list[str] = []
-    engine = _RecordingEngine(order, eos_bias=-1000.0, step_delay_s=0.005)
+    engine = CountingEngine(eos_bias=-1000.0, step_delay_s=0.005)
+    order = engine.order
     cfg = make_config(sqlite_url, generation={"burst": burst, "burst_s": burst_s})
     rt = await Runtime.create(cfg, engine=engine)
     try:
