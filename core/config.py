@@ -31,6 +31,7 @@ scalars when they parse (``true``, ``12``, ``"x"``), else taken as strings.
 from __future__ import annotations
 
 import copy
+import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -186,6 +187,8 @@ class Config:
                     not isinstance(value, int | float) and not _numeric(value)
                 ):
                     raise ConfigError(f"{section}.{key} must be a number, got {value!r}")
+                if not math.isfinite(float(value)):
+                    raise ConfigError(f"{section}.{key} must be a finite number, got {value!r}")
                 if float(value) <= 0 and key != "snapshot_every":
                     raise ConfigError(f"{section}.{key} must be positive, got {value!r}")
         ttls = self.section("sessions").get("idle_ttl_s", {})
