@@ -78,6 +78,9 @@ DEFAULTS: dict[str, Any] = {
         # at most burst_s (a turn fills a run: burst >= min_run)
         "burst": 64,
         "burst_s": 0.005,
+        # a caller slower than the engine (one message per token) gets runs it
+        # handles in about pace_s each, committed when it asks for the next
+        "pace_s": 0.004,
     },
     "logging": {"level": "INFO", "format": "text", "access_log": True},
     # what one request may cost (docs/security.md); every wire reads these
@@ -177,7 +180,15 @@ class Config:
         numbers = {
             "sessions": ("sweep_interval_s", "max_nesting_depth", "max_nodes", "state_cache_size"),
             "log": ("batch_max", "snapshot_every", "inline_max_bytes", "poll_interval_s"),
-            "generation": ("run_ahead", "max_run", "min_run", "linger_s", "burst", "burst_s"),
+            "generation": (
+                "run_ahead",
+                "max_run",
+                "min_run",
+                "linger_s",
+                "burst",
+                "burst_s",
+                "pace_s",
+            ),
             "limits": tuple(DEFAULTS["limits"]),
         }
         for section, keys in numbers.items():

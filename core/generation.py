@@ -17,6 +17,12 @@ Three stages run at once for one generation::
   settled.
 - The **caller** receives a run of committed events while the next run
   commits. Nothing is yielded before its commit: durable before visible.
+  A caller slower than the engine (a wire that sends one message per token)
+  gets runs it handles in about ``generation.pace_s`` each, and the next run
+  commits when it asks for it rather than while it handles this one: tokens
+  committed ahead would only wait behind the run in hand, so committing on
+  demand halves the commit-to-client latency of a given run length (and so
+  allows runs twice as long, with half the appends, at the same latency).
 
 When the caller stops (cancel, client gone), an abort is requested, or the
 engine fails, steps that were decoded but not committed are dropped, the
@@ -74,8 +80,9 @@ class PipelineLimits:
     burst: int = 64
     #: ... holding it at most this long (a slow engine hands over after a step or two)
     burst_s: float = 0.005
-    #: a caller slower than the engine gets runs it handles in about this long
-    pace_s: float = 0.002
+    #: a caller slower than the engine gets runs it handles in about this long,
+    #: committed when it asks for the next
+    pace_s: float = 0.004
 
 
 class Runtime(Protocol):
@@ -168,7 +175,8 @@ class Generation:
         self._out: asyncio.Queue[list[Event] | Exception | None] = asyncio.Queue()
         #: committed runs the caller has not taken yet may be at most one: the next run
         #: commits while the caller handles this one, never further ahead (a slow client
-        #: leaves steps uncommitted, where the run-ahead bound holds the engine back)
+        #: leaves steps uncommitted, where the run-ahead bound holds the engine back);
+        #: none for a paced caller (:meth:`_paced`), whose next run commits on demand
         self._credit = asyncio.Semaphore(1)
         #: moving average of the time the caller spends per event of a run (None before
         #: the second run): runs are cut so one takes the caller about ``pace_s``
@@ -267,6 +275,12 @@ class Generation:
         committed = 0 if g is None else g.scored + len(g.tokens)
         self.dropped = self.taken - committed
 
+    def _paced(self) -> bool:
+        """Whether runs are cut to what the caller handles in ``pace_s``: it takes
+        longer over a full run (``max_run`` events) than that."""
+        c = self.consume_per_event
+        return c is not None and c * self.limits.max_run > self.limits.pace_s
+
     async def _take(self) -> list[Step]:
         """Every ready step (waiting for the first), cut after a stop token.
 
@@ -283,9 +297,9 @@ class Generation:
         limits = self.limits
         interval = self.interval
         max_run, min_run = limits.max_run, limits.min_run
-        if self.consume_per_event:
+        if self._paced():
             # a caller slower than the engine: runs it handles in about pace_s each
-            max_run = max(1, min(max_run, int(limits.pace_s / self.consume_per_event)))
+            max_run = max(1, int(limits.pace_s / (self.consume_per_event or limits.pace_s)))
             min_run = min(min_run, max_run)
         if (
             min_run > 1
@@ -392,7 +406,9 @@ class Generation:
         try:
             while True:
                 item = await self._out.get()
-                self._credit.release()
+                paced = self._paced()
+                if not paced:
+                    self._credit.release()  # the next run commits while this one is handled
                 if item is None:
                     return
                 if isinstance(item, Exception):
@@ -402,6 +418,8 @@ class Generation:
                 per = (time.perf_counter() - given) / max(1, len(item))
                 c = self.consume_per_event
                 self.consume_per_event = per if c is None else 0.7 * c + 0.3 * per
+                if paced:
+                    self._credit.release()  # the caller asks for the next run: commit it now
         finally:
             if not committer.done():
                 committer.cancel()

@@ -144,6 +144,7 @@ class Runtime(SessionStates, LogReads):
             linger_s=float(config.generation_opt("linger_s")),
             burst=int(config.generation_opt("burst")),
             burst_s=float(config.generation_opt("burst_s")),
+            pace_s=float(config.generation_opt("pace_s")),
         )
 
     # -- construction ------------------------------------------------------

@@ -207,6 +207,49 @@ async def test_a_slow_log_holds_the_engine_back(sqlite_url: str) -> None:
         await rt.aclose()
 
 
+async def test_a_slow_caller_gets_short_runs_each_committed_when_it_asks(sqlite_url: str) -> None:
+    """A caller slower than the engine (a wire sending one message per token) is paced:
+    its runs are cut to what it handles in about ``pace_s``, and the next run commits
+    only once it asked for it, so the log is never a run ahead of such a caller."""
+    rt = await Runtime.create(
+        make_config(sqlite_url, generation={"pace_s": 0.004, "max_run": 16}),
+        engine=ReferenceEngine(eos_bias=-1000.0),
+    )
+    try:
+        sid = (await rt.open_session("t")).session_id
+        await rt.append_text(sid, "x")
+        received = committed = 0
+        runs: list[tuple[int, int, int]] = []  # (tokens, committed before, received then)
+
+        async def note(evs: list[Event]) -> None:
+            nonlocal committed
+            toks = generated(evs)
+            if toks:
+                runs.append((len(toks), committed, received))
+                committed += len(toks)
+
+        rt.log.before_commit = note
+        seen: list[Event] = []
+        params = SamplingParams(max_tokens=100, temperature=0.0, seed=1)
+        async for e in rt.generate(sid, params):
+            seen.append(e)
+            if e.type == T.GENERATION_TOKEN and not e.body["is_prefill"]:
+                received += 1
+                await asyncio.sleep(0.002)  # a message per token, 2 ms each
+        assert received == 100
+        # the caller's pace is known once it handled its first run; the second
+        # run was committed before that, uncut (at most max_run)
+        assert runs[1][0] <= 16
+        steady = runs[2:]
+        assert len(steady) >= 20
+        for tokens, before, got in steady:
+            assert got == before  # the caller had taken every committed token
+            assert tokens <= 4  # about pace_s (4 ms) of a 2 ms-per-token caller
+        await check_agrees(rt, sid, seen)
+    finally:
+        await rt.aclose()
+
+
 async def test_an_engine_failure_commits_what_came_before_and_records_the_error(
     sqlite_url: str,
 ) -> None:
