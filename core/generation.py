@@ -406,7 +406,9 @@ class Generation:
         try:
             while True:
                 item = await self._out.get()
-                paced = self._paced()
+                # until the caller has handled a run its pace is unknown: the next run
+                # waits for it, so a slow caller's second run is cut like the rest
+                paced = self.consume_per_event is None or self._paced()
                 if not paced:
                     self._credit.release()  # the next run commits while this one is handled
                 if item is None:
