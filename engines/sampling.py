@@ -48,6 +48,17 @@ def sample(logits: F32, params: SamplingParams, position: int) -> tuple[int, flo
         tok = int(np.argmax(logp))
         return tok, float(logp[tok])
     scaled = logits.astype(np.float64) / params.temperature
+    if params.top_k == 1 and not np.isnan(scaled).any():
+        # One candidate: the highest score, the lowest id among equal ones, as
+        # the ordering below puts first; no draw can pick another (the way
+        # Salience asks for greedy decoding, which has no temperature 0).
+        tok = int(np.argmax(scaled))
+        return tok, float(logp[tok])
+    return _draw(scaled, logp, params, position)
+
+
+def _draw(scaled: F64, logp: F64, params: SamplingParams, position: int) -> tuple[int, float]:
+    """The seeded draw among the top-k / top-p candidates of ``scaled`` (logits / temperature)."""
     order = np.lexsort((np.arange(scaled.shape[0]), -scaled))
     if params.top_k > 0:
         order = order[: params.top_k]

@@ -1,0 +1,53 @@
+"""The sampler every engine shares (engines/sampling.py)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sessiontape.core.engine import SamplingParams
+from sessiontape.engines.sampling import _draw, log_softmax, sample
+
+#: scores with many ties and both infinities among them
+_SCORE = st.one_of(
+    st.sampled_from([0.0, 1.0, -1.0, 3.5, math.inf, -math.inf]),
+    st.floats(width=32, allow_nan=False),
+)
+
+
+def _same(a: tuple[int, float], b: tuple[int, float]) -> bool:
+    return a[0] == b[0] and (a[1] == b[1] or (math.isnan(a[1]) and math.isnan(b[1])))
+
+
+@settings(max_examples=400, derandomize=True, deadline=None)
+@given(
+    logits=st.lists(_SCORE, min_size=1, max_size=40),
+    temperature=st.floats(min_value=1e-30, max_value=100.0),
+    top_p=st.floats(min_value=0.01, max_value=1.0),
+    seed=st.none() | st.integers(0, 2**32),
+    position=st.integers(0, 100_000),
+)
+def test_top_k_one_takes_what_the_seeded_draw_takes(
+    logits: list[float], temperature: float, top_p: float, seed: int | None, position: int
+) -> None:
+    """top_k=1 (how Salience asks for greedy decoding) skips the sort and the draw, and
+    picks exactly the token and logprob the draw picks: the highest score, the lowest id
+    among equal ones, overflowing temperatures and infinite scores included."""
+    x = np.array(logits, dtype=np.float32)
+    params = SamplingParams(max_tokens=1, temperature=temperature, top_k=1, top_p=top_p, seed=seed)
+    with np.errstate(all="ignore"):
+        fast = sample(x, params, position)
+        drawn = _draw(x.astype(np.float64) / temperature, log_softmax(x), params, position)
+    assert _same(fast, drawn)
+
+
+def test_top_k_one_equals_greedy_on_ordinary_scores() -> None:
+    rng = np.random.default_rng(7)
+    for position in range(200):
+        x = rng.standard_normal(259).astype(np.float32)
+        greedy = sample(x, SamplingParams(max_tokens=1, temperature=0.0), position)
+        top1 = sample(x, SamplingParams(max_tokens=1, temperature=0.7, top_k=1, seed=3), position)
+        assert top1 == greedy
