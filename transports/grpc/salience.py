@@ -161,9 +161,10 @@ class SalienceService(pb_grpc.SalienceServicer, GrpcService):
                 images=images,
                 priority=request.priority,
             )
+            wire = _WireEvents(request)
             async with closing(events):
                 async for ev in events:
-                    out = _event(ev, request)
+                    out = wire.event(ev)
                     if out is not None:
                         yield out
 
@@ -190,26 +191,40 @@ def _done(prompt: int, completion: int, reason: str) -> pb.GenerateEvent:
     )
 
 
-def _event(ev: Event, request: pb.GenerateRequest) -> pb.GenerateEvent | None:
-    if ev.type == T.GENERATION_TOKEN:
-        b = body(ev, GenerationToken)
-        pos = int(b["position"])
-        tok = pb.Token(id=int(b["token"]), position=pos, is_prefill=bool(b["is_prefill"]))
-        # engines may report more than was asked (e.g. top-k on every decode
-        # step); the wire carries only what the ranges cover
-        logprob = b.get("logprob")
-        if covered(request.logprobs_ranges, pos) and logprob is not None:
-            tok.sampled_logprob = float(logprob)
-            tok.has_sampled_logprob = True
-            if request.logprob_top_k:
-                tok.logprobs.extend(
-                    pb.TokenLogprob(id=int(i), logprob=float(lp)) for i, lp in b.get("top", ())
-                )
-        readout = b.get("readout")
-        if covered(request.readout_ranges, pos) and readout is not None:
-            tok.readout.extend(float(x) for x in readout)
-        return pb.GenerateEvent(token=tok)
-    if ev.type == T.GENERATION_FINISHED:
-        f = body(ev, GenerationFinished)
-        return _done(int(f["prompt_tokens"]), int(f["completion_tokens"]), str(f["finish_reason"]))
-    return None  # tokens.truncated (a rewind) and generation.started have no wire form
+class _WireEvents:
+    """The wire form of one Generate call's events (its ranges read once, not per token)."""
+
+    def __init__(self, request: pb.GenerateRequest) -> None:
+        self.logprobs = tuple((r.start, r.end) for r in request.logprobs_ranges)
+        self.readouts = tuple((r.start, r.end) for r in request.readout_ranges)
+        self.top_k = request.logprob_top_k
+
+    def event(self, ev: Event) -> pb.GenerateEvent | None:
+        if ev.type == T.GENERATION_TOKEN:
+            b = body(ev, GenerationToken)
+            pos = int(b["position"])
+            out = pb.GenerateEvent()
+            tok = out.token
+            tok.id = int(b["token"])
+            tok.position = pos
+            tok.is_prefill = bool(b["is_prefill"])
+            # engines may report more than was asked (e.g. top-k on every decode
+            # step); the wire carries only what the ranges cover
+            logprob = b.get("logprob")
+            if logprob is not None and covered(self.logprobs, pos):
+                tok.sampled_logprob = float(logprob)
+                tok.has_sampled_logprob = True
+                if self.top_k:
+                    tok.logprobs.extend(
+                        pb.TokenLogprob(id=int(i), logprob=float(lp)) for i, lp in b.get("top", ())
+                    )
+            readout = b.get("readout")
+            if readout is not None and covered(self.readouts, pos):
+                tok.readout.extend(float(x) for x in readout)
+            return out
+        if ev.type == T.GENERATION_FINISHED:
+            f = body(ev, GenerationFinished)
+            return _done(
+                int(f["prompt_tokens"]), int(f["completion_tokens"]), str(f["finish_reason"])
+            )
+        return None  # tokens.truncated (a rewind) and generation.started have no wire form

@@ -57,8 +57,9 @@ async def closing(events: AsyncIterator[E]) -> AsyncIterator[AsyncIterator[E]]:
             await aclose()
 
 
-def covered(ranges: Any, position: int) -> bool:
-    return any(r.start <= position < r.end for r in ranges)
+def covered(ranges: tuple[tuple[int, int], ...], position: int) -> bool:
+    """Whether ``position`` lies in one of the ``(start, end)`` ranges (end exclusive)."""
+    return any(start <= position < end for start, end in ranges)
 
 
 class Generations:
