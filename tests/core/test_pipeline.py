@@ -31,8 +31,11 @@ def generated(evs: Sequence[Event], gid: str | None = None) -> list[int]:
     ]
 
 
-async def stop_after(rt: Runtime, sid: str, params: SamplingParams, k: int) -> list[Event]:
-    """Generate, taking ``k`` generated tokens, then stop iterating (the client went away)."""
+async def stop_after(
+    rt: Runtime, sid: str, params: SamplingParams, k: int, pause: float = 0.0
+) -> list[Event]:
+    """Generate, taking ``k`` generated tokens, then stop iterating (the client went away);
+    ``pause`` seconds per event make a slow caller (paced: runs committed on demand)."""
     seen: list[Event] = []
     agen = rt.generate(sid, params)
     try:
@@ -40,6 +43,8 @@ async def stop_after(rt: Runtime, sid: str, params: SamplingParams, k: int) -> l
             seen.append(e)
             if len(generated(seen)) >= k:
                 break
+            if pause:
+                await asyncio.sleep(pause)
     finally:
         await agen.aclose()  # type: ignore[attr-defined]
     return seen
@@ -62,9 +67,11 @@ async def check_agrees(rt: Runtime, sid: str, seen: Sequence[Event]) -> None:
     assert not rt.is_generating(sid)
 
 
-@pytest.mark.parametrize("run_ahead", [1, 4, 256])
+@pytest.mark.parametrize(
+    ("run_ahead", "pause"), [(1, 0.0), (4, 0.0), (256, 0.0), (4, 0.002), (256, 0.002)]
+)
 async def test_a_stop_at_every_step_leaves_log_finished_and_cache_agreeing(
-    sqlite_url: str, run_ahead: int
+    sqlite_url: str, run_ahead: int, pause: float
 ) -> None:
     rt = await Runtime.create(
         make_config(sqlite_url, generation={"run_ahead": run_ahead, "max_run": 3}),
@@ -79,7 +86,7 @@ async def test_a_stop_at_every_step_leaves_log_finished_and_cache_agreeing(
         for k in range(0, 11):
             sid = (await rt.open_session("t")).session_id
             await rt.append_text(sid, "abc")
-            seen = await stop_after(rt, sid, params, k)
+            seen = await stop_after(rt, sid, params, k, pause)
             await check_agrees(rt, sid, seen)
             fin = next(e for e in await rt.log.read(sid) if e.type == T.GENERATION_FINISHED)
             got = generated(await rt.log.read(sid))
@@ -328,9 +335,10 @@ async def test_concurrent_generations_each_get_their_own_exact_tokens(sqlite_url
     max_run=st.integers(1, 20),
     stop=st.integers(0, 30),
     max_tokens=st.integers(0, 25),
+    pause=st.sampled_from([0.0, 0.001]),  # a slow caller is paced (runs on demand)
 )
 async def test_property_any_limits_any_stop(
-    sqlite_url: str, run_ahead: int, max_run: int, stop: int, max_tokens: int
+    sqlite_url: str, run_ahead: int, max_run: int, stop: int, max_tokens: int, pause: float
 ) -> None:
     rt = await Runtime.create(
         make_config(sqlite_url, generation={"run_ahead": run_ahead, "max_run": max_run}),
@@ -339,7 +347,9 @@ async def test_property_any_limits_any_stop(
     try:
         sid = (await rt.open_session("t")).session_id
         await rt.append_text(sid, "seed text")
-        seen = await stop_after(rt, sid, SamplingParams(max_tokens=max_tokens, seed=11), stop)
+        seen = await stop_after(
+            rt, sid, SamplingParams(max_tokens=max_tokens, seed=11), stop, pause
+        )
         await check_agrees(rt, sid, seen)
     finally:
         with contextlib.suppress(Exception):
