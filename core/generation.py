@@ -20,9 +20,8 @@ Three stages run at once for one generation::
   A caller slower than the engine (a wire that sends one message per token)
   gets runs it handles in about ``generation.pace_s`` each, and the next run
   commits when it asks for it rather than while it handles this one: tokens
-  committed ahead would only wait behind the run in hand, so committing on
-  demand halves the commit-to-client latency of a given run length (and so
-  allows runs twice as long, with half the appends, at the same latency).
+  committed ahead would only wait behind the run in hand, so on demand a run
+  can be longer (fewer appends) for about the same commit-to-client latency.
 
 When the caller stops (cancel, client gone), an abort is requested, or the
 engine fails, steps that were decoded but not committed are dropped, the
