@@ -9,7 +9,10 @@ directly, nothing stored) and once through ``Runtime.generate`` (every token
 committed to the log before it is yielded). The table shows medians and their
 ratio. ``--wires`` adds one row per transport: the same generation received
 by a client over the wire (SSE, Kakeya, Salience, Evergreen), with the
-median time from a token's commit to its arrival at the client.
+median time from a token's commit to its arrival at the client and the
+server's CPU time per token (``time.process_time`` of this process, all its
+threads; the client is another process): a steadier measure than tokens per
+second on a machine whose speed drifts.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog. " * 2
 
 
 def row(name: str, alone: str, through: str, ratio: str, extra: str = "") -> None:
-    print(f"| {name:44} | {alone:>14} | {through:>14} | {ratio:>7} | {extra:>16} |", flush=True)
+    print(f"| {name:44} | {alone:>14} | {through:>14} | {ratio:>7} | {extra:>26} |", flush=True)
 
 
 def make_engine(name: str, size: str) -> Engine:
@@ -259,7 +262,9 @@ async def wire_client(wire: str, gport: int, hport: int, tokens: int) -> dict[st
 
 
 async def run_client(wire: str, gport: int, hport: int, tokens: int) -> dict[str, Any]:
-    """:func:`wire_client` in a separate process (as a real client is); its result."""
+    """:func:`wire_client` in a separate process (as a real client is); its result, with
+    ``server_cpu``: this process's CPU seconds from the client's start (its imports
+    done) to its end."""
     import json
 
     proc = await asyncio.create_subprocess_exec(
@@ -271,10 +276,19 @@ async def run_client(wire: str, gport: int, hport: int, tokens: int) -> dict[str
         f"{gport},{hport}",
         "--tokens",
         str(tokens),
+        stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
     )
-    out, _ = await proc.communicate()
+    assert proc.stdin is not None and proc.stdout is not None
+    await proc.stdout.readline()  # imported and ready
+    c0 = time.process_time()
+    proc.stdin.write(b"go\n")
+    await proc.stdin.drain()
+    out = await proc.stdout.read()
+    cpu = time.process_time() - c0
+    await proc.wait()
     res: dict[str, Any] = json.loads(out)
+    res["server_cpu"] = cpu
     return res
 
 
@@ -302,6 +316,7 @@ async def wire_rows(engine: Engine, url: str, tokens: int, rounds: int) -> None:
     rt = await Runtime.create(cfg, engine=engine)
     clock = _Clock()
     clock.watch(rt)
+    cpu: list[float] = []  # server CPU seconds per token of each round
     grpc_t = load(TRANSPORTS, "grpc")(rt, cfg.transports["grpc"], cfg)
     http_t = load(TRANSPORTS, "http")(rt, cfg.transports["http"], cfg)
     await grpc_t.start()
@@ -312,6 +327,7 @@ async def wire_rows(engine: Engine, url: str, tokens: int, rounds: int) -> None:
             async def run() -> float:
                 clock.start()
                 res = await run_client(wire, gport, hport, tokens)
+                cpu.append(res["server_cpu"] / max(1, res["n"]))
                 for key, t in res["arrivals"]:
                     committed = (
                         clock.by_position.get(key)
@@ -327,6 +343,10 @@ async def wire_rows(engine: Engine, url: str, tokens: int, rounds: int) -> None:
         async def alone() -> float:
             return await engine_alone(engine, 1, tokens)
 
+        def extra() -> str:
+            lat = f"{statistics.median(clock.lat) * 1e3:.2f} ms" if clock.lat else "n/a"
+            return f"{lat}, {statistics.median(cpu) * 1e6:.0f} us" if cpu else lat
+
         for name, wire in (
             ("SSE generate stream", "sse"),
             ("Kakeya Generate", "kakeya"),
@@ -334,13 +354,8 @@ async def wire_rows(engine: Engine, url: str, tokens: int, rounds: int) -> None:
             ("Evergreen GENERATE", "evergreen"),
         ):
             clock.lat.clear()
-            await compare(
-                f"{name}, 1 session",
-                rounds,
-                alone,
-                via(wire),
-                lambda: f"{statistics.median(clock.lat) * 1e3:.2f} ms" if clock.lat else "n/a",
-            )
+            cpu.clear()
+            await compare(f"{name}, 1 session", rounds, alone, via(wire), extra)
         # the wire's own ceiling: the same Kakeya messages from a servicer that
         # generates nothing (no engine, no log), to the same client
         ceiling = await _bare_kakeya(tokens)
@@ -349,9 +364,12 @@ async def wire_rows(engine: Engine, url: str, tokens: int, rounds: int) -> None:
 
             async def bare() -> float:
                 res = await run_client("kakeya", cport, hport, tokens)
+                cpu.append(res["server_cpu"] / max(1, res["n"]))
                 return float(res["n"]) / float(res["dt"])
 
-            await compare("Kakeya messages, no generation (ceiling)", rounds, alone, bare)
+            clock.lat.clear()
+            cpu.clear()
+            await compare("Kakeya messages, no generation (ceiling)", rounds, alone, bare, extra)
         finally:
             await ceiling.server.stop(0)
     finally:
@@ -423,6 +441,8 @@ async def main() -> None:
         import json
 
         gport, hport = (int(p) for p in args.ports.split(","))
+        print("ready", flush=True)  # the server's CPU count starts now
+        sys.stdin.readline()
         print(json.dumps(await wire_client(args.client, gport, hport, args.tokens)))
         return
 
@@ -432,8 +452,8 @@ async def main() -> None:
         f"{args.tokens} greedy tokens per generation, {args.rounds} interleaved rounds, medians; "
         f"{os.cpu_count()} CPUs\n"
     )
-    row("path", "engine alone", "through log", "ratio", "commit->client")
-    row("-" * 44, "-" * 14, "-" * 14, "-" * 7, "-" * 16)
+    row("path", "engine alone", "through log", "ratio", "commit->client, CPU/token")
+    row("-" * 44, "-" * 14, "-" * 14, "-" * 7, "-" * 26)
     counts = [int(x) for x in args.sessions.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         urls = [("SQLite", f"sqlite+aiosqlite:///{tmp}/bench.db")]
