@@ -37,7 +37,7 @@ import contextlib
 import dataclasses
 import secrets
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sessiontape.core import metrics
@@ -570,11 +570,33 @@ async def generate_runs(
         raise
     finally:
         try:
-            await asyncio.shield(_settle_unfinished(rt, gen, st, done, failure))
+            await _to_the_end(_settle_unfinished(rt, gen, st, done, failure))
         finally:
             # even when cancelled again while recording the cancel
             rt._end_generation(session_id)
-            await asyncio.shield(rt.log.unlock_session(session_id))
+            await _to_the_end(rt.log.unlock_session(session_id))
+
+
+async def _to_the_end(work: Awaitable[None]) -> None:
+    """Await ``work`` to its end even if this task is cancelled meanwhile, then raise
+    the cancel. A generation's last record is in the log before its caller's task
+    ends: a server draining at shutdown waits for those tasks, and a plain
+    ``shield`` would let a second cancel end the task while the record is still
+    being written."""
+    task = asyncio.ensure_future(work)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.done() and task.cancelled():
+                raise
+            cancelled = True
+    if cancelled:
+        if not task.cancelled():
+            task.exception()  # retrieved: the cancel wins
+        raise asyncio.CancelledError
+    task.result()
 
 
 async def _begin(

@@ -256,6 +256,47 @@ async def test_a_slow_caller_gets_short_runs_each_committed_when_it_asks(sqlite_
         await rt.aclose()
 
 
+async def test_a_caller_cancelled_twice_ends_only_once_its_cancel_is_recorded(
+    sqlite_url: str,
+) -> None:
+    """A second cancel while the generation records its first (a server's shutdown
+    cancelling a call that is already closing) does not end the caller's task before
+    ``generation.finished`` is in the log: a draining server waits for those tasks."""
+    rt = await Runtime.create(make_config(sqlite_url), engine=ReferenceEngine(eos_bias=-1000.0))
+    try:
+        sid = (await rt.open_session("t")).session_id
+        await rt.append_text(sid, "x")
+        recording, first = asyncio.Event(), asyncio.Event()
+
+        async def slow_finish(evs: list[Event]) -> None:
+            if any(e.type == T.GENERATION_FINISHED for e in evs):
+                recording.set()
+                await asyncio.sleep(0.3)
+
+        async def caller() -> None:
+            params = SamplingParams(max_tokens=10_000, temperature=0.0)
+            async with contextlib.aclosing(rt.generate(sid, params)) as events:
+                async for e in events:
+                    if e.type == T.GENERATION_TOKEN:
+                        first.set()
+                    await asyncio.sleep(0.001)
+
+        task = asyncio.create_task(caller())
+        await asyncio.wait_for(first.wait(), 10)
+        rt.log.before_commit = slow_finish
+        task.cancel()
+        await asyncio.wait_for(recording.wait(), 10)
+        task.cancel()  # again, while the cancel is being recorded
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        fins = [e for e in await rt.log.read(sid) if e.type == T.GENERATION_FINISHED]
+        assert [f.body["finish_reason"] for f in fins] == ["cancelled"]
+        assert not rt.is_generating(sid)
+    finally:
+        rt.log.before_commit = None
+        await rt.aclose()
+
+
 async def test_an_engine_failure_commits_what_came_before_and_records_the_error(
     sqlite_url: str,
 ) -> None:
