@@ -8,7 +8,14 @@
 - a core error that escapes a servicer ends it with its mapped status
   (:mod:`sessiontape.transports.grpc.status`);
 - anything else ends it with ``INTERNAL`` and a request id, logged once with
-  that id; the exception's text never reaches the client.
+  that id; the exception's text never reaches the client;
+- a streaming response is sent with ``context.write`` from the call's own
+  task, and the servicer's generator is closed in that task however the call
+  ends. Handed to grpc as an async generator, a generator suspended at a
+  ``yield`` while grpc awaited the send was left open when the call was
+  cancelled (a client gone, a server shutdown): its cleanup (recording the
+  generation as cancelled) ran later, in whatever task the interpreter's
+  finalizer made, after a draining server had stopped waiting.
 """
 
 from __future__ import annotations
@@ -85,17 +92,24 @@ def _unary_response(
     return call
 
 
-def _stream_response(
-    behavior: Callable[..., AsyncIterator[Any]], streaming_request: bool
-) -> Callable[..., Any]:
-    async def call(request: Any, context: Any) -> AsyncIterator[Any]:
+def _stream_response(behavior: Callable[..., Any], streaming_request: bool) -> Callable[..., Any]:
+    async def call(request: Any, context: Any) -> None:
         try:
             if streaming_request:
                 request = _checked(request)
             elif isinstance(request, _Undecodable):
                 raise _refuse(request)
-            async for response in behavior(request, context):
-                yield response
+            responses = behavior(request, context)
+            if not hasattr(responses, "__aiter__"):
+                await responses  # a servicer that writes with context.write itself
+                return
+            try:
+                async for response in responses:
+                    await context.write(response)
+            finally:
+                aclose = getattr(responses, "aclose", None)
+                if aclose is not None:
+                    await aclose()  # in this task, whatever ended the call
         except BaseException as exc:
             if _is_abort(exc) or not isinstance(exc, Exception):
                 raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -15,6 +16,7 @@ from sessiontape.core.engine import SamplingParams, Step
 from sessiontape.core.events import T
 from sessiontape.engines.reference import EOS, ReferenceEngine
 from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2 as kpb
+from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2_grpc as kakeya_grpc
 from tests.transports.grpc.tokensessions.conftest import Serve
 from tests.transports.grpc.tokensessions.helpers import events, expect_code, version, wait_finished
 
@@ -414,3 +416,36 @@ async def test_inv3_same_history_seed_and_params_give_identical_tokens(
         await stub.AppendTokens(kpb.AppendTokensRequest(session_id=pieces, token_ids=extra[a:b]))
     warm, _, _ = await run(stub, pieces, **fields)
     assert warm == await cold(oracle, [*history, *many, *extra], params)
+
+
+async def test_a_shutdown_while_the_server_waits_to_send_records_the_cancel_first(
+    serve: Serve,
+) -> None:
+    """A client that stops reading leaves Generate waiting on HTTP/2 flow control to
+    send; a shutdown then cancels the call inside grpc's send, not inside the
+    servicer. The servicer's generator is still closed in the call's own task, so
+    the generation's cancel is in the log when the server's stop returns (it was
+    left to the interpreter's finalizer, after the drain, 2 runs in 8 under load)."""
+    from tests.transports.grpc.tokensessions.conftest import TOKEN
+
+    s = await serve(engine=ReferenceEngine(eos_bias=-1000.0, max_length=200_000))
+    sid = await create(s.kakeya, [1, 2, 3])
+    # no BDP probing: the stream's window stays 64 KiB, which a few thousand tokens fill
+    async with grpc.aio.insecure_channel(s.address, options=[("grpc.http2.bdp_probe", 0)]) as ch:
+        stub = kakeya_grpc.RuntimeServiceStub(ch)
+        call = stub.Generate(
+            kpb.GenerateRequest(session_id=sid, max_tokens=150_000, seed=1),
+            metadata=(("authorization", f"Bearer {TOKEN}"),),
+        )
+        await call.read()  # the stream runs; the client reads nothing more
+        last, still = -1, 0
+        async with asyncio.timeout(60):
+            while still < 5:  # the log stopped growing: the server is blocked sending
+                await asyncio.sleep(0.1)
+                now = await s.runtime.log.last_position()
+                still = still + 1 if now == last else 0
+                last = now
+        await s.transport.stop(0.1)
+        fins = await events(s.runtime, sid, T.GENERATION_FINISHED)
+        assert [f.body["finish_reason"] for f in fins] == ["cancelled"]
+        call.cancel()
