@@ -180,15 +180,7 @@ class Config:
         numbers = {
             "sessions": ("sweep_interval_s", "max_nesting_depth", "max_nodes", "state_cache_size"),
             "log": ("batch_max", "snapshot_every", "inline_max_bytes", "poll_interval_s"),
-            "generation": (
-                "run_ahead",
-                "max_run",
-                "min_run",
-                "linger_s",
-                "burst",
-                "burst_s",
-                "pace_s",
-            ),
+            "generation": tuple(DEFAULTS["generation"]),
             "limits": tuple(DEFAULTS["limits"]),
         }
         for section, keys in numbers.items():

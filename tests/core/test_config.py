@@ -126,7 +126,7 @@ def test_a_bad_value_from_any_layer_is_a_config_error(config_file: Path) -> None
         Config.load(config_file.with_name("missing.toml"), environ={})
 
 
-@pytest.mark.parametrize("key", ["run_ahead", "max_run", "min_run", "linger_s", "burst", "burst_s"])
+@pytest.mark.parametrize("key", sorted(DEFAULTS["generation"]))
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -1, 0, "x", True, None])
 def test_generation_limits_refuse_what_is_not_a_positive_finite_number(
     key: str, value: object
