@@ -175,7 +175,7 @@ class Generation:
         #: committed runs the caller has not taken yet may be at most one: the next run
         #: commits while the caller handles this one, never further ahead (a slow client
         #: leaves steps uncommitted, where the run-ahead bound holds the engine back);
-        #: none for a paced caller (:meth:`_paced`), whose next run commits on demand
+        #: none for a paced caller (:meth:`_paced_run`), whose next run commits on demand
         self._credit = asyncio.Semaphore(1)
         #: moving average of the time the caller spends per event of a run (None before
         #: the second run): runs are cut so one takes the caller about ``pace_s``
@@ -274,11 +274,13 @@ class Generation:
         committed = 0 if g is None else g.scored + len(g.tokens)
         self.dropped = self.taken - committed
 
-    def _paced(self) -> bool:
-        """Whether runs are cut to what the caller handles in ``pace_s``: it takes
-        longer over a full run (``max_run`` events) than that."""
-        c = self.consume_per_event
-        return c is not None and c * self.limits.max_run > self.limits.pace_s
+    def _paced_run(self) -> int | None:
+        """The run a paced caller handles in about ``pace_s``; None when the caller is
+        not paced (its pace is unknown, or it handles a full ``max_run`` within that)."""
+        c, limits = self.consume_per_event, self.limits
+        if c is None or c * limits.max_run <= limits.pace_s:
+            return None
+        return max(1, int(limits.pace_s / c))
 
     async def _take(self) -> list[Step]:
         """Every ready step (waiting for the first), cut after a stop token.
@@ -296,9 +298,10 @@ class Generation:
         limits = self.limits
         interval = self.interval
         max_run, min_run = limits.max_run, limits.min_run
-        if self._paced():
+        paced_run = self._paced_run()
+        if paced_run is not None:
             # a caller slower than the engine: runs it handles in about pace_s each
-            max_run = max(1, int(limits.pace_s / (self.consume_per_event or limits.pace_s)))
+            max_run = paced_run
             min_run = min(min_run, max_run)
         if (
             min_run > 1
@@ -407,7 +410,7 @@ class Generation:
                 item = await self._out.get()
                 # until the caller has handled a run its pace is unknown: the next run
                 # waits for it, so a slow caller's second run is cut like the rest
-                paced = self.consume_per_event is None or self._paced()
+                paced = self.consume_per_event is None or self._paced_run() is not None
                 if not paced:
                     self._credit.release()  # the next run commits while this one is handled
                 if item is None:
