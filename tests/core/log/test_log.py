@@ -141,6 +141,31 @@ async def test_large_payloads_are_content_addressed_blobs(log: EventLog) -> None
         assert (await conn.execute(sa.text("SELECT COUNT(*) FROM blobs"))).scalar_one() == 1
 
 
+async def test_events_with_and_without_data_interleaved_in_one_commit_read_back_in_order(
+    log: EventLog,
+) -> None:
+    # Rows with data and rows without are written by different statements of one
+    # transaction; positions, data (none, empty, inline, blob) and the chain survive.
+    big = bytes(range(256)) * 64
+    kinds: list[bytes | None] = [None, b"", b"\x00inline", big, None, b"x", big + b"!", None]
+    await log.append("m", 0, [opened()])
+    await log.append("n", 0, [opened()])
+    batches = [
+        log.append(sid, 1, [NewEvent(T.NOTE, {"i": i, "sid": sid}, d) for i, d in enumerate(kinds)])
+        for sid in ("m", "n")
+    ]
+    outs = await asyncio.gather(*batches)  # queued together: one commit, as a rule
+    for sid, out in zip(("m", "n"), outs, strict=True):
+        back = await log.read(sid)
+        assert back[1:] == out
+        assert [e.data for e in back[1:]] == kinds
+        assert [e.body["i"] for e in back[1:]] == list(range(len(kinds)))
+        verify_chain(back)
+    everything = await log.read_all()
+    positions = [e.position for e in everything]
+    assert positions == sorted(positions) == list(range(positions[0], positions[0] + 18))
+
+
 async def test_purge_leaves_a_verifiable_tombstone(log: EventLog) -> None:
     evs = await log.append("s1", 0, [opened(), appended(0, [1, 2])])
     tomb = await log.purge("s1")
