@@ -122,7 +122,9 @@ def encode_body(body: Any) -> str:
         if "not JSON serializable" not in str(exc):
             raise InvalidValue(f"value cannot be stored as JSON: {exc}") from None
         out = None  # a type orjson does not know: canonical_json falls back to the standard library
-    if out is None or b"null" in out:
+    # (find, not ``in``: bytes.__contains__ first tries its argument as an int
+    # and raises and clears a TypeError, 0.6 us against 0.25 on the write path)
+    if out is None or out.find(b"null") != -1:
         # orjson writes NaN as null: only then is the slower strict check needed
         try:
             json.dumps(body, allow_nan=False, default=str)
@@ -240,15 +242,21 @@ def chain_hasher(
     """:func:`chain_hash_json` for many events of one session recorded at one time
     (one append): the parts they share are encoded once.
 
-    ``hasher(prev_hash, version, type_, body_json, data) -> hash``
+    ``hasher(prev_hash, version, type_, body_json, data) -> hash``, ``version`` an
+    ``int`` (not a subclass: it is formatted as it is)
     """
     head = "[" + _dumps(session_id) + ","
-    tail = "," + _STRING(repr(recorded_at)) + "]"
+    at = _STRING(repr(recorded_at)) + "]"
+    tail_no_data = ",null," + at
     sha256 = hashlib.sha256
 
     def hasher(prev_hash: str, version: int, type_: str, body_json: str, data: bytes | None) -> str:
-        digest = "null" if data is None else '"' + sha256(data).hexdigest() + '"'
-        payload = f"{prev_hash}{head}{int(version)},{_dumps(type_)},{body_json},{digest}{tail}"
+        # one f-string, as few calls as can be: this runs once per event appended
+        if data is None:
+            payload = f"{prev_hash}{head}{version},{_dumps(type_)},{body_json}{tail_no_data}"
+        else:
+            digest = sha256(data).hexdigest()
+            payload = f'{prev_hash}{head}{version},{_dumps(type_)},{body_json},"{digest}",{at}'
         return sha256(payload.encode()).hexdigest()
 
     return hasher

@@ -446,27 +446,24 @@ class Writer:
                     plan.purged.append(sid)
                 hasher = chain_hasher(sid, now)
                 for ne in req.events:
-                    assert isinstance(ne, NewEvent)
+                    if not isinstance(ne, NewEvent):
+                        raise InvalidEvent(f"session {sid}: append takes NewEvents")
+                    type_, _, data, body_json = ne
                     version += 1
                     pos += 1
-                    body_json = (
-                        canonical_json(
+                    if purge:
+                        body_json = canonical_json(
                             session_purged(body(ne, SessionPurged)["reason"], cur_version, prev)
                         )
-                        if purge
-                        else ne.body_json
-                    )
-                    data = ne.data
-                    h = hasher(prev, version, ne.type, body_json, data)
+                    h = hasher(prev, version, type_, body_json, data)
                     # The body as a reader of the log will see it (lists, not
                     # tuples; null for non-finite floats): live == replay.
                     ev = new_event(
-                        Event,
-                        (pos, sid, version, ne.type, parse_json(body_json), data, now, h, prev),
+                        Event, (pos, sid, version, type_, parse_json(body_json), data, now, h, prev)
                     )
                     out.append(ev)
                     if data is None:
-                        rows.append((pos, sid, version, ne.type, body_json, now, h, prev))
+                        rows.append((pos, sid, version, type_, body_json, now, h, prev))
                     else:
                         self._row(plan, ev, body_json, now, inline_max)
                     prev = h
