@@ -459,7 +459,9 @@ async def main() -> None:
         urls = [("SQLite", f"sqlite+aiosqlite:///{tmp}/bench.db")]
         if not args.no_pg:
             urls.append(("PostgreSQL", args.pg))
-        for label, url in urls:
+        for k, (label, url) in enumerate(urls):
+            if k:  # closing a runtime closes its engine: each database gets its own
+                engine = make_engine(args.engine, args.size)
             try:
                 rt = await open_runtime(url, engine)
             except Exception as exc:  # PostgreSQL not answering
@@ -470,7 +472,7 @@ async def main() -> None:
                     await compare(
                         f"{label}, {n} session{'s' if n > 1 else ''}",
                         args.rounds,
-                        lambda n=n: engine_alone(engine, n, args.tokens),  # type: ignore[misc]
+                        lambda n=n, e=engine: engine_alone(e, n, args.tokens),  # type: ignore[misc]
                         lambda n=n, rt=rt: through_log(rt, n, args.tokens),
                     )  # type: ignore[misc]
             finally:
