@@ -236,30 +236,43 @@ def chain_hash_json(
     return hashlib.sha256((prev_hash + payload).encode()).hexdigest()
 
 
-def chain_hasher(
-    session_id: str, recorded_at: float
-) -> Callable[[str, int, str, str, bytes | None], str]:
+#: ``hasher(prev_hash, version, type_, body_json, data) -> hash``
+Hasher = Callable[[str, int, str, str, bytes | None], str]
+
+
+def chain_hasher(session_id: str, recorded_at: float) -> Hasher:
     """:func:`chain_hash_json` for many events of one session recorded at one time
     (one append): the parts they share are encoded once.
 
     ``hasher(prev_hash, version, type_, body_json, data) -> hash``, ``version`` an
     ``int`` (not a subclass: it is formatted as it is)
     """
-    head = "[" + _dumps(session_id) + ","
+    return chain_hashers(recorded_at)(session_id)
+
+
+def chain_hashers(recorded_at: float) -> Callable[[str], Hasher]:
+    """:func:`chain_hasher` of each session of one commit (one time, encoded once)."""
     at = _STRING(repr(recorded_at)) + "]"
     tail_no_data = ",null," + at
     sha256 = hashlib.sha256
 
-    def hasher(prev_hash: str, version: int, type_: str, body_json: str, data: bytes | None) -> str:
-        # one f-string, as few calls as can be: this runs once per event appended
-        if data is None:
-            payload = f"{prev_hash}{head}{version},{_dumps(type_)},{body_json}{tail_no_data}"
-        else:
-            digest = sha256(data).hexdigest()
-            payload = f'{prev_hash}{head}{version},{_dumps(type_)},{body_json},"{digest}",{at}'
-        return sha256(payload.encode()).hexdigest()
+    def for_session(session_id: str) -> Hasher:
+        head = "[" + _dumps(session_id) + ","
 
-    return hasher
+        def hasher(
+            prev_hash: str, version: int, type_: str, body_json: str, data: bytes | None
+        ) -> str:
+            # one f-string, as few calls as can be: this runs once per event appended
+            if data is None:
+                payload = f"{prev_hash}{head}{version},{_dumps(type_)},{body_json}{tail_no_data}"
+            else:
+                digest = sha256(data).hexdigest()
+                payload = f'{prev_hash}{head}{version},{_dumps(type_)},{body_json},"{digest}",{at}'
+            return sha256(payload.encode()).hexdigest()
+
+        return hasher
+
+    return for_session
 
 
 @functools.lru_cache(maxsize=65536)

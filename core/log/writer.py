@@ -41,7 +41,7 @@ from sessiontape.core.events import (
     NewEvent,
     T,
     canonical_json,
-    chain_hasher,
+    chain_hashers,
     parse_json,
 )
 from sessiontape.core.log.dialect import Dialect
@@ -67,6 +67,9 @@ EVENT_COLUMNS = (
 )
 #: the same, for events with data (inline, or in the blobs table by ``blob_sha``)
 EVENT_DATA_COLUMNS = (*EVENT_COLUMNS, "data", "blob_sha")
+
+#: the sessions-index columns an append may set (each only when it changes)
+_UPDATABLE = ("version", "head_hash", "updated_at", "last_active_at", "status", "history_length")
 
 _STATUS_BY_TYPE = {
     T.SESSION_CLOSED: "closed",
@@ -400,6 +403,7 @@ class Writer:
         rows = plan.rows
         pending = plan.heads
         inline_max = self.inline_max_bytes
+        hashers = chain_hashers(now)
         for req in batch:
             sid = req.session_id
             head = pending.get(sid) or head_of(cur, sid)
@@ -444,7 +448,7 @@ class Writer:
                 purge = req.kind == "purge"
                 if purge:
                     plan.purged.append(sid)
-                hasher = chain_hasher(sid, now)
+                hasher = hashers(sid)
                 for ne in req.events:
                     if not isinstance(ne, NewEvent):
                         raise InvalidEvent(f"session {sid}: append takes NewEvents")
@@ -622,28 +626,16 @@ class Writer:
         upd.update(values)
 
     def _apply_updates(self, cur: Any, updates: dict[str, dict[str, Any]]) -> None:
-        """One executemany for every touched session: columns not given keep their value."""
-        sql = self.dialect.sql(
-            "UPDATE sessions SET "
-            "version = COALESCE(?, version), head_hash = COALESCE(?, head_hash), "
-            "updated_at = COALESCE(?, updated_at), last_active_at = COALESCE(?, last_active_at), "
-            "status = COALESCE(?, status), history_length = COALESCE(?, history_length), "
-            "event_count = CASE WHEN ? THEN ? ELSE event_count + ? END "
-            "WHERE id = ?"
-        )
-        params = [
-            (
-                u.get("version"),
-                u.get("head_hash"),
-                u.get("updated_at"),
-                u.get("last_active_at"),
-                u.get("status"),
-                u.get("history_length"),
-                bool(u.get("reset")),
-                u["n"],
-                u["n"],
-                sid,
+        """The touched sessions' index rows, one statement per shape of change (most
+        batches have one): only the columns that change are bound, never ``None``."""
+        groups: dict[tuple[tuple[str, ...], bool], list[tuple[Any, ...]]] = {}
+        for sid, u in updates.items():
+            cols = tuple(c for c in _UPDATABLE if u.get(c) is not None)
+            groups.setdefault((cols, bool(u.get("reset"))), []).append(
+                (*(u[c] for c in cols), u["n"], sid)
             )
-            for sid, u in updates.items()
-        ]
-        cur.executemany(sql, params)
+        for (cols, reset), rows in groups.items():
+            sets = [f"{c} = ?" for c in cols]
+            sets.append("event_count = ?" if reset else "event_count = event_count + ?")
+            sql = f"UPDATE sessions SET {', '.join(sets)} WHERE id = ?"
+            cur.executemany(self.dialect.sql(sql), rows)

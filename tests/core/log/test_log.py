@@ -43,6 +43,40 @@ async def test_append_read_chain(log: EventLog) -> None:
     assert row.head_hash == more[-1].hash
 
 
+async def test_one_commit_updates_every_session_it_touches_with_its_own_changes(
+    log: EventLog,
+) -> None:
+    # A batch touching many sessions writes their index rows grouped by which columns
+    # change (only those are bound); each row gets exactly its own changes.
+    n = 40
+    sids = [f"u{i}" for i in range(n)]
+    await asyncio.gather(*(log.append(s, 0, [opened()]) for s in sids))
+    for s in sids[:3]:
+        await log.append(s, 1, [appended(0, [1])])
+        await log.purge(s)
+
+    def change(i: int) -> tuple[list[NewEvent], dict[str, int] | None]:
+        evs = [appended(0, list(range(1 + i % 5)))] * (1 + i % 3)
+        if i % 7 == 0:
+            evs = [*evs, NewEvent(T.SESSION_CLOSED, {"reason": "done"})]
+        return evs, ({"history_length": 100 + i} if i % 2 else None)
+
+    heads = {s: (await log.get_session(s)).version for s in sids}
+    counts = {s: (await log.get_session(s)).event_count for s in sids}
+    outs = await asyncio.gather(
+        *(log.append(s, heads[s], change(i)[0], index=change(i)[1]) for i, s in enumerate(sids))
+    )
+    for i, (s, out) in enumerate(zip(sids, outs, strict=True)):
+        row = await log.get_session(s)
+        evs, index = change(i)
+        assert row.version == heads[s] + len(evs) == out[-1].version
+        assert row.head_hash == out[-1].hash
+        assert row.event_count == counts[s] + len(evs)
+        assert row.status == ("closed" if i % 7 == 0 else "purged" if i < 3 else "open")
+        assert row.history_length == (100 + i if index else 0)
+        verify_chain(await log.read(s))
+
+
 async def test_stale_expected_version_writes_nothing(log: EventLog) -> None:
     await log.append("s1", 0, [opened()])
     with pytest.raises(ConcurrencyError):
