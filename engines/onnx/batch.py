@@ -52,7 +52,7 @@ from sessiontape.core.errors import EngineBusy, EngineError
 from sessiontape.engines.onnx.kvcache import KV
 from sessiontape.engines.onnx.model import GraphSpec
 from sessiontape.engines.onnx.run import Guess, Run
-from sessiontape.engines.onnx.session import PassResult, quiet_ort
+from sessiontape.engines.onnx.session import PassResult, quiet_ort, run_host_bound
 
 log = logging.getLogger("sessiontape.engines.onnx")
 
@@ -549,17 +549,15 @@ class BatchScheduler:
     def _pass_fresh(
         self, k: int, ids: Any, pos: Any, hidden_layers: Sequence[int]
     ) -> tuple[Any, dict[int, Any]]:
-        b = self.sess.io_binding()
-        b.bind_cpu_input("input_ids", ids)
-        b.bind_cpu_input("position_ids", pos)
-        b.bind_cpu_input("attention_mask", np.ones((k, self.capacity), np.int64))
-        self._bind_pool(b, k)
-        b.bind_output("logits", "cpu")
-        for i in hidden_layers:
-            b.bind_output(f"hidden_states.{i}", "cpu")
-        self.sess.run_with_iobinding(b)
-        out = b.get_outputs()[len(self.present) :]
-        return out[0].numpy(), {i: out[1 + j].numpy() for j, i in enumerate(hidden_layers)}
+        return run_host_bound(
+            self.sess,
+            ids,
+            pos,
+            np.ones((k, self.capacity), np.int64),
+            lambda b: self._bind_pool(b, k),
+            len(self.present),
+            hidden_layers,
+        )
 
 
 @dataclass

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +48,32 @@ def quiet_ort() -> Any:
 
     ort.set_default_logger_severity(3)
     return ort
+
+
+def run_host_bound(
+    sess: Any,
+    ids: Any,
+    pos: Any,
+    mask: Any,
+    bind_kv: Callable[[Any], None],
+    kv_outputs: int,
+    hidden_layers: Sequence[int],
+) -> tuple[Any, dict[int, Any]]:
+    """One pass of ``sess`` on host inputs, its KV bound by ``bind_kv(binding)`` (which
+    binds ``kv_outputs`` presents, the first outputs), returning the logits and the
+    asked ``hidden_states.N`` in fresh host arrays: ``(logits, {N: hidden})``."""
+    b = sess.io_binding()
+    b.bind_cpu_input("input_ids", ids)
+    b.bind_cpu_input("position_ids", pos)
+    b.bind_cpu_input("attention_mask", mask)
+    bind_kv(b)
+    b.bind_output("logits", "cpu")
+    for i in hidden_layers:
+        b.bind_output(f"hidden_states.{i}", "cpu")
+    sess.run_with_iobinding(b)
+    # outputs come back in binding order: the presents first, then logits and hidden states
+    rest = b.get_outputs()[kv_outputs:]
+    return rest[0].numpy(), {i: rest[1 + j].numpy() for j, i in enumerate(hidden_layers)}
 
 
 @functools.cache

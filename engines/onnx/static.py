@@ -45,7 +45,7 @@ import numpy as np
 from sessiontape.core.errors import EngineError
 from sessiontape.engines.onnx.kvcache import KV
 from sessiontape.engines.onnx.model import GraphSpec
-from sessiontape.engines.onnx.session import CUDA, PassResult, quiet_ort
+from sessiontape.engines.onnx.session import CUDA, PassResult, quiet_ort, run_host_bound
 
 log = logging.getLogger("sessiontape.engines.onnx")
 
@@ -264,19 +264,16 @@ class StaticRunner:
     def _run_grown(
         self, kv: KV, ids: Any, pos: Any, hidden_layers: Sequence[int]
     ) -> tuple[Any, dict[int, Any]]:
-        b = self.sess.io_binding()
-        b.bind_cpu_input("input_ids", ids)
-        b.bind_cpu_input("position_ids", pos)
-        b.bind_cpu_input("attention_mask", np.ones((1, kv.length), np.int64))
-        self._bind_kv(b, kv)
-        b.bind_output("logits", "cpu")
-        for i in hidden_layers:
-            b.bind_output(f"hidden_states.{i}", "cpu")
-        self.sess.run_with_iobinding(b)
-        out = b.get_outputs()
-        # outputs come back in binding order: the presents first, then logits and hidden states
-        rest = out[len(self.present) :]
-        return rest[0].numpy()[0], {i: rest[1 + k].numpy()[0] for k, i in enumerate(hidden_layers)}
+        logits, hidden = run_host_bound(
+            self.sess,
+            ids,
+            pos,
+            np.ones((1, kv.length), np.int64),
+            lambda b: self._bind_kv(b, kv),
+            len(self.present),
+            hidden_layers,
+        )
+        return logits[0], {i: h[0] for i, h in hidden.items()}
 
     def _run_fixed(
         self, kv: KV, ids: Any, pos: Any, hidden_layers: Sequence[int]
