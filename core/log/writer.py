@@ -4,7 +4,8 @@ Appends from every session queue up as requests; the writer task drains
 what is queued (up to ``batch_max`` events) and commits it in one
 transaction (:meth:`Dialect.transaction`): position lock, the events in
 multi-row INSERTs (SQLite) or one COPY (PostgreSQL, 32 rows or more), one
-statement for the sessions index, blobs deduplicated by sha256.
+statement for the sessions index per shape of change, blobs deduplicated by
+sha256.
 Each body is encoded to canonical JSON once, for both the hash and the
 stored column. Only after COMMIT are the appenders' futures resolved and
 the events handed on (``on_commit``): durable before visible. A batch that
