@@ -46,8 +46,15 @@ def row(name: str, alone: str, through: str, ratio: str, extra: str = "") -> Non
     print(f"| {name:44} | {alone:>14} | {through:>14} | {ratio:>7} | {extra:>26} |", flush=True)
 
 
-def make_engine(name: str, size: str) -> Engine:
+def make_engine(name: str, size: str, process: str = "inline", **extra: Any) -> Engine:
+    """The engine ``name`` in this process, or (``process="worker"``) served from a worker
+    process as ``[engine] process = "worker"`` serves it."""
     opts: dict[str, Any] = {"size": size} if name == "onnx" else {"max_length": 8192}
+    opts.update(extra)
+    if process == "worker":
+        from sessiontape.core.engine_worker import WorkerEngine
+
+        return WorkerEngine(name, opts)
     return load(ENGINES, name)(**opts)  # type: ignore[no-any-return]
 
 
@@ -190,7 +197,7 @@ async def wire_client(wire: str, gport: int, hport: int, tokens: int) -> dict[st
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{hport}", timeout=60) as http:
             sid = (await http.post("/v1/sessions", json={"eos_token_ids": []})).json()["id"]
             await http.post(f"/v1/sessions/{sid}/append", json={"tokens": prompt})
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             ids = re.compile(rb"(?:^|\n)id: ?(\d+)")
             tail = b""
             async with http.stream(
@@ -206,10 +213,10 @@ async def wire_client(wire: str, gport: int, hport: int, tokens: int) -> dict[st
                     cut = buf.rfind(b"\n\n") + 2
                     arrivals.extend((int(m), now) for m in ids.findall(buf[:cut]))
                     tail = buf[cut:]
-            dt = time.perf_counter() - t0
+            dt, cpu = time.perf_counter() - t0, time.process_time() - c0
             doc = (await http.get(f"/v1/sessions/{sid}")).json()
             n = len(doc["generations"][-1]["tokens"])
-        return {"n": n, "dt": dt, "arrivals": arrivals}
+        return {"n": n, "dt": dt, "client_cpu": cpu, "arrivals": arrivals}
     async with grpc.aio.insecure_channel(f"127.0.0.1:{gport}") as chan:
         if wire == "kakeya":
             kakeya = kgrpc.RuntimeServiceStub(chan)
@@ -217,7 +224,7 @@ async def wire_client(wire: str, gport: int, hport: int, tokens: int) -> dict[st
                 await kakeya.CreateSession(kpb.CreateSessionRequest(eos_token_ids=[]))
             ).session_id
             await kakeya.AppendTokens(kpb.AppendTokensRequest(session_id=sid, token_ids=prompt))
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             async for m in kakeya.Generate(
                 kpb.GenerateRequest(session_id=sid, max_tokens=tokens, seed=1, temperature=0.0)
             ):
@@ -227,7 +234,7 @@ async def wire_client(wire: str, gport: int, hport: int, tokens: int) -> dict[st
         elif wire == "salience":
             salience = sgrpc.SalienceStub(chan)
             sid = (await salience.OpenSession(spb.OpenSessionRequest())).session_id
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             async for m in salience.Generate(
                 spb.GenerateRequest(
                     session_id=sid, offset=0, append_tokens=prompt, max_tokens=tokens, top_k=1
@@ -238,7 +245,7 @@ async def wire_client(wire: str, gport: int, hport: int, tokens: int) -> dict[st
                     n += 1
         else:
             async with EvergreenClient(f"127.0.0.1:{gport}") as ev, ev.session() as s:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 await s.send(
                     actions=[
                         action(
@@ -257,8 +264,8 @@ async def wire_client(wire: str, gport: int, hport: int, tokens: int) -> dict[st
                             # the reference engine's text tokens are single bytes
                             n += len(f.chunk_fragment.data.decode("utf-8", "replace"))
                             arrivals.append((n - 1, time.perf_counter()))
-        dt = time.perf_counter() - t0
-    return {"n": n, "dt": dt, "arrivals": arrivals}
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {"n": n, "dt": dt, "client_cpu": cpu, "arrivals": arrivals}
 
 
 async def run_client(wire: str, gport: int, hport: int, tokens: int) -> dict[str, Any]:
@@ -292,7 +299,10 @@ async def run_client(wire: str, gport: int, hport: int, tokens: int) -> dict[str
     return res
 
 
-async def wire_rows(engine: Engine, url: str, tokens: int, rounds: int) -> None:
+async def wire_rows(engine: Engine, served: Engine, url: str, tokens: int, rounds: int) -> None:
+    """The wire rows: ``engine`` alone against the server's path with ``served`` (the same
+    engine object, or the same engine in a worker process)."""
+
     def free() -> int:
         import socket
 
@@ -300,8 +310,8 @@ async def wire_rows(engine: Engine, url: str, tokens: int, rounds: int) -> None:
             sock.bind(("127.0.0.1", 0))
             return int(sock.getsockname()[1])
 
-    if hasattr(engine, "eos_bias"):
-        engine.eos_bias = -1000.0  # every wire generates its full count (Salience has no "no EOS")
+    if hasattr(served, "eos_bias"):
+        served.eos_bias = -1000.0  # every wire generates its full count (Salience has no "no EOS")
     gport, hport = free(), free()
     cfg = Config.load(
         environ={},
@@ -313,7 +323,7 @@ async def wire_rows(engine: Engine, url: str, tokens: int, rounds: int) -> None:
             },
         },
     )
-    rt = await Runtime.create(cfg, engine=engine)
+    rt = await Runtime.create(cfg, engine=served)
     clock = _Clock()
     clock.watch(rt)
     cpu: list[float] = []  # server CPU seconds per token of each round
@@ -356,22 +366,26 @@ async def wire_rows(engine: Engine, url: str, tokens: int, rounds: int) -> None:
             clock.lat.clear()
             cpu.clear()
             await compare(f"{name}, 1 session", rounds, alone, via(wire), extra)
-        # the wire's own ceiling: the same Kakeya messages from a servicer that
-        # generates nothing (no engine, no log), to the same client
-        ceiling = await _bare_kakeya(tokens)
-        try:
-            cport = ceiling.port
+        # the wire's own ceilings, to the same client: the same Kakeya messages from a
+        # servicer that generates nothing (no engine, no log), and from one that sends
+        # each step of this engine as it comes (the engine and the wire, no log)
+        for name, with_engine in (
+            ("Kakeya messages, no generation (ceiling)", False),
+            ("Kakeya messages of engine steps, no log", True),
+        ):
+            ceiling = await _bare_kakeya(tokens, engine if with_engine else None)
+            try:
 
-            async def bare() -> float:
-                res = await run_client("kakeya", cport, hport, tokens)
-                cpu.append(res["server_cpu"] / max(1, res["n"]))
-                return float(res["n"]) / float(res["dt"])
+                async def bare(port: int = ceiling.port) -> float:
+                    res = await run_client("kakeya", port, hport, tokens)
+                    cpu.append(res["server_cpu"] / max(1, res["n"]))
+                    return float(res["n"]) / float(res["dt"])
 
-            clock.lat.clear()
-            cpu.clear()
-            await compare("Kakeya messages, no generation (ceiling)", rounds, alone, bare, extra)
-        finally:
-            await ceiling.server.stop(0)
+                clock.lat.clear()
+                cpu.clear()
+                await compare(name, rounds, alone, bare, extra)
+            finally:
+                await ceiling.server.stop(0)
     finally:
         await http_t.stop()
         await grpc_t.stop()
@@ -383,8 +397,9 @@ class _Bare:
         self.server, self.port = server, port
 
 
-async def _bare_kakeya(tokens: int) -> _Bare:
-    """A grpc.aio server whose Kakeya Generate streams ``tokens`` ready-made messages."""
+async def _bare_kakeya(tokens: int, engine: Engine | None = None) -> _Bare:
+    """A grpc.aio server whose Kakeya Generate streams ``tokens`` ready-made messages,
+    or, given ``engine``, one message per step of ``engine`` as it generates (no log)."""
     import grpc
 
     from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2 as kpb
@@ -398,8 +413,16 @@ async def _bare_kakeya(tokens: int) -> _Bare:
             return kpb.AppendTokensResponse()
 
         async def Generate(self, request: Any, context: Any) -> Any:
-            for i in range(request.max_tokens):
-                yield kpb.GenerateResponse(token_id=i % 250)
+            if engine is None:
+                for i in range(request.max_tokens):
+                    yield kpb.GenerateResponse(token_id=i % 250)
+            else:
+                key = f"bare-{time.monotonic_ns()}"
+                prompt = engine.tokenize(PROMPT)
+                async for step in engine.generate(key, prompt, params(request.max_tokens)):
+                    if not step.is_prefill:
+                        yield kpb.GenerateResponse(token_id=step.token_id)
+                engine.forget(key)
             yield kpb.GenerateResponse(done=kpb.GenerateDone())
 
     server = grpc.aio.server()
@@ -427,6 +450,13 @@ async def main() -> None:
         action="store_true",
         help="add one row per transport (a client process over loopback)",
     )
+    ap.add_argument(
+        "--engine-process",
+        default="inline",
+        choices=["inline", "worker"],
+        help="where the server's engine runs ([engine] process); the engine alone always "
+        "runs in this process",
+    )
     ap.add_argument("--client", help=argparse.SUPPRESS)  # internal: be the client of one wire
     ap.add_argument("--ports", help=argparse.SUPPRESS)
     ap.add_argument(
@@ -447,10 +477,21 @@ async def main() -> None:
         return
 
     engine = make_engine(args.engine, args.size)
+    worker = args.engine_process == "worker"
+
+    def served_engine() -> Engine:
+        """The engine the server runs: ``engine`` itself, or a worker process serving the
+        same engine (the wires' copy never ends a generation early: Salience has no
+        "no EOS")."""
+        extra = {"eos_bias": -1000.0} if args.engine == "reference" else {}
+        return make_engine(args.engine, args.size, "worker", **extra) if worker else engine
+
     print(
         f"engine {engine.info.name} ({engine.info.model_id}, {engine.info.provider}), "
         f"{args.tokens} greedy tokens per generation, {args.rounds} interleaved rounds, medians; "
-        f"{os.cpu_count()} CPUs\n"
+        f"{os.cpu_count()} CPUs; the server's engine "
+        + ("in a worker process" if worker else "in its process")
+        + " (engine alone: in this process)\n"
     )
     row("path", "engine alone", "through log", "ratio", "commit->client, CPU/token")
     row("-" * 44, "-" * 14, "-" * 14, "-" * 7, "-" * 26)
@@ -460,10 +501,10 @@ async def main() -> None:
         if not args.no_pg:
             urls.append(("PostgreSQL", args.pg))
         for k, (label, url) in enumerate(urls):
-            if k:  # closing a runtime closes its engine: each database gets its own
+            if k and not worker:  # closing a runtime closes its engine: each database gets its own
                 engine = make_engine(args.engine, args.size)
             try:
-                rt = await open_runtime(url, engine)
+                rt = await open_runtime(url, served_engine())
             except Exception as exc:  # PostgreSQL not answering
                 row(f"{label}: skipped ({type(exc).__name__})", "", "", "")
                 continue
@@ -479,8 +520,17 @@ async def main() -> None:
                 with contextlib.suppress(Exception):
                     await rt.aclose()
             if args.wires and label == "SQLite":
+                wire_engine = make_engine(args.engine, args.size)
                 await wire_rows(
-                    make_engine(args.engine, args.size),
+                    wire_engine,
+                    make_engine(
+                        args.engine,
+                        args.size,
+                        "worker",
+                        **({"eos_bias": -1000.0} if args.engine == "reference" else {}),
+                    )
+                    if worker
+                    else wire_engine,
                     f"sqlite+aiosqlite:///{tmp}/wires.db",
                     args.tokens,
                     args.rounds,

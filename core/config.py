@@ -7,6 +7,7 @@ Example ``sessiontape.toml``::
 
     [engine]
     name = "reference"          # or "onnx"
+    process = "inline"          # or "worker": the engine in a process of its own
     [engine.options]
     size = "tiny"
 
@@ -42,10 +43,14 @@ from typing import Any
 from sessiontape.core.errors import ConfigError
 
 DEFAULT_DB_URL = "sqlite+aiosqlite:///./sessiontape.db"
+ENGINE_PROCESSES = ("inline", "worker")
 
 DEFAULTS: dict[str, Any] = {
     "database": {"url": DEFAULT_DB_URL, "echo": False},
-    "engine": {"name": "onnx", "options": {}},
+    # process: "inline" runs the engine on the server's event loop; "worker" serves it
+    # from a child process (core/engine_worker.py), so its Python time does not take turns
+    # with the transports' and the log's
+    "engine": {"name": "onnx", "process": "inline", "options": {}},
     "transports": {
         "grpc": {"enabled": True, "listen": "127.0.0.1:50051"},
         "http": {"enabled": True, "listen": "127.0.0.1:8080"},
@@ -200,6 +205,11 @@ class Config:
                 raise ConfigError(
                     f"sessions.idle_ttl_s.{proto} must be a positive number, got {value!r}"
                 )
+        if self.engine_process not in ENGINE_PROCESSES:
+            raise ConfigError(
+                f"engine.process must be one of {', '.join(ENGINE_PROCESSES)}, "
+                f"got {self.data['engine'].get('process')!r}"
+            )
         for name, opts in self.transports.items():
             if not isinstance(opts, dict):
                 raise ConfigError(f"transports.{name} must be a table")
@@ -217,6 +227,11 @@ class Config:
     @property
     def engine_name(self) -> str:
         return str(self.data["engine"]["name"])
+
+    @property
+    def engine_process(self) -> str:
+        """Where the engine runs: ``inline`` (the server's event loop) or ``worker``."""
+        return str(self.section("engine").get("process", "inline"))
 
     @property
     def engine_options(self) -> dict[str, Any]:

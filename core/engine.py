@@ -17,7 +17,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -172,6 +172,14 @@ class Step:
     readout: tuple[float, ...] | None = None
 
 
+class TextCodec(Protocol):
+    """An engine's text <-> token mapping as a picklable object (:meth:`Engine.text_codec`)."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
 class Engine(ABC):
     """An inference engine. Implementations must be deterministic for a seed."""
 
@@ -211,6 +219,12 @@ class Engine(ABC):
         ``max_tokens`` exceeds the model, :class:`sessiontape.core.errors.EngineError`
         on engine failure.
         """
+
+    def text_codec(self) -> TextCodec | None:
+        """The engine's :meth:`tokenize`/:meth:`detokenize` as a picklable object, when it has
+        one: an engine served from another process (``core/engine_worker.py``) runs it on the
+        server's side, where transports call it per token. None: ask the engine each time."""
+        return None
 
     def fork(self, parent_key: str, child_key: str, at_position: int) -> None:  # noqa: B027
         """Hint: ``child_key`` starts as the first ``at_position`` tokens of ``parent_key``."""

@@ -156,7 +156,11 @@ class Runtime(SessionStates, LogReads):
         """Open the log (migrating a fresh database) and load the configured engine."""
         from sessiontape.core.registry import ENGINES, load
 
-        if engine is None:
+        if engine is None and config.engine_process == "worker":
+            from sessiontape.core.engine_worker import WorkerEngine
+
+            engine = WorkerEngine(config.engine_name, config.engine_options)
+        elif engine is None:
             factory = load(ENGINES, config.engine_name)
             engine = factory(**config.engine_options)
         assert engine is not None

@@ -24,6 +24,7 @@ from sessiontape.core.engine import (
     ReadoutManifest,
     SamplingParams,
     Step,
+    TextCodec,
 )
 from sessiontape.core.errors import ConfigError, ContextOverflow
 from sessiontape.engines.sampling import log_softmax, sample, top_logprobs
@@ -66,6 +67,9 @@ class ReferenceEngine(Engine):
     @property
     def info(self) -> EngineInfo:
         return self._info
+
+    def text_codec(self) -> TextCodec:
+        return self._tok
 
     def tokenize(self, text: str) -> list[int]:
         return self._tok.encode(text)

@@ -67,7 +67,14 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
-from sessiontape.core.engine import Engine, EngineInfo, OutputOptions, SamplingParams, Step
+from sessiontape.core.engine import (
+    Engine,
+    EngineInfo,
+    OutputOptions,
+    SamplingParams,
+    Step,
+    TextCodec,
+)
 from sessiontape.core.errors import ConfigError, ContextOverflow, EngineError, InvalidParameters
 from sessiontape.engines.onnx.batch import BatchScheduler, Member, Stats
 from sessiontape.engines.onnx.demo import PAD, SIZES, SLOT_BLOCK, ensure_demo
@@ -316,6 +323,9 @@ class OnnxEngine(Engine):
     @property
     def info(self) -> EngineInfo:
         return self._info
+
+    def text_codec(self) -> TextCodec:
+        return self._tok
 
     def tokenize(self, text: str) -> list[int]:
         return self._tok.encode(text)

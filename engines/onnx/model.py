@@ -227,6 +227,15 @@ class HFTokenizer:
 
         self._tok = _Tok.from_file(str(path))
 
+    def __getstate__(self) -> str:
+        # pickled as its JSON (an engine served from a worker process sends its codec over)
+        return str(self._tok.to_str())
+
+    def __setstate__(self, state: str) -> None:
+        from tokenizers import Tokenizer as _Tok
+
+        self._tok = _Tok.from_str(state)
+
     def encode(self, text: str) -> list[int]:
         return [int(i) for i in self._tok.encode(text, add_special_tokens=False).ids]
 

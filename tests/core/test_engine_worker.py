@@ -1,0 +1,199 @@
+"""The engine served from a worker process (core/engine_worker.py): the same steps as the
+engine in this process, errors as their own class, stops that rewind the child's cache,
+back-pressure, and a child that dies."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from sessiontape.core.config import Config
+from sessiontape.core.engine import Engine, OutputOptions, SamplingParams, Step
+from sessiontape.core.engine_worker import WorkerEngine
+from sessiontape.core.errors import (
+    ConfigError,
+    ContextOverflow,
+    EngineError,
+    InvalidImage,
+    PluginNotFound,
+)
+from sessiontape.core.events import T
+from sessiontape.core.runtime import Runtime
+from sessiontape.engines.reference import ReferenceEngine
+from tests.conftest import make_config
+
+HISTORY = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
+
+
+@pytest.fixture
+async def worker() -> AsyncIterator[WorkerEngine]:
+    engine = WorkerEngine("reference", {"eos_bias": -1000.0})
+    try:
+        yield engine
+    finally:
+        await engine.aclose()
+
+
+async def steps(
+    engine: Engine, key: str, params: SamplingParams, options: OutputOptions
+) -> list[Step]:
+    return [s async for s in engine.generate(key, HISTORY, params, options)]
+
+
+@pytest.mark.parametrize(
+    ("params", "options"),
+    [
+        (SamplingParams(max_tokens=300, temperature=0.0, seed=1), OutputOptions()),
+        (
+            SamplingParams(max_tokens=40, temperature=0.9, top_p=0.8, top_k=20, seed=7),
+            OutputOptions(logprob_top_k=3, logprob_ranges=((0, 5),), readout_ranges=((2, 60),)),
+        ),
+    ],
+)
+async def test_the_worker_yields_the_steps_of_the_engine_in_this_process(
+    worker: WorkerEngine, params: SamplingParams, options: OutputOptions
+) -> None:
+    here = ReferenceEngine(eos_bias=-1000.0)
+    want = await steps(here, "a", params, options)
+    got = await steps(worker, "a", params, options)
+    assert got == want
+    assert any(s.is_prefill for s in got) == bool(options.logprob_ranges)
+    assert worker.info == here.info
+    assert worker.detokenize(worker.tokenize("héllo")) == here.detokenize(here.tokenize("héllo"))
+
+
+async def test_a_runtime_configured_with_a_worker_logs_what_the_inline_engine_logs(
+    tmp_path: Path,
+) -> None:
+    logged = {}
+    for process in ("inline", "worker"):
+        cfg = make_config(
+            f"sqlite+aiosqlite:///{tmp_path / process}.db",
+            engine={"name": "reference", "process": process, "options": {"eos_bias": -1000.0}},
+        )
+        rt = await Runtime.create(cfg)
+        try:
+            assert isinstance(rt.engine, WorkerEngine) == (process == "worker")
+            sid = (await rt.open_session("t")).session_id
+            await rt.append_text(sid, "the worker")
+            params = SamplingParams(max_tokens=500, temperature=0.7, seed=11)
+            evs = [e async for e in rt.generate(sid, params)]
+            logged[process] = [
+                e.body["token"] for e in await rt.log.read(sid) if e.type == T.GENERATION_TOKEN
+            ]
+            assert [e.body["token"] for e in evs if e.type == T.GENERATION_TOKEN] == logged[process]
+            fin = evs[-1]
+            assert fin.type == T.GENERATION_FINISHED and fin.body["completion_tokens"] == 500
+        finally:
+            await rt.aclose()
+    assert logged["inline"] == logged["worker"]
+
+
+def test_the_engine_process_is_checked_in_config() -> None:
+    with pytest.raises(ConfigError, match=r"engine\.process must be one of inline, worker"):
+        Config.load(environ={}, overrides={"engine": {"name": "reference", "process": "thread"}})
+    cfg = Config.load(environ={"SESSIONTAPE_ENGINE__PROCESS": "worker"})
+    assert cfg.engine_process == "worker"
+
+
+async def test_errors_of_the_engine_arrive_as_their_own_class(tmp_path: Path) -> None:
+    engine = WorkerEngine("reference", {"max_length": 8, "image_tokens": None})
+    try:
+        with pytest.raises(ContextOverflow, match="leaves no room in 8") as info:
+            await steps(engine, "a", SamplingParams(max_tokens=1), OutputOptions())
+        assert info.value.code == "context_overflow"
+        with pytest.raises(InvalidImage, match="takes no images"):
+            engine.image_block_length(b"\x89PNG", "image/png")
+        # the worker goes on serving after an error
+        ok = [s async for s in engine.generate("b", [1, 2, 3], SamplingParams(max_tokens=3))]
+        assert len(ok) == 3
+    finally:
+        await engine.aclose()
+
+
+def test_a_worker_that_cannot_load_its_engine_fails_at_start() -> None:
+    with pytest.raises(PluginNotFound, match="no engine named 'nope'"):
+        WorkerEngine("nope")
+    with pytest.raises(ConfigError, match="unknown reference engine options"):
+        WorkerEngine("reference", {"colour": "blue"})
+
+
+async def test_a_caller_that_stops_leaves_the_childs_cache_at_what_it_took(tmp_path: Path) -> None:
+    from sessiontape.engines.onnx.demo import build_demo
+
+    folder = tmp_path / "tiny"
+    build_demo("tiny", folder)
+    engine = WorkerEngine("onnx", {"model_dir": str(folder), "intra_op_threads": 1})
+    try:
+        params = SamplingParams(max_tokens=24, temperature=0.0, seed=2)
+        for k in (0, 1, 5):
+            key = f"s{k}"
+            received = 0
+            agen = engine.generate(key, HISTORY, params)
+            async for _ in agen:
+                received += 1
+                if received == k + 1:
+                    break
+            await agen.aclose()  # type: ignore[attr-defined]
+            # the stop is settled before the next call is answered; the child ran ahead,
+            # its cache holds no more than the steps handed over
+            cached = engine.cached_length(key)
+            assert cached is not None and len(HISTORY) <= cached <= len(HISTORY) + received
+            # and what comes next is what a cold cache computes
+            more = [s.token_id async for s in engine.generate(key, HISTORY, params)]
+            cold = [s.token_id async for s in engine.generate(f"cold{k}", HISTORY, params)]
+            assert more == cold
+    finally:
+        await engine.aclose()
+
+
+async def test_the_worker_runs_at_most_a_window_ahead_of_a_caller_that_waits() -> None:
+    engine = WorkerEngine("reference", {"eos_bias": -1000.0}, window=8, flush_s=0.0)
+    try:
+        agen = engine.generate("w", HISTORY, SamplingParams(max_tokens=200))
+        first = await anext(agen)  # type: ignore[call-overload]
+        await asyncio.sleep(0.3)  # the child would have finished all 200 by now
+        [inbox] = engine._inboxes.values()
+        waiting = 0
+        while not inbox.empty():
+            item = inbox.get_nowait()
+            assert isinstance(item, list)
+            waiting += len(item)
+        assert first.position == len(HISTORY)
+        assert 0 < waiting <= 8
+        await agen.aclose()  # type: ignore[attr-defined]
+    finally:
+        await engine.aclose()
+
+
+async def test_a_worker_that_dies_fails_its_generation_and_every_later_call(
+    sqlite_url: str,
+) -> None:
+    cfg = make_config(
+        sqlite_url,
+        engine={"name": "reference", "process": "worker", "options": {"step_delay_s": 0.01}},
+    )
+    rt = await Runtime.create(cfg)
+    try:
+        assert isinstance(rt.engine, WorkerEngine)
+        sid = (await rt.open_session("t", eos_token_ids=[])).session_id
+        await rt.append_text(sid, "abc")
+        seen = []
+        with pytest.raises(EngineError, match="engine worker process exited"):
+            async for e in rt.generate(sid, SamplingParams(max_tokens=500, temperature=0.0)):
+                seen.append(e)
+                if sum(x.type == T.GENERATION_TOKEN for x in seen) == 3:
+                    os.kill(rt.engine._proc.pid, signal.SIGKILL)
+        evs = await rt.log.read(sid)
+        fin = [e for e in evs if e.type == T.GENERATION_FINISHED]
+        assert [f.body["finish_reason"] for f in fin] == ["error"]
+        assert fin[0].body["completion_tokens"] == sum(e.type == T.GENERATION_TOKEN for e in evs)
+        with pytest.raises(EngineError):
+            rt.engine.cached_length(sid)
+    finally:
+        await rt.aclose()
