@@ -327,6 +327,7 @@ async def wire_rows(engine: Engine, served: Engine, url: str, tokens: int, round
     clock = _Clock()
     clock.watch(rt)
     cpu: list[float] = []  # server CPU seconds per token of each round
+    client_cpu: list[float] = []  # the client's, from its request to its last token
     grpc_t = load(TRANSPORTS, "grpc")(rt, cfg.transports["grpc"], cfg)
     http_t = load(TRANSPORTS, "http")(rt, cfg.transports["http"], cfg)
     await grpc_t.start()
@@ -338,6 +339,7 @@ async def wire_rows(engine: Engine, served: Engine, url: str, tokens: int, round
                 clock.start()
                 res = await run_client(wire, gport, hport, tokens)
                 cpu.append(res["server_cpu"] / max(1, res["n"]))
+                client_cpu.append(res["client_cpu"] / max(1, res["n"]))
                 for key, t in res["arrivals"]:
                     committed = (
                         clock.by_position.get(key)
@@ -355,7 +357,10 @@ async def wire_rows(engine: Engine, served: Engine, url: str, tokens: int, round
 
         def extra() -> str:
             lat = f"{statistics.median(clock.lat) * 1e3:.2f} ms" if clock.lat else "n/a"
-            return f"{lat}, {statistics.median(cpu) * 1e6:.0f} us" if cpu else lat
+            if not cpu:
+                return lat
+            us = statistics.median(cpu) * 1e6, statistics.median(client_cpu) * 1e6
+            return f"{lat}, {us[0]:.0f} / {us[1]:.0f} us"
 
         for name, wire in (
             ("SSE generate stream", "sse"),
@@ -365,6 +370,7 @@ async def wire_rows(engine: Engine, served: Engine, url: str, tokens: int, round
         ):
             clock.lat.clear()
             cpu.clear()
+            client_cpu.clear()
             await compare(f"{name}, 1 session", rounds, alone, via(wire), extra)
         # the wire's own ceilings, to the same client: the same Kakeya messages from a
         # servicer that generates nothing (no engine, no log), and from one that sends
@@ -379,10 +385,12 @@ async def wire_rows(engine: Engine, served: Engine, url: str, tokens: int, round
                 async def bare(port: int = ceiling.port) -> float:
                     res = await run_client("kakeya", port, hport, tokens)
                     cpu.append(res["server_cpu"] / max(1, res["n"]))
+                    client_cpu.append(res["client_cpu"] / max(1, res["n"]))
                     return float(res["n"]) / float(res["dt"])
 
                 clock.lat.clear()
                 cpu.clear()
+                client_cpu.clear()
                 await compare(name, rounds, alone, bare, extra)
             finally:
                 await ceiling.server.stop(0)
@@ -493,6 +501,8 @@ async def main() -> None:
         + ("in a worker process" if worker else "in its process")
         + " (engine alone: in this process)\n"
     )
+    if args.wires:
+        print("wire rows: CPU per token of the server / of the client process\n")
     row("path", "engine alone", "through log", "ratio", "commit->client, CPU/token")
     row("-" * 44, "-" * 14, "-" * 14, "-" * 7, "-" * 26)
     counts = [int(x) for x in args.sessions.split(",")]

@@ -199,6 +199,8 @@ class SQLiteDialect(Dialect):
         self.path = self.engine.url.database or ":memory:"
         #: the writer's own connection, used only from the writer thread
         self._raw: sqlite3.Connection | None = None
+        #: whether ``_raw``'s busy timeout is 0 now (an inline try) rather than 30 s
+        self._nowait = False
         self._thread = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="sessiontape-log-writer"
         )
@@ -246,19 +248,23 @@ class SQLiteDialect(Dialect):
                 self.path, timeout=30, isolation_level=None, check_same_thread=False
             )
             self._pragmas(raw)
-        # IMMEDIATE takes the write lock now: positions are read and assigned under it
+            self._nowait = False  # connect's timeout: 30 s
+        # IMMEDIATE takes the write lock now: positions are read and assigned under it.
+        # An inline try must not wait for another connection's lock (the loop would
+        # block on it): its busy timeout is 0, set only when the mode changes, since
+        # consecutive inline commits (one generation's runs) would pay two statements each.
+        if self._nowait != (not wait):
+            raw.execute(f"PRAGMA busy_timeout = {0 if not wait else 30000}")
+            self._nowait = not wait
         if wait:
             raw.execute("BEGIN IMMEDIATE")
         else:
-            raw.execute("PRAGMA busy_timeout = 0")
             try:
                 raw.execute("BEGIN IMMEDIATE")
             except sqlite3.OperationalError as exc:
                 if "locked" in str(exc) or "busy" in str(exc):
                     raise _Locked from exc
                 raise
-            finally:
-                raw.execute("PRAGMA busy_timeout = 30000")
         try:
             result = work(raw.cursor())
             if before_commit is not None:  # run the hook on the loop and wait for it

@@ -333,3 +333,47 @@ async def test_a_session_subscription_with_forks_sees_its_events_and_its_forks_o
     await asyncio.wait_for(done.wait(), 10)
     await task
     assert got == [("a", 1), ("a-fork-1", 1), ("a", 2), ("a-fork-2", 1), ("a", 3)]
+
+
+async def test_a_lock_held_by_another_sqlite_connection_never_blocks_the_event_loop(
+    sqlite_url: str,
+) -> None:
+    """A lone append is tried inline without waiting for the write lock; when another
+    connection holds it, the append waits on the writer thread while the loop runs on,
+    and later inline tries still do not wait (the busy timeout follows the mode)."""
+    import sqlite3
+    import time
+
+    path = sqlite_url.split("///", 1)[1]
+    lg = await EventLog.open(sqlite_url)
+    other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    try:
+        await lg.append("s1", 0, [opened()])  # inline: nobody holds the lock
+        for version in (1, 2):
+            other.execute("BEGIN IMMEDIATE")
+            ticks = 0
+            longest = 0.0
+
+            async def ticker() -> None:
+                nonlocal ticks, longest
+                last = time.perf_counter()
+                while True:
+                    await asyncio.sleep(0.01)
+                    now = time.perf_counter()
+                    ticks, longest = ticks + 1, max(longest, now - last)
+                    last = now
+
+            tick = asyncio.create_task(ticker())
+            append = asyncio.create_task(lg.append("s1", version, [appended(0, [version])]))
+            await asyncio.sleep(0.4)
+            assert not append.done()  # waiting for the lock, on the writer thread
+            other.execute("COMMIT")
+            evs = await asyncio.wait_for(append, 10)
+            tick.cancel()
+            assert [e.version for e in evs] == [version + 1]
+            assert ticks >= 20 and longest < 0.2  # the loop ran on throughout
+        # inline again once the lock is free
+        assert [e.version for e in await lg.append("s1", 3, [appended(0, [9])])] == [4]
+    finally:
+        other.close()
+        await lg.close()
