@@ -10,7 +10,10 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
+
+import pytest
 
 from sessiontape.core.log import EventLog
 from sessiontape.core.log.store import verify_chain
@@ -56,7 +59,14 @@ GENERATOR = textwrap.dedent(
     from tests.conftest import make_config
 
     async def main():
-        rt = await Runtime.create(make_config(sys.argv[1]), engine=ReferenceEngine(eos_bias=-1000.0))
+        if sys.argv[2] == "worker":
+            from sessiontape.core.engine_worker import WorkerEngine
+
+            engine = WorkerEngine("reference", {"eos_bias": -1000.0})
+            print(json.dumps(["worker", engine._proc.pid, ""]), flush=True)
+        else:
+            engine = ReferenceEngine(eos_bias=-1000.0)
+        rt = await Runtime.create(make_config(sys.argv[1]), engine=engine)
 
         async def work(i):
             sid = (await rt.open_session("crash")).session_id
@@ -72,27 +82,43 @@ GENERATOR = textwrap.dedent(
 )
 
 
-def test_sigkill_mid_generation_loses_no_token_a_caller_saw(tmp_path: Path) -> None:
-    _kill_and_check(tmp_path, GENERATOR, 3000)
+@pytest.mark.parametrize("process", ["inline", "worker"])
+def test_sigkill_mid_generation_loses_no_token_a_caller_saw(tmp_path: Path, process: str) -> None:
+    """With the engine in a worker process too: and the worker goes when the server does."""
+    _kill_and_check(tmp_path, GENERATOR, 3000, process)
 
 
 def test_sigkill_loses_nothing_a_subscriber_saw(tmp_path: Path) -> None:
     _kill_and_check(tmp_path, WRITER, 300)
 
 
-def _kill_and_check(tmp_path: Path, source: str, count: int) -> None:
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (gone, or a zombie nobody reaped yet)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return state in ("Z", "X")
+
+
+def _kill_and_check(tmp_path: Path, source: str, count: int, process: str = "inline") -> None:
     url = f"sqlite+aiosqlite:///{tmp_path / 'crash.db'}"
     script = tmp_path / "writer.py"
     script.write_text(source)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     proc = subprocess.Popen(
-        [sys.executable, str(script), url], stdout=subprocess.PIPE, text=True, env=env
+        [sys.executable, str(script), url, process], stdout=subprocess.PIPE, text=True, env=env
     )
     seen: list[tuple[str, int, str]] = []
+    worker_pid = None
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
-            seen.append(tuple(json.loads(line)))  # type: ignore[arg-type]
+            item = tuple(json.loads(line))
+            if item[0] == "worker":
+                worker_pid = int(item[1])
+                continue
+            seen.append(item)  # type: ignore[arg-type]
             if len(seen) >= count:
                 break
     finally:
@@ -101,6 +127,13 @@ def _kill_and_check(tmp_path: Path, source: str, count: int) -> None:
         if proc.stdout is not None:
             proc.stdout.close()
     assert len(seen) >= count
+    if process == "worker":
+        # the worker sees its pipe close and exits: no orphan engine outlives a killed server
+        assert worker_pid is not None
+        deadline = time.monotonic() + 10
+        while not _gone(worker_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(worker_pid)
 
     async def check() -> None:
         log = await EventLog.open(url)

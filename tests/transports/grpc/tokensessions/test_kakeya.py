@@ -12,7 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sessiontape.core.engine import SamplingParams, Step
+from sessiontape.core.engine import Engine, SamplingParams, Step
+from sessiontape.core.engine_worker import WorkerEngine
 from sessiontape.core.events import T
 from sessiontape.engines.reference import EOS, ReferenceEngine
 from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2 as kpb
@@ -63,8 +64,16 @@ async def info(stub: Any, sid: str) -> Any:
     return await stub.GetSessionInfo(kpb.GetSessionInfoRequest(session_id=sid))
 
 
-async def test_create_append_generate_close(serve: Serve) -> None:
-    s = await serve()
+def served_engine(process: str, **options: Any) -> Engine:
+    """The reference engine in this process, or served from a worker process."""
+    if process == "worker":
+        return WorkerEngine("reference", options)
+    return ReferenceEngine(**options)
+
+
+@pytest.mark.parametrize("process", ["inline", "worker"])
+async def test_create_append_generate_close(serve: Serve, process: str) -> None:
+    s = await serve(engine=served_engine(process, eos_bias=-100.0))
     sid = await create(s.kakeya, label="sdk-test", eos=[7, 8])
     [opened] = await events(s.runtime, sid, T.SESSION_OPENED)
     assert opened.body["label"] == "sdk-test" and opened.body["eos_token_ids"] == [7, 8]
@@ -285,8 +294,9 @@ async def test_concurrent_generate_and_append_are_aborted(serve: Serve) -> None:
     assert (await info(s.kakeya, sid)).history_length == 8
 
 
-async def test_client_cancel_is_recorded_as_cancelled(serve: Serve) -> None:
-    s = await serve(engine=ReferenceEngine(step_delay_s=0.05))
+@pytest.mark.parametrize("process", ["inline", "worker"])
+async def test_client_cancel_is_recorded_as_cancelled(serve: Serve, process: str) -> None:
+    s = await serve(engine=served_engine(process, step_delay_s=0.05))
     sid = await create(s.kakeya, [1, 2, 3])
     call = s.kakeya.Generate(kpb.GenerateRequest(session_id=sid, max_tokens=500, seed=1))
     seen = []
