@@ -80,7 +80,7 @@ __all__ = ["WorkerEngine"]
 log = logging.getLogger(__name__)
 
 #: steps the child may run ahead of what the caller took
-DEFAULT_WINDOW = 128
+DEFAULT_WINDOW = 256
 #: longest a ready step waits in the child for others to share its pipe write
 DEFAULT_FLUSH_S = 0.0005
 #: most steps in one pipe write
