@@ -2,7 +2,9 @@
 
 Engines: the reference engine, and the ONNX engine on the tiny demo model
 with its provider's default pass shape and with one fixed pass shape (the
-CUDA scheme), on the CPU provider and, where onnxruntime offers it, on CUDA.
+CUDA scheme), on the CPU provider and, where onnxruntime offers it, on CUDA;
+the reference and CPU ONNX engines also served from a worker process
+(core/engine_worker.py).
 "Cold" below always means a fresh engine instance given the whole history in
 one call; every other way of reaching the same history (warm cache, fork,
 forget, cancel and continue, rewind) must yield identical steps: the same
@@ -42,6 +44,8 @@ def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "onnx-cpu",
         "onnx-cpu-fixed",
         "onnx-cuda",
+        "reference-worker",
+        "onnx-cpu-worker",
     ]
 )
 async def make_engine(request: pytest.FixtureRequest, demo_dir: Path) -> AsyncIterator[Factory]:
@@ -53,7 +57,21 @@ async def make_engine(request: pytest.FixtureRequest, demo_dir: Path) -> AsyncIt
     def factory() -> Engine:
         kind = request.param
         eng: Engine
-        if kind == "reference":
+        if kind.endswith("-worker"):  # the same engines served from a worker process
+            from sessiontape.core.engine_worker import WorkerEngine
+
+            if kind == "reference-worker":
+                eng = WorkerEngine("reference")
+            else:
+                eng = WorkerEngine(
+                    "onnx",
+                    {
+                        "model_dir": str(demo_dir),
+                        "intra_op_threads": 1,
+                        "providers": "CPUExecutionProvider",
+                    },
+                )
+        elif kind == "reference":
             from sessiontape.engines.reference import ReferenceEngine
 
             eng = ReferenceEngine()
