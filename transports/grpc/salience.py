@@ -24,7 +24,7 @@ module decides is wire-level only, and docs/protocols/salience.md lists it:
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from sessiontape.core.bodies import GenerationFinished, GenerationToken, body
@@ -119,9 +119,9 @@ class SalienceService(pb_grpc.SalienceServicer, GrpcService):
             st = await live_session(self.runtime, request.session_id)
         return pb.DumpSessionResponse(tokens=list(st.tokens))
 
-    async def Generate(
-        self, request: pb.GenerateRequest, context: Any
-    ) -> AsyncIterator[pb.GenerateEvent]:
+    # grpc.aio also takes a handler that writes with context.write (the stubs type an iterator)
+    async def Generate(self, request: pb.GenerateRequest, context: Any) -> None:  # type: ignore[override]
+        """Written with ``context.write`` run by run (as Kakeya's: one message per token)."""
         sid = request.session_id
         async with grpc_errors(context, sid):
             # Anything but a no-op is Runtime.generate's to refuse (closed,
@@ -130,7 +130,7 @@ class SalienceService(pb_grpc.SalienceServicer, GrpcService):
                 st = await live_session(self.runtime, sid)
                 if request.offset == st.length:
                     await self.runtime.touch(sid)
-                    yield _done(st.length, 0, "length")
+                    await context.write(_done(st.length, 0, "length"))
                     return
             params = SamplingParams(
                 max_tokens=request.max_tokens,
@@ -151,7 +151,7 @@ class SalienceService(pb_grpc.SalienceServicer, GrpcService):
                 for im in request.images
             ]
             self.generations.track()
-            events = self.runtime.generate(
+            runs = self.runtime.generate_runs(
                 sid,
                 params,
                 options,
@@ -162,11 +162,13 @@ class SalienceService(pb_grpc.SalienceServicer, GrpcService):
                 priority=request.priority,
             )
             wire = _WireEvents(request)
-            async with closing(events):
-                async for ev in events:
-                    out = wire.event(ev)
-                    if out is not None:
-                        yield out
+            write = context.write
+            async with closing(runs):
+                async for run in runs:
+                    for ev in run:
+                        out = wire.event(ev)
+                        if out is not None:
+                            await write(out)
 
 
 def _is_noop(r: pb.GenerateRequest) -> bool:
