@@ -547,6 +547,7 @@ class _Child:
                     flush()
                     run.credit.clear()
                     await run.credit.wait()
+                    last = time.perf_counter()  # the wait is not the engine's pace
             flush()
             self.send(("end", gid, None))
         except asyncio.CancelledError:
