@@ -220,6 +220,11 @@ class Engine(ABC):
         on engine failure.
         """
 
+    def failure(self) -> str | None:
+        """Why the engine can serve nothing more (a worker process that died), or None.
+        ``/healthz`` reports it."""
+        return None
+
     def text_codec(self) -> TextCodec | None:
         """The engine's :meth:`tokenize`/:meth:`detokenize` as a picklable object, when it has
         one: an engine served from another process (``core/engine_worker.py``) runs it on the

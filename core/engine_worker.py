@@ -279,6 +279,11 @@ class WorkerEngine(Engine):
     def text_codec(self) -> TextCodec | None:
         return self._codec  # type: ignore[no-any-return]
 
+    def failure(self) -> str | None:
+        if self._broken is None and self._proc.poll() is not None:
+            self._fail()  # died while idle: nothing read its pipe's end yet
+        return None if self._broken is None else str(self._broken)
+
     def tokenize(self, text: str) -> list[int]:
         if self._codec is not None:
             return list(self._codec.encode(text))

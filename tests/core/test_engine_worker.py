@@ -195,5 +195,36 @@ async def test_a_worker_that_dies_fails_its_generation_and_every_later_call(
         assert fin[0].body["completion_tokens"] == sum(e.type == T.GENERATION_TOKEN for e in evs)
         with pytest.raises(EngineError):
             rt.engine.cached_length(sid)
+        assert rt.engine.failure() == "engine worker process exited (code -9)"
     finally:
+        await rt.aclose()
+
+
+async def test_healthz_answers_503_once_the_worker_is_gone(sqlite_url: str) -> None:
+    """A worker that dies while idle (nothing reading its pipe) is noticed by the probe."""
+    import httpx
+
+    from sessiontape.transports.sse.app import create_app
+
+    cfg = make_config(sqlite_url, engine={"name": "reference", "process": "worker"})
+    rt = await Runtime.create(cfg)
+    app = create_app(rt)
+    try:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://test"
+        ) as c:
+            ok = await c.get("/healthz")
+            assert (ok.status_code, ok.json()["status"]) == (200, "ok")
+            assert isinstance(rt.engine, WorkerEngine)
+            rt.engine._proc.kill()
+            rt.engine._proc.wait(10)
+            gone = await c.get("/healthz")
+            assert gone.status_code == 503
+            assert gone.json() == {
+                "status": "unavailable",
+                "engine": "reference",
+                "error": "engine worker process exited (code -9)",
+            }
+    finally:
+        await app.state.api.aclose()
         await rt.aclose()

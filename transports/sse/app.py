@@ -454,7 +454,14 @@ class Api:
     # service
 
     async def healthz(self, _: Request) -> Response:
-        return JSONResponse({"status": "ok", "engine": self.runtime.engine.info.name})
+        engine = self.runtime.engine
+        failure = engine.failure()
+        if failure is not None:  # the engine can serve nothing more: restart the server
+            return JSONResponse(
+                {"status": "unavailable", "engine": engine.info.name, "error": failure},
+                status_code=503,
+            )
+        return JSONResponse({"status": "ok", "engine": engine.info.name})
 
     async def metrics(self, _: Request) -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)

@@ -162,7 +162,13 @@ def _spec() -> dict[str, Any]:
                 "get": {
                     "summary": "liveness",
                     "security": [],
-                    "responses": {"200": _json(_obj(status=_STR))},
+                    "responses": {
+                        "200": _json(_obj(status=_STR, engine=_STR)),
+                        "503": _json(
+                            _obj(status=_STR, engine=_STR, error=_STR),
+                            "the engine can serve nothing more (its worker process died)",
+                        ),
+                    },
                 }
             },
             "/metrics": {
