@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from sessiontape.core.config import Config
 from sessiontape.core.engine import Engine, OutputOptions, SamplingParams, Step
@@ -228,3 +230,56 @@ async def test_healthz_answers_503_once_the_worker_is_gone(sqlite_url: str) -> N
     finally:
         await app.state.api.aclose()
         await rt.aclose()
+
+
+@pytest.fixture(scope="module", params=[(2, 0.0), (256, 0.0005)], ids=["window2", "window256"])
+def shared_worker(request: pytest.FixtureRequest) -> Iterator[WorkerEngine]:
+    """One worker for every example of a property (a tiny window exercises credit)."""
+    window, flush_s = request.param
+    engine = WorkerEngine("reference", window=window, flush_s=flush_s)
+    yield engine
+    asyncio.run(engine.aclose())
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    history=st.lists(st.integers(0, 255), min_size=1, max_size=40),
+    temperature=st.sampled_from([0.0, 0.7, 1.3]),
+    top_k=st.sampled_from([0, 5]),
+    seed=st.integers(0, 2**63 - 1),
+    max_tokens=st.integers(0, 30),
+    logprob_top_k=st.sampled_from([0, 2]),
+    stop=st.integers(0, 35),
+)
+async def test_property_any_stop_takes_a_prefix_of_the_inline_steps_and_leaves_the_worker_whole(
+    shared_worker: WorkerEngine,
+    history: list[int],
+    temperature: float,
+    top_k: int,
+    seed: int,
+    max_tokens: int,
+    logprob_top_k: int,
+    stop: int,
+) -> None:
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, seed=seed)
+    options = OutputOptions(logprob_top_k=logprob_top_k, logprob_ranges=((0, 3),))
+    here = ReferenceEngine()
+    want = [s async for s in here.generate("k", history, params, options)]
+    key = f"p{seed}-{stop}"
+    got: list[Step] = []
+    agen = shared_worker.generate(key, history, params, options)
+    async for s in agen:
+        got.append(s)
+        if len(got) > stop:
+            break
+    await agen.aclose()  # type: ignore[attr-defined]
+    assert got == want[: len(got)] and len(got) == min(stop + 1, len(want))
+    # the stop settled: the same worker goes on with the whole generation, identical
+    again = [s async for s in shared_worker.generate(key, history, params, options)]
+    assert again == want
+    shared_worker.forget(key)
