@@ -232,6 +232,38 @@ async def test_healthz_answers_503_once_the_worker_is_gone(sqlite_url: str) -> N
         await rt.aclose()
 
 
+async def test_the_grpc_health_service_turns_not_serving_once_the_worker_is_gone(
+    sqlite_url: str, port: int
+) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from sessiontape.transports.grpc.plugin import GrpcTransport
+
+    cfg = make_config(
+        sqlite_url,
+        engine={"name": "reference", "process": "worker"},
+        transports={"grpc": {"enabled": True, "listen": f"127.0.0.1:{port}"}},
+    )
+    rt = await Runtime.create(cfg)
+    transport = GrpcTransport(rt, cfg.transports["grpc"], cfg)
+    await transport.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{transport.port}") as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            check = health_pb2.HealthCheckRequest
+            Status = health_pb2.HealthCheckResponse
+            assert (await health.Check(check(service=""))).status == Status.SERVING
+            assert isinstance(rt.engine, WorkerEngine)
+            rt.engine._proc.kill()
+            rt.engine._proc.wait(10)
+            for service in ("", "kakeya.v1.RuntimeService"):
+                assert (await health.Check(check(service=service))).status == Status.NOT_SERVING
+    finally:
+        await transport.stop(1.0)
+        await rt.aclose()
+
+
 @pytest.fixture(scope="module", params=[(2, 0.0), (256, 0.0005)], ids=["window2", "window256"])
 def shared_worker(request: pytest.FixtureRequest) -> Iterator[WorkerEngine]:
     """One worker for every example of a property (a tiny window exercises credit)."""

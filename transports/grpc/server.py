@@ -175,7 +175,7 @@ class GrpcServer:
             ],
         )
         self._load_services(server)
-        self._health = HealthServicer()
+        self._health = _EngineHealth(self.runtime, ("", *self.services))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable(server, [*self.services, HEALTH_SERVICE])
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -214,6 +214,25 @@ class GrpcServer:
     async def wait(self) -> None:
         if self._server is not None:
             await self._server.wait_for_termination()
+
+
+class _EngineHealth(HealthServicer):  # type: ignore[misc]
+    """The standard health service, NOT_SERVING for every service once the engine can
+    serve nothing more (``Engine.failure``: an engine worker that died), as HTTP's
+    ``/healthz`` answers 503. Checked on each Check; Watch streams hear of it then."""
+
+    def __init__(self, runtime: Runtime, services: tuple[str, ...]) -> None:
+        super().__init__()
+        self._runtime = runtime
+        self._services = services
+        self._down = False
+
+    async def Check(self, request: Any, context: Any) -> Any:
+        if not self._down and self._runtime.engine.failure() is not None:
+            self._down = True
+            for svc in self._services:
+                await self.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
+        return await super().Check(request, context)
 
 
 __all__ = ["BearerAuthInterceptor", "GrpcServer"]
