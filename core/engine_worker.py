@@ -160,7 +160,7 @@ class WorkerEngine(Engine):
         self._ids = itertools.count(1)
         #: running generations' inboxes, by generation id
         self._inboxes: dict[int, asyncio.Queue[list[_Wire] | _End]] = {}
-        #: answers that arrived while nobody waited (a call that timed out)
+        #: set once the child is gone (or closed): every later call raises it
         self._broken: EngineError | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         try:
