@@ -156,7 +156,9 @@ class WorkerEngine(Engine):
                 stdin=subprocess.DEVNULL,
             )
             self._conn = Connection(mine.detach())
-        self._conn.send(("start", name, dict(options or {}), self._window, float(flush_s)))
+        # the server's import path too, so a ``module:Class`` engine it can import loads there
+        start = ("start", name, dict(options or {}), self._window, float(flush_s), list(sys.path))
+        self._conn.send(start)
         self._ids = itertools.count(1)
         #: running generations' inboxes, by generation id
         self._inboxes: dict[int, asyncio.Queue[list[_Wire] | _End]] = {}
@@ -404,7 +406,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     conn = Connection(int(args[0]))
     try:
-        _, name, options, window, flush_s = conn.recv()
+        _, name, options, window, flush_s, path = conn.recv()
+        sys.path[:] = [*path, *(p for p in sys.path if p not in path)]
         from sessiontape.core.registry import ENGINES, load
 
         engine: Engine = load(ENGINES, name)(**options)

@@ -118,6 +118,29 @@ async def test_errors_of_the_engine_arrive_as_their_own_class(tmp_path: Path) ->
         await engine.aclose()
 
 
+class LocalReference(ReferenceEngine):
+    """An engine that lives in the tests (``module:Class``), not in an entry point."""
+
+    def __init__(self, **options: object) -> None:
+        super().__init__(eos_bias=-1000.0, **options)  # type: ignore[arg-type]
+
+
+async def test_a_module_class_engine_the_server_can_import_loads_in_the_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # started elsewhere than the checkout: the worker imports this module by the server's path
+    monkeypatch.chdir(tmp_path)
+    engine = WorkerEngine("tests.core.test_engine_worker:LocalReference")
+    try:
+        got = [s async for s in engine.generate("m", HISTORY, SamplingParams(max_tokens=50))]
+        want = [
+            s async for s in LocalReference().generate("m", HISTORY, SamplingParams(max_tokens=50))
+        ]
+        assert got == want and len(got) == 50
+    finally:
+        await engine.aclose()
+
+
 def test_a_worker_that_cannot_load_its_engine_fails_at_start() -> None:
     with pytest.raises(PluginNotFound, match="no engine named 'nope'"):
         WorkerEngine("nope")
