@@ -487,12 +487,15 @@ async def main() -> None:
     engine = make_engine(args.engine, args.size)
     worker = args.engine_process == "worker"
 
-    def served_engine() -> Engine:
-        """The engine the server runs: ``engine`` itself, or a worker process serving the
-        same engine (the wires' copy never ends a generation early: Salience has no
-        "no EOS")."""
+    def served(alone: Engine) -> Engine:
+        """The engine the server runs: ``alone`` itself, or the same engine in a worker
+        process (one that never samples EOS, as the wire rows need: Salience has no
+        "no EOS"; the through-log rows open sessions without EOS ids, so it changes
+        no count there)."""
+        if not worker:
+            return alone
         extra = {"eos_bias": -1000.0} if args.engine == "reference" else {}
-        return make_engine(args.engine, args.size, "worker", **extra) if worker else engine
+        return make_engine(args.engine, args.size, "worker", **extra)
 
     print(
         f"engine {engine.info.name} ({engine.info.model_id}, {engine.info.provider}), "
@@ -514,7 +517,7 @@ async def main() -> None:
             if k and not worker:  # closing a runtime closes its engine: each database gets its own
                 engine = make_engine(args.engine, args.size)
             try:
-                rt = await open_runtime(url, served_engine())
+                rt = await open_runtime(url, served(engine))
             except Exception as exc:  # PostgreSQL not answering
                 row(f"{label}: skipped ({type(exc).__name__})", "", "", "")
                 continue
@@ -533,14 +536,7 @@ async def main() -> None:
                 wire_engine = make_engine(args.engine, args.size)
                 await wire_rows(
                     wire_engine,
-                    make_engine(
-                        args.engine,
-                        args.size,
-                        "worker",
-                        **({"eos_bias": -1000.0} if args.engine == "reference" else {}),
-                    )
-                    if worker
-                    else wire_engine,
+                    served(wire_engine),
                     f"sqlite+aiosqlite:///{tmp}/wires.db",
                     args.tokens,
                     args.rounds,
