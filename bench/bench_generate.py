@@ -169,12 +169,20 @@ class _Clock:
         return t is not None
 
 
-async def wire_client(wire: str, gport: int, hport: int, tokens: int) -> dict[str, Any]:
+async def wire_client(
+    wire: str, gport: int, hport: int, tokens: int, nostr: str = ""
+) -> dict[str, Any]:
     """One generation received over ``wire`` (run in a separate process, as a real client is).
 
     Returns the token count, the time from request to last token, and each
     token's arrival time (``time.perf_counter``, one clock for every process on
-    this machine) keyed by its index (gRPC) or its log position (SSE)."""
+    this machine) keyed by its index (gRPC, OpenAI, Nostr) or its log position
+    (SSE). ``nostr``: "relay url,function id,worker pubkey" for the Nostr wire."""
+    if wire == "openai":
+        return await _openai_client(hport, tokens)
+    if wire == "nostr":
+        url, fid, worker = nostr.split(",")
+        return await _nostr_client(url, fid, worker, tokens)
     import grpc
     import httpx
 
@@ -268,7 +276,127 @@ async def wire_client(wire: str, gport: int, hport: int, tokens: int) -> dict[st
     return {"n": n, "dt": dt, "client_cpu": cpu, "arrivals": arrivals}
 
 
-async def run_client(wire: str, gport: int, hport: int, tokens: int) -> dict[str, Any]:
+async def _openai_client(hport: int, tokens: int) -> dict[str, Any]:
+    """A streamed chat completion read with the official ``openai`` package."""
+    import openai
+
+    arrivals: list[tuple[int, float]] = []
+    async with openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{hport}/v1", api_key="bench", max_retries=0
+    ) as client:
+        model = (await client.models.list()).data[0].id
+        t0, c0 = time.perf_counter(), time.process_time()
+        stream = await client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": PROMPT}],
+            max_tokens=tokens,
+            temperature=0,
+            seed=1,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chars, n = 0, 0
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                # the reference engine's text tokens are single bytes: a character a token
+                chars += len(chunk.choices[0].delta.content)
+                arrivals.append((chars - 1, time.perf_counter()))
+            if chunk.usage is not None:
+                n = chunk.usage.completion_tokens
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {"n": n, "dt": dt, "client_cpu": cpu, "arrivals": arrivals}
+
+
+async def _nostr_client(relay: str, fid: str, worker: str, tokens: int) -> dict[str, Any]:
+    """A D4 call published to ``relay`` for function ``fid``, read until its final
+    result: each partial result's arrival is keyed by the tokens it holds."""
+    import datetime
+    import json
+
+    import nostr_sdk as ns
+
+    ns.uniffi_set_event_loop(asyncio.get_running_loop())
+    keys = ns.Keys.generate()
+    client = ns.ClientBuilder().build()
+    await client.add_relay(ns.RelayUrl.parse(relay))
+    await client.connect(datetime.timedelta(seconds=5))
+    notes = client.notifications()
+    await client.subscribe(
+        ns.ReqTarget.auto(
+            [
+                ns.Filter()
+                .author(ns.PublicKey.parse(worker))
+                .kinds([ns.Kind(1)])
+                .since(ns.Timestamp.from_secs(int(time.time()) - 60))
+            ]
+        )
+    )
+    body = {
+        "max_iteration_cost": 1000,
+        "max_total_cost": 1000 * tokens,
+        "results": 1,
+        "version": "0.1.0",
+        "args": {"prompt": PROMPT, "temperature": 0.0, "seed": 1, "max_tokens": tokens},
+    }
+    call = (
+        ns.EventBuilder(ns.Kind(1), json.dumps(body))
+        .tags([ns.Tag.parse(["e", fid])])
+        .finalize(keys)
+    )
+    call_id = json.loads(call.as_json())["id"]
+    arrivals: list[tuple[int, float]] = []
+    t0, c0 = time.perf_counter(), time.process_time()
+    out = await client.send_event(call)
+    assert out.success, f"the relay refused the call: {out.failed}"
+    n = 0
+    while True:
+        note = await asyncio.wait_for(notes.next(), 60)
+        if not note.is_new_event():
+            continue
+        ev = json.loads(note.event.as_json())
+        if [t[1] for t in ev["tags"] if t[0] == "e"][:1] != [call_id]:
+            continue
+        content = json.loads(ev["content"])
+        if content.get("err"):
+            raise RuntimeError(f"the worker answered with an error: {content['err']}")
+        if content.get("result") is None:
+            continue
+        got = json.loads(content["result"])["usage"]["completion_tokens"]
+        arrivals.append((got - 1, time.perf_counter()))
+        if not content.get("partial"):
+            n = got
+            break
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    await client.shutdown()
+    return {"n": n, "dt": dt, "client_cpu": cpu, "arrivals": arrivals}
+
+
+async def run_relay() -> None:
+    """A nostr-sdk relay on a free loopback port (printed), until stdin closes."""
+    import nostr_sdk as ns
+
+    ns.uniffi_set_event_loop(asyncio.get_running_loop())
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    relay = (
+        ns.LocalRelayBuilder()
+        .addr("127.0.0.1")
+        .port(port)
+        .rate_limit(ns.RateLimit(max_reqs=1000, notes_per_minute=1_000_000))
+        .build()
+    )
+    await relay.run()
+    print(f"ws://127.0.0.1:{port}", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    relay.shutdown()
+
+
+async def run_client(
+    wire: str, gport: int, hport: int, tokens: int, nostr: str = ""
+) -> dict[str, Any]:
     """:func:`wire_client` in a separate process (as a real client is); its result, with
     ``server_cpu``: this process's CPU seconds from the client's start (its imports
     done) to its end."""
@@ -283,6 +411,7 @@ async def run_client(wire: str, gport: int, hport: int, tokens: int) -> dict[str
         f"{gport},{hport}",
         "--tokens",
         str(tokens),
+        *(["--nostr", nostr] if nostr else []),
         stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
     )
@@ -299,9 +428,19 @@ async def run_client(wire: str, gport: int, hport: int, tokens: int) -> dict[str
     return res
 
 
-async def wire_rows(engine: Engine, served: Engine, url: str, tokens: int, rounds: int) -> None:
-    """The wire rows: ``engine`` alone against the server's path with ``served`` (the same
-    engine object, or the same engine in a worker process)."""
+WIRES = ("sse", "kakeya", "salience", "evergreen", "openai", "nostr", "ceilings")
+
+
+async def wire_rows(
+    engine: Engine,
+    served: Engine,
+    url: str,
+    tokens: int,
+    rounds: int,
+    only: frozenset[str] = frozenset(WIRES),
+) -> None:
+    """The wire rows (those named in ``only``): ``engine`` alone against the server's
+    path with ``served`` (the same engine object, or the same engine in a worker process)."""
 
     def free() -> int:
         import socket
@@ -330,14 +469,38 @@ async def wire_rows(engine: Engine, served: Engine, url: str, tokens: int, round
     client_cpu: list[float] = []  # the client's, from its request to its last token
     grpc_t = load(TRANSPORTS, "grpc")(rt, cfg.transports["grpc"], cfg)
     http_t = load(TRANSPORTS, "http")(rt, cfg.transports["http"], cfg)
+    # the Nostr wire: a relay in its own process, the D4 worker with its default pacing
+    relay = await asyncio.create_subprocess_exec(
+        sys.executable,
+        __file__,
+        "--relay",
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    assert relay.stdout is not None and relay.stdin is not None
+    relay_url = (await relay.stdout.readline()).decode().strip()
+    key_dir = tempfile.TemporaryDirectory()
+    key_file = Path(key_dir.name) / "worker.key"
+    import nostr_sdk as ns
+
+    ns.uniffi_set_event_loop(asyncio.get_running_loop())
+    key_file.write_text(ns.Keys.generate().secret_key().to_bech32())
+    nostr_t = load(TRANSPORTS, "nostr")(
+        rt,
+        {"relays": [relay_url], "key_file": str(key_file), "default_max_tokens": tokens},
+        cfg,
+    )
     await grpc_t.start()
     await http_t.start()
+    await nostr_t.start()
+    worker = nostr_t.worker
+    nostr = f"{relay_url},{next(iter(worker.functions))},{worker.keys.public_key().to_hex()}"
     try:
 
         def via(wire: str) -> Callable[[], Awaitable[float]]:
             async def run() -> float:
                 clock.start()
-                res = await run_client(wire, gport, hport, tokens)
+                res = await run_client(wire, gport, hport, tokens, nostr)
                 cpu.append(res["server_cpu"] / max(1, res["n"]))
                 client_cpu.append(res["client_cpu"] / max(1, res["n"]))
                 for key, t in res["arrivals"]:
@@ -367,7 +530,11 @@ async def wire_rows(engine: Engine, served: Engine, url: str, tokens: int, round
             ("Kakeya Generate", "kakeya"),
             ("Salience Generate", "salience"),
             ("Evergreen GENERATE", "evergreen"),
+            ("OpenAI chat completion stream (openai)", "openai"),
+            ("Nostr D4 call, streamed results", "nostr"),
         ):
+            if wire not in only:
+                continue
             clock.lat.clear()
             cpu.clear()
             client_cpu.clear()
@@ -379,6 +546,8 @@ async def wire_rows(engine: Engine, served: Engine, url: str, tokens: int, round
             ("Kakeya messages, no generation (ceiling)", False),
             ("Kakeya messages of engine steps, no log", True),
         ):
+            if "ceilings" not in only:
+                continue
             ceiling = await _bare_kakeya(tokens, engine if with_engine else None)
             try:
 
@@ -395,9 +564,13 @@ async def wire_rows(engine: Engine, served: Engine, url: str, tokens: int, round
             finally:
                 await ceiling.server.stop(0)
     finally:
+        await nostr_t.stop()
         await http_t.stop()
         await grpc_t.stop()
         await rt.aclose()
+        relay.stdin.close()
+        await relay.wait()
+        key_dir.cleanup()
 
 
 class _Bare:
@@ -459,6 +632,11 @@ async def main() -> None:
         help="add one row per transport (a client process over loopback)",
     )
     ap.add_argument(
+        "--wire-rows",
+        default=",".join(WIRES),
+        help=f"with --wires: which wire rows (comma-separated among {', '.join(WIRES)})",
+    )
+    ap.add_argument(
         "--engine-process",
         default="inline",
         choices=["inline", "worker"],
@@ -467,21 +645,29 @@ async def main() -> None:
     )
     ap.add_argument("--client", help=argparse.SUPPRESS)  # internal: be the client of one wire
     ap.add_argument("--ports", help=argparse.SUPPRESS)
+    ap.add_argument("--nostr", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--relay", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument(
         "--default-gc",
         action="store_true",
         help="keep CPython's collector defaults instead of the server's (core/gctune.py)",
     )
     args = ap.parse_args()
+    unknown = set(args.wire_rows.split(",")) - set(WIRES)
+    if unknown:
+        ap.error(f"--wire-rows: no such row {', '.join(sorted(unknown))}")
     if not args.default_gc:
         gctune.tune_for_serving()  # as `sessiontape serve` runs
+    if args.relay:
+        await run_relay()
+        return
     if args.client:
         import json
 
         gport, hport = (int(p) for p in args.ports.split(","))
         print("ready", flush=True)  # the server's CPU count starts now
         sys.stdin.readline()
-        print(json.dumps(await wire_client(args.client, gport, hport, args.tokens)))
+        print(json.dumps(await wire_client(args.client, gport, hport, args.tokens, args.nostr)))
         return
 
     engine = make_engine(args.engine, args.size)
@@ -540,6 +726,7 @@ async def main() -> None:
                     f"sqlite+aiosqlite:///{tmp}/wires.db",
                     args.tokens,
                     args.rounds,
+                    frozenset(args.wire_rows.split(",")),
                 )
 
 
