@@ -27,6 +27,13 @@ class LogReads:
         session's, or one session's (``with_forks``: and the opening of each fork of it)."""
         return self.log.subscribe(from_position, session_id, with_forks=with_forks)
 
+    def subscribe_batches(
+        self, from_position: int = 0, session_id: str | None = None, *, with_forks: bool = False
+    ) -> AsyncIterator[list[Event]]:
+        """:meth:`subscribe`'s events, each time all that are ready: a committed run of
+        tokens comes as one list, so a transport can send it in one write."""
+        return self.log.subscribe_batches(from_position, session_id, with_forks=with_forks)
+
     async def read_events(
         self, session_id: str, from_version: int = 1, to_version: int | None = None
     ) -> list[Event]:

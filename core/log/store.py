@@ -450,6 +450,14 @@ class EventLog:
         (one session's, with ``with_forks`` also the opening of each fork of it)."""
         return self.subscriptions.subscribe(from_position, session_id, with_forks=with_forks)
 
+    def subscribe_batches(
+        self, from_position: int = 0, session_id: str | None = None, *, with_forks: bool = False
+    ) -> AsyncIterator[list[Event]]:
+        """:meth:`subscribe`'s events, each time all that are ready (a committed run together)."""
+        return self.subscriptions.subscribe_batches(
+            from_position, session_id, with_forks=with_forks
+        )
+
 
 def verify_chain(evs: Sequence[Event], start_hash: str | None = None) -> None:
     """Raise ChainBroken unless ``evs`` (one session, in order) chain correctly."""

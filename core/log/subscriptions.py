@@ -29,10 +29,13 @@ PAGE = 1000
 
 
 class _Subscriber:
+    #: live events a subscriber may fall behind by; past that it catches up from the database
+    QUEUE_MAX = 10_000
+
     def __init__(self, session_id: str | None, with_forks: bool = False) -> None:
         self.session_id = session_id
         self.with_forks = with_forks
-        self.queue: asyncio.Queue[Event] = asyncio.Queue(maxsize=10_000)
+        self.queue: asyncio.Queue[Event] = asyncio.Queue(maxsize=self.QUEUE_MAX)
         self.overflowed = False
 
     def wants(self, e: Event) -> bool:
@@ -131,6 +134,20 @@ class Subscriptions:
         the cost of a committed event to a watcher of another session at one
         comparison instead of a queue hop and a task switch.
         """
+        batches = self.subscribe_batches(from_position, session_id, with_forks=with_forks)
+        try:
+            async for batch in batches:
+                for e in batch:
+                    yield e
+        finally:
+            await batches.aclose()  # type: ignore[attr-defined]
+
+    async def subscribe_batches(
+        self, from_position: int = 0, session_id: str | None = None, *, with_forks: bool = False
+    ) -> AsyncIterator[list[Event]]:
+        """:meth:`subscribe`'s events, each time all that are ready: a page of the
+        catch-up, or every live event already handed over (a committed run of
+        tokens arrives together), so a reader can write them out at once."""
         sub = _Subscriber(session_id, with_forks)
         # forks are other sessions' events: catch-up reads every session's, filtered here
         read_id = None if with_forks else session_id
@@ -142,22 +159,29 @@ class Subscriptions:
                 # catch up from the database
                 while True:
                     evs = await self._read(last, PAGE, read_id)
-                    for e in evs:
-                        if sub.wants(e):
-                            yield e
-                        last = e.position
+                    if evs:
+                        last = evs[-1].position
+                        wanted = [e for e in evs if sub.wants(e)]
+                        if wanted:
+                            yield wanted
                     if len(evs) < PAGE:
                         break
                 sub.overflowed = False
-                # live
+                # live: what is queued now, in one batch (the queue holds no gaps until
+                # it overflows; then the rest is read from the database)
+                queue = sub.queue
                 while not sub.overflowed:
-                    e = await sub.queue.get()
-                    if e.position <= last:
-                        continue
-                    yield e
-                    last = e.position
-                while not sub.queue.empty():
-                    sub.queue.get_nowait()
+                    e = await queue.get()
+                    batch = [e] if e.position > last else []
+                    while not queue.empty():
+                        e = queue.get_nowait()
+                        if e.position > last and (not batch or e.position > batch[-1].position):
+                            batch.append(e)
+                    if batch:
+                        last = batch[-1].position
+                        yield batch
+                while not queue.empty():
+                    queue.get_nowait()
         finally:
             self._subscribers.discard(sub)
             metrics.SUBSCRIBERS.dec()

@@ -310,13 +310,3 @@ def function_content(
         },
         separators=(",", ":"),
     )
-
-
-def cut_at_stop(text: str, stops: Sequence[str]) -> str | None:
-    """``text`` up to the first stop string, or None when none occurs."""
-    best: int | None = None
-    for s in stops:
-        i = text.find(s)
-        if i >= 0 and (best is None or i < best):
-            best = i
-    return None if best is None else text[:best]

@@ -22,9 +22,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from sessiontape.core import errors as E
 from sessiontape.core.bodies import GenerationFinished, generated_token
 from sessiontape.core.bodies import body as typed_body
+from sessiontape.core.document.text import TextStream
 from sessiontape.core.engine import OutputOptions, SamplingParams
 from sessiontape.core.events import Event, T
-from sessiontape.transports.sse.chat_template import ROLES, TextStream, message_text
+from sessiontape.transports.sse.chat_template import ROLES, message_text
 from sessiontape.transports.sse.openai import (
     DEFAULT_MAX_TOKENS,
     Api,
@@ -39,7 +40,7 @@ from sessiontape.transports.sse.openai import (
     number,
     reject_unsupported,
 )
-from sessiontape.transports.sse.turns import Turn, Turns, follow, load_turn, logprob_entry
+from sessiontape.transports.sse.turns import Turn, Turns, follow_runs, load_turn, logprob_entry
 
 API = "chat.completions"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -275,18 +276,29 @@ class ChatCompletions:
         yield chunk({"role": "assistant", "content": ""})
         ts = TextStream(self._detok(), turn.stops())
         reason = None
-        async for e in follow(self.runtime, turn):
-            if e.type == T.GENERATION_FINISHED:
-                reason = str(typed_body(e, GenerationFinished).get("finish_reason"))
-                break
-            tok = generated_token(e)
-            if ts.stopped or tok is None:
-                continue
-            delta = ts.push(int(tok))
-            if logprobs:
-                yield chunk({"content": delta}, lp={"content": [self._logprob(e)], "refusal": None})
+        # one chunk per committed run: the tokens that are ready when the stream gets
+        # to them share a delta (one token each while the reader keeps up), so a
+        # reader slower than the engine gets fewer, longer chunks instead of a backlog
+        async for run in follow_runs(self.runtime, turn):
+            parts: list[str] = []
+            lps: list[dict[str, Any]] = []
+            for e in run:
+                if e.type == T.GENERATION_FINISHED:
+                    reason = str(typed_body(e, GenerationFinished).get("finish_reason"))
+                    break
+                tok = generated_token(e)
+                if ts.stopped or tok is None:
+                    continue
+                parts.append(ts.push(int(tok)))
+                if logprobs:
+                    lps.append(self._logprob(e))
+            delta = "".join(parts)
+            if lps:
+                yield chunk({"content": delta}, lp={"content": lps, "refusal": None})
             elif delta:
                 yield chunk({"content": delta})
+            if reason is not None:
+                break
         tail = ts.finish()
         if tail:
             yield chunk({"content": tail})

@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 from sessiontape.core.config import Config
-from sessiontape.core.document import TextRun
 from sessiontape.core.errors import ConfigError, InvalidParameters
 
 ROLES = ("system", "developer", "user", "assistant")
@@ -149,57 +148,3 @@ def message_text(content: Any, where: str) -> str:
             out.append(text)
         return "".join(out)
     raise InvalidParameters(f"{where}: content must be a string or an array of text parts")
-
-
-class TextStream:
-    """Generated tokens to text deltas: multi-byte characters split across tokens
-    are held back until complete, and text that may start a stop string is held
-    back until it cannot. ``stopped`` is set once a stop string appeared; the
-    text ends before it. A pure function of the tokens, so a stream replayed
-    from the log gives the same deltas as the live one."""
-
-    def __init__(self, detokenize: Any, stops: Sequence[str] = ()) -> None:
-        # the session document's incremental decoder: a short window with context in
-        # front, so tokenizers that render a token differently at the start of a text
-        # (SentencePiece's leading space) decode as they would in the whole run
-        self._run = TextRun(detokenize)
-        self._stops = tuple(s for s in stops if s)
-        self._text = ""  # decoded, stable text
-        self._sent = 0  # characters of self._text already handed out
-        self.stopped = False
-
-    def push(self, token: int) -> str:
-        if self.stopped:
-            return ""
-        self._text += self._run.push([token])
-        return self._release(final=False)
-
-    def finish(self) -> str:
-        if not self.stopped:
-            self._text += self._run.flush()
-        return self._release(final=True)
-
-    @property
-    def text(self) -> str:
-        return self._text[: self._sent]
-
-    def _release(self, final: bool) -> str:
-        if self.stopped:
-            return ""
-        end = len(self._text)
-        for s in self._stops:
-            i = self._text.find(s, self._sent)
-            if i != -1 and i < end:
-                end = i
-                self.stopped = True
-        if self.stopped:
-            self._text = self._text[:end]
-        elif not final:
-            for s in self._stops:  # hold back a suffix that may begin a stop string
-                for k in range(min(len(s) - 1, end - self._sent), 0, -1):
-                    if self._text.endswith(s[:k]):
-                        end = min(end, len(self._text) - k)
-                        break
-        delta = self._text[self._sent : end]
-        self._sent = end
-        return delta

@@ -23,10 +23,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from sessiontape.core import errors as E
 from sessiontape.core.bodies import generated_token
+from sessiontape.core.document.text import TextStream
 from sessiontape.core.engine import OutputOptions, SamplingParams
 from sessiontape.core.events import Event
 from sessiontape.core.state import OPEN
-from sessiontape.transports.sse.chat_template import ROLES, TextStream, message_text
+from sessiontape.transports.sse.chat_template import ROLES, message_text
 from sessiontape.transports.sse.openai import (
     DEFAULT_MAX_TOKENS,
     Api,

@@ -26,11 +26,12 @@ from sessiontape.core.bodies import (
     generated_token,
     generation_id_of,
 )
+from sessiontape.core.document.text import TextStream
 from sessiontape.core.engine import OutputOptions, SamplingParams
 from sessiontape.core.errors import NotFound, SessiontapeError
 from sessiontape.core.events import Event, T
 from sessiontape.core.runtime import Runtime
-from sessiontape.transports.sse.chat_template import ChatTemplate, TextStream
+from sessiontape.transports.sse.chat_template import ChatTemplate
 
 WIRE = "openai"
 
@@ -137,17 +138,34 @@ async def load_turn(runtime: Runtime, session_id: str, version: int, api: str) -
 async def follow(runtime: Runtime, turn: Turn) -> AsyncIterator[Event]:
     """The turn's generated-token events, then its ``generation.finished``: from the
     log, then live (only committed events)."""
-    gid = turn.generation_id
-    sub = runtime.subscribe(turn.started.position, turn.session_id)
+    runs = follow_runs(runtime, turn)
     try:
-        async for e in sub:
-            if generation_id_of(e) != gid:
-                continue
-            if generated_token(e) is not None:
+        async for run in runs:
+            for e in run:
                 yield e
-            elif e.type == T.GENERATION_FINISHED:
-                yield e
-                return
+    finally:
+        await runs.aclose()  # type: ignore[attr-defined]
+
+
+async def follow_runs(runtime: Runtime, turn: Turn) -> AsyncIterator[list[Event]]:
+    """:func:`follow`'s events, each time all that are ready (a committed run of
+    tokens together; ``generation.finished`` ends the last list)."""
+    gid = turn.generation_id
+    sub = runtime.subscribe_batches(turn.started.position, turn.session_id)
+    try:
+        async for batch in sub:
+            run = []
+            for e in batch:
+                if generation_id_of(e) != gid:
+                    continue
+                if generated_token(e) is not None:
+                    run.append(e)
+                elif e.type == T.GENERATION_FINISHED:
+                    run.append(e)
+                    yield run
+                    return
+            if run:
+                yield run
     finally:
         await sub.aclose()  # type: ignore[attr-defined]
 

@@ -131,6 +131,68 @@ async def test_subscribe_catch_up_then_live_no_gap_no_dup(log: EventLog) -> None
     assert got == list(range(2, 23))
 
 
+async def test_subscribe_batches_hands_a_committed_run_over_together(log: EventLog) -> None:
+    await log.append("s1", 0, [opened()])
+    got: list[list[int]] = []
+    started = asyncio.Event()
+
+    async def consume() -> None:
+        started.set()
+        async for batch in log.subscribe_batches(from_position=1, session_id="s1"):
+            got.append([e.version for e in batch])
+            if batch[-1].version == 8:
+                return
+
+    task = asyncio.create_task(consume())
+    await started.wait()
+    await asyncio.sleep(0.05)  # the subscriber is live, waiting
+    await log.append("s1", 1, [appended(k, [k]) for k in range(5)])
+    await log.append("s1", 6, [appended(5, [5]), appended(6, [6])])
+    await asyncio.wait_for(task, 10)
+    assert got == [[2, 3, 4, 5, 6], [7, 8]]
+
+
+async def test_a_subscriber_that_falls_behind_catches_up_without_gaps(
+    log: EventLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past its queue's bound a subscriber reads the rest from the database: every
+    event once, in order, whether it reads one by one or in batches."""
+    from sessiontape.core.log import subscriptions
+
+    monkeypatch.setattr(subscriptions._Subscriber, "QUEUE_MAX", 8)
+    await log.append("s1", 0, [opened()])
+    one: list[int] = []
+    batched: list[int] = []
+    first = asyncio.Event()
+    go_on = asyncio.Event()
+
+    async def by_event() -> None:
+        async for e in log.subscribe(from_position=1, session_id="s1"):
+            one.append(e.version)
+            if len(one) == 1:
+                first.set()
+                await go_on.wait()  # the writer overflows this subscriber's queue meanwhile
+            if e.version == 101:
+                return
+
+    async def by_batch() -> None:
+        async for batch in log.subscribe_batches(from_position=1, session_id="s1"):
+            batched.extend(e.version for e in batch)
+            await go_on.wait()
+            if batched[-1] == 101:
+                return
+
+    tasks = [asyncio.create_task(by_event()), asyncio.create_task(by_batch())]
+    await asyncio.sleep(0.05)
+    await log.append("s1", 1, [appended(0, [0])])
+    await asyncio.wait_for(first.wait(), 10)
+    for v in range(2, 101, 3):
+        await log.append("s1", v, [appended(v - 1 + k, [k]) for k in range(3)])
+    go_on.set()
+    await asyncio.wait_for(asyncio.gather(*tasks), 20)
+    assert one == batched == list(range(2, 102))
+
+
 async def test_subscription_sees_nothing_before_commit(log: EventLog) -> None:
     await log.append("s1", 0, [opened()])
     seen: list[int] = []

@@ -6,13 +6,15 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from sessiontape.core.document.text import TextStream
 from sessiontape.core.errors import ConfigError, InvalidParameters
 from sessiontape.engines.tokenizer import ByteTokenizer
 from sessiontape.transports.sse.chat_template import (
     ROLE_MARKERS,
     ChatTemplate,
-    TextStream,
     load_template,
     message_text,
 )
@@ -124,3 +126,27 @@ def test_text_stream_keeps_sentencepiece_spaces() -> None:
     ts = TextStream(detok)
     out = [ts.push(i) for i in (1, 2, 3, 4)] + [ts.finish()]
     assert "".join(out) == "Hello big world!" == detok([1, 2, 3, 4])
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(
+    data=st.binary(max_size=40),
+    cuts=st.lists(st.integers(min_value=1, max_value=6), max_size=20),
+    stops=st.lists(st.sampled_from(["a", "<|u", "\u00e9!", "zz"]), max_size=2),
+)
+def test_text_stream_extend_is_push_token_by_token(
+    data: bytes, cuts: list[int], stops: list[str]
+) -> None:
+    """Tokens pushed a run at a time (``extend``) give the same text, the same stop and,
+    joined, the same deltas as the same tokens pushed one by one."""
+    tok = ByteTokenizer()
+    one = TextStream(tok.decode, stops)
+    one_out = "".join(one.push(b) for b in data) + one.finish()
+    runs = TextStream(tok.decode, stops)
+    out, i = [], 0
+    for k in [*cuts, len(data)]:
+        out.append(runs.extend(list(data[i : i + k])))
+        i += k
+    out.append(runs.finish())
+    assert "".join(out) == one_out == runs.text == one.text
+    assert runs.stopped == one.stopped

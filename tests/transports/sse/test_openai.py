@@ -374,6 +374,50 @@ async def test_chat_stream_with_usage(live: Served) -> None:
     assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens  # type: ignore[union-attr]
 
 
+@pytest.fixture
+async def fast(sqlite_url: str, port: int) -> AsyncIterator[Served]:
+    """The reference engine at full speed: tokens commit in runs of several."""
+    async for s in _serve(sqlite_url, port, ReferenceEngine()):
+        yield s
+
+
+async def test_chat_stream_chunks_are_committed_runs(fast: Served) -> None:
+    """A chunk carries every token that was ready when the stream got to it (its
+    text and each token's logprob, in order): the stream adds up to the reply."""
+    async with async_client(fast) as c:
+        req: dict[str, Any] = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "runs"}],
+            "max_tokens": 300,
+            "seed": 3,
+            "logprobs": True,
+            "top_logprobs": 2,
+        }
+        stream = await c.chat.completions.create(
+            **req, stream=True, stream_options={"include_usage": True}
+        )
+        chunks = [ch async for ch in stream]
+        plain = await c.chat.completions.create(**req)
+    assert plain.usage is not None and chunks[-1].usage is not None
+    n = plain.usage.completion_tokens
+    assert chunks[-1].usage.completion_tokens == n
+    body = [ch for ch in chunks if ch.choices and ch.choices[0].logprobs]
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == plain.choices[0].message.content
+    streamed = [
+        (lp.token, lp.logprob, [t.token for t in lp.top_logprobs])
+        for ch in body
+        for lp in ch.choices[0].logprobs.content or []  # type: ignore[union-attr]
+    ]
+    assert plain.choices[0].logprobs is not None
+    final = [
+        (lp.token, lp.logprob, [t.token for t in lp.top_logprobs])
+        for lp in plain.choices[0].logprobs.content or []
+    ]
+    assert streamed == final and len(final) == n
+    assert 0 < len(body) <= n
+
+
 async def test_chat_stop_string_cuts_the_text(live: Served) -> None:
     async with async_client(live) as c:
         full = await c.chat.completions.create(
