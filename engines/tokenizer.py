@@ -13,4 +13,8 @@ class ByteTokenizer:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: Sequence[int]) -> str:
-        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+        try:
+            raw = bytes(ids)  # all bytes (no specials): the common case, without a Python loop
+        except (ValueError, TypeError):
+            raw = bytes(i for i in ids if 0 <= i < 256)  # specials have no text
+        return raw.decode("utf-8", errors="replace")

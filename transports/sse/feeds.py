@@ -205,8 +205,13 @@ class SessionFeed:
 
     async def _run(self) -> None:
         try:
-            async for e in self.runtime.subscribe(self.position, self.session_id, with_forks=True):
-                self.publish(e)
+            async for batch in self.runtime.subscribe_batches(
+                self.position, self.session_id, with_forks=True
+            ):
+                for e in batch:
+                    self.publish(e)
+                    if self.ended:
+                        break
                 if self.ended:
                     break
         except Exception:  # end the watchers' streams; they resume from the log
