@@ -2,17 +2,23 @@
 
     .venv/bin/python bench/bench_generate.py [--engine reference|onnx] [--size small]
         [--tokens 400] [--sessions 1,8] [--rounds 5] [--pg URL | --no-pg] [--wires]
+        [--wire-rows sse,kakeya,salience,evergreen,openai,nostr,ceilings]
+        [--engine-process inline|worker]
 
 Every row is measured in interleaved rounds in one run: a round generates the
 same greedy tokens once with the engine alone (``Engine.generate`` driven
 directly, nothing stored) and once through ``Runtime.generate`` (every token
 committed to the log before it is yielded). The table shows medians and their
 ratio. ``--wires`` adds one row per transport: the same generation received
-by a client over the wire (SSE, Kakeya, Salience, Evergreen), with the
-median time from a token's commit to its arrival at the client and the
-server's CPU time per token (``time.process_time`` of this process, all its
-threads; the client is another process): a steadier measure than tokens per
-second on a machine whose speed drifts.
+by a client over the wire (SSE, Kakeya, Salience, Evergreen, an OpenAI chat
+completion stream read with the ``openai`` package, and a Nostr D4 call's
+streamed results through a relay in its own process), with the median time
+from a token's commit to its arrival at the client (for Nostr, at the
+partial result that first holds it) and the CPU time per token of the
+server (``time.process_time`` of this process, all its threads, while the
+client receives the stream) and of the client process: steadier measures
+than tokens per second on a machine whose speed drifts. ``--wire-rows``
+picks some of them.
 """
 
 from __future__ import annotations
@@ -169,6 +175,12 @@ class _Clock:
         return t is not None
 
 
+def _mark(what: str) -> None:
+    """Tell the server process (reading this client's stdout) that the timed part
+    starts or ends, so its CPU count covers the stream alone."""
+    print(what, flush=True)
+
+
 async def wire_client(
     wire: str, gport: int, hport: int, tokens: int, nostr: str = ""
 ) -> dict[str, Any]:
@@ -205,6 +217,7 @@ async def wire_client(
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{hport}", timeout=60) as http:
             sid = (await http.post("/v1/sessions", json={"eos_token_ids": []})).json()["id"]
             await http.post(f"/v1/sessions/{sid}/append", json={"tokens": prompt})
+            _mark("start")
             t0, c0 = time.perf_counter(), time.process_time()
             ids = re.compile(rb"(?:^|\n)id: ?(\d+)")
             tail = b""
@@ -222,6 +235,7 @@ async def wire_client(
                     arrivals.extend((int(m), now) for m in ids.findall(buf[:cut]))
                     tail = buf[cut:]
             dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+            _mark("end")
             doc = (await http.get(f"/v1/sessions/{sid}")).json()
             n = len(doc["generations"][-1]["tokens"])
         return {"n": n, "dt": dt, "client_cpu": cpu, "arrivals": arrivals}
@@ -232,6 +246,7 @@ async def wire_client(
                 await kakeya.CreateSession(kpb.CreateSessionRequest(eos_token_ids=[]))
             ).session_id
             await kakeya.AppendTokens(kpb.AppendTokensRequest(session_id=sid, token_ids=prompt))
+            _mark("start")
             t0, c0 = time.perf_counter(), time.process_time()
             async for m in kakeya.Generate(
                 kpb.GenerateRequest(session_id=sid, max_tokens=tokens, seed=1, temperature=0.0)
@@ -242,6 +257,7 @@ async def wire_client(
         elif wire == "salience":
             salience = sgrpc.SalienceStub(chan)
             sid = (await salience.OpenSession(spb.OpenSessionRequest())).session_id
+            _mark("start")
             t0, c0 = time.perf_counter(), time.process_time()
             async for m in salience.Generate(
                 spb.GenerateRequest(
@@ -253,6 +269,7 @@ async def wire_client(
                     n += 1
         else:
             async with EvergreenClient(f"127.0.0.1:{gport}") as ev, ev.session() as s:
+                _mark("start")
                 t0, c0 = time.perf_counter(), time.process_time()
                 await s.send(
                     actions=[
@@ -273,6 +290,7 @@ async def wire_client(
                             n += len(f.chunk_fragment.data.decode("utf-8", "replace"))
                             arrivals.append((n - 1, time.perf_counter()))
         dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+        _mark("end")
     return {"n": n, "dt": dt, "client_cpu": cpu, "arrivals": arrivals}
 
 
@@ -285,6 +303,7 @@ async def _openai_client(hport: int, tokens: int) -> dict[str, Any]:
         base_url=f"http://127.0.0.1:{hport}/v1", api_key="bench", max_retries=0
     ) as client:
         model = (await client.models.list()).data[0].id
+        _mark("start")
         t0, c0 = time.perf_counter(), time.process_time()
         stream = await client.chat.completions.create(
             model=model,
@@ -304,6 +323,7 @@ async def _openai_client(hport: int, tokens: int) -> dict[str, Any]:
             if chunk.usage is not None:
                 n = chunk.usage.completion_tokens
         dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+        _mark("end")
     return {"n": n, "dt": dt, "client_cpu": cpu, "arrivals": arrivals}
 
 
@@ -345,6 +365,7 @@ async def _nostr_client(relay: str, fid: str, worker: str, tokens: int) -> dict[
     )
     call_id = json.loads(call.as_json())["id"]
     arrivals: list[tuple[int, float]] = []
+    _mark("start")
     t0, c0 = time.perf_counter(), time.process_time()
     out = await client.send_event(call)
     assert out.success, f"the relay refused the call: {out.failed}"
@@ -367,6 +388,7 @@ async def _nostr_client(relay: str, fid: str, worker: str, tokens: int) -> dict[
             n = got
             break
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    _mark("end")
     await client.shutdown()
     return {"n": n, "dt": dt, "client_cpu": cpu, "arrivals": arrivals}
 
@@ -398,8 +420,8 @@ async def run_client(
     wire: str, gport: int, hport: int, tokens: int, nostr: str = ""
 ) -> dict[str, Any]:
     """:func:`wire_client` in a separate process (as a real client is); its result, with
-    ``server_cpu``: this process's CPU seconds from the client's start (its imports
-    done) to its end."""
+    ``server_cpu``: this process's CPU seconds while the client received the stream
+    (from its request to its last token, not its setup or what it reads after)."""
     import json
 
     proc = await asyncio.create_subprocess_exec(
@@ -417,11 +439,13 @@ async def run_client(
     )
     assert proc.stdin is not None and proc.stdout is not None
     await proc.stdout.readline()  # imported and ready
-    c0 = time.process_time()
     proc.stdin.write(b"go\n")
     await proc.stdin.drain()
-    out = await proc.stdout.read()
+    assert (await proc.stdout.readline()).strip() == b"start"  # the session is set up
+    c0 = time.process_time()
+    assert (await proc.stdout.readline()).strip() == b"end"  # the last token is in
     cpu = time.process_time() - c0
+    out = await proc.stdout.read()
     await proc.wait()
     res: dict[str, Any] = json.loads(out)
     res["server_cpu"] = cpu
