@@ -13,6 +13,9 @@ class ByteTokenizer:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: Sequence[int]) -> str:
+        if not isinstance(ids, list | tuple):
+            # an array or a buffer would give bytes() its memory, not its values
+            ids = list(ids)
         try:
             raw = bytes(ids)  # all bytes (no specials): the common case, without a Python loop
         except (ValueError, TypeError):

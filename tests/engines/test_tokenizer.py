@@ -17,8 +17,17 @@ def test_decode_is_the_utf8_of_the_byte_ids(ids: list[int]) -> None:
     assert ByteTokenizer().decode(ids) == expected
 
 
-def test_round_trip() -> None:
+def test_round_trip_from_any_sequence() -> None:
+    """Lists, tuples, arrays and numpy arrays of ids decode by their values."""
+    import array
+
+    import numpy as np
+
     tok = ByteTokenizer()
     text = "añ€😀 plain"
-    assert tok.decode(tok.encode(text)) == text
-    assert tok.decode([*tok.encode(text), 256, 258]) == text
+    ids = tok.encode(text)
+    assert tok.decode(ids) == tok.decode(tuple(ids)) == text
+    assert tok.decode([*ids, 256, 258]) == text
+    assert tok.decode(array.array("I", ids)) == tok.decode(array.array("q", ids)) == text
+    assert tok.decode(np.asarray(ids, dtype=np.int64)) == text
+    assert tok.decode(np.asarray([*ids, 257], dtype=np.int32)) == text

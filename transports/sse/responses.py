@@ -43,7 +43,7 @@ from sessiontape.transports.sse.openai import (
     reject_unsupported,
     split_id,
 )
-from sessiontape.transports.sse.turns import Turn, Turns, follow, load_turn, logprob_entry
+from sessiontape.transports.sse.turns import Turn, Turns, follow_runs, load_turn, logprob_entry
 
 API = "responses"
 #: the one ``include`` value served: per-token logprobs of the output text
@@ -410,10 +410,16 @@ class Responses:
             done = False
             last = -1
             try:
-                async for seq, event in self.events(turn):
-                    last = seq
-                    if seq > starting_after:
-                        yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
+                # the events that are ready together (a committed run's deltas) go out
+                # in one write
+                async for ready in self.events(turn):
+                    frames = []
+                    for seq, event in ready:
+                        last = seq
+                        if seq > starting_after:
+                            frames.append(f"event: {event['type']}\ndata: {json.dumps(event)}\n\n")
+                    if frames:
+                        yield "".join(frames).encode()
                 done = True
             except Exception as exc:
                 done = True
@@ -426,8 +432,10 @@ class Responses:
 
         return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
 
-    async def events(self, turn: Turn) -> AsyncIterator[tuple[int, dict[str, Any]]]:
-        """The response's event stream, numbered; a function of the log alone."""
+    async def events(self, turn: Turn) -> AsyncIterator[list[tuple[int, dict[str, Any]]]]:
+        """The response's event stream, numbered, a list at a time (the events ready
+        together: a committed run's deltas); the events are a function of the log
+        alone, how they are grouped is not."""
         seq = -1
 
         def ev(type_: str, **fields: Any) -> tuple[int, dict[str, Any]]:
@@ -438,76 +446,90 @@ class Responses:
         rid = response_id(turn)
         item_id = "msg_" + rid[5:]
         snap = self.render(turn, snapshot=True)
-        yield ev("response.created", response=snap)
-        yield ev("response.in_progress", response=snap)
-        yield ev(
-            "response.output_item.added",
-            output_index=0,
-            item={
-                "type": "message",
-                "id": item_id,
-                "status": "in_progress",
-                "role": "assistant",
-                "content": [],
-            },
-        )
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        yield ev(
-            "response.content_part.added",
-            item_id=item_id,
-            output_index=0,
-            content_index=0,
-            part=part,
-        )
-        ts = TextStream(self._detok(), turn.stops())
-        behind: list[Event] = []  # token events whose text is not out yet
-        async for e in follow(self.runtime, turn):
-            if (tok := generated_token(e)) is not None and not ts.stopped:
-                behind.append(e)
-                delta = ts.push(int(tok))
-                if delta:
-                    yield ev(
-                        "response.output_text.delta",
-                        item_id=item_id,
-                        output_index=0,
-                        content_index=0,
-                        delta=delta,
-                        logprobs=self._logprobs(turn, behind),
-                    )
-                    behind = []
-        delta = ts.finish()
-        # tokens with no text of their own (EOS) still carry a logprob: the last delta brings it
-        if delta or (behind and turn.request.get("logprobs")):
-            yield ev(
-                "response.output_text.delta",
+        yield [
+            ev("response.created", response=snap),
+            ev("response.in_progress", response=snap),
+            ev(
+                "response.output_item.added",
+                output_index=0,
+                item={
+                    "type": "message",
+                    "id": item_id,
+                    "status": "in_progress",
+                    "role": "assistant",
+                    "content": [],
+                },
+            ),
+            ev(
+                "response.content_part.added",
                 item_id=item_id,
                 output_index=0,
                 content_index=0,
-                delta=delta,
-                logprobs=self._logprobs(turn, behind),
+                part=part,
+            ),
+        ]
+        ts = TextStream(self._detok(), turn.stops())
+        behind: list[Event] = []  # token events whose text is not out yet
+        async for run in follow_runs(self.runtime, turn):
+            ready = []
+            for e in run:
+                if (tok := generated_token(e)) is not None and not ts.stopped:
+                    behind.append(e)
+                    delta = ts.push(int(tok))
+                    if delta:
+                        ready.append(
+                            ev(
+                                "response.output_text.delta",
+                                item_id=item_id,
+                                output_index=0,
+                                content_index=0,
+                                delta=delta,
+                                logprobs=self._logprobs(turn, behind),
+                            )
+                        )
+                        behind = []
+            if ready:
+                yield ready
+        ready = []
+        delta = ts.finish()
+        # tokens with no text of their own (EOS) still carry a logprob: the last delta brings it
+        if delta or (behind and turn.request.get("logprobs")):
+            ready.append(
+                ev(
+                    "response.output_text.delta",
+                    item_id=item_id,
+                    output_index=0,
+                    content_index=0,
+                    delta=delta,
+                    logprobs=self._logprobs(turn, behind),
+                )
             )
         final = await self._json(turn)
         content = final["output"][0]["content"][0]
-        yield ev(
-            "response.output_text.done",
-            item_id=item_id,
-            output_index=0,
-            content_index=0,
-            text=ts.text,
-            logprobs=content["logprobs"],
-        )
-        yield ev(
-            "response.content_part.done",
-            item_id=item_id,
-            output_index=0,
-            content_index=0,
-            part=content,
-        )
-        yield ev("response.output_item.done", output_index=0, item=final["output"][0])
         terminal = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(
             final["status"], "response.failed"
         )
-        yield ev(terminal, response=final)
+        ready += [
+            ev(
+                "response.output_text.done",
+                item_id=item_id,
+                output_index=0,
+                content_index=0,
+                text=ts.text,
+                logprobs=content["logprobs"],
+            ),
+            ev(
+                "response.content_part.done",
+                item_id=item_id,
+                output_index=0,
+                content_index=0,
+                part=content,
+            ),
+            ev("response.output_item.done", output_index=0, item=final["output"][0]),
+            ev(terminal, response=final),
+        ]
+        yield ready
 
 
 class _NoResponse(E.NotFound):

@@ -135,21 +135,10 @@ async def load_turn(runtime: Runtime, session_id: str, version: int, api: str) -
     return turn
 
 
-async def follow(runtime: Runtime, turn: Turn) -> AsyncIterator[Event]:
-    """The turn's generated-token events, then its ``generation.finished``: from the
-    log, then live (only committed events)."""
-    runs = follow_runs(runtime, turn)
-    try:
-        async for run in runs:
-            for e in run:
-                yield e
-    finally:
-        await runs.aclose()  # type: ignore[attr-defined]
-
-
 async def follow_runs(runtime: Runtime, turn: Turn) -> AsyncIterator[list[Event]]:
-    """:func:`follow`'s events, each time all that are ready (a committed run of
-    tokens together; ``generation.finished`` ends the last list)."""
+    """The turn's generated-token events, then its ``generation.finished``: from the
+    log, then live (only committed events), each time all that are ready (a
+    committed run of tokens together; ``generation.finished`` ends the last list)."""
     gid = turn.generation_id
     sub = runtime.subscribe_batches(turn.started.position, turn.session_id)
     try:
