@@ -37,6 +37,8 @@ from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, Operation
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.util import await_only
 
+from sessiontape.core.log.checkpoint import BACKSTOP_PAGES, Checkpointer
+
 log = logging.getLogger("sessiontape.log")
 
 R = TypeVar("R")
@@ -207,6 +209,8 @@ class SQLiteDialect(Dialect):
         #: multi-row INSERT texts by (prefix, rows); SQLite's bound-variable limit
         self._insert_sql: dict[tuple[str, int], str] = {}
         self._variable_limit: int | None = None
+        #: checkpoints on a thread of their own (a file database; started with the writer)
+        self.checkpointer: Checkpointer | None = None
 
     def _pragmas(self, dbapi_conn: Any, _rec: Any = None) -> None:
         cur = dbapi_conn.cursor()
@@ -249,6 +253,11 @@ class SQLiteDialect(Dialect):
             )
             self._pragmas(raw)
             self._nowait = False  # connect's timeout: 30 s
+            if self.path not in ("", ":memory:") and self.checkpointer is None:
+                # checkpoints leave the commits to the checkpoint thread; this
+                # connection's own is a backstop
+                raw.execute(f"PRAGMA wal_autocheckpoint={BACKSTOP_PAGES}")
+                self.checkpointer = Checkpointer(self.path, self.synchronous)
         # IMMEDIATE takes the write lock now: positions are read and assigned under it.
         # An inline try must not wait for another connection's lock (the loop would
         # block on it): its busy timeout is 0, set only when the mode changes, since
@@ -274,6 +283,8 @@ class SQLiteDialect(Dialect):
             if raw.in_transaction:
                 raw.execute("ROLLBACK")
             raise
+        if self.checkpointer is not None:
+            self.checkpointer.committed()
         return result
 
     def insert_rows(
@@ -317,6 +328,9 @@ class SQLiteDialect(Dialect):
         return size
 
     def _close_raw(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+            self.checkpointer = None
         if self._raw is not None:
             self._raw.close()
             self._raw = None
