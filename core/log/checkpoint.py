@@ -9,9 +9,12 @@ append waiting on it waits for the copy too, and on a machine with two cores
 the copy competes with the event loop for the interpreter's time.
 
 :class:`Checkpointer` runs the checkpoints on a thread of its own, with its own
-connection: after a commit it is woken, and it makes a ``PASSIVE``
-checkpoint (which never waits for, nor blocks, the writer or a reader) at
-most every ``interval_s``. SQLite does that work with the interpreter lock
+connection: it is woken once the writer has written
+:data:`CHANGES_PER_CHECKPOINT` rows since the last checkpoint (or after
+:data:`IDLE_S` with fewer), and makes a ``PASSIVE`` checkpoint (which never
+waits for, nor blocks, the writer or a reader), at most every
+``interval_s``. A generation's small commits so pay a checkpoint's two
+syncs once per couple of thousand rows, not per commit. SQLite does that work with the interpreter lock
 released. The writer's connection keeps an automatic checkpoint only as a
 backstop (:data:`BACKSTOP_PAGES`), for a WAL the thread cannot keep up with.
 Durability is unchanged: a committed transaction is in the WAL either way,
@@ -30,8 +33,12 @@ log = logging.getLogger("sessiontape.log")
 #: the writer connection's own automatic checkpoint, in pages (about 40 MB at 4 KiB):
 #: only reached when the checkpoint thread falls that far behind
 BACKSTOP_PAGES = 10_000
+#: rows written (``total_changes`` of the writer's connection) that call for a checkpoint
+CHANGES_PER_CHECKPOINT = 2_000
 #: the least time between two checkpoints of the thread
 INTERVAL_S = 0.02
+#: the longest fewer rows wait for their checkpoint
+IDLE_S = 1.0
 
 
 class Checkpointer:
@@ -44,6 +51,9 @@ class Checkpointer:
         #: checkpoints made, and the last one's (busy, WAL frames, frames copied)
         self.runs = 0
         self.last: tuple[int, int, int] | None = None
+        #: the writer's rows written, as of its last commit and of the last checkpoint
+        self._changes = 0
+        self._copied = 0
         self._dirty = threading.Event()
         self._closing = threading.Event()
         self._thread = threading.Thread(
@@ -51,18 +61,25 @@ class Checkpointer:
         )
         self._thread.start()
 
-    def committed(self) -> None:
-        """A write transaction committed: pages wait in the WAL."""
-        self._dirty.set()
+    def committed(self, total_changes: int) -> None:
+        """A write transaction committed; ``total_changes``: the writer connection's
+        count of rows written so far."""
+        self._changes = total_changes
+        if total_changes - self._copied >= CHANGES_PER_CHECKPOINT:
+            self._dirty.set()
 
     def _run(self) -> None:
         conn: sqlite3.Connection | None = None
         try:
             while True:
-                self._dirty.wait()
+                # enough rows to copy, or fewer that have waited IDLE_S
+                self._dirty.wait(IDLE_S)
                 if self._closing.is_set():
                     return
                 self._dirty.clear()
+                changes = self._changes
+                if changes == self._copied:
+                    continue
                 try:
                     if conn is None:
                         conn = sqlite3.connect(
@@ -73,6 +90,7 @@ class Checkpointer:
                     row = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
                     self.last = (int(row[0]), int(row[1]), int(row[2]))
                     self.runs += 1
+                    self._copied = changes
                 except sqlite3.Error as exc:
                     # the writer's backstop checkpoint still bounds the WAL
                     log.warning("checkpointing %s failed: %s", self.path, exc)

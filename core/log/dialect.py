@@ -284,7 +284,7 @@ class SQLiteDialect(Dialect):
                 raw.execute("ROLLBACK")
             raise
         if self.checkpointer is not None:
-            self.checkpointer.committed()
+            self.checkpointer.committed(raw.total_changes)
         return result
 
     def insert_rows(
