@@ -470,6 +470,17 @@ class Responses:
             ),
         ]
         ts = TextStream(self._detok(), turn.stops())
+
+        def text_delta(delta: str, tokens: list[Event]) -> tuple[int, dict[str, Any]]:
+            return ev(
+                "response.output_text.delta",
+                item_id=item_id,
+                output_index=0,
+                content_index=0,
+                delta=delta,
+                logprobs=self._logprobs(turn, tokens),
+            )
+
         behind: list[Event] = []  # token events whose text is not out yet
         async for run in follow_runs(self.runtime, turn):
             ready = []
@@ -478,16 +489,7 @@ class Responses:
                     behind.append(e)
                     delta = ts.push(int(tok))
                     if delta:
-                        ready.append(
-                            ev(
-                                "response.output_text.delta",
-                                item_id=item_id,
-                                output_index=0,
-                                content_index=0,
-                                delta=delta,
-                                logprobs=self._logprobs(turn, behind),
-                            )
-                        )
+                        ready.append(text_delta(delta, behind))
                         behind = []
             if ready:
                 yield ready
@@ -495,16 +497,7 @@ class Responses:
         delta = ts.finish()
         # tokens with no text of their own (EOS) still carry a logprob: the last delta brings it
         if delta or (behind and turn.request.get("logprobs")):
-            ready.append(
-                ev(
-                    "response.output_text.delta",
-                    item_id=item_id,
-                    output_index=0,
-                    content_index=0,
-                    delta=delta,
-                    logprobs=self._logprobs(turn, behind),
-                )
-            )
+            ready.append(text_delta(delta, behind))
         final = await self._json(turn)
         content = final["output"][0]["content"][0]
         terminal = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(

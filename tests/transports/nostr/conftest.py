@@ -353,3 +353,9 @@ async def make_worker(tmp_path: Path) -> AsyncIterator[WorkerFactory]:
 
 async def open_runtime(url: str, step_delay_s: float = 0.0) -> Runtime:
     return await Runtime.create(make_config(url), engine=ReferenceEngine(step_delay_s=step_delay_s))
+
+
+def chat(reply: dict[str, Any]) -> dict[str, Any]:
+    """The ``chat.completion`` a result event carries (its ``result``, parsed)."""
+    result: dict[str, Any] = json.loads(reply["body"]["result"])
+    return result

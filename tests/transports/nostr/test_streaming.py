@@ -15,13 +15,9 @@ from tests.transports.nostr.conftest import (
     LocalRelay,
     WorkerFactory,
     call_body,
+    chat,
     open_runtime,
 )
-
-
-def chat(reply: dict[str, Any]) -> dict[str, Any]:
-    result: dict[str, Any] = json.loads(reply["body"]["result"])
-    return result
 
 
 def text_of(reply: dict[str, Any]) -> str:

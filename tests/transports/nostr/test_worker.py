@@ -20,14 +20,10 @@ from tests.transports.nostr.conftest import (
     LocalRelay,
     WorkerFactory,
     call_body,
+    chat,
     eventually,
     open_runtime,
 )
-
-
-def chat(reply: dict[str, Any]) -> dict[str, Any]:
-    result: dict[str, Any] = json.loads(reply["body"]["result"])
-    return result
 
 
 async def wire(runtime: Runtime, sid: str) -> list[tuple[str, dict[str, Any]]]:
