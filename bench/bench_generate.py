@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import contextlib
 import os
 import re
@@ -32,7 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sessiontape.core import gctune
 from sessiontape.core.config import Config
+from sessiontape.core.document.text import TextStream
 from sessiontape.core.engine import Engine, SamplingParams
 from sessiontape.core.events import T
 from sessiontape.core.registry import ENGINES, TRANSPORTS, load
@@ -136,11 +138,16 @@ async def compare(
 
 class _Clock:
     """Commit times of generated tokens (taken when the log's writer settles a
-    commit, before anything sees it) and their arrival at a client."""
+    commit, before anything sees it), and how long the generation's text was
+    after each token (decoded as the transports decode it), so an arrival
+    keyed by characters (a text chunk) finds the token that completed it."""
 
-    def __init__(self) -> None:
+    def __init__(self, detokenize: Callable[[Sequence[int]], str]) -> None:
+        self.detokenize = detokenize
         self.by_position: dict[int, float] = {}  # log position -> commit time
         self.in_order: list[float] = []  # commit times of this generation's tokens, in order
+        self.chars: list[int] = []  # the text's length after each of them
+        self.text = TextStream(detokenize)
         self.lat: list[float] = []
 
     def watch(self, rt: Runtime) -> None:
@@ -159,20 +166,24 @@ class _Clock:
             if e.type == T.GENERATION_TOKEN and not e.body["is_prefill"]:
                 self.by_position[e.position] = now
                 self.in_order.append(now)
+                self.text.push(int(e.body["token"]))
+                self.chars.append(len(self.text.text))
 
     def start(self) -> None:
         self.in_order.clear()
         self.by_position.clear()
+        self.chars.clear()
+        self.text = TextStream(self.detokenize)
 
-    def nth(self, k: int) -> None:
-        if k < len(self.in_order):
-            self.lat.append(time.perf_counter() - self.in_order[k])
-
-    def at(self, position: int) -> bool:
-        t = self.by_position.get(position)
-        if t is not None:
-            self.lat.append(time.perf_counter() - t)
-        return t is not None
+    def committed_at(self, wire: str, key: int) -> float | None:
+        """When the token an arrival stands for committed: ``key`` is a log position
+        (SSE), a text length (Evergreen, OpenAI: the token that made the text that
+        long), or the token's index (Kakeya, Salience, Nostr)."""
+        if wire == "sse":
+            return self.by_position.get(key)
+        if wire in ("evergreen", "openai"):
+            key = bisect.bisect_left(self.chars, key)
+        return self.in_order[key] if key < len(self.in_order) else None
 
 
 def _mark(what: str) -> None:
@@ -286,9 +297,8 @@ async def wire_client(
                 async for m in s:
                     for f in m.node_fragments:
                         if f.id == "r" and f.HasField("chunk_fragment") and f.chunk_fragment.data:
-                            # the reference engine's text tokens are single bytes
                             n += len(f.chunk_fragment.data.decode("utf-8", "replace"))
-                            arrivals.append((n - 1, time.perf_counter()))
+                            arrivals.append((n, time.perf_counter()))  # by text length
         dt, cpu = time.perf_counter() - t0, time.process_time() - c0
         _mark("end")
     return {"n": n, "dt": dt, "client_cpu": cpu, "arrivals": arrivals}
@@ -317,9 +327,8 @@ async def _openai_client(hport: int, tokens: int) -> dict[str, Any]:
         chars, n = 0, 0
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
-                # the reference engine's text tokens are single bytes: a character a token
                 chars += len(chunk.choices[0].delta.content)
-                arrivals.append((chars - 1, time.perf_counter()))
+                arrivals.append((chars, time.perf_counter()))  # by text length
             if chunk.usage is not None:
                 n = chunk.usage.completion_tokens
         dt, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -487,7 +496,7 @@ async def wire_rows(
         },
     )
     rt = await Runtime.create(cfg, engine=served)
-    clock = _Clock()
+    clock = _Clock(served.detokenize)
     clock.watch(rt)
     cpu: list[float] = []  # server CPU seconds per token of each round
     client_cpu: list[float] = []  # the client's, from its request to its last token
@@ -525,14 +534,13 @@ async def wire_rows(
             async def run() -> float:
                 clock.start()
                 res = await run_client(wire, gport, hport, tokens, nostr)
+                if wire == "evergreen":
+                    # its client sees text, not tokens: count the generation's tokens here
+                    res["n"] = len(clock.in_order)
                 cpu.append(res["server_cpu"] / max(1, res["n"]))
                 client_cpu.append(res["client_cpu"] / max(1, res["n"]))
                 for key, t in res["arrivals"]:
-                    committed = (
-                        clock.by_position.get(key)
-                        if wire == "sse"
-                        else (clock.in_order[key] if key < len(clock.in_order) else None)
-                    )
+                    committed = clock.committed_at(wire, key)
                     if committed is not None:
                         clock.lat.append(t - committed)
                 return float(res["n"]) / float(res["dt"])

@@ -35,6 +35,7 @@ from typing import Any, cast
 from google.protobuf import json_format, message, struct_pb2
 
 from sessiontape.core.bodies import action_id_of, generated_token
+from sessiontape.core.document.text import TextStream
 from sessiontape.core.engine import SamplingParams
 from sessiontape.core.errors import (
     InvalidAction,
@@ -411,9 +412,9 @@ class _Stream:
             (k for k, (a, b) in enumerate(zip(st.tokens, prompt, strict=False)) if a != b),
             min(len(st.tokens), len(prompt)),
         )
-        engine = self.runtime.engine
-        produced: list[int] = []
-        sent = ""
+        # the output's text, decoded as it grows (not the whole output again per run);
+        # a character split across tokens waits for its last byte
+        text = TextStream(self.runtime.engine.detokenize)
         seq = 0
         # One output fragment per committed run of tokens (not one per token):
         # each fragment is one append and one message, whatever the engine's speed.
@@ -433,19 +434,11 @@ class _Stream:
                 if self.stopping:
                     raise _Stopped
                 new = [int(tok) for ev in run if (tok := generated_token(ev)) is not None]
-                if not new:
-                    continue
-                produced += new
-                text = engine.detokenize(produced)
-                if text.endswith("\ufffd"):
-                    continue  # an incomplete UTF-8 sequence: wait for its last byte
-                if text.startswith(sent) and len(text) > len(sent):
-                    await self._emit(act, seq, text[len(sent) :], continued=True)
+                piece = text.extend(new)
+                if piece:
+                    await self._emit(act, seq, piece, continued=True)
                     seq += 1
-                    sent = text
-        text = engine.detokenize(produced)
-        rest = text[len(sent) :] if text.startswith(sent) else ""
-        await self._emit(act, seq, rest, continued=False)
+        await self._emit(act, seq, text.finish(), continued=False)
 
     async def _emit(self, act: PendingAction, seq: int, text: str, *, continued: bool) -> None:
         frags = [
