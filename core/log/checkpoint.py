@@ -61,6 +61,13 @@ class Checkpointer:
         )
         self._thread.start()
 
+    @property
+    def caught_up(self) -> bool:
+        """Whether the last checkpoint copied every row the writer had written by then
+        and everything in the WAL (nothing is left for the thread to do)."""
+        last = self.last
+        return self._copied == self._changes and last is not None and last[1] == last[2]
+
     def committed(self, total_changes: int) -> None:
         """A write transaction committed; ``total_changes``: the writer connection's
         count of rows written so far."""
