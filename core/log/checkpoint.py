@@ -13,10 +13,11 @@ connection: it is woken once the writer has written
 :data:`CHANGES_PER_CHECKPOINT` rows since the last checkpoint (or after
 :data:`IDLE_S` with fewer), and makes a ``PASSIVE`` checkpoint (which never
 waits for, nor blocks, the writer or a reader), at most every
-``interval_s``. A generation's small commits so pay a checkpoint's two
-syncs once per couple of thousand rows, not per commit. SQLite does that work with the interpreter lock
-released. The writer's connection keeps an automatic checkpoint only as a
-backstop (:data:`BACKSTOP_PAGES`), for a WAL the thread cannot keep up with.
+``interval_s``, with the interpreter lock released. A generation's small
+commits so pay a checkpoint's two syncs once per couple of thousand rows,
+not per commit. The writer's connection keeps an automatic checkpoint only
+as a backstop (:data:`BACKSTOP_PAGES`), for a WAL the thread cannot keep
+up with.
 Durability is unchanged: a committed transaction is in the WAL either way,
 and a process killed mid-checkpoint is recovered from the WAL on the next
 open (SQLite's own recovery).

@@ -254,8 +254,8 @@ class SQLiteDialect(Dialect):
             self._pragmas(raw)
             self._nowait = False  # connect's timeout: 30 s
             if self.path not in ("", ":memory:") and self.checkpointer is None:
-                # checkpoints leave the commits to the checkpoint thread; this
-                # connection's own is a backstop
+                # checkpoints run on the checkpoint thread, not inside this
+                # connection's commits; its own automatic one is only a backstop
                 raw.execute(f"PRAGMA wal_autocheckpoint={BACKSTOP_PAGES}")
                 self.checkpointer = Checkpointer(self.path, self.synchronous)
         # IMMEDIATE takes the write lock now: positions are read and assigned under it.
