@@ -21,8 +21,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
+import orjson
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from sessiontape.core import metrics
@@ -43,7 +45,6 @@ from sessiontape.core.events import (
     T,
     canonical_json,
     chain_hashers,
-    parse_json,
 )
 from sessiontape.core.log.dialect import Dialect
 from sessiontape.core.log.schema import sessions
@@ -153,6 +154,8 @@ class Writer:
         self._last_position: int | None = None
         self._task: asyncio.Task[None] | None = None
         self._closing = False
+        #: the write loop has a batch waiting for the transaction before it to end
+        self._next_waiting = False
         #: test hook: awaited inside the write transaction, just before COMMIT
         self.before_commit: Callable[[list[Event]], Awaitable[None]] | None = None
 
@@ -195,6 +198,7 @@ class Writer:
         dropped and made again inside its own transaction.
         """
         committing: asyncio.Task[bool] | None = None
+        landed: asyncio.Future[bool] | None = None  # ``committing``'s transaction is over
         ahead: _Plan | None = None  # the plan ``committing`` carries out
         try:
             while True:
@@ -210,13 +214,18 @@ class Writer:
                         break
                     batch.append(nxt)
                     n += len(nxt.events)
-                if committing is not None and not committing.done():
+                if landed is not None and not landed.done():
                     plan = None if ahead is None else self._plan_from_cache(batch, after=ahead)
-                    if not await committing:
-                        plan = None
+                    self._next_waiting = True
+                    try:
+                        if not await landed:
+                            plan = None
+                    finally:
+                        self._next_waiting = False
                 else:
                     plan = self._plan_from_cache(batch, after=None)
-                committing = asyncio.create_task(self._commit_batch(batch, plan))
+                landed = asyncio.get_running_loop().create_future()
+                committing = asyncio.create_task(self._commit_batch(batch, plan, landed))
                 ahead = plan
                 # let the commit reach the writer thread before planning the next batch
                 await asyncio.sleep(0)
@@ -226,8 +235,25 @@ class Writer:
             if committing is not None:
                 await committing
 
-    async def _commit_batch(self, batch: list[Request], plan: _Plan | None) -> bool:
-        """Commit ``batch``; True when it committed whole, as ``plan`` said."""
+    async def _commit_batch(
+        self, batch: list[Request], plan: _Plan | None, landed: asyncio.Future[bool]
+    ) -> bool:
+        """Commit ``batch``; True when it committed whole, as ``plan`` said.
+
+        ``landed`` is given that answer as soon as the transaction is over, before
+        the batch's appenders are told: the write loop hands its next batch to
+        the writer thread first. Told first, the appenders would run (and make
+        their next events) while the writer thread waited for the loop.
+        """
+        try:
+            return await self._commit(batch, plan, landed)
+        finally:
+            if not landed.done():
+                landed.set_result(False)
+
+    async def _commit(
+        self, batch: list[Request], plan: _Plan | None, landed: asyncio.Future[bool]
+    ) -> bool:
         t0 = time.perf_counter()
         try:
             results, as_planned = await self._run_tx(batch, plan)
@@ -255,6 +281,10 @@ class Writer:
                 else:
                     self._finish([req], [res[0]], t0)
             return False
+        landed.set_result(as_planned)
+        if self._next_waiting:
+            # one turn of the loop: the write loop starts the next transaction
+            await asyncio.sleep(0)
         self._finish(batch, results, t0)
         return as_planned
 
@@ -405,6 +435,7 @@ class Writer:
         pending = plan.heads
         inline_max = self.inline_max_bytes
         hashers = chain_hashers(now)
+        loads = orjson.loads  # parse_json, less one call per event
         for req in batch:
             sid = req.session_id
             head = pending.get(sid) or head_of(cur, sid)
@@ -450,21 +481,23 @@ class Writer:
                 if purge:
                     plan.purged.append(sid)
                 hasher = hashers(sid)
-                for ne in req.events:
-                    if not isinstance(ne, NewEvent):
-                        raise InvalidEvent(f"session {sid}: append takes NewEvents")
-                    type_, _, data, body_json = ne
+                if not all(map(isinstance, req.events, repeat(NewEvent))):
+                    raise InvalidEvent(f"session {sid}: append takes NewEvents")
+                if purge:
+                    (ne,) = req.events
+                    tombstone = session_purged(body(ne, SessionPurged)["reason"], cur_version, prev)
+                    events: Sequence[NewEvent] = [NewEvent(ne.type, tombstone, ne.data)]
+                else:
+                    events = req.events
+                # the loop every appended event goes through: as little as can be
+                for type_, _, data, body_json in events:
                     version += 1
                     pos += 1
-                    if purge:
-                        body_json = canonical_json(
-                            session_purged(body(ne, SessionPurged)["reason"], cur_version, prev)
-                        )
                     h = hasher(prev, version, type_, body_json, data)
                     # The body as a reader of the log will see it (lists, not
                     # tuples; null for non-finite floats): live == replay.
                     ev = new_event(
-                        Event, (pos, sid, version, type_, parse_json(body_json), data, now, h, prev)
+                        Event, (pos, sid, version, type_, loads(body_json), data, now, h, prev)
                     )
                     out.append(ev)
                     if data is None:

@@ -1,4 +1,4 @@
-"""The server's collector settings (run in a child process: they are process-wide)."""
+"""The server's collector and GIL settings (run in a child process: they are process-wide)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 
-def test_serving_freezes_the_startup_heap_and_collects_the_young_less_often() -> None:
+def test_serving_freezes_the_startup_heap_collects_the_young_less_often_and_switches_sooner() -> None:
     code = (
         "import gc\n"
         "from sessiontape.core import gctune\n"
@@ -16,6 +16,8 @@ def test_serving_freezes_the_startup_heap_and_collects_the_young_less_often() ->
         "assert gc.get_freeze_count() >= 1000, gc.get_freeze_count()\n"
         "assert gc.get_threshold()[0] == gctune.YOUNG_THRESHOLD\n"
         "assert gc.isenabled()\n"
+        "import sys\n"
+        "assert sys.getswitchinterval() == gctune.SWITCH_INTERVAL_S < 0.005\n"
         "print('ok')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -271,3 +271,46 @@ async def test_a_planned_batch_that_fails_drops_the_plan_made_after_it(log: Even
         evs = await log.read(sid)
         verify_chain(evs)
         assert [e.version for e in evs] == list(range(1, len(evs) + 1))
+
+
+async def test_the_next_transaction_starts_before_the_last_ones_appenders_resume(
+    log: EventLog,
+) -> None:
+    """When a batch is waiting behind a transaction, the writer hands it to the
+    database as soon as that transaction is over, and only then tells the
+    finished batch's appenders: they would otherwise make their next events
+    while the database sat idle."""
+    await log.append("a", 0, [opened()])
+    await log.append("b", 0, [opened()])
+    seen: list[str] = []
+    gate = asyncio.Event()
+    dialect = log.writer.dialect
+    transaction = dialect.transaction
+
+    async def spied(*args: Any, **kwargs: Any) -> Any:
+        seen.append("transaction")
+        return await transaction(*args, **kwargs)
+
+    async def hold(_evs: list[object]) -> None:
+        log.writer.before_commit = None  # only the first transaction waits
+        await gate.wait()
+
+    async def append(sid: str) -> None:
+        await log.append(sid, 1, [appended(0, [1])])
+        seen.append(f"{sid} resumed")
+
+    dialect.transaction = spied  # type: ignore[method-assign]
+    log.writer.before_commit = hold
+    try:
+        first = asyncio.create_task(append("a"))
+        while seen != ["transaction"]:
+            await asyncio.sleep(0.001)
+        second = asyncio.create_task(append("b"))  # queued behind the held transaction
+        await asyncio.sleep(0.05)
+        assert seen == ["transaction"]
+        gate.set()
+        await asyncio.wait_for(asyncio.gather(first, second), 10)
+    finally:
+        dialect.transaction = transaction  # type: ignore[method-assign]
+    assert seen == ["transaction", "transaction", "a resumed", "b resumed"]
+    assert [e.version for e in await log.read("a")] == [1, 2]
