@@ -283,7 +283,7 @@ async def test_the_next_transaction_starts_before_the_last_ones_appenders_resume
     await log.append("a", 0, [opened()])
     await log.append("b", 0, [opened()])
     seen: list[str] = []
-    gate = asyncio.Event()
+    gate, held = asyncio.Event(), asyncio.Event()
     dialect = log.writer.dialect
     transaction = dialect.transaction
 
@@ -293,6 +293,7 @@ async def test_the_next_transaction_starts_before_the_last_ones_appenders_resume
 
     async def hold(_evs: list[object]) -> None:
         log.writer.before_commit = None  # only the first transaction waits
+        held.set()
         await gate.wait()
 
     async def append(sid: str) -> None:
@@ -303,8 +304,7 @@ async def test_the_next_transaction_starts_before_the_last_ones_appenders_resume
     log.writer.before_commit = hold
     try:
         first = asyncio.create_task(append("a"))
-        while seen != ["transaction"]:
-            await asyncio.sleep(0.001)
+        await asyncio.wait_for(held.wait(), 10)
         second = asyncio.create_task(append("b"))  # queued behind the held transaction
         await asyncio.sleep(0.05)
         assert seen == ["transaction"]
