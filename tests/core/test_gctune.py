@@ -6,7 +6,9 @@ import subprocess
 import sys
 
 
-def test_serving_freezes_the_startup_heap_collects_the_young_less_often_and_switches_sooner() -> None:
+def test_serving_freezes_the_startup_heap_collects_the_young_less_often_and_switches_sooner() -> (
+    None
+):
     code = (
         "import gc\n"
         "from sessiontape.core import gctune\n"
