@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
-from typing import Any
+from typing import Any, cast
 
 import orjson
 from sqlalchemy.exc import DBAPIError, OperationalError
@@ -483,12 +483,11 @@ class Writer:
                 hasher = hashers(sid)
                 if not all(map(isinstance, req.events, repeat(NewEvent))):
                     raise InvalidEvent(f"session {sid}: append takes NewEvents")
+                events = cast("Sequence[NewEvent]", req.events)
                 if purge:
-                    (ne,) = req.events
+                    (ne,) = events
                     tombstone = session_purged(body(ne, SessionPurged)["reason"], cur_version, prev)
-                    events: Sequence[NewEvent] = [NewEvent(ne.type, tombstone, ne.data)]
-                else:
-                    events = req.events
+                    events = [NewEvent(ne.type, tombstone, ne.data)]
                 # the loop every appended event goes through: as little as can be
                 for type_, _, data, body_json in events:
                     version += 1
