@@ -37,7 +37,7 @@ import contextlib
 import dataclasses
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sessiontape.core import metrics
@@ -82,6 +82,15 @@ class PipelineLimits:
     #: a caller slower than the engine gets runs it handles in about this long,
     #: committed when it asks for the next
     pace_s: float = 0.004
+
+
+#: ``with_run(state, tokens) -> events``: called under the session's lock just before
+#: each run of generated tokens commits, with the session's state (the run not yet
+#: in it) and the run's generated token ids; the events it returns commit in the
+#: same append, after the run's (a transport's record of what it sends for the run,
+#: such as Evergreen's output fragment). It must not await; if it raises, the run
+#: is not committed and the generation fails with that error.
+RunHook = Callable[[SessionState, list[int]], Sequence[NewEvent]]
 
 
 class Runtime(Protocol):
@@ -149,8 +158,10 @@ class Generation:
         options: OutputOptions,
         priority: int,
         limits: PipelineLimits,
+        with_run: RunHook | None = None,
     ) -> None:
         self.rt = rt
+        self.with_run = with_run
         self.st = st
         self.gid = gid
         self.params = params
@@ -376,6 +387,9 @@ class Generation:
         new, generated = self._events(steps)
         rt = self.rt
         async with rt._lock(self.sid):
+            if self.with_run is not None and generated:
+                tokens = [s.token_id for s in steps if not s.is_prefill]
+                new.extend(self.with_run(self.st, tokens))
             evs = await rt._commit(self.st, new, length=self.st.length + generated)
         if generated:
             metrics.TOKENS_GENERATED.inc(generated)
@@ -496,6 +510,7 @@ async def generate_runs(
     priority: int,
     action_id: str | None,
     sink_window: tuple[int, int] | None,
+    with_run: RunHook | None = None,
 ) -> AsyncIterator[list[Event]]:
     """:meth:`Runtime.generate_runs` (see there)."""
     params.check()
@@ -537,7 +552,7 @@ async def generate_runs(
     except BaseException:
         await rt.log.unlock_session(session_id)
         raise
-    gen = Generation(rt, st, gid, params, options, priority, rt.pipeline)
+    gen = Generation(rt, st, gid, params, options, priority, rt.pipeline, with_run)
     done = False
     failure: BaseException | None = None
     try:

@@ -47,7 +47,7 @@ from sessiontape.core.errors import (
     SessionNotFound,
 )
 from sessiontape.core.events import Event, NewEvent, T
-from sessiontape.core.generation import PipelineLimits, generate_runs
+from sessiontape.core.generation import PipelineLimits, RunHook, generate_runs
 from sessiontape.core.log import EventLog
 from sessiontape.core.nodes import FragmentIn, check_fragment
 from sessiontape.core.reads import LogReads
@@ -398,29 +398,37 @@ class Runtime(SessionStates, LogReads):
         """
         async with self._lock(session_id):
             st = await self._open_locked(session_id)
-            # Later fragments of one message are checked against the earlier
-            # ones, on a copy-on-write overlay of the touched nodes only.
-            scratch = overlay(st) if len(fragments) > 1 else st
-            new: list[NewEvent] = []
-            kept: list[bool] = []
-            fresh: set[str] = set()
-            for f in fragments:
-                ok = check_fragment(scratch, f, self.max_depth)
-                kept.append(ok)
-                if ok:
-                    if f.id not in st.nodes:
-                        fresh.add(f.id)
-                    ne = NewEvent(T.NODE_FRAGMENT, f.body(direction), f.data)
-                    new.append(ne)
-                    if scratch is not st:
-                        overlay_apply(scratch, st, ne.body, ne.data)
-            if len(st.nodes) + len(fresh) > self.max_nodes:
-                raise ResourceExhausted(
-                    f"session {session_id} would hold more than {self.max_nodes} nodes"
-                )
+            new, kept = self.fragment_events(st, fragments, direction)
             if new:
                 await self._commit(st, new)
             return kept
+
+    def fragment_events(
+        self, st: SessionState, fragments: Sequence[FragmentIn], direction: str
+    ) -> tuple[list[NewEvent], list[bool]]:
+        """The events that record ``fragments`` on ``st`` (nothing is written), and
+        per fragment False for an ignored duplicate; raises if any breaks a rule."""
+        # Later fragments of one message are checked against the earlier
+        # ones, on a copy-on-write overlay of the touched nodes only.
+        scratch = overlay(st) if len(fragments) > 1 else st
+        new: list[NewEvent] = []
+        kept: list[bool] = []
+        fresh: set[str] = set()
+        for f in fragments:
+            ok = check_fragment(scratch, f, self.max_depth)
+            kept.append(ok)
+            if ok:
+                if f.id not in st.nodes:
+                    fresh.add(f.id)
+                ne = NewEvent(T.NODE_FRAGMENT, f.body(direction), f.data)
+                new.append(ne)
+                if scratch is not st:
+                    overlay_apply(scratch, st, ne.body, ne.data)
+        if len(st.nodes) + len(fresh) > self.max_nodes:
+            raise ResourceExhausted(
+                f"session {st.session_id} would hold more than {self.max_nodes} nodes"
+            )
+        return new, kept
 
     @stale_retry
     async def submit_action(
@@ -621,12 +629,15 @@ class Runtime(SessionStates, LogReads):
         priority: int = 0,
         action_id: str | None = None,
         sink_window: tuple[int, int] | None = None,
+        with_run: RunHook | None = None,
     ) -> AsyncIterator[list[Event]]:
         """:meth:`generate` in runs: each item is the events of one commit.
 
         The engine decodes ahead of the log (at most ``generation.run_ahead``
         steps) while runs commit; a transport that writes a whole run at once
         pays its per-message cost once per run (core/generation.py).
+        ``with_run`` adds the caller's own events to each run's commit
+        (:data:`~sessiontape.core.generation.RunHook`).
         """
         return generate_runs(
             self,
@@ -640,6 +651,7 @@ class Runtime(SessionStates, LogReads):
             priority=priority,
             action_id=action_id,
             sink_window=sink_window,
+            with_run=with_run,
         )
 
     def _begin_generation(self, session_id: str) -> None:

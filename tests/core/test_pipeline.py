@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sessiontape.core.engine import DEFAULT_OUTPUT, OutputOptions, SamplingParams, Step
-from sessiontape.core.errors import EngineError
-from sessiontape.core.events import Event, T
+from sessiontape.core.errors import EngineError, InvalidArgument
+from sessiontape.core.events import Event, NewEvent, T
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
 from tests.conftest import make_config
@@ -436,5 +436,95 @@ async def test_a_turn_of_the_gate_ends_after_burst_steps_or_burst_s(
         await asyncio.gather(*(one(s) for s in sids))
         assert sorted(set(order)) == sorted(sids) and len(order) == 48
         assert shortest <= _longest_turn(order) <= longest
+    finally:
+        await rt.aclose()
+
+
+async def _runs_with(
+    rt: Runtime, sid: str, hook: Any, max_tokens: int = 60
+) -> tuple[list[list[Event]], BaseException | None]:
+    runs: list[list[Event]] = []
+    failure: BaseException | None = None
+    agen = rt.generate_runs(sid, SamplingParams(max_tokens=max_tokens, seed=1), with_run=hook)
+    try:
+        async for run in agen:
+            runs.append(run)
+    except Exception as exc:
+        failure = exc
+    finally:
+        await agen.aclose()  # type: ignore[attr-defined]
+    return runs, failure
+
+
+async def test_a_run_hooks_events_commit_with_the_runs_tokens(sqlite_url: str) -> None:
+    """``with_run`` sees each run's generated tokens before it commits, and its
+    events land in the same append, right after them."""
+    rt = await Runtime.create(
+        make_config(sqlite_url, generation={"max_run": 5, "min_run": 1}),
+        engine=CountingEngine(eos_bias=-1000.0),
+    )
+    try:
+        sid = (await rt.open_session("t")).session_id
+        await rt.append_text(sid, "x")
+        seen: list[list[int]] = []
+        lengths: list[int] = []
+
+        def hook(state: Any, tokens: list[int]) -> list[NewEvent]:
+            # the state the run commits onto: the earlier runs in it, this one not yet
+            assert state.session_id == sid
+            lengths.append(state.length - sum(len(t) for t in seen))
+            seen.append(list(tokens))
+            return [NewEvent(T.NOTE, {"text": f"run {len(seen)}: {len(tokens)} tokens"})]
+
+        runs, failure = await _runs_with(rt, sid, hook, max_tokens=23)
+        assert failure is None
+        token_runs = [r for r in runs if generated(r)]
+        assert len(token_runs) == len(seen) >= 5  # max_run 5: 23 tokens in 5 or more runs
+        assert len(set(lengths)) == 1  # the prompt's length, every time
+        for run, tokens in zip(token_runs, seen, strict=True):
+            assert generated(run) == tokens
+            assert run[-1].type == T.NOTE and run[-1].body["text"].endswith(f"{len(tokens)} tokens")
+            assert len({e.recorded_at for e in run}) == 1  # one commit
+        evs = await rt.log.read(sid)
+        assert [e.hash for r in token_runs for e in r] == [
+            e.hash
+            for e in evs
+            if e.type in (T.GENERATION_TOKEN, T.NOTE)
+            and not (e.type == T.GENERATION_TOKEN and e.body["is_prefill"])
+        ]
+        await check_agrees(rt, sid, [e for r in runs for e in r])
+    finally:
+        await rt.aclose()
+
+
+async def test_a_run_hook_that_raises_fails_the_generation_before_that_run_commits(
+    sqlite_url: str,
+) -> None:
+    rt = await Runtime.create(
+        make_config(sqlite_url, generation={"max_run": 4, "min_run": 1}),
+        engine=CountingEngine(eos_bias=-1000.0),
+    )
+    try:
+        sid = (await rt.open_session("t")).session_id
+        await rt.append_text(sid, "x")
+        calls = 0
+
+        def hook(state: Any, tokens: list[int]) -> list[NewEvent]:
+            nonlocal calls
+            calls += 1
+            if calls == 3:
+                raise InvalidArgument("the third run is refused")
+            return []
+
+        runs, failure = await _runs_with(rt, sid, hook)
+        assert isinstance(failure, InvalidArgument)
+        evs = await rt.log.read(sid)
+        committed = generated(evs)
+        assert committed == generated([e for r in runs for e in r])  # the refused run is not in
+        assert 2 <= len(committed) <= 8
+        [fin] = [e for e in evs if e.type == T.GENERATION_FINISHED]
+        assert fin.body["finish_reason"] == "error"
+        assert fin.body["completion_tokens"] == len(committed)
+        await check_agrees(rt, sid, [e for r in runs for e in r])
     finally:
         await rt.aclose()

@@ -28,13 +28,14 @@ import asyncio
 import base64
 import contextlib
 import logging
+from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
 from google.protobuf import json_format, message, struct_pb2
 
-from sessiontape.core.bodies import action_id_of, generated_token
+from sessiontape.core.bodies import action_id_of
 from sessiontape.core.document.text import TextStream
 from sessiontape.core.engine import SamplingParams
 from sessiontape.core.errors import (
@@ -45,9 +46,10 @@ from sessiontape.core.errors import (
     SessiontapeError,
     TargetNotFound,
 )
-from sessiontape.core.events import Event
+from sessiontape.core.events import Event, NewEvent, T
 from sessiontape.core.nodes import FragmentIn, flatten, missing
 from sessiontape.core.runtime import Runtime
+from sessiontape.core.state import SessionState
 from sessiontape.transports.grpc.gen.evergreen.v2 import evergreen_pb2, evergreen_pb2_grpc
 from sessiontape.transports.grpc.service import GrpcService
 from sessiontape.transports.grpc.status import code_for, message_for
@@ -416,8 +418,23 @@ class _Stream:
         # a character split across tokens waits for its last byte
         text = TextStream(self.runtime.engine.detokenize)
         seq = 0
-        # One output fragment per committed run of tokens (not one per token):
-        # each fragment is one append and one message, whatever the engine's speed.
+        # One output fragment per committed run of tokens (not one per token),
+        # recorded in the run's own commit: each run is one append and one message,
+        # whatever the engine's speed, and nothing commits between a run and its
+        # fragment.
+        sent: deque[list[FragmentIn]] = deque()
+
+        def fragment(st: SessionState, tokens: list[int]) -> Sequence[NewEvent]:
+            nonlocal seq
+            piece = text.extend(tokens)
+            frags = self._fragments(act, seq, piece, continued=True) if piece else []
+            if not frags or self.stopping:
+                return []
+            new, _ = self.runtime.fragment_events(st, frags, "out")
+            seq += 1
+            sent.append(frags)
+            return new
+
         runs = cast(
             AsyncGenerator[list[Event], None],
             self.runtime.generate_runs(
@@ -427,21 +444,22 @@ class _Stream:
                 offset=common,
                 truncating=True,
                 action_id=act.id,
+                with_run=fragment,
             ),
         )
         async with contextlib.aclosing(runs):
             async for run in runs:
                 if self.stopping:
                     raise _Stopped
-                new = [int(tok) for ev in run if (tok := generated_token(ev)) is not None]
-                piece = text.extend(new)
-                if piece:
-                    await self._emit(act, seq, piece, continued=True)
-                    seq += 1
+                if any(ev.type == T.NODE_FRAGMENT for ev in run):
+                    await self._send(sent.popleft())
         await self._emit(act, seq, text.finish(), continued=False)
 
-    async def _emit(self, act: PendingAction, seq: int, text: str, *, continued: bool) -> None:
-        frags = [
+    def _fragments(
+        self, act: PendingAction, seq: int, text: str, *, continued: bool
+    ) -> list[FragmentIn]:
+        """The fragment of each of ``act``'s outputs that carries ``text``."""
+        return [
             FragmentIn(
                 id=oid,
                 seq=seq,
@@ -452,9 +470,17 @@ class _Stream:
             )
             for _, oid in act.outputs
         ]
+
+    async def _emit(self, act: PendingAction, seq: int, text: str, *, continued: bool) -> None:
+        """Record and send an output fragment of its own (the last, after the run)."""
+        frags = self._fragments(act, seq, text, continued=continued)
         if not frags or self.stopping:
             return
         await asyncio.shield(self.runtime.append_fragments(self.sid, frags, "out"))
+        await self._send(frags)
+
+    async def _send(self, frags: list[FragmentIn]) -> None:
+        """Send recorded output fragments; wait while the client is behind."""
         self.changed.set()
         self.outbox.put_nowait(
             evergreen_pb2.SessionMessage(node_fragments=[fragment_out(f) for f in frags])

@@ -175,6 +175,44 @@ async def test_generate_streams_the_output_and_the_log_holds_every_message(
     assert replayed.status == "closed"
 
 
+async def test_each_output_fragment_commits_with_the_tokens_it_carries(
+    client: EvergreenClient, server: Served
+) -> None:
+    """A streamed output fragment is recorded in the same append as the run of
+    tokens whose text it carries (nothing commits between them); the last one,
+    which ends the node, follows the generation."""
+    rt = server.runtime
+    out = await exchange(
+        client,
+        rt,
+        msg(actions=[gen({"text": "p"}, {"text": "r"}, max_tokens=80)]),
+        msg(fragments=text_fragments("p", "Tell me a long story.", parts=1)),
+    )
+    assert out.code == grpc.StatusCode.OK, out.details
+    evs = out.events
+    outbound = [
+        i for i, e in enumerate(evs) if e.type == T.NODE_FRAGMENT and e.body["direction"] == "out"
+    ]
+    *streamed, last = outbound
+    assert streamed and not evs[last].body["continued"]
+    start = next(i for i, e in enumerate(evs) if e.type == T.GENERATION_STARTED)
+    carried: list[int] = []
+    for i in streamed:
+        assert evs[i].body["continued"]
+        run = [e for e in evs[start + 1 : i] if e.type == T.GENERATION_TOKEN]
+        assert run and evs[i - 1].type == T.GENERATION_TOKEN
+        # the same commit: one recorded time, consecutive positions
+        assert run[-1].recorded_at == evs[i].recorded_at
+        assert evs[i].position == evs[i - 1].position + 1
+        carried += [e.body["token"] for e in run if not e.body["is_prefill"]]
+        start = i
+    tokens = [e.body["token"] for e in out.of(T.GENERATION_TOKEN) if not e.body["is_prefill"]]
+    assert carried == tokens[: len(carried)]
+    text = b"".join(evs[i].data or b"" for i in streamed)
+    assert rt.engine.detokenize(carried).encode().startswith(text)
+    assert out.nodes["r"].decode() == rt.engine.detokenize(tokens)
+
+
 async def test_outputs_of_earlier_actions_feed_later_ones(
     client: EvergreenClient, server: Served
 ) -> None:
