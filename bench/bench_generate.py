@@ -8,8 +8,9 @@
 Every row is measured in interleaved rounds in one run: a round generates the
 same greedy tokens once with the engine alone (``Engine.generate`` driven
 directly, nothing stored) and once through ``Runtime.generate`` (every token
-committed to the log before it is yielded). The table shows medians and their
-ratio. ``--wires`` adds one row per transport: the same generation received
+committed to the log before it is yielded), the two back to back, the first
+of them alternating. The table shows each path's median rate and the median
+of the rounds' own ratios. ``--wires`` adds one row per transport: the same generation received
 by a client over the wire (SSE, Kakeya, Salience, Evergreen, an OpenAI chat
 completion stream read with the ``openai`` package, and a Nostr D4 call's
 streamed results through a relay in its own process), with the median time
@@ -122,15 +123,24 @@ async def compare(
     through: Callable[[], Awaitable[float]],
     extra: Callable[[], str] = lambda: "",
 ) -> float:
+    """One row: the medians of each path's rates, and the median of the rounds' own
+    ratios (each round measures both paths back to back, the first of them
+    alternating, so a drift in the machine's speed cancels within a round;
+    a ratio of the two medians would pair rates from different moments)."""
     a, b = [], []
     await alone()  # warm up both paths once
     await through()
-    for _ in range(rounds):
-        a.append(await alone())
-        b.append(await through())
+    for i in range(rounds):
+        if i % 2:
+            b.append(await through())
+            a.append(await alone())
+        else:
+            a.append(await alone())
+            b.append(await through())
     ma, mb = statistics.median(a), statistics.median(b)
-    row(name, f"{ma:,.0f} tok/s", f"{mb:,.0f} tok/s", f"{mb / ma:.3f}", extra())
-    return mb / ma
+    ratio = statistics.median(y / x for x, y in zip(a, b, strict=True))
+    row(name, f"{ma:,.0f} tok/s", f"{mb:,.0f} tok/s", f"{ratio:.3f}", extra())
+    return ratio
 
 
 # -- wires -----------------------------------------------------------------
@@ -717,7 +727,8 @@ async def main() -> None:
 
     print(
         f"engine {engine.info.name} ({engine.info.model_id}, {engine.info.provider}), "
-        f"{args.tokens} greedy tokens per generation, {args.rounds} interleaved rounds, medians; "
+        f"{args.tokens} greedy tokens per generation, {args.rounds} interleaved rounds, medians "
+        "(ratio: of the rounds' ratios); "
         f"{os.cpu_count()} CPUs; the server's engine "
         + ("in a worker process" if worker else "in its process")
         + " (engine alone: in this process)\n"
