@@ -124,7 +124,14 @@ class DocumentBuilder:
         if key in obj:
             old = obj[key]
             obj[key] = value
-            self._ops.extend(diff(old, value, path=path))
+            kind = type(value)
+            if kind is type(old) and (kind is int or kind is float):
+                # a number replacing a number of its type (every event sets two):
+                # the op diff() gives, without its walk
+                if old != value:
+                    self._ops.append({"op": "replace", "path": path, "value": value})
+            else:
+                self._ops.extend(diff(old, value, path=path))
         else:
             obj[key] = value
             self._ops.append({"op": "add", "path": path, "value": value})
@@ -171,7 +178,10 @@ class DocumentBuilder:
                 "/audit",
             )
         else:
-            self._set(audit, "head_hash", e.hash, "/audit/head_hash")
+            # two hashes of one length: a replace (or nothing), as diff() gives
+            if audit["head_hash"] != e.hash:
+                audit["head_hash"] = e.hash
+                self._ops.append({"op": "replace", "path": "/audit/head_hash", "value": e.hash})
         self._head = e.hash
 
     # -- the fold ----------------------------------------------------------

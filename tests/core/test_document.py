@@ -24,7 +24,7 @@ from sessiontape.core.engine import OutputOptions, SamplingParams
 from sessiontape.core.errors import InvalidEvent
 from sessiontape.core.events import Event
 from sessiontape.core.nodes import FragmentIn
-from sessiontape.core.patch import apply_patch, to_rfc6902
+from sessiontape.core.patch import apply_patch, diff, to_rfc6902
 from sessiontape.core.runtime import Runtime
 from sessiontape.core.tokens import ImageIn
 from sessiontape.engines.reference import IMAGE_PAD, ReferenceEngine
@@ -197,6 +197,28 @@ async def test_per_token_work_does_not_grow_with_the_history(sqlite_url: str) ->
         )  # tokens decoded for one generated token, whatever the history
     finally:
         await rt.aclose()
+
+
+_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**63 - 1)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=8)
+    | st.sampled_from(["ab", "abc", "abcd"])
+)
+
+
+@settings(max_examples=500, deadline=None, derandomize=True)
+@given(old=_scalars | st.lists(_scalars, max_size=3), new=_scalars | st.lists(_scalars, max_size=3))
+def test_a_set_records_the_ops_diff_gives(old: Any, new: Any) -> None:
+    """The builder's short cut for numbers replacing numbers gives exactly diff()'s ops."""
+    builder = DocumentBuilder("s")
+    builder._ops = []
+    obj = {"k": copy.deepcopy(old)}
+    builder._set(obj, "k", new, "/k")
+    assert obj["k"] == new
+    assert builder._ops == diff(old, new, path="/k")
 
 
 @settings(max_examples=300, deadline=None)
