@@ -166,12 +166,7 @@ class SessionStates:
             # never append what the fold would refuse
             raise SessionClosed(f"session {st.session_id} is {st.status}")
 
-        async def append_and_apply() -> list[Event]:
-            try:
-                evs = await self.log.append(st.session_id, st.version, new, index=index)
-            except ConcurrencyError:
-                self._drop(st)  # another writer moved the log on: reload next time
-                raise
+        def apply_all(evs: list[Event]) -> list[Event]:
             try:
                 for e in evs:
                     apply(st, e)
@@ -180,17 +175,30 @@ class SessionStates:
                 raise
             return evs
 
-        # A caller cancelled mid-commit must neither leave an event in the log
-        # that the cached state never saw, nor release the session's lock
-        # before the commit settled: wait for it, then let the cancel through.
-        task = asyncio.ensure_future(append_and_apply())
-        try:
-            evs = await asyncio.shield(task)
-        except asyncio.CancelledError:
-            while not task.done():
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.shield(task)
-            raise
+        async def append_and_apply() -> list[Event]:
+            try:
+                evs = await self.log.append(st.session_id, st.version, new, index=index)
+            except ConcurrencyError:
+                self._drop(st)  # another writer moved the log on: reload next time
+                raise
+            return apply_all(evs)
+
+        # an idle writer commits right here, with nothing awaited (so nothing to guard)
+        now = self.log.append_now(st.session_id, st.version, new, index=index)
+        if now is not None:
+            evs = apply_all(now)
+        else:
+            # A caller cancelled mid-commit must neither leave an event in the log
+            # that the cached state never saw, nor release the session's lock
+            # before the commit settled: wait for it, then let the cancel through.
+            task = asyncio.ensure_future(append_and_apply())
+            try:
+                evs = await asyncio.shield(task)
+            except asyncio.CancelledError:
+                while not task.done():
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.shield(task)
+                raise
         self._last_active[st.session_id] = self.clock()
         if (
             self.snapshot_every

@@ -53,6 +53,11 @@ Work = Callable[[Any], R]
 Hook = Callable[[R], Awaitable[None]] | None
 
 
+class NotNow(Exception):
+    """A transaction asked for right away cannot be had without waiting (another
+    connection holds SQLite's write lock, or the dialect has no such path)."""
+
+
 def session_lock_key(session_id: str) -> int:
     """The 64-bit advisory-lock key of a session's writer lock."""
     return int.from_bytes(
@@ -93,6 +98,17 @@ class Dialect(ABC):
         ``small``: the transaction carries one request (nothing else was
         waiting to be committed with it).
         """
+
+    def transaction_now(self, work: Work[R]) -> R:
+        """Run ``work(cursor)`` in one write transaction right here, on the loop's
+        thread, without awaiting anything; COMMIT unless it raised.
+
+        Raises :class:`NotNow` (nothing run) when that cannot be done without
+        waiting: the dialect has no such path (PostgreSQL's driver is async), the
+        writer's connection is not open yet, or another connection holds the
+        write lock.
+        """
+        raise NotNow
 
     def insert_rows(
         self, cur: Any, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]
@@ -183,10 +199,6 @@ async def settle_terminations(timeout_s: float = 2.0) -> None:
         await asyncio.wait(pending, timeout=timeout_s)
 
 
-class _Locked(Exception):
-    """Another connection holds SQLite's write lock (a try that does not wait)."""
-
-
 #: the most rows one multi-row INSERT carries on SQLite (a power of two)
 ROWS_PER_INSERT = 1024
 
@@ -233,11 +245,16 @@ class SQLiteDialect(Dialect):
             # work overlaps the loop's.
             try:
                 return self._transaction(loop, work, None, wait=False)
-            except _Locked:
+            except NotNow:
                 pass
         return await loop.run_in_executor(
             self._thread, self._transaction, loop, work, before_commit
         )
+
+    def transaction_now(self, work: Work[R]) -> R:
+        if self._raw is None:
+            raise NotNow
+        return self._transaction(asyncio.get_running_loop(), work, None, wait=False)
 
     def _transaction(
         self,
@@ -272,7 +289,7 @@ class SQLiteDialect(Dialect):
                 raw.execute("BEGIN IMMEDIATE")
             except sqlite3.OperationalError as exc:
                 if "locked" in str(exc) or "busy" in str(exc):
-                    raise _Locked from exc
+                    raise NotNow from exc
                 raise
         try:
             result = work(raw.cursor())

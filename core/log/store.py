@@ -222,13 +222,41 @@ class EventLog:
         current version is not ``expected_version``. ``index`` carries
         sessions-table columns the caller knows (``history_length``).
         """
+        req = self._append_request(session_id, expected_version, new_events, index)
+        if req is None:
+            return []
+        evs = self.writer.commit_now(req)
+        return evs if evs is not None else await self.writer.submit(req)
+
+    def append_now(
+        self,
+        session_id: str,
+        expected_version: int,
+        new_events: Sequence[NewEvent],
+        *,
+        index: Mapping[str, Any] | None = None,
+    ) -> list[Event] | None:
+        """:meth:`append`, committed right away without awaiting anything when the
+        writer is idle (:meth:`Writer.commit_now`); None when it was not (nothing
+        written: :meth:`append` it then). A caller that must not be cancelled
+        half-way through a commit can take this path without guarding it."""
+        req = self._append_request(session_id, expected_version, new_events, index)
+        if req is None:
+            return []
+        return self.writer.commit_now(req)
+
+    def _append_request(
+        self,
+        session_id: str,
+        expected_version: int,
+        new_events: Sequence[NewEvent],
+        index: Mapping[str, Any] | None,
+    ) -> Request | None:
         if isinstance(new_events, NewEvent) or not all(isinstance(e, NewEvent) for e in new_events):
             raise InvalidArgument("append takes a sequence of NewEvent")
         if not new_events:
-            return []
-        return await self.writer.submit(
-            Request("append", session_id, expected_version, list(new_events), index)
-        )
+            return None
+        return Request("append", session_id, expected_version, list(new_events), index)
 
     async def touch(self, session_id: str, at: float | None = None) -> None:
         """Refresh a session's idle clock without an event."""

@@ -8,6 +8,8 @@ transaction; the results must be the same).
 from __future__ import annotations
 
 import asyncio
+import sqlite3
+import time
 from typing import Any
 
 import pytest
@@ -314,3 +316,162 @@ async def test_the_next_transaction_starts_before_the_last_ones_appenders_resume
         dialect.transaction = transaction  # type: ignore[method-assign]
     assert seen == ["transaction", "transaction", "a resumed", "b resumed"]
     assert [e.version for e in await log.read("a")] == [1, 2]
+
+
+# -- appends committed right away (Writer.commit_now) -------------------------
+
+
+def _spy_transactions(log: EventLog) -> tuple[list[str], Any]:
+    """Record each transaction the writer runs: ``now`` (on the loop, at once) or
+    ``queued`` (the write loop's path); returns the record and an undo."""
+    seen: list[str] = []
+    dialect = log.writer.dialect
+    transaction, transaction_now = dialect.transaction, dialect.transaction_now
+
+    async def queued(*args: Any, **kwargs: Any) -> Any:
+        seen.append("queued")
+        return await transaction(*args, **kwargs)
+
+    def now(work: Any) -> Any:
+        result = transaction_now(work)  # NotNow (nothing run) is not a transaction
+        seen.append("now")
+        return result
+
+    dialect.transaction = queued  # type: ignore[method-assign]
+    dialect.transaction_now = now  # type: ignore[method-assign]
+
+    def undo() -> None:
+        dialect.transaction = transaction  # type: ignore[method-assign]
+        dialect.transaction_now = transaction_now  # type: ignore[method-assign]
+
+    return seen, undo
+
+
+async def test_an_idle_writer_commits_an_append_at_once(db_url: str) -> None:
+    """With nothing queued or in flight, an append commits without awaiting anything
+    (SQLite; PostgreSQL's driver is async, so there it always queues), and its
+    events are stored, chained and handed to subscribers like any other."""
+    log = await EventLog.open(db_url)
+    try:
+        await log.append("s", 0, [opened()])
+        await log.append("s", 1, [appended(0, [1])])  # the head is known from here on
+        live = log.subscribe(2, "s")
+        nxt = asyncio.ensure_future(anext(live))
+        await asyncio.sleep(0.01)
+        evs = log.append_now("s", 2, [appended(1, [2]), appended(2, [3])])
+        if log.writer.dialect.shared:
+            assert evs is None
+            assert [e.version for e in await log.read("s")] == [1, 2]
+            nxt.cancel()
+            return
+        assert evs is not None and [e.version for e in evs] == [3, 4]
+        back = await log.read("s")
+        assert back[2:] == evs
+        verify_chain(back)
+        assert await asyncio.wait_for(nxt, 5) == evs[0]
+        row = await log.get_session("s")
+        assert (row.version, row.head_hash) == (4, evs[-1].hash)
+    finally:
+        await log.close()
+
+
+async def test_appends_made_in_one_turn_after_an_immediate_one_commit_together(
+    sqlite_url: str,
+) -> None:
+    """Only one append per turn of the loop commits at once: the appends of other
+    sessions woken in the same turn queue and share one transaction, as before."""
+    log = await EventLog.open(sqlite_url)
+    try:
+        sids = [f"g{i}" for i in range(6)]
+        for sid in sids:
+            await log.append(sid, 0, [opened()])
+        seen, undo = _spy_transactions(log)
+        try:
+            await asyncio.gather(*(log.append(sid, 1, [appended(0, [7])]) for sid in sids))
+        finally:
+            undo()
+        assert seen == ["now", "queued"]
+        allev = await log.read_all(0, limit=100)
+        assert [e.position for e in allev] == list(range(1, 13))
+        assert [e.session_id for e in allev[6:]] == sids
+    finally:
+        await log.close()
+
+
+async def test_an_append_while_a_batch_is_in_flight_waits_its_turn(sqlite_url: str) -> None:
+    """While the write loop's transaction is out, nothing commits at once: the next
+    append queues behind it, and subscribers get the events in log order."""
+    log = await EventLog.open(sqlite_url)
+    try:
+        await log.append("a", 0, [opened()])
+        await log.append("b", 0, [opened()])
+        dialect = log.writer.dialect
+        transaction = dialect.transaction
+        gate, held = asyncio.Event(), asyncio.Event()
+
+        async def slow(*args: Any, **kwargs: Any) -> Any:
+            held.set()
+            await gate.wait()
+            return await transaction(*args, **kwargs)
+
+        live = log.subscribe(2)
+        got: list[tuple[str, int]] = []
+
+        async def watch() -> None:
+            async for e in live:
+                got.append((e.session_id, e.position))
+                if len(got) == 3:
+                    return
+
+        watcher = asyncio.create_task(watch())
+        await asyncio.sleep(0.01)
+        log.writer._now_this_turn = True  # the first append takes the write loop's path
+        dialect.transaction = slow  # type: ignore[method-assign]
+        try:
+            first = asyncio.create_task(log.append("a", 1, [appended(0, [1]), appended(1, [2])]))
+            await asyncio.wait_for(held.wait(), 5)
+            assert log.append_now("b", 1, [appended(0, [3])]) is None  # nothing written
+            second = asyncio.create_task(log.append("b", 1, [appended(0, [3])]))
+            gate.set()
+            await asyncio.wait_for(asyncio.gather(first, second), 5)
+        finally:
+            dialect.transaction = transaction  # type: ignore[method-assign]
+        await asyncio.wait_for(watcher, 5)
+        assert got == [("a", 3), ("a", 4), ("b", 5)]
+    finally:
+        await log.close()
+
+
+async def test_an_append_that_cannot_commit_at_once_is_left_to_the_write_loop(
+    sqlite_url: str,
+) -> None:
+    """A stale version, an unknown session and another connection's write lock all
+    give None with nothing written (the loop never waits on the lock); the
+    usual path then reports the conflict, or commits once the lock is gone."""
+    log = await EventLog.open(sqlite_url)
+    try:
+        await log.append("s", 0, [opened()])
+        assert log.append_now("s", 0, [appended(0, [1])]) is None  # stale
+        with pytest.raises(ConcurrencyError):
+            await log.append("s", 0, [appended(0, [1])])
+        assert log.append_now("never-opened", 3, [appended(0, [1])]) is None
+        assert [e.version for e in await log.read("s")] == [1]
+
+        path = sqlite_url.split("///", 1)[1]
+        other = sqlite3.connect(path, isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")
+        try:
+            t0 = time.perf_counter()
+            assert log.append_now("s", 1, [appended(0, [1])]) is None
+            assert time.perf_counter() - t0 < 1.0
+            pending = asyncio.create_task(log.append("s", 1, [appended(0, [1])]))
+            await asyncio.sleep(0.05)
+            assert not pending.done()
+        finally:
+            other.execute("ROLLBACK")
+            other.close()
+        evs = await asyncio.wait_for(pending, 10)
+        assert [e.version for e in evs] == [2]
+        verify_chain(await log.read("s"))
+    finally:
+        await log.close()
