@@ -149,14 +149,16 @@ async def compare(
 class _Clock:
     """Commit times of generated tokens (taken when the log's writer settles a
     commit, before anything sees it), and how long the generation's text was
-    after each token (decoded as the transports decode it), so an arrival
+    after each token (decoded as the transports decode it, once the round is
+    over: the server's loop pays only for noting the time), so an arrival
     keyed by characters (a text chunk) finds the token that completed it."""
 
     def __init__(self, detokenize: Callable[[Sequence[int]], str]) -> None:
         self.detokenize = detokenize
         self.by_position: dict[int, float] = {}  # log position -> commit time
         self.in_order: list[float] = []  # commit times of this generation's tokens, in order
-        self.chars: list[int] = []  # the text's length after each of them
+        self.tokens: list[int] = []  # those tokens
+        self._chars: list[int] = []  # the text's length after each of them (decoded lazily)
         self.text = TextStream(detokenize)
         self.lat: list[float] = []
 
@@ -176,13 +178,20 @@ class _Clock:
             if e.type == T.GENERATION_TOKEN and not e.body["is_prefill"]:
                 self.by_position[e.position] = now
                 self.in_order.append(now)
-                self.text.push(int(e.body["token"]))
-                self.chars.append(len(self.text.text))
+                self.tokens.append(int(e.body["token"]))
+
+    @property
+    def chars(self) -> list[int]:
+        for tok in self.tokens[len(self._chars) :]:
+            self.text.push(tok)
+            self._chars.append(len(self.text.text))
+        return self._chars
 
     def start(self) -> None:
         self.in_order.clear()
         self.by_position.clear()
-        self.chars.clear()
+        self.tokens.clear()
+        self._chars.clear()
         self.text = TextStream(self.detokenize)
 
     def committed_at(self, wire: str, key: int) -> float | None:
