@@ -35,7 +35,10 @@ class _Subscriber:
     def __init__(self, session_id: str | None, with_forks: bool = False) -> None:
         self.session_id = session_id
         self.with_forks = with_forks
-        self.queue: asyncio.Queue[Event] = asyncio.Queue(maxsize=self.QUEUE_MAX)
+        #: what each commit handed over that this subscriber wants, a list per commit
+        self.queue: asyncio.Queue[list[Event]] = asyncio.Queue()
+        #: events in ``queue``
+        self.pending = 0
         self.overflowed = False
 
     def wants(self, e: Event) -> bool:
@@ -47,13 +50,29 @@ class _Subscriber:
         parent = fork_point(e)
         return parent is not None and parent.get("session_id") == sid
 
-    def offer(self, e: Event) -> None:
-        if not self.wants(e):
+    def offer(self, evs: list[Event]) -> None:
+        """A commit's events (in position order): the wanted ones, queued as one item
+        (one queue hop and one wake-up per commit, not per event)."""
+        if self.overflowed:
+            return  # it reads the rest from the database
+        sid = self.session_id
+        if sid is None:
+            wanted = evs[:]  # its own list: a reader may keep or change what it is given
+        elif self.with_forks:
+            wanted = [e for e in evs if self.wants(e)]
+        else:
+            wanted = [e for e in evs if e.session_id == sid]
+        if not wanted:
             return
-        try:
-            self.queue.put_nowait(e)
-        except asyncio.QueueFull:
+        if self.pending + len(wanted) > self.QUEUE_MAX:
             self.overflowed = True
+            return
+        self.pending += len(wanted)
+        self.queue.put_nowait(wanted)
+
+    def take(self, item: list[Event]) -> list[Event]:
+        self.pending -= len(item)
+        return item
 
 
 class Subscriptions:
@@ -97,11 +116,8 @@ class Subscriptions:
     def _publish(self, evs: list[Event]) -> None:
         if not evs:
             return
-        subs = list(self._subscribers)
-        if subs:
-            for e in evs:
-                for sub in subs:
-                    sub.offer(e)
+        for sub in list(self._subscribers):
+            sub.offer(evs)
         self._published = max(self._published, evs[-1].position)
 
     async def _tail_loop(self) -> None:
@@ -171,17 +187,24 @@ class Subscriptions:
                 # it overflows; then the rest is read from the database)
                 queue = sub.queue
                 while not sub.overflowed:
-                    e = await queue.get()
-                    batch = [e] if e.position > last else []
+                    items = [sub.take(await queue.get())]
                     while not queue.empty():
-                        e = queue.get_nowait()
-                        if e.position > last and (not batch or e.position > batch[-1].position):
-                            batch.append(e)
+                        items.append(sub.take(queue.get_nowait()))
+                    if len(items) == 1 and items[0][0].position > last:
+                        batch = items[0]  # the usual case: one commit, all of it new
+                    else:
+                        batch = []
+                        for item in items:
+                            for e in item:
+                                if e.position > last and (
+                                    not batch or e.position > batch[-1].position
+                                ):
+                                    batch.append(e)
                     if batch:
                         last = batch[-1].position
                         yield batch
                 while not queue.empty():
-                    queue.get_nowait()
+                    sub.take(queue.get_nowait())
         finally:
             self._subscribers.discard(sub)
             metrics.SUBSCRIBERS.dec()

@@ -444,3 +444,20 @@ async def test_a_lock_held_by_another_sqlite_connection_never_blocks_the_event_l
     finally:
         other.close()
         await lg.close()
+
+
+async def test_each_subscriber_gets_a_commit_as_a_list_of_its_own(log: EventLog) -> None:
+    """A commit reaches every live subscriber at once, as one batch each: a reader
+    that keeps or changes the list it was given does not change another's."""
+    await log.append("a", 0, [opened()])
+    first = log.subscribe_batches(1)
+    second = log.subscribe_batches(1)
+    one = asyncio.ensure_future(anext(first))
+    two = asyncio.ensure_future(anext(second))
+    await asyncio.sleep(0.05)
+    evs = await log.append("a", 1, [appended(k, [k]) for k in range(5)])
+    got_one = await asyncio.wait_for(one, 5)
+    got_one.clear()
+    assert await asyncio.wait_for(two, 5) == evs
+    await first.aclose()  # type: ignore[attr-defined]
+    await second.aclose()  # type: ignore[attr-defined]
