@@ -673,6 +673,9 @@ class Runtime(SessionStates, LogReads):
     def is_generating(self, session_id: str) -> bool:
         return session_id in self._generating
 
+    def generations_running(self) -> int:
+        return len(self._generating)
+
     def idle_seconds(self, session_id: str) -> float:
         st = self._states.get(session_id)
         last = self._last_active.get(session_id, st.updated_at if st else self.clock())

@@ -149,12 +149,19 @@ class SessionStates:
             return await self._open_locked(session_id)
 
     async def _commit(
-        self, st: SessionState, new: Sequence[NewEvent], *, length: int | None = None
+        self,
+        st: SessionState,
+        new: Sequence[NewEvent],
+        *,
+        length: int | None = None,
+        at_once: bool = True,
     ) -> list[Event]:
         """Append ``new`` after ``st.version`` and fold the committed events into ``st``.
 
         ``length``: the history length after ``new``, when the caller knows it
         (the token path does; otherwise it is computed from the events).
+        ``at_once``: commit it on the spot when the writer is idle
+        (:meth:`EventLog.append_now`); False leaves it to the write loop.
         """
         if length is None:
             length = st.length
@@ -184,7 +191,7 @@ class SessionStates:
             return apply_all(evs)
 
         # an idle writer commits right here, with nothing awaited (so nothing to guard)
-        now = self.log.append_now(st.session_id, st.version, new, index=index)
+        now = self.log.append_now(st.session_id, st.version, new, index=index) if at_once else None
         if now is not None:
             evs = apply_all(now)
         else:

@@ -225,8 +225,7 @@ class EventLog:
         req = self._append_request(session_id, expected_version, new_events, index)
         if req is None:
             return []
-        evs = self.writer.commit_now(req)
-        return evs if evs is not None else await self.writer.submit(req)
+        return await self.writer.submit(req)
 
     def append_now(
         self,
@@ -238,8 +237,9 @@ class EventLog:
     ) -> list[Event] | None:
         """:meth:`append`, committed right away without awaiting anything when the
         writer is idle (:meth:`Writer.commit_now`); None when it was not (nothing
-        written: :meth:`append` it then). A caller that must not be cancelled
-        half-way through a commit can take this path without guarding it."""
+        written: :meth:`append` it then, which queues it for the write loop and
+        its group commit). A caller that must not be cancelled half-way through
+        a commit can take this path without guarding it."""
         req = self._append_request(session_id, expected_version, new_events, index)
         if req is None:
             return []

@@ -528,3 +528,42 @@ async def test_a_run_hook_that_raises_fails_the_generation_before_that_run_commi
         await check_agrees(rt, sid, [e for r in runs for e in r])
     finally:
         await rt.aclose()
+
+
+async def test_a_run_commits_on_the_spot_only_while_its_generation_runs_alone(
+    sqlite_url: str,
+) -> None:
+    """A slow engine's runs commit at once when the writer is idle (no hand-offs per
+    token), but only while one generation runs: beside others they go through the
+    write loop, whose hand-offs let more steps gather per run. Either way the
+    tokens are exact and the log agrees."""
+    rt = await Runtime.create(
+        make_config(sqlite_url), engine=ReferenceEngine(eos_bias=-1000.0, step_delay_s=0.003)
+    )
+    calls: list[tuple[int, bool]] = []  # (generations running, committed at once)
+    append_now = rt.log.append_now
+
+    def spied(sid: str, version: int, new: Sequence[NewEvent], **kw: Any) -> list[Event] | None:
+        evs = append_now(sid, version, new, **kw)
+        if any(ne.type == T.GENERATION_TOKEN for ne in new):
+            calls.append((rt.generations_running(), evs is not None))
+        return evs
+
+    rt.log.append_now = spied  # type: ignore[method-assign]
+    try:
+
+        async def one(seed: int) -> list[int]:
+            sid = (await rt.open_session("t")).session_id
+            await rt.append_text(sid, "abc")
+            evs = [e async for e in rt.generate(sid, SamplingParams(max_tokens=20, seed=seed))]
+            await check_agrees(rt, sid, evs)
+            return generated(evs)
+
+        alone = await one(1)
+        assert calls and sum(at_once for _, at_once in calls) >= len(calls) // 2
+        calls.clear()
+        together = await asyncio.gather(one(1), one(2), one(3))
+        assert together[0] == alone
+        assert all(running == 1 for running, _ in calls)  # the last one, once alone
+    finally:
+        await rt.aclose()

@@ -18,6 +18,7 @@ from sessiontape.core.errors import ConcurrencyError, InvalidValue
 from sessiontape.core.events import NewEvent, T, canonical_json
 from sessiontape.core.log import EventLog
 from sessiontape.core.log.store import verify_chain
+from sessiontape.core.log.writer import NOW_IDLE_S
 from tests.core.log.test_log import appended, opened
 
 
@@ -385,9 +386,15 @@ async def test_appends_made_in_one_turn_after_an_immediate_one_commit_together(
         sids = [f"g{i}" for i in range(6)]
         for sid in sids:
             await log.append(sid, 0, [opened()])
+        await asyncio.sleep(2 * NOW_IDLE_S)  # the writer has been idle a while
         seen, undo = _spy_transactions(log)
+
+        async def append(sid: str) -> None:  # as the runtime appends
+            if log.append_now(sid, 1, [appended(0, [7])]) is None:
+                await log.append(sid, 1, [appended(0, [7])])
+
         try:
-            await asyncio.gather(*(log.append(sid, 1, [appended(0, [7])]) for sid in sids))
+            await asyncio.gather(*(append(sid) for sid in sids))
         finally:
             undo()
         assert seen == ["now", "queued"]
@@ -425,7 +432,6 @@ async def test_an_append_while_a_batch_is_in_flight_waits_its_turn(sqlite_url: s
 
         watcher = asyncio.create_task(watch())
         await asyncio.sleep(0.01)
-        log.writer._now_this_turn = True  # the first append takes the write loop's path
         dialect.transaction = slow  # type: ignore[method-assign]
         try:
             first = asyncio.create_task(log.append("a", 1, [appended(0, [1]), appended(1, [2])]))
@@ -445,9 +451,10 @@ async def test_an_append_while_a_batch_is_in_flight_waits_its_turn(sqlite_url: s
 async def test_an_append_that_cannot_commit_at_once_is_left_to_the_write_loop(
     sqlite_url: str,
 ) -> None:
-    """A stale version, an unknown session and another connection's write lock all
-    give None with nothing written (the loop never waits on the lock); the
-    usual path then reports the conflict, or commits once the lock is gone."""
+    """A stale version, an unknown session, a commit that landed a moment ago and
+    another connection's write lock all give None with nothing written (the
+    loop never waits on the lock); the usual path then reports the conflict,
+    or commits once the lock is gone."""
     log = await EventLog.open(sqlite_url)
     try:
         await log.append("s", 0, [opened()])
@@ -456,22 +463,29 @@ async def test_an_append_that_cannot_commit_at_once_is_left_to_the_write_loop(
             await log.append("s", 0, [appended(0, [1])])
         assert log.append_now("never-opened", 3, [appended(0, [1])]) is None
         assert [e.version for e in await log.read("s")] == [1]
+        # right after a commit: left to the write loop, where the next ones may gather
+        await log.append("s", 1, [appended(0, [1])])
+        assert log.append_now("s", 2, [appended(1, [2])]) is None
+        await asyncio.sleep(2 * NOW_IDLE_S)
+        assert log.append_now("s", 2, [appended(1, [2])]) is not None
+        await log.append("s", 3, [appended(2, [3])])
+        await asyncio.sleep(2 * NOW_IDLE_S)
 
         path = sqlite_url.split("///", 1)[1]
         other = sqlite3.connect(path, isolation_level=None)
         other.execute("BEGIN IMMEDIATE")
         try:
             t0 = time.perf_counter()
-            assert log.append_now("s", 1, [appended(0, [1])]) is None
+            assert log.append_now("s", 4, [appended(3, [4])]) is None
             assert time.perf_counter() - t0 < 1.0
-            pending = asyncio.create_task(log.append("s", 1, [appended(0, [1])]))
+            pending = asyncio.create_task(log.append("s", 4, [appended(3, [4])]))
             await asyncio.sleep(0.05)
             assert not pending.done()
         finally:
             other.execute("ROLLBACK")
             other.close()
         evs = await asyncio.wait_for(pending, 10)
-        assert [e.version for e in evs] == [2]
+        assert [e.version for e in evs] == [5]
         verify_chain(await log.read("s"))
     finally:
         await log.close()
