@@ -591,15 +591,18 @@ async def wire_rows(
             client_cpu.clear()
             await compare(f"{name}, 1 session", rounds, alone, via(wire), extra)
         # the wire's own ceilings, to the same client: the same Kakeya messages from a
-        # servicer that generates nothing (no engine, no log), and from one that sends
-        # each step of this engine as it comes (the engine and the wire, no log)
-        for name, with_engine in (
-            ("Kakeya messages, no generation (ceiling)", False),
-            ("Kakeya messages of engine steps, no log", True),
+        # servicer that generates nothing (no engine, no log), from one that sends each
+        # step of this engine as it comes (the engine and the wire, no log), and from one
+        # whose engine runs ahead in a task of its own while the handler writes (the
+        # pipelining of the server's path, without the log)
+        for name, with_engine, pipelined in (
+            ("Kakeya messages, no generation (ceiling)", False, False),
+            ("Kakeya messages of engine steps, no log", True, False),
+            ("Kakeya messages of engine steps run ahead, no log", True, True),
         ):
             if "ceilings" not in only:
                 continue
-            ceiling = await _bare_kakeya(tokens, engine if with_engine else None)
+            ceiling = await _bare_kakeya(tokens, engine if with_engine else None, pipelined)
             try:
 
                 async def bare(port: int = ceiling.port) -> float:
@@ -629,9 +632,10 @@ class _Bare:
         self.server, self.port = server, port
 
 
-async def _bare_kakeya(tokens: int, engine: Engine | None = None) -> _Bare:
+async def _bare_kakeya(tokens: int, engine: Engine | None = None, pipelined: bool = False) -> _Bare:
     """A grpc.aio server whose Kakeya Generate streams ``tokens`` ready-made messages,
-    or, given ``engine``, one message per step of ``engine`` as it generates (no log)."""
+    or, given ``engine``, one message per step of ``engine`` as it generates (no log);
+    ``pipelined``: the engine generates in a task of its own, ahead of the writes."""
     import grpc
 
     from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2 as kpb
@@ -648,13 +652,30 @@ async def _bare_kakeya(tokens: int, engine: Engine | None = None) -> _Bare:
             if engine is None:
                 for i in range(request.max_tokens):
                     yield kpb.GenerateResponse(token_id=i % 250)
-            else:
+            elif not pipelined:
                 key = f"bare-{time.monotonic_ns()}"
                 prompt = engine.tokenize(PROMPT)
                 async for step in engine.generate(key, prompt, params(request.max_tokens)):
                     if not step.is_prefill:
                         yield kpb.GenerateResponse(token_id=step.token_id)
                 engine.forget(key)
+            else:
+                ahead: asyncio.Queue[int | None] = asyncio.Queue()
+
+                async def produce() -> None:
+                    assert engine is not None
+                    key = f"bare-{time.monotonic_ns()}"
+                    prompt = engine.tokenize(PROMPT)
+                    async for step in engine.generate(key, prompt, params(request.max_tokens)):
+                        if not step.is_prefill:
+                            ahead.put_nowait(step.token_id)
+                    engine.forget(key)
+                    ahead.put_nowait(None)
+
+                producer = asyncio.create_task(produce())
+                while (tok := await ahead.get()) is not None:
+                    yield kpb.GenerateResponse(token_id=tok)
+                await producer
             yield kpb.GenerateResponse(done=kpb.GenerateDone())
 
     server = grpc.aio.server()
