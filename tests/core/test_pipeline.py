@@ -68,14 +68,24 @@ async def check_agrees(rt: Runtime, sid: str, seen: Sequence[Event]) -> None:
 
 
 @pytest.mark.parametrize(
-    ("run_ahead", "pause"), [(1, 0.0), (4, 0.0), (256, 0.0), (4, 0.002), (256, 0.002)]
+    ("run_ahead", "pause", "step_s"),
+    [
+        (1, 0.0, 0.0),
+        (4, 0.0, 0.0),
+        (256, 0.0, 0.0),
+        (4, 0.002, 0.0),
+        (256, 0.002, 0.0),
+        # a slow engine: each step its own run, committed on the spot (Writer.commit_now)
+        (4, 0.0, 0.003),
+        (256, 0.002, 0.003),
+    ],
 )
 async def test_a_stop_at_every_step_leaves_log_finished_and_cache_agreeing(
-    sqlite_url: str, run_ahead: int, pause: float
+    sqlite_url: str, run_ahead: int, pause: float, step_s: float
 ) -> None:
     rt = await Runtime.create(
         make_config(sqlite_url, generation={"run_ahead": run_ahead, "max_run": 3}),
-        engine=ReferenceEngine(eos_bias=-1000.0),
+        engine=ReferenceEngine(eos_bias=-1000.0, step_delay_s=step_s),
     )
     try:
         params = SamplingParams(max_tokens=10, temperature=0.0, seed=3)
