@@ -53,8 +53,6 @@ class _Subscriber:
     def offer(self, evs: list[Event]) -> None:
         """A commit's events (in position order): the wanted ones, queued as one item
         (one queue hop and one wake-up per commit, not per event)."""
-        if self.overflowed:
-            return  # it reads the rest from the database
         sid = self.session_id
         if sid is None:
             wanted = evs[:]  # its own list: a reader may keep or change what it is given

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from sessiontape.core.errors import ChainBroken, ConcurrencyError
-from sessiontape.core.events import GENESIS_HASH, NewEvent, T
+from sessiontape.core.events import GENESIS_HASH, Event, NewEvent, T
 from sessiontape.core.log import EventLog
 from sessiontape.core.log.store import verify_chain
 
@@ -461,3 +461,54 @@ async def test_each_subscriber_gets_a_commit_as_a_list_of_its_own(log: EventLog)
     assert await asyncio.wait_for(two, 5) == evs
     await first.aclose()  # type: ignore[attr-defined]
     await second.aclose()  # type: ignore[attr-defined]
+
+
+async def test_what_commits_while_a_subscriber_catches_up_still_reaches_it(
+    log: EventLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A subscriber that fell behind reads the rest from the database; an event that
+    commits after that read saw the log, and before the subscriber is live again,
+    comes through its queue: no gap."""
+    from sessiontape.core.log import subscriptions
+
+    monkeypatch.setattr(subscriptions._Subscriber, "QUEUE_MAX", 4)
+    await log.append("s", 0, [opened()])
+    read = log.subscriptions._read
+    reading, go_on = asyncio.Event(), asyncio.Event()
+    holding: list[bool] = []
+
+    async def slow_read(after: int, limit: int, sid: str | None) -> list[Event]:
+        evs = await read(after, limit, sid)
+        if holding:  # the catch-up after the overflow: what the log held then
+            holding.clear()
+            reading.set()
+            await go_on.wait()
+        return evs
+
+    log.subscriptions._read = slow_read  # type: ignore[method-assign]
+    got: list[int] = []
+    first, release = asyncio.Event(), asyncio.Event()
+
+    async def watch() -> None:
+        async for e in log.subscribe(from_position=1, session_id="s"):
+            got.append(e.version)
+            if len(got) == 1:
+                first.set()
+                await release.wait()  # fall behind while more commits
+            if e.version == 12:
+                return
+
+    task = asyncio.create_task(watch())
+    await asyncio.sleep(0.05)
+    await log.append("s", 1, [appended(0, [0])])
+    await asyncio.wait_for(first.wait(), 5)
+    for v in range(2, 10):  # past the queue's bound of 4
+        await log.append("s", v, [appended(v - 1, [v])])
+    holding.append(True)
+    release.set()
+    await asyncio.wait_for(reading.wait(), 5)
+    for v in range(10, 13):  # after the catch-up's read, before it is live again
+        await log.append("s", v, [appended(v - 1, [v])])
+    go_on.set()
+    await asyncio.wait_for(task, 10)
+    assert got == list(range(2, 13))
