@@ -188,6 +188,8 @@ class Subscriptions:
                     items = [sub.take(await queue.get())]
                     while not queue.empty():
                         items.append(sub.take(queue.get_nowait()))
+                    if sub.overflowed:
+                        break  # a commit was dropped: read it and what follows from the database
                     if len(items) == 1 and items[0][0].position > last:
                         batch = items[0]  # the usual case: one commit, all of it new
                     else:

@@ -512,3 +512,30 @@ async def test_what_commits_while_a_subscriber_catches_up_still_reaches_it(
     go_on.set()
     await asyncio.wait_for(task, 10)
     assert got == list(range(2, 13))
+
+
+async def test_a_commit_larger_than_a_live_subscribers_bound_is_read_back(
+    log: EventLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One commit past the queue's bound is dropped from the queue, not from the
+    subscriber: it is read from the database before anything after it is handed out."""
+    from sessiontape.core.log import subscriptions
+
+    monkeypatch.setattr(subscriptions._Subscriber, "QUEUE_MAX", 4)
+    await log.append("s", 0, [opened()])
+    got: list[int] = []
+
+    async def watch() -> None:
+        async for e in log.subscribe(from_position=1, session_id="s"):
+            got.append(e.version)
+            if e.version == 8:
+                return
+
+    task = asyncio.create_task(watch())
+    await asyncio.sleep(0.05)  # live, waiting on its queue
+    await log.append("s", 1, [appended(k, [k]) for k in range(5)])
+    await log.append("s", 6, [appended(5, [5])])
+    await asyncio.sleep(0.05)
+    await log.append("s", 7, [appended(6, [6])])
+    await asyncio.wait_for(task, 10)
+    assert got == list(range(2, 9))
