@@ -230,13 +230,17 @@ class Generation:
             # the engine schedules every generation's steps into shared passes itself:
             # taking turns here would leave all but one session idle in each pass
             gate = _NO_GATE
-        last = time.perf_counter()
         try:
             done = False
             step: Step | None = None
             while not done:
                 async with gate.slot(self.priority):
-                    turn_ends = time.perf_counter() + burst_s
+                    # the interval is the engine's time per step: not the wait for the
+                    # gate (other generations' bursts) or for room in the queue, which
+                    # would make a fast engine look slow to the committer after each
+                    # hand-over (it would commit that burst's first step as a run alone)
+                    last = time.perf_counter()
+                    turn_ends = last + burst_s
                     for _ in range(burst):
                         try:
                             step = await anext(steps)
@@ -261,6 +265,11 @@ class Generation:
                             now >= turn_ends and gate.waiting()
                         ):
                             break
+                    handing_over = gate.waiting()
+                if handing_over and self._enough is not None:
+                    # the next steps come after the other generations' turns: a
+                    # committer lingering for more commits this burst's steps now
+                    self._enough.set()
                 if not done and step is not None:
                     await q.put(step)
             await self._put_end(_End())
@@ -331,7 +340,7 @@ class Generation:
             # a fast engine: let a few more steps arrive (woken early when enough did)
             enough = self._enough = asyncio.Event()
             self._enough_at = min_run - 1
-            wait = min(limits.linger_s, interval * (min_run - 1 - q.qsize()))
+            wait = min(limits.linger_s, 2 * interval * (min_run - 1 - q.qsize()))
             timer = asyncio.get_running_loop().call_later(wait, enough.set)
             try:
                 await enough.wait()

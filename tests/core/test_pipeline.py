@@ -577,3 +577,40 @@ async def test_a_run_commits_on_the_spot_only_while_its_generation_runs_alone(
         assert all(running == 1 for running, _ in calls)  # the last one, once alone
     finally:
         await rt.aclose()
+
+
+async def test_generations_taking_turns_commit_each_turns_steps_as_one_run(
+    sqlite_url: str,
+) -> None:
+    """A fast engine shared by generations taking turns at the gate: the wait for the
+    gate is not the engine's time per step, so after each hand-over the committer
+    still gathers the turn's steps into one run (it used to commit the first step of
+    every turn as a run alone), and it commits them once the turn ends rather than
+    after its linger time."""
+    burst, gens, tokens = 32, 4, 128
+    cfg = make_config(
+        sqlite_url,
+        generation={"burst": burst, "burst_s": 10.0, "min_run": burst, "linger_s": 0.002},
+    )
+    rt = await Runtime.create(cfg, engine=ReferenceEngine(eos_bias=-1000.0))
+    try:
+
+        async def one(seed: int) -> list[int]:
+            sid = (await rt.open_session("t")).session_id
+            await rt.append_text(sid, "abc")
+            sizes: list[int] = []
+            params = SamplingParams(max_tokens=tokens, seed=seed)
+            async for run in rt.generate_runs(sid, params):
+                n = len(generated(run))
+                if n:
+                    sizes.append(n)
+            assert sum(sizes) == tokens
+            return sizes[1:-1]  # the first has no step time to go by; the last is a rest
+
+        sizes = [n for each in await asyncio.gather(*(one(s) for s in range(gens))) for n in each]
+        # a turn's steps in one run: a tiny run at most now and then, where a slow
+        # step let the committer's linger time run out inside a turn
+        assert sum(n <= 2 for n in sizes) <= gens, sizes
+        assert max(sizes) <= burst
+    finally:
+        await rt.aclose()
