@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_generate.py [--engine reference|onnx] [--size small]
         [--tokens 400] [--sessions 1,8] [--rounds 5] [--pg URL | --no-pg] [--wires]
         [--wire-rows sse,kakeya,salience,evergreen,openai,nostr,ceilings]
-        [--engine-process inline|worker]
+        [--engine-process inline|worker] [--client-cpu last|none|N]
 
 Every row is measured in interleaved rounds in one run: a round generates the
 same greedy tokens once with the engine alone (``Engine.generate`` driven
@@ -19,7 +19,11 @@ partial result that first holds it) and the CPU time per token of the
 server (``time.process_time`` of this process, all its threads, while the
 client receives the stream) and of the client process: steadier measures
 than tokens per second on a machine whose speed drifts. ``--wire-rows``
-picks some of them.
+picks some of them. The client process is pinned to one CPU (the last, unless
+``--client-cpu`` says otherwise), as a load generator is kept off the cores
+of the server it measures: left to float on a 2-core machine, the client's
+gRPC threads and the server's wake each other across cores, which cost the
+gRPC rows a third of their rate (docs/performance.md, eighth session).
 """
 
 from __future__ import annotations
@@ -457,6 +461,8 @@ async def run_client(
         __file__,
         "--client",
         wire,
+        "--client-cpu",
+        "none" if CLIENT_CPU is None else str(CLIENT_CPU),
         "--ports",
         f"{gport},{hport}",
         "--tokens",
@@ -478,6 +484,21 @@ async def run_client(
     res: dict[str, Any] = json.loads(out)
     res["server_cpu"] = cpu
     return res
+
+
+#: the CPU the wire clients are pinned to (``--client-cpu``); None: not pinned
+CLIENT_CPU: int | None = None
+
+
+def client_cpu(arg: str) -> int | None:
+    """``--client-cpu``: ``last`` (the last CPU this process may run on, when it may
+    run on two or more), ``none``, or a CPU number."""
+    if arg == "none" or not hasattr(os, "sched_getaffinity"):
+        return None
+    if arg == "last":
+        cpus = sorted(os.sched_getaffinity(0))
+        return cpus[-1] if len(cpus) >= 2 else None
+    return int(arg)
 
 
 WIRES = ("sse", "kakeya", "salience", "evergreen", "openai", "nostr", "ceilings")
@@ -715,6 +736,12 @@ async def main() -> None:
         help="where the server's engine runs ([engine] process); the engine alone always "
         "runs in this process",
     )
+    ap.add_argument(
+        "--client-cpu",
+        default="last",
+        help="the CPU the wire rows' client processes are pinned to: last (the default, "
+        "when there are two or more), none, or a CPU number",
+    )
     ap.add_argument("--client", help=argparse.SUPPRESS)  # internal: be the client of one wire
     ap.add_argument("--ports", help=argparse.SUPPRESS)
     ap.add_argument("--nostr", default="", help=argparse.SUPPRESS)
@@ -733,9 +760,13 @@ async def main() -> None:
     if args.relay:
         await run_relay()
         return
+    global CLIENT_CPU
+    CLIENT_CPU = client_cpu(args.client_cpu)
     if args.client:
         import json
 
+        if CLIENT_CPU is not None:
+            os.sched_setaffinity(0, {CLIENT_CPU})
         gport, hport = (int(p) for p in args.ports.split(","))
         print("ready", flush=True)  # the server's CPU count starts now
         sys.stdin.readline()
@@ -764,7 +795,8 @@ async def main() -> None:
         + " (engine alone: in this process)\n"
     )
     if args.wires:
-        print("wire rows: CPU per token of the server / of the client process\n")
+        pinned = "not pinned" if CLIENT_CPU is None else f"pinned to CPU {CLIENT_CPU}"
+        print(f"wire rows: CPU per token of the server / of the client process ({pinned})\n")
     row("path", "engine alone", "through log", "ratio", "commit->client, CPU/token")
     row("-" * 44, "-" * 14, "-" * 14, "-" * 7, "-" * 26)
     counts = [int(x) for x in args.sessions.split(",")]
