@@ -11,10 +11,17 @@ from hypothesis import strategies as st
 from sessiontape.core.engine import SamplingParams
 from sessiontape.engines.sampling import _draw, log_softmax, sample
 
-#: scores with many ties and both infinities among them
+#: scores with many ties, both infinities and NaN among them
 _SCORE = st.one_of(
-    st.sampled_from([0.0, 1.0, -1.0, 3.5, math.inf, -math.inf]),
+    st.sampled_from([0.0, -0.0, 1.0, -1.0, 3.5, math.inf, -math.inf]),
     st.floats(width=32, allow_nan=False),
+    st.just(math.nan),
+)
+#: temperatures across float64's range: those that overflow or underflow scaled scores
+_TEMPERATURE = st.one_of(
+    st.floats(min_value=1e-30, max_value=100.0),
+    st.floats(min_value=5e-324, max_value=1e300),
+    st.sampled_from([5e-324, 1e-251, 1e-250, 1e-249, 1e249, 1e250, 1e251]),
 )
 
 
@@ -22,10 +29,10 @@ def _same(a: tuple[int, float], b: tuple[int, float]) -> bool:
     return a[0] == b[0] and (a[1] == b[1] or (math.isnan(a[1]) and math.isnan(b[1])))
 
 
-@settings(max_examples=400, derandomize=True, deadline=None)
+@settings(max_examples=1000, derandomize=True, deadline=None)
 @given(
     logits=st.lists(_SCORE, min_size=1, max_size=40),
-    temperature=st.floats(min_value=1e-30, max_value=100.0),
+    temperature=_TEMPERATURE,
     top_p=st.floats(min_value=0.01, max_value=1.0),
     seed=st.none() | st.integers(0, 2**32),
     position=st.integers(0, 100_000),
@@ -35,7 +42,8 @@ def test_top_k_one_takes_what_the_seeded_draw_takes(
 ) -> None:
     """top_k=1 (how Salience asks for greedy decoding) skips the sort and the draw, and
     picks exactly the token and logprob the draw picks: the highest score, the lowest id
-    among equal ones, overflowing temperatures and infinite scores included."""
+    among equal ones, overflowing temperatures and infinite scores included; with a NaN
+    among the scores both go the draw's way."""
     x = np.array(logits, dtype=np.float32)
     params = SamplingParams(max_tokens=1, temperature=temperature, top_k=1, top_p=top_p, seed=seed)
     with np.errstate(all="ignore"):
