@@ -83,6 +83,7 @@ class Subscriptions:
         self._published = 0
         self._wake = asyncio.Event()
         self._tailer: asyncio.Task[None] | None = None
+        self._closing = False
 
     def start(self, last_position: int) -> None:
         if self.tail:
@@ -94,6 +95,7 @@ class Subscriptions:
         self._wake.set()
 
     async def close(self) -> None:
+        self._closing = True  # the tailer stops at its next wake even if a cancel were lost
         if self._tailer is not None:
             self._tailer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -120,9 +122,14 @@ class Subscriptions:
 
     async def _tail_loop(self) -> None:
         """Pick up committed events from every process, in position order."""
-        while True:
+        while not self._closing:
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the inner
+            # result when a cancel lands in the turn the wake-up does (another
+            # replica's NOTIFY as the log closes), so the cancel was lost and close()
+            # waited for this loop forever
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.poll_interval_s)
+                async with asyncio.timeout(self.poll_interval_s):
+                    await self._wake.wait()
             self._wake.clear()
             if not self._subscribers:
                 continue

@@ -348,7 +348,8 @@ async def _next(watcher: Watcher, until: asyncio.Future[int] | None, wait_s: flo
     """The watcher's next entry; None on a heartbeat timeout or when ``until`` resolves first."""
     if until is None or until.done():
         try:
-            return await asyncio.wait_for(watcher.queue.get(), wait_s)
+            async with asyncio.timeout(wait_s):  # not wait_for: 3.11's can lose a cancel
+                return await watcher.queue.get()
         except TimeoutError:
             return None
     if not watcher.queue.empty():
@@ -544,7 +545,8 @@ async def list_stream(
     try:
         while True:
             try:
-                e = await asyncio.wait_for(queue.get(), heartbeat_s)
+                async with asyncio.timeout(heartbeat_s):  # not wait_for: 3.11's can lose a cancel
+                    e = await queue.get()
             except TimeoutError:
                 yield b": ping\n\n"
                 continue

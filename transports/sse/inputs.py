@@ -78,7 +78,10 @@ async def read_body(request: Request, limits: Limits) -> bytes:
     stream = request.stream().__aiter__()
     while True:
         try:
-            chunk = await asyncio.wait_for(anext(stream), limits.body_timeout_s)
+            async with asyncio.timeout(
+                limits.body_timeout_s
+            ):  # not wait_for: 3.11's can lose a cancel
+                chunk = await anext(stream)
         except StopAsyncIteration:
             break
         except TimeoutError:

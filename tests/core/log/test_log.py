@@ -539,3 +539,46 @@ async def test_a_commit_larger_than_a_live_subscribers_bound_is_read_back(
     await log.append("s", 7, [appended(6, [6])])
     await asyncio.wait_for(task, 10)
     assert got == list(range(2, 9))
+
+
+@pytest.mark.parametrize("poll_interval_s", [0.001, 30.0])
+async def test_a_tailing_log_closes_when_a_wake_up_lands_as_it_closes(
+    sqlite_url: str, poll_interval_s: float
+) -> None:
+    """A tailer woken (another replica's NOTIFY, or its poll timer) in the very turn
+    the log closes still stops: Python 3.11's wait_for returned the wake-up and lost
+    the cancel, and close() waited for the tailer forever (a replica that hung on
+    shutdown while the others wrote)."""
+    writer = await EventLog.open(sqlite_url)
+    try:
+        for _ in range(10):
+            follower = await EventLog.open(sqlite_url, follow=True, poll_interval_s=poll_interval_s)
+            await asyncio.sleep(0.002)  # the tailer waits for a wake-up
+            # the wake-up and the cancel in one turn (EventLog.close awaits the
+            # writer first, where a NOTIFY can land just so)
+            follower.subscriptions.wake()
+            closing = asyncio.ensure_future(follower.subscriptions.close())
+            try:
+                done, _ = await asyncio.wait({closing}, timeout=3)
+                assert done, "the tailer did not stop"
+            finally:
+                closing.cancel()  # (a second cancel stops the tailer of a failed run)
+                await follower.close()
+        # and a follower still follows: its tailer reads what another process commits
+        follower = await EventLog.open(sqlite_url, follow=True, poll_interval_s=0.01)
+        try:
+            got: list[int] = []
+
+            async def follow() -> None:
+                async for e in follower.subscribe(0, session_id="s2"):
+                    got.append(e.version)
+                    return
+
+            task = asyncio.create_task(follow())
+            await writer.append("s2", 0, [opened()])
+            await asyncio.wait_for(task, 10)
+            assert got == [1]
+        finally:
+            await follower.close()
+    finally:
+        await writer.close()
