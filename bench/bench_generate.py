@@ -20,10 +20,10 @@ server (``time.process_time`` of this process, all its threads, while the
 client receives the stream) and of the client process: steadier measures
 than tokens per second on a machine whose speed drifts. ``--wire-rows``
 picks some of them. The client process is pinned to one CPU (the last, unless
-``--client-cpu`` says otherwise), as a load generator is kept off the cores
-of the server it measures: left to float on a 2-core machine, the client's
-gRPC threads and the server's wake each other across cores, which cost the
-gRPC rows a third of their rate (docs/performance.md, eighth session).
+``--client-cpu`` says otherwise; the server is not pinned): left to float on
+a 2-core machine, the client's gRPC threads and the server's wake each other
+across cores, which cost the gRPC rows a third of their rate
+(docs/performance.md, eighth session).
 """
 
 from __future__ import annotations

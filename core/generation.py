@@ -204,6 +204,9 @@ class Generation:
         #: set by the producer once ``_enough_at`` steps wait (the committer lingers on it)
         self._enough: asyncio.Event | None = None
         self._enough_at = 0
+        #: the producer handed the gate to another generation and waits for its next
+        #: turn: no step comes soon, so the committer does not linger for more
+        self._off_gate = False
 
     # -- stages --------------------------------------------------------------
 
@@ -235,6 +238,7 @@ class Generation:
             step: Step | None = None
             while not done:
                 async with gate.slot(self.priority):
+                    self._off_gate = False
                     # the interval is the engine's time per step: not the wait for the
                     # gate (other generations' bursts) or for room in the queue, which
                     # would make a fast engine look slow to the committer after each
@@ -266,10 +270,13 @@ class Generation:
                         ):
                             break
                     handing_over = gate.waiting()
-                if handing_over and self._enough is not None:
+                if handing_over:
                     # the next steps come after the other generations' turns: a
-                    # committer lingering for more commits this burst's steps now
-                    self._enough.set()
+                    # committer lingering for more commits this turn's steps now, and
+                    # one that comes for them later does not linger
+                    self._off_gate = True
+                    if self._enough is not None:
+                        self._enough.set()
                 if not done and step is not None:
                     await q.put(step)
             await self._put_end(_End())
@@ -336,10 +343,13 @@ class Generation:
             and interval is not None
             and interval * 4 < limits.linger_s
             and q.qsize() + 1 < min_run
+            and not self._off_gate
         ):
             # a fast engine: let a few more steps arrive (woken early when enough did)
             enough = self._enough = asyncio.Event()
             self._enough_at = min_run - 1
+            # twice the engine's pace: the loop's other work stretches its steps, and
+            # a timer that ran out a few steps short split a turn in two
             wait = min(limits.linger_s, 2 * interval * (min_run - 1 - q.qsize()))
             timer = asyncio.get_running_loop().call_later(wait, enough.set)
             try:

@@ -86,6 +86,7 @@ class Subscriptions:
         self._closing = False
 
     def start(self, last_position: int) -> None:
+        self._closing = False
         if self.tail:
             self._published = last_position
             self._tailer = asyncio.create_task(self._tail_loop(), name="sessiontape-log-tailer")

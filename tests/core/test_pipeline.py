@@ -579,18 +579,34 @@ async def test_a_run_commits_on_the_spot_only_while_its_generation_runs_alone(
         await rt.aclose()
 
 
+@pytest.mark.parametrize(
+    ("gens", "min_run_turns", "linger_s"),
+    [
+        # the engine's pace after a hand-over: measured across the wait for seven
+        # other turns, it looked slow and the first step of each turn committed alone
+        (8, 1, 0.003),
+        # the end of a turn: the committer lingered on (for two turns' steps) across
+        # the other generation's turn and merged the next turn into the run
+        (2, 2, 0.5),
+    ],
+)
 async def test_generations_taking_turns_commit_each_turns_steps_as_one_run(
-    sqlite_url: str,
+    sqlite_url: str, gens: int, min_run_turns: int, linger_s: float
 ) -> None:
-    """A fast engine shared by generations taking turns at the gate: the wait for the
-    gate is not the engine's time per step, so after each hand-over the committer
-    still gathers the turn's steps into one run (it used to commit the first step of
-    every turn as a run alone), and it commits them once the turn ends rather than
-    after its linger time."""
-    burst, gens, tokens = 32, 4, 128
+    """A fast engine shared by generations taking turns at the gate: after each
+    hand-over the committer still gathers the turn's steps into one run, and it
+    commits them when the turn ends, not lingering for steps that come only after
+    the other generations' turns."""
+    burst, tokens = 8, 64
     cfg = make_config(
         sqlite_url,
-        generation={"burst": burst, "burst_s": 10.0, "min_run": burst, "linger_s": 0.002},
+        generation={
+            "burst": burst,
+            "burst_s": 10.0,
+            "min_run": burst * min_run_turns,
+            "max_run": 256,
+            "linger_s": linger_s,
+        },
     )
     rt = await Runtime.create(cfg, engine=ReferenceEngine(eos_bias=-1000.0))
     try:
@@ -611,6 +627,6 @@ async def test_generations_taking_turns_commit_each_turns_steps_as_one_run(
         # a turn's steps in one run: a tiny run at most now and then, where a slow
         # step let the committer's linger time run out inside a turn
         assert sum(n <= 2 for n in sizes) <= gens, sizes
-        assert max(sizes) <= burst
+        assert max(sizes) <= burst, sizes  # no run spans two turns
     finally:
         await rt.aclose()
