@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_generate.py [--engine reference|onnx] [--size small]
         [--tokens 400] [--sessions 1,8] [--rounds 5] [--pg URL | --no-pg] [--wires]
         [--wire-rows sse,kakeya,salience,evergreen,openai,nostr,ceilings]
-        [--engine-process inline|worker] [--client-cpu last|none|N]
+        [--engine-process inline|worker] [--client-cpu last|none|N] [--pace-s S]
 
 Every row is measured in interleaved rounds in one run: a round generates the
 same greedy tokens once with the engine alone (``Engine.generate`` driven
@@ -13,7 +13,7 @@ of them alternating. The table shows each path's median rate and the median
 of the rounds' own ratios. ``--wires`` adds one row per transport: the same generation received
 by a client over the wire (SSE, Kakeya, Salience, Evergreen, an OpenAI chat
 completion stream read with the ``openai`` package, and a Nostr D4 call's
-streamed results through a relay in its own process), with the median time
+streamed results through a relay in its own process), with the median and 95th percentile time
 from a token's commit to its arrival at the client (for Nostr, at the
 partial result that first holds it) and the CPU time per token of the
 server (``time.process_time`` of this process, all its threads, while the
@@ -515,9 +515,11 @@ async def wire_rows(
     tokens: int,
     rounds: int,
     only: frozenset[str] = frozenset(WIRES),
+    generation: dict[str, Any] | None = None,
 ) -> None:
     """The wire rows (those named in ``only``): ``engine`` alone against the server's
-    path with ``served`` (the same engine object, or the same engine in a worker process)."""
+    path with ``served`` (the same engine object, or the same engine in a worker process);
+    ``generation``: the server's ``[generation]`` settings beyond the defaults."""
 
     def free() -> int:
         import socket
@@ -533,6 +535,7 @@ async def wire_rows(
         environ={},
         overrides={
             "database": {"url": url},
+            "generation": generation or {},
             "transports": {
                 "grpc": {"enabled": True, "listen": f"127.0.0.1:{gport}"},
                 "http": {"enabled": True, "listen": f"127.0.0.1:{hport}"},
@@ -595,7 +598,10 @@ async def wire_rows(
             return await engine_alone(engine, 1, tokens)
 
         def extra() -> str:
-            lat = f"{statistics.median(clock.lat) * 1e3:.2f} ms" if clock.lat else "n/a"
+            lat = "n/a"
+            if len(clock.lat) >= 2:
+                p95 = statistics.quantiles(clock.lat, n=20)[-1]
+                lat = f"{statistics.median(clock.lat) * 1e3:.2f} / {p95 * 1e3:.2f} ms"
             if not cpu:
                 return lat
             us = statistics.median(cpu) * 1e6, statistics.median(client_cpu) * 1e6
@@ -741,6 +747,12 @@ async def main() -> None:
         "runs in this process",
     )
     ap.add_argument(
+        "--pace-s",
+        type=float,
+        default=None,
+        help="with --wires: the server's [generation] pace_s (the default: the config's)",
+    )
+    ap.add_argument(
         "--client-cpu",
         default="last",
         help="the CPU the wire rows' client processes are pinned to: last (the default, "
@@ -801,7 +813,7 @@ async def main() -> None:
     if args.wires:
         pinned = "not pinned" if CLIENT_CPU is None else f"pinned to CPU {CLIENT_CPU}"
         print(f"wire rows: CPU per token of the server / of the client process ({pinned})\n")
-    row("path", "engine alone", "through log", "ratio", "commit->client, CPU/token")
+    row("path", "engine alone", "through log", "ratio", "commit->client median / p95, CPU/token")
     row("-" * 44, "-" * 14, "-" * 14, "-" * 7, "-" * 26)
     counts = [int(x) for x in args.sessions.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
@@ -836,6 +848,7 @@ async def main() -> None:
                     args.tokens,
                     args.rounds,
                     frozenset(args.wire_rows.split(",")),
+                    {} if args.pace_s is None else {"pace_s": args.pace_s},
                 )
 
 
