@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from sessiontape.core.engine import DEFAULT_OUTPUT, OutputOptions, SamplingParams, Step
 from sessiontape.core.errors import EngineError, InvalidArgument
 from sessiontape.core.events import Event, NewEvent, T
+from sessiontape.core.generation import FIRST_RUN
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
 from tests.conftest import make_config
@@ -628,5 +629,29 @@ async def test_generations_taking_turns_commit_each_turns_steps_as_one_run(
         # step let the committer's linger time run out inside a turn
         assert sum(n <= 2 for n in sizes) <= gens, sizes
         assert max(sizes) <= burst, sizes  # no run spans two turns
+    finally:
+        await rt.aclose()
+
+
+async def test_the_first_run_is_short_until_the_callers_pace_is_known(sqlite_url: str) -> None:
+    """Before the caller has handled a run its pace is unknown: the first run is at
+    most FIRST_RUN steps, so a slow caller's first tokens do not wait behind a full
+    run; the runs after it follow the caller's pace, and the tokens are exact."""
+    rt = await Runtime.create(make_config(sqlite_url), engine=ReferenceEngine(eos_bias=-1000.0))
+    try:
+        for seed in range(3):
+            sid = (await rt.open_session("t")).session_id
+            await rt.append_text(sid, "abc")
+            sizes: list[int] = []
+            seen: list[Event] = []
+            async for run in rt.generate_runs(sid, SamplingParams(max_tokens=120, seed=seed)):
+                seen.extend(run)
+                n = len(generated(run))
+                if n:
+                    sizes.append(n)
+                await asyncio.sleep(0.0005 * n)  # a caller at 0.5 ms a token
+            assert 1 <= sizes[0] <= FIRST_RUN, sizes
+            assert sum(sizes) == 120
+            await check_agrees(rt, sid, seen)
     finally:
         await rt.aclose()
