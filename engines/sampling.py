@@ -41,35 +41,37 @@ def top_logprobs(logp: F64, k: int) -> tuple[tuple[int, float], ...]:
     return tuple((int(i), float(logp[i])) for i in idx)
 
 
+#: temperatures by which dividing float32 scores, as float64, keeps their order and
+#: ties: their largest magnitude (3.4e38) stays finite and their smallest nonzero one
+#: (1.4e-45) stays normal, and float64's 53 bits hold float32's 24 with room to round
+_ORDER_KEPT = (1e-250, 1e250)
+
+
 def sample(logits: F32, params: SamplingParams, position: int) -> tuple[int, float]:
     """Pick the token at ``position``; returns (token, its log-probability under the model)."""
     logp = log_softmax(logits)
     if params.temperature == 0 or (params.seed is None and params.temperature == 0):
         tok = int(np.argmax(logp))
         return tok, float(logp[tok])
-    if params.top_k == 1:
+    if (
+        params.top_k == 1
+        and logits.dtype == np.float32
+        and _ORDER_KEPT[0] <= params.temperature <= _ORDER_KEPT[1]
+    ):
+        # float32 scores divided (as float64) by such a temperature neither overflow
+        # nor underflow and keep their order and their ties: the highest scaled score
+        # is the highest logit, with no division to make
+        tok = int(np.argmax(logits))
+        if not np.isnan(logits[tok]):  # argmax stops at the first NaN
+            return tok, float(logp[tok])
+    scaled = logits.astype(np.float64) / params.temperature
+    if params.top_k == 1 and not np.isnan(scaled).any():
         # One candidate: the highest score, the lowest id among equal ones, as
         # the ordering in _draw puts first; no draw can pick another (the way
         # Salience asks for greedy decoding, which has no temperature 0).
-        if logits.dtype == np.float32 and _ORDER_KEPT[0] <= params.temperature <= _ORDER_KEPT[1]:
-            # float32 scores divided (as float64) by such a temperature neither
-            # overflow nor underflow and keep their order and their ties: the
-            # highest score is the highest logit, with no division to make
-            tok = int(np.argmax(logits))
-            if not np.isnan(logits[tok]):  # argmax stops at the first NaN
-                return tok, float(logp[tok])
-        else:
-            scaled = logits.astype(np.float64) / params.temperature
-            if not np.isnan(scaled).any():
-                tok = int(np.argmax(scaled))
-                return tok, float(logp[tok])
-    return _draw(logits.astype(np.float64) / params.temperature, logp, params, position)
-
-
-#: temperatures by which dividing float32 scores, as float64, keeps their order and
-#: ties: their largest magnitude (3.4e38) stays finite and their smallest nonzero one
-#: (1.4e-45) stays normal, and float64's 53 bits hold float32's 24 with room to round
-_ORDER_KEPT = (1e-250, 1e250)
+        tok = int(np.argmax(scaled))
+        return tok, float(logp[tok])
+    return _draw(scaled, logp, params, position)
 
 
 def _draw(scaled: F64, logp: F64, params: SamplingParams, position: int) -> tuple[int, float]:
