@@ -38,7 +38,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -496,12 +496,14 @@ CLIENT_CPU: int | None = None
 
 def client_cpu(arg: str) -> int | None:
     """``--client-cpu``: ``last`` (the last CPU this process may run on, when it may
-    run on two or more), ``none``, or a CPU number."""
+    run on two or more), ``none``, or one of those CPUs' numbers."""
     if arg == "none" or not hasattr(os, "sched_getaffinity"):
         return None
+    cpus = sorted(os.sched_getaffinity(0))
     if arg == "last":
-        cpus = sorted(os.sched_getaffinity(0))
         return cpus[-1] if len(cpus) >= 2 else None
+    if not arg.isdigit() or int(arg) not in cpus:
+        raise ValueError(f"--client-cpu: {arg!r} is not last, none or one of CPUs {cpus}")
     return int(arg)
 
 
@@ -663,6 +665,17 @@ class _Bare:
         self.server, self.port = server, port
 
 
+async def generated_ids(engine: Engine, tokens: int) -> AsyncIterator[int]:
+    """The token ids ``engine`` generates for the bench's prompt, with nothing stored."""
+    key = f"bare-{time.monotonic_ns()}"
+    try:
+        async for step in engine.generate(key, engine.tokenize(PROMPT), params(tokens)):
+            if not step.is_prefill:
+                yield step.token_id
+    finally:
+        engine.forget(key)
+
+
 async def _bare_kakeya(tokens: int, engine: Engine | None = None, pipelined: bool = False) -> _Bare:
     """A grpc.aio server whose Kakeya Generate streams ``tokens`` ready-made messages,
     or, given ``engine``, one message per step of ``engine`` as it generates (no log);
@@ -684,23 +697,15 @@ async def _bare_kakeya(tokens: int, engine: Engine | None = None, pipelined: boo
                 for i in range(request.max_tokens):
                     yield kpb.GenerateResponse(token_id=i % 250)
             elif not pipelined:
-                key = f"bare-{time.monotonic_ns()}"
-                prompt = engine.tokenize(PROMPT)
-                async for step in engine.generate(key, prompt, params(request.max_tokens)):
-                    if not step.is_prefill:
-                        yield kpb.GenerateResponse(token_id=step.token_id)
-                engine.forget(key)
+                async for tok in generated_ids(engine, request.max_tokens):
+                    yield kpb.GenerateResponse(token_id=tok)
             else:
                 ahead: asyncio.Queue[int | None] = asyncio.Queue()
 
                 async def produce() -> None:
                     assert engine is not None
-                    key = f"bare-{time.monotonic_ns()}"
-                    prompt = engine.tokenize(PROMPT)
-                    async for step in engine.generate(key, prompt, params(request.max_tokens)):
-                        if not step.is_prefill:
-                            ahead.put_nowait(step.token_id)
-                    engine.forget(key)
+                    async for tok in generated_ids(engine, request.max_tokens):
+                        ahead.put_nowait(tok)
                     ahead.put_nowait(None)
 
                 producer = asyncio.create_task(produce())
@@ -777,7 +782,10 @@ async def main() -> None:
         await run_relay()
         return
     global CLIENT_CPU
-    CLIENT_CPU = client_cpu(args.client_cpu)
+    try:
+        CLIENT_CPU = client_cpu(args.client_cpu)
+    except ValueError as exc:
+        ap.error(str(exc))
     if args.client:
         import json
 
