@@ -42,10 +42,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from sessiontape.engines.onnx.builder import Graph, ModelSpec, build_static, rope_rows
+
 #: byte tokenizer specials (the same ids as the reference engine)
 BOS, EOS, PAD = 256, 257, 258
 VOCAB = 259
-BUILDER_VERSION = 4
+BUILDER_VERSION = 5
 #: KV layouts the builder emits: ``static`` (default) keeps one preallocated
 #: buffer per layer and kind that a pass writes into at its positions (past
 #: and present are the same tensor); ``concat`` is the classic growing cache
@@ -87,14 +89,6 @@ SIZES: dict[str, DemoSpec] = {
 
 F32 = npt.NDArray[np.float32]
 
-#: the static layout's buffer capacity is a multiple of this (slot indices are built in blocks)
-SLOT_BLOCK = 64
-
-
-def rope_rows(spec: DemoSpec) -> int:
-    """Positions the rotary tables cover: max_length + 1, rounded up to a multiple of SLOT_BLOCK."""
-    return -(-(spec.max_length + 1) // SLOT_BLOCK) * SLOT_BLOCK
-
 
 def _weights(spec: DemoSpec) -> dict[str, F32]:
     rng = np.random.default_rng(spec.seed)
@@ -121,47 +115,10 @@ def _weights(spec: DemoSpec) -> dict[str, F32]:
     # a peaked next-token distribution, so greedy decoding is not a coin toss
     w["lm_head"] = normal((h, spec.vocab), 2.5 * h**-0.5)
     inv = 1.0 / (spec.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
-    ang = np.outer(np.arange(rope_rows(spec), dtype=np.float64), inv)
+    ang = np.outer(np.arange(rope_rows(spec.max_length), dtype=np.float64), inv)
     w["rope_cos"] = np.cos(ang).astype(np.float32)
     w["rope_sin"] = np.sin(ang).astype(np.float32)
     return w
-
-
-class _Graph:
-    """A tiny builder over onnx.helper that names intermediate values uniquely."""
-
-    def __init__(self) -> None:
-        from onnx import helper
-
-        self.h = helper
-        self.nodes: list[Any] = []
-        self.inits: list[Any] = []
-        self.n = 0
-
-    def op(
-        self,
-        op_type: str,
-        inputs: list[str],
-        outputs: int = 1,
-        name: str | None = None,
-        **attrs: Any,
-    ) -> Any:
-        self.n += 1
-        outs = (
-            [name]
-            if name and outputs == 1
-            else [f"{op_type.lower()}_{self.n}_{i}" for i in range(outputs)]
-        )
-        self.nodes.append(
-            self.h.make_node(op_type, inputs, outs, name=f"n{self.n}_{op_type}", **attrs)
-        )
-        return outs[0] if outputs == 1 else outs
-
-    def const(self, name: str, value: npt.NDArray[Any]) -> str:
-        from onnx import numpy_helper
-
-        self.inits.append(numpy_helper.from_array(np.asarray(value), name))
-        return name
 
 
 def _build_graph(spec: DemoSpec, w: dict[str, F32], layout: str = "static") -> Any:
@@ -170,7 +127,7 @@ def _build_graph(spec: DemoSpec, w: dict[str, F32], layout: str = "static") -> A
 
     if layout == "static":
         return _build_static(spec, w)
-    g = _Graph()
+    g = Graph()
     for k, v in w.items():
         g.const(k, v)
     h, nh, nkv, hd = spec.hidden, spec.heads, spec.kv_heads, spec.head_dim
@@ -309,208 +266,26 @@ def _build_graph(spec: DemoSpec, w: dict[str, F32], layout: str = "static") -> A
     return model
 
 
+def model_spec(spec: DemoSpec) -> ModelSpec:
+    """The demo's shape as the graph builder's :class:`ModelSpec`."""
+    return ModelSpec(
+        name=f"demo-{spec.name}",
+        hidden=spec.hidden,
+        layers=spec.layers,
+        heads=spec.heads,
+        kv_heads=spec.kv_heads,
+        intermediate=spec.intermediate,
+        vocab=spec.vocab,
+        max_length=spec.max_length,
+        head_dim=spec.head_dim,
+        rope_theta=spec.rope_theta,
+        eps=spec.eps,
+    )
+
+
 def _build_static(spec: DemoSpec, w: dict[str, F32]) -> Any:
-    """The static layout, with few kernels per pass (a pass is a CUDA graph of them).
-
-    The same math as the concat graph, in fused operators that ONNX Runtime
-    runs on the CPU and on CUDA: com.microsoft SkipSimplifiedLayerNormalization
-    (the residual add and the RMSNorm of the next block in one kernel; its sum
-    output is ``hidden_states.N``), com.microsoft RotaryEmbedding, one MatMul
-    for q, k and v (the attention scale folded into q's weights), and no shape
-    arithmetic, so every node stays on the device.
-    """
-    from onnx import TensorProto, helper
-
-    g = _Graph()
-    h, nh, nkv, hd = spec.hidden, spec.heads, spec.kv_heads, spec.head_dim
-    group = nh // nkv
-    kvd = nkv * hd
-    skip = {f"l{i}.{k}" for i in range(spec.layers) for k in ("wq", "wk", "wv")}
-    for k, v in w.items():
-        if k not in skip:
-            g.const(k, v)
-    for i in range(spec.layers):
-        p = f"l{i}."
-        g.const(
-            p + "wqkv",
-            np.concatenate([w[p + "wq"] * np.float32(hd**-0.5), w[p + "wk"], w[p + "wv"]], axis=1),
-        )
-
-    def i64(name: str, *vals: int) -> str:
-        return g.const(name, np.array(vals, dtype=np.int64))
-
-    ms = "com.microsoft"
-    g.const("c_zero_s", np.array(0, np.int64))
-    i64("c_axis0", 0)
-    i64("c_axis1", 1)
-    i64("c_axis_neg1", -1)
-    i64("c_one", 1)
-    i64("c_zero", 0)
-    i64("c_block", SLOT_BLOCK)
-    g.const("c_neginf", np.array(-np.inf, np.float32))
-    g.const("c_zero_f", np.array(0.0, np.float32))
-    i64("c_split_qkv", h, kvd, kvd)
-    i64("c_shape_q", 0, 0, nh, hd)
-    i64("c_shape_kv", 0, 0, nkv, hd)
-    i64("c_shape_h", 0, 0, h)
-    i64("c_gq", 0, nkv, -1, hd)
-    i64("c_att", 0, nh, -1, hd)
-    i64("c_axis2", 2)
-    i64("c_prob_blocks", 0, 0, 0, -1, SLOT_BLOCK)
-    i64("c_v_blocks", 0, 0, -1, SLOT_BLOCK, hd)
-
-    # Slot j of the buffer holds position j; key j is visible to the query at position q iff
-    # j <= q (masked by position alone: attention_mask is accepted for the convention but not
-    # read; a one-sequence pass has no left padding, and onnxruntime-genai passes it shorter
-    # than the buffer). Slot indices come from the buffer's own length without shape
-    # arithmetic, as cumulative sums over blocks of SLOT_BLOCK (ONNX Runtime's CUDA CumSum
-    # costs O(n) per element).
-    col = g.op(
-        "Gather",
-        [
-            g.op(
-                "Gather",
-                [g.op("Gather", ["past_key_values.0.key", "c_zero_s"], axis=0), "c_zero_s"],
-                axis=0,
-            ),
-            "c_zero_s",
-        ],
-        axis=1,
-    )
-    ones = g.op(
-        "Add", [g.op("Mul", [g.op("Cast", [col], to=TensorProto.INT64), "c_zero"]), "c_one"]
-    )
-    blocks = g.op("Reshape", [ones, i64("c_blocks", -1, SLOT_BLOCK)])
-    within = g.op("CumSum", [blocks, "c_axis1"])
-    base = g.op(
-        "Mul",
-        [
-            g.op(
-                "Sub",
-                [
-                    g.op("CumSum", [g.op("Gather", [blocks, "c_zero_s"], axis=1), "c_zero_s"]),
-                    "c_one",
-                ],
-            ),
-            "c_block",
-        ],
-    )
-    slots = g.op(
-        "Reshape",
-        [
-            g.op("Sub", [g.op("Add", [within, g.op("Unsqueeze", [base, "c_axis1"])]), "c_one"]),
-            "c_axis_neg1",
-        ],
-    )
-    # [b, 1, group * s, t] with the query rows of a KV group stacked like the scores' rows
-    # (the positions are tiled before the compare: CUDA has no Tile for bool)
-    rows_pos = g.op("Tile", ["position_ids", i64("c_tile_group", 1, group)])
-    allowed = g.op(
-        "Unsqueeze",
-        [g.op("LessOrEqual", [slots, g.op("Unsqueeze", [rows_pos, "c_axis_neg1"])]), "c_axis1"],
-    )
-    scatter_at = g.op(
-        "Expand",
-        [
-            g.op("Reshape", ["position_ids", i64("c_pos4", 0, 1, -1, 1)]),
-            i64("c_kv_expand", 1, nkv, 1, hd),
-        ],
-    )
-
-    def heads(x: str, shape: str) -> str:
-        return str(g.op("Transpose", [g.op("Reshape", [x, shape])], perm=[0, 2, 1, 3]))
-
-    x = g.op("Gather", ["embed", "input_ids"], axis=0, name="hidden_states.0")
-    xn = g.op(
-        "SkipSimplifiedLayerNormalization",
-        [x, g.op("Mul", [x, "c_zero_f"]), "l0.attn_norm"],
-        domain=ms,
-        epsilon=spec.eps,
-    )
-    for i in range(spec.layers):
-        p = f"l{i}."
-        q, k, v = g.op(
-            "Split", [g.op("MatMul", [xn, p + "wqkv"]), "c_split_qkv"], outputs=3, axis=-1
-        )
-        q = g.op(
-            "RotaryEmbedding", [q, "position_ids", "rope_cos", "rope_sin"], domain=ms, num_heads=nh
-        )
-        k = g.op(
-            "RotaryEmbedding", [k, "position_ids", "rope_cos", "rope_sin"], domain=ms, num_heads=nkv
-        )
-        # written at their positions into the buffer (in place when present is bound to past)
-        pk = g.op(
-            "ScatterElements",
-            [f"past_key_values.{i}.key", scatter_at, heads(k, "c_shape_kv")],
-            axis=2,
-            name=f"present.{i}.key",
-        )
-        pv = g.op(
-            "ScatterElements",
-            [f"past_key_values.{i}.value", scatter_at, heads(v, "c_shape_kv")],
-            axis=2,
-            name=f"present.{i}.value",
-        )
-        qg = g.op("Reshape", [heads(q, "c_shape_q"), "c_gq"])
-        scores = g.op("MatMul", [qg, g.op("Transpose", [pk], perm=[0, 1, 3, 2])])
-        probs = g.op("Softmax", [g.op("Where", [allowed, scores, "c_neginf"])], axis=-1)
-        # probs . V over blocks of SLOT_BLOCK slots, then a sum over the blocks: one GEMM over all
-        # slots gets a handful of thread blocks (M = N = 64); this split has one per block
-        pb = g.op("Transpose", [g.op("Reshape", [probs, "c_prob_blocks"])], perm=[0, 1, 3, 2, 4])
-        part = g.op("MatMul", [pb, g.op("Reshape", [pv, "c_v_blocks"])])
-        att = g.op("Reshape", [g.op("ReduceSum", [part, "c_axis2"], keepdims=0), "c_att"])
-        att = g.op("Reshape", [g.op("Transpose", [att], perm=[0, 2, 1, 3]), "c_shape_h"])
-        xn, _, _, x = g.op(
-            "SkipSimplifiedLayerNormalization",
-            [x, g.op("MatMul", [att, p + "wo"]), p + "mlp_norm"],
-            outputs=4,
-            domain=ms,
-            epsilon=spec.eps,
-        )
-        gate = g.op("MatMul", [xn, p + "wg"])
-        act = g.op(
-            "Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), g.op("MatMul", [xn, p + "wu"])]
-        )
-        norm = f"l{i + 1}.attn_norm" if i + 1 < spec.layers else "final_norm"
-        xn, _, _, x = g.op(
-            "SkipSimplifiedLayerNormalization",
-            [x, g.op("MatMul", [act, p + "wd"]), norm],
-            outputs=4,
-            domain=ms,
-            epsilon=spec.eps,
-        )
-        g.nodes[-1].output[3] = f"hidden_states.{i + 1}"
-        x = f"hidden_states.{i + 1}"
-    g.op("MatMul", [xn, "lm_head"], name="logits")
-
-    f32, i64t = TensorProto.FLOAT, TensorProto.INT64
-    kv_shape: list[str | int] = ["batch", nkv, "max_sequence_length", hd]
-    inputs = [
-        helper.make_tensor_value_info("input_ids", i64t, ["batch", "sequence_length"]),
-        helper.make_tensor_value_info("attention_mask", i64t, ["batch", "total_sequence_length"]),
-        helper.make_tensor_value_info("position_ids", i64t, ["batch", "sequence_length"]),
-    ]
-    outs = [helper.make_tensor_value_info("logits", f32, ["batch", "sequence_length", spec.vocab])]
-    for i in range(spec.layers):
-        for kind in ("key", "value"):
-            inputs.append(
-                helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", f32, kv_shape)
-            )
-            outs.append(helper.make_tensor_value_info(f"present.{i}.{kind}", f32, kv_shape))
-    for i in range(spec.layers + 1):
-        outs.append(
-            helper.make_tensor_value_info(
-                f"hidden_states.{i}", f32, ["batch", "sequence_length", h]
-            )
-        )
-    graph = helper.make_graph(g.nodes, f"sessiontape-demo-{spec.name}", inputs, outs, g.inits)
-    model = helper.make_model(
-        graph,
-        opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(ms, 1)],
-        producer_name="sessiontape",
-    )
-    model.ir_version = 8
-    return model
+    """The static layout (:func:`sessiontape.engines.onnx.builder.build_static`) over the demo's weights."""
+    return build_static(model_spec(spec), w.__getitem__)
 
 
 def default_concepts(spec: DemoSpec, w: dict[str, F32]) -> dict[str, Any]:

@@ -77,7 +77,8 @@ from sessiontape.core.engine import (
 )
 from sessiontape.core.errors import ConfigError, ContextOverflow, EngineError, InvalidParameters
 from sessiontape.engines.onnx.batch import BatchScheduler, Member, Stats
-from sessiontape.engines.onnx.demo import PAD, SIZES, SLOT_BLOCK, ensure_demo
+from sessiontape.engines.onnx.builder import SLOT_BLOCK
+from sessiontape.engines.onnx.demo import PAD, SIZES, ensure_demo
 from sessiontape.engines.onnx.kvcache import KV, KVCache, common_prefix
 from sessiontape.engines.onnx.model import (
     Concepts,

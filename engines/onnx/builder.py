@@ -1,0 +1,597 @@
+"""The decoder graph builder: a Llama-style model in the engine's I/O convention, from any weights.
+
+Two callers: the demo model (:mod:`sessiontape.engines.onnx.demo`, random
+weights from a fixed seed) and the importer (:mod:`sessiontape.engines.models`,
+the weights of a GGUF file or a Hugging Face checkpoint). Both describe the
+model as a :class:`ModelSpec` and hand over its weights by name
+(:data:`Weights`); this module writes the ``static`` layout graph::
+
+    input_ids [b, s] int64, attention_mask [b, t] int64, position_ids [b, s] int64,
+    past_key_values.N.key|value [b, kv_heads, capacity, head_dim] float32
+    -> logits [b, s, vocab], present.N.key|value (the same buffers, written at position_ids),
+       hidden_states.N [b, s, hidden]   (N = 0 embeddings, N = i after layer i)
+
+Weight names (matrices are ``[in, out]`` float32 arrays or :class:`QuantMatrix`)::
+
+    embed [vocab, hidden] (float32, or an 8-bit QuantMatrix with n = vocab),
+    l{i}.attn_norm, l{i}.wq, l{i}.wk, l{i}.wv, [l{i}.bq, l{i}.bk, l{i}.bv], l{i}.wo,
+    l{i}.mlp_norm, l{i}.wg, l{i}.wu, l{i}.wd, final_norm, lm_head [hidden, vocab]
+
+A quantized matrix runs as com.microsoft ``MatMulNBits`` (4 or 8 bits, blocks
+along the input dimension, computed with int8 activations at
+``accuracy_level`` 4 on the CPU), so a token reads the quantized bytes, not
+float32 copies. Blocks whose values are ``scale * q + offset`` (GGUF's Q4_1)
+keep the offset as a small float matrix: ``x . w = MatMulNBits(x) +
+blocksum(x) . offsets``, which stays on MatMulNBits' fast path (a float zero
+point would leave it). An 8-bit embedding is read with
+``GatherBlockQuantized``.
+
+The builder streams: it asks for each weight when it writes it, and with
+``data_file`` set writes every large initializer straight to that file
+(ONNX external data, 4 KiB aligned so ONNX Runtime can map it), so peak
+memory is about one layer's weights, whatever the model's size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+import numpy.typing as npt
+
+F32 = npt.NDArray[np.float32]
+U8 = npt.NDArray[np.uint8]
+
+#: the static layout's buffer capacity is a multiple of this (slot indices are built in blocks)
+SLOT_BLOCK = 64
+#: initializers at least this large go to the external data file (when there is one)
+EXTERNAL_MIN_BYTES = 1024
+_ALIGN = 4096
+MS = "com.microsoft"
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rotary frequency scaling: ``linear`` (positions / factor) or ``llama3`` (Llama 3.1's bands)."""
+
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape of a Llama-family decoder (Llama 2/3, SmolLM, TinyLlama, Mistral, Qwen2)."""
+
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    max_length: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    eps: float = 1e-5
+    rope_scaling: RopeScaling | None = None
+    #: q, k and v projections have biases (Qwen2)
+    qkv_bias: bool = False
+    #: MatMulNBits' accuracy_level (4: int8 activations, the CPU's fast path)
+    accuracy_level: int = 4
+
+
+@dataclass
+class QuantMatrix:
+    """A matrix of ``n`` output rows in blocks of ``block`` along its ``k`` inputs (MatMulNBits' layout).
+
+    ``w[r, c] = scales[r, c // block] * (q[r, c] - 2 ** (bits - 1)) + offsets[r, c // block]``,
+    with ``q`` packed in ``data`` [n, k / block, block * bits / 8] (4 bits: element 2j in
+    the low nibble of byte j, 2j + 1 in the high one). ``offsets`` is None when zero.
+    """
+
+    bits: int
+    block: int
+    data: U8
+    scales: F32
+    offsets: F32 | None = None
+    n: int = field(init=False)
+    k: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        n, blocks, blob = self.data.shape
+        if blob * 8 != self.block * self.bits or self.scales.shape != (n, blocks):
+            raise ValueError(
+                f"quantized matrix data {self.data.shape} and scales {self.scales.shape} do not "
+                f"fit {self.bits}-bit blocks of {self.block}"
+            )
+        if self.offsets is not None and self.offsets.shape != self.scales.shape:
+            raise ValueError("quantized matrix offsets must have the scales' shape")
+        self.n, self.k = n, blocks * self.block
+
+    def codes(self) -> U8:
+        """The unpacked codes ``q`` [n, k]."""
+        if self.bits == 8:
+            return self.data.reshape(self.n, self.k)
+        lo, hi = self.data & 0x0F, self.data >> 4
+        return np.stack([lo, hi], axis=-1).reshape(self.n, self.k)
+
+    def dequantize(self) -> F32:
+        """The matrix as float32 [n, k] (``[out, in]``)."""
+        q = self.codes().reshape(self.n, -1, self.block).astype(np.float32)
+        w = (q - np.float32(1 << (self.bits - 1))) * self.scales[:, :, None]
+        if self.offsets is not None:
+            w = w + self.offsets[:, :, None]
+        return w.reshape(self.n, self.k).astype(np.float32)
+
+    def take_rows(self, rows: npt.NDArray[np.int64]) -> QuantMatrix:
+        return QuantMatrix(
+            self.bits,
+            self.block,
+            np.ascontiguousarray(self.data[rows]),
+            np.ascontiguousarray(self.scales[rows]),
+            None if self.offsets is None else np.ascontiguousarray(self.offsets[rows]),
+        )
+
+    def scaled(self, factor: float) -> QuantMatrix:
+        f = np.float32(factor)
+        return QuantMatrix(
+            self.bits,
+            self.block,
+            self.data,
+            (self.scales * f).astype(np.float32),
+            None if self.offsets is None else (self.offsets * f).astype(np.float32),
+        )
+
+
+Tensor = F32 | QuantMatrix
+#: hands out a weight by name; each is asked for once, in the order the graph needs it
+Weights = Callable[[str], Tensor]
+
+
+def concat_out(parts: list[Tensor]) -> Tensor:
+    """Matrices side by side along their outputs (q, k, v -> qkv; gate, up -> gate_up)."""
+    if all(isinstance(p, QuantMatrix) for p in parts):
+        qs = [p for p in parts if isinstance(p, QuantMatrix)]
+        if len({(p.bits, p.block, p.k) for p in qs}) == 1:
+            offsets = None
+            if any(p.offsets is not None for p in qs):
+                offsets = np.concatenate(
+                    [p.offsets if p.offsets is not None else np.zeros_like(p.scales) for p in qs]
+                )
+            return QuantMatrix(
+                qs[0].bits,
+                qs[0].block,
+                np.concatenate([p.data for p in qs]),
+                np.concatenate([p.scales for p in qs]),
+                offsets,
+            )
+    dense = [p.dequantize().T if isinstance(p, QuantMatrix) else p for p in parts]
+    return np.ascontiguousarray(np.concatenate(dense, axis=1), dtype=np.float32)
+
+
+def scale_out(w: Tensor, factor: float) -> Tensor:
+    if isinstance(w, QuantMatrix):
+        return w.scaled(factor)
+    return (w * np.float32(factor)).astype(np.float32)
+
+
+def rope_rows(max_length: int) -> int:
+    """Positions the rotary tables cover: max_length + 1, rounded up to a multiple of SLOT_BLOCK."""
+    return -(-(max_length + 1) // SLOT_BLOCK) * SLOT_BLOCK
+
+
+def inv_frequencies(spec: ModelSpec) -> npt.NDArray[np.float64]:
+    """The rotary inverse frequencies, with the spec's scaling applied."""
+    hd = spec.head_dim
+    inv = 1.0 / (spec.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+    sc = spec.rope_scaling
+    if sc is None:
+        return inv
+    if sc.kind == "linear":
+        return inv / sc.factor
+    if sc.kind == "llama3":
+        low_wl = sc.original_max_position / sc.low_freq_factor
+        high_wl = sc.original_max_position / sc.high_freq_factor
+        wl = 2 * math.pi / inv
+        smooth = (sc.original_max_position / wl - sc.low_freq_factor) / (
+            sc.high_freq_factor - sc.low_freq_factor
+        )
+        mid = (1 - smooth) * inv / sc.factor + smooth * inv
+        return np.where(wl > low_wl, inv / sc.factor, np.where(wl < high_wl, inv, mid))
+    raise ValueError(f"unsupported rope scaling {sc.kind!r}")
+
+
+def rope_tables(spec: ModelSpec) -> tuple[F32, F32]:
+    ang = np.outer(np.arange(rope_rows(spec.max_length), dtype=np.float64), inv_frequencies(spec))
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+class Graph:
+    """A tiny builder over onnx.helper that names intermediate values uniquely.
+
+    With ``data`` (an open binary file named ``data_name`` beside the model),
+    large initializers are written to it as they are added (external data).
+    """
+
+    def __init__(self, data: BinaryIO | None = None, data_name: str = "") -> None:
+        from onnx import helper
+
+        self.h = helper
+        self.nodes: list[Any] = []
+        self.inits: list[Any] = []
+        self.n = 0
+        self._data = data
+        self._data_name = data_name
+        self._offset = 0
+
+    def op(
+        self,
+        op_type: str,
+        inputs: list[str],
+        outputs: int = 1,
+        name: str | None = None,
+        **attrs: Any,
+    ) -> Any:
+        self.n += 1
+        outs = (
+            [name]
+            if name and outputs == 1
+            else [f"{op_type.lower()}_{self.n}_{i}" for i in range(outputs)]
+        )
+        self.nodes.append(
+            self.h.make_node(op_type, inputs, outs, name=f"n{self.n}_{op_type}", **attrs)
+        )
+        return outs[0] if outputs == 1 else outs
+
+    def const(self, name: str, value: npt.NDArray[Any]) -> str:
+        from onnx import TensorProto, numpy_helper
+
+        arr = np.asarray(value)
+        if not arr.flags.c_contiguous:  # (ascontiguousarray would make a scalar 1-d)
+            arr = arr.copy(order="C")
+        if self._data is None or arr.nbytes < EXTERNAL_MIN_BYTES:
+            self.inits.append(numpy_helper.from_array(arr, name))
+            return name
+        t = numpy_helper.from_array(arr[:0].reshape((0,) * max(arr.ndim, 1)), name)
+        t.ClearField("dims")
+        t.dims.extend(arr.shape)
+        t.ClearField("raw_data")
+        pad = -self._offset % _ALIGN
+        self._data.write(b"\0" * pad)
+        self._offset += pad
+        self._data.write(memoryview(arr).cast("B"))
+        t.data_location = TensorProto.EXTERNAL
+        for key, val in (
+            ("location", self._data_name),
+            ("offset", str(self._offset)),
+            ("length", str(arr.nbytes)),
+        ):
+            entry = t.external_data.add()
+            entry.key, entry.value = key, val
+        self._offset += arr.nbytes
+        self.inits.append(t)
+        return name
+
+    def i64(self, name: str, *vals: int) -> str:
+        return self.const(name, np.array(vals, dtype=np.int64))
+
+    def linear(
+        self, x: str, name: str, w: Tensor, accuracy_level: int, out: str | None = None
+    ) -> str:
+        """``x @ w`` for a float [in, out] matrix or a :class:`QuantMatrix` (named ``out``)."""
+        if not isinstance(w, QuantMatrix):
+            return str(self.op("MatMul", [x, self.const(name, w)], name=out))
+        inputs = [
+            x,
+            self.const(name + ".q", w.data),
+            self.const(name + ".scales", w.scales.reshape(-1)),
+        ]
+        y = self.op(
+            "MatMulNBits",
+            inputs,
+            domain=MS,
+            K=w.k,
+            N=w.n,
+            bits=w.bits,
+            block_size=w.block,
+            accuracy_level=accuracy_level,
+            name=out if w.offsets is None else None,
+        )
+        if w.offsets is None:
+            return str(y)
+        blocks = self.i64(name + ".blocks_shape", 0, 0, w.k // w.block, w.block)
+        sums = self.op(
+            "ReduceSum",
+            [self.op("Reshape", [x, blocks]), self.i64(name + ".axis", -1)],
+            keepdims=0,
+        )
+        off = self.const(name + ".offsets", np.ascontiguousarray(w.offsets.T))
+        return str(self.op("Add", [y, self.op("MatMul", [sums, off])], name=out))
+
+
+def _slot_mask(g: Graph, group: int) -> str:
+    """[b, 1, group * s, t]: key slot j visible to the query at position q iff j <= q.
+
+    Slot j of the buffer holds position j. attention_mask is accepted for the
+    convention but not read (a one-sequence pass has no left padding, and
+    onnxruntime-genai passes it shorter than the buffer). Slot indices come
+    from the buffer's own length without shape arithmetic, as cumulative sums
+    over blocks of SLOT_BLOCK (ONNX Runtime's CUDA CumSum costs O(n) per
+    element); the positions are tiled before the compare (CUDA has no Tile
+    for bool).
+    """
+    from onnx import TensorProto
+
+    first = g.op("Gather", ["past_key_values.0.key", "c_zero_s"], axis=0)
+    col = g.op("Gather", [g.op("Gather", [first, "c_zero_s"], axis=0), "c_zero_s"], axis=1)
+    ones = g.op(
+        "Add", [g.op("Mul", [g.op("Cast", [col], to=TensorProto.INT64), "c_zero"]), "c_one"]
+    )
+    blocks = g.op("Reshape", [ones, g.i64("c_blocks", -1, SLOT_BLOCK)])
+    within = g.op("CumSum", [blocks, "c_axis1"])
+    firsts = g.op("CumSum", [g.op("Gather", [blocks, "c_zero_s"], axis=1), "c_zero_s"])
+    base = g.op("Mul", [g.op("Sub", [firsts, "c_one"]), "c_block"])
+    slots = g.op(
+        "Reshape",
+        [
+            g.op("Sub", [g.op("Add", [within, g.op("Unsqueeze", [base, "c_axis1"])]), "c_one"]),
+            "c_axis_neg1",
+        ],
+    )
+    rows_pos = g.op("Tile", ["position_ids", g.i64("c_tile_group", 1, group)])
+    return str(
+        g.op(
+            "Unsqueeze",
+            [g.op("LessOrEqual", [slots, g.op("Unsqueeze", [rows_pos, "c_axis_neg1"])]), "c_axis1"],
+        )
+    )
+
+
+def _constants(g: Graph, spec: ModelSpec) -> None:
+    h, nh, nkv, hd = spec.hidden, spec.heads, spec.kv_heads, spec.head_dim
+    g.const("c_zero_s", np.array(0, np.int64))
+    for name, val in (("c_axis0", 0), ("c_axis1", 1), ("c_axis_neg1", -1), ("c_axis2", 2)):
+        g.i64(name, val)
+    g.i64("c_one", 1)
+    g.i64("c_zero", 0)
+    g.i64("c_block", SLOT_BLOCK)
+    g.const("c_neginf", np.array(-np.inf, np.float32))
+    g.const("c_zero_f", np.array(0.0, np.float32))
+    g.i64("c_split_qkv", nh * hd, nkv * hd, nkv * hd)
+    g.i64("c_split_gu", spec.intermediate, spec.intermediate)
+    g.i64("c_shape_q", 0, 0, nh, hd)
+    g.i64("c_shape_kv", 0, 0, nkv, hd)
+    g.i64("c_shape_h", 0, 0, nh * hd)
+    g.i64("c_gq", 0, nkv, -1, hd)
+    g.i64("c_att", 0, nh, -1, hd)
+    g.i64("c_prob_blocks", 0, 0, 0, -1, SLOT_BLOCK)
+    g.i64("c_v_blocks", 0, 0, -1, SLOT_BLOCK, hd)
+    assert h > 0
+    cos, sin = rope_tables(spec)
+    g.const("rope_cos", cos)
+    g.const("rope_sin", sin)
+
+
+def _embedding(g: Graph, w: Tensor) -> str:
+    if isinstance(w, QuantMatrix):
+        if w.bits != 8 or w.offsets is not None:
+            w = w.dequantize()
+        else:
+            return str(
+                g.op(
+                    "GatherBlockQuantized",
+                    [
+                        g.const("embed.q", w.data.reshape(w.n, w.k)),
+                        "input_ids",
+                        g.const("embed.scales", w.scales),
+                    ],
+                    domain=MS,
+                    bits=8,
+                    block_size=w.block,
+                    gather_axis=0,
+                    quantize_axis=1,
+                    name="hidden_states.0",
+                )
+            )
+    return str(g.op("Gather", [g.const("embed", w), "input_ids"], axis=0, name="hidden_states.0"))
+
+
+def _attention(g: Graph, spec: ModelSpec, i: int, xn: str, weights: Weights, mask: str) -> str:
+    """Layer ``i``'s attention output (before its output projection's residual add)."""
+    nh, nkv, hd = spec.heads, spec.kv_heads, spec.head_dim
+    p = f"l{i}."
+    scale = hd**-0.5
+    wqkv = concat_out([scale_out(weights(p + "wq"), scale), weights(p + "wk"), weights(p + "wv")])
+    qkv = g.linear(xn, p + "wqkv", wqkv, spec.accuracy_level)
+    if spec.qkv_bias:
+        bias = np.concatenate(
+            [
+                np.asarray(weights(p + "bq"), np.float32) * np.float32(scale),
+                np.asarray(weights(p + "bk"), np.float32),
+                np.asarray(weights(p + "bv"), np.float32),
+            ]
+        ).astype(np.float32)
+        qkv = g.op("Add", [qkv, g.const(p + "bqkv", bias)])
+    q, k, v = g.op("Split", [qkv, "c_split_qkv"], outputs=3, axis=-1)
+    q = g.op(
+        "RotaryEmbedding", [q, "position_ids", "rope_cos", "rope_sin"], domain=MS, num_heads=nh
+    )
+    k = g.op(
+        "RotaryEmbedding", [k, "position_ids", "rope_cos", "rope_sin"], domain=MS, num_heads=nkv
+    )
+
+    def heads(x: str, shape: str) -> str:
+        return str(g.op("Transpose", [g.op("Reshape", [x, shape])], perm=[0, 2, 1, 3]))
+
+    scatter_at = "c_scatter_at"
+    # written at their positions into the buffer (in place when present is bound to past)
+    pk = g.op(
+        "ScatterElements",
+        [f"past_key_values.{i}.key", scatter_at, heads(k, "c_shape_kv")],
+        axis=2,
+        name=f"present.{i}.key",
+    )
+    pv = g.op(
+        "ScatterElements",
+        [f"past_key_values.{i}.value", scatter_at, heads(v, "c_shape_kv")],
+        axis=2,
+        name=f"present.{i}.value",
+    )
+    qg = g.op("Reshape", [heads(q, "c_shape_q"), "c_gq"])
+    scores = g.op("MatMul", [qg, g.op("Transpose", [pk], perm=[0, 1, 3, 2])])
+    probs = g.op("Softmax", [g.op("Where", [mask, scores, "c_neginf"])], axis=-1)
+    # probs . V over blocks of SLOT_BLOCK slots, then a sum over the blocks: one GEMM over all
+    # slots gets a handful of thread blocks (M = N = 64); this split has one per block
+    pb = g.op("Transpose", [g.op("Reshape", [probs, "c_prob_blocks"])], perm=[0, 1, 3, 2, 4])
+    part = g.op("MatMul", [pb, g.op("Reshape", [pv, "c_v_blocks"])])
+    att = g.op("Reshape", [g.op("ReduceSum", [part, "c_axis2"], keepdims=0), "c_att"])
+    att = g.op("Reshape", [g.op("Transpose", [att], perm=[0, 2, 1, 3]), "c_shape_h"])
+    return g.linear(att, p + "wo", weights(p + "wo"), spec.accuracy_level)
+
+
+def _mlp(g: Graph, spec: ModelSpec, i: int, xn: str, weights: Weights) -> str:
+    p = f"l{i}."
+    gate_up = g.linear(
+        xn, p + "wgu", concat_out([weights(p + "wg"), weights(p + "wu")]), spec.accuracy_level
+    )
+    gate, up = g.op("Split", [gate_up, "c_split_gu"], outputs=2, axis=-1)
+    act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
+    return g.linear(act, p + "wd", weights(p + "wd"), spec.accuracy_level)
+
+
+def _norm(g: Graph, x: str, delta: str, weight: str, eps: float, out: str) -> tuple[str, str]:
+    """com.microsoft SkipSimplifiedLayerNormalization: (RMSNorm(x + delta), x + delta named ``out``)."""
+    xn, _, _, _ = g.op(
+        "SkipSimplifiedLayerNormalization",
+        [x, delta, weight],
+        outputs=4,
+        domain=MS,
+        epsilon=eps,
+    )
+    g.nodes[-1].output[3] = out
+    return str(xn), out
+
+
+def _io(spec: ModelSpec) -> tuple[list[Any], list[Any]]:
+    from onnx import TensorProto, helper
+
+    f32, i64t = TensorProto.FLOAT, TensorProto.INT64
+    kv_shape: list[str | int] = ["batch", spec.kv_heads, "max_sequence_length", spec.head_dim]
+    inputs = [
+        helper.make_tensor_value_info("input_ids", i64t, ["batch", "sequence_length"]),
+        helper.make_tensor_value_info("attention_mask", i64t, ["batch", "total_sequence_length"]),
+        helper.make_tensor_value_info("position_ids", i64t, ["batch", "sequence_length"]),
+    ]
+    outs = [helper.make_tensor_value_info("logits", f32, ["batch", "sequence_length", spec.vocab])]
+    for i in range(spec.layers):
+        for kind in ("key", "value"):
+            inputs.append(
+                helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", f32, kv_shape)
+            )
+            outs.append(helper.make_tensor_value_info(f"present.{i}.{kind}", f32, kv_shape))
+    for i in range(spec.layers + 1):
+        outs.append(
+            helper.make_tensor_value_info(
+                f"hidden_states.{i}", f32, ["batch", "sequence_length", spec.hidden]
+            )
+        )
+    return inputs, outs
+
+
+def build_static(spec: ModelSpec, weights: Weights, graph: Graph | None = None) -> Any:
+    """The static-layout ModelProto for ``spec``, asking ``weights`` for each tensor in turn.
+
+    Few kernels per pass (a pass is a CUDA graph of them): com.microsoft
+    SkipSimplifiedLayerNormalization (the residual add and the RMSNorm of the
+    next block in one kernel; its sum output is ``hidden_states.N``),
+    com.microsoft RotaryEmbedding, one matrix for q, k and v (the attention
+    scale folded into q's weights), one for gate and up, and no shape
+    arithmetic, so every node stays on the device.
+    """
+    from onnx import helper
+
+    g = graph or Graph()
+    _constants(g, spec)
+    group = spec.heads // spec.kv_heads
+    mask = _slot_mask(g, group)
+    g.op(
+        "Expand",
+        [
+            g.op("Reshape", ["position_ids", g.i64("c_pos4", 0, 1, -1, 1)]),
+            g.i64("c_kv_expand", 1, spec.kv_heads, 1, spec.head_dim),
+        ],
+        name="c_scatter_at",
+    )
+    x = _embedding(g, weights("embed"))
+    eps = spec.eps
+    xn, _ = _norm(
+        g,
+        x,
+        g.op("Mul", [x, "c_zero_f"]),
+        g.const("l0.attn_norm", weights("l0.attn_norm")),
+        eps,
+        "h_in",
+    )
+    for i in range(spec.layers):
+        p = f"l{i}."
+        att = _attention(g, spec, i, xn, weights, mask)
+        xn, x = _norm(g, x, att, g.const(p + "mlp_norm", weights(p + "mlp_norm")), eps, f"h{i}.mid")
+        mlp = _mlp(g, spec, i, xn, weights)
+        norm = "final_norm" if i + 1 == spec.layers else f"l{i + 1}.attn_norm"
+        xn, x = _norm(g, x, mlp, g.const(norm, weights(norm)), eps, f"hidden_states.{i + 1}")
+    g.linear(xn, "lm_head", weights("lm_head"), spec.accuracy_level, out="logits")
+    inputs, outs = _io(spec)
+    graph_proto = helper.make_graph(g.nodes, f"sessiontape-{spec.name}", inputs, outs, g.inits)
+    model = helper.make_model(
+        graph_proto,
+        opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(MS, 1)],
+        producer_name="sessiontape",
+    )
+    model.ir_version = 8
+    return model
+
+
+def write_model(
+    spec: ModelSpec, weights: Weights, out_dir: Path, data_name: str = "model.onnx.data"
+) -> Path:
+    """Build ``spec`` into ``out_dir/model.onnx`` with its initializers in ``data_name``.
+
+    Writes to temporary names and renames, data first, so a reader never sees
+    a model whose data is incomplete. Returns the model file's path.
+    """
+    import os
+
+    import onnx
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = f".tmp{os.getpid()}"
+    data_path = out_dir / (data_name + tmp)
+    with data_path.open("wb") as data:
+        model = build_static(spec, weights, Graph(data, data_name))
+    data_path.replace(out_dir / data_name)
+    model_path = out_dir / ("model.onnx" + tmp)
+    model_path.write_bytes(model.SerializeToString())
+    onnx.checker.check_model(str(model_path))
+    model_path.replace(out_dir / "model.onnx")
+    return out_dir / "model.onnx"
+
+
+def iter_layer_names(spec: ModelSpec) -> Iterator[str]:
+    """Every weight name the builder asks for, in order (for sources that pre-check names)."""
+    yield "embed"
+    yield "l0.attn_norm"
+    for i in range(spec.layers):
+        p = f"l{i}."
+        yield from (p + "wq", p + "wk", p + "wv")
+        if spec.qkv_bias:
+            yield from (p + "bq", p + "bk", p + "bv")
+        yield from (p + "wo", p + "mlp_norm", p + "wg", p + "wu", p + "wd")
+        yield "final_norm" if i + 1 == spec.layers else f"l{i + 1}.attn_norm"
+    yield "lm_head"
