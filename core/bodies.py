@@ -47,6 +47,12 @@ class EngineBinding(TypedDict):
     runtime_version: ReadOnly[str]
     vocab_size: ReadOnly[int]
     max_length: ReadOnly[int]
+    # an imported model's origin (engines/models): the source file's or folder's sha256, the
+    # tokenizer's and the chat template's, and the weights' dtype
+    source_sha256: NotRequired[ReadOnly[str]]
+    tokenizer_sha256: NotRequired[ReadOnly[str]]
+    chat_template_sha256: NotRequired[ReadOnly[str]]
+    dtype: NotRequired[ReadOnly[str]]
 
 
 class ForkPoint(TypedDict):

@@ -31,6 +31,15 @@ class ReadoutManifest:
 
 
 @dataclass(frozen=True)
+class ChatFormat:
+    """A model's own chat template (Jinja source, rendered as transformers renders it)."""
+
+    template: str
+    bos_token: str | None = None
+    eos_token: str | None = None
+
+
+@dataclass(frozen=True)
 class EngineInfo:
     name: str
     model_id: str
@@ -47,6 +56,11 @@ class EngineInfo:
     provider: str = "python"
     runtime_version: str = ""
     extra: Mapping[str, Any] = field(default_factory=dict)
+    #: the served model's chat template, when it brings one
+    chat: ChatFormat | None = None
+    #: where the model came from (recorded in ``session.opened``): ``source_sha256``,
+    #: ``tokenizer_sha256``, ``chat_template_sha256``, ``dtype`` for an imported model
+    origin: Mapping[str, str] = field(default_factory=dict)
 
     def provenance(self) -> dict[str, Any]:
         """The engine binding recorded in every session's ``session.opened`` event."""
@@ -58,6 +72,7 @@ class EngineInfo:
             "runtime_version": self.runtime_version,
             "vocab_size": self.vocab_size,
             "max_length": self.max_length,
+            **self.origin,
         }
 
 

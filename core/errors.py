@@ -39,7 +39,8 @@ each; ``code`` is the stable machine-readable name they all share.
     ├── LogClosed                    the event log is shutting down
     ├── LogUnavailable               the database went away or stays locked
     ├── ConfigError
-    ├── PluginNotFound               no engine/transport of that name
+    │   ├── PluginNotFound           no engine/transport of that name
+    │   └── UnsupportedModel         a model source the importer cannot serve faithfully
     └── EngineError                  the engine failed
 """
 
@@ -223,6 +224,16 @@ class ConfigError(SessiontapeError):
 
 class PluginNotFound(ConfigError):
     code = "plugin_not_found"
+
+
+class UnsupportedModel(ConfigError):
+    """A model source whose architecture, tokenizer or weight format the importer does not serve.
+
+    Raised instead of building a model that would compute something else; the
+    message names what is unsupported.
+    """
+
+    code = "unsupported_model"
 
 
 class EngineError(SessiontapeError):

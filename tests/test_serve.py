@@ -17,8 +17,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tests.conftest import free_port
 
 
-def start(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], list[str]]:
-    env = {**os.environ, "SESSIONTAPE_CACHE": str(tmp_path / "cache")}
+def start(
+    tmp_path: Path, *args: str, cache: Path | None = None
+) -> tuple[subprocess.Popen[str], list[str]]:
+    env = {**os.environ, "SESSIONTAPE_CACHE": str(cache or tmp_path / "cache")}
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -55,31 +57,53 @@ def stop(proc: subprocess.Popen[str]) -> tuple[int, str]:
     return proc.returncode, rest
 
 
-def test_serve_defaults_demo_model_over_http_and_grpc(tmp_path: Path) -> None:
+def test_serve_defaults_to_the_real_chat_model_over_http_openai_and_grpc(
+    tmp_path: Path, real_model_cache: Path
+) -> None:
+    """The newcomer's `serve`: SmolLM2-135M-Instruct (the installed wheel), answering for real."""
+    import openai
+
     g, h = free_port(), free_port()
-    proc, lines = start(tmp_path, "--grpc", f"127.0.0.1:{g}", "--http", f"127.0.0.1:{h}")
+    proc, lines = start(
+        tmp_path, "--grpc", f"127.0.0.1:{g}", "--http", f"127.0.0.1:{h}", cache=real_model_cache
+    )
     try:
         log = "\n".join(lines)
         assert "grpc: " in log and f"127.0.0.1:{g}" in log
         assert "http: " in log and f"127.0.0.1:{h}" in log
-        assert "engine onnx" in log and (
-            "CPUExecutionProvider" in log or "CUDAExecutionProvider" in log
-        )
+        assert "engine onnx" in log and "smollm2-135m-instruct" in log
+        assert "importing" not in log  # the cache already holds the import
         base = f"http://127.0.0.1:{h}"
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        [model] = client.models.list().data
+        assert model.id == "smollm2-135m-instruct"
+        reply = client.chat.completions.create(
+            model=model.id,
+            messages=[{"role": "user", "content": "What is 2 + 2? Answer with a number."}],
+            max_tokens=24,
+            temperature=0,
+        )
+        text = reply.choices[0].message.content or ""
+        assert "4" in text and "<|im" not in text, text
+        assert reply.choices[0].finish_reason == "stop"  # the model ended its turn
         with httpx.Client(base_url=base, timeout=30) as c:
             assert c.get("/healthz").status_code == 200
             sid = c.post("/v1/sessions", json={}).json()["id"]
             c.post(f"/v1/sessions/{sid}/append", json={"text": "Hello"}).raise_for_status()
+            prompt = len(c.get(f"/v1/sessions/{sid}").json()["history"]["ids"])
             r = c.post(
                 f"/v1/sessions/{sid}/generate", json={"max_tokens": 4, "seed": 1, "stream": False}
             )
             r.raise_for_status()
             assert r.json()["generation"]["finish_reason"] in ("length", "eos")
             doc = c.get(f"/v1/sessions/{sid}").json()
-            assert doc["engine"]["engine"] == "onnx"
-            assert doc["engine"]["provider"] in ("CPUExecutionProvider", "CUDAExecutionProvider")
-            assert len(doc["engine"]["model_hash"]) == 64
-            n_generated = len(doc["history"]["ids"]) - 5
+            engine = doc["engine"]
+            assert engine["engine"] == "onnx" and engine["model_id"] == "smollm2-135m-instruct"
+            assert engine["provider"] in ("CPUExecutionProvider", "CUDAExecutionProvider")
+            assert len(engine["model_hash"]) == 64 and len(engine["source_sha256"]) == 64
+            assert len(engine["tokenizer_sha256"]) == 64
+            assert len(engine["chat_template_sha256"]) == 64
+            n_generated = len(doc["history"]["ids"]) - prompt
             assert "sessiontape_events_appended_total" in c.get("/metrics").text
         with grpc.insecure_channel(f"127.0.0.1:{g}") as ch:
             resp = health_pb2_grpc.HealthStub(ch).Check(
@@ -106,9 +130,28 @@ def test_serve_defaults_demo_model_over_http_and_grpc(tmp_path: Path) -> None:
         timeout=60,
         check=True,
     )
-    [row] = json.loads(listed.stdout)
-    assert row["id"] == sid and row["engine"] == "onnx"
-    assert row["history_length"] == 5 + n_generated and 1 <= n_generated <= 4
+    rows = {row["id"]: row for row in json.loads(listed.stdout)}
+    assert rows[sid]["engine"] == "onnx"
+    assert rows[sid]["history_length"] == prompt + n_generated and 1 <= n_generated <= 4
+
+
+def test_serve_demo_model_on_request(tmp_path: Path) -> None:
+    """`--model` with a demo folder serves it (the demo models stay for tests and benchmarks)."""
+    from sessiontape.engines.onnx.demo import build_demo
+
+    folder = build_demo("tiny", tmp_path / "tiny").parent
+    h = free_port()
+    proc, lines = start(tmp_path, "--no-grpc", "--http", f"127.0.0.1:{h}", "--model", str(folder))
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{h}", timeout=30) as c:
+            sid = c.post("/v1/sessions", json={}).json()["id"]
+            c.post(f"/v1/sessions/{sid}/append", json={"text": "Hello"}).raise_for_status()
+            doc = c.get(f"/v1/sessions/{sid}").json()
+            assert doc["engine"]["model_id"] == "sessiontape-demo-tiny"
+            assert len(doc["history"]["ids"]) == 5  # the demo's byte tokenizer
+    finally:
+        code, rest = stop(proc)
+    assert code == 0, rest
 
 
 def test_serve_refuses_bad_config_with_one_line(tmp_path: Path) -> None:

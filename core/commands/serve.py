@@ -34,6 +34,14 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
         over["auth"] = {"token": args.auth_token}
     if args.engine:
         over["engine"] = {"name": args.engine}
+    if args.model or args.dtype:
+        engine = over.setdefault("engine", {})
+        engine.setdefault("name", "onnx")
+        options = engine.setdefault("options", {})
+        if args.model:
+            options["model"] = args.model
+        if args.dtype:
+            options["dtype"] = args.dtype
     return over
 
 
@@ -88,6 +96,17 @@ def register(sub: Any) -> None:
     s = sub.add_parser("serve", help="run the server with the enabled transports")
     add_common(s)
     s.add_argument("--engine", help="engine name (reference, onnx, ...)")
+    s.add_argument(
+        "--model",
+        metavar="SOURCE",
+        help="the model the onnx engine serves: a registry name (smollm2-135m-instruct), a "
+        ".gguf file, a Hugging Face folder or an imported folder; imported on first use",
+    )
+    s.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "q8", "q4"),
+        help="how an imported model's weights are held (default auto: GGUF blocks as they are)",
+    )
     s.add_argument(
         "--grpc", metavar="HOST:PORT", help="gRPC listen address (default 127.0.0.1:50051)"
     )

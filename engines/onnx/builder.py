@@ -266,7 +266,7 @@ class Graph:
         pad = -self._offset % _ALIGN
         self._data.write(b"\0" * pad)
         self._offset += pad
-        self._data.write(memoryview(arr).cast("B"))
+        self._data.write(arr.tobytes())
         t.data_location = TensorProto.EXTERNAL
         for key, val in (
             ("location", self._data_name),
@@ -466,6 +466,12 @@ def _mlp(g: Graph, spec: ModelSpec, i: int, xn: str, weights: Weights) -> str:
     return g.linear(act, p + "wd", weights(p + "wd"), spec.accuracy_level)
 
 
+def _vector(w: Tensor) -> F32:
+    if isinstance(w, QuantMatrix):
+        raise ValueError("a norm weight must be a float vector, not a quantized matrix")
+    return w
+
+
 def _norm(g: Graph, x: str, delta: str, weight: str, eps: float, out: str) -> tuple[str, str]:
     """com.microsoft SkipSimplifiedLayerNormalization: (RMSNorm(x + delta), x + delta named ``out``)."""
     xn, _, _, _ = g.op(
@@ -535,17 +541,21 @@ def build_static(spec: ModelSpec, weights: Weights, graph: Graph | None = None) 
         g,
         x,
         g.op("Mul", [x, "c_zero_f"]),
-        g.const("l0.attn_norm", weights("l0.attn_norm")),
+        g.const("l0.attn_norm", _vector(weights("l0.attn_norm"))),
         eps,
         "h_in",
     )
     for i in range(spec.layers):
         p = f"l{i}."
         att = _attention(g, spec, i, xn, weights, mask)
-        xn, x = _norm(g, x, att, g.const(p + "mlp_norm", weights(p + "mlp_norm")), eps, f"h{i}.mid")
+        xn, x = _norm(
+            g, x, att, g.const(p + "mlp_norm", _vector(weights(p + "mlp_norm"))), eps, f"h{i}.mid"
+        )
         mlp = _mlp(g, spec, i, xn, weights)
         norm = "final_norm" if i + 1 == spec.layers else f"l{i + 1}.attn_norm"
-        xn, x = _norm(g, x, mlp, g.const(norm, weights(norm)), eps, f"hidden_states.{i + 1}")
+        xn, x = _norm(
+            g, x, mlp, g.const(norm, _vector(weights(norm))), eps, f"hidden_states.{i + 1}"
+        )
     g.linear(xn, "lm_head", weights("lm_head"), spec.accuracy_level, out="logits")
     inputs, outs = _io(spec)
     graph_proto = helper.make_graph(g.nodes, f"sessiontape-{spec.name}", inputs, outs, g.inits)

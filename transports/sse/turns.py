@@ -31,7 +31,7 @@ from sessiontape.core.engine import OutputOptions, SamplingParams
 from sessiontape.core.errors import NotFound, SessiontapeError
 from sessiontape.core.events import Event, T
 from sessiontape.core.runtime import Runtime
-from sessiontape.transports.sse.chat_template import ChatTemplate
+from sessiontape.transports.sse.chat_template import AnyTemplate, ModelTemplate
 
 WIRE = "openai"
 
@@ -182,7 +182,7 @@ class Turns:
     """Starts turns; keeps the tasks that drive their generations."""
 
     def __init__(
-        self, runtime: Runtime, template: ChatTemplate, tasks: set[asyncio.Task[Any]]
+        self, runtime: Runtime, template: AnyTemplate, tasks: set[asyncio.Task[Any]]
     ) -> None:
         self.runtime = runtime
         self.template = template
@@ -191,11 +191,20 @@ class Turns:
         self._locks: dict[str, asyncio.Lock] = {}
 
     def render(
-        self, messages: Sequence[tuple[str, str]], length: int, after_generation: bool
+        self,
+        messages: Sequence[tuple[str, str]],
+        length: int,
+        after_generation: bool,
+        last_token: int | None = None,
     ) -> list[int]:
-        text = self.template.render(
-            messages, at_start=length == 0, after_generation=after_generation and length > 0
-        )
+        at_start, after = length == 0, after_generation and length > 0
+        if isinstance(self.template, ModelTemplate):
+            eos = last_token in self.runtime.engine.info.eos_token_ids
+            text = self.template.render(
+                messages, at_start=at_start, after_generation=after, ended_with_eos=eos
+            )
+        else:
+            text = self.template.render(messages, at_start=at_start, after_generation=after)
         return self.runtime.engine.tokenize(text)
 
     async def start(
@@ -220,7 +229,8 @@ class Turns:
                 after = any(
                     g.prompt_length + len(g.tokens) == st.length for g in st.generations.values()
                 )
-                tokens = self.render(messages, st.length, after)
+                last = int(st.tokens[-1]) if st.length else None
+                tokens = self.render(messages, st.length, after, last)
                 agen = self.runtime.generate(session_id, params, options, append=tokens)
                 started = None
                 try:

@@ -364,7 +364,7 @@ def make_engine(name: str) -> Any:
         from sessiontape.engines.onnx import OnnxEngine
     except ImportError as exc:  # pragma: no cover - depends on the checkout
         pytest.skip(f"sessiontape.engines.onnx.OnnxEngine is not importable: {exc}")
-    return OnnxEngine()
+    return OnnxEngine(size="tiny")
 
 
 @pytest.fixture(params=["reference", "onnx"])

@@ -1,0 +1,313 @@
+"""Model sources: a GGUF file or a Hugging Face folder, read tensor by tensor.
+
+Each source knows its :class:`ModelSpec` and hands the graph builder its
+weights by the builder's names (``embed``, ``l{i}.wq``, ...), converted as the
+import's dtype asks (:class:`WeightPolicy`):
+
+- ``auto``: GGUF blocks that MatMulNBits holds as they are (Q4_0, Q4_1,
+  Q8_0) stay blocks; float tensors stay float32; other GGUF formats (the
+  K-quants) are re-quantized to 8-bit blocks. A Hugging Face checkpoint is
+  imported as float32.
+- ``float32``: every weight dequantized (exactly, :func:`quant.dequantize`).
+- ``q8`` / ``q4``: matrices in 8-bit / 4-bit blocks (GGUF blocks of that
+  width kept, others quantized); the embedding in 8-bit blocks.
+
+Both formats are memory-mapped, so reading a model costs what one tensor
+costs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sessiontape.core.errors import UnsupportedModel
+from sessiontape.engines.models import quant
+from sessiontape.engines.models.arch import spec_from_gguf, spec_from_hf
+from sessiontape.engines.onnx.builder import F32, QuantMatrix, Tensor
+
+DTYPES = ("auto", "float32", "q8", "q4")
+
+
+@dataclass(frozen=True)
+class WeightPolicy:
+    """How matrices are stored: ``dtype`` is one of :data:`DTYPES`."""
+
+    dtype: str
+
+    def matrix(self, raw: Any, ggml_type: int | None, rows_float: Callable[[], F32]) -> Tensor:
+        """A projection as the builder takes it (float32 [in, out] or a QuantMatrix of its rows)."""
+        kept = ggml_type in quant.BLOCK_BYTES
+        if self.dtype == "float32":
+            return np.ascontiguousarray(rows_float().T)
+        if self.dtype == "auto":
+            if kept:
+                return quant.to_matrix(np.asarray(raw), int(ggml_type or 0))
+            if ggml_type is None or ggml_type in (0, 1, 30):  # F32, F16, BF16 or a HF tensor
+                return np.ascontiguousarray(rows_float().T)
+            return quant.quantize(rows_float(), 8)
+        bits = 8 if self.dtype == "q8" else 4
+        if kept and (ggml_type == quant.Q8_0) == (bits == 8):
+            return quant.to_matrix(np.asarray(raw), int(ggml_type or 0))
+        return quant.quantize(rows_float(), bits)
+
+    def embedding(self, raw: Any, ggml_type: int | None, rows_float: Callable[[], F32]) -> Tensor:
+        """The token embedding [vocab, hidden]: 8-bit blocks where exact (or asked), else float32."""
+        if self.dtype == "float32":
+            return rows_float()
+        if ggml_type == quant.Q8_0:
+            return quant.to_matrix(np.asarray(raw), ggml_type)
+        if ggml_type == quant.Q4_0:
+            return quant.widen(quant.to_matrix(np.asarray(raw), ggml_type))
+        if self.dtype in ("q8", "q4"):
+            return quant.quantize(rows_float(), 8)
+        return rows_float()
+
+
+def lm_head_from_embedding(embed: Tensor) -> Tensor:
+    """Tied embeddings: the output head reads the embedding's rows (a QuantMatrix as it is)."""
+    if isinstance(embed, QuantMatrix):
+        return embed
+    return np.ascontiguousarray(embed.T)
+
+
+_LAYER = re.compile(r"^l(\d+)\.(\w+)$")
+
+
+class GgufSource:
+    """A ``.gguf`` file (llama.cpp's format), memory-mapped through the ``gguf`` package."""
+
+    kind = "gguf"
+    _NAMES = {
+        "attn_norm": "attn_norm.weight",
+        "wq": "attn_q.weight",
+        "wk": "attn_k.weight",
+        "wv": "attn_v.weight",
+        "bq": "attn_q.bias",
+        "bk": "attn_k.bias",
+        "bv": "attn_v.bias",
+        "wo": "attn_output.weight",
+        "mlp_norm": "ffn_norm.weight",
+        "wg": "ffn_gate.weight",
+        "wu": "ffn_up.weight",
+        "wd": "ffn_down.weight",
+    }
+
+    def __init__(self, path: Path, dtype: str = "auto") -> None:
+        from gguf import GGUFReader
+
+        try:
+            self._reader = GGUFReader(str(path))
+        except (ValueError, OSError) as exc:
+            raise UnsupportedModel(f"{path} is not a readable GGUF file: {exc}") from exc
+        self.path = path
+        self.meta = gguf_metadata(self._reader)
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        name = str(self.meta.get("general.name") or path.stem)
+        self.spec, self._permute = spec_from_gguf(self.meta, name)
+        self.policy = WeightPolicy(dtype)
+        self._embed: Tensor | None = None
+
+    def _raw(self, name: str) -> Any:
+        t = self._tensors.get(name)
+        if t is None:
+            raise UnsupportedModel(f"{self.path.name} has no tensor {name!r}")
+        return t
+
+    def _vector(self, name: str) -> F32:
+        t = self._raw(name)
+        return _float_rows(np.asarray(t.data), t).reshape(-1)
+
+    def _qk_order(self, heads: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """Row order that undoes llama.cpp's rotary permutation of a Q or K projection."""
+        hd = self.spec.head_dim
+        return (
+            np.arange(heads * hd, dtype=np.int64)
+            .reshape(heads, hd // 2, 2)
+            .transpose(0, 2, 1)
+            .reshape(-1)
+        )
+
+    def _matrix(self, name: str, rows: np.ndarray[Any, np.dtype[np.int64]] | None = None) -> Tensor:
+        t = self._raw(name)
+        ggml = int(t.tensor_type.value)
+        raw = np.asarray(t.data)
+        if rows is not None:
+            raw = raw[rows]
+        return self.policy.matrix(raw, ggml, lambda: _float_rows(raw, t))
+
+    def weight(self, name: str) -> Tensor:
+        """The builder's weight ``name``."""
+        if name == "embed":
+            t = self._raw("token_embd.weight")
+            self._embed = self.policy.embedding(
+                np.asarray(t.data),
+                int(t.tensor_type.value),
+                lambda: _float_rows(np.asarray(t.data), t),
+            )
+            return self._embed
+        if name == "final_norm":
+            return self._vector("output_norm.weight")
+        if name == "lm_head":
+            if "output.weight" in self._tensors:
+                return self._matrix("output.weight")
+            return lm_head_from_embedding(
+                self._embed if self._embed is not None else self.weight("embed")
+            )
+        m = _LAYER.match(name)
+        if m is None or m.group(2) not in self._NAMES:
+            raise UnsupportedModel(f"no GGUF tensor for weight {name!r}")
+        i, part = int(m.group(1)), m.group(2)
+        gname = f"blk.{i}.{self._NAMES[part]}"
+        if part in ("attn_norm", "mlp_norm", "bq", "bk", "bv"):
+            return self._vector(gname)
+        rows = None
+        if self._permute and part in ("wq", "wk"):
+            rows = self._qk_order(self.spec.heads if part == "wq" else self.spec.kv_heads)
+        return self._matrix(gname, rows)
+
+
+def _float_rows(raw: Any, t: Any) -> F32:
+    """GGUF tensor rows (raw blocks or floats) as float32 [rows, cols]."""
+    ggml = int(t.tensor_type.value)
+    if ggml in quant.BLOCK_BYTES:
+        return quant.dequantize(raw, ggml)
+    from gguf import quants
+
+    return np.asarray(quants.dequantize(raw, t.tensor_type), dtype=np.float32)
+
+
+def gguf_metadata(reader: Any) -> dict[str, Any]:
+    """A GGUF file's key-value metadata as plain Python values (strings, numbers, lists)."""
+    out: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            out[key] = field.contents()
+        except Exception as exc:  # a malformed field: refuse the file, not the whole import
+            raise UnsupportedModel(f"GGUF metadata field {key!r} cannot be read: {exc}") from exc
+    return out
+
+
+_SAFE_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+
+
+class SafetensorsFile:
+    """One ``.safetensors`` file, memory-mapped: ``tensor(name)`` as float32."""
+
+    def __init__(self, path: Path) -> None:
+        with path.open("rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 2 <= size <= 100 << 20:
+                raise UnsupportedModel(f"{path} is not a safetensors file (header size {size})")
+            header = json.loads(f.read(size))
+        self.path = path
+        self.base = 8 + size
+        self.entries: dict[str, Mapping[str, Any]] = {
+            k: v for k, v in header.items() if k != "__metadata__"
+        }
+
+    def tensor(self, name: str) -> F32:
+        e = self.entries[name]
+        dt = _SAFE_DTYPES.get(str(e["dtype"]))
+        if dt is None:
+            raise UnsupportedModel(
+                f"{self.path.name}: tensor {name!r} is {e['dtype']} (served: F32, F16, BF16)"
+            )
+        start, end = (int(x) for x in e["data_offsets"])
+        shape = tuple(int(x) for x in e["shape"])
+        arr = np.memmap(self.path, dtype=dt, mode="r", offset=self.base + start, shape=shape)
+        if e["dtype"] == "BF16":
+            return (arr.astype(np.uint32) << np.uint32(16)).view(np.float32)
+        assert end - start == arr.nbytes
+        return np.asarray(arr, dtype=np.float32)
+
+
+class HfSource:
+    """A Hugging Face checkpoint folder: ``config.json`` and ``*.safetensors``."""
+
+    kind = "hf"
+    _NAMES = {
+        "attn_norm": "input_layernorm.weight",
+        "wq": "self_attn.q_proj.weight",
+        "wk": "self_attn.k_proj.weight",
+        "wv": "self_attn.v_proj.weight",
+        "bq": "self_attn.q_proj.bias",
+        "bk": "self_attn.k_proj.bias",
+        "bv": "self_attn.v_proj.bias",
+        "wo": "self_attn.o_proj.weight",
+        "mlp_norm": "post_attention_layernorm.weight",
+        "wg": "mlp.gate_proj.weight",
+        "wu": "mlp.up_proj.weight",
+        "wd": "mlp.down_proj.weight",
+    }
+
+    def __init__(self, folder: Path, dtype: str = "auto") -> None:
+        cfg_path = folder / "config.json"
+        try:
+            self.config = json.loads(cfg_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise UnsupportedModel(f"{folder}: cannot read config.json: {exc}") from exc
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise UnsupportedModel(f"{folder} has no *.safetensors weights")
+        self.path = folder
+        self._where: dict[str, SafetensorsFile] = {}
+        for f in files:
+            st = SafetensorsFile(f)
+            for name in st.entries:
+                self._where[name] = st
+        self.spec, self._tied = spec_from_hf(self.config, folder.name)
+        self.policy = WeightPolicy("float32" if dtype == "auto" else dtype)
+
+    def _rows(self, name: str) -> F32:
+        st = self._where.get(name)
+        if st is None:
+            raise UnsupportedModel(f"{self.path.name} has no tensor {name!r}")
+        return st.tensor(name)
+
+    def weight(self, name: str) -> Tensor:
+        if name == "embed":
+            return self.policy.embedding(
+                None, None, lambda: self._rows("model.embed_tokens.weight")
+            )
+        if name == "final_norm":
+            return self._rows("model.norm.weight").reshape(-1)
+        if name == "lm_head":
+            if self._tied or "lm_head.weight" not in self._where:
+                return lm_head_from_embedding(self.weight("embed"))
+            return self.policy.matrix(None, None, lambda: self._rows("lm_head.weight"))
+        m = _LAYER.match(name)
+        if m is None or m.group(2) not in self._NAMES:
+            raise UnsupportedModel(f"no checkpoint tensor for weight {name!r}")
+        hname = f"model.layers.{m.group(1)}.{self._NAMES[m.group(2)]}"
+        if m.group(2) in ("attn_norm", "mlp_norm", "bq", "bk", "bv"):
+            return self._rows(hname).reshape(-1)
+        return self.policy.matrix(None, None, lambda: self._rows(hname))
+
+
+Source = GgufSource | HfSource
+
+
+def open_source(path: Path, dtype: str = "auto") -> Source:
+    """The source at ``path``: a ``.gguf`` file or a folder with ``config.json``."""
+    if dtype not in DTYPES:
+        raise UnsupportedModel(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if path.is_file():
+        with path.open("rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise UnsupportedModel(f"{path} is not a GGUF file")
+        return GgufSource(path, dtype)
+    if path.is_dir() and (path / "config.json").is_file():
+        return HfSource(path, dtype)
+    raise UnsupportedModel(
+        f"{path} is neither a .gguf file nor a Hugging Face folder (config.json + *.safetensors)"
+    )
