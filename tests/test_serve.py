@@ -141,7 +141,7 @@ def test_serve_demo_model_on_request(tmp_path: Path) -> None:
 
     folder = build_demo("tiny", tmp_path / "tiny").parent
     h = free_port()
-    proc, lines = start(tmp_path, "--no-grpc", "--http", f"127.0.0.1:{h}", "--model", str(folder))
+    proc, _ = start(tmp_path, "--no-grpc", "--http", f"127.0.0.1:{h}", "--model", str(folder))
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{h}", timeout=30) as c:
             sid = c.post("/v1/sessions", json={}).json()["id"]
