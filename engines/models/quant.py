@@ -107,6 +107,14 @@ def widen(m: QuantMatrix) -> QuantMatrix:
     return QuantMatrix(8, m.block, codes.astype(np.uint8).reshape(m.n, -1, m.block), m.scales)
 
 
+def _reciprocal(d: F32) -> F32:
+    """1 / d, and 0 where d is 0 or subnormal (its reciprocal would overflow; the block is ~0)."""
+    ok = d >= np.finfo(np.float32).tiny
+    return np.where(ok, np.float32(1) / np.where(ok, d, np.float32(1)), np.float32(0)).astype(
+        np.float32
+    )
+
+
 def quantize(w: F32, bits: int, block: int = BLOCK) -> QuantMatrix:
     """Float rows [n, k] in blocks: 8 bits symmetric (absmax / 127), 4 bits with a block offset.
 
@@ -122,14 +130,14 @@ def quantize(w: F32, bits: int, block: int = BLOCK) -> QuantMatrix:
     if bits == 8:
         amax = np.abs(x).max(axis=-1)
         d = (amax / np.float32(127)).astype(np.float32)
-        inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+        inv = _reciprocal(d)
         q = np.clip(np.rint(x * inv[..., None]), -127, 127).astype(np.int16) + 128
         return QuantMatrix(8, block, q.astype(np.uint8), d)
     if bits != 4:
         raise ValueError(f"bits must be 4 or 8, not {bits}")
     lo, hi = x.min(axis=-1), x.max(axis=-1)
     d = ((hi - lo) / np.float32(15)).astype(np.float32)
-    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    inv = _reciprocal(d)
     codes = np.clip(np.rint((x - lo[..., None]) * inv[..., None]), 0, 15).astype(np.uint8)
     offsets = (lo + np.float32(8) * d).astype(np.float32)
     return QuantMatrix(4, block, _pack4(codes), d, offsets)

@@ -23,7 +23,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -104,7 +104,7 @@ class GgufSource:
 
         try:
             self._reader = GGUFReader(str(path))
-        except (ValueError, OSError) as exc:
+        except (ValueError, OSError, IndexError) as exc:  # IndexError: gguf, on a cut file
             raise UnsupportedModel(f"{path} is not a readable GGUF file: {exc}") from exc
         self.path = path
         self.meta = gguf_metadata(self._reader)
@@ -200,19 +200,47 @@ _SAFE_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 
 
 class SafetensorsFile:
-    """One ``.safetensors`` file, memory-mapped: ``tensor(name)`` as float32."""
+    """One ``.safetensors`` file, memory-mapped: ``tensor(name)`` as float32.
+
+    The header is checked when the file opens (a JSON object whose tensors'
+    byte ranges fit their dtype and shape and lie inside the file), so a cut
+    or corrupt file is refused before anything is built.
+    """
 
     def __init__(self, path: Path) -> None:
-        with path.open("rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            if not 2 <= size <= 100 << 20:
-                raise UnsupportedModel(f"{path} is not a safetensors file (header size {size})")
-            header = json.loads(f.read(size))
+        size_on_disk = path.stat().st_size
+        try:
+            with path.open("rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                if not 2 <= size <= min(100 << 20, size_on_disk - 8):
+                    raise ValueError(f"header size {size}")
+                header = json.loads(f.read(size))
+            if not isinstance(header, dict):
+                raise ValueError("the header is not a JSON object")
+        except (OSError, ValueError) as exc:
+            raise UnsupportedModel(f"{path} is not a readable safetensors file: {exc}") from exc
         self.path = path
         self.base = 8 + size
-        self.entries: dict[str, Mapping[str, Any]] = {
-            k: v for k, v in header.items() if k != "__metadata__"
-        }
+        self.entries: dict[str, Mapping[str, Any]] = {}
+        for name, e in header.items():
+            if name == "__metadata__":
+                continue
+            self.entries[name] = self._checked(name, e, size_on_disk - self.base)
+
+    def _checked(self, name: str, e: Any, data_bytes: int) -> Mapping[str, Any]:
+        try:
+            start, end = (int(x) for x in e["data_offsets"])
+            shape = [int(x) for x in e["shape"]]
+            width = {"F32": 4, "F16": 2, "BF16": 2}.get(str(e["dtype"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UnsupportedModel(f"{self.path.name}: tensor {name!r} is malformed") from exc
+        need = int(np.prod(shape, dtype=np.int64)) * (width or 0)
+        if width is not None and not (0 <= start <= end <= data_bytes and end - start == need):
+            raise UnsupportedModel(
+                f"{self.path.name}: tensor {name!r} does not fit the file "
+                f"(bytes {start}..{end} of {data_bytes}, {need} needed)"
+            )
+        return cast(Mapping[str, Any], e)
 
     def tensor(self, name: str) -> F32:
         e = self.entries[name]
@@ -221,12 +249,11 @@ class SafetensorsFile:
             raise UnsupportedModel(
                 f"{self.path.name}: tensor {name!r} is {e['dtype']} (served: F32, F16, BF16)"
             )
-        start, end = (int(x) for x in e["data_offsets"])
+        start = int(e["data_offsets"][0])
         shape = tuple(int(x) for x in e["shape"])
         arr = np.memmap(self.path, dtype=dt, mode="r", offset=self.base + start, shape=shape)
         if e["dtype"] == "BF16":
             return (arr.astype(np.uint32) << np.uint32(16)).view(np.float32)
-        assert end - start == arr.nbytes
         return np.asarray(arr, dtype=np.float32)
 
 
