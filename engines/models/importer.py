@@ -41,7 +41,7 @@ from sessiontape.engines.onnx.builder import write_model
 log = logging.getLogger("sessiontape.engines.models")
 
 #: bump when the graph or the folder's files change, so caches rebuild
-IMPORTER_VERSION = 1
+IMPORTER_VERSION = 2
 MODEL_TYPE = "sessiontape-import"
 
 
@@ -131,7 +131,9 @@ def import_model(
     t0 = time.perf_counter()
     src = open_source(source, dtype)
     src.spec = replace_spec(
-        src.spec, name=name or (source.stem if source.is_file() else source.name)
+        src.spec,
+        name=name or (source.stem if source.is_file() else source.name),
+        attention="gqa",
     )
     sha = source_sha256(source)
     tok, specials, template = _tokenizer(src)

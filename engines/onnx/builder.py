@@ -85,6 +85,9 @@ class ModelSpec:
     qkv_bias: bool = False
     #: MatMulNBits' accuracy_level (4: int8 activations, the CPU's fast path)
     accuracy_level: int = 4
+    #: attention as separate operators over a mask by position (``masked``), or one fused
+    #: com.microsoft GroupQueryAttention per layer (``gqa``; see :func:`_gqa`)
+    attention: str = "masked"
 
 
 @dataclass
@@ -360,6 +363,7 @@ def _constants(g: Graph, spec: ModelSpec) -> None:
     for name, val in (("c_axis0", 0), ("c_axis1", 1), ("c_axis_neg1", -1), ("c_axis2", 2)):
         g.i64(name, val)
     g.i64("c_one", 1)
+    g.const("c_one_s", np.array(1, np.int64))
     g.i64("c_zero", 0)
     g.i64("c_block", SLOT_BLOCK)
     g.const("c_neginf", np.array(-np.inf, np.float32))
@@ -405,7 +409,7 @@ def _embedding(g: Graph, w: Tensor) -> str:
 
 def _attention(g: Graph, spec: ModelSpec, i: int, xn: str, weights: Weights, mask: str) -> str:
     """Layer ``i``'s attention output (before its output projection's residual add)."""
-    nh, nkv, hd = spec.heads, spec.kv_heads, spec.head_dim
+    hd = spec.head_dim
     p = f"l{i}."
     scale = hd**-0.5
     wqkv = concat_out([scale_out(weights(p + "wq"), scale), weights(p + "wk"), weights(p + "wv")])
@@ -419,6 +423,52 @@ def _attention(g: Graph, spec: ModelSpec, i: int, xn: str, weights: Weights, mas
             ]
         ).astype(np.float32)
         qkv = g.op("Add", [qkv, g.const(p + "bqkv", bias)])
+    att = _gqa(g, spec, i, qkv) if spec.attention == "gqa" else _masked(g, spec, i, qkv, mask)
+    return g.linear(att, p + "wo", weights(p + "wo"), spec.accuracy_level)
+
+
+def _gqa(g: Graph, spec: ModelSpec, i: int, qkv: str) -> str:
+    """Layer ``i``'s attention as one com.microsoft GroupQueryAttention over packed q, k, v.
+
+    It applies the rotary embedding (rotate-half, from the same cos/sin
+    tables), writes the pass's keys and values into the layer's buffer
+    (present bound to past: in place, nothing copied) and attends causally.
+    It places a pass's rows at the last positions of the sequence:
+    ``seqlens_k`` is the batch row's last position (``c_seqlens_k``), so the
+    rows of a pass must be consecutive positions, which the runners keep
+    (their padding rows follow the real ones; a fixed-shape runner's context
+    is capped so they never clamp). The attention scale is folded into q.
+    """
+    att, _, _ = g.op(
+        "GroupQueryAttention",
+        [
+            qkv,
+            "",
+            "",
+            f"past_key_values.{i}.key",
+            f"past_key_values.{i}.value",
+            "c_seqlens_k",
+            "c_total_len",
+            "rope_cos",
+            "rope_sin",
+        ],
+        outputs=3,
+        domain=MS,
+        num_heads=spec.heads,
+        kv_num_heads=spec.kv_heads,
+        do_rotary=1,
+        rotary_interleaved=0,
+        scale=1.0,
+    )
+    g.nodes[-1].output[1] = f"present.{i}.key"
+    g.nodes[-1].output[2] = f"present.{i}.value"
+    return str(att)
+
+
+def _masked(g: Graph, spec: ModelSpec, i: int, qkv: str, mask: str) -> str:
+    """Layer ``i``'s attention as separate operators: rotary, a scatter into the buffer at
+    ``position_ids``, scores masked by position, softmax, and the weighted sum of values."""
+    nh, nkv = spec.heads, spec.kv_heads
     q, k, v = g.op("Split", [qkv, "c_split_qkv"], outputs=3, axis=-1)
     q = g.op(
         "RotaryEmbedding", [q, "position_ids", "rope_cos", "rope_sin"], domain=MS, num_heads=nh
@@ -452,8 +502,7 @@ def _attention(g: Graph, spec: ModelSpec, i: int, xn: str, weights: Weights, mas
     pb = g.op("Transpose", [g.op("Reshape", [probs, "c_prob_blocks"])], perm=[0, 1, 3, 2, 4])
     part = g.op("MatMul", [pb, g.op("Reshape", [pv, "c_v_blocks"])])
     att = g.op("Reshape", [g.op("ReduceSum", [part, "c_axis2"], keepdims=0), "c_att"])
-    att = g.op("Reshape", [g.op("Transpose", [att], perm=[0, 2, 1, 3]), "c_shape_h"])
-    return g.linear(att, p + "wo", weights(p + "wo"), spec.accuracy_level)
+    return str(g.op("Reshape", [g.op("Transpose", [att], perm=[0, 2, 1, 3]), "c_shape_h"]))
 
 
 def _mlp(g: Graph, spec: ModelSpec, i: int, xn: str, weights: Weights) -> str:
@@ -525,16 +574,24 @@ def build_static(spec: ModelSpec, weights: Weights, graph: Graph | None = None) 
 
     g = graph or Graph()
     _constants(g, spec)
-    group = spec.heads // spec.kv_heads
-    mask = _slot_mask(g, group)
-    g.op(
-        "Expand",
-        [
-            g.op("Reshape", ["position_ids", g.i64("c_pos4", 0, 1, -1, 1)]),
-            g.i64("c_kv_expand", 1, spec.kv_heads, 1, spec.head_dim),
-        ],
-        name="c_scatter_at",
-    )
+    mask = ""
+    if spec.attention == "masked":
+        mask = _slot_mask(g, spec.heads // spec.kv_heads)
+        g.op(
+            "Expand",
+            [
+                g.op("Reshape", ["position_ids", g.i64("c_pos4", 0, 1, -1, 1)]),
+                g.i64("c_kv_expand", 1, spec.kv_heads, 1, spec.head_dim),
+            ],
+            name="c_scatter_at",
+        )
+    if spec.attention == "gqa":
+        from onnx import TensorProto
+
+        last = g.op("ReduceMax", ["position_ids", "c_axis1"], keepdims=0)
+        g.op("Cast", [last], to=TensorProto.INT32, name="c_seqlens_k")
+        total = g.op("Add", [g.op("ReduceMax", ["position_ids"], keepdims=0), "c_one_s"])
+        g.op("Cast", [total], to=TensorProto.INT32, name="c_total_len")
     x = _embedding(g, weights("embed"))
     eps = spec.eps
     xn, _ = _norm(

@@ -231,6 +231,10 @@ class OnnxEngine(Engine):
             if capacity is not None:
                 # the last slot takes the padding rows' writes; no valid position reaches it
                 limit = min(limit, capacity - 1)
+                if facts["attention"] == "gqa" and rows is not None:
+                    # GroupQueryAttention places a pass's rows at consecutive positions: the
+                    # padding rows after the last real one must not clamp at the buffer's end
+                    limit = min(limit, capacity - rows)
             graph = fixed and provider == CUDA and (cuda_graph is None or bool(cuda_graph))
             if graph:
                 try:

@@ -199,6 +199,9 @@ def model_facts(folder: Path) -> dict[str, Any]:
         model_id = folder.name
     pad = cfg.get("pad_token_id")
     return {
+        #: ``gqa`` when the graph's attention is one GroupQueryAttention per layer, which places
+        #: a pass's rows at consecutive positions (builder.py)
+        "attention": str(cfg.get("attention") or "masked"),
         #: the id padding rows carry (any valid id: their results are dropped)
         "pad_token_id": int(pad) if isinstance(pad, int) else None,
         #: query heads per KV head (1 when config.json does not say)
