@@ -19,6 +19,12 @@ from sessiontape.core.bodies import (
     body,
     fork_point,
 )
+from sessiontape.core.document.conversation import (
+    Conversation,
+    ForkBase,
+    fork_conversation,
+    openai_request,
+)
 from sessiontape.core.document.schema import (
     Doc,
     empty_document,
@@ -39,11 +45,12 @@ async def fork_base(log: EventLog, first: Event) -> SessionState | None:
 
     None for a session that is not a fork. The parent is loaded with
     :func:`sessiontape.core.loader.load_state` (snapshot, then events) at the fork's
-    version and cut at its token position, as the runtime does.
+    version and cut at its token position, as the runtime does; the state also carries
+    the parent's conversation up to there (:func:`fork_conversation`).
     """
     if not fork_point(first):
         return None
-    return await base_state(log, first)
+    return ForkBase.of(await base_state(log, first), await fork_conversation(log, first))
 
 
 class DocumentBuilder:
@@ -87,6 +94,11 @@ class DocumentBuilder:
             h["images"] = [image_view(im) for im in base.images]
             doc["nodes"] = {nid: node_view(n) for nid, n in base.nodes.items()}
             doc["roots"] = self._roots()
+        #: the chat turns (``doc["conversation"]`` is its list)
+        self.chat = Conversation(detokenize)
+        if isinstance(base, ForkBase) and base.conversation is not None:
+            self.chat = base.conversation.inherit(base.tokens, detokenize)
+        doc["conversation"] = self.chat.turns
         self.doc: Doc = doc
 
     # -- helpers -----------------------------------------------------------
@@ -265,6 +277,8 @@ class DocumentBuilder:
             ):
                 self._replace(h, key, value, "/history/" + key)
             self._gen_runs.clear()
+            self._ops.extend(self.chat.clear())
+            doc["conversation"] = self.chat.turns
 
     def _fragment(self, doc: Doc, e: Event, _: int) -> None:
         b = body(e, NodeFragment)
@@ -360,6 +374,8 @@ class DocumentBuilder:
         self._set(h, "images", [image_view(im) for im in st.images], "/history/images")
         self._set(h, "truncations", st.truncations, "/history/truncations")
         self._set(h, "dropped", st.dropped_tokens, "/history/dropped")
+        self._ops.extend(self.chat.truncated(keep, st.tokens))
+        doc["conversation"] = self.chat.turns
 
     def _gen_started(self, doc: Doc, e: Event, _: int) -> None:
         b = body(e, GenerationStarted)
@@ -388,6 +404,7 @@ class DocumentBuilder:
             "/generations",
         )
         self._set(doc, "active_generation", gid, "/active_generation")
+        self.chat.started(gid, int(b.get("prompt_length") or 0))
 
     def _gen_token(self, doc: Doc, e: Event, _: int) -> None:
         b = body(e, GenerationToken)
@@ -399,7 +416,7 @@ class DocumentBuilder:
         if b.get("is_prefill"):
             self._push(g["prefill"], entry, gpath + "/prefill")
             return
-        tok = entry["id"]
+        tok, tok_pos = entry["id"], entry["position"]
         self._push(g["tokens"], entry, gpath + "/tokens")
         run = self._gen_runs.get(gid)
         piece = run.push([tok]) if run is not None else ""
@@ -423,6 +440,7 @@ class DocumentBuilder:
             )
         else:
             self._grow(last, "text", piece, f"/history/segments/{len(segs) - 1}/text")
+        self._ops.extend(self.chat.token(gid, piece if run is not None else None, tok_pos))
 
     def _gen_finished(self, doc: Doc, e: Event, _: int) -> None:
         b = body(e, GenerationFinished)
@@ -435,6 +453,7 @@ class DocumentBuilder:
         g = doc["generations"][i]
         gpath = f"/generations/{i}"
         run = self._gen_runs.pop(gid, None)
+        piece = None
         if run is not None:
             # the generation is complete: its text is all of its tokens' text
             piece = run.flush()
@@ -442,6 +461,7 @@ class DocumentBuilder:
             segs = doc["history"]["segments"]
             if segs and segs[-1].get("generation_id") == gid:
                 self._grow(segs[-1], "text", piece, f"/history/segments/{len(segs) - 1}/text")
+        self._ops.extend(self.chat.finished(gid, piece))
         timing = {
             k: b.get(k)
             for k in ("prompt_tokens", "completion_tokens", "prefill_s", "ttft_s", "total_s")
@@ -454,6 +474,15 @@ class DocumentBuilder:
         ):
             self._set(g, key, value, f"{gpath}/{key}")
         self._set(doc, "active_generation", None, "/active_generation")
+
+    def _wire(self, doc: Doc, e: Event, _: int) -> None:
+        payload = openai_request(e)
+        if payload is None:
+            return
+        # the reply so far: a generation's tokens may be committed before its request
+        i = self._gen_index.get(str(payload["generation_id"]))
+        reply = None if i is None else doc["generations"][i]["text"]
+        self._ops.extend(self.chat.request(payload, reply))
 
     def _feedback(self, doc: Doc, e: Event, _: int) -> None:
         self._push(
@@ -488,6 +517,7 @@ _HANDLERS: dict[str, _Handler] = {
     T.GENERATION_FINISHED: DocumentBuilder._gen_finished,
     T.FEEDBACK: DocumentBuilder._feedback,
     T.ERROR: DocumentBuilder._error,
+    T.WIRE: DocumentBuilder._wire,
 }
 
 

@@ -52,6 +52,7 @@ def empty_document(session_id: str) -> Doc:
         "actions": [],
         "generations": [],
         "active_generation": None,
+        "conversation": [],
         "feedback": [],
         "errors": [],
         "audit": {"chain": "verified", "head_hash": GENESIS_HASH, "error": None},

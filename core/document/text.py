@@ -78,62 +78,78 @@ class TextRun:
             self._done = max(0, self._done - (len(t) - len(tail)))
 
 
+class StopCut:
+    """Text that grows at its end, cut before the first stop string: :meth:`feed` takes
+    what was added and returns what may be shown; text that may begin a stop string
+    is held back until it cannot (or ``final``). ``stopped`` is set once a stop string
+    appeared; nothing after it is ever released. Only the held-back text is kept, so a
+    piece costs the same however long the text already is."""
+
+    def __init__(self, stops: Sequence[str] = ()) -> None:
+        self._stops = tuple(s for s in stops if s)
+        self._held = ""  # decoded text not yet released
+        self.stopped = False
+
+    def feed(self, piece: str, final: bool = False) -> str:
+        """The text ``piece`` (and, with ``final``, the end of the text) releases."""
+        if self.stopped:
+            return ""
+        text = self._held + piece
+        end = len(text)
+        for s in self._stops:
+            i = text.find(s)
+            if i != -1 and i < end:
+                end = i
+                self.stopped = True
+        if not self.stopped and not final:
+            for s in self._stops:  # hold back a suffix that may begin a stop string
+                for k in range(min(len(s) - 1, end), 0, -1):
+                    if text.endswith(s[:k]):
+                        end = min(end, len(text) - k)
+                        break
+        self._held = "" if self.stopped else text[end:]
+        return text[:end]
+
+
 class TextStream:
     """Generated tokens to text deltas: multi-byte characters split across tokens
     are held back until complete, and text that may start a stop string is held
-    back until it cannot. ``stopped`` is set once a stop string appeared; the
-    text ends before it. A pure function of the tokens, so a stream replayed
-    from the log gives the same deltas as the live one."""
+    back until it cannot (:class:`StopCut`). ``stopped`` is set once a stop string
+    appeared; the text ends before it. A pure function of the tokens, so a stream
+    replayed from the log gives the same deltas as the live one."""
 
     def __init__(self, detokenize: Detokenize, stops: Sequence[str] = ()) -> None:
         # the session document's incremental decoder: a short window with context in
         # front, so tokenizers that render a token differently at the start of a text
         # (SentencePiece's leading space) decode as they would in the whole run
         self._run = TextRun(detokenize)
-        self._stops = tuple(s for s in stops if s)
-        self._text = ""  # decoded, stable text
-        self._sent = 0  # characters of self._text already handed out
-        self.stopped = False
+        self._cut = StopCut(stops)
+        self._parts: list[str] = []  # the released text
+
+    @property
+    def stopped(self) -> bool:
+        return self._cut.stopped
 
     def push(self, token: int) -> str:
         if self.stopped:
             return ""
-        self._text += self._run.push([token])
-        return self._release(final=False)
+        return self._release(self._run.push([token]), final=False)
 
     def extend(self, tokens: Sequence[int]) -> str:
         """:meth:`push` of several tokens at once (one decode); the text they release."""
         if self.stopped or not tokens:
             return ""
-        self._text += self._run.push(tokens)
-        return self._release(final=False)
+        return self._release(self._run.push(tokens), final=False)
 
     def finish(self) -> str:
-        if not self.stopped:
-            self._text += self._run.flush()
-        return self._release(final=True)
+        return self._release("" if self.stopped else self._run.flush(), final=True)
 
     @property
     def text(self) -> str:
-        return self._text[: self._sent]
+        return "".join(self._parts)
 
-    def _release(self, final: bool) -> str:
-        if self.stopped:
-            return ""
-        end = len(self._text)
-        for s in self._stops:
-            i = self._text.find(s, self._sent)
-            if i != -1 and i < end:
-                end = i
-                self.stopped = True
-        if self.stopped:
-            self._text = self._text[:end]
-        elif not final:
-            for s in self._stops:  # hold back a suffix that may begin a stop string
-                for k in range(min(len(s) - 1, end - self._sent), 0, -1):
-                    if self._text.endswith(s[:k]):
-                        end = min(end, len(self._text) - k)
-                        break
-        delta = self._text[self._sent : end]
-        self._sent = end
+    def _release(self, piece: str, final: bool) -> str:
+        delta = self._cut.feed(piece, final)
+        if delta:
+            self._parts.append(delta)
         return delta

@@ -1,9 +1,12 @@
 // The replay viewer: a live, filterable sessions list, and a session page that streams a live
 // session (SSE + JSON Patch+) or replays a finished one from its log with a scrubber.
 // Routes: #/?q=&status=&from=&to=  (the list and its filters)
-//         #/s/ID?at=POS&find=TEXT  (a session, optionally at log position POS, with a search)
+//         #/s/ID?at=POS&find=TEXT&view=tokens  (a session, optionally at log position POS, with a
+//           search; a chat session shows its conversation, or with view=tokens its token history)
 // Forks and re-runs go through the same HTTP API as every other client.
 import { applyPatch } from "/static/patch.js";
+import { chatView } from "/static/chat.js";
+import { h, morph } from "/static/dom.js";
 
 const app = document.getElementById("app");
 const conn = document.getElementById("conn");
@@ -39,39 +42,6 @@ async function postJSON(path, body) {
   const out = await r.json();
   if (!r.ok) throw new Error(`${out.error?.code}: ${out.error?.message}`);
   return out;
-}
-
-function h(tag, attrs = {}, ...children) {
-  const el = document.createElement(tag);
-  for (const [k, v] of Object.entries(attrs)) {
-    if (k === "class") el.className = v;
-    else if (k.startsWith("on")) el.addEventListener(k.slice(2), v);
-    else if (v !== undefined && v !== null && v !== false) el.setAttribute(k, v);
-  }
-  for (const c of children.flat()) if (c !== null && c !== undefined) el.append(c instanceof Node ? c : String(c));
-  return el;
-}
-
-// Make `parent`'s children `next`, keeping each existing node that equals its replacement (or, for an
-// element with the same tag and attributes, morphing its children): a live session redraws on every
-// committed event, and a click (mousedown, then mouseup) on a node replaced in between would be lost.
-function morph(parent, next) {
-  for (let i = 0; i < next.length; i++) {
-    const want = next[i];
-    const have = parent.childNodes[i];
-    if (!have) parent.append(want);
-    else if (have.isEqualNode(want)) continue;
-    else if (have.nodeType === 1 && want.nodeType === 1 && have.tagName === want.tagName && sameAttributes(have, want)) {
-      morph(have, [...want.childNodes]);
-    } else parent.replaceChild(want, have);
-  }
-  while (parent.childNodes.length > next.length) parent.lastChild.remove();
-}
-
-function sameAttributes(a, b) {
-  if (a.attributes.length !== b.attributes.length) return false;
-  for (const { name, value } of a.attributes) if (b.getAttribute(name) !== value) return false;
-  return true;
 }
 
 const fmtTime = (t) => (t ? new Date(t * 1000).toLocaleString() : "");
@@ -397,7 +367,7 @@ function highlight(root, needle) {
   const hits = [];
   if (!needle) return hits;
   const lower = needle.toLowerCase();
-  for (const el of root.querySelectorAll(".seg-text, .gen-summary, .fb, .err")) {
+  for (const el of root.querySelectorAll(".seg-text, .bubble-text, .gen-summary, .fb, .err")) {
     const toks = [...el.querySelectorAll(".tok")];
     if (toks.length) {
       let text = "";
@@ -444,10 +414,14 @@ function sessionPage(id, query) {
   const convo = h("div", { id: "conversation" });
   const nodes = h("div", { id: "nodes" });
   const follow = h("span", { class: "follow", id: "follow" }, "following");
-  app.replaceChildren(head, controls, h("div", { class: "controls find" }, find, findNext, findCount, follow), convo, nodes);
+  // A chat session (its document has a conversation) shows chat bubbles; the toggle shows its tokens.
+  const toggle = h("button", { id: "view-toggle", hidden: true });
+  app.replaceChildren(head, controls, h("div", { class: "controls find" }, find, findNext, findCount, toggle, follow), convo, nodes);
 
   let at = query.get("at");  // a log position from the URL, or null
-  const syncUrl = () => setQuery(`/s/${id}`, { at, find: find.value.trim() });
+  let view = query.get("view") === "tokens" ? "tokens" : "chat";
+  const syncUrl = () => setQuery(`/s/${id}`, { at, find: find.value.trim(), view: view === "tokens" ? view : "" });
+  toggle.addEventListener("click", () => { view = view === "chat" ? "tokens" : "chat"; syncUrl(); if (current) draw(current); applyFind(false); });
 
   // Follow is sticky to the bottom; scrolling up detaches it, returning to the bottom re-attaches.
   let following = true;
@@ -484,7 +458,12 @@ function sessionPage(id, query) {
 
   const draw = (d) => {
     morph(head, header(d).flat());
-    morph(convo, conversation(d));
+    const chat = view === "chat" && d.conversation?.length > 0;
+    toggle.hidden = !d.conversation?.length;
+    toggle.textContent = chat ? "show tokens" : "show chat";
+    convo.classList.toggle("chat", chat);
+    const actions = Array.isArray(d.actions) ? d.actions : Object.values(d.actions || {});
+    morph(convo, chat ? chatView(d, (g) => genSummary(d, g, actions)) : conversation(d));
     morph(nodes, [...(d.roots.length ? [h("h3", {}, "Nodes"), h("ul", { class: "nodes" }, d.roots.map((r) => nodeTree(d, r, new Set(), versions)))] : []), ...actionsList(d)]);
   };
   let pending = null;
