@@ -41,8 +41,11 @@ from sessiontape.engines.onnx.builder import write_model
 log = logging.getLogger("sessiontape.engines.models")
 
 #: bump when the graph or the folder's files change, so caches rebuild
-IMPORTER_VERSION = 2
+IMPORTER_VERSION = 3
 MODEL_TYPE = "sessiontape-import"
+#: the graph's attention: one GroupQueryAttention per layer (fastest alone), or separate
+#: operators masked by position (continuous batching stays bit-exact)
+ATTENTIONS = ("gqa", "masked")
 
 
 @dataclass(frozen=True)
@@ -121,19 +124,25 @@ def import_model(
     concepts: bool = True,
     replace: bool = True,
     name: str | None = None,
+    attention: str = "gqa",
 ) -> Imported:
     """Import ``source`` into the folder ``out``.
 
     An existing ``out`` is replaced, or with ``replace=False`` kept (another
     process finished the same import first) and this import's files dropped.
-    ``name`` is the served model id (default: the file's stem or the folder's name).
+    ``name`` is the served model id (default: the file's stem or the folder's name);
+    ``attention`` the graph's attention (``gqa`` or ``masked``, engines/onnx/builder.py).
     """
+    if attention not in ATTENTIONS:
+        raise UnsupportedModel(
+            f"unknown attention {attention!r}; choose one of {', '.join(ATTENTIONS)}"
+        )
     t0 = time.perf_counter()
     src = open_source(source, dtype)
     src.spec = replace_spec(
         src.spec,
         name=name or (source.stem if source.is_file() else source.name),
-        attention="gqa",
+        attention=attention,
     )
     sha = source_sha256(source)
     tok, specials, template = _tokenizer(src)
@@ -166,13 +175,13 @@ def import_model(
     return Imported(out, time.perf_counter() - t0, sha)
 
 
-def cache_folder(source: Path, dtype: str, sha: str) -> Path:
+def cache_folder(dtype: str, sha: str, attention: str = "gqa") -> Path:
     from sessiontape.engines.onnx.demo import cache_root
 
-    return cache_root() / "imported" / f"{sha[:16]}-{dtype}-v{IMPORTER_VERSION}"
+    return cache_root() / "imported" / f"{sha[:16]}-{dtype}-{attention}-v{IMPORTER_VERSION}"
 
 
-def ensure_imported(model: str, dtype: str = "auto") -> Path:
+def ensure_imported(model: str, dtype: str = "auto", attention: str = "gqa") -> Path:
     """The served folder for ``model`` (a registry name, a GGUF file, a Hugging Face folder
     or an imported folder), importing it into the cache on first use."""
     path = resolve(model)
@@ -181,12 +190,17 @@ def ensure_imported(model: str, dtype: str = "auto") -> Path:
     if not path.exists():
         raise UnsupportedModel(f"model {model!r}: {path} does not exist")
     sha = source_sha256(path)
-    folder = cache_folder(path, dtype, sha)
+    folder = cache_folder(dtype, sha, attention)
     if (folder / "model.onnx").is_file():
         return folder
     log.info("importing %s (%s) into %s", path, dtype, folder)
     done = import_model(
-        path, folder, dtype, replace=False, name=model if model in REGISTRY else None
+        path,
+        folder,
+        dtype,
+        replace=False,
+        name=model if model in REGISTRY else None,
+        attention=attention,
     )
     log.info("imported %s in %.1fs", path.name, done.seconds)
     return folder

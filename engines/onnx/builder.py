@@ -309,12 +309,11 @@ class Graph:
         )
         if w.offsets is None:
             return str(y)
-        blocks = self.i64(name + ".blocks_shape", 0, 0, w.k // w.block, w.block)
-        sums = self.op(
-            "ReduceSum",
-            [self.op("Reshape", [x, blocks]), self.i64(name + ".axis", -1)],
-            keepdims=0,
+        # the block sums of x as one small MatMul against a 0/1 block indicator [k, k / block]
+        indicator = np.kron(
+            np.eye(w.k // w.block, dtype=np.float32), np.ones((w.block, 1), np.float32)
         )
+        sums = self.op("MatMul", [x, self.const(name + ".blocks", indicator)])
         off = self.const(name + ".offsets", np.ascontiguousarray(w.offsets.T))
         return str(self.op("Add", [y, self.op("MatMul", [sums, off])], name=out))
 

@@ -39,6 +39,13 @@ def register(subparsers: Any) -> None:
         default="auto",
         help="weights: auto (GGUF blocks as they are; HF float32), float32, q8 or q4",
     )
+    imp.add_argument(
+        "--attention",
+        choices=("gqa", "masked"),
+        default="gqa",
+        help="gqa: one fused attention kernel per layer (fastest alone); masked: separate "
+        "operators, for continuous batching (default gqa)",
+    )
     imp.set_defaults(func=import_cmd)
     ro = sub.add_parser(
         "readouts", help="derive Salience readout concepts from labelled example texts"
@@ -72,7 +79,9 @@ def import_cmd(args: argparse.Namespace) -> int:
     from sessiontape.engines.models.registry import REGISTRY, resolve
 
     name = args.source if args.source in REGISTRY else None
-    done = import_model(resolve(args.source), args.out, args.dtype, name=name)
+    done = import_model(
+        resolve(args.source), args.out, args.dtype, name=name, attention=args.attention
+    )
     cfg = json.loads((done.folder / "config.json").read_text())
     size = sum(p.stat().st_size for p in done.folder.iterdir())
     print(

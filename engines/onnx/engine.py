@@ -14,6 +14,9 @@ Options (all keyword, as ``[engine.options]`` in the config):
   (:mod:`sessiontape.engines.models.importer`).
 - ``dtype``: how an imported model's weights are held: ``auto`` (default: GGUF blocks
   as they are), ``float32``, ``q8`` or ``q4``.
+- ``attention``: an imported model's attention: ``gqa`` (default: one fused
+  GroupQueryAttention per layer, the fastest single session, no continuous batching) or
+  ``masked`` (separate operators, masked by position; continuous batching, bit-exact).
 - ``model_dir``: a folder with ``model.onnx`` (and optionally ``config.json``,
   ``tokenizer.json``, ``chat_template.jinja``, ``readout_concepts.json``). Default:
   the demo model of ``size`` under ``$SESSIONTAPE_CACHE/models`` (``~/.cache/sessiontape``).
@@ -124,6 +127,7 @@ class OnnxEngine(Engine):
         size: str | None = None,
         model: str | None = None,
         dtype: str = "auto",
+        attention: str = "gqa",
         providers: str | Sequence[str] = "auto",
         intra_op_threads: int | None = None,
         inter_op_threads: int = 0,
@@ -152,11 +156,11 @@ class OnnxEngine(Engine):
                 raise ConfigError("give the onnx engine either model or model_dir, not both")
             from sessiontape.engines.models.importer import ensure_imported
 
-            folder = ensure_imported(str(model), str(dtype))
+            folder = ensure_imported(str(model), str(dtype), str(attention))
         elif model_dir is None and size is None and (chosen_model := default_model()):
             from sessiontape.engines.models.importer import ensure_imported
 
-            folder = ensure_imported(chosen_model, str(dtype))
+            folder = ensure_imported(chosen_model, str(dtype), str(attention))
         elif model_dir is None:
             size = size or "tiny"
             if size not in SIZES:
@@ -294,6 +298,14 @@ class OnnxEngine(Engine):
                 "batch_slots needs a static-layout model on growing buffers (the CPU default); "
                 "batching the fixed CUDA shape is not built yet"
             )
+        if batch_slots and facts["attention"] == "gqa":
+            raise ConfigError(
+                "batch_slots needs a model imported with --attention masked: ONNX Runtime's CPU "
+                "GroupQueryAttention runs a batch only one row per sequence, by another path "
+                "than a lone session's, so batched tokens would not be bit-exact (docs/models.md)"
+            )
+        if facts["attention"] == "gqa":
+            growing = False  # no continuous batching: see above
         slots = (8 if batch_slots is None else int(batch_slots)) if growing else 0
         self._batch: BatchScheduler | None = None
         if slots:

@@ -194,3 +194,68 @@ def test_default_import_provenance_and_readouts(q4: OnnxEngine, default_dir: Pat
         return float(np.asarray(step.readout).reshape(len(manifest.layers), -1)[last][at])
 
     assert readout(q) > readout(s)
+
+
+@pytest.fixture(scope="module")
+def masked_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from sessiontape.engines.models.importer import import_model
+
+    out = tmp_path_factory.mktemp("smollm2") / "masked"
+    import_model(registry_path(DEFAULT_MODEL), out, "auto", concepts=False, attention="masked")
+    return out
+
+
+def test_the_default_graph_does_not_batch_and_says_why(default_dir: Path) -> None:
+    from sessiontape.core.errors import ConfigError
+
+    assert engine(default_dir)._batch is None
+    with pytest.raises(ConfigError, match="--attention masked"):
+        engine(default_dir, batch_slots=4)
+
+
+def test_batched_sessions_decode_the_bits_they_decode_alone(masked_dir: Path) -> None:
+    """Continuous batching on the real model (masked attention): four sessions in shared
+    passes, each bit-exact with its decoding alone."""
+    together_eng = engine(masked_dir)  # the CPU default batches (batch_slots 8)
+    alone_eng = engine(masked_dir, batch_slots=0)
+    assert together_eng._batch is not None and alone_eng._batch is None
+    prompts = [p["prompt_ids"] for p in PROMPTS[:4]]
+    params = SamplingParams(max_tokens=16, temperature=0.7, top_p=0.9, seed=11)
+
+    async def collect(eng: OnnxEngine, key: str, ids: list[int]) -> list[tuple[int, float | None]]:
+        opts = OutputOptions(logprob_top_k=3)
+        return [(s.token_id, s.logprob) async for s in eng.generate(key, ids, params, opts)]
+
+    async def go() -> tuple[list[Any], list[Any]]:
+        together = await asyncio.gather(
+            *(collect(together_eng, f"b{i}", ids) for i, ids in enumerate(prompts))
+        )
+        alone = [await collect(alone_eng, f"a{i}", ids) for i, ids in enumerate(prompts)]
+        return list(together), alone
+
+    try:
+        together, alone = asyncio.run(go())
+    finally:
+        asyncio.run(together_eng.aclose())
+        asyncio.run(alone_eng.aclose())
+    assert together == alone
+
+
+async def test_audit_reexecutes_a_real_model_session(default_dir: Path, sqlite_url: str) -> None:
+    """A chat turn on the real model replays and re-executes to the same tokens."""
+    from sessiontape.core.audit import audit_session
+    from sessiontape.core.runtime import Runtime
+    from tests.conftest import make_config
+
+    eng = engine(default_dir)
+    rt = await Runtime.create(make_config(sqlite_url, engine={"name": "onnx"}), engine=eng)
+    try:
+        sid = (await rt.open_session(protocol="test")).session_id
+        prompt = PROMPTS[1]["prompt_ids"]
+        params = SamplingParams(max_tokens=12, temperature=0.9, seed=5)
+        async for _ in rt.generate(sid, params, OutputOptions(), append=prompt):
+            pass
+        report = await audit_session(rt, sid, reexecute=True)
+        assert report.reexecuted and report.ok, report.to_json()
+    finally:
+        await rt.aclose()
