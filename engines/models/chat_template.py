@@ -40,6 +40,7 @@ so the session equals the template's render of the whole conversation.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import operator
@@ -55,6 +56,7 @@ import jinja2.utils
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from sessiontape.core.engine import ChatFormat
 from sessiontape.core.errors import ConfigError, InvalidParameters, SessiontapeError
 
 # Caps on what one template operation may build (the sandbox already caps range()).
@@ -279,3 +281,21 @@ def _closing(rendered: str, eos_text: str | None) -> str:
         if found >= 0:
             closing = closing[found + len(eos_text) :]
     return closing
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(source: str, bos: str | None, eos: str | None) -> JinjaChatTemplate:
+    return JinjaChatTemplate(source, bos, eos)
+
+
+def prompt_text(chat: ChatFormat | None, prompt: str) -> str:
+    """A one-message prompt as the served model reads a user's question.
+
+    Rendered with the model's chat template and its generation prompt when the
+    model has one (a chat model answers a question, instead of continuing its
+    text); unchanged otherwise (the demo and reference engines).
+    """
+    if chat is None:
+        return prompt
+    tpl = _compiled(chat.template, chat.bos_token, chat.eos_token)
+    return tpl.render([{"role": "user", "content": prompt}], add_generation_prompt=True)

@@ -22,6 +22,7 @@ from sessiontape.core.engine import SamplingParams
 from sessiontape.core.errors import InvalidParameters, SessiontapeError
 from sessiontape.core.events import Event
 from sessiontape.core.runtime import Runtime
+from sessiontape.engines.models.chat_template import prompt_text
 from sessiontape.transports.nostr import d4
 from sessiontape.transports.nostr.errors import to_err
 from sessiontape.transports.nostr.settings import Settings
@@ -139,7 +140,10 @@ async def handle_job(worker: Host, payload: Mapping[str, Any]) -> None:
                 return
             await worker.send(sid, "", [["status", "processing"], *reply_tags], kind=KIND_FEEDBACK)
             st = await worker.runtime.get(sid)
-            append = worker.runtime.engine.tokenize(prompt) if st.length == 0 else []
+            chat = worker.runtime.engine.info.chat
+            append = (
+                worker.runtime.engine.tokenize(prompt_text(chat, prompt)) if st.length == 0 else []
+            )
             start = st.length + len(append)
             params = SamplingParams(
                 max_tokens=n,

@@ -24,6 +24,7 @@ from sessiontape.core.engine import SamplingParams
 from sessiontape.core.errors import InvalidParameters
 from sessiontape.core.events import Event, T
 from sessiontape.core.runtime import Runtime
+from sessiontape.engines.models.chat_template import prompt_text
 from sessiontape.transports.nostr import d4
 from sessiontape.transports.nostr.settings import Settings
 
@@ -65,7 +66,7 @@ async def stream_answer(
     if st.length == 0:
         if call.args.prompt is None:
             raise InvalidParameters("args.prompt is required")
-        append = rt.engine.tokenize(call.args.prompt)
+        append = rt.engine.tokenize(prompt_text(rt.engine.info.chat, call.args.prompt))
     gens = list(st.generations.values())
     answer_start = gens[0].prompt_length if gens else st.length + len(append)
     # a call resumed after a restart has already charged for these

@@ -231,3 +231,20 @@ def test_globals() -> None:
         JinjaChatTemplate("[{{ bos_token }}]", None, None).render([], add_generation_prompt=False)
         == "[]"
     )
+
+
+def test_prompt_text_renders_a_question_for_a_chat_model_and_passes_text_through() -> None:
+    """The D4 worker's prompts: a chat model gets the question in its template."""
+    from sessiontape.core.engine import ChatFormat
+    from sessiontape.engines.models.chat_template import prompt_text
+
+    chat = ChatFormat(REF["chat_template"], BOS, EOS)
+    [case] = [
+        c
+        for c in REF["chats"]
+        if c["add_generation_prompt"]
+        and len(c["messages"]) == 1
+        and c["messages"][0]["role"] == "user"
+    ][:1]
+    assert prompt_text(chat, case["messages"][0]["content"]) == case["text"]
+    assert prompt_text(None, "Hi there") == "Hi there"
