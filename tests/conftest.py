@@ -20,6 +20,11 @@ from sessiontape.core.config import Config
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
 
+# The onnx engine's default model in the suite is the tiny demo (the tests were written for
+# its byte tokenizer and speed); the real model's own tests ask for it (real_model_cache,
+# tests/engines/models/test_smollm2.py, tests/test_serve.py).
+os.environ.setdefault("SESSIONTAPE_DEFAULT_MODEL", "demo")
+
 PG_HOST = os.environ.get("SESSIONTAPE_TEST_PG_HOST", "127.0.0.1")
 PG_PORT = int(os.environ.get("SESSIONTAPE_TEST_PG_PORT", "5432"))
 PG_DB = os.environ.get("SESSIONTAPE_TEST_PG_DB", "test")

