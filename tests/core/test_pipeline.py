@@ -628,7 +628,12 @@ async def test_generations_taking_turns_commit_each_turns_steps_as_one_run(
         # a turn's steps in one run: a tiny run at most now and then, where a slow
         # step let the committer's linger time run out inside a turn
         assert sum(n <= 2 for n in sizes) <= gens, sizes
-        assert max(sizes) <= burst, sizes  # no run spans two turns
+        # no run spans two turns by lingering: the committer that lingered across the other
+        # generations' turns merged nearly every turn with the next. A committer still busy
+        # with its last commit while seven other turns run (a slow commit on a loaded
+        # machine) finds two turns ready and takes both: that happens to a run or two in
+        # fifty, and is not what this guards
+        assert sum(n > burst for n in sizes) <= 2, sizes
     finally:
         await rt.aclose()
 
