@@ -128,7 +128,7 @@ def _check_op(op: Any, n: int) -> tuple[str, str]:
     if not isinstance(op, Mapping):
         raise InvalidPatch(f"operation {n} is not an object")
     name = op.get("op")
-    if name not in OPS:
+    if not isinstance(name, str) or name not in OPS:
         raise InvalidPatch(f"operation {n}: unknown op {name!r}")
     path = op.get("path")
     if not isinstance(path, str):

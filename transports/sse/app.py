@@ -94,8 +94,8 @@ MAX_REASON = 1000
 def _sampling(b: Mapping[str, Any]) -> tuple[SamplingParams, OutputOptions]:
     """Generation parameters, strictly typed and in range (SamplingParams.check), or InvalidParameters."""
     defaults = SamplingParams()
-    max_tokens = inputs.integer(b.get("max_tokens"), "max_tokens", lo=0, hi=MAX_TOKENS_LIMIT)
-    top_k = inputs.integer(b.get("top_k"), "top_k", lo=0)
+    max_tokens = inputs.json_integer(b.get("max_tokens"), "max_tokens", lo=0, hi=MAX_TOKENS_LIMIT)
+    top_k = inputs.json_integer(b.get("top_k"), "top_k", lo=0)
     temperature = inputs.number(b.get("temperature"), "temperature", lo=0.0, hi=1e6)
     top_p = inputs.number(b.get("top_p"), "top_p", lo=0.0, hi=1.0, lo_open=True)
     params = SamplingParams(
@@ -107,8 +107,9 @@ def _sampling(b: Mapping[str, Any]) -> tuple[SamplingParams, OutputOptions]:
         stop_token_ids=tuple(inputs.int_list(b.get("stop_token_ids", []), "stop_token_ids", lo=0)),
     )
     params.check()
+    logprob_top_k = inputs.json_integer(b.get("logprob_top_k"), "logprob_top_k", lo=0, hi=2**31)
     options = OutputOptions(
-        logprob_top_k=inputs.integer(b.get("logprob_top_k"), "logprob_top_k", lo=0, hi=2**31) or 0,
+        logprob_top_k=logprob_top_k or 0,
         logprob_ranges=inputs.ranges(b.get("logprob_ranges"), "logprob_ranges"),
         readout_ranges=inputs.ranges(b.get("readout_ranges"), "readout_ranges"),
     )
@@ -221,7 +222,12 @@ class Api:
     async def events(self, request: Request) -> Response:
         sid = request.path_params["sid"]
         rfc = _rfc(request)
-        raw = request.headers.get("last-event-id") or request.query_params.get("last_event_id")
+        # A blank Last-Event-ID is malformed like any other non-integer (docs/protocols/http.md), not
+        # "from the start": EventSource sends the header only once it has an id. The header, when
+        # present, wins over ?last_event_id=.
+        raw = request.headers.get("last-event-id")
+        if raw is None:
+            raw = request.query_params.get("last_event_id")
         last = inputs.integer(raw, "Last-Event-ID", lo=0)
         # Fail before the 200 goes out: unknown sessions and bad positions are HTTP errors.
         await self.runtime.session_row(sid)
@@ -232,7 +238,7 @@ class Api:
     async def append(self, request: Request) -> Response:
         sid = request.path_params["sid"]
         b = await self._body(request, APPEND_FIELDS)
-        offset = inputs.integer(b.get("offset"), "offset", lo=0)
+        offset = inputs.json_integer(b.get("offset"), "offset", lo=0)
         truncating = inputs.boolean(b.get("truncating"), "truncating")
         if "text" in b:
             if not isinstance(b["text"], str) or "tokens" in b:
@@ -330,8 +336,8 @@ class Api:
         label = inputs.text(b.get("label"), "label", MAX_LABEL)
         st = await self.runtime.fork(
             sid,
-            at_position=inputs.integer(b.get("at_position"), "at_position", lo=0),
-            at_version=inputs.integer(b.get("at_version"), "at_version", lo=1),
+            at_position=inputs.json_integer(b.get("at_position"), "at_position", lo=0),
+            at_version=inputs.json_integer(b.get("at_version"), "at_version", lo=1),
             protocol=protocol,
             label=label or "",
         )

@@ -10,7 +10,8 @@ reaches the runtime, so no bad input is stored and no parser error is a 500:
 - JSON is strict: no NaN/Infinity, finite numbers, integers within 64 bits,
   valid Unicode (no lone surrogates), nesting at most ``limits.max_json_depth``;
 - each route names its fields; an unknown one is a 400 naming it;
-- numbers in query strings and headers are ASCII digits only, in range.
+- numbers in query strings and headers are ASCII digits only, in range; a JSON body's
+  integers are JSON integers (``"1"``, ``true`` and ``1.0`` are refused, not converted).
 
 Usage in a handler::
 
@@ -197,7 +198,10 @@ def sized(value: Mapping[str, Any], name: str, limit: int) -> dict[str, Any]:
 
 
 def integer(value: Any, name: str, *, lo: int = INT64[0], hi: int = INT64[1]) -> int | None:
-    """An optional integer from JSON or a query string/header: ASCII digits only, in ``[lo, hi]``."""
+    """An optional integer from a query string or header: ASCII digits only, in ``[lo, hi]``.
+
+    A JSON body's integers go through :func:`json_integer`, which takes no strings.
+    """
     if value is None:
         return None
     out: int
@@ -213,6 +217,31 @@ def integer(value: Any, name: str, *, lo: int = INT64[0], hi: int = INT64[1]) ->
     if not lo <= out <= hi:
         raise InvalidParameters(f"{name} must be in [{lo}, {hi}], got {out}")
     return out
+
+
+def json_integer(value: Any, name: str, *, lo: int = INT64[0], hi: int = INT64[1]) -> int | None:
+    """An optional integer from a JSON body, in ``[lo, hi]``: a JSON integer and nothing else.
+
+    A string of digits (``"1"``), a boolean or a number written with a fraction or exponent
+    (``1.0``, which the strict parser reads as a float) is refused, not converted.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidParameters(f"{name} must be a JSON integer, got {_json_kind(value)}")
+    return integer(value, name, lo=lo, hi=hi)
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, str):
+        return f"a string ({value[:40]!r})"
+    if isinstance(value, bool):
+        return f"a boolean ({'true' if value else 'false'})"
+    if isinstance(value, float):
+        return f"a number with a fraction or exponent ({value!r})"
+    if isinstance(value, list):
+        return "an array"
+    return "an object" if isinstance(value, dict) else type(value).__name__
 
 
 def number(value: Any, name: str, *, lo: float, hi: float, lo_open: bool = False) -> float | None:

@@ -143,6 +143,15 @@ BAD: list[tuple[str, str, Any, int, str]] = [
     ("post", "fork", {"at_version": 999}, 400, "invalid_parameters"),
     ("post", "fork", {"protocol": "p" * 33}, 400, "invalid_parameters"),
     ("post", "fork", {"label": "l" * 1001}, 400, "invalid_parameters"),
+    # a JSON body's integers are JSON integers: not strings of digits, booleans or 1.0
+    ("post", "fork", {"at_position": "1"}, 400, "invalid_parameters"),
+    ("post", "fork", {"at_position": True}, 400, "invalid_parameters"),
+    ("post", "fork", {"at_position": 1.0}, 400, "invalid_parameters"),
+    ("post", "fork", {"at_version": "2"}, 400, "invalid_parameters"),
+    ("post", "append", {"tokens": [1], "offset": "3"}, 400, "invalid_parameters"),
+    ("post", "generate", {"max_tokens": "2", "stream": False}, 400, "invalid_parameters"),
+    ("post", "generate", {"top_k": "2", "stream": False}, 400, "invalid_parameters"),
+    ("post", "generate", {"logprob_top_k": "2", "stream": False}, 400, "invalid_parameters"),
     ("get", "", {"version": "x"}, 400, "invalid_parameters"),
     ("get", "", {"version": 999}, 400, "invalid_parameters"),
     ("get", "events", {"patch": "json-merge"}, 400, "invalid_parameters"),
@@ -169,6 +178,21 @@ async def test_bad_input_is_a_typed_error_and_changes_nothing(
     assert r.json()["error"]["code"] == code and r.json()["error"]["message"]
     assert await _export(client, sid) == before
     assert len((await client.get("/v1/sessions")).json()["sessions"]) == 1  # no fork leaked
+
+
+async def test_fork_at_a_string_position_is_a_typed_error(client: httpx.AsyncClient) -> None:
+    """``"at_position": "1"`` was once taken for 1; it names its field and the kind it got."""
+    sid = await _open(client)
+    await client.post(f"/v1/sessions/{sid}/append", json={"text": "abc"})
+    for bad, kind in (("1", "a string ('1')"), (True, "a boolean (true)"), (1.0, "a number")):
+        r = await client.post(f"/v1/sessions/{sid}/fork", json={"at_position": bad})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["code"] == "invalid_parameters"
+        assert error["message"].startswith(f"at_position must be a JSON integer, got {kind}")
+    assert len((await client.get("/v1/sessions")).json()["sessions"]) == 1
+    r = await client.post(f"/v1/sessions/{sid}/fork", json={"at_position": 1})
+    assert r.status_code == 201 and r.json()["history"]["ids"] == list(b"a")
 
 
 async def test_not_found_closed_and_routing_errors(client: httpx.AsyncClient) -> None:

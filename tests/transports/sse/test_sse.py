@@ -179,6 +179,16 @@ async def test_finished_session_snapshot_and_resume(server: Served) -> None:
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_parameters"
         r = await c.get(f"/v1/sessions/{sid}/events", headers={"Last-Event-ID": "abc"})
         assert r.status_code == 400
+        # blank is malformed too, not "from the start" (docs/protocols/http.md), whatever the query
+        for blank, query in (("", {}), ("", {"last_event_id": str(mid)})):
+            r = await c.get(
+                f"/v1/sessions/{sid}/events", headers={"Last-Event-ID": blank}, params=query
+            )
+            assert r.status_code == 400, (blank, query)
+            assert r.json()["error"]["code"] == "invalid_parameters"
+            assert "Last-Event-ID" in r.json()["error"]["message"]
+        r = await c.get(f"/v1/sessions/{sid}/events", params={"last_event_id": ""})
+        assert r.status_code == 400
 
 
 async def test_sessions_list_stream_and_heartbeat(server: Served) -> None:
