@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -92,6 +93,8 @@ class StaticRunner:
         self._copy: Any = None
         self._lock = threading.Lock()
         self._io: dict[str, Any] | None = None
+        #: the last growing pass's binding (its buffer set and shape)
+        self._grown_binding: _GrownBinding | None = None
         self._bound: dict[int, tuple[Any, Any, tuple[Any, ...]]] = {}
         if self.fixed:
             self._io = self._fixed_io()
@@ -264,16 +267,52 @@ class StaticRunner:
     def _run_grown(
         self, kv: KV, ids: Any, pos: Any, hidden_layers: Sequence[int]
     ) -> tuple[Any, dict[int, Any]]:
-        logits, hidden = run_host_bound(
-            self.sess,
-            ids,
-            pos,
-            np.ones((1, kv.length), np.int64),
-            lambda b: self._bind_kv(b, kv),
-            len(self.present),
-            hidden_layers,
-        )
-        return logits[0], {i: h[0] for i, h in hidden.items()}
+        """One pass over a growing buffer set, through a binding kept for the last buffer set
+        and pass shape (a session decoding binds its layers once, not every pass, and reads
+        its logits from a bound array instead of fetching every output)."""
+        if self.spec.vocab_size is None:  # symbolic logits: ONNX Runtime allocates them
+            logits, hidden = run_host_bound(
+                self.sess,
+                ids,
+                pos,
+                np.ones((1, kv.length), np.int64),
+                lambda b: self._bind_kv(b, kv),
+                len(self.present),
+                hidden_layers,
+            )
+            return logits[0], {i: h[0] for i, h in hidden.items()}
+        key = (id(kv.tensors), ids.shape[1], tuple(hidden_layers))
+        bound = self._grown_binding
+        if bound is None or bound.key != key or bound.tensors is not kv.tensors:
+            bound = self._grown_binding = self._bind_grown(kv, ids.shape[1], hidden_layers, key)
+        bound.ids[...] = ids
+        bound.pos[...] = pos
+        self.sess.run_with_iobinding(bound.binding)
+        # copies: the caller keeps rows of a pass (the last logits, a guess) across passes
+        return bound.logits[0].copy(), {i: h[0].copy() for i, h in bound.hidden.items()}
+
+    def _bind_grown(
+        self, kv: KV, rows: int, hidden_layers: Sequence[int], key: tuple[int, int, tuple[int, ...]]
+    ) -> _GrownBinding:
+        ort = quiet_ort()
+        b = self.sess.io_binding()
+        ids = np.zeros((1, rows), np.int64)
+        pos = np.zeros((1, rows), np.int64)
+        mask = np.ones((1, kv.length), np.int64)
+        for name, arr in (("input_ids", ids), ("position_ids", pos), ("attention_mask", mask)):
+            b.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(arr))
+        self._bind_kv(b, kv)
+        assert self.spec.vocab_size is not None
+        logits = np.empty((1, rows, self.spec.vocab_size), np.float32)
+        b.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
+        hidden: dict[int, Any] = {}
+        for i in hidden_layers:
+            assert self.spec.hidden_size is not None
+            hidden[i] = np.empty((1, rows, self.spec.hidden_size), np.float32)
+            b.bind_ortvalue_output(
+                f"hidden_states.{i}", ort.OrtValue.ortvalue_from_numpy(hidden[i])
+            )
+        return _GrownBinding(key, kv.tensors, b, ids, pos, mask, logits, hidden)
 
     def _run_fixed(
         self, kv: KV, ids: Any, pos: Any, hidden_layers: Sequence[int]
@@ -341,3 +380,17 @@ def _copy_model(count: int, dtype: Any) -> bytes:
     )
     model.ir_version = 8
     return bytes(model.SerializeToString())
+
+
+@dataclass(eq=False)
+class _GrownBinding:
+    """A growing pass's I/O binding: its buffer set, host inputs and bound outputs."""
+
+    key: tuple[int, int, tuple[int, ...]]
+    tensors: Any
+    binding: Any
+    ids: Any
+    pos: Any
+    mask: Any
+    logits: Any
+    hidden: dict[int, Any]
