@@ -107,31 +107,6 @@ class D4Worker:
         self._watcher: asyncio.Task[None] | None = None
         self._stopping = False
 
-    # the bounded memory, by the names the tests inspect
-    @property
-    def _seen(self) -> Lru[None]:
-        return self.book.seen
-
-    @property
-    def _calls(self) -> Lru[CallRef]:
-        return self.book.calls
-
-    @property
-    def _results(self) -> Lru[ResultRef]:
-        return self.book.results
-
-    @property
-    def _unacked(self) -> dict[str, tuple[str, dict[str, Any]]]:
-        return self.book.unacked
-
-    @property
-    def _flagged(self) -> dict[str, str]:
-        return self.book.flagged
-
-    @property
-    def _locks(self) -> dict[str, Any]:
-        return self.locks.entries
-
     @property
     def worker_session_id(self) -> str:
         return "d4w_" + self.pubkey[:48]

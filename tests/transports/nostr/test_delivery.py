@@ -108,7 +108,7 @@ async def test_answer_no_relay_took_is_published_after_restart(
             # a later start has nothing left to publish
             worker3 = D4Worker(runtime, worker2.settings)
             await worker3._scan_log()
-            assert worker3._unacked == {}
+            assert worker3.book.unacked == {}
         finally:
             await caller.close()
     finally:
@@ -166,7 +166,7 @@ async def test_answer_is_published_again_while_running(
             assert ack in await notes(runtime, sid) and ack in await notes(
                 runtime, worker.worker_session_id
             )
-            assert worker._unacked == {} and worker._flagged == {}
+            assert worker.book.unacked == {} and worker.book.flagged == {}
         finally:
             await caller.close()
     finally:
@@ -184,9 +184,10 @@ async def test_memory_is_bounded_and_the_log_still_dedupes(
             ids.append(await caller.call(FID, call_body(f"question {i}", args={"max_tokens": 3})))
             await caller.wait_final(ids[-1])
         await eventually(lambda: not worker._tasks, what="the handlers to finish")
-        assert len(worker._calls) == 1 and len(worker._results) <= 1 and len(worker._seen) <= 4
-        assert worker._locks == {}
-        assert ids[0] not in worker._calls and ids[0] not in worker._seen
+        book = worker.book
+        assert len(book.calls) == 1 and len(book.results) <= 1 and len(book.seen) <= 4
+        assert worker.locks.entries == {}
+        assert ids[0] not in book.calls and ids[0] not in book.seen
         # the forgotten first call delivered again: the log says it was answered
         assert worker.ingest(ns.Event.from_json(json.dumps(caller.sent[ids[0]]))) is True
         await eventually(lambda: worker.stats["duplicate"] == 1, what="the replay to be recognised")
@@ -228,7 +229,7 @@ async def test_start_reads_only_open_and_recent_sessions(
         worker2 = await make_worker(runtime, [local_relay.url], **opts)
         # the open session (continuable) and the recent one; not the two closed old ones
         assert worker2.stats["scanned_sessions"] == 2
-        assert not any(c in worker2._calls for c in done)
+        assert not any(c in worker2.book.calls for c in done)
         # the open session's result can still be continued
         more = await caller.wait_final(
             await caller.call(FID, call_body("x", args={"max_tokens": 2}), capped["id"])

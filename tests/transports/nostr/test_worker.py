@@ -259,7 +259,7 @@ async def test_restart_while_calls_arrive(
             await caller.wait_final(cid)
         # one call in flight when the worker stops without grace, two while it is down
         ids.append(await caller.call(fid, call_body("in flight")))
-        await eventually(lambda: ids[2] in worker._calls, what="the in-flight call to start")
+        await eventually(lambda: ids[2] in worker.book.calls, what="the in-flight call to start")
         await worker.stop(grace=0)
         await rt1.aclose()
         ids += [await caller.call(fid, call_body(f"while down {i}")) for i in range(2)]

@@ -1,4 +1,5 @@
-"""What a new user of the HTTP API sees first: create's answer, and seeds that are integers."""
+"""The session document in the HTTP API's answers: create answers the whole document (as the
+README shows), and a seed is an exact JSON integer in every answer while the log keeps digits."""
 
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ async def test_create_answers_the_whole_document_as_the_readme_says(
 async def test_seed_is_an_integer_in_every_answer_and_exact_above_2_53(
     client: httpx.AsyncClient, runtime: Runtime
 ) -> None:
-    """Issue 15: "seed comes back as a string". Every answer shows it as a JSON integer, exact at any
-    size (2**53 + 1 is where a double starts rounding); the log keeps its string of digits."""
+    """Every answer shows the seed as a JSON integer, never a string, exact at any size
+    (2**53 + 1 is where a double starts rounding); the log keeps its string of digits."""
     sid = (await client.post("/v1/sessions", json={})).json()["id"]
     await client.post(f"/v1/sessions/{sid}/append", json={"text": "Hi"})
     seeds = [7, 42, 2**53, 2**53 + 1, 2**63 + 12345, 2**64 - 1]

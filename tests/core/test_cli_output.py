@@ -1,4 +1,10 @@
-"""The rough edges a new user hits on the command line (issue 15), each as it was seen.
+"""What the command line prints, and what it leaves alone when it fails.
+
+Replay decodes characters split across tokens and escapes control characters; a bad database
+URL, a missing database and an import of a session that exists are each one line of words (no
+traceback); read-only commands never create a database; purge says what it removed; an audit
+that fails on another engine says why, without Python reprs; the progress bar is drawn only on
+a terminal; every flag has help text.
 
 Real subprocesses against real SQLite files, as in test_cli.py.
 """
