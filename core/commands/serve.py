@@ -34,7 +34,7 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
         over["auth"] = {"token": args.auth_token}
     if args.engine:
         over["engine"] = {"name": args.engine}
-    if args.model or args.dtype:
+    if args.model or args.dtype or args.attention:
         engine = over.setdefault("engine", {})
         engine.setdefault("name", "onnx")
         options = engine.setdefault("options", {})
@@ -42,6 +42,8 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
             options["model"] = args.model
         if args.dtype:
             options["dtype"] = args.dtype
+        if args.attention:
+            options["attention"] = args.attention
     return over
 
 
@@ -106,6 +108,12 @@ def register(sub: Any) -> None:
         "--dtype",
         choices=("auto", "float32", "q8", "q4"),
         help="how an imported model's weights are held (default auto: GGUF blocks as they are)",
+    )
+    s.add_argument(
+        "--attention",
+        choices=("gqa", "masked"),
+        help="an imported model's attention: gqa (default, fastest alone) or masked "
+        "(continuous batching of many sessions)",
     )
     s.add_argument(
         "--grpc", metavar="HOST:PORT", help="gRPC listen address (default 127.0.0.1:50051)"

@@ -1,0 +1,115 @@
+"""``sessiontape model import | readouts | list`` and the import cache, as a user runs them.
+
+Real subprocesses on a small Llama checkpoint written as a GGUF in the test
+(tests/engines/models/checkpoints.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import pytest
+
+from tests.engines.models import checkpoints as ck
+
+EXE = [sys.executable, "-m", "sessiontape.core.cli"]
+
+
+def run(*args: str, cache: Path, check: bool = True) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "SESSIONTAPE_CACHE": str(cache)}
+    proc = subprocess.run([*EXE, *args], capture_output=True, text=True, env=env, timeout=120)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{args} failed ({proc.returncode}): {proc.stderr}")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("src") / "tiny-llama.Q4_0.gguf"
+    ck.write_gguf(path, ck.LLAMA, ck.random_weights(ck.LLAMA), gguf.GGMLQuantizationType.Q4_0)
+    return path
+
+
+def test_import_writes_a_served_folder_with_provenance_and_concepts(
+    tiny_gguf: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "model"
+    proc = run("model", "import", str(tiny_gguf), "--out", str(out), cache=tmp_path)
+    assert proc.stdout.startswith("imported tiny-llama.Q4_0 ("), proc.stdout
+    files = {p.name for p in out.iterdir()}
+    assert {"model.onnx", "model.onnx.data", "tokenizer.json", "config.json"} <= files
+    assert {"chat_template.jinja", "readout_concepts.json"} <= files
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_id"] == "tiny-llama.Q4_0" and cfg["dtype"] == "auto"
+    assert cfg["attention"] == "gqa" and cfg["source"]["kind"] == "gguf"
+    concepts = json.loads((out / "readout_concepts.json").read_text())
+    assert concepts["concepts"] == ["question", "code", "positive", "negative", "number"]
+    assert "difference of mean hidden states" in concepts["method"]
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no temporary left
+
+
+def test_readouts_from_a_user_examples_file(tiny_gguf: Path, tmp_path: Path) -> None:
+    out = tmp_path / "model"
+    run("model", "import", str(tiny_gguf), "--out", str(out), "--dtype", "q8", cache=tmp_path)
+    examples = tmp_path / "examples.json"
+    examples.write_text(json.dumps({"greeting": ["hello there", "hi"], "code": ["x = 1", "f()"]}))
+    proc = run(
+        "model",
+        "readouts",
+        str(out),
+        "--examples",
+        str(examples),
+        "--layers",
+        "1,2",
+        cache=tmp_path,
+    )
+    assert "wrote 2 concepts" in proc.stdout
+    doc = json.loads((out / "readout_concepts.json").read_text())
+    assert doc["concepts"] == ["greeting", "code"] and doc["layers"] == [1, 2]
+    assert doc["examples_per_concept"] == {"greeting": 2, "code": 2}
+    before = (out / "readout_concepts.json").read_bytes()
+    examples.write_text(json.dumps({"only": ["one concept is not a contrast"]}))
+    bad = run(
+        "model", "readouts", str(out), "--examples", str(examples), cache=tmp_path, check=False
+    )
+    assert bad.returncode != 0 and "at least two concepts" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    assert (out / "readout_concepts.json").read_bytes() == before  # unchanged
+
+
+def test_an_unsupported_source_is_one_line_and_writes_nothing(tmp_path: Path) -> None:
+    src = tmp_path / "phi.gguf"
+    ck.write_gguf(src, ck.LLAMA, ck.random_weights(ck.LLAMA), gguf_arch="phi2")
+    out = tmp_path / "out"
+    proc = run("model", "import", str(src), "--out", str(out), cache=tmp_path, check=False)
+    assert proc.returncode != 0
+    assert "'phi2' is not supported" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not out.exists()
+
+
+def test_the_cache_imports_once_per_source_dtype_and_attention(
+    tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sessiontape.engines.models.importer import ensure_imported, source_sha256
+
+    monkeypatch.setenv("SESSIONTAPE_CACHE", str(tmp_path))
+    first = ensure_imported(str(tiny_gguf))
+    stamp = (first / "model.onnx").stat().st_mtime_ns
+    assert ensure_imported(str(tiny_gguf)) == first  # reused, not rebuilt
+    assert (first / "model.onnx").stat().st_mtime_ns == stamp
+    assert first.name.startswith(source_sha256(tiny_gguf)[:16] + "-auto-gqa-")
+    masked = ensure_imported(str(tiny_gguf), attention="masked")
+    assert masked != first and json.loads((masked / "config.json").read_text())["attention"] == (
+        "masked"
+    )
+
+
+def test_list_names_the_registry_models(tmp_path: Path) -> None:
+    proc = run("model", "list", cache=tmp_path)
+    assert proc.stdout.startswith("smollm2-135m-instruct")
