@@ -35,23 +35,41 @@ memory is about one layer's weights, whatever the model's size.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-F32 = npt.NDArray[np.float32]
-U8 = npt.NDArray[np.uint8]
+from sessiontape.engines.onnx.graph import MS, Graph
+from sessiontape.engines.onnx.weights import (
+    F32,
+    U8,
+    QuantMatrix,
+    Tensor,
+    Weights,
+    concat_out,
+    scale_out,
+)
+
+__all__ = [
+    "F32",
+    "SLOT_BLOCK",
+    "U8",
+    "Graph",
+    "ModelSpec",
+    "QuantMatrix",
+    "RopeScaling",
+    "Tensor",
+    "Weights",
+    "build_static",
+    "write_model",
+]
 
 #: the static layout's buffer capacity is a multiple of this (slot indices are built in blocks)
 SLOT_BLOCK = 64
-#: initializers at least this large go to the external data file (when there is one)
-EXTERNAL_MIN_BYTES = 1024
-_ALIGN = 4096
-MS = "com.microsoft"
 
 
 @dataclass(frozen=True)
@@ -90,101 +108,6 @@ class ModelSpec:
     attention: str = "masked"
 
 
-@dataclass
-class QuantMatrix:
-    """A matrix of ``n`` output rows in blocks of ``block`` along its ``k`` inputs (MatMulNBits' layout).
-
-    ``w[r, c] = scales[r, c // block] * (q[r, c] - 2 ** (bits - 1)) + offsets[r, c // block]``,
-    with ``q`` packed in ``data`` [n, k / block, block * bits / 8] (4 bits: element 2j in
-    the low nibble of byte j, 2j + 1 in the high one). ``offsets`` is None when zero.
-    """
-
-    bits: int
-    block: int
-    data: U8
-    scales: F32
-    offsets: F32 | None = None
-    n: int = field(init=False)
-    k: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        n, blocks, blob = self.data.shape
-        if blob * 8 != self.block * self.bits or self.scales.shape != (n, blocks):
-            raise ValueError(
-                f"quantized matrix data {self.data.shape} and scales {self.scales.shape} do not "
-                f"fit {self.bits}-bit blocks of {self.block}"
-            )
-        if self.offsets is not None and self.offsets.shape != self.scales.shape:
-            raise ValueError("quantized matrix offsets must have the scales' shape")
-        self.n, self.k = n, blocks * self.block
-
-    def codes(self) -> U8:
-        """The unpacked codes ``q`` [n, k]."""
-        if self.bits == 8:
-            return self.data.reshape(self.n, self.k)
-        lo, hi = self.data & 0x0F, self.data >> 4
-        return np.stack([lo, hi], axis=-1).reshape(self.n, self.k)
-
-    def dequantize(self) -> F32:
-        """The matrix as float32 [n, k] (``[out, in]``)."""
-        q = self.codes().reshape(self.n, -1, self.block).astype(np.float32)
-        w = (q - np.float32(1 << (self.bits - 1))) * self.scales[:, :, None]
-        if self.offsets is not None:
-            w = w + self.offsets[:, :, None]
-        return w.reshape(self.n, self.k).astype(np.float32)
-
-    def take_rows(self, rows: npt.NDArray[np.int64]) -> QuantMatrix:
-        return QuantMatrix(
-            self.bits,
-            self.block,
-            np.ascontiguousarray(self.data[rows]),
-            np.ascontiguousarray(self.scales[rows]),
-            None if self.offsets is None else np.ascontiguousarray(self.offsets[rows]),
-        )
-
-    def scaled(self, factor: float) -> QuantMatrix:
-        f = np.float32(factor)
-        return QuantMatrix(
-            self.bits,
-            self.block,
-            self.data,
-            (self.scales * f).astype(np.float32),
-            None if self.offsets is None else (self.offsets * f).astype(np.float32),
-        )
-
-
-Tensor = F32 | QuantMatrix
-#: hands out a weight by name; each is asked for once, in the order the graph needs it
-Weights = Callable[[str], Tensor]
-
-
-def concat_out(parts: list[Tensor]) -> Tensor:
-    """Matrices side by side along their outputs (q, k, v -> qkv; gate, up -> gate_up)."""
-    if all(isinstance(p, QuantMatrix) for p in parts):
-        qs = [p for p in parts if isinstance(p, QuantMatrix)]
-        if len({(p.bits, p.block, p.k) for p in qs}) == 1:
-            offsets = None
-            if any(p.offsets is not None for p in qs):
-                offsets = np.concatenate(
-                    [p.offsets if p.offsets is not None else np.zeros_like(p.scales) for p in qs]
-                )
-            return QuantMatrix(
-                qs[0].bits,
-                qs[0].block,
-                np.concatenate([p.data for p in qs]),
-                np.concatenate([p.scales for p in qs]),
-                offsets,
-            )
-    dense = [p.dequantize().T if isinstance(p, QuantMatrix) else p for p in parts]
-    return np.ascontiguousarray(np.concatenate(dense, axis=1), dtype=np.float32)
-
-
-def scale_out(w: Tensor, factor: float) -> Tensor:
-    if isinstance(w, QuantMatrix):
-        return w.scaled(factor)
-    return (w * np.float32(factor)).astype(np.float32)
-
-
 def rope_rows(max_length: int) -> int:
     """Positions the rotary tables cover: max_length + 1, rounded up to a multiple of SLOT_BLOCK."""
     return -(-(max_length + 1) // SLOT_BLOCK) * SLOT_BLOCK
@@ -214,108 +137,6 @@ def inv_frequencies(spec: ModelSpec) -> npt.NDArray[np.float64]:
 def rope_tables(spec: ModelSpec) -> tuple[F32, F32]:
     ang = np.outer(np.arange(rope_rows(spec.max_length), dtype=np.float64), inv_frequencies(spec))
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
-
-
-class Graph:
-    """A tiny builder over onnx.helper that names intermediate values uniquely.
-
-    With ``data`` (an open binary file named ``data_name`` beside the model),
-    large initializers are written to it as they are added (external data).
-    """
-
-    def __init__(self, data: BinaryIO | None = None, data_name: str = "") -> None:
-        from onnx import helper
-
-        self.h = helper
-        self.nodes: list[Any] = []
-        self.inits: list[Any] = []
-        self.n = 0
-        self._data = data
-        self._data_name = data_name
-        self._offset = 0
-
-    def op(
-        self,
-        op_type: str,
-        inputs: list[str],
-        outputs: int = 1,
-        name: str | None = None,
-        **attrs: Any,
-    ) -> Any:
-        self.n += 1
-        outs = (
-            [name]
-            if name and outputs == 1
-            else [f"{op_type.lower()}_{self.n}_{i}" for i in range(outputs)]
-        )
-        self.nodes.append(
-            self.h.make_node(op_type, inputs, outs, name=f"n{self.n}_{op_type}", **attrs)
-        )
-        return outs[0] if outputs == 1 else outs
-
-    def const(self, name: str, value: npt.NDArray[Any]) -> str:
-        from onnx import TensorProto, numpy_helper
-
-        arr = np.asarray(value)
-        if not arr.flags.c_contiguous:  # (ascontiguousarray would make a scalar 1-d)
-            arr = arr.copy(order="C")
-        if self._data is None or arr.nbytes < EXTERNAL_MIN_BYTES:
-            self.inits.append(numpy_helper.from_array(arr, name))
-            return name
-        t = numpy_helper.from_array(arr[:0].reshape((0,) * max(arr.ndim, 1)), name)
-        t.ClearField("dims")
-        t.dims.extend(arr.shape)
-        t.ClearField("raw_data")
-        pad = -self._offset % _ALIGN
-        self._data.write(b"\0" * pad)
-        self._offset += pad
-        self._data.write(arr.tobytes())
-        t.data_location = TensorProto.EXTERNAL
-        for key, val in (
-            ("location", self._data_name),
-            ("offset", str(self._offset)),
-            ("length", str(arr.nbytes)),
-        ):
-            entry = t.external_data.add()
-            entry.key, entry.value = key, val
-        self._offset += arr.nbytes
-        self.inits.append(t)
-        return name
-
-    def i64(self, name: str, *vals: int) -> str:
-        return self.const(name, np.array(vals, dtype=np.int64))
-
-    def linear(
-        self, x: str, name: str, w: Tensor, accuracy_level: int, out: str | None = None
-    ) -> str:
-        """``x @ w`` for a float [in, out] matrix or a :class:`QuantMatrix` (named ``out``)."""
-        if not isinstance(w, QuantMatrix):
-            return str(self.op("MatMul", [x, self.const(name, w)], name=out))
-        inputs = [
-            x,
-            self.const(name + ".q", w.data),
-            self.const(name + ".scales", w.scales.reshape(-1)),
-        ]
-        y = self.op(
-            "MatMulNBits",
-            inputs,
-            domain=MS,
-            K=w.k,
-            N=w.n,
-            bits=w.bits,
-            block_size=w.block,
-            accuracy_level=accuracy_level,
-            name=out if w.offsets is None else None,
-        )
-        if w.offsets is None:
-            return str(y)
-        # the block sums of x as one small MatMul against a 0/1 block indicator [k, k / block]
-        indicator = np.kron(
-            np.eye(w.k // w.block, dtype=np.float32), np.ones((w.block, 1), np.float32)
-        )
-        sums = self.op("MatMul", [x, self.const(name + ".blocks", indicator)])
-        off = self.const(name + ".offsets", np.ascontiguousarray(w.offsets.T))
-        return str(self.op("Add", [y, self.op("MatMul", [sums, off])], name=out))
 
 
 def _slot_mask(g: Graph, group: int) -> str:

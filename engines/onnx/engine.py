@@ -69,7 +69,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import logging
 import math
 import os
@@ -77,7 +76,6 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +90,8 @@ from sessiontape.core.engine import (
 from sessiontape.core.errors import ConfigError, ContextOverflow, EngineError, InvalidParameters
 from sessiontape.engines.onnx.batch import BatchScheduler, Member, Stats
 from sessiontape.engines.onnx.builder import SLOT_BLOCK
-from sessiontape.engines.onnx.demo import PAD, SIZES, ensure_demo
+from sessiontape.engines.onnx.demo import PAD
+from sessiontape.engines.onnx.folders import model_folder
 from sessiontape.engines.onnx.kvcache import KV, KVCache, common_prefix
 from sessiontape.engines.onnx.model import (
     Concepts,
@@ -112,6 +111,7 @@ from sessiontape.engines.onnx.session import (
     Runner,
     choose_providers,
     open_session,
+    preload_cuda,
     quiet_ort,
 )
 from sessiontape.engines.onnx.static import StaticRunner
@@ -151,25 +151,7 @@ class OnnxEngine(Engine):
     ) -> None:
         if unknown:
             raise ConfigError(f"unknown onnx engine options: {sorted(unknown)}")
-        if model is not None:
-            if model_dir is not None:
-                raise ConfigError("give the onnx engine either model or model_dir, not both")
-            from sessiontape.engines.models.importer import ensure_imported
-
-            folder = ensure_imported(str(model), str(dtype), str(attention))
-        elif model_dir is None and size is None and (chosen_model := default_model()):
-            from sessiontape.engines.models.importer import ensure_imported
-
-            folder = ensure_imported(chosen_model, str(dtype), str(attention))
-        elif model_dir is None:
-            size = size or "tiny"
-            if size not in SIZES:
-                raise ConfigError(
-                    f"unknown demo model size {size!r}; choose one of {sorted(SIZES)}"
-                )
-            folder = ensure_demo(size)
-        else:
-            folder = Path(model_dir)
+        folder = model_folder(model, model_dir, size, dtype, attention)
         path = folder / "model.onnx"
         if not path.exists():
             raise ConfigError(f"no model.onnx in {folder}")
@@ -187,21 +169,7 @@ class OnnxEngine(Engine):
         ):
             raise ConfigError("pass_rows must be >= 1 and kv_capacity >= 2")
         ort = quiet_ort()
-        preload = getattr(ort, "preload_dlls", None)
-        if (
-            preload is not None
-            and providers != "CPUExecutionProvider"
-            and find_spec("nvidia") is not None
-        ):
-            # the CUDA libraries of the `cuda` extra (nvidia-* wheels); it prints what it misses
-            out = io.StringIO()
-            try:
-                with contextlib.redirect_stdout(out):
-                    preload()
-            except Exception as exc:  # pragma: no cover - depends on the machine's CUDA install
-                log.debug("onnxruntime.preload_dlls failed: %s", exc)
-            if out.getvalue().strip():
-                log.debug("onnxruntime.preload_dlls: %s", out.getvalue().strip())
+        preload_cuda(ort, providers)
         chosen = choose_providers(providers)
         # onnxruntime's own default counts physical cores, which leaves half of a hyper-threaded VM idle
         threads = (os.cpu_count() or 1) if intra_op_threads is None else int(intra_op_threads)
@@ -293,20 +261,7 @@ class OnnxEngine(Engine):
         self.cache = KVCache(int(kv_cache_bytes), on_free=self.runner.release)
         self._pool = ThreadPoolExecutor(max_workers=int(workers), thread_name_prefix="onnx-engine")
         growing = isinstance(self.runner, StaticRunner) and not self.runner.fixed
-        if batch_slots and not growing:
-            raise ConfigError(
-                "batch_slots needs a static-layout model on growing buffers (the CPU default); "
-                "batching the fixed CUDA shape is not built yet"
-            )
-        if batch_slots and facts["attention"] == "gqa":
-            raise ConfigError(
-                "batch_slots needs a model imported with --attention masked: ONNX Runtime's CPU "
-                "GroupQueryAttention runs a batch only one row per sequence, by another path "
-                "than a lone session's, so batched tokens would not be bit-exact (docs/models.md)"
-            )
-        if facts["attention"] == "gqa":
-            growing = False  # no continuous batching: see above
-        slots = (8 if batch_slots is None else int(batch_slots)) if growing else 0
+        slots = _batch_slots(batch_slots, growing, str(facts["attention"]))
         self._batch: BatchScheduler | None = None
         if slots:
             assert isinstance(self.runner, StaticRunner)
@@ -719,30 +674,22 @@ class OnnxEngine(Engine):
                 self.runner.release(r.base)  # a buffer that no pass stored (the first one failed)
 
 
-def default_model() -> str | None:
-    """The registry model served when the config names none, if its package is installed.
-
-    ``SESSIONTAPE_DEFAULT_MODEL`` names another registry model, or ``demo`` for the tiny
-    demo model (the test suite's default).
-    """
-    from sessiontape.engines.models.registry import DEFAULT_MODEL, REGISTRY, installed
-
-    name = os.environ.get("SESSIONTAPE_DEFAULT_MODEL") or DEFAULT_MODEL
-    if name == "demo":
-        return None
-    if name not in REGISTRY:
+def _batch_slots(batch_slots: int | None, growing: bool, attention: str) -> int:
+    """Continuous batching's slot count: 8 by default where it is built, else 0."""
+    if batch_slots and not growing:
         raise ConfigError(
-            f"SESSIONTAPE_DEFAULT_MODEL={name!r} is not a registry model "
-            f"({', '.join(sorted(REGISTRY))}) or 'demo'"
+            "batch_slots needs a static-layout model on growing buffers (the CPU default); "
+            "batching the fixed CUDA shape is not built yet"
         )
-    if installed(name):
-        return name
-    log.warning(
-        "the default model's package (%s) is not installed; serving the tiny demo model "
-        "(scripts/setup installs it)",
-        REGISTRY[name].distribution,
-    )
-    return None
+    if attention == "gqa":
+        if batch_slots:
+            raise ConfigError(
+                "batch_slots needs a model imported with --attention masked: ONNX Runtime's CPU "
+                "GroupQueryAttention runs a batch only one row per sequence, by another path "
+                "than a lone session's, so batched tokens would not be bit-exact (docs/models.md)"
+            )
+        return 0  # no continuous batching on a GQA graph: see above
+    return (8 if batch_slots is None else int(batch_slots)) if growing else 0
 
 
 #: the most KV slots a batch pool may have (each is a full-length buffer per layer)

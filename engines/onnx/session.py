@@ -23,10 +23,13 @@ machine without a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from importlib.util import find_spec
 from typing import Any
 
 import numpy as np
@@ -335,3 +338,18 @@ def _trim_model(count: int, dtype: Any) -> bytes:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     model.ir_version = 8
     return bytes(model.SerializeToString())
+
+
+def preload_cuda(ort: Any, providers: str | Sequence[str]) -> None:
+    """Load the CUDA libraries of the `cuda` extra (nvidia-* wheels) when they are installed."""
+    preload = getattr(ort, "preload_dlls", None)
+    if preload is None or providers == "CPUExecutionProvider" or find_spec("nvidia") is None:
+        return
+    out = io.StringIO()  # it prints what it misses
+    try:
+        with contextlib.redirect_stdout(out):
+            preload()
+    except Exception as exc:  # pragma: no cover - depends on the machine's CUDA install
+        log.debug("onnxruntime.preload_dlls failed: %s", exc)
+    if out.getvalue().strip():
+        log.debug("onnxruntime.preload_dlls: %s", out.getvalue().strip())

@@ -1,0 +1,124 @@
+"""A tiny ONNX graph builder over onnx.helper, writing large initializers as external data.
+
+Intermediate values get unique names; with a data file, every initializer of
+at least :data:`EXTERNAL_MIN_BYTES` is written to it as it is added (4 KiB
+aligned, so ONNX Runtime can map it), which keeps a model's build at about
+one tensor of memory. :meth:`Graph.linear` is ``x @ w`` for a float matrix or
+a :class:`~sessiontape.engines.onnx.weights.QuantMatrix` (MatMulNBits).
+"""
+
+from __future__ import annotations
+
+from typing import Any, BinaryIO
+
+import numpy as np
+import numpy.typing as npt
+
+from sessiontape.engines.onnx.weights import QuantMatrix, Tensor
+
+#: initializers at least this large go to the external data file (when there is one)
+EXTERNAL_MIN_BYTES = 1024
+_ALIGN = 4096
+MS = "com.microsoft"
+
+
+class Graph:
+    """A tiny builder over onnx.helper that names intermediate values uniquely.
+
+    With ``data`` (an open binary file named ``data_name`` beside the model),
+    large initializers are written to it as they are added (external data).
+    """
+
+    def __init__(self, data: BinaryIO | None = None, data_name: str = "") -> None:
+        from onnx import helper
+
+        self.h = helper
+        self.nodes: list[Any] = []
+        self.inits: list[Any] = []
+        self.n = 0
+        self._data = data
+        self._data_name = data_name
+        self._offset = 0
+
+    def op(
+        self,
+        op_type: str,
+        inputs: list[str],
+        outputs: int = 1,
+        name: str | None = None,
+        **attrs: Any,
+    ) -> Any:
+        self.n += 1
+        outs = (
+            [name]
+            if name and outputs == 1
+            else [f"{op_type.lower()}_{self.n}_{i}" for i in range(outputs)]
+        )
+        self.nodes.append(
+            self.h.make_node(op_type, inputs, outs, name=f"n{self.n}_{op_type}", **attrs)
+        )
+        return outs[0] if outputs == 1 else outs
+
+    def const(self, name: str, value: npt.NDArray[Any]) -> str:
+        from onnx import TensorProto, numpy_helper
+
+        arr = np.asarray(value)
+        if not arr.flags.c_contiguous:  # (ascontiguousarray would make a scalar 1-d)
+            arr = arr.copy(order="C")
+        if self._data is None or arr.nbytes < EXTERNAL_MIN_BYTES:
+            self.inits.append(numpy_helper.from_array(arr, name))
+            return name
+        t = numpy_helper.from_array(arr[:0].reshape((0,) * max(arr.ndim, 1)), name)
+        t.ClearField("dims")
+        t.dims.extend(arr.shape)
+        t.ClearField("raw_data")
+        pad = -self._offset % _ALIGN
+        self._data.write(b"\0" * pad)
+        self._offset += pad
+        self._data.write(arr.tobytes())
+        t.data_location = TensorProto.EXTERNAL
+        for key, val in (
+            ("location", self._data_name),
+            ("offset", str(self._offset)),
+            ("length", str(arr.nbytes)),
+        ):
+            entry = t.external_data.add()
+            entry.key, entry.value = key, val
+        self._offset += arr.nbytes
+        self.inits.append(t)
+        return name
+
+    def i64(self, name: str, *vals: int) -> str:
+        return self.const(name, np.array(vals, dtype=np.int64))
+
+    def linear(
+        self, x: str, name: str, w: Tensor, accuracy_level: int, out: str | None = None
+    ) -> str:
+        """``x @ w`` for a float [in, out] matrix or a :class:`QuantMatrix` (named ``out``)."""
+        if not isinstance(w, QuantMatrix):
+            return str(self.op("MatMul", [x, self.const(name, w)], name=out))
+        inputs = [
+            x,
+            self.const(name + ".q", w.data),
+            self.const(name + ".scales", w.scales.reshape(-1)),
+        ]
+        y = self.op(
+            "MatMulNBits",
+            inputs,
+            domain=MS,
+            K=w.k,
+            N=w.n,
+            bits=w.bits,
+            block_size=w.block,
+            accuracy_level=accuracy_level,
+            name=out if w.offsets is None else None,
+        )
+        if w.offsets is None:
+            return str(y)
+        # the block sums of x as one small MatMul against a 0/1 block indicator [k, k / block]
+        indicator = np.kron(
+            np.eye(w.k // w.block, dtype=np.float32), np.ones((w.block, 1), np.float32)
+        )
+        sums = self.op("MatMul", [x, self.const(name + ".blocks", indicator)])
+        off = self.const(name + ".offsets", np.ascontiguousarray(w.offsets.T))
+        return str(self.op("Add", [y, self.op("MatMul", [sums, off])], name=out))
