@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -111,6 +111,8 @@ class GgufSource:
         self._tensors = {t.name: t for t in self._reader.tensors}
         name = str(self.meta.get("general.name") or path.stem)
         self.spec, self._permute = spec_from_gguf(self.meta, name)
+        if "rope_freqs.weight" in self._tensors:  # Llama 3.1's rope scaling, as llama.cpp keeps it
+            self.spec = replace(self.spec, rope_freq_factors=self._rope_factors())
         self.policy = WeightPolicy(dtype)
         self._embed: Tensor | None = None
 
@@ -119,6 +121,14 @@ class GgufSource:
         if t is None:
             raise UnsupportedModel(f"{self.path.name} has no tensor {name!r}")
         return t
+
+    def _rope_factors(self) -> tuple[float, ...]:
+        factors = self._vector("rope_freqs.weight")
+        if factors.shape != (self.spec.head_dim // 2,) or not np.all(factors > 0):
+            raise UnsupportedModel(
+                f"rope_freqs holds {factors.shape} factors, not {self.spec.head_dim // 2} positive"
+            )
+        return tuple(float(x) for x in factors)
 
     def _vector(self, name: str) -> F32:
         t = self._raw(name)

@@ -99,6 +99,9 @@ class ModelSpec:
     rope_theta: float = 10000.0
     eps: float = 1e-5
     rope_scaling: RopeScaling | None = None
+    #: per-frequency divisors of the rotary frequencies (llama.cpp's ``rope_freqs`` tensor, as
+    #: a GGUF stores Llama 3.1's scaling), applied after ``rope_scaling``
+    rope_freq_factors: tuple[float, ...] | None = None
     #: q, k and v projections have biases (Qwen2)
     qkv_bias: bool = False
     #: MatMulNBits' accuracy_level (4: int8 activations, the CPU's fast path)
@@ -117,6 +120,15 @@ def inv_frequencies(spec: ModelSpec) -> npt.NDArray[np.float64]:
     """The rotary inverse frequencies, with the spec's scaling applied."""
     hd = spec.head_dim
     inv = 1.0 / (spec.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+    if spec.rope_freq_factors is not None:
+        factors = np.asarray(spec.rope_freq_factors, dtype=np.float64)
+        if factors.shape != inv.shape or not np.all(factors > 0):
+            raise ValueError(f"rope frequency factors must be {inv.shape[0]} positive numbers")
+        return _scaled(spec, inv) / factors
+    return _scaled(spec, inv)
+
+
+def _scaled(spec: ModelSpec, inv: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
     sc = spec.rope_scaling
     if sc is None:
         return inv

@@ -282,6 +282,7 @@ def write_gguf(
     *,
     gguf_arch: str | None = None,
     extra: Mapping[str, int | float | str] | None = None,
+    extra_tensors: Mapping[str, F32] | None = None,
 ) -> GgufFile:
     """A GGUF file as llama.cpp's converter writes it; matrices in ``qtype`` (norms and biases
     stay F32). ``extra`` adds (or overrides) ``{arch}.``-relative integer/float/string keys."""
@@ -341,6 +342,8 @@ def write_gguf(
         held[hf_name] = (
             llama_unpermute(arr, n_head) if permute and n_head and arr.ndim == 2 else arr
         )
+    for tname, tensor in (extra_tensors or {}).items():  # as written, e.g. rope_freqs.weight
+        w.add_tensor(tname, np.ascontiguousarray(tensor, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
