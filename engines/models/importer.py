@@ -37,6 +37,7 @@ from sessiontape.core.errors import UnsupportedModel
 from sessiontape.engines.models.registry import REGISTRY, resolve
 from sessiontape.engines.models.sources import GgufSource, Source, open_source
 from sessiontape.engines.onnx.builder import write_model
+from sessiontape.engines.onnx.model import hash_file
 
 log = logging.getLogger("sessiontape.engines.models")
 
@@ -70,9 +71,7 @@ def source_sha256(path: Path) -> str:
     for f in files:
         if path.is_dir():
             h.update(f.name.encode() + b"\0")
-        with f.open("rb") as fh:
-            for block in iter(lambda: fh.read(1 << 22), b""):
-                h.update(block)
+        hash_file(h, f)
     return h.hexdigest()
 
 

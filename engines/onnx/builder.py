@@ -366,11 +366,16 @@ def _norm(g: Graph, x: str, delta: str, weight: str, eps: float, out: str) -> tu
     return str(xn), out
 
 
-def _io(spec: ModelSpec) -> tuple[list[Any], list[Any]]:
+def graph_io(
+    spec: ModelSpec, past: str = "max_sequence_length", present: str = "max_sequence_length"
+) -> tuple[list[Any], list[Any]]:
+    """The convention's inputs and outputs: KV of ``past`` slots in, ``present`` out (one
+    buffer in the static layout; the concat layout grows from past to total)."""
     from onnx import TensorProto, helper
 
     f32, i64t = TensorProto.FLOAT, TensorProto.INT64
-    kv_shape: list[str | int] = ["batch", spec.kv_heads, "max_sequence_length", spec.head_dim]
+    kv_in: list[str | int] = ["batch", spec.kv_heads, past, spec.head_dim]
+    kv_out: list[str | int] = ["batch", spec.kv_heads, present, spec.head_dim]
     inputs = [
         helper.make_tensor_value_info("input_ids", i64t, ["batch", "sequence_length"]),
         helper.make_tensor_value_info("attention_mask", i64t, ["batch", "total_sequence_length"]),
@@ -379,10 +384,8 @@ def _io(spec: ModelSpec) -> tuple[list[Any], list[Any]]:
     outs = [helper.make_tensor_value_info("logits", f32, ["batch", "sequence_length", spec.vocab])]
     for i in range(spec.layers):
         for kind in ("key", "value"):
-            inputs.append(
-                helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", f32, kv_shape)
-            )
-            outs.append(helper.make_tensor_value_info(f"present.{i}.{kind}", f32, kv_shape))
+            inputs.append(helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", f32, kv_in))
+            outs.append(helper.make_tensor_value_info(f"present.{i}.{kind}", f32, kv_out))
     for i in range(spec.layers + 1):
         outs.append(
             helper.make_tensor_value_info(
@@ -446,7 +449,7 @@ def build_static(spec: ModelSpec, weights: Weights, graph: Graph | None = None) 
             g, x, mlp, g.const(norm, _vector(weights(norm))), eps, f"hidden_states.{i + 1}"
         )
     g.linear(xn, "lm_head", weights("lm_head"), spec.accuracy_level, out="logits")
-    inputs, outs = _io(spec)
+    inputs, outs = graph_io(spec)
     graph_proto = helper.make_graph(g.nodes, f"sessiontape-{spec.name}", inputs, outs, g.inits)
     model = helper.make_model(
         graph_proto,

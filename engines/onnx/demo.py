@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from sessiontape.engines.onnx.builder import Graph, ModelSpec, build_static, rope_rows
+from sessiontape.engines.onnx.builder import Graph, ModelSpec, build_static, graph_io, rope_rows
 
 #: byte tokenizer specials (the same ids as the reference engine)
 BOS, EOS, PAD = 256, 257, 258
@@ -237,27 +237,7 @@ def _build_graph(spec: DemoSpec, w: dict[str, F32], layout: str = "static") -> A
         outputs.append(g.op("Identity", [x], name=f"hidden_states.{i + 1}"))
     g.op("MatMul", [rmsnorm(x, "final_norm"), "lm_head"], name="logits")
 
-    f32, i64t = TensorProto.FLOAT, TensorProto.INT64
-    kv_shape_in: list[str | int] = ["batch", nkv, "past_sequence_length", hd]
-    kv_shape_out: list[str | int] = ["batch", nkv, "total_sequence_length", hd]
-    inputs = [
-        helper.make_tensor_value_info("input_ids", i64t, ["batch", "sequence_length"]),
-        helper.make_tensor_value_info("attention_mask", i64t, ["batch", "total_sequence_length"]),
-        helper.make_tensor_value_info("position_ids", i64t, ["batch", "sequence_length"]),
-    ]
-    outs = [helper.make_tensor_value_info("logits", f32, ["batch", "sequence_length", spec.vocab])]
-    for i in range(spec.layers):
-        for kind in ("key", "value"):
-            inputs.append(
-                helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", f32, kv_shape_in)
-            )
-            outs.append(helper.make_tensor_value_info(f"present.{i}.{kind}", f32, kv_shape_out))
-    for i in range(spec.layers + 1):
-        outs.append(
-            helper.make_tensor_value_info(
-                f"hidden_states.{i}", f32, ["batch", "sequence_length", h]
-            )
-        )
+    inputs, outs = graph_io(model_spec(spec), "past_sequence_length", "total_sequence_length")
     graph = helper.make_graph(g.nodes, f"sessiontape-demo-{spec.name}", inputs, outs, g.inits)
     model = helper.make_model(
         graph, opset_imports=[helper.make_opsetid("", 18)], producer_name="sessiontape"

@@ -120,23 +120,19 @@ def infer_graph(inputs: Sequence[_NodeArg], outputs: Sequence[_NodeArg]) -> Grap
     )
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
+def hash_file(h: Any, path: Path) -> None:
+    """Feed ``path``'s bytes to the hash ``h``, a block at a time."""
     with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
+        for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
-    return h.hexdigest()
 
 
 def model_sha256(folder: Path) -> str:
     """sha256 of ``model.onnx``, followed by its external data file when it has one."""
     h = hashlib.sha256()
     for name in ("model.onnx", "model.onnx.data"):
-        path = folder / name
-        if path.exists():
-            with path.open("rb") as f:
-                for block in iter(lambda: f.read(1 << 22), b""):
-                    h.update(block)
+        if (folder / name).exists():
+            hash_file(h, folder / name)
     return h.hexdigest()
 
 
