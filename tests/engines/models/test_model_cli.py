@@ -113,3 +113,50 @@ def test_the_cache_imports_once_per_source_dtype_and_attention(
 def test_list_names_the_registry_models(tmp_path: Path) -> None:
     proc = run("model", "list", cache=tmp_path)
     assert proc.stdout.startswith("smollm2-135m-instruct")
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("dtype", "float64", "unknown dtype 'float64'"),
+        ("dtype", 4, "unknown dtype '4'"),
+        ("attention", "flash", "unknown attention 'flash'"),
+        ("model", "/nonexistent/model.gguf", "does not exist"),
+    ],
+)
+def test_bad_model_options_are_config_errors_and_import_nothing(
+    tiny_gguf: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    option: str,
+    value: object,
+    message: str,
+) -> None:
+    from sessiontape.core.errors import ConfigError
+    from sessiontape.engines.onnx.engine import OnnxEngine
+
+    monkeypatch.setenv("SESSIONTAPE_CACHE", str(tmp_path / "cache"))
+    options: dict[str, object] = {"model": str(tiny_gguf), option: value}
+    with pytest.raises(ConfigError, match=message):
+        OnnxEngine(**options)  # type: ignore[arg-type]
+    imported = tmp_path / "cache" / "models" / "imported"
+    assert not imported.exists() or not any(imported.iterdir())
+
+
+def test_serve_with_a_missing_model_says_so_in_one_line(tmp_path: Path) -> None:
+    db = tmp_path / "st.db"
+    proc = run(
+        "serve",
+        "--db",
+        f"sqlite+aiosqlite:///{db}",
+        "--no-grpc",
+        "--http",
+        "127.0.0.1:1",
+        "--model",
+        str(tmp_path / "missing.gguf"),
+        cache=tmp_path,
+        check=False,
+    )
+    assert proc.returncode != 0 and "missing.gguf does not exist" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not db.exists()
