@@ -339,10 +339,15 @@ def _masked(g: Graph, spec: ModelSpec, i: int, qkv: str, mask: str) -> str:
 
 def _mlp(g: Graph, spec: ModelSpec, i: int, xn: str, weights: Weights) -> str:
     p = f"l{i}."
-    gate_up = g.linear(
-        xn, p + "wgu", concat_out([weights(p + "wg"), weights(p + "wu")]), spec.accuracy_level
-    )
-    gate, up = g.op("Split", [gate_up, "c_split_gu"], outputs=2, axis=-1)
+    wg, wu = weights(p + "wg"), weights(p + "wu")
+    if isinstance(wg, QuantMatrix) and isinstance(wu, QuantMatrix):
+        # blocks: one MatMulNBits (and one offsets term) instead of two, then a Split
+        gate_up = g.linear(xn, p + "wgu", concat_out([wg, wu]), spec.accuracy_level)
+        gate, up = g.op("Split", [gate_up, "c_split_gu"], outputs=2, axis=-1)
+    else:
+        # float32: two MatMuls (one over both, then a Split, ran 8% slower on the demo)
+        gate = g.linear(xn, p + "wg", wg, spec.accuracy_level)
+        up = g.linear(xn, p + "wu", wu, spec.accuracy_level)
     act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
     return g.linear(act, p + "wd", weights(p + "wd"), spec.accuracy_level)
 

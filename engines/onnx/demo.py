@@ -47,7 +47,7 @@ from sessiontape.engines.onnx.builder import Graph, ModelSpec, build_static, gra
 #: byte tokenizer specials (the same ids as the reference engine)
 BOS, EOS, PAD = 256, 257, 258
 VOCAB = 259
-BUILDER_VERSION = 5
+BUILDER_VERSION = 6
 #: KV layouts the builder emits: ``static`` (default) keeps one preallocated
 #: buffer per layer and kind that a pass writes into at its positions (past
 #: and present are the same tensor); ``concat`` is the classic growing cache
