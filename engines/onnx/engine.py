@@ -676,11 +676,6 @@ class OnnxEngine(Engine):
 
 def _batch_slots(batch_slots: int | None, growing: bool, attention: str) -> int:
     """Continuous batching's slot count: 8 by default where it is built, else 0."""
-    if batch_slots and not growing:
-        raise ConfigError(
-            "batch_slots needs a static-layout model on growing buffers (the CPU default); "
-            "batching the fixed CUDA shape is not built yet"
-        )
     if attention == "gqa":
         if batch_slots:
             raise ConfigError(
@@ -689,6 +684,11 @@ def _batch_slots(batch_slots: int | None, growing: bool, attention: str) -> int:
                 "than a lone session's, so batched tokens would not be bit-exact (docs/models.md)"
             )
         return 0  # no continuous batching on a GQA graph: see above
+    if batch_slots and not growing:
+        raise ConfigError(
+            "batch_slots needs a static-layout model on growing buffers (the CPU default); "
+            "batching the fixed CUDA shape is not built yet"
+        )
     return (8 if batch_slots is None else int(batch_slots)) if growing else 0
 
 

