@@ -23,7 +23,7 @@ picks some of them. The client process is pinned to one CPU (the last, unless
 ``--client-cpu`` says otherwise; the server is not pinned): left to float on
 a 2-core machine, the client's gRPC threads and the server's wake each other
 across cores, which cost the gRPC rows a third of their rate
-(docs/performance.md, eighth session).
+(docs/performance.md, "Token path").
 """
 
 from __future__ import annotations

@@ -2,11 +2,14 @@
 commit-to-subscriber latency. Prints a table; ratios are against baselines
 measured in the same run.
 
-    .venv/bin/python bench/bench_log.py [--pg URL] [--events N] [--long N]
+    .venv/bin/python bench/bench_log.py [--pg URL | --no-pg] [--events N] [--long N]
+        [--rounds 3] [--replicas 1,2,3]
 
 Baselines: raw ``sqlite3`` executemany of the same rows in one transaction
-(the ceiling for SQLite), and raw asyncpg ``copy_records_to_table`` for
-PostgreSQL.
+(the ceiling for SQLite), and raw asyncpg ``executemany`` in one transaction
+for PostgreSQL. The SQLite rows run in interleaved rounds with their baseline
+(the ratio is the median of the rounds' own ratios); the PostgreSQL rows are
+medians of 3 runs. Method and figures: docs/performance.md, "Event log".
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ that lock too, so the engine and the wires take turns instead of running at
 once: with one message per token (Kakeya, Salience), a gRPC write costs
 about as much as a reference-engine step, and the two in one process reach
 a quarter of the engine's speed before the log adds anything
-(docs/performance.md, "The engine in a worker process").
+(docs/architecture.md, "The engine in a worker process").
 
 :class:`WorkerEngine` is an :class:`~sessiontape.core.engine.Engine` whose
 work happens in a child process (``python -m sessiontape.core.engine_worker``,

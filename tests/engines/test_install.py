@@ -2,7 +2,7 @@
 
 Both distributions install the same `onnxruntime` package; whichever was
 installed last owns its files, so a CPU build beside the GPU one silently
-takes the CUDA provider away (issue 13: onnxruntime-genai pulled it in).
+takes the CUDA provider away (onnxruntime-genai's CPU package depends on it).
 """
 
 from __future__ import annotations

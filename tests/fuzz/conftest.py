@@ -1,4 +1,4 @@
-"""Fuzzing every wire with Hypothesis (issue 14).
+"""Fuzzing every wire with Hypothesis.
 
 Each fuzz test exists twice: a seeded slice (``derandomize``, a few examples)
 in the default run, and a long run marked ``fuzz`` that is skipped unless

@@ -245,8 +245,8 @@ async def test_sync_tail_resume_with_saved_document(live: Served) -> None:
 
 
 async def test_seed_comes_back_as_an_exact_integer(live: Served) -> None:
-    """Issue 15: "seed comes back as a string". Through the client, every document shows a
-    generation's seed as an int, exact above 2**53 (JSON holds it; a double would not)."""
+    """Through the client, every document shows a generation's seed as an int, exact above
+    2**53 (JSON holds it; a double would not)."""
     big = 2**64 - 1
     async with AsyncClient(live.url) as st:
         sid = (await st.create_session())["id"]

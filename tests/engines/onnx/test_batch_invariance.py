@@ -1,4 +1,4 @@
-"""The static pass is batch-invariant: the ground continuous batching (issue 17) would stand on.
+"""The static pass is batch-invariant: the ground continuous batching stands on.
 
 The static demo graph takes a batch dimension: ``input_ids``/``position_ids``
 ``[B, rows]`` and one buffer ``[B, kv_heads, capacity, head_dim]`` per layer and

@@ -1,4 +1,4 @@
-"""Hostile gRPC input (issue 14): undecodable bytes, bad timestamps, corrupt Any, NaN in Struct and
+"""Hostile gRPC input: undecodable bytes, bad timestamps, corrupt Any, NaN in Struct and
 in sampling parameters are INVALID_ARGUMENT; unexpected failures are INTERNAL with a request id only."""
 
 from __future__ import annotations

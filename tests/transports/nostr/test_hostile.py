@@ -1,4 +1,4 @@
-"""Hostile D4 input (issue 14): forged events handed straight to the worker's own check, and
+"""Hostile D4 input: forged events handed straight to the worker's own check, and
 calls whose content JSON cannot be stored (lone surrogates, NaN, >64-bit ints) answered with a typed error."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Hostile HTTP input: each class from issue 14 is a typed 4xx that changes nothing, never a 500.
+"""Hostile HTTP input: each class of it is a typed 4xx that changes nothing, never a 500.
 
 The in-process client covers parsing; a real uvicorn on loopback covers the
 body limit while it streams in, slow headers, slow bodies and clients that

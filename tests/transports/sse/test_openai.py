@@ -705,9 +705,9 @@ async def test_a_response_left_running_by_a_stopped_process_can_be_continued(liv
 
 
 async def test_seed_is_an_integer_in_every_reply(live: Served) -> None:
-    """Issue 15: "seed comes back as a string". A response's and a chat completion's ``seed``
-    (an extension: the one given, or the one drawn and recorded) is a JSON integer, exact above
-    2**53; the wire record keeps the stored format, a string of digits."""
+    """A response's and a chat completion's ``seed`` (an extension: the one given, or the one
+    drawn and recorded) is a JSON integer, exact above 2**53; the wire record keeps the stored
+    format, a string of digits."""
     big = 2**63 - 1
     auth = {"Authorization": f"Bearer {TOKEN}"}
     async with httpx.AsyncClient(base_url=live.url, headers=auth, timeout=20) as h:
@@ -780,7 +780,7 @@ async def test_seed_is_an_integer_in_every_reply(live: Served) -> None:
 
 
 async def test_unknown_fields_are_refused_not_ignored(live: Served) -> None:
-    """Issue 15: "unknown request fields are silently ignored". On these routes a field that neither
+    """Unknown request fields are refused, not ignored: on these routes a field that neither
     OpenAI's API nor this server knows is 400 ``unknown_field`` naming it (as OpenAI answers), and
     nothing is written; OpenAI fields that change nothing here (``user``, ``service_tier`` ...) are
     taken."""

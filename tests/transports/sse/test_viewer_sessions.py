@@ -1,4 +1,4 @@
-"""The viewer as people use it (issue 15): summaries inline, search and filters, a session opened at a
+"""The viewer as people use it: summaries inline, search and filters, a session opened at a
 log position, forks and re-runs from the page, and layouts that hold at desktop and phone sizes.
 
 Headless Debian Chromium through playwright, a real uvicorn on loopback, the reference engine.
