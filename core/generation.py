@@ -211,6 +211,15 @@ class Generation:
         #: the producer handed the gate to another generation and waits for its next
         #: turn: no step comes soon, so the committer does not linger for more
         self._off_gate = False
+        #: the engine's last step (or its failure) is in the queue: nothing more will
+        #: come, so the committer never lingers for more
+        self._engine_done = False
+        #: the engine ended on its own and every step it made was taken: the run that
+        #: carries the last of them also carries ``generation.finished`` (one commit
+        #: fewer per generation; a short turn's whole answer can be one commit)
+        self._natural_end = False
+        #: ``generation.finished`` committed with the last run
+        self.finish_committed = False
 
     # -- stages --------------------------------------------------------------
 
@@ -293,6 +302,7 @@ class Generation:
 
     async def _put_end(self, end: _End) -> None:
         await self._queue.put(end)
+        self._engine_done = True
         if self._enough is not None:
             self._enough.set()
 
@@ -341,11 +351,12 @@ class Generation:
             # a caller slower than the engine: runs it handles in about pace_s each
             max_run = paced_run
             min_run = min(min_run, max_run)
-        elif self.consume_per_event is None:
+        elif self.consume_per_event is None and not self._engine_done:
             # the first run, before the caller's pace is known: a short one, so a slow
             # caller's first tokens do not wait behind a full run (a Kakeya client's
             # first messages took 150-200 us each: the 64th of a first run of 64
-            # arrived 11 ms after its commit)
+            # arrived 11 ms after its commit); an engine that is done already (a short
+            # answer) commits all it made at once
             max_run = min(max_run, FIRST_RUN)
             min_run = min(min_run, max_run)
         if (
@@ -355,6 +366,7 @@ class Generation:
             and interval * 4 < limits.linger_s
             and q.qsize() + 1 < min_run
             and not self._off_gate
+            and not self._engine_done
         ):
             # a fast engine: let a few more steps arrive (woken early when enough did)
             enough = self._enough = asyncio.Event()
@@ -373,6 +385,7 @@ class Generation:
         while True:
             if isinstance(item, _End):
                 self.ended = True
+                self._natural_end = item.error is None
                 if item.error is not None and not out:
                     raise item.error
                 if item.error is not None:
@@ -383,6 +396,12 @@ class Generation:
             if not item.is_prefill and (item.token_id in self.eos or item.token_id in self.stops):
                 self.reason = "eos" if item.token_id in self.eos else "stop"
                 self.ended = True
+                # the engine stops at a stop token: its end is usually queued already
+                if not q.empty():
+                    after = q.get_nowait()
+                    self._natural_end = isinstance(after, _End) and after.error is None
+                    if not isinstance(after, _End):
+                        q.put_nowait(after)  # an engine that went on: stop_engine drops it
                 break
             if len(out) >= max_run or q.empty():
                 break
@@ -427,6 +446,8 @@ class Generation:
             if self.with_run is not None and generated:
                 tokens = [s.token_id for s in steps if not s.is_prefill]
                 new.extend(self.with_run(self.st, tokens))
+            finish = self._finish_with_run(generated)
+            new.extend(finish)
             # Alone, a run commits on the spot when the writer is idle (a slow engine's
             # steps each pay no hand-offs). Beside other generations it goes through
             # the write loop, whose hand-offs let more steps gather per run: eight
@@ -438,12 +459,28 @@ class Generation:
                 length=self.st.length + generated,
                 at_once=rt.generations_running() <= 1,
             )
+        self.finish_committed = bool(finish)
         if generated:
             metrics.TOKENS_GENERATED.inc(generated)
             if self.ttft is None:
                 self.ttft = time.perf_counter() - self.t0
                 metrics.TTFT_SECONDS.observe(self.ttft)
         return evs
+
+    def _finish_with_run(self, generated: int) -> list[NewEvent]:
+        """``generation.finished`` for the run being committed, when it is the last (the
+        engine ended on its own, every step taken, its cache no longer than the history
+        will be); empty otherwise, and the finish commits on its own after the runs."""
+        if not (self.ended and self._natural_end) or self.reason == "aborted":
+            return []
+        length = self.st.length + generated
+        cached = self.rt.engine.cached_length(self.sid)
+        if cached is not None and cached > length:
+            return []  # INV-1 fails: raised after the runs, recorded as an error
+        if generated and self.ttft is None:
+            self.ttft = time.perf_counter() - self.t0
+            metrics.TTFT_SECONDS.observe(self.ttft)
+        return self.finished_event(self.reason, None, generated)
 
     async def _commit_loop(self) -> None:
         out = self._out
@@ -495,7 +532,11 @@ class Generation:
             with contextlib.suppress(BaseException):
                 await committer
 
-    def finished_event(self, reason: FinishReason, failure: BaseException | None) -> list[NewEvent]:
+    def finished_event(
+        self, reason: FinishReason, failure: BaseException | None, uncommitted: int = 0
+    ) -> list[NewEvent]:
+        """The events that end the generation (``uncommitted``: generated tokens of the
+        run they commit with, not yet in the state)."""
         g = self.st.generations[self.gid]
         total = round(time.perf_counter() - self.t0, 6)
         new: list[NewEvent] = []
@@ -516,7 +557,7 @@ class Generation:
                 self.gid,
                 reason,
                 g.prompt_length,
-                len(g.tokens),
+                len(g.tokens) + uncommitted,
                 self.prefill_s,
                 total,
                 None if self.ttft is None else round(self.ttft, 6),
@@ -629,10 +670,12 @@ async def generate_runs(
         produced = len(st.generations[gid].tokens)
         if produced and total > 0:
             metrics.TOKENS_PER_SECOND.observe(produced / total)
-        async with rt._lock(session_id):
-            fin = await rt._commit(st, gen.finished_event(gen.reason, None))
+        if not gen.finish_committed:
+            async with rt._lock(session_id):
+                fin = await rt._commit(st, gen.finished_event(gen.reason, None))
+            done = True
+            yield fin
         done = True
-        yield fin
     except Exception as exc:
         failure = exc
         raise
@@ -688,13 +731,11 @@ async def _begin(
         st = await rt._open_locked(session_id)
         if rt.is_generating(session_id):
             raise SessionBusy(session_id)
-        if rt.log.shared:
-            # other processes write to this database: with the writer lock held,
-            # make sure the cached state is the log's latest
-            row = await rt.log.get_session(session_id)
-            if row.version != st.version:
-                rt._drop(st)
-                st = await rt._open_locked(session_id)
+        # Other processes may write to this database (replicas on PostgreSQL): a state
+        # they moved on is dropped by the runtime's follower when their events arrive,
+        # and a commit made on a state still stale fails as a version conflict, with
+        # nothing written (the writer checks the log's end under its position lock):
+        # generate_runs then begins again on a reloaded state. No read per turn.
         new: list[NewEvent] = []
         stale = st.active_generation
         if stale is not None:

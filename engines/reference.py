@@ -110,11 +110,9 @@ class ReferenceEngine(Engine):
             raise ContextOverflow(
                 f"history of {n} tokens leaves no room in {self._info.max_length}"
             )
-        for p in range(n):
+        for p in _prompt_positions(options, n):
             want_lp = options.wants_logprobs(p, generated=False)
             want_ro = options.wants_readout(p)
-            if not (want_lp or want_ro):
-                continue
             lp = log_softmax(self.logits(hist, p)) if want_lp else None
             yield Step(
                 token_id=hist[p],
@@ -148,3 +146,12 @@ class ReferenceEngine(Engine):
 
     def cached_length(self, session_key: str) -> int | None:
         return None
+
+
+def _prompt_positions(options: OutputOptions, n: int) -> list[int]:
+    """The prompt positions (below ``n``) some range asks about, in order: a turn's work
+    follows what was asked, not the length of the session's history."""
+    wanted: set[int] = set()
+    for a, b in (*options.logprob_ranges, *options.readout_ranges):
+        wanted.update(range(max(0, a), min(b, n)))
+    return sorted(wanted)

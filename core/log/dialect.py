@@ -156,6 +156,11 @@ class Dialect(ABC):
             isinstance(exc, DBAPIError) and exc.connection_invalidated
         )
 
+    async def append_batch(self, args: Sequence[Any]) -> bool | None:
+        """Commit a plain batch (event rows without data, session index updates) in
+        one call, when the dialect has such a path; None when it has not."""
+        return None
+
     async def reset_pool(self) -> None:
         """After an unavailable error: drop pooled connections (all may be dead; the next
         use connects afresh) instead of handing each dead one out in turn."""
@@ -164,8 +169,9 @@ class Dialect(ABC):
     async def migration_lock(self, conn: AsyncConnection) -> None:  # noqa: B027
         """Inside the migration transaction: one server migrates at a time."""
 
-    async def listen(self, wake: Callable[[], None]) -> None:  # noqa: B027
-        """Call ``wake`` when another process commits (a hint; tailers also poll)."""
+    async def listen(self, wake: Callable[[int | None], None]) -> None:  # noqa: B027
+        """Call ``wake`` when a process commits, with the log's end after that commit
+        when known (a hint; tailers also poll)."""
 
     async def try_lock_session(self, session_id: str) -> bool:
         """Take a session's cross-process writer lock; False when another process holds it."""
@@ -385,6 +391,8 @@ class PostgresDialect(Dialect):
         #: the connection holding this process's session writer locks
         self._lock_conn: AsyncConnection | None = None
         self._lock_mutex = asyncio.Lock()
+        #: the writer's connection for :meth:`append_batch`
+        self._append_conn: AsyncConnection | None = None
 
     def sql(self, text: str) -> str:
         parts = text.split("?")
@@ -428,18 +436,48 @@ class PostgresDialect(Dialect):
         statement = f"COPY {table} ({', '.join(columns)}) FROM STDIN (FORMAT binary)"
         try:
             await_only(driver.copy_records_to_table(table, records=rows, columns=list(columns)))
-        except asyncpg.exceptions.IntegrityConstraintViolationError as exc:
-            raise IntegrityError(statement, None, exc) from exc
-        except (
-            asyncpg.exceptions.PostgresConnectionError,
-            asyncpg.exceptions.OperatorInterventionError,
-            asyncpg.exceptions.InterfaceError,
-            # how asyncpg reports a connection the server ended mid-protocol
-            asyncpg.exceptions.InternalClientError,
-        ) as exc:
-            raise OperationalError(statement, None, exc, connection_invalidated=True) from exc
         except asyncpg.exceptions.PostgresError as exc:
-            raise DBAPIError(statement, None, exc) from exc
+            raise _as_sqlalchemy(statement, exc) from exc
+        except (asyncpg.exceptions.InterfaceError, asyncpg.exceptions.InternalClientError) as exc:
+            raise _as_sqlalchemy(statement, exc) from exc
+
+    async def append_batch(self, args: Sequence[Any]) -> bool | None:
+        """One ``sessiontape_append`` call (migrations/versions/0002_pg_append.py) on the
+        writer's own connection: the whole batch in one round trip and one transaction.
+        True when it committed; False when the log moved on since the plan (nothing
+        written). Errors are raised as SQLAlchemy's, as the usual path raises them."""
+        import asyncpg
+
+        statement = (
+            "SELECT sessiontape_append($1"
+            + "".join(f", ${i}" for i in range(2, len(args) + 1))
+            + ")"
+        )
+        try:
+            if self._append_conn is None:
+                conn = await self.engine.connect()
+                self._append_conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+            raw = await self._append_conn.get_raw_connection()
+            driver: Any = raw.driver_connection
+            return bool(await driver.fetchval(statement, *args))
+        except (
+            asyncpg.exceptions.PostgresError,
+            asyncpg.exceptions.InterfaceError,
+            asyncpg.exceptions.InternalClientError,
+            OSError,
+        ) as exc:
+            mapped = _as_sqlalchemy(statement, exc)
+            if isinstance(mapped, OperationalError):
+                await self._drop_append_conn()
+            raise mapped from exc
+
+    async def _drop_append_conn(self) -> None:
+        conn, self._append_conn = self._append_conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                await conn.invalidate()
+            with contextlib.suppress(Exception):
+                await conn.close()
 
     def lock_positions(self, cur: Any) -> None:
         cur.execute(self.sql("SELECT pg_advisory_xact_lock(?)"), (PG_LOCK_KEY,))
@@ -450,10 +488,14 @@ class PostgresDialect(Dialect):
     async def migration_lock(self, conn: AsyncConnection) -> None:
         await conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": PG_MIGRATE_KEY})
 
-    async def listen(self, wake: Callable[[], None]) -> None:
+    async def listen(self, wake: Callable[[int | None], None]) -> None:
         self._listen_conn = await self.engine.connect()
         raw = await self._listen_conn.get_raw_connection()
-        await raw.driver_connection.add_listener(PG_CHANNEL, lambda *_: wake())  # type: ignore[union-attr]
+
+        def notified(_conn: Any, _pid: int, _channel: str, payload: str) -> None:
+            wake(int(payload) if payload.isdigit() else None)
+
+        await raw.driver_connection.add_listener(PG_CHANNEL, notified)  # type: ignore[union-attr]
 
     async def try_lock_session(self, session_id: str) -> bool:
         """A session-level advisory lock on one connection kept for all of this
@@ -488,9 +530,32 @@ class PostgresDialect(Dialect):
                     await conn.close()
 
     async def close(self) -> None:
+        await self._drop_append_conn()
         for conn in (self._listen_conn, self._lock_conn):
             if conn is not None:
                 with contextlib.suppress(Exception):
                     await conn.close()
         self._listen_conn = self._lock_conn = None
         await super().close()
+
+
+def _as_sqlalchemy(statement: str, exc: BaseException) -> DBAPIError:
+    """An asyncpg error raised as SQLAlchemy raises it, so the writer maps every
+    statement's errors one way: a uniqueness violation is a conflict, a lost
+    connection or a shutting-down server is unavailable, anything else the server
+    refuses is the request's fault."""
+    import asyncpg
+
+    if isinstance(exc, asyncpg.exceptions.IntegrityConstraintViolationError):
+        return IntegrityError(statement, None, exc)
+    if isinstance(
+        exc,
+        asyncpg.exceptions.PostgresConnectionError
+        | asyncpg.exceptions.OperatorInterventionError
+        | asyncpg.exceptions.InterfaceError
+        # how asyncpg reports a connection the server ended mid-protocol
+        | asyncpg.exceptions.InternalClientError
+        | OSError,
+    ):
+        return OperationalError(statement, None, exc, connection_invalidated=True)
+    return DBAPIError(statement, None, exc)

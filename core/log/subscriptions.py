@@ -91,8 +91,11 @@ class Subscriptions:
             self._published = last_position
             self._tailer = asyncio.create_task(self._tail_loop(), name="sessiontape-log-tailer")
 
-    def wake(self) -> None:
-        """A hint that another process committed (LISTEN/NOTIFY)."""
+    def wake(self, end: int | None = None) -> None:
+        """A hint that a process committed (LISTEN/NOTIFY), with the log's end after it
+        when known: this process's own commits, published already, wake nobody."""
+        if end is not None and end <= self._published:
+            return
         self._wake.set()
 
     async def close(self) -> None:
@@ -108,13 +111,24 @@ class Subscriptions:
         if not self.tail:
             self._publish(evs)
         elif self._subscribers:
-            self._wake.set()
+            if not evs or evs[-1].position <= self._published:
+                return  # a tail read that raced this commit published it already
+            if evs[0].position == self._published + 1:
+                # nothing of another process's lies between what was published and
+                # these (positions commit in order, under the position lock): handed
+                # on as they are, not read back from the database
+                self._publish(evs)
+            else:
+                self._wake.set()
         else:
             # Nobody listens: skip reading our own writes back. A new
             # subscriber catches up from the database anyway.
             self._published = max(self._published, evs[-1].position)
 
     def _publish(self, evs: list[Event]) -> None:
+        if evs and evs[0].position <= self._published:
+            # a tail read that raced this process's own commit, published already
+            evs = [e for e in evs if e.position > self._published]
         if not evs:
             return
         for sub in list(self._subscribers):

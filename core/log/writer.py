@@ -421,16 +421,30 @@ class Writer:
             )
 
         results: list[list[Event]] | None = None
-        if plan is not None:
+        args = None if plan is None or hook is not None else _batch_args(plan)
+        if plan is not None and args is not None:
+            done = await self.dialect.append_batch(args)
+            if done:
+                results = plan.results
+            elif done is False:
+                plan = self._moved()
+        if plan is not None and results is None:
             planned = plan
             try:
                 results = await run(lambda cur: self._apply(cur, planned, expect_position=True))
             except _Moved:
-                plan = None  # another process wrote: plan again, inside the transaction
+                plan = self._moved()
         if results is None:
             results = await run(lambda cur: self._write(cur, batch))
         self._landed(results)
         return results, plan is not None
+
+    def _moved(self) -> None:
+        """Another process wrote since a plan was made: plan again inside the
+        transaction, and forget the cached heads (that process may have written to any
+        of them; each is read again when next used)."""
+        self._heads.clear()
+        return None
 
     def _landed(self, results: list[list[Event]]) -> None:
         """What a commit tells the planner: the session heads and the log's end."""
@@ -449,11 +463,11 @@ class Writer:
         Run on the event loop's thread, so that the writer thread (SQLite) does
         little but SQL: SQLite's work, which releases the GIL, overlaps this
         Python work. :meth:`_apply` checks, under the write lock, that the log
-        still ends where the plan assumed (:class:`_Moved`). A database shared by
-        several processes (PostgreSQL) always plans inside its transaction.
+        still ends where the plan assumed (:class:`_Moved`). On a database shared by
+        several processes (PostgreSQL) another process's write moves the log's end,
+        so a plan made from a stale cache never commits: it is made again inside
+        the transaction, and the cached heads are forgotten (:meth:`_moved`).
         """
-        if self.dialect.shared:
-            return None
         start = self._last_position if after is None else after.end
         if start is None or any(req.kind not in ("append", "touch") for req in batch):
             return None
@@ -748,3 +762,36 @@ class Writer:
             sets.append("event_count = ?" if reset else "event_count = event_count + ?")
             sql = f"UPDATE sessions SET {', '.join(sets)} WHERE id = ?"
             cur.executemany(self.dialect.sql(sql), rows)
+
+
+def _batch_args(plan: _Plan) -> list[Any] | None:
+    """``plan`` as the arguments of :meth:`Dialect.append_batch` (position lock, the
+    log's end before and after, the channel, the event columns, the sessions' index
+    columns); None when the plan needs more than rows and index updates."""
+    if plan.purged or plan.blob_rows or plan.new_sessions or plan.data_rows:
+        return None
+    if any(u.get("reset") for u in plan.updates.values()):
+        return None
+    from sessiontape.core.log.dialect import PG_CHANNEL, PG_LOCK_KEY
+
+    columns: list[list[Any]] = [list(c) for c in zip(*plan.rows, strict=True)] or [[]] * 8
+    ids = list(plan.updates)
+    ups = [plan.updates[i] for i in ids]
+    index = [[u.get(c) for u in ups] for c in _UPDATABLE]
+    version, head, updated, active, status, history = index
+    counts = [u["n"] for u in ups]
+    return [
+        PG_LOCK_KEY,
+        plan.start,
+        plan.end,
+        PG_CHANNEL,
+        *columns,
+        ids,
+        counts,
+        version,
+        head,
+        updated,
+        active,
+        status,
+        history,
+    ]

@@ -103,7 +103,11 @@ async def test_a_stop_at_every_step_leaves_log_finished_and_cache_agreeing(
             got = generated(await rt.log.read(sid))
             # the log may hold more than the caller took (committed, never shown), never less
             assert got == full[: len(got)] and len(got) >= k
-            assert fin.body["finish_reason"] == "cancelled"
+            # cancelled; or, when the engine had finished and its last run (which carries
+            # the finish) committed while the caller still handled the one before, length
+            # with every token in the log
+            reason = fin.body["finish_reason"]
+            assert reason == "cancelled" or (reason == "length" and len(got) == 10), reason
             # the session goes on from what the log holds
             more = generated(
                 [e async for e in rt.generate(sid, SamplingParams(max_tokens=2, temperature=0.0))]
@@ -494,7 +498,11 @@ async def test_a_run_hooks_events_commit_with_the_runs_tokens(sqlite_url: str) -
         assert len(set(lengths)) == 1  # the prompt's length, every time
         for run, tokens in zip(token_runs, seen, strict=True):
             assert generated(run) == tokens
-            assert run[-1].type == T.NOTE and run[-1].body["text"].endswith(f"{len(tokens)} tokens")
+            # the hook's events right after the tokens (the last run ends with the finish)
+            ours = run[:-1] if run[-1].type == T.GENERATION_FINISHED else run
+            assert ours[-1].type == T.NOTE and ours[-1].body["text"].endswith(
+                f"{len(tokens)} tokens"
+            )
             assert len({e.recorded_at for e in run}) == 1  # one commit
         evs = await rt.log.read(sid)
         assert [e.hash for r in token_runs for e in r] == [

@@ -21,7 +21,7 @@ async def test_models_and_migrations_agree(db_url: str) -> None:
     finally:
         await log.close()
     assert diff == []
-    assert rev == "0001_initial"
+    assert rev == "0002_pg_append"
 
 
 async def test_reopening_a_migrated_database_is_a_no_op(sqlite_url: str) -> None:
