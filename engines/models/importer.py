@@ -1,6 +1,6 @@
 """Import a GGUF file or a Hugging Face folder into a model folder the ONNX engine serves.
 
-    sessiontape model import SOURCE --out DIR [--dtype auto|float32|q8|q4]
+    sessiontape model import SOURCE --out DIR [--dtype auto|float32|float16|q8|q4]
 
 writes, beside each other::
 

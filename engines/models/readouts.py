@@ -96,8 +96,9 @@ def _hidden_means(
             "attention_mask": np.ones((1, cap), np.int64),
             "position_ids": np.arange(n, dtype=np.int64)[None],
         }
-        for p in pasts:
-            feed[p.name] = np.zeros((1, int(p.shape[1]), cap, int(p.shape[3])), np.float32)
+        for p in pasts:  # the element type the graph declares (float16 for --dtype float16)
+            kv_type = np.float16 if p.type == "tensor(float16)" else np.float32
+            feed[p.name] = np.zeros((1, int(p.shape[1]), cap, int(p.shape[3])), kv_type)
         got = sess.run([f"hidden_states.{layer}" for layer in layers], feed)
         rows.append([np.asarray(h[0], np.float64).mean(axis=0) for h in got])
     out = np.asarray(rows, np.float64)

@@ -9,6 +9,9 @@ import's dtype asks (:class:`WeightPolicy`):
   K-quants) are re-quantized to 8-bit blocks. A Hugging Face checkpoint is
   imported as float32.
 - ``float32``: every weight dequantized (exactly, :func:`quant.dequantize`).
+- ``float16``: every weight dequantized as for ``float32``, then held as float16, and the
+  graph computes in float16 (:attr:`ModelSpec.float_type`; the KV cache float16 too,
+  logits and hidden states cast to float32 at the outputs). For CUDA; the CPU runs it.
 - ``q8`` / ``q4``: matrices in 8-bit / 4-bit blocks (GGUF blocks of that
   width kept, others quantized); the embedding in 8-bit blocks.
 
@@ -32,7 +35,10 @@ from sessiontape.engines.models import quant
 from sessiontape.engines.models.arch import spec_from_gguf, spec_from_hf
 from sessiontape.engines.onnx.builder import F32, QuantMatrix, Tensor
 
-DTYPES = ("auto", "float32", "q8", "q4")
+DTYPES = ("auto", "float32", "float16", "q8", "q4")
+#: dtypes whose weights are all dequantized to float (the builder rounds them to the graph's
+#: float type)
+FLOAT_DTYPES = ("float32", "float16")
 
 
 @dataclass(frozen=True)
@@ -44,7 +50,7 @@ class WeightPolicy:
     def matrix(self, raw: Any, ggml_type: int | None, rows_float: Callable[[], F32]) -> Tensor:
         """A projection as the builder takes it (float32 [in, out] or a QuantMatrix of its rows)."""
         kept = ggml_type in quant.BLOCK_BYTES
-        if self.dtype == "float32":
+        if self.dtype in FLOAT_DTYPES:
             return np.ascontiguousarray(rows_float().T)
         if self.dtype == "auto":
             if kept:
@@ -59,7 +65,7 @@ class WeightPolicy:
 
     def embedding(self, raw: Any, ggml_type: int | None, rows_float: Callable[[], F32]) -> Tensor:
         """The token embedding [vocab, hidden]: 8-bit blocks where exact (or asked), else float32."""
-        if self.dtype == "float32":
+        if self.dtype in FLOAT_DTYPES:
             return rows_float()
         if ggml_type == quant.Q8_0:
             return quant.to_matrix(np.asarray(raw), ggml_type)
@@ -71,10 +77,14 @@ class WeightPolicy:
 
 
 def lm_head_from_embedding(embed: Tensor) -> Tensor:
-    """Tied embeddings: the output head reads the embedding's rows (a QuantMatrix as it is)."""
+    """Tied embeddings: the output head reads the embedding's rows (a QuantMatrix as it is).
+
+    A float embedding's head is its transposed view: the builder writes it in row-major
+    order in the graph's float type, one copy (a float16 head never holds a float32 one).
+    """
     if isinstance(embed, QuantMatrix):
         return embed
-    return np.ascontiguousarray(embed.T)
+    return embed.T
 
 
 _LAYER = re.compile(r"^l(\d+)\.(\w+)$")
@@ -114,6 +124,7 @@ class GgufSource:
         if "rope_freqs.weight" in self._tensors:  # Llama 3.1's rope scaling, as llama.cpp keeps it
             self.spec = replace(self.spec, rope_freq_factors=self._rope_factors())
         self.policy = WeightPolicy(dtype)
+        self.spec = replace(self.spec, float_type=float_type(dtype))
         self._embed: Tensor | None = None
 
     def _raw(self, name: str) -> Any:
@@ -303,6 +314,7 @@ class HfSource:
                 self._where[name] = st
         self.spec, self._tied = spec_from_hf(self.config, folder.name)
         self.policy = WeightPolicy("float32" if dtype == "auto" else dtype)
+        self.spec = replace(self.spec, float_type=float_type(dtype))
 
     def _rows(self, name: str) -> F32:
         st = self._where.get(name)
@@ -331,6 +343,11 @@ class HfSource:
 
 
 Source = GgufSource | HfSource
+
+
+def float_type(dtype: str) -> str:
+    """The graph's float type for an import ``dtype``: float16 for ``float16``, else float32."""
+    return "float16" if dtype == "float16" else "float32"
 
 
 def open_source(path: Path, dtype: str = "auto") -> Source:

@@ -7,9 +7,10 @@ model as a :class:`ModelSpec` and hand over its weights by name
 (:data:`Weights`); this module writes the ``static`` layout graph::
 
     input_ids [b, s] int64, attention_mask [b, t] int64, position_ids [b, s] int64,
-    past_key_values.N.key|value [b, kv_heads, capacity, head_dim] float32
-    -> logits [b, s, vocab], present.N.key|value (the same buffers, written at position_ids),
-       hidden_states.N [b, s, hidden]   (N = 0 embeddings, N = i after layer i)
+    past_key_values.N.key|value [b, kv_heads, capacity, head_dim] float32 (or float16)
+    -> logits [b, s, vocab] float32, present.N.key|value (the same buffers, written at
+       position_ids), hidden_states.N [b, s, hidden] float32 (N = 0 embeddings, N = i after
+       layer i)
 
 Weight names (matrices are ``[in, out]`` float32 arrays or :class:`QuantMatrix`)::
 
@@ -25,6 +26,14 @@ keep the offset as a small float matrix: ``x . w = MatMulNBits(x) +
 blocksum(x) . offsets``, which stays on MatMulNBits' fast path (a float zero
 point would leave it). An 8-bit embedding is read with
 ``GatherBlockQuantized``.
+
+With ``ModelSpec.float_type`` ``float16`` the graph computes in float16:
+float weights are rounded to float16 as they are written (a QuantMatrix is
+dequantized first), activations and the KV buffers are float16 (ONNX
+Runtime's CPU provider runs every operator here in float16, both attentions
+included; float16 is meant for CUDA), and ``logits`` and ``hidden_states.N``
+are cast to float32 at the outputs, so what reads them (sampling, logprobs,
+readouts) is the same for either type.
 
 The builder streams: it asks for each weight when it writes it, and with
 ``data_file`` set writes every large initializer straight to that file
@@ -70,6 +79,8 @@ __all__ = [
 
 #: the static layout's buffer capacity is a multiple of this (slot indices are built in blocks)
 SLOT_BLOCK = 64
+#: the graph's float types (ModelSpec.float_type) and their numpy types
+FLOAT_TYPES: dict[str, Any] = {"float32": np.float32, "float16": np.float16}
 
 
 @dataclass(frozen=True)
@@ -109,6 +120,16 @@ class ModelSpec:
     #: attention as separate operators over a mask by position (``masked``), or one fused
     #: com.microsoft GroupQueryAttention per layer (``gqa``; see :func:`_gqa`)
     attention: str = "masked"
+    #: the element type the graph computes in, ``float32`` or ``float16`` (float weights,
+    #: activations and the KV buffers; ``logits`` and ``hidden_states.N`` stay float32)
+    float_type: str = "float32"
+
+    @property
+    def np_float(self) -> Any:
+        """The numpy type of :attr:`float_type`."""
+        if self.float_type not in FLOAT_TYPES:
+            raise ValueError(f"float_type must be one of {', '.join(FLOAT_TYPES)}")
+        return FLOAT_TYPES[self.float_type]
 
 
 def rope_rows(max_length: int) -> int:
@@ -146,9 +167,11 @@ def _scaled(spec: ModelSpec, inv: npt.NDArray[np.float64]) -> npt.NDArray[np.flo
     raise ValueError(f"unsupported rope scaling {sc.kind!r}")
 
 
-def rope_tables(spec: ModelSpec) -> tuple[F32, F32]:
+def rope_tables(spec: ModelSpec) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
+    """cos and sin [rope_rows, head_dim / 2], in the graph's float type (rounded once, from
+    float64)."""
     ang = np.outer(np.arange(rope_rows(spec.max_length), dtype=np.float64), inv_frequencies(spec))
-    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    return np.cos(ang).astype(spec.np_float), np.sin(ang).astype(spec.np_float)
 
 
 def _slot_mask(g: Graph, group: int) -> str:
@@ -198,8 +221,8 @@ def _constants(g: Graph, spec: ModelSpec) -> None:
     g.const("c_one_s", np.array(1, np.int64))
     g.i64("c_zero", 0)
     g.i64("c_block", SLOT_BLOCK)
-    g.const("c_neginf", np.array(-np.inf, np.float32))
-    g.const("c_zero_f", np.array(0.0, np.float32))
+    g.const("c_neginf", np.array(-np.inf, spec.np_float))
+    g.const("c_zero_f", np.array(0.0, spec.np_float))
     g.i64("c_split_qkv", nh * hd, nkv * hd, nkv * hd)
     g.i64("c_split_gu", spec.intermediate, spec.intermediate)
     g.i64("c_shape_q", 0, 0, nh, hd)
@@ -215,9 +238,10 @@ def _constants(g: Graph, spec: ModelSpec) -> None:
     g.const("rope_sin", sin)
 
 
-def _embedding(g: Graph, w: Tensor) -> str:
+def _embedding(g: Graph, spec: ModelSpec, w: Tensor) -> str:
+    out = _inner(spec, "hidden_states.0")
     if isinstance(w, QuantMatrix):
-        if w.bits != 8 or w.offsets is not None:
+        if w.bits != 8 or w.offsets is not None or spec.float_type != "float32":
             w = w.dequantize()
         else:
             return str(
@@ -233,10 +257,27 @@ def _embedding(g: Graph, w: Tensor) -> str:
                     block_size=w.block,
                     gather_axis=0,
                     quantize_axis=1,
-                    name="hidden_states.0",
+                    name=out,
                 )
             )
-    return str(g.op("Gather", [g.const("embed", w), "input_ids"], axis=0, name="hidden_states.0"))
+    table = g.const("embed", w.astype(spec.np_float, copy=False))
+    return str(g.op("Gather", [table, "input_ids"], axis=0, name=out))
+
+
+def _inner(spec: ModelSpec, name: str) -> str:
+    """The name a float32 output ``name`` has inside the graph: itself, or in a float16 graph
+    a value that :func:`_to_outputs` casts to it."""
+    return name if spec.float_type == "float32" else name + ".inner"
+
+
+def _to_outputs(g: Graph, spec: ModelSpec) -> None:
+    """A float16 graph's logits and hidden states, cast to float32 (the outputs' type)."""
+    from onnx import TensorProto
+
+    if spec.float_type == "float32":
+        return
+    for name in ["logits", *(f"hidden_states.{i}" for i in range(spec.layers + 1))]:
+        g.op("Cast", [_inner(spec, name)], to=TensorProto.FLOAT, name=name)
 
 
 def _attention(g: Graph, spec: ModelSpec, i: int, xn: str, weights: Weights, mask: str) -> str:
@@ -245,7 +286,7 @@ def _attention(g: Graph, spec: ModelSpec, i: int, xn: str, weights: Weights, mas
     p = f"l{i}."
     scale = hd**-0.5
     wqkv = concat_out([scale_out(weights(p + "wq"), scale), weights(p + "wk"), weights(p + "wv")])
-    qkv = g.linear(xn, p + "wqkv", wqkv, spec.accuracy_level)
+    qkv = g.linear(xn, p + "wqkv", wqkv, spec.accuracy_level, dtype=spec.np_float)
     if spec.qkv_bias:
         bias = np.concatenate(
             [
@@ -253,10 +294,10 @@ def _attention(g: Graph, spec: ModelSpec, i: int, xn: str, weights: Weights, mas
                 np.asarray(weights(p + "bk"), np.float32),
                 np.asarray(weights(p + "bv"), np.float32),
             ]
-        ).astype(np.float32)
+        ).astype(spec.np_float)
         qkv = g.op("Add", [qkv, g.const(p + "bqkv", bias)])
     att = _gqa(g, spec, i, qkv) if spec.attention == "gqa" else _masked(g, spec, i, qkv, mask)
-    return g.linear(att, p + "wo", weights(p + "wo"), spec.accuracy_level)
+    return g.linear(att, p + "wo", weights(p + "wo"), spec.accuracy_level, dtype=spec.np_float)
 
 
 def _gqa(g: Graph, spec: ModelSpec, i: int, qkv: str) -> str:
@@ -339,23 +380,24 @@ def _masked(g: Graph, spec: ModelSpec, i: int, qkv: str, mask: str) -> str:
 
 def _mlp(g: Graph, spec: ModelSpec, i: int, xn: str, weights: Weights) -> str:
     p = f"l{i}."
+    dt = spec.np_float
     wg, wu = weights(p + "wg"), weights(p + "wu")
-    if isinstance(wg, QuantMatrix) and isinstance(wu, QuantMatrix):
+    if isinstance(wg, QuantMatrix) and isinstance(wu, QuantMatrix) and spec.float_type == "float32":
         # blocks: one MatMulNBits (and one offsets term) instead of two, then a Split
         gate_up = g.linear(xn, p + "wgu", concat_out([wg, wu]), spec.accuracy_level)
         gate, up = g.op("Split", [gate_up, "c_split_gu"], outputs=2, axis=-1)
     else:
-        # float32: two MatMuls (one over both, then a Split, ran 8% slower on the demo)
-        gate = g.linear(xn, p + "wg", wg, spec.accuracy_level)
-        up = g.linear(xn, p + "wu", wu, spec.accuracy_level)
+        # float: two MatMuls (one over both, then a Split, ran 8% slower on the demo)
+        gate = g.linear(xn, p + "wg", wg, spec.accuracy_level, dtype=dt)
+        up = g.linear(xn, p + "wu", wu, spec.accuracy_level, dtype=dt)
     act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
-    return g.linear(act, p + "wd", weights(p + "wd"), spec.accuracy_level)
+    return g.linear(act, p + "wd", weights(p + "wd"), spec.accuracy_level, dtype=dt)
 
 
-def _vector(w: Tensor) -> F32:
+def _vector(spec: ModelSpec, w: Tensor) -> npt.NDArray[Any]:
     if isinstance(w, QuantMatrix):
         raise ValueError("a norm weight must be a float vector, not a quantized matrix")
-    return w
+    return np.asarray(w).astype(spec.np_float, copy=False)
 
 
 def _norm(g: Graph, x: str, delta: str, weight: str, eps: float, out: str) -> tuple[str, str]:
@@ -379,6 +421,7 @@ def graph_io(
     from onnx import TensorProto, helper
 
     f32, i64t = TensorProto.FLOAT, TensorProto.INT64
+    kv_type = TensorProto.FLOAT16 if spec.float_type == "float16" else f32
     kv_in: list[str | int] = ["batch", spec.kv_heads, past, spec.head_dim]
     kv_out: list[str | int] = ["batch", spec.kv_heads, present, spec.head_dim]
     inputs = [
@@ -389,8 +432,10 @@ def graph_io(
     outs = [helper.make_tensor_value_info("logits", f32, ["batch", "sequence_length", spec.vocab])]
     for i in range(spec.layers):
         for kind in ("key", "value"):
-            inputs.append(helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", f32, kv_in))
-            outs.append(helper.make_tensor_value_info(f"present.{i}.{kind}", f32, kv_out))
+            inputs.append(
+                helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", kv_type, kv_in)
+            )
+            outs.append(helper.make_tensor_value_info(f"present.{i}.{kind}", kv_type, kv_out))
     for i in range(spec.layers + 1):
         outs.append(
             helper.make_tensor_value_info(
@@ -432,28 +477,36 @@ def build_static(spec: ModelSpec, weights: Weights, graph: Graph | None = None) 
         g.op("Cast", [last], to=TensorProto.INT32, name="c_seqlens_k")
         total = g.op("Add", [g.op("ReduceMax", ["position_ids"], keepdims=0), "c_one_s"])
         g.op("Cast", [total], to=TensorProto.INT32, name="c_total_len")
-    x = _embedding(g, weights("embed"))
+    x = _embedding(g, spec, weights("embed"))
     eps = spec.eps
     xn, _ = _norm(
         g,
         x,
         g.op("Mul", [x, "c_zero_f"]),
-        g.const("l0.attn_norm", _vector(weights("l0.attn_norm"))),
+        g.const("l0.attn_norm", _vector(spec, weights("l0.attn_norm"))),
         eps,
         "h_in",
     )
     for i in range(spec.layers):
         p = f"l{i}."
         att = _attention(g, spec, i, xn, weights, mask)
-        xn, x = _norm(
-            g, x, att, g.const(p + "mlp_norm", _vector(weights(p + "mlp_norm"))), eps, f"h{i}.mid"
-        )
+        mlp_norm = g.const(p + "mlp_norm", _vector(spec, weights(p + "mlp_norm")))
+        xn, x = _norm(g, x, att, mlp_norm, eps, f"h{i}.mid")
         mlp = _mlp(g, spec, i, xn, weights)
         norm = "final_norm" if i + 1 == spec.layers else f"l{i + 1}.attn_norm"
         xn, x = _norm(
-            g, x, mlp, g.const(norm, _vector(weights(norm))), eps, f"hidden_states.{i + 1}"
+            g,
+            x,
+            mlp,
+            g.const(norm, _vector(spec, weights(norm))),
+            eps,
+            _inner(spec, f"hidden_states.{i + 1}"),
         )
-    g.linear(xn, "lm_head", weights("lm_head"), spec.accuracy_level, out="logits")
+    # a float16 graph's head runs in float16 too: a float32 head (a cast of the final norm's
+    # output, a float32 matrix) measured no closer to the float32 path on SmolLM2-135M
+    logits = _inner(spec, "logits")
+    g.linear(xn, "lm_head", weights("lm_head"), spec.accuracy_level, logits, spec.np_float)
+    _to_outputs(g, spec)
     inputs, outs = graph_io(spec)
     graph_proto = helper.make_graph(g.nodes, f"sessiontape-{spec.name}", inputs, outs, g.inits)
     model = helper.make_model(

@@ -1,7 +1,7 @@
 """``sessiontape model ...``: build the demo model, import real models, derive readout concepts.
 
 sessiontape model build-demo [--size tiny|small] [--out DIR]
-sessiontape model import SOURCE --out DIR [--dtype auto|float32|q8|q4]
+sessiontape model import SOURCE --out DIR [--dtype auto|float32|float16|q8|q4]
 sessiontape model readouts MODEL_DIR [--examples FILE] [--layers 15,30]
 sessiontape model list
 """
@@ -35,9 +35,10 @@ def register(subparsers: Any) -> None:
     imp.add_argument("--out", type=Path, required=True, help="the model folder to write")
     imp.add_argument(
         "--dtype",
-        choices=("auto", "float32", "q8", "q4"),
+        choices=("auto", "float32", "float16", "q8", "q4"),
         default="auto",
-        help="weights: auto (GGUF blocks as they are; HF float32), float32, q8 or q4",
+        help="weights: auto (GGUF blocks as they are; HF float32), float32, float16 (the graph "
+        "computes in float16: for CUDA), q8 or q4",
     )
     imp.add_argument(
         "--attention",

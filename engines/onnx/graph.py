@@ -92,11 +92,24 @@ class Graph:
         return self.const(name, np.array(vals, dtype=np.int64))
 
     def linear(
-        self, x: str, name: str, w: Tensor, accuracy_level: int, out: str | None = None
+        self,
+        x: str,
+        name: str,
+        w: Tensor,
+        accuracy_level: int,
+        out: str | None = None,
+        dtype: Any = np.float32,
     ) -> str:
-        """``x @ w`` for a float [in, out] matrix or a :class:`QuantMatrix` (named ``out``)."""
+        """``x @ w`` for a float [in, out] matrix or a :class:`QuantMatrix` (named ``out``).
+
+        With ``dtype`` float16 the matrix is stored as float16, a QuantMatrix dequantized
+        first (its blocks run as MatMulNBits only in a float32 graph).
+        """
+        if isinstance(w, QuantMatrix) and np.dtype(dtype) != np.float32:
+            w = np.ascontiguousarray(w.dequantize().T)
         if not isinstance(w, QuantMatrix):
-            return str(self.op("MatMul", [x, self.const(name, w)], name=out))
+            weight = self.const(name, w.astype(dtype, order="C", copy=False))
+            return str(self.op("MatMul", [x, weight], name=out))
         inputs = [
             x,
             self.const(name + ".q", w.data),

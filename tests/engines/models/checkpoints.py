@@ -426,8 +426,9 @@ def run_imported(
     sess = ort.InferenceSession(str(folder / model), opts, providers=["CPUExecutionProvider"])
     pasts = [i for i in sess.get_inputs() if i.name.startswith("past_key_values.")]
     cap = -(-(len(ids) + 1) // 64) * 64
+    kv_type = {"tensor(float)": np.float32, "tensor(float16)": np.float16}  # as the graph declares
     buffers = {
-        p.name: np.zeros((1, int(p.shape[1]), cap, int(p.shape[3])), np.float32) for p in pasts
+        p.name: np.zeros((1, int(p.shape[1]), cap, int(p.shape[3])), kv_type[p.type]) for p in pasts
     }
     presents = [p.name.replace("past_key_values.", "present.") for p in pasts]
     out, start = [], 0

@@ -6,6 +6,7 @@ Real subprocesses on a small Llama checkpoint written as a GGUF in the test
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -108,6 +109,32 @@ def test_the_cache_imports_once_per_source_dtype_and_attention(
     assert masked != first and json.loads((masked / "config.json").read_text())["attention"] == (
         "masked"
     )
+
+
+def test_float16_from_the_command_line_and_the_engine_option(
+    tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import numpy as np
+    import onnx
+
+    from sessiontape.engines.onnx.engine import OnnxEngine
+
+    out = tmp_path / "model"
+    proc = run(
+        "model", "import", str(tiny_gguf), "--out", str(out), "--dtype", "float16", cache=tmp_path
+    )
+    assert "float16" in proc.stdout, proc.stdout
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float16"
+    graph = onnx.load(str(out / "model.onnx"), load_external_data=False).graph
+    past = [v for v in graph.input if v.name.startswith("past_key_values.")]
+    assert past and all(v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16 for v in past)
+    monkeypatch.setenv("SESSIONTAPE_CACHE", str(tmp_path / "cache"))
+    eng = OnnxEngine(model=str(tiny_gguf), dtype="float16", intra_op_threads=1)
+    try:
+        assert "-float16-gqa-" in Path(eng.model_dir).name
+        assert np.dtype(eng.spec.kv_dtype) == np.float16
+    finally:
+        asyncio.run(eng.aclose())
 
 
 def test_list_names_the_registry_models(tmp_path: Path) -> None:
