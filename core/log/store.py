@@ -138,6 +138,7 @@ class EventLog:
             self.subscriptions.committed,
             batch_max=batch_max,
             inline_max_bytes=inline_max_bytes,
+            on_expect=self.subscriptions.expect,
         )
 
     @property

@@ -81,6 +81,9 @@ class Subscriptions:
         self.poll_interval_s = poll_interval_s
         self._subscribers: set[_Subscriber] = set()
         self._published = 0
+        #: the log's end after this process's commit in flight: its NOTIFY (which may
+        #: arrive before the commit's answer) is this process's own, not a reason to read
+        self._own_end = 0
         self._wake = asyncio.Event()
         self._tailer: asyncio.Task[None] | None = None
         self._closing = False
@@ -94,7 +97,7 @@ class Subscriptions:
     def wake(self, end: int | None = None) -> None:
         """A hint that a process committed (LISTEN/NOTIFY), with the log's end after it
         when known: this process's own commits, published already, wake nobody."""
-        if end is not None and end <= self._published:
+        if end is not None and end <= max(self._published, self._own_end):
             return
         self._wake.set()
 
@@ -105,6 +108,12 @@ class Subscriptions:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._tailer
             self._tailer = None
+
+    def expect(self, end: int) -> None:
+        """This process's writer is about to commit up to ``end`` and will hand the
+        events on (:meth:`committed`); a commit that fails sends no NOTIFY, and one
+        planned again commits as usual."""
+        self._own_end = max(self._own_end, end)
 
     def committed(self, evs: list[Event]) -> None:
         """This process's writer committed ``evs``."""

@@ -149,9 +149,13 @@ class Writer:
         *,
         batch_max: int,
         inline_max_bytes: int,
+        on_expect: Callable[[int], None] | None = None,
     ) -> None:
         self.dialect = dialect
         self.on_commit = on_commit
+        #: told the log's end a one-call commit will leave, before it is sent: this
+        #: process hands those events on itself (its own NOTIFY wakes no tail read)
+        self.on_expect = on_expect
         self.batch_max = batch_max
         self.inline_max_bytes = inline_max_bytes
         self._queue: asyncio.Queue[Request | None] = asyncio.Queue()
@@ -423,6 +427,8 @@ class Writer:
         results: list[list[Event]] | None = None
         args = None if plan is None or hook is not None else _batch_args(plan)
         if plan is not None and args is not None:
+            if self.on_expect is not None:
+                self.on_expect(plan.end)
             done = await self.dialect.append_batch(args)
             if done:
                 results = plan.results
