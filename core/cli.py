@@ -34,6 +34,7 @@ from sessiontape.core.commands.replay import cmd_replay
 from sessiontape.core.commands.serve import cmd_serve, serve_overrides
 from sessiontape.core.commands.sessions import cmd_sessions_ls, cmd_sessions_show
 from sessiontape.core.commands.transfer import cmd_export, cmd_import
+from sessiontape.core.config import LoggingSettings
 from sessiontape.core.errors import ConfigError, SessiontapeError
 
 #: importable from here as before the commands moved to core/commands/
@@ -99,12 +100,13 @@ def _plugin_commands(sub: Any) -> None:
         register(sub)
 
 
-def _config_logging(args: argparse.Namespace) -> dict[str, Any]:
-    """``[logging]`` from the config, read before logging starts (defaults when unreadable)."""
+def _config_logging(args: argparse.Namespace) -> LoggingSettings:
+    """``[logging]`` from the config, read before logging starts (defaults when unreadable:
+    the command itself then reports what is wrong with the config)."""
     try:
-        return load_config(args).section("logging")
+        return load_config(args).logging
     except SessiontapeError:
-        return {}
+        return LoggingSettings()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -113,15 +115,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     from sessiontape.core.logformat import configure
 
     settings = _config_logging(args)
-    level = "DEBUG" if args.verbose else str(settings.get("level", "INFO"))
-    fmt = getattr(args, "log_format", None) or str(settings.get("format", "text"))
+    level = "DEBUG" if args.verbose else settings.level
+    fmt = getattr(args, "log_format", None) or settings.format
     try:
         configure(level, fmt)
     except ConfigError as exc:
         print(f"sessiontape: error: {exc.message}", file=sys.stderr)
         return 2
     logging.getLogger("alembic").setLevel(logging.WARNING)
-    if not settings.get("access_log", True):
+    if not settings.access_log:
         logging.getLogger("sessiontape.access").setLevel(logging.WARNING)
     try:
         result = args.func(args)

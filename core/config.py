@@ -1,5 +1,14 @@
 """Configuration: defaults, then a TOML file, then ``SESSIONTAPE_*`` env, then flags.
 
+Each section is a frozen dataclass below (:mod:`sessiontape.core.settings`
+says how one is declared and validated) and holds the one default of each of
+its options; an engine's ``[engine.options]`` and each ``[transports.NAME]``
+table are validated by the class the engine or transport declares
+(``options_class``, found through :mod:`sessiontape.core.registry`).
+:meth:`Config.load` reads the layers once and refuses what it does not know:
+an unknown section or key (naming the nearest known one), a value of the
+wrong type, a value out of bounds. docs/configuration.md lists every option.
+
 Example ``sessiontape.toml``::
 
     [database]
@@ -9,15 +18,10 @@ Example ``sessiontape.toml``::
     name = "reference"          # or "onnx"
     process = "inline"          # or "worker": the engine in a process of its own
     [engine.options]
-    size = "tiny"
+    max_length = 2048
 
     [transports.grpc]
-    enabled = true
     listen = "127.0.0.1:50051"
-
-    [transports.http]
-    enabled = true
-    listen = "127.0.0.1:8080"
 
     [auth]
     token = ""                  # bearer token; empty = no auth
@@ -26,13 +30,13 @@ Environment variables map onto keys with ``__`` between levels, e.g.
 ``SESSIONTAPE_DATABASE__URL``, ``SESSIONTAPE_ENGINE__NAME``,
 ``SESSIONTAPE_TRANSPORTS__GRPC__LISTEN``. Short aliases: ``SESSIONTAPE_DB``,
 ``SESSIONTAPE_ENGINE``, ``SESSIONTAPE_AUTH_TOKEN``. Values are parsed as TOML
-scalars when they parse (``true``, ``12``, ``"x"``), else taken as strings.
+scalars when they parse (``true``, ``12``, ``"x"``), else taken as strings; a
+string option keeps the variable's text as it is (a token of digits stays a string).
 """
 
 from __future__ import annotations
 
 import copy
-import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -40,69 +44,209 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sessiontape.core.errors import ConfigError
+from sessiontape.core.errors import ConfigError, PluginNotFound
+from sessiontape.core.settings import load_section, nearest, option
 
-DEFAULT_DB_URL = "sqlite+aiosqlite:///./sessiontape.db"
-ENGINE_PROCESSES = ("inline", "worker")
 
-DEFAULTS: dict[str, Any] = {
-    "database": {"url": DEFAULT_DB_URL, "echo": False},
-    # process: "inline" runs the engine on the server's event loop; "worker" serves it
-    # from a child process (core/engine_worker.py), so its Python time does not take turns
-    # with the transports' and the log's
-    "engine": {"name": "onnx", "process": "inline", "options": {}},
-    "transports": {
-        "grpc": {"enabled": True, "listen": "127.0.0.1:50051"},
-        "http": {"enabled": True, "listen": "127.0.0.1:8080"},
-        "nostr": {"enabled": False, "relays": []},
-    },
-    "auth": {"token": ""},
-    "sessions": {
-        # idle TTL per protocol; "default" applies to the rest
-        "idle_ttl_s": {"default": 1800.0, "salience": 1800.0, "kakeya": 1800.0},
-        "sweep_interval_s": 30.0,
-        "max_nesting_depth": 32,
-        "max_nodes": 100_000,
-        "state_cache_size": 1024,
-    },
-    "log": {
-        "batch_max": 2000,
-        "snapshot_every": 10_000,
-        "inline_max_bytes": 4096,
-        "poll_interval_s": 0.5,
-    },
-    "generation": {
-        # decoded steps that may wait uncommitted (a full queue pauses the engine)
-        "run_ahead": 256,
-        # most steps committed in one append
-        "max_run": 256,
-        # a fast engine's steps are gathered for up to linger_s, or until min_run wait
-        "min_run": 64,
-        "linger_s": 0.005,
-        # engine steps a generation takes per turn of the priority gate, holding it
-        # at most burst_s (a turn fills a run: burst >= min_run)
-        "burst": 64,
-        "burst_s": 0.005,
-        # a caller slower than the engine (one message per token) gets runs it
-        # handles in about pace_s each, committed when it asks for the next
-        "pace_s": 0.004,
-    },
-    "logging": {"level": "INFO", "format": "text", "access_log": True},
-    # what one request may cost (docs/security.md); every wire reads these
-    "limits": {
-        "max_body_bytes": 16
-        * 1024
-        * 1024,  # HTTP body and gRPC message, refused while streaming in
-        "max_json_depth": 64,  # nesting of a JSON request body
-        "max_meta_bytes": 64 * 1024,  # session meta and one feedback body, as JSON
-        "body_timeout_s": 30.0,  # a body that sends nothing for this long is refused (408)
-        "header_timeout_s": 10.0,  # request line and headers must arrive within this (slowloris)
-        "keep_alive_s": 5.0,  # idle keep-alive connections are closed after this
-        "max_header_bytes": 16 * 1024,  # request line + headers
-        "max_connections": 1000,  # concurrent HTTP connections and tasks before 503s
-        "max_requests_per_client": 64,  # concurrent HTTP requests (SSE streams included) per client address
-        "max_streams_per_connection": 100,  # concurrent gRPC streams on one client connection
-    },
+def parse_listen(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` (or ``[v6]:PORT``) to a tuple; raises ConfigError."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ConfigError(f"expected HOST:PORT, got {value!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def host_port(value: str) -> str | None:
+    """A check for listen options (:func:`sessiontape.core.settings.option`)."""
+    _, sep, port = value.rpartition(":")
+    return None if sep and port.isdigit() and int(port) < 65536 else "must be HOST:PORT"
+
+
+def _url(value: str) -> str | None:
+    return None if "://" in value else "must be a SQLAlchemy URL (DRIVER://...)"
+
+
+def _level(value: str) -> str | None:
+    names = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+    return None if value.upper() in names else f"must be one of {', '.join(names)}"
+
+
+@dataclass(frozen=True)
+class DatabaseSettings:
+    """``[database]``: where the log lives."""
+
+    url: str = option(
+        "sqlite+aiosqlite:///./sessiontape.db",
+        "a SQLAlchemy async URL: `sqlite+aiosqlite:///FILE`, or "
+        "`postgresql+asyncpg://USER@HOST:PORT/DB` (the `postgres` extra)",
+        check=_url,
+    )
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """``[engine]``: which engine serves generations, and where it runs."""
+
+    name: str = option(
+        "onnx",
+        "`onnx`, `reference` (the deterministic test engine), or a `module:Class` path",
+    )
+    process: str = option(
+        "inline",
+        "`inline` runs the engine on the server's event loop; `worker` in a child process "
+        "of its own, so its Python time does not take turns with the wires and the log",
+        choices=("inline", "worker"),
+    )
+    options: dict[str, Any] = option(
+        factory=dict,
+        doc="the engine's own options (`[engine.options]`; their tables are below)",
+    )
+
+
+@dataclass(frozen=True)
+class AuthSettings:
+    """``[auth]``: who may call."""
+
+    token: str = option(
+        "",
+        "bearer token every gRPC call and HTTP request must carry (health endpoints stay "
+        "open); empty: no auth",
+        repr=False,
+    )
+
+
+#: a session's idle time to live where ``[sessions] idle_ttl_s`` names none for its protocol
+IDLE_TTL_S = 1800.0
+
+
+@dataclass(frozen=True)
+class SessionsSettings:
+    """``[sessions]``: session lifetime and size limits."""
+
+    idle_ttl_s: float | dict[str, float] = option(
+        factory=lambda: {"default": IDLE_TTL_S, "salience": IDLE_TTL_S, "kakeya": IDLE_TTL_S},
+        doc="seconds a session may sit idle before it expires, per protocol (`default` for the "
+        "others); one number sets them all",
+        gt=0,
+    )
+    sweep_interval_s: float = option(30.0, "seconds between sweeps for expired sessions", gt=0)
+    max_nesting_depth: int = option(32, "Evergreen DAG depth limit", ge=1)
+    max_nodes: int = option(
+        100_000,
+        "Evergreen nodes per session; more fragments are refused as resource exhausted",
+        ge=1,
+    )
+    state_cache_size: int = option(
+        1024, "session states kept in memory (the log is the truth)", ge=1
+    )
+    kakeya_sink: int = option(
+        0, "Kakeya truncation: first positions kept (`[transports.grpc] sink` wins)", ge=0
+    )
+    kakeya_window: int | None = option(
+        None,
+        "Kakeya truncation: last positions kept; unset: no truncation "
+        "(`[transports.grpc] window` wins)",
+        ge=1,
+    )
+
+
+@dataclass(frozen=True)
+class LogSettings:
+    """``[log]``: the event log's group commit, snapshots and payloads."""
+
+    batch_max: int = option(2000, "events per group commit", ge=1)
+    snapshot_every: int = option(10_000, "events between state snapshots; 0: none", ge=0)
+    inline_max_bytes: int = option(
+        4096, "larger payloads are stored as content-addressed blobs", ge=1
+    )
+    poll_interval_s: float = option(0.5, "PostgreSQL tailer's poll, beside LISTEN/NOTIFY", gt=0)
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """``[generation]``: the pipelined token path (docs/architecture.md, Generation)."""
+
+    run_ahead: int = option(
+        256, "decoded steps that may wait uncommitted; a full queue pauses the engine", ge=1
+    )
+    max_run: int = option(256, "most steps committed in one append", ge=1)
+    min_run: int = option(
+        64,
+        "while the engine produces steps on the event loop, gather up to this many per append ...",
+        ge=1,
+    )
+    linger_s: float = option(0.005, "... waiting at most this long for them", gt=0)
+    burst: int = option(
+        64,
+        "engine steps a generation takes in one turn of the priority gate (keep it at "
+        "least `min_run`) ...",
+        ge=1,
+    )
+    burst_s: float = option(
+        0.005, "... ending past this many seconds while another generation waits", gt=0
+    )
+    pace_s: float = option(
+        0.004,
+        "a caller slower than the engine gets runs it handles in about this long, each "
+        "committed when it asks for it",
+        gt=0,
+    )
+
+
+@dataclass(frozen=True)
+class LoggingSettings:
+    """``[logging]``: what ``sessiontape`` commands log, and how."""
+
+    level: str = option("INFO", "log level (`-v` forces DEBUG)", check=_level)
+    format: str = option("text", "`text`, or `json`: one object per line", choices=("text", "json"))
+    access_log: bool = option(True, "the HTTP access log, on the `sessiontape.access` logger")
+
+
+@dataclass(frozen=True)
+class LimitsSettings:
+    """``[limits]``: what one request may cost, on every wire (docs/security.md)."""
+
+    max_body_bytes: int = option(
+        16 * 1024 * 1024,
+        "an HTTP body (413 while it streams in) and the gRPC message size "
+        "(`[transports.grpc] max_message_bytes` wins there)",
+        ge=1,
+    )
+    max_json_depth: int = option(64, "nesting of a JSON request body", ge=1)
+    max_meta_bytes: int = option(64 * 1024, "session `meta` and one feedback body, as JSON", ge=1)
+    body_timeout_s: float = option(
+        30.0, "a body that sends nothing for this long is refused (408)", gt=0
+    )
+    header_timeout_s: float = option(
+        10.0, "the request line and headers must arrive within this (slowloris)", gt=0
+    )
+    keep_alive_s: float = option(5.0, "idle keep-alive connections close after this", gt=0)
+    max_header_bytes: int = option(16 * 1024, "request line plus headers", ge=1)
+    max_connections: int = option(1000, "concurrent HTTP connections and tasks before 503", ge=1)
+    max_requests_per_client: int = option(
+        64,
+        "concurrent HTTP requests (SSE streams included) from one address before 429 "
+        "(`/healthz` exempt)",
+        ge=1,
+    )
+    max_streams_per_connection: int = option(
+        100,
+        "concurrent gRPC streams on one client connection "
+        "(`[transports.grpc] max_concurrent_streams` wins)",
+        ge=1,
+    )
+
+
+#: every section but ``[transports]`` (a table per transport, each its transport's class)
+SECTIONS: dict[str, type[Any]] = {
+    "database": DatabaseSettings,
+    "engine": EngineSettings,
+    "auth": AuthSettings,
+    "sessions": SessionsSettings,
+    "log": LogSettings,
+    "generation": GenerationSettings,
+    "logging": LoggingSettings,
+    "limits": LimitsSettings,
 }
 
 ALIASES = {
@@ -118,7 +262,7 @@ def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
         if isinstance(value, Mapping) and isinstance(base.get(key), dict):
             _merge(base[key], value)
         else:
-            base[key] = copy.deepcopy(value)
+            base[key] = copy.deepcopy(dict(value) if isinstance(value, Mapping) else value)
     return base
 
 
@@ -138,22 +282,52 @@ def _set_path(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
     node[path[-1]] = value
 
 
-def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _env_paths(environ: Mapping[str, str]) -> dict[tuple[str, ...], tuple[str, bool]]:
+    """Each configuration variable's key path, text, and whether it parses as TOML."""
+    out: dict[tuple[str, ...], tuple[str, bool]] = {}
     for name, raw in environ.items():
         if name in ALIASES:
-            _set_path(out, ALIASES[name], raw)
+            out[ALIASES[name]] = (raw, False)
         elif name.startswith("SESSIONTAPE_") and "__" in name:
             path = tuple(p.lower() for p in name[len("SESSIONTAPE_") :].split("__"))
-            _set_path(out, path, _parse_scalar(raw))
+            out[path] = (raw, True)
     return out
 
 
-@dataclass
-class Config:
-    """The merged configuration tree, with typed accessors for what core reads."""
+def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The configuration tree the ``SESSIONTAPE_*`` variables set."""
+    out: dict[str, Any] = {}
+    for path, (raw, parse) in _env_paths(environ).items():
+        _set_path(out, path, _parse_scalar(raw) if parse else raw)
+    return out
 
-    data: dict[str, Any] = field(default_factory=lambda: copy.deepcopy(DEFAULTS))
+
+def _paths(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> set[tuple[str, ...]]:
+    out: set[tuple[str, ...]] = set()
+    for key, value in tree.items():
+        path = (*prefix, str(key))
+        out |= _paths(value, path) if isinstance(value, Mapping) else {path}
+    return out
+
+
+@dataclass(frozen=True)
+class Config:
+    """The configuration, one typed object per section (:meth:`load` builds it)."""
+
+    database: DatabaseSettings = field(default_factory=DatabaseSettings)
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    auth: AuthSettings = field(default_factory=AuthSettings)
+    sessions: SessionsSettings = field(default_factory=SessionsSettings)
+    log: LogSettings = field(default_factory=LogSettings)
+    generation: GenerationSettings = field(default_factory=GenerationSettings)
+    logging: LoggingSettings = field(default_factory=LoggingSettings)
+    limits: LimitsSettings = field(default_factory=LimitsSettings)
+    #: transport name -> its settings (the transport's ``options_class``), or its table
+    #: as given for a transport that declares none
+    transports: dict[str, Any] = field(default_factory=dict)
+    #: ``[engine.options]`` as the engine's ``options_class`` reads them (None: the engine
+    #: declares none, or is not installed here; its own constructor then judges them)
+    engine_settings: Any = None
 
     @classmethod
     def load(
@@ -163,7 +337,8 @@ class Config:
         environ: Mapping[str, str] | None = None,
         overrides: Mapping[str, Any] | None = None,
     ) -> Config:
-        data = copy.deepcopy(DEFAULTS)
+        """Defaults < ``path`` (TOML) < ``environ`` (``os.environ``) < ``overrides`` (flags)."""
+        data: dict[str, Any] = {}
         if path is not None:
             p = Path(path)
             try:
@@ -172,113 +347,127 @@ class Config:
                 raise ConfigError(f"config file {p} not found") from exc
             except tomllib.TOMLDecodeError as exc:
                 raise ConfigError(f"config file {p} is not valid TOML: {exc}") from exc
+        env = _env_paths(os.environ if environ is None else environ)
         _merge(data, env_overrides(os.environ if environ is None else environ))
+        flagged = _paths(overrides or {})
+        texts = {".".join(p): raw for p, (raw, _) in env.items() if p not in flagged}
         if overrides:
             _merge(data, overrides)
-        cfg = cls(data)
-        cfg.validate()
-        return cfg
+        return cls.from_tree(data, texts=texts)
 
-    def validate(self) -> None:
-        if not isinstance(self.db_url, str) or "://" not in self.db_url:
-            raise ConfigError(f"database.url must be a SQLAlchemy URL, got {self.db_url!r}")
-        numbers = {
-            "sessions": ("sweep_interval_s", "max_nesting_depth", "max_nodes", "state_cache_size"),
-            "log": ("batch_max", "snapshot_every", "inline_max_bytes", "poll_interval_s"),
-            "generation": tuple(DEFAULTS["generation"]),
-            "limits": tuple(DEFAULTS["limits"]),
+    @classmethod
+    def from_tree(
+        cls, data: Mapping[str, Any], *, texts: Mapping[str, str] | None = None
+    ) -> Config:
+        """The configuration a merged TOML tree describes, or ConfigError."""
+        for name in data:
+            if name not in SECTIONS and name != "transports":
+                known = [*SECTIONS, "transports"]
+                near = nearest(str(name), known)
+                hint = f"did you mean [{near}]?" if near else f"known: {', '.join(sorted(known))}"
+                raise ConfigError(f"unknown section [{name}]; {hint}")
+        sections = {
+            name: load_section(kind, data.get(name), name, texts=texts)
+            for name, kind in SECTIONS.items()
         }
-        for section, keys in numbers.items():
-            for key in keys:
-                value = self.section(section).get(key, DEFAULTS[section][key])
-                if isinstance(value, bool) or (
-                    not isinstance(value, int | float) and not _numeric(value)
-                ):
-                    raise ConfigError(f"{section}.{key} must be a number, got {value!r}")
-                if not math.isfinite(float(value)):
-                    raise ConfigError(f"{section}.{key} must be a finite number, got {value!r}")
-                if float(value) <= 0 and key != "snapshot_every":
-                    raise ConfigError(f"{section}.{key} must be positive, got {value!r}")
-        ttls = self.section("sessions").get("idle_ttl_s", {})
-        for proto, value in ttls.items() if isinstance(ttls, dict) else [("default", ttls)]:
-            if isinstance(value, bool) or not _numeric(value) or float(value) <= 0:
-                raise ConfigError(
-                    f"sessions.idle_ttl_s.{proto} must be a positive number, got {value!r}"
-                )
-        if self.engine_process not in ENGINE_PROCESSES:
-            raise ConfigError(
-                f"engine.process must be one of {', '.join(ENGINE_PROCESSES)}, "
-                f"got {self.data['engine'].get('process')!r}"
-            )
-        for name, opts in self.transports.items():
-            if not isinstance(opts, dict):
-                raise ConfigError(f"transports.{name} must be a table")
-
-    def section(self, *path: str) -> dict[str, Any]:
-        node: Any = self.data
-        for key in path:
-            node = node.get(key, {}) if isinstance(node, dict) else {}
-        return node if isinstance(node, dict) else {}
+        engine: EngineSettings = sections["engine"]
+        return cls(
+            **sections,
+            transports=_transports(data.get("transports"), texts or {}),
+            engine_settings=_engine_settings(engine, texts or {}),
+        )
 
     @property
     def db_url(self) -> str:
-        return str(self.data["database"]["url"])
+        return self.database.url
 
     @property
     def engine_name(self) -> str:
-        return str(self.data["engine"]["name"])
+        return self.engine.name
 
     @property
     def engine_process(self) -> str:
         """Where the engine runs: ``inline`` (the server's event loop) or ``worker``."""
-        return str(self.section("engine").get("process", "inline"))
+        return self.engine.process
 
     @property
     def engine_options(self) -> dict[str, Any]:
-        return dict(self.section("engine", "options"))
-
-    @property
-    def transports(self) -> dict[str, dict[str, Any]]:
-        return dict(self.section("transports"))
+        """The ``[engine.options]`` given, as keywords for the engine's constructor (as its
+        options class read them, where it declares one)."""
+        if self.engine_settings is None:
+            return dict(self.engine.options)
+        return {key: getattr(self.engine_settings, key) for key in self.engine.options}
 
     def enabled_transports(self) -> list[str]:
-        return [n for n, o in self.transports.items() if o.get("enabled", False)]
+        return [n for n, s in self.transports.items() if _enabled(s)]
 
     @property
     def auth_token(self) -> str:
-        return str(self.section("auth").get("token") or "")
+        return self.auth.token
 
     def idle_ttl(self, protocol: str) -> float:
-        ttls = self.section("sessions").get("idle_ttl_s", {})
-        if isinstance(ttls, int | float):
-            return float(ttls)
-        return float(ttls.get(protocol, ttls.get("default", 1800.0)))
+        ttls = self.sessions.idle_ttl_s
+        if isinstance(ttls, float):
+            return ttls
+        return ttls.get(protocol, ttls.get("default", IDLE_TTL_S))
 
     def sessions_opt(self, key: str) -> Any:
-        return self.section("sessions").get(key, DEFAULTS["sessions"][key])
+        """One of ``[sessions]`` by name (``config.sessions.KEY`` reads it typed)."""
+        return getattr(self.sessions, key)
 
     def log_opt(self, key: str) -> Any:
-        return self.section("log").get(key, DEFAULTS["log"][key])
-
-    def limit(self, key: str) -> float:
-        """One of the ``[limits]`` (validated positive numbers)."""
-        return float(self.section("limits").get(key, DEFAULTS["limits"][key]))
-
-    def generation_opt(self, key: str) -> Any:
-        return self.section("generation").get(key, DEFAULTS["generation"][key])
+        """One of ``[log]`` by name (``config.log.KEY`` reads it typed)."""
+        return getattr(self.log, key)
 
 
-def _numeric(value: Any) -> bool:
+def _enabled(settings: Any) -> bool:
+    if isinstance(settings, Mapping):
+        return settings.get("enabled", False) is True
+    return bool(getattr(settings, "enabled", False))
+
+
+def _options_class(group: str, name: str) -> type[Any] | None:
+    from sessiontape.core import registry
+
     try:
-        float(value)
-    except (TypeError, ValueError):
-        return False
-    return True
+        return registry.options_class(group, name)
+    except PluginNotFound:
+        return None
 
 
-def parse_listen(value: str) -> tuple[str, int]:
-    """``HOST:PORT`` (or ``[v6]:PORT``) to a tuple; raises ConfigError."""
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ConfigError(f"expected HOST:PORT, got {value!r}")
-    return host.strip("[]") or "127.0.0.1", int(port)
+def _engine_settings(engine: EngineSettings, texts: Mapping[str, str]) -> Any:
+    from sessiontape.core.registry import ENGINES
+
+    kind = _options_class(ENGINES, engine.name)
+    if kind is None:
+        return None
+    return load_section(kind, engine.options, "engine.options", texts=texts)
+
+
+def _transports(raw: Any, texts: Mapping[str, str]) -> dict[str, Any]:
+    """Every installed transport's settings (defaults where not configured), and any
+    ``module:Class`` transport the file names."""
+    from sessiontape.core.registry import TRANSPORTS, available
+
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"[transports] must be a table of transports, got {raw!r}")
+    known = available(TRANSPORTS)
+    for name, table in raw.items():
+        if name not in known and ":" not in name:
+            near = nearest(str(name), known)
+            hint = f"did you mean [transports.{near}]?" if near else f"known: {', '.join(known)}"
+            raise ConfigError(f"unknown transport [transports.{name}]; {hint}")
+        if not isinstance(table, Mapping):
+            raise ConfigError(f"transports.{name} must be a table, got {table!r}")
+    out: dict[str, Any] = {}
+    for name in [*known, *(n for n in raw if n not in known)]:
+        kind = _options_class(TRANSPORTS, name)
+        table = raw.get(name, {})
+        out[name] = (
+            dict(table)
+            if kind is None
+            else load_section(kind, table, f"transports.{name}", texts=texts)
+        )
+    return out

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from sessiontape.core import metrics
 from sessiontape.core.bodies import FinishReason, GenerationFinished, tokens_truncated
+from sessiontape.core.config import GenerationSettings
 from sessiontape.core.engine import OutputOptions, SamplingParams, Step
 from sessiontape.core.errors import (
     CacheInvariantViolation,
@@ -67,25 +68,9 @@ STALE_RETRIES = 3
 FIRST_RUN = 8
 
 
-@dataclasses.dataclass(frozen=True)
-class PipelineLimits:
-    """``[generation]`` configuration: how far the engine may run ahead of the log."""
-
-    #: decoded steps that may wait uncommitted; a full queue pauses the engine
-    run_ahead: int = 256
-    #: most steps committed in one append
-    max_run: int = 256
-    #: while the engine produces steps on the event loop, gather up to this many per append ...
-    min_run: int = 64
-    #: ... waiting at most this long for them
-    linger_s: float = 0.005
-    #: engine steps a generation takes in one turn of the priority gate ...
-    burst: int = 64
-    #: ... holding it at most this long (a slow engine hands over after a step or two)
-    burst_s: float = 0.005
-    #: a caller slower than the engine gets runs it handles in about this long,
-    #: committed when it asks for the next
-    pace_s: float = 0.004
+#: ``[generation]`` configuration: how far the engine may run ahead of the log (its
+#: options and their defaults: :class:`sessiontape.core.config.GenerationSettings`)
+PipelineLimits = GenerationSettings
 
 
 #: ``with_run(state, tokens) -> events``: called under the session's lock just before

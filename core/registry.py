@@ -49,3 +49,14 @@ def load(group: str, name: str) -> Any:
         except AttributeError as exc:
             raise PluginNotFound(f"{target} has no attribute {part!r}") from exc
     return obj
+
+
+def options_class(group: str, name: str) -> type[Any] | None:
+    """The options class a plugin declares (its ``options_class`` attribute: a frozen
+    dataclass of :mod:`sessiontape.core.settings`), or None when it declares none.
+
+    Loads the plugin (raises PluginNotFound like :func:`load`); the configuration
+    validates the plugin's table with the class before anything is built.
+    """
+    kind = getattr(load(group, name), "options_class", None)
+    return kind if isinstance(kind, type) else None

@@ -137,15 +137,7 @@ class Runtime(SessionStates, LogReads):
         #: generating sessions -> set when their generation ends (abort waits on it)
         self._gen_idle: dict[str, asyncio.Event] = {}
         self._stop_requested: set[str] = set()
-        self.pipeline = PipelineLimits(
-            run_ahead=int(config.generation_opt("run_ahead")),
-            max_run=int(config.generation_opt("max_run")),
-            min_run=int(config.generation_opt("min_run")),
-            linger_s=float(config.generation_opt("linger_s")),
-            burst=int(config.generation_opt("burst")),
-            burst_s=float(config.generation_opt("burst_s")),
-            pace_s=float(config.generation_opt("pace_s")),
-        )
+        self.pipeline: PipelineLimits = config.generation
 
     # -- construction ------------------------------------------------------
 

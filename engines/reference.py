@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,7 @@ from sessiontape.core.engine import (
     TextCodec,
 )
 from sessiontape.core.errors import ConfigError, ContextOverflow
+from sessiontape.core.settings import load_section, option
 from sessiontape.engines.sampling import log_softmax, sample, top_logprobs
 from sessiontape.engines.tokenizer import ByteTokenizer
 
@@ -34,28 +36,37 @@ BOS, EOS, IMAGE_PAD = 256, 257, 258
 VOCAB = 259
 
 
+@dataclass(frozen=True)
+class ReferenceOptions:
+    """``[engine.options]`` of the reference engine."""
+
+    max_length: int = option(4096, "context limit, in tokens", ge=1)
+    image_tokens: int | None = option(
+        10, "an image's block length, markers included (unset: a text-only engine)", ge=1
+    )
+    eos_bias: float = option(0.0, "added to EOS's logit (negative: longer generations)")
+    step_delay_s: float = option(0.0, "a delay per generated step, for tests and demos", ge=0)
+
+
 class ReferenceEngine(Engine):
-    def __init__(
-        self,
-        max_length: int = 4096,
-        image_tokens: int | None = 10,
-        eos_bias: float = 0.0,
-        step_delay_s: float = 0.0,
-        **unknown: Any,
-    ) -> None:
-        if unknown:
-            raise ConfigError(f"unknown reference engine options: {sorted(unknown)}")
+    options_class = ReferenceOptions
+
+    def __init__(self, options: ReferenceOptions | None = None, **kwargs: Any) -> None:
+        """``ReferenceEngine(eos_bias=-100.0)``, or from options; ConfigError for bad ones."""
+        if options is not None and kwargs:
+            raise ConfigError("give the reference engine options or keywords, not both")
+        opts = options or load_section(ReferenceOptions, kwargs, "engine.options")
         self._tok = ByteTokenizer(VOCAB)
-        self.step_delay_s = float(step_delay_s)
-        self.eos_bias = float(eos_bias)
+        self.step_delay_s = opts.step_delay_s
+        self.eos_bias = opts.eos_bias
         self._info = EngineInfo(
             name="reference",
             model_id="reference-bigram-v1",
             model_hash=hashlib.sha256(b"reference-bigram-v1").hexdigest(),
             vocab_size=VOCAB,
-            max_length=int(max_length),
+            max_length=opts.max_length,
             eos_token_ids=(EOS,),
-            image_block_tokens=None if image_tokens is None else int(image_tokens),
+            image_block_tokens=opts.image_tokens,
             image_pad_token_id=IMAGE_PAD,
             readout_manifest=ReadoutManifest(
                 concepts=("bytes", "letters"), layers=(0, 1), hidden_size=8

@@ -80,7 +80,7 @@ async def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         for t in reversed(started):
             try:
-                await t.stop(float(cfg.transports.get(t.name, {}).get("grace_s", 5.0)))
+                await t.stop(t.grace_s)
             except Exception:
                 log.exception("stopping %s failed", t.name)
         await runtime.aclose()

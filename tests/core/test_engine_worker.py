@@ -144,7 +144,7 @@ async def test_a_module_class_engine_the_server_can_import_loads_in_the_worker(
 def test_a_worker_that_cannot_load_its_engine_fails_at_start() -> None:
     with pytest.raises(PluginNotFound, match="no engine named 'nope'"):
         WorkerEngine("nope")
-    with pytest.raises(ConfigError, match="unknown reference engine options"):
+    with pytest.raises(ConfigError, match=r"unknown key `colour` in \[engine.options\]"):
         WorkerEngine("reference", {"colour": "blue"})
 
 

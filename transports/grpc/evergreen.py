@@ -52,6 +52,7 @@ from sessiontape.core.runtime import Runtime
 from sessiontape.core.state import SessionState
 from sessiontape.transports.grpc.gen.evergreen.v2 import evergreen_pb2, evergreen_pb2_grpc
 from sessiontape.transports.grpc.service import GrpcService
+from sessiontape.transports.grpc.settings import GrpcSettings
 from sessiontape.transports.grpc.status import code_for, message_for
 
 log = logging.getLogger("sessiontape.grpc.evergreen")
@@ -535,7 +536,7 @@ class EvergreenServicer(evergreen_pb2_grpc.EvergreenServiceServicer, GrpcService
         self.endings: set[asyncio.Task[None]] = set()
 
     @classmethod
-    def create(cls, runtime: Runtime, options: Mapping[str, Any]) -> EvergreenServicer:
+    def create(cls, runtime: Runtime, settings: GrpcSettings) -> EvergreenServicer:
         return cls(runtime)
 
     def add_to(self, server: Any) -> list[str]:

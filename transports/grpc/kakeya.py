@@ -22,19 +22,19 @@ in docs/protocols/kakeya.md:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from sessiontape.core.bodies import GenerationFinished, TokensTruncated, body, generated_token
 from sessiontape.core.config import Config
 from sessiontape.core.engine import SamplingParams
-from sessiontape.core.errors import CacheInvariantViolation, ConfigError
+from sessiontape.core.errors import CacheInvariantViolation
 from sessiontape.core.events import T
 from sessiontape.core.runtime import Runtime
 from sessiontape.core.state import ABORTED
 from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2 as pb
 from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2_grpc as pb_grpc
 from sessiontape.transports.grpc.service import GrpcService
+from sessiontape.transports.grpc.settings import GrpcSettings
 from sessiontape.transports.grpc.tokensessions import (
     Generations,
     closing,
@@ -56,20 +56,14 @@ _STOP = {
 }
 
 
-def sink_window(options: Mapping[str, Any], config: Config) -> tuple[int, int] | None:
-    """The configured (sink, window), or None when truncation is off."""
-    sessions = config.section("sessions")
-    window = options.get("window", sessions.get("kakeya_window"))
+def sink_window(settings: GrpcSettings, config: Config) -> tuple[int, int] | None:
+    """The configured (sink, window), or None when truncation is off: ``[transports.grpc]``
+    ``sink``/``window`` where set, else ``[sessions]`` ``kakeya_sink``/``kakeya_window``."""
+    window = settings.window if settings.window is not None else config.sessions.kakeya_window
     if window is None:
         return None
-    sink = options.get("sink", sessions.get("kakeya_sink", 0))
-    try:
-        pair = (int(sink), int(window))
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"kakeya sink/window must be integers, got {sink!r}/{window!r}") from exc
-    if pair[0] < 0 or pair[1] <= 0:
-        raise ConfigError(f"kakeya sink must be >= 0 and window > 0, got {pair}")
-    return pair
+    sink = settings.sink if settings.sink is not None else config.sessions.kakeya_sink
+    return sink, window
 
 
 class KakeyaService(pb_grpc.RuntimeServiceServicer, GrpcService):
@@ -79,8 +73,8 @@ class KakeyaService(pb_grpc.RuntimeServiceServicer, GrpcService):
         self.generations = Generations()
 
     @classmethod
-    def create(cls, runtime: Runtime, options: Mapping[str, Any]) -> KakeyaService:
-        return cls(runtime, sink_window(options, runtime.config))
+    def create(cls, runtime: Runtime, settings: GrpcSettings) -> KakeyaService:
+        return cls(runtime, sink_window(settings, runtime.config))
 
     def add_to(self, server: Any) -> list[str]:
         pb_grpc.add_RuntimeServiceServicer_to_server(self, server)

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from sessiontape.core.transport import Transport
+from sessiontape.transports.grpc.settings import GrpcSettings
 
 if TYPE_CHECKING:
     from sessiontape.core.config import Config
@@ -17,8 +18,12 @@ class GrpcTransport(Transport):
     """Evergreen, Salience and Kakeya (whichever are installed) on one gRPC port."""
 
     name = "grpc"
+    options_class = GrpcSettings
+    settings: GrpcSettings
 
-    def __init__(self, runtime: Runtime, options: Mapping[str, Any], config: Config) -> None:
+    def __init__(
+        self, runtime: Runtime, options: Mapping[str, Any] | GrpcSettings, config: Config
+    ) -> None:
         super().__init__(runtime, options, config)
         self.server: GrpcServer | None = None
 
@@ -26,7 +31,7 @@ class GrpcTransport(Transport):
         # grpc is heavy: import it only when the transport is actually enabled.
         from sessiontape.transports.grpc.server import GrpcServer
 
-        self.server = GrpcServer(self.runtime, self.options, self.config.auth_token)
+        self.server = GrpcServer(self.runtime, self.settings, self.config.auth_token)
         return await self.server.start()
 
     async def stop(self, grace: float = 5.0) -> None:

@@ -24,7 +24,6 @@ module decides is wire-level only, and docs/protocols/salience.md lists it:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from sessiontape.core.bodies import GenerationFinished, GenerationToken, body
@@ -36,6 +35,7 @@ from sessiontape.core.tokens import ImageIn
 from sessiontape.transports.grpc.gen.salience.v1 import salience_pb2 as pb
 from sessiontape.transports.grpc.gen.salience.v1 import salience_pb2_grpc as pb_grpc
 from sessiontape.transports.grpc.service import GrpcService
+from sessiontape.transports.grpc.settings import GrpcSettings
 from sessiontape.transports.grpc.tokensessions import (
     Generations,
     closing,
@@ -63,7 +63,7 @@ class SalienceService(pb_grpc.SalienceServicer, GrpcService):
         self.generations = Generations()
 
     @classmethod
-    def create(cls, runtime: Runtime, options: Mapping[str, Any]) -> SalienceService:
+    def create(cls, runtime: Runtime, settings: GrpcSettings) -> SalienceService:
         return cls(runtime)
 
     def add_to(self, server: Any) -> list[str]:

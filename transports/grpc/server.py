@@ -9,12 +9,8 @@ the server stopped, each service's ``drain`` is awaited so that work cancelled
 at the grace deadline (a running generation) is recorded before the runtime
 closes.
 
-Options (``[transports.grpc]``): ``listen`` (HOST:PORT, default
-127.0.0.1:50051; port 0 picks a free one), ``tls_cert``/``tls_key`` (PEM file
-paths; both or neither), ``max_message_bytes`` (receive and send limit,
-default ``[limits] max_body_bytes``), ``max_concurrent_streams`` (per client
-connection, default ``[limits] max_streams_per_connection``), ``grace_s``
-(default 5). Every handler is wrapped by :class:`sessiontape.transports.grpc.guard.GuardInterceptor`. When ``config.auth_token`` is set
+Options: ``[transports.grpc]``, declared by :class:`~sessiontape.transports.grpc.settings.GrpcSettings`.
+Every handler is wrapped by :class:`sessiontape.transports.grpc.guard.GuardInterceptor`. When ``config.auth_token`` is set
 every call but health needs ``authorization: Bearer <token>``.
 """
 
@@ -22,7 +18,7 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +33,11 @@ from sessiontape.core.runtime import Runtime
 from sessiontape.transports.grpc import reflection
 from sessiontape.transports.grpc.guard import GuardInterceptor
 from sessiontape.transports.grpc.service import GROUP, GrpcService
+from sessiontape.transports.grpc.settings import GrpcSettings
 from sessiontape.transports.grpc.status import code_for, message_for
 
 log = logging.getLogger("sessiontape.grpc")
 
-DEFAULT_LISTEN = "127.0.0.1:50051"
-DEFAULT_GRACE_S = 5.0
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 #: Methods answered without a token: load balancers and orchestrators probe these.
 OPEN_PREFIXES = (f"/{HEALTH_SERVICE}/",)
@@ -111,19 +106,17 @@ def _rejecting(handler: Any, exc: Exception) -> Any:
 class GrpcServer:
     """Owns the ``grpc.aio.Server`` and the services it hosts."""
 
-    def __init__(self, runtime: Runtime, options: Mapping[str, Any], auth_token: str = "") -> None:
+    def __init__(
+        self, runtime: Runtime, settings: GrpcSettings | None = None, auth_token: str = ""
+    ) -> None:
         self.runtime = runtime
-        self.options = dict(options)
+        self.settings = settings or GrpcSettings()
         self.auth_token = auth_token
-        self.listen = str(self.options.get("listen") or DEFAULT_LISTEN)
-        limit = runtime.config.limit
-        self.max_message_bytes = int(
-            self.options.get("max_message_bytes") or limit("max_body_bytes")
-        )
-        self.max_streams = int(
-            self.options.get("max_concurrent_streams") or limit("max_streams_per_connection")
-        )
-        self.grace_s = float(self.options.get("grace_s", DEFAULT_GRACE_S))
+        self.listen = self.settings.listen
+        limits = runtime.config.limits
+        self.max_message_bytes = self.settings.max_message_bytes or limits.max_body_bytes
+        self.max_streams = self.settings.max_concurrent_streams or limits.max_streams_per_connection
+        self.grace_s = self.settings.grace_s
         self.services: list[str] = []
         self.port: int | None = None
         self._services: list[GrpcService] = []
@@ -131,13 +124,11 @@ class GrpcServer:
         self._health: HealthServicer | None = None
 
     def _credentials(self) -> Any:
-        cert, key = self.options.get("tls_cert"), self.options.get("tls_key")
-        if not cert and not key:
+        cert, key = self.settings.tls_cert, self.settings.tls_key
+        if cert is None or key is None:  # both or neither (GrpcSettings)
             return None
-        if not (cert and key):
-            raise ConfigError("transports.grpc: set both tls_cert and tls_key, or neither")
         try:
-            pair = (Path(str(key)).read_bytes(), Path(str(cert)).read_bytes())
+            pair = (Path(key).read_bytes(), Path(cert).read_bytes())
         except OSError as exc:
             raise ConfigError(f"transports.grpc: cannot read TLS files: {exc}") from exc
         return grpc.ssl_server_credentials([pair])
@@ -153,13 +144,11 @@ class GrpcServer:
             factory = registry.load(GROUP, name)
             if not (isinstance(factory, type) and issubclass(factory, GrpcService)):
                 raise ConfigError(f"transports.grpc: service {name!r} is not a GrpcService")
-            service = factory.create(self.runtime, self.options)
+            service = factory.create(self.runtime, self.settings)
             self.services.extend(service.add_to(server))
             self._services.append(service)
 
     async def start(self) -> str:
-        if self.max_message_bytes <= 0:
-            raise ConfigError("transports.grpc.max_message_bytes must be positive")
         host, port = parse_listen(self.listen)
         creds = self._credentials()
         interceptors: list[Any] = [GuardInterceptor()]

@@ -13,10 +13,10 @@ the module, so two servers in one process never see each other's calls.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
 from typing import Any
 
 from sessiontape.core.runtime import Runtime
+from sessiontape.transports.grpc.settings import GrpcSettings
 
 GROUP = "sessiontape.grpc_services"
 
@@ -26,8 +26,9 @@ class GrpcService(ABC):
 
     @classmethod
     @abstractmethod
-    def create(cls, runtime: Runtime, options: Mapping[str, Any]) -> GrpcService:
-        """A new instance for one server; raises ConfigError on bad ``[transports.grpc]`` options."""
+    def create(cls, runtime: Runtime, settings: GrpcSettings) -> GrpcService:
+        """A new instance for one server, with the server's ``[transports.grpc]`` settings;
+        raises ConfigError where they do not fit the service."""
 
     @abstractmethod
     def add_to(self, server: Any) -> list[str]:

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from sessiontape.core.transport import Transport
+from sessiontape.transports.nostr.settings import NostrOptions
 
 if TYPE_CHECKING:
     from sessiontape.core.config import Config
@@ -15,8 +16,12 @@ if TYPE_CHECKING:
 
 class NostrTransport(Transport):
     name = "nostr"
+    options_class = NostrOptions
+    settings: NostrOptions
 
-    def __init__(self, runtime: Runtime, options: Mapping[str, Any], config: Config) -> None:
+    def __init__(
+        self, runtime: Runtime, options: Mapping[str, Any] | NostrOptions, config: Config
+    ) -> None:
         super().__init__(runtime, options, config)
         self.worker: D4Worker | None = None
 
@@ -24,7 +29,7 @@ class NostrTransport(Transport):
         from sessiontape.transports.nostr.settings import Settings
         from sessiontape.transports.nostr.worker import D4Worker
 
-        self.worker = D4Worker(self.runtime, Settings.from_options(self.options))
+        self.worker = D4Worker(self.runtime, Settings.from_options(self.settings))
         return await self.worker.start()
 
     async def stop(self, grace: float = 5.0) -> None:

@@ -152,7 +152,7 @@ def load_template(config: Config, chat: ChatFormat | None = None) -> AnyTemplate
 
     ``chat``: the served engine's own template (``EngineInfo.chat``).
     """
-    configured = config.section("transports", "http").get("chat_template")
+    configured = getattr(config.transports.get("http"), "chat_template", None)
     if isinstance(configured, Mapping):
         return ChatTemplate.from_json(configured, "transports.http.chat_template")
     if isinstance(configured, str) and configured:

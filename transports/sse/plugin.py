@@ -1,9 +1,6 @@
 """``HttpTransport``: the Starlette app served by uvicorn inside ``sessiontape serve``.
 
-Options (``[transports.http]``): ``listen`` (HOST:PORT, default
-127.0.0.1:8080), ``heartbeat_s`` (SSE comment interval, default 15),
-``ring`` (patches a live feed keeps for fast resume, default 4096),
-``linger_s`` (how long a feed outlives its last watcher, default 30).
+Options: ``[transports.http]``, declared by :class:`~sessiontape.transports.sse.settings.HttpSettings`.
 Request limits and timeouts come from ``[limits]`` (docs/security.md).
 """
 
@@ -18,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from sessiontape.core.config import parse_listen
 from sessiontape.core.errors import ConfigError
 from sessiontape.core.transport import Transport
+from sessiontape.transports.sse.settings import HttpSettings
 
 if TYPE_CHECKING:
     import uvicorn
@@ -106,18 +104,14 @@ def _quiet_server(uvicorn: Any) -> Any:
 
 class HttpTransport(Transport):
     name = "http"
+    options_class = HttpSettings
+    settings: HttpSettings
 
-    def __init__(self, runtime: Runtime, options: Mapping[str, Any], config: Config) -> None:
+    def __init__(
+        self, runtime: Runtime, options: Mapping[str, Any] | HttpSettings, config: Config
+    ) -> None:
         super().__init__(runtime, options, config)
-        self.host, self.port = parse_listen(str(self.options.get("listen", "127.0.0.1:8080")))
-        try:
-            self.heartbeat_s = float(self.options.get("heartbeat_s", 15.0))
-            self.ring = int(self.options.get("ring", 4096))
-            self.linger_s = float(self.options.get("linger_s", 30.0))
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"transports.http: {exc}") from exc
-        if self.heartbeat_s <= 0 or self.ring < 1:
-            raise ConfigError("transports.http: heartbeat_s must be > 0 and ring >= 1")
+        self.host, self.port = parse_listen(self.settings.listen)
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None
         self._inflight: Inflight | None = None
@@ -128,20 +122,20 @@ class HttpTransport(Transport):
         from sessiontape.transports.sse.app import create_app
         from sessiontape.transports.sse.inputs import Limits
 
-        limit = self.config.limit
+        limit = self.config.limits
         limits = Limits(
-            max_body_bytes=int(limit("max_body_bytes")),
-            max_json_depth=int(limit("max_json_depth")),
-            max_meta_bytes=int(limit("max_meta_bytes")),
-            body_timeout_s=limit("body_timeout_s"),
-            max_requests_per_client=int(limit("max_requests_per_client")),
+            max_body_bytes=limit.max_body_bytes,
+            max_json_depth=limit.max_json_depth,
+            max_meta_bytes=limit.max_meta_bytes,
+            body_timeout_s=limit.body_timeout_s,
+            max_requests_per_client=limit.max_requests_per_client,
         )
         app = create_app(
             self.runtime,
             auth_token=self.config.auth_token,
-            heartbeat_s=self.heartbeat_s,
-            ring=self.ring,
-            linger_s=self.linger_s,
+            heartbeat_s=self.settings.heartbeat_s,
+            ring=self.settings.ring,
+            linger_s=self.settings.linger_s,
             limits=limits,
         )
         # Bind here so a taken port is a ConfigError, not uvicorn's sys.exit inside a task.
@@ -159,10 +153,10 @@ class HttpTransport(Transport):
             lifespan="on",
             access_log=False,
             timeout_graceful_shutdown=5,
-            http=guarded_h11(limit("header_timeout_s")),
-            timeout_keep_alive=max(1, round(limit("keep_alive_s"))),
-            h11_max_incomplete_event_size=int(limit("max_header_bytes")),
-            limit_concurrency=int(limit("max_connections")),
+            http=guarded_h11(limit.header_timeout_s),
+            timeout_keep_alive=max(1, round(limit.keep_alive_s)),
+            h11_max_incomplete_event_size=limit.max_header_bytes,
+            limit_concurrency=limit.max_connections,
         )
         server = _quiet_server(uvicorn)(cfg)
         self._server = server

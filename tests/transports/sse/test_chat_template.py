@@ -56,12 +56,12 @@ def test_template_sources(tmp_path: Path) -> None:
     model_dir = tmp_path / "model"
     model_dir.mkdir()
     (model_dir / "chat_template.json").write_text(json.dumps({**CUSTOM, "name": "folder"}))
-    cfg = make_config(url, engine={"name": "reference", "options": {"model_dir": str(model_dir)}})
+    cfg = make_config(url, engine={"name": "onnx", "options": {"model_dir": str(model_dir)}})
     assert load_template(cfg).name == "folder"
     # the config wins over the model folder
     cfg = make_config(
         url,
-        engine={"name": "reference", "options": {"model_dir": str(model_dir)}},
+        engine={"name": "onnx", "options": {"model_dir": str(model_dir)}},
         transports={"http": {"chat_template": CUSTOM}},
     )
     assert load_template(cfg).name == "brackets"
