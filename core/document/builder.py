@@ -25,12 +25,16 @@ from sessiontape.core.document.conversation import (
     fork_conversation,
     openai_request,
 )
+from sessiontape.core.document.generation import (
+    finished_fields,
+    generation_entry,
+    token_entry,
+)
 from sessiontape.core.document.schema import (
     Doc,
     empty_document,
     image_view,
     node_view,
-    params_view,
 )
 from sessiontape.core.document.text import Detokenize, TextRun
 from sessiontape.core.events import GENESIS_HASH, Event, T, event_hash
@@ -113,21 +117,7 @@ class DocumentBuilder:
         return [nid for nid in self.state.nodes if not self.state.parents_of.get(nid)]
 
     def _token(self, b: GenerationToken, at: float) -> dict[str, Any]:
-        tok = int(b["token"])
-        top = [
-            {"id": int(i), "text": self._text([int(i)]), "logprob": lp}
-            for i, lp in b.get("top", ())
-        ]
-        return {
-            "id": tok,
-            "position": int(b["position"]),
-            "text": self._text([tok]),
-            "logprob": b.get("logprob"),
-            "top": top,
-            "readout": b.get("readout"),
-            "t": b.get("t"),
-            "at": at,
-        }
+        return token_entry(b, at, self.detokenize)
 
     # Every change to ``doc`` goes through these, which record its op.
 
@@ -385,22 +375,7 @@ class DocumentBuilder:
             self._gen_runs[gid] = TextRun(self.detokenize)
         self._push(
             doc["generations"],
-            {
-                "id": gid,
-                "status": "running",
-                "params": params_view(b.get("params", {})),
-                "options": dict(b.get("options", {})),
-                "prompt_length": b.get("prompt_length"),
-                "priority": b.get("priority", 0),
-                "action_id": b.get("action_id"),
-                "started_at": e.recorded_at,
-                "finished_at": None,
-                "finish_reason": None,
-                "text": "" if self.detokenize else None,
-                "tokens": [],
-                "prefill": [],
-                "timing": None,
-            },
+            generation_entry(b, e.recorded_at, with_text=self.detokenize is not None),
             "/generations",
         )
         self._set(doc, "active_generation", gid, "/active_generation")
@@ -462,16 +437,7 @@ class DocumentBuilder:
             if segs and segs[-1].get("generation_id") == gid:
                 self._grow(segs[-1], "text", piece, f"/history/segments/{len(segs) - 1}/text")
         self._ops.extend(self.chat.finished(gid, piece))
-        timing = {
-            k: b.get(k)
-            for k in ("prompt_tokens", "completion_tokens", "prefill_s", "ttft_s", "total_s")
-        }
-        for key, value in (
-            ("status", "finished"),
-            ("finish_reason", b.get("finish_reason")),
-            ("finished_at", e.recorded_at),
-            ("timing", timing),
-        ):
+        for key, value in finished_fields(b, e.recorded_at).items():
             self._set(g, key, value, f"{gpath}/{key}")
         self._set(doc, "active_generation", None, "/active_generation")
 

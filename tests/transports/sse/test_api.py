@@ -418,3 +418,32 @@ async def test_a_fork_made_while_its_parent_generates_renders(server: Served) ->
             text = (await r.aread()).decode()
         assert "event: snapshot" in text and "event: end" in text and "event: error" not in text
     assert server.runtime.is_generating(sid)  # the parent's generation ran on
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+async def test_a_json_generate_answers_the_documents_entry_for_its_generation(
+    client: httpx.AsyncClient, seed: int
+) -> None:
+    """``stream: false`` answers the generation's entry made from its own events (no
+    read of the history): the same entry the document holds, text, prefill scores,
+    top logprobs and timing included, and the session's version after it."""
+    sid = await _open(client)
+    await client.post(f"/v1/sessions/{sid}/append", json={"text": "héllo wörld, "})
+    for turn in range(3):
+        r = await client.post(
+            f"/v1/sessions/{sid}/generate",
+            json={
+                "text": "ünïcode ",
+                "max_tokens": 6 + turn,
+                "seed": seed,
+                "stream": False,
+                "logprob_top_k": 2,
+                "logprob_ranges": [[0, 4]],
+            },
+        )
+        assert r.status_code == 200, r.text
+        answer = r.json()
+        doc = (await client.get(f"/v1/sessions/{sid}")).json()
+        assert answer["version"] == doc["version"]
+        assert answer["generation"] == doc["generations"][turn]
+        assert answer["generation"]["status"] == "finished"
