@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import hmac
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from sessiontape.core.audit import audit_session
 from sessiontape.core.bodies import ImageAttached, body, fork_point, generation_id_of
 from sessiontape.core.document import DocumentBuilder
-from sessiontape.core.engine import MAX_TOKENS_LIMIT, OutputOptions, SamplingParams
 from sessiontape.core.errors import (
     InvalidParameters,
     NodeNotFound,
@@ -53,67 +52,22 @@ from sessiontape.transports.sse.openai import PREFIXES as OPENAI_PREFIXES
 from sessiontape.transports.sse.openai import error_response as openai_error
 from sessiontape.transports.sse.openai_routes import routes as openai_routes
 from sessiontape.transports.sse.openapi import spec
+from sessiontape.transports.sse.request_bodies import (
+    Append,
+    Close,
+    CreateSession,
+    Feedback,
+    Fork,
+    Generate,
+    M,
+    validate,
+)
 
 STATIC = Path(__file__).parent / "static"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-#: the sessions index's column sizes (core/log/schema.py): longer values are refused here, as 400s
-MAX_PROTOCOL = 32
-MAX_LABEL = 1000
 
 
 # -- request helpers ------------------------------------------------------------
-
-
-#: the fields each JSON route takes; anything else is a 400 naming it (inputs.UnknownFields)
-CREATE_FIELDS = frozenset({"protocol", "label", "mode", "ttl_s", "eos_token_ids", "meta"})
-APPEND_FIELDS = frozenset({"text", "tokens", "offset", "truncating"})
-GENERATE_FIELDS = frozenset(
-    {
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "seed",
-        "stop_token_ids",
-        "logprob_top_k",
-        "logprob_ranges",
-        "readout_ranges",
-        "text",
-        "tokens",
-        "stream",
-        "background",
-    }
-)
-FORK_FIELDS = frozenset({"at_position", "at_version", "label", "protocol"})
-CLOSE_FIELDS = frozenset({"reason"})
-#: ten years: a longer idle TTL is a mistake, not a policy
-MAX_TTL_S = 10 * 365 * 86400.0
-MAX_REASON = 1000
-
-
-def _sampling(b: Mapping[str, Any]) -> tuple[SamplingParams, OutputOptions]:
-    """Generation parameters, strictly typed and in range (SamplingParams.check), or InvalidParameters."""
-    defaults = SamplingParams()
-    max_tokens = inputs.json_integer(b.get("max_tokens"), "max_tokens", lo=0, hi=MAX_TOKENS_LIMIT)
-    top_k = inputs.json_integer(b.get("top_k"), "top_k", lo=0)
-    temperature = inputs.number(b.get("temperature"), "temperature", lo=0.0, hi=1e6)
-    top_p = inputs.number(b.get("top_p"), "top_p", lo=0.0, hi=1.0, lo_open=True)
-    params = SamplingParams(
-        max_tokens=defaults.max_tokens if max_tokens is None else max_tokens,
-        temperature=defaults.temperature if temperature is None else temperature,
-        top_p=defaults.top_p if top_p is None else top_p,
-        top_k=defaults.top_k if top_k is None else top_k,
-        seed=inputs.seed(b.get("seed")),
-        stop_token_ids=tuple(inputs.int_list(b.get("stop_token_ids", []), "stop_token_ids", lo=0)),
-    )
-    params.check()
-    logprob_top_k = inputs.json_integer(b.get("logprob_top_k"), "logprob_top_k", lo=0, hi=2**31)
-    options = OutputOptions(
-        logprob_top_k=logprob_top_k or 0,
-        logprob_ranges=inputs.ranges(b.get("logprob_ranges"), "logprob_ranges"),
-        readout_ranges=inputs.ranges(b.get("readout_ranges"), "readout_ranges"),
-    )
-    return params, options
 
 
 def _rfc(request: Request) -> bool:
@@ -163,27 +117,19 @@ class Api:
 
     # sessions
 
-    async def _body(self, request: Request, fields: frozenset[str] | None) -> dict[str, Any]:
-        return await inputs.body(request, self.limits, fields)
+    async def _body(self, request: Request, model: type[M]) -> M:
+        """The route's body as its model (request_bodies.py), or the typed error."""
+        return validate(model, await inputs.body(request, self.limits))
 
     async def create(self, request: Request) -> Response:
-        b = await self._body(request, CREATE_FIELDS)
-        eos = b.get("eos_token_ids")
-        ttl = inputs.number(b.get("ttl_s"), "ttl_s", lo=0.0, hi=MAX_TTL_S, lo_open=True)
-        meta = b.get("meta", {})
-        if not isinstance(meta, dict):
-            raise InvalidParameters("meta must be an object")
-        meta = inputs.sized(meta, "meta", self.limits.max_meta_bytes)
-        protocol = inputs.text(b.get("protocol"), "protocol", MAX_PROTOCOL)
-        label = inputs.text(b.get("label"), "label", MAX_LABEL)
-        mode = inputs.text(b.get("mode"), "mode", 32)
+        b = await self._body(request, CreateSession)
         st = await self.runtime.open_session(
-            protocol or "http",
-            mode=mode or "offset",
-            label=label or "",
-            eos_token_ids=None if eos is None else inputs.int_list(eos, "eos_token_ids", lo=0),
-            ttl_s=ttl,
-            meta=meta,
+            b.protocol or "http",
+            mode=b.mode or "offset",
+            label=b.label or "",
+            eos_token_ids=b.eos_token_ids,
+            ttl_s=b.ttl_s,
+            meta=inputs.sized(b.meta, "meta", self.limits.max_meta_bytes),
         )
         return JSONResponse(
             await self.document(st.session_id),
@@ -237,44 +183,22 @@ class Api:
 
     async def append(self, request: Request) -> Response:
         sid = request.path_params["sid"]
-        b = await self._body(request, APPEND_FIELDS)
-        offset = inputs.json_integer(b.get("offset"), "offset", lo=0)
-        truncating = inputs.boolean(b.get("truncating"), "truncating")
-        if "text" in b:
-            if not isinstance(b["text"], str) or "tokens" in b:
-                raise InvalidParameters("text must be a string (and not combined with tokens)")
-            text = inputs.check_text(b["text"], "text")
-            # offset and truncating apply to text as to tokens (the Salience rule), never ignored
-            length = await self.runtime.append_tokens(
-                sid, self.runtime.engine.tokenize(text), offset=offset, truncating=truncating
-            )
-        elif "tokens" in b:
-            length = await self.runtime.append_tokens(
-                sid, inputs.int_list(b["tokens"], "tokens"), offset=offset, truncating=truncating
-            )
-        else:
-            raise InvalidParameters("append needs 'text' or 'tokens'")
+        b = await self._body(request, Append)
+        # offset and truncating apply to text as to tokens (the Salience rule), never ignored
+        tokens = self.runtime.engine.tokenize(b.text) if b.text is not None else b.tokens or []
+        length = await self.runtime.append_tokens(
+            sid, tokens, offset=b.offset, truncating=bool(b.truncating)
+        )
         st = await self.runtime.get(sid)
         return JSONResponse({"session_id": sid, "length": length, "version": st.version})
 
     async def generate(self, request: Request) -> Response:
         sid = request.path_params["sid"]
-        b = await self._body(request, GENERATE_FIELDS)
-        params, options = _sampling(b)
+        b = await self._body(request, Generate)
+        params, options = b.sampling()
         rfc = _rfc(request)
-        append: list[int] = []
-        if "text" in b:
-            if not isinstance(b["text"], str) or "tokens" in b:
-                raise InvalidParameters("text must be a string (and not combined with tokens)")
-            append = self.runtime.engine.tokenize(inputs.check_text(b["text"], "text"))
-        elif "tokens" in b:
-            append = inputs.int_list(b["tokens"], "tokens")
-        background = inputs.boolean(b.get("background"), "background")
-        mode = (
-            "background"
-            if background
-            else ("stream" if inputs.boolean(b.get("stream"), "stream", True) else "json")
-        )
+        append = self.runtime.engine.tokenize(b.text) if b.text is not None else b.tokens or []
+        mode = b.mode
         # Subscribe before the generation starts, so the stream's snapshot precedes its first event.
         stream = None
         if mode == "stream":
@@ -331,15 +255,13 @@ class Api:
 
     async def fork(self, request: Request) -> Response:
         sid = request.path_params["sid"]
-        b = await self._body(request, FORK_FIELDS)
-        protocol = inputs.text(b.get("protocol"), "protocol", MAX_PROTOCOL)
-        label = inputs.text(b.get("label"), "label", MAX_LABEL)
+        b = await self._body(request, Fork)
         st = await self.runtime.fork(
             sid,
-            at_position=inputs.json_integer(b.get("at_position"), "at_position", lo=0),
-            at_version=inputs.json_integer(b.get("at_version"), "at_version", lo=1),
-            protocol=protocol,
-            label=label or "",
+            at_position=b.at_position,
+            at_version=b.at_version,
+            protocol=b.protocol,
+            label=b.label or "",
         )
         return JSONResponse(
             await self.document(st.session_id),
@@ -349,17 +271,15 @@ class Api:
 
     async def close(self, request: Request) -> Response:
         sid = request.path_params["sid"]
-        b = await self._body(request, CLOSE_FIELDS)
-        reason = inputs.text(b.get("reason"), "reason", MAX_REASON)
-        await self.runtime.close(sid, "client" if reason is None else reason)
+        b = await self._body(request, Close)
+        await self.runtime.close(sid, "client" if b.reason is None else b.reason)
         return JSONResponse(await self.document(sid))
 
     async def feedback(self, request: Request) -> Response:
         sid = request.path_params["sid"]
-        b = await self._body(request, None)
-        if not b:
-            raise InvalidParameters("feedback must be a non-empty object")
-        b = inputs.sized(b, "feedback", self.limits.max_meta_bytes)
+        b = inputs.sized(
+            (await self._body(request, Feedback)).root, "feedback", self.limits.max_meta_bytes
+        )
         await self.runtime.session_row(sid)
         e = await self.runtime.record_feedback(sid, b)
         return JSONResponse({"session_id": sid, "version": e.version}, status_code=201)

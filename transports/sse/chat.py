@@ -23,101 +23,18 @@ from sessiontape.core import errors as E
 from sessiontape.core.bodies import GenerationFinished, generated_token
 from sessiontape.core.bodies import body as typed_body
 from sessiontape.core.document.text import TextStream
-from sessiontape.core.engine import OutputOptions, SamplingParams
+from sessiontape.core.engine import OutputOptions
 from sessiontape.core.events import Event, T
-from sessiontape.transports.sse.chat_template import ROLES, message_text
-from sessiontape.transports.sse.openai import (
-    DEFAULT_MAX_TOKENS,
-    Api,
-    BadParam,
-    Models,
-    check_fields,
-    error_event,
-    flag,
-    integer,
-    json_body,
-    metadata,
-    number,
-    reject_unsupported,
-)
+from sessiontape.transports.sse.openai import Api, Models, error_event, json_body
+from sessiontape.transports.sse.openai_bodies import ChatCompletionRequest, check_fields, parse
 from sessiontape.transports.sse.turns import Turn, Turns, follow_runs, load_turn, logprob_entry
 
 API = "chat.completions"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-#: the request fields read (the unsupported ones only to refuse them unless they ask for
-#: nothing); any other is refused (openai.check_fields)
-UNSUPPORTED = (
-    "tools",
-    "tool_choice",
-    "functions",
-    "function_call",
-    "logit_bias",
-    "audio",
-    "prediction",
-    "frequency_penalty",
-    "presence_penalty",
-    "reasoning_effort",
-    "web_search_options",
-)
-FIELDS = frozenset(
-    {
-        "model",
-        "messages",
-        "n",
-        "stream",
-        "stream_options",
-        "logprobs",
-        "top_logprobs",
-        "max_tokens",
-        "max_completion_tokens",
-        "seed",
-        "temperature",
-        "top_p",
-        "stop",
-        "metadata",
-        "response_format",
-        "modalities",
-        "store",
-        "session_id",
-        *UNSUPPORTED,
-    }
-)
-
-
 def completion_id(turn: Turn) -> str:
     return f"chatcmpl-{turn.session_id}_{turn.version}"
-
-
-def _messages(b: dict[str, Any]) -> list[tuple[str, str]]:
-    raw = b.get("messages")
-    if not isinstance(raw, list) or not raw:
-        raise BadParam("messages", "messages must be a non-empty array")
-    out = []
-    for i, m in enumerate(raw):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise BadParam(
-                f"messages[{i}].role", f"messages[{i}].role must be one of {list(ROLES)}"
-            )
-        if m.get("tool_calls") or m.get("function_call"):
-            raise BadParam(f"messages[{i}]", "tool calls are not supported by this server")
-        out.append((str(m["role"]), message_text(m.get("content"), f"messages[{i}]")))
-    return out
-
-
-def _stop(b: dict[str, Any]) -> list[str]:
-    v = b.get("stop")
-    if v is None:
-        return []
-    stops = [v] if isinstance(v, str) else v
-    if (
-        not isinstance(stops, list)
-        or len(stops) > 4
-        or any(not isinstance(s, str) or not s for s in stops)
-    ):
-        raise BadParam("stop", "stop must be a non-empty string or an array of at most 4 of them")
-    return list(stops)
 
 
 class ChatCompletions:
@@ -132,56 +49,27 @@ class ChatCompletions:
 
     async def create(self, request: Request) -> Response:
         b = await json_body(request, self.limits)
-        check_fields(b, FIELDS)
+        check_fields(b, ChatCompletionRequest)
         model = self.models.check(b)
-        reject_unsupported(b, UNSUPPORTED)
-        if b.get("modalities") not in (None, ["text"]):
-            raise BadParam("modalities", 'only modalities ["text"] is supported')
-        flag(b, "store", True)  # every completion is recorded: store=false changes nothing
-        fmt = b.get("response_format")
-        if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-            raise BadParam("response_format", 'only response_format {"type": "text"} is supported')
-        messages = _messages(b)
-        n = integer(b, "n", 1, 128)
-        if n not in (None, 1):
-            raise BadParam("n", "n must be 1 (one session per choice: send one request per choice)")
-        stream = flag(b, "stream", False)
-        opts = b.get("stream_options")
-        if opts is not None and (not isinstance(opts, dict) or not stream):
-            raise BadParam(
-                "stream_options", "stream_options is an object, and only with stream=true"
-            )
-        include_usage = flag(opts or {}, "include_usage", False)
-        want_logprobs = flag(b, "logprobs", False)
-        top = integer(b, "top_logprobs", 0, 20)
-        if top is not None and not want_logprobs:
-            raise BadParam("top_logprobs", "top_logprobs needs logprobs=true")
-        max_tokens = integer(b, "max_completion_tokens", 1, 1 << 20)
-        if max_tokens is None:
-            max_tokens = integer(b, "max_tokens", 1, 1 << 20)
-        seed = integer(b, "seed", 0, (1 << 63) - 1)
-        params = SamplingParams(
-            max_tokens=max_tokens or DEFAULT_MAX_TOKENS,
-            temperature=number(b, "temperature", 1.0, 0.0, 2.0),
-            top_p=number(b, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-            seed=seed,
-        )
-        sid = b.get("session_id")
-        if sid is not None and not isinstance(sid, str):
-            raise BadParam("session_id", "session_id must be a string")
+        r = parse(ChatCompletionRequest, b)
+        messages = r.turn()
+        max_tokens = r.max_tokens if r.max_completion_tokens is None else r.max_completion_tokens
+        params = r.sampling(max_tokens)
+        top = r.top_logprobs
+        sid = r.session_id
         req = {
             "model": model,
-            "messages": [{"role": r, "content": c} for r, c in messages],
-            "stop": _stop(b),
+            "messages": [{"role": role, "content": c} for role, c in messages],
+            "stop": r.stops(),
             "max_tokens": max_tokens,
             "temperature": params.temperature,
             "top_p": params.top_p,
-            "seed": None if seed is None else str(seed),
-            "logprobs": want_logprobs,
+            "seed": None if r.seed is None else str(r.seed),
+            "logprobs": bool(r.logprobs),
             "top_logprobs": top or 0,
-            "metadata": metadata(b),
-            "stream": stream,
-            "include_usage": include_usage,
+            "metadata": dict(r.metadata or {}),
+            "stream": bool(r.stream),
+            "include_usage": bool(r.stream_options and r.stream_options.include_usage),
             "session_id": sid,
         }
         if sid is None:
@@ -196,7 +84,7 @@ class ChatCompletions:
         turn = await self.turns.start(
             sid, API, messages, req, params, OutputOptions(logprob_top_k=top or 0)
         )
-        if stream:
+        if r.stream:
             return self._sse(turn)
         await self.turns.wait(turn)
         return JSONResponse(await self._json(turn))

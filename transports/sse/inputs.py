@@ -1,4 +1,4 @@
-"""The HTTP input boundary: every request value is parsed here, strictly, before a handler uses it.
+"""The HTTP input boundary: the raw body, strict JSON, and the numbers of query strings and headers.
 
 A malformed value becomes a core error (400 ``invalid_argument`` and its
 family; 413 ``payload_too_large``; 408 ``request_timeout``) before anything
@@ -9,14 +9,13 @@ reaches the runtime, so no bad input is stored and no parser error is a 500:
   refused when no chunk arrives for ``limits.body_timeout_s``;
 - JSON is strict: no NaN/Infinity, finite numbers, integers within 64 bits,
   valid Unicode (no lone surrogates), nesting at most ``limits.max_json_depth``;
-- each route names its fields; an unknown one is a 400 naming it;
-- numbers in query strings and headers are ASCII digits only, in range; a JSON body's
-  integers are JSON integers (``"1"``, ``true`` and ``1.0`` are refused, not converted).
+- numbers in query strings and headers are ASCII digits only, in range.
 
-Usage in a handler::
+What a route's body must hold is its model's to say (:mod:`.request_bodies`,
+:mod:`.openai_bodies`). Usage in a handler::
 
-    b = await inputs.body(request, CREATE_FIELDS)
-    ttl = inputs.number(b.get("ttl_s"), "ttl_s", lo=0, hi=MAX_TTL_S, lo_open=True)
+    b = validate(Fork, await inputs.body(request, limits))
+    version = inputs.integer(request.query_params.get("version"), "version", lo=1)
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ import asyncio
 import json
 import math
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,17 +38,6 @@ INT64 = (-(2**63), 2**63 - 1)
 _DIGITS = re.compile(r"-?[0-9]{1,19}")
 #: bodies above this size are parsed off the event loop
 _THREAD_PARSE_BYTES = 256 * 1024
-
-
-class UnknownFields(InvalidArgument):
-    code = "unknown_field"
-
-    def __init__(self, fields: Collection[str], allowed: Collection[str]) -> None:
-        names = ", ".join(sorted(repr(f) for f in fields))
-        super().__init__(
-            f"unknown field(s) {names}; this route takes {', '.join(sorted(allowed)) or 'no fields'}"
-        )
-        self.fields = sorted(fields)
 
 
 @dataclass(frozen=True)
@@ -98,8 +86,8 @@ async def read_body(request: Request, limits: Limits) -> bytes:
     return b"".join(chunks)
 
 
-async def body(request: Request, limits: Limits, fields: Collection[str] | None) -> dict[str, Any]:
-    """The JSON object body (``{}`` when empty); ``fields`` None accepts any key (free-form bodies)."""
+async def body(request: Request, limits: Limits) -> dict[str, Any]:
+    """The JSON object body (``{}`` when empty)."""
     raw = await read_body(request, limits)
     if not raw.strip():
         return {}
@@ -109,10 +97,6 @@ async def body(request: Request, limits: Limits, fields: Collection[str] | None)
         value = parse_json(raw, limits.max_json_depth)
     if not isinstance(value, dict):
         raise InvalidArgument("request body must be a JSON object")
-    if fields is not None:
-        unknown = set(value) - set(fields)
-        if unknown:
-            raise UnknownFields(unknown, fields)
     return value
 
 
@@ -200,7 +184,7 @@ def sized(value: Mapping[str, Any], name: str, limit: int) -> dict[str, Any]:
 def integer(value: Any, name: str, *, lo: int = INT64[0], hi: int = INT64[1]) -> int | None:
     """An optional integer from a query string or header: ASCII digits only, in ``[lo, hi]``.
 
-    A JSON body's integers go through :func:`json_integer`, which takes no strings.
+    A JSON body's integers are its model's (strict: no strings).
     """
     if value is None:
         return None
@@ -217,92 +201,3 @@ def integer(value: Any, name: str, *, lo: int = INT64[0], hi: int = INT64[1]) ->
     if not lo <= out <= hi:
         raise InvalidParameters(f"{name} must be in [{lo}, {hi}], got {out}")
     return out
-
-
-def json_integer(value: Any, name: str, *, lo: int = INT64[0], hi: int = INT64[1]) -> int | None:
-    """An optional integer from a JSON body, in ``[lo, hi]``: a JSON integer and nothing else.
-
-    A string of digits (``"1"``), a boolean or a number written with a fraction or exponent
-    (``1.0``, which the strict parser reads as a float) is refused, not converted.
-    """
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidParameters(f"{name} must be a JSON integer, got {_json_kind(value)}")
-    return integer(value, name, lo=lo, hi=hi)
-
-
-def _json_kind(value: Any) -> str:
-    if isinstance(value, str):
-        return f"a string ({value[:40]!r})"
-    if isinstance(value, bool):
-        return f"a boolean ({'true' if value else 'false'})"
-    if isinstance(value, float):
-        return f"a number with a fraction or exponent ({value!r})"
-    if isinstance(value, list):
-        return "an array"
-    return "an object" if isinstance(value, dict) else type(value).__name__
-
-
-def number(value: Any, name: str, *, lo: float, hi: float, lo_open: bool = False) -> float | None:
-    """An optional finite JSON number in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``)."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise InvalidParameters(f"{name} must be a finite number")
-    if value > hi or value < lo or (lo_open and value == lo):
-        raise InvalidParameters(
-            f"{name} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {value:g}"
-        )
-    return float(value)
-
-
-def text(value: Any, name: str, max_len: int) -> str | None:
-    """An optional string of at most ``max_len`` characters, valid Unicode."""
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise InvalidParameters(f"{name} must be a string")
-    if len(value) > max_len:
-        raise InvalidParameters(f"{name} must be at most {max_len} characters, got {len(value)}")
-    return check_text(value, name)
-
-
-def boolean(value: Any, name: str, default: bool = False) -> bool:
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise InvalidParameters(f"{name} must be true or false")
-    return value
-
-
-def int_list(value: Any, name: str, *, lo: int = INT64[0], hi: int = INT64[1]) -> list[int]:
-    if not isinstance(value, list) or any(
-        isinstance(v, bool) or not isinstance(v, int) for v in value
-    ):
-        raise InvalidParameters(f"{name} must be an array of integers")
-    if value and not (lo <= min(value) and max(value) <= hi):
-        raise InvalidParameters(f"{name} must hold integers in [{lo}, {hi}]")
-    return list(value)
-
-
-def ranges(value: Any, name: str) -> tuple[tuple[int, int], ...]:
-    if value is None:
-        return ()
-    if not isinstance(value, list) or any(not isinstance(r, list) or len(r) != 2 for r in value):
-        raise InvalidParameters(f"{name} must be an array of [start, end] pairs")
-    # start <= end and the positions themselves are the runtime's checks (InvalidRange)
-    return tuple((a, b) for a, b in (int_list(r, name, lo=0) for r in value))
-
-
-def seed(value: Any) -> int | None:
-    """A seed: an integer or a string of ASCII digits, in [0, 2**64)."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        if not re.fullmatch(r"[0-9]{1,20}", value.strip()):
-            raise InvalidParameters(f"seed must be an integer in [0, 2**64), got {value[:40]!r}")
-        value = int(value.strip())
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**64:
-        raise InvalidParameters("seed must be an integer in [0, 2**64)")
-    return value

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
 from starlette.requests import Request
@@ -128,108 +128,12 @@ def openai_errors(fn: Handler) -> Handler:
 
 
 async def json_body(request: Request, limits: inputs.Limits) -> dict[str, Any]:
-    """The JSON object body, read within the native API's size, time and depth limits."""
-    value = await inputs.body(request, limits, None)
+    """The JSON object body, read within the native API's size, time and depth limits (its fields
+    are its model's to check: :mod:`sessiontape.transports.sse.openai_bodies`)."""
+    value = await inputs.body(request, limits)
     if not value:
         raise E.InvalidArgument("request body must be a non-empty JSON object")
     return value
-
-
-def number(
-    b: Mapping[str, Any], name: str, default: float, lo: float, hi: float, *, lo_open: bool = False
-) -> float:
-    v = b.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        raise BadParam(name, f"{name} must be a number")
-    if v > hi or v < lo or (lo_open and v == lo):
-        raise BadParam(name, f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}")
-    return float(v)
-
-
-def integer(b: Mapping[str, Any], name: str, lo: int, hi: int) -> int | None:
-    v = b.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise BadParam(name, f"{name} must be an integer")
-    if not lo <= v <= hi:
-        raise BadParam(name, f"{name} must be in [{lo}, {hi}], got {v}")
-    return v
-
-
-def flag(b: Mapping[str, Any], name: str, default: bool) -> bool:
-    v = b.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise BadParam(name, f"{name} must be a boolean")
-    return v
-
-
-def metadata(b: Mapping[str, Any]) -> dict[str, str]:
-    """OpenAI's metadata: at most 16 string pairs, keys up to 64 characters, values up to 512."""
-    v = b.get("metadata")
-    if v is None:
-        return {}
-    if (
-        not isinstance(v, dict)
-        or len(v) > 16
-        or any(
-            not isinstance(k, str) or not isinstance(x, str) or len(k) > 64 or len(x) > 512
-            for k, x in v.items()
-        )
-    ):
-        raise BadParam(
-            "metadata",
-            "metadata must be an object of at most 16 string pairs "
-            "(keys up to 64 characters, values up to 512)",
-        )
-    return dict(v)
-
-
-class UnknownParam(BadParam):
-    """A field neither OpenAI's API nor this server knows (a typo, most often): refused, as OpenAI
-    refuses it, rather than silently ignored."""
-
-    code = "unknown_field"
-
-    def __init__(self, names: Iterable[str]) -> None:
-        names = sorted(names)
-        super().__init__(names[0], f"Unrecognized request argument supplied: {', '.join(names)}")
-        self.fields = names
-
-
-#: OpenAI request fields that change nothing here, taken and dropped: an end-user id, a service
-#: tier, caching and safety hints (a session caches by itself), parallel tool calls (no tools)
-NO_OPS = frozenset(
-    {
-        "user",
-        "service_tier",
-        "safety_identifier",
-        "prompt_cache_key",
-        "prompt_cache_retention",
-        "parallel_tool_calls",
-    }
-)
-
-
-def check_fields(b: Mapping[str, Any], known: Iterable[str]) -> None:
-    """Refuse a field that is neither in ``known`` (what the route reads, or refuses by name)
-    nor one of :data:`NO_OPS`, unless it is null (which asks for nothing: some clients send
-    every field they know, unset ones as null)."""
-    unknown = {k for k, v in b.items() if v is not None} - set(known) - NO_OPS
-    if unknown:
-        raise UnknownParam(unknown)
-
-
-def reject_unsupported(b: Mapping[str, Any], names: Iterable[str]) -> None:
-    """Features this server does not have are refused, not silently dropped."""
-    for name in names:
-        v = b.get(name)
-        if v not in (None, [], {}, 0, 0.0, "auto", "none", False):
-            raise BadParam(name, f"{name} is not supported by this server")
 
 
 def split_id(value: str, prefix: str) -> tuple[str, int]:

@@ -1,12 +1,12 @@
-"""The OpenAPI description of the OpenAI-compatible routes: their paths, and request, response and
-stream-event schemas as components (docs/protocols/openai.md is the prose).
+"""The OpenAPI description of the OpenAI-compatible routes: their paths, and response and
+stream-event schemas as components (docs/protocols/openai.md is the prose). Their request bodies'
+schemas are their models' (:mod:`.openai_bodies`), added by :mod:`.openapi`.
 
-Only what this server takes and answers is described: fields it refuses rather than ignores
-(``tools``, ``conversation`` ...) are named in the request schemas' descriptions, and the
-extension fields every reply carries (``session_id``, ``seed``) are in the response schemas.
-The event streams' ``data:`` payloads are given by ``x-sse-data`` on the ``text/event-stream``
-media type (OpenAPI 3.1 has no item schema for streams).
-``tests/transports/sse/test_openapi.py`` checks every answer of these routes against them.
+Only what this server answers is described: the extension fields every reply carries
+(``session_id``, ``seed``) are in the response schemas. The event streams' ``data:`` payloads are
+given by ``x-sse-data`` on the ``text/event-stream`` media type (OpenAPI 3.1 has no item schema
+for streams). ``tests/transports/sse/test_openapi.py`` checks every answer of these routes against
+them.
 """
 
 from __future__ import annotations
@@ -38,21 +38,9 @@ def nullable(schema: dict[str, Any]) -> dict[str, Any]:
 _SEED = {
     "type": "integer",
     "minimum": 0,
-    "maximum": 2**63 - 1,
+    "maximum": 2**64 - 1,
     "description": "extension: the seed (drawn and recorded when none is given)",
 }
-_METADATA = {
-    "type": "object",
-    "maxProperties": 16,
-    "additionalProperties": {"type": "string", "maxLength": 512},
-    "propertyNames": {"maxLength": 64},
-}
-_TEXT_PART = obj(
-    ("type", "text"),
-    type={"type": "string", "enum": ["text", "input_text", "output_text"]},
-    text=_STR,
-)
-_CONTENT = {"oneOf": [_STR, {"type": "array", "items": {"oneOf": [_STR, _TEXT_PART]}}]}
 _ROLES = {"type": "string", "enum": ["system", "developer", "user", "assistant"]}
 _TOP_LOGPROB = obj(
     ("token", "logprob", "bytes"),
@@ -102,50 +90,6 @@ SCHEMAS: dict[str, Any] = {
         top_logprobs={"type": "array", "items": _TOP_LOGPROB},
     ),
     # -- Responses ------------------------------------------------------------------
-    "InputMessage": obj(
-        ("role", "content"),
-        type={"const": "message"},
-        role=_ROLES,
-        content=_CONTENT,
-    ),
-    "ResponseCreateRequest": {
-        **obj(
-            ("model", "input"),
-            model={"type": "string", "description": "GET /v1/models; the engine's name also works"},
-            input={
-                "oneOf": [
-                    _STR,
-                    {"type": "array", "minItems": 1, "items": ref("InputMessage")},
-                ]
-            },
-            instructions=_NSTR,
-            previous_response_id={
-                "type": ["string", "null"],
-                "description": "continue that response's session (or fork it there)",
-            },
-            store={"type": "boolean", "default": True},
-            background={"type": "boolean", "default": False},
-            stream={"type": "boolean", "default": False},
-            max_output_tokens={"type": "integer", "minimum": 1, "default": 256},
-            temperature={"type": "number", "minimum": 0, "maximum": 2, "default": 1},
-            top_p={"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 1},
-            seed=_SEED,
-            metadata=_METADATA,
-            include={
-                "type": "array",
-                "items": {"const": "message.output_text.logprobs"},
-            },
-            top_logprobs={"type": "integer", "minimum": 0, "maximum": 20},
-            text=obj(format=obj(("type",), type={"const": "text"})),
-            truncation={"const": "disabled"},
-            stream_options={"type": "object", "description": "taken; changes nothing"},
-        ),
-        "description": "tools, conversation, prompt, a tool_choice or reasoning that asks for "
-        "something, a truncation other than disabled and a text.format other than text are "
-        "refused (400), not ignored; so is any non-null field not listed here (unknown_field), except "
-        "user, service_tier, safety_identifier, prompt_cache_key, prompt_cache_retention and "
-        "parallel_tool_calls, which change nothing",
-    },
     "OutputText": obj(
         ("type", "text", "annotations", "logprobs"),
         type={"const": "output_text"},
@@ -222,7 +166,7 @@ SCHEMAS: dict[str, Any] = {
         user={"type": "null"},
         metadata={"type": "object", "additionalProperties": _STR},
         session_id={"type": "string", "description": "extension: the session it lives in"},
-        seed={**_SEED, "maximum": 2**64 - 1},
+        seed=_SEED,
     ),
     "ResponseStreamEvent": obj(
         ("type", "sequence_number"),
@@ -285,51 +229,6 @@ SCHEMAS: dict[str, Any] = {
         has_more=_BOOL,
     ),
     # -- Chat Completions --------------------------------------------------------------
-    "ChatMessage": obj(
-        ("role",),
-        role=_ROLES,
-        content={"oneOf": [{"type": "null"}, _CONTENT]},
-        name=_STR,
-    ),
-    "ChatCompletionRequest": {
-        **obj(
-            ("model", "messages"),
-            model=_STR,
-            messages={"type": "array", "minItems": 1, "items": ref("ChatMessage")},
-            n={"const": 1},
-            max_completion_tokens={"type": "integer", "minimum": 1},
-            max_tokens={"type": "integer", "minimum": 1, "default": 256},
-            temperature={"type": "number", "minimum": 0, "maximum": 2, "default": 1},
-            top_p={"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 1},
-            seed=_SEED,
-            stop={
-                "oneOf": [
-                    {"type": "string", "minLength": 1},
-                    {
-                        "type": "array",
-                        "maxItems": 4,
-                        "items": {"type": "string", "minLength": 1},
-                    },
-                ]
-            },
-            logprobs=_BOOL,
-            top_logprobs={"type": "integer", "minimum": 0, "maximum": 20},
-            stream=_BOOL,
-            stream_options=obj(include_usage=_BOOL),
-            metadata=_METADATA,
-            response_format=obj(("type",), type={"const": "text"}),
-            session_id={
-                "type": "string",
-                "description": "extension: continue this session without resending history",
-            },
-            store={"type": "boolean", "description": "taken; every completion is recorded"},
-            modalities={"type": "array", "items": {"const": "text"}},
-        ),
-        "description": "tools, functions, tool calls, logit_bias, audio, prediction, "
-        "reasoning_effort and non-zero penalties are refused (400), not ignored; so is any field "
-        "not listed here and not null (unknown_field), except user, service_tier, safety_identifier, "
-        "prompt_cache_key, prompt_cache_retention and parallel_tool_calls, which change nothing",
-    },
     "ChatUsage": obj(
         ("prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"),
         prompt_tokens=_INT,
@@ -370,7 +269,7 @@ SCHEMAS: dict[str, Any] = {
         },
         usage=ref("ChatUsage"),
         session_id={"type": "string", "description": "extension: the session it lives in"},
-        seed={**_SEED, "maximum": 2**64 - 1},
+        seed=_SEED,
     ),
     "ChatCompletionChunk": obj(
         ("id", "object", "created", "model", "choices", "session_id", "seed"),
@@ -393,7 +292,7 @@ SCHEMAS: dict[str, Any] = {
         },
         usage=ref("ChatUsage"),
         session_id=_STR,
-        seed={**_SEED, "maximum": 2**64 - 1},
+        seed=_SEED,
     ),
 }
 #: what ends a chat stream that failed after it began: ``data: {"error": {...}}``
@@ -435,17 +334,12 @@ def _op(
     ok: dict[str, Any],
     *,
     params: list[dict[str, Any]] | None = None,
-    body: str | None = None,
 ) -> dict[str, Any]:
+    """An OpenAI route (its request body, if it takes one, is added by :mod:`.openapi`)."""
     responses = {**ok, **{k: _ERR[k] for k in ERRORS_OF[(path, method)]}}
     op: dict[str, Any] = {"summary": summary, "tags": ["openai"], "responses": responses}
     if params:
         op["parameters"] = params
-    if body is not None:
-        op["requestBody"] = {
-            "required": True,
-            "content": {"application/json": {"schema": ref(body)}},
-        }
     return op
 
 
@@ -457,25 +351,19 @@ def _query(name: str, schema: dict[str, Any], desc: str) -> dict[str, Any]:
     return {"name": name, "in": "query", "schema": schema, "description": desc}
 
 
-def _stream(desc: str, event: str) -> dict[str, Any]:
-    return {"schema": {"type": "string", "description": desc}, "x-sse-data": ref(event)}
+def _stream(desc: str, event: str, error: str) -> dict[str, Any]:
+    return {
+        "schema": {"type": "string", "description": desc},
+        "x-sse-data": ref(event),
+        "x-sse-error": ref(error),
+    }
 
 
 def paths() -> dict[str, Any]:
-    response_or_stream = {
-        "description": "the response; with stream=true its event stream",
-        "content": {
-            "application/json": {"schema": ref("Response")},
-            "text/event-stream": {
-                **_stream(
-                    "`event: <type>` and `data: <ResponseStreamEvent>`; a stream that fails after "
-                    "it began ends with `event: error` (ResponseErrorEvent)",
-                    "ResponseStreamEvent",
-                ),
-                "x-sse-error": ref("ResponseErrorEvent"),
-            },
-        },
-    }
+    return {**_models(), **_responses(), **_chat()}
+
+
+def _models() -> dict[str, Any]:
     return {
         "/v1/models": {
             "get": _op("/v1/models", "get", "the served model", {"200": _json("ModelList")})
@@ -489,6 +377,24 @@ def paths() -> dict[str, Any]:
                 params=[_path("model")],
             )
         },
+    }
+
+
+def _responses() -> dict[str, Any]:
+    response_or_stream = {
+        "description": "the response; with stream=true its event stream",
+        "content": {
+            "application/json": {"schema": ref("Response")},
+            "text/event-stream": _stream(
+                "`event: <type>` and `data: <ResponseStreamEvent>`; a stream that fails after "
+                "it began ends with `event: error` (ResponseErrorEvent)",
+                "ResponseStreamEvent",
+                "ResponseErrorEvent",
+            ),
+        },
+    }
+    rid = _path("rid")
+    return {
         "/v1/responses": {
             "post": _op(
                 "/v1/responses",
@@ -496,7 +402,6 @@ def paths() -> dict[str, Any]:
                 "create a response: a generation in a new session, or continuing (or forking) "
                 "previous_response_id's",
                 {"200": response_or_stream},
-                body="ResponseCreateRequest",
             )
         },
         "/v1/responses/{rid}": {
@@ -507,7 +412,7 @@ def paths() -> dict[str, Any]:
                 "event stream after starting_after",
                 {"200": response_or_stream},
                 params=[
-                    _path("rid"),
+                    rid,
                     _query("stream", _BOOL, "answer with the response's event stream"),
                     _query(
                         "starting_after",
@@ -523,7 +428,7 @@ def paths() -> dict[str, Any]:
                 "post",
                 "cancel a background response (a finished one is returned as it is)",
                 {"200": _json("Response")},
-                params=[_path("rid")],
+                params=[rid],
             )
         },
         "/v1/responses/{rid}/input_items": {
@@ -533,7 +438,7 @@ def paths() -> dict[str, Any]:
                 "the input messages of a response",
                 {"200": _json("InputItemList")},
                 params=[
-                    _path("rid"),
+                    rid,
                     _query(
                         "limit",
                         {"type": "integer", "minimum": 1, "maximum": 100, "default": 20},
@@ -548,29 +453,29 @@ def paths() -> dict[str, Any]:
                 ],
             )
         },
+    }
+
+
+def _chat() -> dict[str, Any]:
+    completion_or_chunks = {
+        "description": "the completion; with stream=true its chunks",
+        "content": {
+            "application/json": {"schema": ref("ChatCompletion")},
+            "text/event-stream": _stream(
+                "`data: <ChatCompletionChunk>` lines, then `data: [DONE]`; a stream that fails "
+                "after it began ends with `data: <ChatStreamError>`",
+                "ChatCompletionChunk",
+                "ChatStreamError",
+            ),
+        },
+    }
+    return {
         "/v1/chat/completions": {
             "post": _op(
                 "/v1/chat/completions",
                 "post",
                 "a chat completion, recorded as a session (session_id continues one)",
-                {
-                    "200": {
-                        "description": "the completion; with stream=true its chunks",
-                        "content": {
-                            "application/json": {"schema": ref("ChatCompletion")},
-                            "text/event-stream": {
-                                **_stream(
-                                    "`data: <ChatCompletionChunk>` lines, then `data: [DONE]`; a "
-                                    "stream that fails after it began ends with "
-                                    "`data: <ChatStreamError>`",
-                                    "ChatCompletionChunk",
-                                ),
-                                "x-sse-error": ref("ChatStreamError"),
-                            },
-                        },
-                    }
-                },
-                body="ChatCompletionRequest",
+                {"200": completion_or_chunks},
             )
-        },
+        }
     }

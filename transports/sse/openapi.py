@@ -1,13 +1,38 @@
-"""The OpenAPI description of the HTTP API (hand-written; docs/protocols/http.md is the prose)."""
+"""The OpenAPI description of the HTTP API (docs/protocols/http.md is the prose).
+
+Request bodies are not written here: each route's schema is its model's (:data:`BODIES`, from
+:mod:`.request_bodies` and :mod:`.openai_bodies`, which also validate them), so the document and
+the validation cannot drift apart. Paths, parameters and responses are written by hand.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from sessiontape.transports.sse import openai_schema
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from sessiontape.transports.sse import openai_bodies, openai_schema
+from sessiontape.transports.sse import request_bodies as rb
+
+#: the body each route takes, by (path, method): the document's schema for it is the model's
+BODIES: dict[tuple[str, str], type[BaseModel]] = {
+    ("/v1/sessions", "post"): rb.CreateSession,
+    ("/v1/sessions/{sid}/append", "post"): rb.Append,
+    ("/v1/sessions/{sid}/generate", "post"): rb.Generate,
+    ("/v1/sessions/{sid}/fork", "post"): rb.Fork,
+    ("/v1/sessions/{sid}/close", "post"): rb.Close,
+    ("/v1/sessions/{sid}/feedback", "post"): rb.Feedback,
+    ("/v1/responses", "post"): openai_bodies.ResponseCreateRequest,
+    ("/v1/chat/completions", "post"): openai_bodies.ChatCompletionRequest,
+}
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 _DOC = {"$ref": "#/components/schemas/SessionDocument"}
+_INT = {"type": "integer"}
+_STR = {"type": "string"}
+_BOOL = {"type": "boolean"}
+_BYTES = {"type": "string", "format": "binary"}
 
 
 def _json(schema: dict[str, Any], desc: str = "OK") -> dict[str, Any]:
@@ -15,7 +40,11 @@ def _json(schema: dict[str, Any], desc: str = "OK") -> dict[str, Any]:
 
 
 def _sse(desc: str) -> dict[str, Any]:
-    return {"description": desc, "content": {"text/event-stream": {"schema": {"type": "string"}}}}
+    return {"description": desc, "content": {"text/event-stream": {"schema": _STR}}}
+
+
+def _obj(**props: Any) -> dict[str, Any]:
+    return {"type": "object", "properties": props}
 
 
 _ERRORS = {
@@ -24,60 +53,13 @@ _ERRORS = {
     "404": _json(_ERROR, "unknown session (or image, or node)"),
     "409": _json(_ERROR, "failed precondition or busy"),
 }
-_SID = {"name": "sid", "in": "path", "required": True, "schema": {"type": "string"}}
-_PATCH = {
+_SID: dict[str, Any] = {"name": "sid", "in": "path", "required": True, "schema": _STR}
+_PATCH: dict[str, Any] = {
     "name": "patch",
     "in": "query",
     "schema": {"type": "string", "enum": ["plus", "rfc6902"]},
     "description": "rfc6902 rewrites append ops as replace/add",
 }
-
-
-def _op(
-    summary: str,
-    responses: dict[str, Any],
-    *,
-    params: list[dict[str, Any]] | None = None,
-    body: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    op: dict[str, Any] = {"summary": summary, "responses": {**responses, **_ERRORS}}
-    if params:
-        op["parameters"] = params
-    if body is not None:
-        op["requestBody"] = {"content": {"application/json": {"schema": body}}}
-    return op
-
-
-def _obj(**props: Any) -> dict[str, Any]:
-    return {"type": "object", "properties": props}
-
-
-_INT = {"type": "integer"}
-_STR = {"type": "string"}
-_PROTOCOL = {"type": "string", "maxLength": 32}
-_LABEL = {"type": "string", "maxLength": 1000}
-_BOOL = {"type": "boolean"}
-_BYTES = {"type": "string", "format": "binary"}
-#: a seed is in [0, 2**64): a number, or a string of digits (JSON numbers are exact only up to 2**53)
-_SEED = {
-    "oneOf": [{"type": "integer", "minimum": 0}, {"type": "string", "pattern": "^[0-9]{1,20}$"}]
-}
-_GEN = _obj(
-    max_tokens=_INT,
-    temperature={"type": "number"},
-    top_p={"type": "number"},
-    top_k=_INT,
-    seed=_SEED,
-    stop_token_ids={"type": "array", "items": _INT},
-    logprob_top_k=_INT,
-    logprob_ranges={"type": "array"},
-    readout_ranges={"type": "array"},
-    text=_STR,
-    tokens={"type": "array", "items": _INT},
-    stream={"type": "boolean"},
-    background={"type": "boolean"},
-)
-
 
 #: the error statuses each native route answers (each is produced in tests/transports/sse/test_openapi.py);
 #: a route not listed here documents all four of ``_ERRORS``
@@ -100,260 +82,252 @@ _ERRORS_OF: dict[tuple[str, str], tuple[str, ...]] = {
 }
 
 
+def _op(
+    path: str,
+    method: str,
+    summary: str,
+    responses: dict[str, Any],
+    *,
+    params: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """A native route, with the errors ``_ERRORS_OF`` gives it."""
+    errors = {k: v for k, v in _ERRORS.items() if k in _ERRORS_OF.get((path, method), _ERRORS)}
+    op: dict[str, Any] = {"summary": summary, "responses": {**responses, **errors}}
+    if params:
+        op["parameters"] = params
+    return op
+
+
+def request_body(model: type[BaseModel]) -> dict[str, Any]:
+    """A route's ``requestBody``: an OpenAI route's by reference into ``components/schemas`` (and
+    required); a native one's inline (an empty body is ``{}``)."""
+    if issubclass(model, openai_bodies.Request):
+        return {
+            "required": True,
+            "content": {
+                "application/json": {"schema": {"$ref": rb.REF.format(model=model.__name__)}}
+            },
+        }
+    return {"content": {"application/json": {"schema": rb.schema_of(model)}}}
+
+
+def request_schemas() -> dict[str, Any]:
+    """``components/schemas`` of the bodies given by reference: the OpenAI routes', their parts."""
+    models = [m for m in BODIES.values() if issubclass(m, openai_bodies.Request)]
+    _, defs = models_json_schema(
+        [(m, "validation") for m in models], ref_template=rb.REF, schema_generator=rb.Schema
+    )
+    return dict(defs["$defs"])
+
+
 def spec() -> dict[str, Any]:
-    doc = _spec()
-    for (path, method), codes in _ERRORS_OF.items():
-        responses = doc["paths"][path][method]["responses"]
-        for code in set(_ERRORS) - set(codes):
-            responses.pop(code, None)
-    return doc
-
-
-def _spec() -> dict[str, Any]:
+    schemas = {
+        "Error": _obj(error=_obj(code=_STR, message=_STR)),
+        "SessionDocument": {
+            "type": "object",
+            "description": "docs/protocols/session-document.md",
+        },
+        **openai_schema.SCHEMAS,
+    }
+    requests = request_schemas()
+    assert not set(requests) & set(schemas), "a request model named as a response schema"
+    paths = {**_site(), **_sessions(), **_writes(), **_reads(), **openai_schema.paths()}
+    for (path, method), model in BODIES.items():
+        paths[path][method]["requestBody"] = request_body(model)
     return {
         "openapi": "3.1.0",
         "info": {"title": "sessiontape HTTP API", "version": "1"},
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-            "schemas": {
-                "Error": _obj(error=_obj(code=_STR, message=_STR)),
-                "SessionDocument": {
-                    "type": "object",
-                    "description": "docs/protocols/session-document.md",
-                },
-                **openai_schema.SCHEMAS,
-            },
+            "schemas": {**schemas, **requests},
         },
         "security": [{"bearer": []}],
-        "paths": {
-            "/": {
-                "get": {
-                    "summary": "the replay viewer (an HTML page; see docs/protocols/http.md, Viewer)",
-                    "security": [],
-                    "responses": {
-                        "200": {
-                            "description": "the viewer",
-                            "content": {"text/html": {"schema": _STR}},
-                        }
-                    },
-                }
+        "paths": paths,
+    }
+
+
+def _site() -> dict[str, Any]:
+    """The routes without a token: the viewer, this document, health, metrics."""
+
+    def public(summary: str, responses: dict[str, Any], **more: Any) -> dict[str, Any]:
+        return {"get": {"summary": summary, "security": [], **more, "responses": responses}}
+
+    return {
+        "/": public(
+            "the replay viewer (an HTML page; see docs/protocols/http.md, Viewer)",
+            {"200": {"description": "the viewer", "content": {"text/html": {"schema": _STR}}}},
+        ),
+        "/static/{path}": public(
+            "the viewer's scripts and styles",
+            {
+                "200": {"description": "a static file (text/javascript, text/css, ...)"},
+                "404": {"description": "no such file"},
             },
-            "/static/{path}": {
-                "get": {
-                    "summary": "the viewer's scripts and styles",
-                    "security": [],
-                    "parameters": [
-                        {"name": "path", "in": "path", "required": True, "schema": _STR}
-                    ],
-                    "responses": {
-                        "200": {"description": "a static file (text/javascript, text/css, ...)"},
-                        "404": {"description": "no such file"},
-                    },
-                }
-            },
-            "/openapi.json": {
-                "get": {
-                    "summary": "this document",
-                    "security": [],
-                    "responses": {"200": _json({"type": "object"}, "the OpenAPI 3.1 description")},
-                }
-            },
-            "/healthz": {
-                "get": {
-                    "summary": "liveness",
-                    "security": [],
-                    "responses": {
-                        "200": _json(_obj(status=_STR, engine=_STR)),
-                        "503": _json(
-                            _obj(status=_STR, engine=_STR, error=_STR),
-                            "the engine can serve nothing more (its worker process died)",
-                        ),
-                    },
-                }
-            },
-            "/metrics": {
-                "get": {
-                    "summary": "Prometheus metrics",
-                    "security": [],
-                    "responses": {"200": {"description": "text exposition format"}},
-                }
-            },
-            "/v1/sessions": {
-                "post": _op(
-                    "open a session",
-                    {"201": _json(_DOC)},
-                    body=_obj(
-                        protocol=_PROTOCOL,
-                        label=_LABEL,
-                        mode=_STR,
-                        ttl_s={"type": "number"},
-                        eos_token_ids={"type": "array", "items": _INT},
-                        meta={"type": "object"},
-                    ),
-                ),
-                "get": _op(
-                    "list sessions",
-                    {"200": _json(_obj(sessions={"type": "array"}))},
-                    params=[
-                        {"name": n, "in": "query", "schema": _STR}
-                        for n in ("status", "protocol", "parent")
-                    ]
-                    + [{"name": n, "in": "query", "schema": _INT} for n in ("limit", "offset")],
+            parameters=[{"name": "path", "in": "path", "required": True, "schema": _STR}],
+        ),
+        "/openapi.json": public(
+            "this document", {"200": _json({"type": "object"}, "the OpenAPI 3.1 description")}
+        ),
+        "/healthz": public(
+            "liveness",
+            {
+                "200": _json(_obj(status=_STR, engine=_STR)),
+                "503": _json(
+                    _obj(status=_STR, engine=_STR, error=_STR),
+                    "the engine can serve nothing more (its worker process died)",
                 ),
             },
-            "/v1/sessions/events": {
-                "get": _op(
-                    "SSE: the sessions list, snapshot then JSON Patch+",
-                    {"200": _sse("snapshot, patch events")},
-                    params=[_PATCH],
-                )
-            },
-            "/v1/sessions/{sid}": {
-                "get": _op(
-                    "the session document",
-                    {"200": _json(_DOC)},
-                    params=[_SID, {"name": "version", "in": "query", "schema": _INT}],
-                )
-            },
-            "/v1/sessions/{sid}/events": {
-                "get": _op(
-                    "SSE: snapshot then JSON Patch+ per committed event; id = log position",
-                    {"200": _sse("snapshot, patch, end events; ': ping' heartbeats")},
-                    params=[
-                        _SID,
-                        _PATCH,
-                        {"name": "Last-Event-ID", "in": "header", "schema": _INT},
-                    ],
-                )
-            },
-            "/v1/sessions/{sid}/append": {
-                "post": _op(
-                    "append text or tokens",
-                    {"200": _json(_obj(length=_INT, version=_INT))},
-                    params=[_SID],
-                    body=_obj(
-                        text=_STR,
-                        tokens={"type": "array", "items": _INT},
-                        offset={"type": "integer", "minimum": 0},
-                        truncating=_BOOL,
-                    ),
-                )
-            },
-            "/v1/sessions/{sid}/generate": {
-                "post": _op(
-                    "generate: an SSE stream of patches (default), JSON (stream=false) or 202 (background=true)",
-                    {
-                        "200": {
-                            "description": "stream (default): text/event-stream, snapshot, patches, end; "
-                            "stream=false: JSON once the generation is done",
-                            "content": {
-                                "text/event-stream": {"schema": _STR},
-                                "application/json": {
-                                    "schema": _obj(
-                                        session_id=_STR,
-                                        version=_INT,
-                                        generation={
-                                            "type": "object",
-                                            "description": "the document's generations[] entry",
-                                        },
-                                    )
-                                },
-                            },
-                        },
-                        "202": _json(
-                            _obj(session_id=_STR, generation_id={"type": ["string", "null"]}),
-                            "background=true: started",
-                        ),
-                    },
-                    params=[_SID, _PATCH],
-                    body=_GEN,
-                )
-            },
-            "/v1/sessions/{sid}/fork": {
-                "post": _op(
-                    "fork at a token position or event version",
-                    {"201": _json(_DOC)},
-                    params=[_SID],
-                    body=_obj(at_position=_INT, at_version=_INT, label=_LABEL, protocol=_PROTOCOL),
-                )
-            },
-            "/v1/sessions/{sid}/close": {
-                "post": _op("close", {"200": _json(_DOC)}, params=[_SID], body=_obj(reason=_STR))
-            },
-            "/v1/sessions/{sid}/feedback": {
-                "post": _op(
-                    "record feedback",
-                    {"201": _json(_obj(version=_INT))},
-                    params=[_SID],
-                    body={"type": "object"},
-                )
-            },
-            "/v1/sessions/{sid}/export": {
-                "get": _op(
-                    "the session's events as NDJSON, one event per line (what `sessiontape import` reads)",
-                    {
-                        "200": {
-                            "description": "attachment; filename=ID.ndjson",
-                            "content": {"application/x-ndjson": {"schema": _STR}},
-                        }
-                    },
-                    params=[_SID],
-                )
-            },
-            "/v1/sessions/{sid}/audit": {
-                "get": _op(
-                    "verify the hash chain and the fold's invariants (sessiontape.core.audit.audit_session)",
-                    {
-                        "200": _json(
-                            _obj(
-                                session_id=_STR,
-                                chain_ok=_BOOL,
-                                invariants_ok=_BOOL,
-                                problems={"type": "array", "items": _STR},
-                                ok=_BOOL,
-                            )
-                        )
-                    },
-                    params=[_SID],
-                )
-            },
-            "/v1/sessions/{sid}/replay": {
-                "get": _op(
-                    "base document and one patch per event (the scrubber)",
-                    {"200": _json(_obj(base=_DOC, steps={"type": "array"}))},
-                    params=[_SID],
-                )
-            },
-            "/v1/sessions/{sid}/images/{sha}": {
-                "get": _op(
-                    "an attached image's bytes, by sha256, with its recorded MIME type",
-                    {
-                        "200": {
-                            "description": "the image",
-                            "content": {
-                                "image/*": {"schema": _BYTES},
-                                "application/octet-stream": {"schema": _BYTES},
-                            },
-                        }
-                    },
-                    params=[
-                        _SID,
-                        {
-                            "name": "sha",
-                            "in": "path",
-                            "required": True,
-                            "schema": {"type": "string", "pattern": "^[0-9a-f]{64}$"},
-                        },
-                    ],
-                )
-            },
-            "/v1/sessions/{sid}/nodes/{nid}/content": {
-                "get": _op(
-                    "a leaf node's chunk bytes (Evergreen), with the chunk's mimetype",
-                    {"200": {"description": "the chunk", "content": {"*/*": {"schema": _BYTES}}}},
-                    params=[_SID, {"name": "nid", "in": "path", "required": True, "schema": _STR}],
-                )
-            },
-            **openai_schema.paths(),
+        ),
+        "/metrics": public(
+            "Prometheus metrics", {"200": {"description": "text exposition format"}}
+        ),
+    }
+
+
+def _sessions() -> dict[str, Any]:
+    """Opening and listing sessions, a session's document, the SSE feeds."""
+    query = [{"name": n, "in": "query", "schema": _STR} for n in ("status", "protocol", "parent")]
+    query += [{"name": n, "in": "query", "schema": _INT} for n in ("limit", "offset")]
+    return {
+        "/v1/sessions": {
+            "post": _op("/v1/sessions", "post", "open a session", {"201": _json(_DOC)}),
+            "get": _op(
+                "/v1/sessions",
+                "get",
+                "list sessions",
+                {"200": _json(_obj(sessions={"type": "array"}))},
+                params=query,
+            ),
         },
+        "/v1/sessions/events": {
+            "get": _op(
+                "/v1/sessions/events",
+                "get",
+                "SSE: the sessions list, snapshot then JSON Patch+",
+                {"200": _sse("snapshot, patch events")},
+                params=[_PATCH],
+            )
+        },
+        "/v1/sessions/{sid}": {
+            "get": _op(
+                "/v1/sessions/{sid}",
+                "get",
+                "the session document",
+                {"200": _json(_DOC)},
+                params=[_SID, {"name": "version", "in": "query", "schema": _INT}],
+            )
+        },
+        "/v1/sessions/{sid}/events": {
+            "get": _op(
+                "/v1/sessions/{sid}/events",
+                "get",
+                "SSE: snapshot then JSON Patch+ per committed event; id = log position",
+                {"200": _sse("snapshot, patch, end events; ': ping' heartbeats")},
+                params=[_SID, _PATCH, {"name": "Last-Event-ID", "in": "header", "schema": _INT}],
+            )
+        },
+    }
+
+
+def _writes() -> dict[str, Any]:
+    """The routes that change a session."""
+    generated = {
+        "200": {
+            "description": "stream (default): text/event-stream, snapshot, patches, end; "
+            "stream=false: JSON once the generation is done",
+            "content": {
+                "text/event-stream": {"schema": _STR},
+                "application/json": {
+                    "schema": _obj(
+                        session_id=_STR,
+                        version=_INT,
+                        generation={
+                            "type": "object",
+                            "description": "the document's generations[] entry",
+                        },
+                    )
+                },
+            },
+        },
+        "202": _json(
+            _obj(session_id=_STR, generation_id={"type": ["string", "null"]}),
+            "background=true: started",
+        ),
+    }
+    ops = {
+        "append": ("append text or tokens", {"200": _json(_obj(length=_INT, version=_INT))}),
+        "generate": (
+            "generate: an SSE stream of patches (default), JSON (stream=false) or 202 "
+            "(background=true)",
+            generated,
+        ),
+        "fork": ("fork at a token position or event version", {"201": _json(_DOC)}),
+        "close": ("close", {"200": _json(_DOC)}),
+        "feedback": ("record feedback", {"201": _json(_obj(version=_INT))}),
+    }
+    out: dict[str, Any] = {}
+    for name, (summary, responses) in ops.items():
+        path = f"/v1/sessions/{{sid}}/{name}"
+        params: list[dict[str, Any]] = [_SID, _PATCH] if name == "generate" else [_SID]
+        out[path] = {"post": _op(path, "post", summary, responses, params=params)}
+    return out
+
+
+def _reads() -> dict[str, Any]:
+    """A session's log as NDJSON, its audit, its replay, its images and node contents."""
+    sha = {
+        "name": "sha",
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string", "pattern": "^[0-9a-f]{64}$"},
+    }
+    nid = {"name": "nid", "in": "path", "required": True, "schema": _STR}
+    audit = _obj(
+        session_id=_STR,
+        chain_ok=_BOOL,
+        invariants_ok=_BOOL,
+        problems={"type": "array", "items": _STR},
+        ok=_BOOL,
+    )
+    image = {"image/*": {"schema": _BYTES}, "application/octet-stream": {"schema": _BYTES}}
+    ops: list[tuple[str, str, dict[str, Any], list[dict[str, Any]]]] = [
+        (
+            "/v1/sessions/{sid}/export",
+            "the session's events as NDJSON, one event per line (what `sessiontape import` reads)",
+            {
+                "200": {
+                    "description": "attachment; filename=ID.ndjson",
+                    "content": {"application/x-ndjson": {"schema": _STR}},
+                }
+            },
+            [_SID],
+        ),
+        (
+            "/v1/sessions/{sid}/audit",
+            "verify the hash chain and the fold's invariants (sessiontape.core.audit.audit_session)",
+            {"200": _json(audit)},
+            [_SID],
+        ),
+        (
+            "/v1/sessions/{sid}/replay",
+            "base document and one patch per event (the scrubber)",
+            {"200": _json(_obj(base=_DOC, steps={"type": "array"}))},
+            [_SID],
+        ),
+        (
+            "/v1/sessions/{sid}/images/{sha}",
+            "an attached image's bytes, by sha256, with its recorded MIME type",
+            {"200": {"description": "the image", "content": image}},
+            [_SID, sha],
+        ),
+        (
+            "/v1/sessions/{sid}/nodes/{nid}/content",
+            "a leaf node's chunk bytes (Evergreen), with the chunk's mimetype",
+            {"200": {"description": "the chunk", "content": {"*/*": {"schema": _BYTES}}}},
+            [_SID, nid],
+        ),
+    ]
+    return {
+        path: {"get": _op(path, "get", summary, responses, params=params)}
+        for path, summary, responses, params in ops
     }

@@ -24,86 +24,26 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from sessiontape.core import errors as E
 from sessiontape.core.bodies import generated_token
 from sessiontape.core.document.text import TextStream
-from sessiontape.core.engine import OutputOptions, SamplingParams
+from sessiontape.core.engine import OutputOptions
 from sessiontape.core.events import Event
 from sessiontape.core.state import OPEN
-from sessiontape.transports.sse.chat_template import ROLES, message_text
 from sessiontape.transports.sse.openai import (
-    DEFAULT_MAX_TOKENS,
     Api,
     BadParam,
     Models,
-    check_fields,
     error_event,
-    flag,
-    integer,
     json_body,
-    metadata,
-    number,
-    reject_unsupported,
     split_id,
 )
+from sessiontape.transports.sse.openai_bodies import ResponseCreateRequest, check_fields, parse
 from sessiontape.transports.sse.turns import Turn, Turns, follow_runs, load_turn, logprob_entry
 
 API = "responses"
-#: the one ``include`` value served: per-token logprobs of the output text
-LOGPROBS = "message.output_text.logprobs"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-#: the request fields read (``tools``, ``conversation``, ``prompt`` and ``tool_choice`` only to
-#: refuse them unless they ask for nothing); any other is refused (openai.check_fields)
-FIELDS = frozenset(
-    {
-        "model",
-        "input",
-        "instructions",
-        "previous_response_id",
-        "store",
-        "background",
-        "stream",
-        "stream_options",
-        "max_output_tokens",
-        "temperature",
-        "top_p",
-        "seed",
-        "metadata",
-        "include",
-        "top_logprobs",
-        "text",
-        "truncation",
-        "tools",
-        "tool_choice",
-        "conversation",
-        "prompt",
-        "reasoning",
-    }
-)
 
 
 def response_id(turn: Turn) -> str:
     return f"resp_{turn.session_id}_{turn.version}"
-
-
-def _input(b: dict[str, Any]) -> list[dict[str, str]]:
-    raw = b.get("input")
-    if isinstance(raw, str):
-        return [{"role": "user", "content": raw}]
-    if not isinstance(raw, list) or not raw:
-        raise BadParam("input", "input must be a string or a non-empty array of messages")
-    out = []
-    for i, item in enumerate(raw):
-        if not isinstance(item, dict) or item.get("type", "message") != "message":
-            kind = item.get("type") if isinstance(item, dict) else type(item).__name__
-            raise BadParam(
-                f"input[{i}]",
-                f"input[{i}]: items of type {kind!r} are not supported (messages only)",
-            )
-        role = item.get("role")
-        if role not in ROLES:
-            raise BadParam(f"input[{i}].role", f"input[{i}].role must be one of {list(ROLES)}")
-        out.append({"role": str(role), "content": message_text(item.get("content"), f"input[{i}]")})
-    return out
 
 
 class Responses:
@@ -121,61 +61,28 @@ class Responses:
 
     async def create(self, request: Request) -> Response:
         b = await json_body(request, self.limits)
-        check_fields(b, FIELDS)
+        check_fields(b, ResponseCreateRequest)
         model = self.models.check(b)
-        reject_unsupported(b, ("tools", "tool_choice", "conversation", "prompt", "reasoning"))
-        if b.get("truncation") not in (None, "disabled"):
-            raise BadParam("truncation", 'only truncation "disabled" is supported')
-        stream_opts = b.get("stream_options")
-        if stream_opts is not None and not isinstance(stream_opts, dict):
-            raise BadParam("stream_options", "stream_options must be an object")
-        text_cfg = b.get("text")
-        fmt = text_cfg.get("format") if isinstance(text_cfg, dict) else None
-        if text_cfg is not None and (
-            not isinstance(text_cfg, dict)
-            or (fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"))
-        ):
-            raise BadParam(
-                "text.format", 'only text output is supported (text.format {"type": "text"})'
-            )
-        items = _input(b)
-        instructions = b.get("instructions")
-        if instructions is not None and not isinstance(instructions, str):
-            raise BadParam("instructions", "instructions must be a string")
-        store = flag(b, "store", True)
-        background = flag(b, "background", False)
-        stream = flag(b, "stream", False)
-        if background and not store:
-            raise BadParam("background", "background responses need store=true")
-        max_out = integer(b, "max_output_tokens", 1, 1 << 20)
-        seed = integer(b, "seed", 0, (1 << 63) - 1)
-        params = SamplingParams(
-            max_tokens=max_out or DEFAULT_MAX_TOKENS,
-            temperature=number(b, "temperature", 1.0, 0.0, 2.0),
-            top_p=number(b, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-            seed=seed,
-        )
-        include = b.get("include") or []
-        if not isinstance(include, list) or any(i != LOGPROBS for i in include):
-            raise BadParam("include", f"include may only name {LOGPROBS!r}")
-        top = integer(b, "top_logprobs", 0, 20)
-        prev = b.get("previous_response_id")
-        if prev is not None and not isinstance(prev, str):
-            raise BadParam("previous_response_id", "previous_response_id must be a string")
+        r = parse(ResponseCreateRequest, b)
+        items = r.messages()
+        instructions, prev = r.instructions, r.previous_response_id
+        store, background = r.store is not False, bool(r.background)
+        params = r.sampling(r.max_output_tokens)
+        top = r.top_logprobs
         req = {
             "model": model,
             "input": items,
             "instructions": instructions,
-            "metadata": metadata(b),
+            "metadata": dict(r.metadata or {}),
             "store": store,
             "background": background,
-            "stream": stream,
+            "stream": bool(r.stream),
             "previous_response_id": prev,
-            "max_output_tokens": max_out,
+            "max_output_tokens": r.max_output_tokens,
             "temperature": params.temperature,
             "top_p": params.top_p,
-            "seed": None if seed is None else str(seed),
-            "logprobs": bool(include),
+            "seed": None if r.seed is None else str(r.seed),
+            "logprobs": bool(r.include),
             "top_logprobs": top or 0,
         }
         sid, forked_from = await self._session(prev)
@@ -193,7 +100,7 @@ class Responses:
             OutputOptions(logprob_top_k=top or 0),
             close_after=not store,
         )
-        if stream:
+        if r.stream:
             return self._sse(turn, -1, cancel_on_disconnect=not background)
         if background:
             return JSONResponse(await self._json(turn, reload=False))
