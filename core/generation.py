@@ -1,33 +1,16 @@
-"""The generation loop: engine steps through the log to the caller, pipelined.
+"""A generation from request to finish: begin, the runs, the finish, and what is left
+when it stops early.
 
-Three stages run at once for one generation::
-
-    engine ──steps──▶ [run-ahead queue] ──▶ committer ──runs──▶ caller
-    (producer task)    (bounded)           (one append per run) (yields a run
-                                                                  after its commit)
-
-- The **producer** task pulls steps from ``Engine.generate`` (through the
-  runtime's priority gate) into a queue bounded by ``generation.run_ahead``:
-  when commits fall behind, the queue fills and the engine waits
-  (back-pressure), so memory stays bounded whatever the disk does.
-- The **committer** takes every step that is ready (at least one, at most
-  ``generation.max_run``), appends them as one ``log.append`` (one
-  transaction; the log's writer still groups concurrent sessions' appends
-  into one commit) and starts the next append as soon as the previous one
-  settled.
-- The **caller** receives a run of committed events while the next run
-  commits. Nothing is yielded before its commit: durable before visible.
-  A caller slower than the engine (a wire that sends one message per token)
-  gets runs it handles in about ``generation.pace_s`` each, and the next run
-  commits when it asks for it rather than while it handles this one: tokens
-  committed ahead would only wait behind the run in hand, so on demand a run
-  can be longer (fewer appends) for about the same commit-to-client latency.
-
-When the caller stops (cancel, client gone), an abort is requested, or the
-engine fails, steps that were decoded but not committed are dropped, the
-producer is stopped, the engine is told to rewind its cache to the committed
-history (``Engine.rewind``), and ``generation.finished`` counts exactly the
-generated tokens the log holds (the fold's count, not the loop's).
+:func:`generate_runs` checks a :class:`~sessiontape.core.pipeline.GenerateRequest`,
+takes the session's writer lock (one writer per session across processes),
+commits the generation's first append (the request's tokens and images, any
+truncation and ``generation.started``, together), runs the token pipeline
+(:mod:`sessiontape.core.pipeline`) and yields its committed runs, and ends the
+generation in the log exactly once: ``generation.finished`` with the last run
+when the engine ended on its own, on its own commit otherwise, or
+``cancelled``/``error`` when the caller stopped or something failed. The
+runtime's :meth:`~sessiontape.core.runtime.Runtime.generate_runs` is its one
+caller.
 """
 
 from __future__ import annotations
@@ -37,627 +20,48 @@ import contextlib
 import dataclasses
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import AsyncIterator, Awaitable
 
 from sessiontape.core import metrics
-from sessiontape.core.bodies import FinishReason, GenerationFinished, tokens_truncated
-from sessiontape.core.config import GenerationSettings
-from sessiontape.core.engine import OutputOptions, SamplingParams, Step
+from sessiontape.core.bodies import FinishReason, tokens_truncated
 from sessiontape.core.errors import (
     CacheInvariantViolation,
     ConcurrencyError,
     InvalidRange,
     SessionBusy,
-    SessiontapeError,
 )
 from sessiontape.core.events import Event, NewEvent, T
+from sessiontape.core.pipeline import GenerateRequest, GenerationHost, TokenPipeline, finished
 from sessiontape.core.state import SessionState
-from sessiontape.core.tokens import ImageIn, check_ranges, length_after, sink_window_keep
-
-if TYPE_CHECKING:
-    from sessiontape.core.engine import Engine
-    from sessiontape.core.log import EventLog
-    from sessiontape.core.scheduler import PriorityGate
+from sessiontape.core.tokens import check_ranges, length_after, sink_window_keep
 
 #: how often a generation's first append is tried again on a reloaded state
 STALE_RETRIES = 3
 
 
-#: most steps in a generation's first run, committed before the caller's pace is known
-FIRST_RUN = 8
-
-
-#: ``[generation]`` configuration: how far the engine may run ahead of the log (its
-#: options and their defaults: :class:`sessiontape.core.config.GenerationSettings`)
-PipelineLimits = GenerationSettings
-
-
-#: ``with_run(state, tokens) -> events``: called under the session's lock just before
-#: each run of generated tokens commits, with the session's state (the run not yet
-#: in it) and the run's generated token ids; the events it returns commit in the
-#: same append, after the run's (a transport's record of what it sends for the run,
-#: such as Evergreen's output fragment). It must not await; if it raises, the run
-#: is not committed and the generation fails with that error.
-RunHook = Callable[[SessionState, list[int]], Sequence[NewEvent]]
-
-
-class Runtime(Protocol):
-    """What the generation loop needs of the runtime (:class:`sessiontape.core.runtime.Runtime`
-    is the one implementation); a protocol, so this module does not import the runtime,
-    which imports it."""
-
-    engine: Engine
-    log: EventLog
-    gate: PriorityGate
-    pipeline: PipelineLimits
-    _stop_requested: set[str]
-
-    def _lock(self, sid: str) -> asyncio.Lock: ...
-
-    def _drop(self, st: SessionState) -> None: ...
-
-    async def _open_locked(self, session_id: str) -> SessionState: ...
-
-    async def _commit(
-        self,
-        st: SessionState,
-        new: Sequence[NewEvent],
-        *,
-        length: int | None = None,
-        at_once: bool = True,
-    ) -> list[Event]: ...
-
-    async def _image_events(
-        self, images: Sequence[ImageIn]
-    ) -> tuple[list[NewEvent], list[tuple[str, int]]]: ...
-
-    def _append_events(
-        self,
-        st: SessionState,
-        tokens: Sequence[int],
-        offset: int | None,
-        truncating: bool,
-        images: Sequence[ImageIn],
-        image_blobs: list[tuple[str, int]],
-    ) -> list[NewEvent]: ...
-
-    def _begin_generation(self, session_id: str) -> None: ...
-
-    def _end_generation(self, session_id: str) -> None: ...
-
-    def _violation(self, session_id: str, which: int) -> None: ...
-
-    def is_generating(self, session_id: str) -> bool: ...
-
-    def generations_running(self) -> int: ...
-
-
-class _End:
-    """The engine finished (or failed, when ``error`` is set)."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException | None = None) -> None:
-        self.error = error
-
-
-class Generation:
-    """One running generation of a session (created by :meth:`Runtime.generate_runs`)."""
-
-    def __init__(
-        self,
-        rt: Runtime,
-        st: SessionState,
-        gid: str,
-        params: SamplingParams,
-        options: OutputOptions,
-        priority: int,
-        limits: PipelineLimits,
-        with_run: RunHook | None = None,
-    ) -> None:
-        self.rt = rt
-        self.with_run = with_run
-        self.st = st
-        self.gid = gid
-        self.params = params
-        self.options = options
-        self.priority = priority
-        self.limits = limits
-        self.sid = st.session_id
-        self.eos = set(st.eos_token_ids)
-        self.stops = set(params.stop_token_ids)
-        self.t0 = time.perf_counter()
-        self.ttft: float | None = None
-        self.prefill_s: float | None = None
-        self.reason: FinishReason = "length"
-        self.last_pos = -1
-        self.ended = False  # no step will follow (stop token, abort, engine done)
-        self.dropped = 0
-        #: steps pulled from the engine
-        self.taken = 0
-        self._queue: asyncio.Queue[Step | _End] = asyncio.Queue(maxsize=limits.run_ahead)
-        #: committed runs not yet handed to the caller (a slow caller pauses the committer)
-        self._out: asyncio.Queue[list[Event] | Exception | None] = asyncio.Queue()
-        #: committed runs the caller has not taken yet may be at most one: the next run
-        #: commits while the caller handles this one, never further ahead (a slow client
-        #: leaves steps uncommitted, where the run-ahead bound holds the engine back);
-        #: none for a paced caller (:meth:`_paced_run`), whose next run commits on demand
-        self._credit = asyncio.Semaphore(1)
-        #: moving average of the time the caller spends per event of a run (None before
-        #: the second run): runs are cut so one takes the caller about ``pace_s``
-        self.consume_per_event: float | None = None
-        self._producer: asyncio.Task[None] | None = None
-        #: moving average of the time between engine steps (None before the second)
-        self.interval: float | None = None
-        #: set by the producer once ``_enough_at`` steps wait (the committer lingers on it)
-        self._enough: asyncio.Event | None = None
-        self._enough_at = 0
-        #: the producer handed the gate to another generation and waits for its next
-        #: turn: no step comes soon, so the committer does not linger for more
-        self._off_gate = False
-        #: the engine's last step (or its failure) is in the queue: nothing more will
-        #: come, so the committer never lingers for more
-        self._engine_done = False
-        #: the engine ended on its own and every step it made was taken: the run that
-        #: carries the last of them also carries ``generation.finished`` (one commit
-        #: fewer per generation; a short turn's whole answer can be one commit)
-        self._natural_end = False
-        #: ``generation.finished`` committed with the last run
-        self.finish_committed = False
-
-    # -- stages --------------------------------------------------------------
-
-    def start_engine(self) -> None:
-        st = self.st
-        max_tokens = min(self.params.max_tokens, self.rt.engine.info.max_length - st.length)
-        # open_session records the engine's ids when none were given, so an
-        # empty list is a deliberate "no EOS" (Kakeya), not a missing value.
-        eparams = dataclasses.replace(
-            self.params, max_tokens=max_tokens, stop_token_ids=tuple(sorted(self.eos | self.stops))
-        )
-        steps = self.rt.engine.generate(self.sid, list(st.tokens), eparams, self.options)
-        self._producer = asyncio.create_task(self._produce(steps), name=f"engine-{self.sid}")
-
-    async def _produce(self, steps: AsyncIterator[Step]) -> None:
-        """Engine steps into the run-ahead queue, a burst at a time through the gate.
-
-        Holding the gate for up to ``burst`` steps (while nothing more urgent
-        waits and the queue has room) keeps equal-priority generations
-        taking turns without a hand-over per token.
-        """
-        gate, q, burst, burst_s = self.rt.gate, self._queue, self.limits.burst, self.limits.burst_s
-        if self.rt.engine.batches:
-            # the engine schedules every generation's steps into shared passes itself:
-            # taking turns here would leave all but one session idle in each pass
-            gate = _NO_GATE
-        try:
-            done = False
-            step: Step | None = None
-            while not done:
-                async with gate.slot(self.priority):
-                    self._off_gate = False
-                    # the interval is the engine's time per step: not the wait for the
-                    # gate (other generations' bursts) or for room in the queue, which
-                    # would make a fast engine look slow to the committer after each
-                    # hand-over (it would commit that burst's first step as a run alone)
-                    last = time.perf_counter()
-                    turn_ends = last + burst_s
-                    for _ in range(burst):
-                        try:
-                            step = await anext(steps)
-                        except StopAsyncIteration:
-                            done = True
-                            break
-                        self.taken += 1
-                        now = time.perf_counter()
-                        self.interval = (
-                            now - last
-                            if self.interval is None
-                            else 0.8 * self.interval + 0.2 * (now - last)
-                        )
-                        last = now
-                        if q.full():
-                            break  # wait for room outside the gate
-                        q.put_nowait(step)
-                        step = None
-                        if self._enough is not None and q.qsize() >= self._enough_at:
-                            self._enough.set()
-                        if gate.more_urgent_waiting(self.priority) or (
-                            now >= turn_ends and gate.waiting()
-                        ):
-                            break
-                    handing_over = gate.waiting()
-                if handing_over:
-                    # the next steps come after the other generations' turns: a
-                    # committer lingering for more commits this turn's steps now, and
-                    # one that comes for them later does not linger
-                    self._off_gate = True
-                    if self._enough is not None:
-                        self._enough.set()
-                if not done and step is not None:
-                    await q.put(step)
-            await self._put_end(_End())
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            await self._put_end(_End(exc))
-        finally:
-            await steps.aclose()  # type: ignore[attr-defined]
-
-    async def _put_end(self, end: _End) -> None:
-        await self._queue.put(end)
-        self._engine_done = True
-        if self._enough is not None:
-            self._enough.set()
-
-    async def stop_engine(self) -> None:
-        """Stop the producer and drop what it decoded beyond the log."""
-        task = self._producer
-        if task is not None and not task.done():
-            task.cancel()
-        if task is not None:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        while not self._queue.empty():
-            self._queue.get_nowait()
-        # steps the engine handed out that no commit carried (queued, or held by
-        # the producer when it stopped): the fold counts what the log holds
-        g = self.st.generations.get(self.gid)
-        committed = 0 if g is None else g.scored + len(g.tokens)
-        self.dropped = self.taken - committed
-
-    def _paced_run(self) -> int | None:
-        """The run a paced caller handles in about ``pace_s``; None when the caller is
-        not paced (its pace is unknown, or it handles a full ``max_run`` within that)."""
-        c, limits = self.consume_per_event, self.limits
-        if c is None or c * limits.max_run <= limits.pace_s:
-            return None
-        return max(1, int(limits.pace_s / c))
-
-    async def _take(self) -> list[Step]:
-        """Every ready step (waiting for the first), cut after a stop token.
-
-        When the engine is fast (a step every quarter of ``linger_s`` or
-        less), wait a little longer so one append carries many steps: until
-        ``min_run`` steps wait or ``linger_s`` passed. A slow engine's steps
-        are committed as they come.
-
-        Raises what the engine raised once the steps before the failure
-        were taken (and so get committed).
-        """
-        q = self._queue
-        first = await q.get()
-        limits = self.limits
-        interval = self.interval
-        max_run, min_run = limits.max_run, limits.min_run
-        paced_run = self._paced_run()
-        if paced_run is not None:
-            # a caller slower than the engine: runs it handles in about pace_s each
-            max_run = paced_run
-            min_run = min(min_run, max_run)
-        elif self.consume_per_event is None and not self._engine_done:
-            # the first run, before the caller's pace is known: a short one, so a slow
-            # caller's first tokens do not wait behind a full run (a Kakeya client's
-            # first messages took 150-200 us each: the 64th of a first run of 64
-            # arrived 11 ms after its commit); an engine that is done already (a short
-            # answer) commits all it made at once
-            max_run = min(max_run, FIRST_RUN)
-            min_run = min(min_run, max_run)
-        if (
-            min_run > 1
-            and not isinstance(first, _End)
-            and interval is not None
-            and interval * 4 < limits.linger_s
-            and q.qsize() + 1 < min_run
-            and not self._off_gate
-            and not self._engine_done
-        ):
-            # a fast engine: let a few more steps arrive (woken early when enough did)
-            enough = self._enough = asyncio.Event()
-            self._enough_at = min_run - 1
-            # twice the engine's pace: the loop's other work stretches its steps, and
-            # a timer that ran out a few steps short split a turn in two
-            wait = min(limits.linger_s, 2 * interval * (min_run - 1 - q.qsize()))
-            timer = asyncio.get_running_loop().call_later(wait, enough.set)
-            try:
-                await enough.wait()
-            finally:
-                timer.cancel()
-                self._enough = None
-        out: list[Step] = []
-        item = first
-        while True:
-            if isinstance(item, _End):
-                self.ended = True
-                self._natural_end = item.error is None
-                if item.error is not None and not out:
-                    raise item.error
-                if item.error is not None:
-                    self._queue.put_nowait(item)  # raise it after committing what came first
-                    self.ended = False
-                break
-            out.append(item)
-            if not item.is_prefill and (item.token_id in self.eos or item.token_id in self.stops):
-                self.reason = "eos" if item.token_id in self.eos else "stop"
-                self.ended = True
-                # the engine stops at a stop token: its end is usually queued already
-                if not q.empty():
-                    after = q.get_nowait()
-                    self._natural_end = isinstance(after, _End) and after.error is None
-                    if not isinstance(after, _End):
-                        q.put_nowait(after)  # an engine that went on: stop_engine drops it
-                break
-            if len(out) >= max_run or q.empty():
-                break
-            item = q.get_nowait()
-        return out
-
-    def _events(self, steps: list[Step]) -> tuple[list[NewEvent], int]:
-        gid, t0 = self.gid, self.t0
-        new: list[NewEvent] = []
-        generated = 0
-        now = round(time.perf_counter() - t0, 6)
-        for step in steps:
-            if step.position <= self.last_pos:
-                self.rt._violation(self.sid, 2)
-                raise CacheInvariantViolation(
-                    f"INV-2: position {step.position} after {self.last_pos} in {self.sid}"
-                )
-            self.last_pos = step.position
-            body: dict[str, Any] = {
-                "generation_id": gid,
-                "token": step.token_id,
-                "position": step.position,
-                "is_prefill": step.is_prefill,
-                "t": now,
-            }
-            if step.logprob is not None:
-                body["logprob"] = step.logprob
-            if step.top_logprobs:
-                body["top"] = [[i, lp] for i, lp in step.top_logprobs]
-            if step.readout is not None:
-                body["readout"] = list(step.readout)
-            new.append(NewEvent(T.GENERATION_TOKEN, body))
-            generated += not step.is_prefill
-        if generated and self.prefill_s is None:
-            self.prefill_s = now
-        return new, generated
-
-    async def _commit_run(self, steps: list[Step]) -> list[Event]:
-        new, generated = self._events(steps)
-        rt = self.rt
-        async with rt._lock(self.sid):
-            if self.with_run is not None and generated:
-                tokens = [s.token_id for s in steps if not s.is_prefill]
-                new.extend(self.with_run(self.st, tokens))
-            finish = self._finish_with_run(generated)
-            new.extend(finish)
-            # Alone, a run commits on the spot when the writer is idle (a slow engine's
-            # steps each pay no hand-offs). Beside other generations it goes through
-            # the write loop, whose hand-offs let more steps gather per run: eight
-            # fast generations committing at once made runs of a step or two and
-            # ran 5-10% slower.
-            evs = await rt._commit(
-                self.st,
-                new,
-                length=self.st.length + generated,
-                at_once=rt.generations_running() <= 1,
-            )
-        self.finish_committed = bool(finish)
-        if generated:
-            metrics.TOKENS_GENERATED.inc(generated)
-            if self.ttft is None:
-                self.ttft = time.perf_counter() - self.t0
-                metrics.TTFT_SECONDS.observe(self.ttft)
-        return evs
-
-    def _finish_with_run(self, generated: int) -> list[NewEvent]:
-        """``generation.finished`` for the run being committed, when it is the last (the
-        engine ended on its own, every step taken, its cache no longer than the history
-        will be); empty otherwise, and the finish commits on its own after the runs."""
-        if not (self.ended and self._natural_end) or self.reason == "aborted":
-            return []
-        length = self.st.length + generated
-        cached = self.rt.engine.cached_length(self.sid)
-        if cached is not None and cached > length:
-            return []  # INV-1 fails: raised after the runs, recorded as an error
-        if generated and self.ttft is None:
-            self.ttft = time.perf_counter() - self.t0
-            metrics.TTFT_SECONDS.observe(self.ttft)
-        return self.finished_event(self.reason, None, generated)
-
-    async def _commit_loop(self) -> None:
-        out = self._out
-        try:
-            while not self.ended:
-                if self.sid in self.rt._stop_requested:
-                    self.reason = "aborted"
-                    break
-                await self._credit.acquire()
-                steps = await self._take()
-                # a cancel that lands during the commit waits for it to settle (_commit)
-                out.put_nowait(await self._commit_run(steps))
-            await out.put(None)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            await out.put(exc)
-
-    async def runs(self) -> AsyncIterator[list[Event]]:
-        """Committed runs of ``generation.token`` events, as soon as each commits (the
-        committer goes on with the next run while the caller handles this one)."""
-        committer = asyncio.create_task(self._commit_loop(), name=f"committer-{self.sid}")
-        try:
-            while True:
-                item = await self._out.get()
-                # until the caller has handled a run its pace is unknown: the next run
-                # waits for it, so a slow caller's second run is cut like the rest
-                paced = self.consume_per_event is None or self._paced_run() is not None
-                if not paced:
-                    self._credit.release()  # the next run commits while this one is handled
-                if item is None:
-                    return
-                if isinstance(item, Exception):
-                    raise item
-                given = time.perf_counter()
-                yield item
-                per = (time.perf_counter() - given) / max(1, len(item))
-                c = self.consume_per_event
-                # weighted to the latest run: a caller's first messages are slow (a new
-                # stream), and an average that forgot them slowly kept the runs after a
-                # short first run small for a dozen runs (Kakeya 8% slower)
-                self.consume_per_event = per if c is None else 0.3 * c + 0.7 * per
-                if paced:
-                    self._credit.release()  # the caller asks for the next run: commit it now
-        finally:
-            if not committer.done():
-                committer.cancel()
-            # a commit in flight settles before anyone looks at the state
-            with contextlib.suppress(BaseException):
-                await committer
-
-    def finished_event(
-        self, reason: FinishReason, failure: BaseException | None, uncommitted: int = 0
-    ) -> list[NewEvent]:
-        """The events that end the generation (``uncommitted``: generated tokens of the
-        run they commit with, not yet in the state)."""
-        g = self.st.generations[self.gid]
-        total = round(time.perf_counter() - self.t0, 6)
-        new: list[NewEvent] = []
-        if failure is not None:
-            code = failure.code if isinstance(failure, SessiontapeError) else "internal"
-            new.append(
-                NewEvent(
-                    T.ERROR,
-                    {
-                        "code": code,
-                        "message": str(failure) or type(failure).__name__,
-                        "generation_id": self.gid,
-                    },
-                )
-            )
-        new.append(
-            finished(
-                self.gid,
-                reason,
-                g.prompt_length,
-                len(g.tokens) + uncommitted,
-                self.prefill_s,
-                total,
-                None if self.ttft is None else round(self.ttft, 6),
-            )
-        )
-        return new
-
-
-def finished(
-    gid: str,
-    reason: FinishReason,
-    prompt_tokens: int,
-    completion_tokens: int,
-    prefill_s: float | None,
-    total_s: float | None,
-    ttft_s: float | None,
-) -> NewEvent:
-    """The one place a ``generation.finished`` event is built."""
-    b: GenerationFinished = {
-        "generation_id": gid,
-        "finish_reason": reason,
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "prefill_s": prefill_s,
-        "total_s": total_s,
-        "ttft_s": ttft_s,
-    }
-    return NewEvent(T.GENERATION_FINISHED, b)
-
-
 async def generate_runs(
-    rt: Runtime,
-    session_id: str,
-    params: SamplingParams,
-    options: OutputOptions,
-    *,
-    append: Sequence[int],
-    offset: int | None,
-    truncating: bool,
-    images: Sequence[ImageIn],
-    priority: int,
-    action_id: str | None,
-    sink_window: tuple[int, int] | None,
-    with_run: RunHook | None = None,
+    rt: GenerationHost, session_id: str, request: GenerateRequest
 ) -> AsyncIterator[list[Event]]:
     """:meth:`Runtime.generate_runs` (see there)."""
-    params.check()
-    if options.readout_ranges and rt.engine.info.readout_manifest is None:
-        raise InvalidRange(f"engine {rt.engine.info.name!r} has no readouts")
-    if params.seed is None:
-        params = dataclasses.replace(params, seed=secrets.randbits(63))
+    request = _checked(rt, request)
     gid = "g_" + secrets.token_hex(6)
-    if rt.is_generating(session_id):
-        raise SessionBusy(session_id)
-    # One writer per session across processes (replicas on one PostgreSQL): the
-    # log's session lock is held until the generation ended.
-    if not await rt.log.try_lock_session(session_id):
-        raise SessionBusy(session_id)
-    try:
-        for attempt in range(STALE_RETRIES + 1):
-            try:
-                st, committed = await _begin(
-                    rt,
-                    session_id,
-                    gid,
-                    params,
-                    options,
-                    append=append,
-                    offset=offset,
-                    truncating=truncating,
-                    images=images,
-                    priority=priority,
-                    action_id=action_id,
-                    sink_window=sink_window,
-                )
-                break
-            except ConcurrencyError:
-                # another process moved the session on: nothing was written, the
-                # state was dropped; begin again on a reloaded one
-                if attempt == STALE_RETRIES:
-                    raise
-                metrics.STALE_RETRIES.inc()
-    except BaseException:
-        await rt.log.unlock_session(session_id)
-        raise
-    gen = Generation(rt, st, gid, params, options, priority, rt.pipeline, with_run)
+    st, committed = await _open(rt, session_id, gid, request)
+    gen = TokenPipeline(rt, st, gid, request, rt.pipeline)
     done = False
     failure: BaseException | None = None
     try:
-        head = [e for e in committed if e.type in (T.TOKENS_TRUNCATED, T.GENERATION_STARTED)]
         gen.start_engine()
-        yield head
+        yield [e for e in committed if e.type in (T.TOKENS_TRUNCATED, T.GENERATION_STARTED)]
         runs = gen.runs()
         try:
             async for run in runs:
                 yield run
         finally:
             await runs.aclose()  # type: ignore[attr-defined]
-        await gen.stop_engine()
-        if gen.dropped:
-            rt.engine.rewind(session_id, st.length)
-        cached = rt.engine.cached_length(session_id)
-        if cached is not None and cached > st.length:
-            rt._violation(session_id, 1)
-            raise CacheInvariantViolation(
-                f"INV-1: cache holds {cached} positions, history {st.length}"
-            )
-        total = time.perf_counter() - gen.t0
-        metrics.KV_BYTES.set(rt.engine.kv_total_bytes())
-        produced = len(st.generations[gid].tokens)
-        if produced and total > 0:
-            metrics.TOKENS_PER_SECOND.observe(produced / total)
+        await _check_engine_after(rt, gen, st)
         if not gen.finish_committed:
-            async with rt._lock(session_id):
-                fin = await rt._commit(st, gen.finished_event(gen.reason, None))
+            async with rt.lock(session_id):
+                fin = await rt.commit(st, gen.finished_event(gen.reason, None))
             done = True
             yield fin
         done = True
@@ -669,8 +73,64 @@ async def generate_runs(
             await _to_the_end(_settle_unfinished(rt, gen, st, done, failure))
         finally:
             # even when cancelled again while recording the cancel
-            rt._end_generation(session_id)
+            rt.generating.end(session_id)
             await _to_the_end(rt.log.unlock_session(session_id))
+
+
+def _checked(rt: GenerationHost, request: GenerateRequest) -> GenerateRequest:
+    """The request, checked against the engine, with a seed drawn when it has none (so
+    every generation can be re-executed)."""
+    request.params.check()
+    if request.options.readout_ranges and rt.engine.info.readout_manifest is None:
+        raise InvalidRange(f"engine {rt.engine.info.name!r} has no readouts")
+    if request.params.seed is None:
+        params = dataclasses.replace(request.params, seed=secrets.randbits(63))
+        request = dataclasses.replace(request, params=params)
+    return request
+
+
+async def _open(
+    rt: GenerationHost, session_id: str, gid: str, request: GenerateRequest
+) -> tuple[SessionState, list[Event]]:
+    """Take the session's writer lock and commit the generation's first append, on a
+    reloaded state again when another process moved the session on meanwhile."""
+    if session_id in rt.generating:
+        raise SessionBusy(session_id)
+    # One writer per session across processes (replicas on one PostgreSQL): the
+    # log's session lock is held until the generation ended.
+    if not await rt.log.try_lock_session(session_id):
+        raise SessionBusy(session_id)
+    try:
+        for attempt in range(STALE_RETRIES + 1):
+            try:
+                return await _begin(rt, session_id, gid, request)
+            except ConcurrencyError:
+                # another process moved the session on: nothing was written, the
+                # state was dropped; begin again on a reloaded one
+                if attempt == STALE_RETRIES:
+                    raise
+                metrics.STALE_RETRIES.inc()
+        raise AssertionError("unreachable")
+    except BaseException:
+        await rt.log.unlock_session(session_id)
+        raise
+
+
+async def _check_engine_after(rt: GenerationHost, gen: TokenPipeline, st: SessionState) -> None:
+    """After the runs: the engine stopped, its cache rewound to the log when it decoded
+    past it, and no longer than the history (Kakeya INV-1); the generation's metrics."""
+    await gen.stop_engine()
+    if gen.dropped:
+        rt.engine.rewind(gen.sid, st.length)
+    cached = rt.engine.cached_length(gen.sid)
+    if cached is not None and cached > st.length:
+        rt.record_violation(gen.sid, 1)
+        raise CacheInvariantViolation(f"INV-1: cache holds {cached} positions, history {st.length}")
+    total = time.perf_counter() - gen.t0
+    metrics.KV_BYTES.set(rt.engine.kv_total_bytes())
+    produced = len(st.generations[gen.gid].tokens)
+    if produced and total > 0:
+        metrics.TOKENS_PER_SECOND.observe(produced / total)
 
 
 async def _to_the_end(work: Awaitable[None]) -> None:
@@ -696,94 +156,94 @@ async def _to_the_end(work: Awaitable[None]) -> None:
 
 
 async def _begin(
-    rt: Runtime,
-    session_id: str,
-    gid: str,
-    params: SamplingParams,
-    options: OutputOptions,
-    *,
-    append: Sequence[int],
-    offset: int | None,
-    truncating: bool,
-    images: Sequence[ImageIn],
-    priority: int,
-    action_id: str | None,
-    sink_window: tuple[int, int] | None,
+    rt: GenerationHost, session_id: str, gid: str, request: GenerateRequest
 ) -> tuple[SessionState, list[Event]]:
     """Check the generation against the session and commit its first append (the
-    optional prompt, truncations and ``generation.started``, together)."""
-    async with rt._lock(session_id):
-        st = await rt._open_locked(session_id)
-        if rt.is_generating(session_id):
+    optional prompt, truncations and ``generation.started``, together).
+
+    Other processes may write to this database (replicas on PostgreSQL): a state
+    they moved on is dropped by the runtime's follower when their events arrive,
+    and a commit made on a state still stale fails as a version conflict with
+    nothing written (the writer checks the log's end under its position lock), so
+    :func:`_open` begins again on a reloaded state. Nothing is read per turn.
+    """
+    async with rt.lock(session_id):
+        st = await rt.open_locked(session_id)
+        if session_id in rt.generating:
             raise SessionBusy(session_id)
-        # Other processes may write to this database (replicas on PostgreSQL): a state
-        # they moved on is dropped by the runtime's follower when their events arrive,
-        # and a commit made on a state still stale fails as a version conflict, with
-        # nothing written (the writer checks the log's end under its position lock):
-        # generate_runs then begins again on a reloaded state. No read per turn.
-        new: list[NewEvent] = []
-        stale = st.active_generation
-        if stale is not None:
-            # A generation left open by a process that died (this one holds the
-            # session's writer lock, so nobody else runs it): close it so the log
-            # says what happened, then carry on.
-            new.append(
-                finished(
-                    stale.id,
-                    "interrupted",
-                    stale.prompt_length,
-                    len(stale.tokens),
-                    None,
-                    None,
-                    None,
-                )
+        new = _interrupted(st)
+        if request.appends:
+            notes, shas = await rt.image_events(request.images)
+            appended = rt.append_events(
+                st, request.append, request.offset, request.truncating, request.images, shas
             )
-        if append or images or offset is not None:
-            notes, shas = await rt._image_events(images)
-            appended = rt._append_events(st, append, offset, truncating, images, shas)
             if appended:
                 new += notes + appended
         length = st.length
         for ne in new:
             length = length_after(length, ne.type, dict(ne.body))
-        if sink_window is not None:
-            keep = sink_window_keep(length, *sink_window)
-            if keep is not None:
-                dropped = length - sum(b - a for a, b in keep)
-                new.append(
-                    NewEvent(
-                        T.TOKENS_TRUNCATED,
-                        tokens_truncated("sink_window", keep, dropped, sink_window),
-                    )
-                )
-                length -= dropped
-        check_ranges(options.logprob_ranges, length + params.max_tokens, "logprobs")
-        check_ranges(options.readout_ranges, length + params.max_tokens, "readout")
-        new.append(
-            NewEvent(
-                T.GENERATION_STARTED,
-                {
-                    "generation_id": gid,
-                    "params": params.to_json(),
-                    "prompt_length": length,
-                    "priority": priority,
-                    "action_id": action_id,
-                    "options": {
-                        "logprob_top_k": options.logprob_top_k,
-                        "logprob_ranges": [list(r) for r in options.logprob_ranges],
-                        "readout_ranges": [list(r) for r in options.readout_ranges],
-                        "generated_logprobs": options.generated_logprobs,
-                    },
-                },
-            )
-        )
-        committed = await rt._commit(st, new)
-        rt._begin_generation(session_id)
+        length = _sink_window(new, length, request.sink_window)
+        limit = length + request.params.max_tokens
+        check_ranges(request.options.logprob_ranges, limit, "logprobs")
+        check_ranges(request.options.readout_ranges, limit, "readout")
+        new.append(_started(gid, request, length))
+        committed = await rt.commit(st, new)
+        rt.generating.begin(session_id)
     return st, committed
 
 
+def _interrupted(st: SessionState) -> list[NewEvent]:
+    """The end of a generation left open by a process that died (this one holds the
+    session's writer lock, so nobody else runs it): the log says what happened."""
+    stale = st.active_generation
+    if stale is None:
+        return []
+    return [
+        finished(stale.id, "interrupted", stale.prompt_length, len(stale.tokens), None, None, None)
+    ]
+
+
+def _sink_window(new: list[NewEvent], length: int, sink_window: tuple[int, int] | None) -> int:
+    """Kakeya's sink+window truncation, added to ``new`` when the history passes the
+    window; the history's length after it."""
+    if sink_window is None:
+        return length
+    keep = sink_window_keep(length, *sink_window)
+    if keep is None:
+        return length
+    dropped = length - sum(b - a for a, b in keep)
+    new.append(
+        NewEvent(T.TOKENS_TRUNCATED, tokens_truncated("sink_window", keep, dropped, sink_window))
+    )
+    return length - dropped
+
+
+def _started(gid: str, request: GenerateRequest, prompt_length: int) -> NewEvent:
+    options = request.options
+    return NewEvent(
+        T.GENERATION_STARTED,
+        {
+            "generation_id": gid,
+            "params": request.params.to_json(),
+            "prompt_length": prompt_length,
+            "priority": request.priority,
+            "action_id": request.action_id,
+            "options": {
+                "logprob_top_k": options.logprob_top_k,
+                "logprob_ranges": [list(r) for r in options.logprob_ranges],
+                "readout_ranges": [list(r) for r in options.readout_ranges],
+                "generated_logprobs": options.generated_logprobs,
+            },
+        },
+    )
+
+
 async def _settle_unfinished(
-    rt: Runtime, gen: Generation, st: SessionState, done: bool, failure: BaseException | None
+    rt: GenerationHost,
+    gen: TokenPipeline,
+    st: SessionState,
+    done: bool,
+    failure: BaseException | None,
 ) -> None:
     """Stop the engine, rewind its cache to the log, and record a generation that did
     not finish: ``cancelled``, or ``error`` when something failed."""
@@ -800,22 +260,5 @@ async def _settle_unfinished(
         "error" if failure is not None else ("aborted" if gen.reason == "aborted" else "cancelled")
     )
     with contextlib.suppress(Exception):
-        async with rt._lock(gen.sid):
-            await rt._commit(st, gen.finished_event(reason, failure))
-
-
-class _OpenGate:
-    """A gate that never makes anyone wait (for engines that batch generations themselves)."""
-
-    @contextlib.asynccontextmanager
-    async def slot(self, priority: int = 0) -> AsyncIterator[None]:
-        yield
-
-    def more_urgent_waiting(self, priority: int) -> bool:
-        return False
-
-    def waiting(self) -> bool:
-        return False
-
-
-_NO_GATE: Any = _OpenGate()
+        async with rt.lock(gen.sid):
+            await rt.commit(st, gen.finished_event(reason, failure))

@@ -47,9 +47,10 @@ from sessiontape.core.errors import (
     SessionNotFound,
 )
 from sessiontape.core.events import Event, NewEvent, T
-from sessiontape.core.generation import PipelineLimits, RunHook, generate_runs
+from sessiontape.core.generation import generate_runs
 from sessiontape.core.log import EventLog
 from sessiontape.core.nodes import FragmentIn, check_fragment
+from sessiontape.core.pipeline import GenerateRequest, PipelineLimits, RunHook
 from sessiontape.core.reads import LogReads
 from sessiontape.core.scheduler import PriorityGate
 from sessiontape.core.sessions import SessionStates
@@ -122,7 +123,7 @@ def check_labels(protocol: str, label: str, session_id: str | None) -> None:
 
 class Runtime(SessionStates, LogReads):
     """The API every transport calls (session states, locks and expiry: core/sessions.py;
-    the generation loop: core/generation.py; reads of the log: core/reads.py)."""
+    a generation: core/generation.py and core/pipeline.py; reads of the log: core/reads.py)."""
 
     def __init__(
         self, log_: EventLog, engine: Engine, config: Config, *, clock: Clock = time.time
@@ -134,9 +135,6 @@ class Runtime(SessionStates, LogReads):
         self.invariant_violations: dict[str, list[int]] = {}
         self.max_depth = int(config.sessions_opt("max_nesting_depth"))
         self.max_nodes = int(config.sessions_opt("max_nodes"))
-        #: generating sessions -> set when their generation ends (abort waits on it)
-        self._gen_idle: dict[str, asyncio.Event] = {}
-        self._stop_requested: set[str] = set()
         self.pipeline: PipelineLimits = config.generation
 
     # -- construction ------------------------------------------------------
@@ -184,11 +182,11 @@ class Runtime(SessionStates, LogReads):
             try:
                 async for e in self.log.subscribe(await self.log.last_position()):
                     st = self._states.get(e.session_id)
-                    if st is None or e.version <= st.version or e.session_id in self._generating:
+                    if st is None or e.version <= st.version or e.session_id in self.generating:
                         continue
                     lock = self._locks.get(e.session_id)
                     if lock is None or not lock.locked():
-                        self._drop(st)
+                        self.drop(st)
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -245,7 +243,7 @@ class Runtime(SessionStates, LogReads):
             parent=None,
         )
         st = SessionState(sid)
-        await self._commit(st, [NewEvent(T.SESSION_OPENED, body)])
+        await self.commit(st, [NewEvent(T.SESSION_OPENED, body)])
         self._cache(st)
         metrics.SESSIONS_OPENED.labels(protocol).inc()
         metrics.SESSIONS_OPEN.inc()
@@ -298,7 +296,7 @@ class Runtime(SessionStates, LogReads):
             meta=dict(parent.meta),
             parent=pinfo,
         )
-        await self._commit(st, [NewEvent(T.SESSION_OPENED, body)])
+        await self.commit(st, [NewEvent(T.SESSION_OPENED, body)])
         self._cache(st)
         if at_position is not None:
             self.engine.fork(session_id, sid, at_position)
@@ -310,13 +308,13 @@ class Runtime(SessionStates, LogReads):
     async def close(self, session_id: str, reason: str = "client") -> SessionState:
         """Close a session; closing a closed one is a no-op. Raises SessionNotFound,
         SessionBusy while it generates."""
-        async with self._lock(session_id):
+        async with self.lock(session_id):
             st = await self.get(session_id)
             if st.status != OPEN:
                 return st
-            if session_id in self._generating:
+            if session_id in self.generating:
                 raise SessionBusy(session_id)
-            await self._commit(st, [NewEvent(T.SESSION_CLOSED, {"reason": reason})])
+            await self.commit(st, [NewEvent(T.SESSION_CLOSED, {"reason": reason})])
         self.engine.forget(session_id)
         metrics.SESSIONS_OPEN.dec()
         return st
@@ -327,20 +325,17 @@ class Runtime(SessionStates, LogReads):
         A running generation is stopped first (finished as ``aborted``), so
         nothing is generated after the abort.
         """
-        idle = self._gen_idle.get(session_id)
-        if idle is not None:
-            self._stop_requested.add(session_id)
-            await idle.wait()
+        await self.generating.stop(session_id)
         st = await self._record_abort(session_id, code, message)
         self.engine.forget(session_id)
         return st
 
     @stale_retry
     async def _record_abort(self, session_id: str, code: str, message: str) -> SessionState:
-        async with self._lock(session_id):
+        async with self.lock(session_id):
             st = await self.get(session_id)
             if st.status == OPEN:
-                await self._commit(
+                await self.commit(
                     st, [NewEvent(T.SESSION_ABORTED, {"code": code, "message": message})]
                 )
                 metrics.SESSIONS_OPEN.dec()
@@ -352,11 +347,11 @@ class Runtime(SessionStates, LogReads):
     async def record(self, session_id: str, new: Sequence[NewEvent]) -> list[Event]:
         """Append events that carry no model rule (wire messages, notes, feedback)
         to a session in any state but purged."""
-        async with self._lock(session_id):
+        async with self.lock(session_id):
             st = await self.get(session_id)
             if st.status == PURGED:
                 raise SessionNotFound(session_id)
-            return await self._commit(st, new)
+            return await self.commit(st, new)
 
     async def record_wire(
         self, session_id: str, transport: str, direction: str, payload: Any
@@ -388,11 +383,11 @@ class Runtime(SessionStates, LogReads):
 
         All-or-nothing: if any fragment breaks a rule nothing is recorded.
         """
-        async with self._lock(session_id):
-            st = await self._open_locked(session_id)
+        async with self.lock(session_id):
+            st = await self.open_locked(session_id)
             new, kept = self.fragment_events(st, fragments, direction)
             if new:
-                await self._commit(st, new)
+                await self.commit(st, new)
             return kept
 
     def fragment_events(
@@ -435,8 +430,8 @@ class Runtime(SessionStates, LogReads):
         action_id: str | None = None,
     ) -> Event:
         """Record an action; output ids must be new node ids."""
-        async with self._lock(session_id):
-            st = await self._open_locked(session_id)
+        async with self.lock(session_id):
+            st = await self.open_locked(session_id)
             if not name:
                 raise InvalidAction("action without a name")
             seen: set[str] = set()
@@ -457,13 +452,13 @@ class Runtime(SessionStates, LogReads):
                 "target": target,
                 "configs": list(configs),
             }
-            return (await self._commit(st, [NewEvent(T.ACTION_SUBMITTED, body)]))[0]
+            return (await self.commit(st, [NewEvent(T.ACTION_SUBMITTED, body)]))[0]
 
     @stale_retry
     async def finish_action(
         self, session_id: str, action_id: str, error: tuple[str, str] | None = None
     ) -> Event:
-        async with self._lock(session_id):
+        async with self.lock(session_id):
             st = await self.get(session_id)
             if error is None:
                 ne = NewEvent(T.ACTION_COMPLETED, {"action_id": action_id})
@@ -471,9 +466,9 @@ class Runtime(SessionStates, LogReads):
                 ne = NewEvent(
                     T.ACTION_FAILED, {"action_id": action_id, "code": error[0], "message": error[1]}
                 )
-            return (await self._commit(st, [ne]))[0]
+            return (await self.commit(st, [ne]))[0]
 
-    def _append_events(
+    def append_events(
         self,
         st: SessionState,
         tokens: Sequence[int],
@@ -514,7 +509,7 @@ class Runtime(SessionStates, LogReads):
             )
         return out
 
-    async def _image_events(
+    async def image_events(
         self, images: Sequence[ImageIn]
     ) -> tuple[list[NewEvent], list[tuple[str, int]]]:
         import hashlib
@@ -543,14 +538,14 @@ class Runtime(SessionStates, LogReads):
         images: Sequence[ImageIn] = (),
     ) -> int:
         """Append tokens (Salience offset rule when ``offset`` is given); returns the new length."""
-        async with self._lock(session_id):
-            st = await self._open_locked(session_id)
-            if session_id in self._generating:
+        async with self.lock(session_id):
+            st = await self.open_locked(session_id)
+            if session_id in self.generating:
                 raise SessionBusy(session_id)
-            notes, shas = await self._image_events(images)
-            new = self._append_events(st, tokens, offset, truncating, images, shas)
+            notes, shas = await self.image_events(images)
+            new = self.append_events(st, tokens, offset, truncating, images, shas)
             if new:
-                await self._commit(st, notes + new)
+                await self.commit(st, notes + new)
             return st.length
 
     async def append_text(self, session_id: str, text: str) -> int:
@@ -627,13 +622,11 @@ class Runtime(SessionStates, LogReads):
 
         The engine decodes ahead of the log (at most ``generation.run_ahead``
         steps) while runs commit; a transport that writes a whole run at once
-        pays its per-message cost once per run (core/generation.py).
+        pays its per-message cost once per run (core/pipeline.py).
         ``with_run`` adds the caller's own events to each run's commit
-        (:data:`~sessiontape.core.generation.RunHook`).
+        (:data:`~sessiontape.core.pipeline.RunHook`).
         """
-        return generate_runs(
-            self,
-            session_id,
+        request = GenerateRequest(
             params,
             options,
             append=append,
@@ -645,28 +638,15 @@ class Runtime(SessionStates, LogReads):
             sink_window=sink_window,
             with_run=with_run,
         )
+        return generate_runs(self, session_id, request)
 
-    def _begin_generation(self, session_id: str) -> None:
-        self._generating.add(session_id)
-        self._gen_idle[session_id] = asyncio.Event()
-
-    def _end_generation(self, session_id: str) -> None:
-        self._generating.discard(session_id)
-        self._stop_requested.discard(session_id)
-        idle = self._gen_idle.pop(session_id, None)
-        if idle is not None:
-            idle.set()
-
-    def _violation(self, session_id: str, which: int) -> None:
+    def record_violation(self, session_id: str, which: int) -> None:
         counts = self.invariant_violations.setdefault(session_id, [0, 0])
         counts[which - 1] += 1
         metrics.INVARIANT_VIOLATIONS.labels(f"INV-{which}").inc()
 
     def is_generating(self, session_id: str) -> bool:
-        return session_id in self._generating
-
-    def generations_running(self) -> int:
-        return len(self._generating)
+        return session_id in self.generating
 
     def idle_seconds(self, session_id: str) -> float:
         st = self._states.get(session_id)

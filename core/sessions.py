@@ -4,7 +4,7 @@ The log is the truth; a :class:`SessionStates` keeps one folded state object
 per session in memory (LRU, ``sessions.state_cache_size``; a state under
 its lock or generating is never evicted), one lock per session, the idle
 clocks behind the TTL sweeper, and the snapshot cadence. Every mutation
-goes through :meth:`SessionStates._commit`: append after the state's
+goes through :meth:`SessionStates.commit`: append after the state's
 version, then fold the committed events into it; a commit a cancel lands in
 settles before the cancel goes on, so the cached state always matches the
 log. :class:`sessiontape.core.runtime.Runtime` is built on it.
@@ -17,7 +17,7 @@ import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from sessiontape.core import metrics
 from sessiontape.core.config import Config
@@ -50,6 +50,63 @@ _NEEDS_OPEN = frozenset(
 )
 
 
+class SessionPort(Protocol):
+    """What the generation loop (core/generation.py) needs of the session cache: the
+    session's lock, its open state, a commit that folds what it appends, and dropping a
+    state another process moved on."""
+
+    def lock(self, sid: str) -> asyncio.Lock: ...
+
+    async def open_locked(self, session_id: str) -> SessionState: ...
+
+    async def commit(
+        self,
+        st: SessionState,
+        new: Sequence[NewEvent],
+        *,
+        length: int | None = None,
+        at_once: bool = True,
+    ) -> list[Event]: ...
+
+    def drop(self, st: SessionState) -> None: ...
+
+
+class RunningGenerations:
+    """Which sessions generate now (one generation a session), the stops asked of them,
+    and their ends, which an abort waits for."""
+
+    def __init__(self) -> None:
+        #: generating sessions -> set when their generation ends
+        self._ended: dict[str, asyncio.Event] = {}
+        self._stop: set[str] = set()
+
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._ended
+
+    def __len__(self) -> int:
+        return len(self._ended)
+
+    def begin(self, session_id: str) -> None:
+        self._ended[session_id] = asyncio.Event()
+
+    def end(self, session_id: str) -> None:
+        self._stop.discard(session_id)
+        ended = self._ended.pop(session_id, None)
+        if ended is not None:
+            ended.set()
+
+    def stop_requested(self, session_id: str) -> bool:
+        return session_id in self._stop
+
+    async def stop(self, session_id: str) -> None:
+        """Ask the session's generation to stop (finished as ``aborted``) and wait for its
+        end; nothing to do when none runs."""
+        ended = self._ended.get(session_id)
+        if ended is not None:
+            self._stop.add(session_id)
+            await ended.wait()
+
+
 class SessionStates:
     """The session-state half of the runtime (see the module docstring)."""
 
@@ -62,7 +119,7 @@ class SessionStates:
         self.clock = clock
         self._states: OrderedDict[str, SessionState] = OrderedDict()
         self._locks: dict[str, asyncio.Lock] = {}
-        self._generating: set[str] = set()
+        self.generating = RunningGenerations()
         self._last_active: dict[str, float] = {}
         self._snapshotted: dict[str, int] = {}
         self._sweeper: asyncio.Task[None] | None = None
@@ -70,7 +127,7 @@ class SessionStates:
         self.cache_size = int(config.sessions_opt("state_cache_size"))
         self.snapshot_every = int(config.log_opt("snapshot_every"))
 
-    def _lock(self, sid: str) -> asyncio.Lock:
+    def lock(self, sid: str) -> asyncio.Lock:
         lock = self._locks.get(sid)
         if lock is None:
             lock = self._locks[sid] = asyncio.Lock()
@@ -112,7 +169,7 @@ class SessionStates:
                 break
             lock = self._locks.get(sid)
             if (
-                sid in self._generating
+                sid in self.generating
                 or (lock is not None and lock.locked())
                 or sid == st.session_id
             ):
@@ -122,12 +179,12 @@ class SessionStates:
             self._last_active.pop(sid, None)
             self._snapshotted.pop(sid, None)
 
-    def _drop(self, st: SessionState) -> None:
+    def drop(self, st: SessionState) -> None:
         """Forget a cached state that no longer matches the log (reloaded on next use)."""
         if self._states.get(st.session_id) is st:
             del self._states[st.session_id]
 
-    async def _open_locked(self, session_id: str) -> SessionState:
+    async def open_locked(self, session_id: str) -> SessionState:
         """Under the session's lock: the open, unexpired state, or the error a client should see."""
         st = await self.get(session_id)
         if st.status == EXPIRED:
@@ -139,16 +196,16 @@ class SessionStates:
         ttl = st.ttl_s
         last = self._last_active.get(session_id, st.updated_at)
         idle = self.clock() - last
-        if ttl is not None and idle > ttl and session_id not in self._generating:
+        if ttl is not None and idle > ttl and session_id not in self.generating:
             await self._expire_locked(st, idle)
             raise SessionExpired(session_id)
         return st
 
     async def _live(self, session_id: str) -> SessionState:
-        async with self._lock(session_id):
-            return await self._open_locked(session_id)
+        async with self.lock(session_id):
+            return await self.open_locked(session_id)
 
-    async def _commit(
+    async def commit(
         self,
         st: SessionState,
         new: Sequence[NewEvent],
@@ -178,7 +235,7 @@ class SessionStates:
                 for e in evs:
                     apply(st, e)
             except Exception:
-                self._drop(st)
+                self.drop(st)
                 raise
             return evs
 
@@ -186,7 +243,7 @@ class SessionStates:
             try:
                 evs = await self.log.append(st.session_id, st.version, new, index=index)
             except ConcurrencyError:
-                self._drop(st)  # another writer moved the log on: reload next time
+                self.drop(st)  # another writer moved the log on: reload next time
                 raise
             return apply_all(evs)
 
@@ -229,8 +286,8 @@ class SessionStates:
     # -- expiry --------------------------------------------------------------
 
     async def _expire_locked(self, st: SessionState, idle_s: float) -> None:
-        if st.status == OPEN and st.session_id not in self._generating:
-            await self._commit(st, [NewEvent(T.SESSION_EXPIRED, {"idle_s": round(idle_s, 3)})])
+        if st.status == OPEN and st.session_id not in self.generating:
+            await self.commit(st, [NewEvent(T.SESSION_EXPIRED, {"idle_s": round(idle_s, 3)})])
             metrics.SESSIONS_OPEN.dec()
             self.engine.forget(st.session_id)
 
@@ -243,8 +300,8 @@ class SessionStates:
 
     async def touch(self, session_id: str) -> None:
         """Refresh the idle TTL without recording an event."""
-        async with self._lock(session_id):
-            await self._open_locked(session_id)
+        async with self.lock(session_id):
+            await self.open_locked(session_id)
             now = self.clock()
             self._last_active[session_id] = now
             await self.log.touch(session_id, now)
@@ -255,14 +312,14 @@ class SessionStates:
         default = self.config.idle_ttl("default")
         expired = []
         for row in await self.log.idle_sessions(now, default):
-            if row.id in self._generating:
+            if row.id in self.generating:
                 continue
             last = max(self._last_active.get(row.id, row.last_active_at), row.last_active_at)
             if now - last <= (row.ttl_s if row.ttl_s is not None else default):
                 continue
-            async with self._lock(row.id):
+            async with self.lock(row.id):
                 st = await self.get(row.id)
-                if st.status != OPEN or row.id in self._generating:
+                if st.status != OPEN or row.id in self.generating:
                     continue
                 try:
                     await self._expire_locked(st, now - last)

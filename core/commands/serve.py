@@ -106,8 +106,9 @@ def register(sub: Any) -> None:
     )
     s.add_argument(
         "--dtype",
-        choices=("auto", "float32", "q8", "q4"),
-        help="how an imported model's weights are held (default auto: GGUF blocks as they are)",
+        choices=("auto", "float32", "float16", "q8", "q4"),
+        help="how an imported model's weights are held (default auto: GGUF blocks as they are; "
+        "float16 computes in float16, for CUDA)",
     )
     s.add_argument(
         "--attention",

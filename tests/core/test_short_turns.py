@@ -24,14 +24,14 @@ from tests.conftest import make_config
 def spy_commits(rt: Runtime) -> list[list[str]]:
     """The event types of each commit the runtime makes from now on."""
     commits: list[list[str]] = []
-    commit = rt._commit
+    commit = rt.commit
 
     async def spied(st: Any, new: Sequence[NewEvent], **kw: Any) -> list[Event]:
         evs = await commit(st, new, **kw)
         commits.append([e.type for e in evs])
         return evs
 
-    rt._commit = spied  # type: ignore[method-assign]
+    rt.commit = spied  # type: ignore[method-assign]
     return commits
 
 
