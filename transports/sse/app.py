@@ -27,6 +27,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from sessiontape.core.audit import audit_session
 from sessiontape.core.bodies import ImageAttached, body, fork_point, generation_id_of
 from sessiontape.core.document import DocumentBuilder
+from sessiontape.core.document.generation import generation_view
 from sessiontape.core.errors import (
     InvalidParameters,
     NodeNotFound,
@@ -224,10 +225,14 @@ class Api:
             return last.position
 
         if mode == "json":
-            await drain()
-            doc = await self.document(sid)
-            gen = next(g for g in doc["generations"] if g["id"] == gid) if gid else None
-            return JSONResponse({"session_id": sid, "generation": gen, "version": doc["version"]})
+            evs = [first, *[e async for e in agen]]
+            return JSONResponse(
+                {
+                    "session_id": sid,
+                    "generation": generation_view(self._detok(), evs, gid),
+                    "version": evs[-1].version,
+                }
+            )
         task = asyncio.create_task(drain(), name=f"generate-{sid}")
         self.background.add(task)
         task.add_done_callback(self.background.discard)
