@@ -42,9 +42,10 @@ from sessiontape.core.errors import (
 )
 from sessiontape.core.events import GENESIS_HASH, Event, NewEvent, T, event_hash, parse_json
 from sessiontape.core.log.dialect import Dialect, session_lock_key
+from sessiontape.core.log.plan import Request, RequestKind
 from sessiontape.core.log.schema import blobs, events, sessions, snapshots
 from sessiontape.core.log.subscriptions import Subscriptions
-from sessiontape.core.log.writer import Request, Writer, unavailable
+from sessiontape.core.log.writer import Writer, unavailable
 
 __all__ = ["EventLog", "SessionRow", "session_lock_key", "verify_chain"]
 
@@ -257,11 +258,13 @@ class EventLog:
             raise InvalidArgument("append takes a sequence of NewEvent")
         if not new_events:
             return None
-        return Request("append", session_id, expected_version, list(new_events), index)
+        return Request(RequestKind.APPEND, session_id, expected_version, list(new_events), index)
 
     async def touch(self, session_id: str, at: float | None = None) -> None:
         """Refresh a session's idle clock without an event."""
-        await self.writer.submit(Request("touch", session_id, -1, (), None, at or time.time()))
+        await self.writer.submit(
+            Request(RequestKind.TOUCH, session_id, -1, (), None, at or time.time())
+        )
 
     async def import_events(
         self, evs: Sequence[Event], *, index: Mapping[str, Any] | None = None
@@ -289,14 +292,17 @@ class EventLog:
                 f"session {sid} {what}: an import must start with session.opened at version 1"
             )
         return await self.writer.submit(
-            Request("import", sid, evs[0].version - 1, list(evs), index)
+            Request(RequestKind.IMPORT, sid, evs[0].version - 1, list(evs), index)
         )
 
     async def purge(self, session_id: str, reason: str = "retention") -> Event:
         """Delete a session's events, leaving a ``session.purged`` tombstone."""
         row = await self.get_session(session_id)
         req = Request(
-            "purge", session_id, row.version, [NewEvent(T.SESSION_PURGED, {"reason": reason})]
+            RequestKind.PURGE,
+            session_id,
+            row.version,
+            [NewEvent(T.SESSION_PURGED, {"reason": reason})],
         )
         return (await self.writer.submit(req))[0]
 

@@ -16,62 +16,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from itertools import repeat
-from typing import Any, cast
+from collections.abc import Awaitable, Callable
+from typing import Any
 
-import orjson
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from sessiontape.core import metrics
-from sessiontape.core.bodies import SessionOpened, SessionPurged, body, session_purged
 from sessiontape.core.errors import (
-    ChainBroken,
     ConcurrencyError,
     InvalidArgument,
-    InvalidEvent,
     LogClosed,
     LogUnavailable,
-    SessionNotFound,
 )
-from sessiontape.core.events import (
-    GENESIS_HASH,
-    Event,
-    NewEvent,
-    T,
-    canonical_json,
-    chain_hashers,
-)
+from sessiontape.core.events import Event
 from sessiontape.core.log.dialect import Dialect, NotNow
-from sessiontape.core.log.schema import sessions
-
-#: builds an Event from a ready tuple of its fields (skips the keyword handling of
-#: the NamedTuple's constructor on the hot path)
-new_event = tuple.__new__
-
-#: the events table's columns in the order of the writer's rows, for events
-#: without data: ``data`` and ``blob_sha`` are left to their NULL default, since
-#: binding None costs sqlite3 more than a string (about 1 us each: it looks
-#: for an adapter first), as much as the rest of the row together
-EVENT_COLUMNS = (
-    "position",
-    "session_id",
-    "version",
-    "type",
-    "body",
-    "recorded_at",
-    "hash",
-    "prev_hash",
+from sessiontape.core.log.plan import (
+    CacheMiss,
+    Moved,
+    Plan,
+    Planner,
+    Request,
+    RequestKind,
+    batch_args,
 )
-#: the same, for events with data (inline, or in the blobs table by ``blob_sha``)
-EVENT_DATA_COLUMNS = (*EVENT_COLUMNS, "data", "blob_sha")
-
-#: the sessions-index columns an append may set (each only when it changes)
-_UPDATABLE = ("version", "head_hash", "updated_at", "last_active_at", "status", "history_length")
 
 #: how long the writer must have been idle (since its last commit landed) for
 #: :meth:`Writer.commit_now` to commit an append on the spot: eight generations of
@@ -79,55 +48,6 @@ _UPDATABLE = ("version", "head_hash", "updated_at", "last_active_at", "status", 
 #: every idle moment's append committed at once (runs of a token or two, where the
 #: write loop's hand-offs had let more steps gather)
 NOW_IDLE_S = 0.001
-
-_STATUS_BY_TYPE = {
-    T.SESSION_CLOSED: "closed",
-    T.SESSION_ABORTED: "aborted",
-    T.SESSION_EXPIRED: "expired",
-    T.SESSION_PURGED: "purged",
-}
-
-
-@dataclass
-class Request:
-    kind: str  # "append" | "import" | "purge" | "touch"
-    session_id: str
-    expected_version: int
-    events: Sequence[NewEvent] | Sequence[Event] = ()
-    index: Mapping[str, Any] | None = None
-    at: float = 0.0
-    future: asyncio.Future[list[Event]] = field(
-        default_factory=lambda: asyncio.get_running_loop().create_future()
-    )
-
-
-@dataclass
-class _Plan:
-    """A batch made ready to write: what :meth:`Writer._apply` sends to the database."""
-
-    #: the log's last position the plan follows
-    start: int
-    end: int = 0
-    #: events without data (:data:`EVENT_COLUMNS`)
-    rows: list[tuple[Any, ...]] = field(default_factory=list)
-    #: events with data (:data:`EVENT_DATA_COLUMNS`)
-    data_rows: list[tuple[Any, ...]] = field(default_factory=list)
-    blob_rows: dict[str, dict[str, Any]] = field(default_factory=dict)
-    results: list[list[Event]] = field(default_factory=list)
-    new_sessions: dict[str, dict[str, Any]] = field(default_factory=dict)
-    updates: dict[str, dict[str, Any]] = field(default_factory=dict)
-    #: sessions whose events and snapshots are deleted first
-    purged: list[str] = field(default_factory=list)
-    #: the (version, hash) of each session the plan appends to, after it
-    heads: dict[str, tuple[int, str]] = field(default_factory=dict)
-
-
-class _CacheMiss(Exception):
-    """Planning needs the database: a session head this writer does not know."""
-
-
-class _Moved(Exception):
-    """Another process wrote after a plan was made from the cache."""
 
 
 def unavailable(exc: BaseException) -> LogUnavailable:
@@ -158,6 +78,7 @@ class Writer:
         self.on_expect = on_expect
         self.batch_max = batch_max
         self.inline_max_bytes = inline_max_bytes
+        self.planner = Planner(dialect, inline_max_bytes)
         self._queue: asyncio.Queue[Request | None] = asyncio.Queue()
         #: session heads this writer knows (version, hash); read from the database when not
         self._heads: OrderedDict[str, tuple[int, str]] = OrderedDict()
@@ -230,7 +151,7 @@ class Writer:
         reported there, with nothing written here.
         """
         if (
-            req.kind != "append"
+            req.kind != RequestKind.APPEND
             or time.perf_counter() - self._landed_at < NOW_IDLE_S
             or self._now_this_turn
             or not self.running
@@ -245,7 +166,7 @@ class Writer:
             return None
         try:
             results = self.dialect.transaction_now(
-                lambda cur: self._apply(cur, plan, expect_position=True)
+                lambda cur: self.planner.apply(cur, plan, expect_position=True)
             )
         except NotNow:
             return None
@@ -272,7 +193,7 @@ class Writer:
         """
         committing: asyncio.Task[bool] | None = None
         landed: asyncio.Future[bool] | None = None  # ``committing``'s transaction is over
-        ahead: _Plan | None = None  # the plan ``committing`` carries out
+        ahead: Plan | None = None  # the plan ``committing`` carries out
         try:
             while True:
                 first = await self._queue.get()
@@ -311,7 +232,7 @@ class Writer:
                 await committing
 
     async def _commit_batch(
-        self, batch: list[Request], plan: _Plan | None, landed: asyncio.Future[bool]
+        self, batch: list[Request], plan: Plan | None, landed: asyncio.Future[bool]
     ) -> bool:
         """Commit ``batch``; True when it committed whole, as ``plan`` said.
 
@@ -327,7 +248,7 @@ class Writer:
                 landed.set_result(False)
 
     async def _commit(
-        self, batch: list[Request], plan: _Plan | None, landed: asyncio.Future[bool]
+        self, batch: list[Request], plan: Plan | None, landed: asyncio.Future[bool]
     ) -> bool:
         t0 = time.perf_counter()
         try:
@@ -409,7 +330,7 @@ class Writer:
             self._heads.popitem(last=False)
 
     async def _run_tx(
-        self, batch: list[Request], plan: _Plan | None
+        self, batch: list[Request], plan: Plan | None
     ) -> tuple[list[list[Event]], bool]:
         """Commit ``batch``, by ``plan`` when one was made and still holds; the
         results, and whether the plan was used."""
@@ -425,7 +346,7 @@ class Writer:
             )
 
         results: list[list[Event]] | None = None
-        args = None if plan is None or hook is not None else _batch_args(plan)
+        args = None if plan is None or hook is not None else batch_args(plan)
         if plan is not None and args is not None:
             if self.on_expect is not None:
                 self.on_expect(plan.end)
@@ -433,22 +354,24 @@ class Writer:
             if done:
                 results = plan.results
             elif done is False:
-                plan = self._moved()
+                plan = self._moved()  # None: planned again inside the transaction
         if plan is not None and results is None:
             planned = plan
             try:
-                results = await run(lambda cur: self._apply(cur, planned, expect_position=True))
-            except _Moved:
+                results = await run(
+                    lambda cur: self.planner.apply(cur, planned, expect_position=True)
+                )
+            except Moved:
                 plan = self._moved()
         if results is None:
             results = await run(lambda cur: self._write(cur, batch))
         self._landed(results)
         return results, plan is not None
 
-    def _moved(self) -> None:
-        """Another process wrote since a plan was made: plan again inside the
-        transaction, and forget the cached heads (that process may have written to any
-        of them; each is read again when next used)."""
+    def _moved(self) -> Plan | None:
+        """Another process wrote since a plan was made: no plan (it is made again inside
+        the transaction), and the cached heads forgotten (that process may have written
+        to any of them; each is read again when next used)."""
         self._heads.clear()
         return None
 
@@ -460,7 +383,7 @@ class Writer:
                 self._remember(evs[-1].session_id, (evs[-1].version, evs[-1].hash))
                 self._last_position = max(self._last_position or 0, evs[-1].position)
 
-    def _plan_from_cache(self, batch: list[Request], *, after: _Plan | None) -> _Plan | None:
+    def _plan_from_cache(self, batch: list[Request], *, after: Plan | None) -> Plan | None:
         """The batch's rows, hashes and events, computed before its transaction from
         what this writer knows (session heads, the last position; or, ``after``,
         what the log will be once that plan commits), or None when something
@@ -468,14 +391,16 @@ class Writer:
 
         Run on the event loop's thread, so that the writer thread (SQLite) does
         little but SQL: SQLite's work, which releases the GIL, overlaps this
-        Python work. :meth:`_apply` checks, under the write lock, that the log
-        still ends where the plan assumed (:class:`_Moved`). On a database shared by
+        Python work. :meth:`Planner.apply` checks, under the write lock, that the log
+        still ends where the plan assumed (:class:`Moved`). On a database shared by
         several processes (PostgreSQL) another process's write moves the log's end,
         so a plan made from a stale cache never commits: it is made again inside
         the transaction, and the cached heads are forgotten (:meth:`_moved`).
         """
         start = self._last_position if after is None else after.end
-        if start is None or any(req.kind not in ("append", "touch") for req in batch):
+        if start is None or any(
+            req.kind not in (RequestKind.APPEND, RequestKind.TOUCH) for req in batch
+        ):
             return None
         heads = self._heads
         later = {} if after is None else after.heads
@@ -484,7 +409,7 @@ class Writer:
             head = later.get(sid) or heads.get(sid)
             if head is not None:
                 return head
-            raise _CacheMiss
+            raise CacheMiss
 
         try:
             return self._plan(None, batch, start, head_of, recheck=None)
@@ -493,6 +418,17 @@ class Writer:
             # cannot be planned at all: planned inside the transaction instead,
             # where what fails fails only its own request
             return None
+
+    def _plan(
+        self,
+        cur: Any,
+        batch: list[Request],
+        pos: int,
+        head_of: Callable[[Any, str], tuple[int, str] | None],
+        *,
+        recheck: Callable[[Any, str], tuple[int, str] | None] | None,
+    ) -> Plan:
+        return self.planner.plan(cur, batch, pos, head_of, recheck=recheck)
 
     def _write(self, cur: Any, batch: list[Request]) -> list[list[Event]]:
         """The batch's statements on a DBAPI cursor, inside the caller's transaction:
@@ -504,300 +440,8 @@ class Writer:
         def recheck(cur: Any, sid: str) -> tuple[int, str] | None:
             # the cached head may be stale (another process wrote): ask the database
             if self._heads.pop(sid, None) is None:
-                raise _CacheMiss  # it came from the database already
+                raise CacheMiss  # it came from the database already
             return self._head(cur, sid)
 
         plan = self._plan(cur, batch, pos, self._head, recheck=recheck)
-        return self._apply(cur, plan, expect_position=False)
-
-    def _plan(
-        self,
-        cur: Any,
-        batch: list[Request],
-        pos: int,
-        head_of: Callable[[Any, str], tuple[int, str] | None],
-        *,
-        recheck: Callable[[Any, str], tuple[int, str] | None] | None,
-    ) -> _Plan:
-        """Number, hash and encode the batch's events after position ``pos``.
-
-        ``head_of(cur, session_id)`` gives a session's (version, hash) before
-        this batch; ``recheck`` a fresher one when the version does not match
-        (None: no fresher one exists).
-        """
-        now = time.time()
-        plan = _Plan(start=pos)
-        rows = plan.rows
-        pending = plan.heads
-        inline_max = self.inline_max_bytes
-        hashers = chain_hashers(now)
-        loads = orjson.loads  # parse_json, less one call per event
-        for req in batch:
-            sid = req.session_id
-            head = pending.get(sid) or head_of(cur, sid)
-            if req.kind == "touch":
-                if head is not None:
-                    upd = plan.updates.setdefault(sid, {"n": 0})
-                    upd["last_active_at"] = req.at
-                plan.results.append([])
-                continue
-            cur_version = head[0] if head else 0
-            if (
-                req.kind != "purge"
-                and cur_version != req.expected_version
-                and sid not in pending
-                and recheck is not None
-            ):
-                with contextlib.suppress(_CacheMiss):
-                    head = recheck(cur, sid)
-                    cur_version = head[0] if head else 0
-            if req.kind != "purge" and cur_version != req.expected_version:
-                raise ConcurrencyError(
-                    f"session {sid}: expected version {req.expected_version}, log is at {cur_version}"
-                )
-            if req.kind == "purge" and head is None:
-                raise SessionNotFound(sid)
-            prev = head[1] if head else GENESIS_HASH
-            out: list[Event] = []
-            if req.kind == "import":
-                for e in req.events:
-                    assert isinstance(e, Event)
-                    if e.prev_hash != prev:
-                        raise ChainBroken(
-                            f"import of {sid} v{e.version} does not continue the chain"
-                        )
-                    pos += 1
-                    ev = e._replace(position=pos)
-                    out.append(ev)
-                    self._row(plan, ev, canonical_json(ev.body), now, inline_max)
-                    prev = e.hash
-            else:
-                version = cur_version
-                purge = req.kind == "purge"
-                if purge:
-                    plan.purged.append(sid)
-                hasher = hashers(sid)
-                if not all(map(isinstance, req.events, repeat(NewEvent))):
-                    raise InvalidEvent(f"session {sid}: append takes NewEvents")
-                events = cast("Sequence[NewEvent]", req.events)
-                if purge:
-                    (ne,) = events
-                    tombstone = session_purged(body(ne, SessionPurged)["reason"], cur_version, prev)
-                    events = [NewEvent(ne.type, tombstone, ne.data)]
-                # the loop every appended event goes through: as little as can be
-                for type_, _, data, body_json in events:
-                    version += 1
-                    pos += 1
-                    h = hasher(prev, version, type_, body_json, data)
-                    # The body as a reader of the log will see it (lists, not
-                    # tuples; null for non-finite floats): live == replay.
-                    ev = new_event(
-                        Event, (pos, sid, version, type_, loads(body_json), data, now, h, prev)
-                    )
-                    out.append(ev)
-                    if data is None:
-                        rows.append((pos, sid, version, type_, body_json, now, h, prev))
-                    else:
-                        self._row(plan, ev, body_json, now, inline_max)
-                    prev = h
-            if out:
-                self._index(req, head, out, now, plan.new_sessions, plan.updates)
-                pending[sid] = (out[-1].version, out[-1].hash)
-            plan.results.append(out)
-        plan.end = pos
-        return plan
-
-    def _apply(self, cur: Any, plan: _Plan, *, expect_position: bool) -> list[list[Event]]:
-        """A plan's statements, inside the write transaction.
-
-        ``expect_position``: the plan was made before the transaction; it holds
-        only if the log still ends where the plan assumed (else :class:`_Moved`).
-        """
-        if expect_position:
-            self.dialect.lock_positions(cur)
-            cur.execute("SELECT COALESCE(MAX(position), 0) FROM events")
-            if int(cur.fetchone()[0]) != plan.start:
-                raise _Moved
-        for sid in plan.purged:
-            cur.execute(self.dialect.sql("DELETE FROM events WHERE session_id = ?"), (sid,))
-            cur.execute(self.dialect.sql("DELETE FROM snapshots WHERE session_id = ?"), (sid,))
-        if plan.blob_rows:
-            self._put_blobs(cur, list(plan.blob_rows.values()))
-        if plan.new_sessions:
-            cols = [c.name for c in sessions.columns]
-            cur.executemany(
-                self.dialect.sql(
-                    f"INSERT INTO sessions ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})"
-                ),
-                [tuple(row[c] for c in cols) for row in plan.new_sessions.values()],
-            )
-        if plan.rows:
-            self.dialect.insert_rows(cur, "events", EVENT_COLUMNS, plan.rows)
-        if plan.data_rows:
-            self.dialect.insert_rows(cur, "events", EVENT_DATA_COLUMNS, plan.data_rows)
-        if plan.updates:
-            self._apply_updates(cur, plan.updates)
-        if plan.end > plan.start:
-            self.dialect.notify(cur, plan.end)
-        return plan.results
-
-    @staticmethod
-    def _row(plan: _Plan, e: Event, body_json: str, now: float, inline_max: int) -> None:
-        """Add ``e``'s row to ``plan``: with its data inline, or in the blobs table
-        when larger than ``inline_max``."""
-        row = (e.position, e.session_id, e.version, e.type, body_json, e.recorded_at, e.hash)
-        data, blob_sha = e.data, None
-        if data is None:
-            plan.rows.append((*row, e.prev_hash))
-            return
-        if len(data) > inline_max:
-            blob_sha = hashlib.sha256(data).hexdigest()
-            plan.blob_rows[blob_sha] = {
-                "sha256": blob_sha,
-                "size": len(data),
-                "data": data,
-                "created_at": now,
-            }
-            data = None
-        plan.data_rows.append((*row, e.prev_hash, data, blob_sha))
-
-    def _put_blobs(self, cur: Any, rows: list[dict[str, Any]]) -> None:
-        shas = [r["sha256"] for r in rows]
-        cur.execute(
-            self.dialect.sql(
-                f"SELECT sha256 FROM blobs WHERE sha256 IN ({', '.join('?' * len(shas))})"
-            ),
-            shas,
-        )
-        have = {r[0] for r in cur.fetchall()}
-        fresh = [
-            (r["sha256"], r["size"], r["data"], r["created_at"])
-            for r in rows
-            if r["sha256"] not in have
-        ]
-        if fresh:
-            cur.executemany(
-                self.dialect.sql(
-                    "INSERT INTO blobs (sha256, size, data, created_at) VALUES (?, ?, ?, ?)"
-                ),
-                fresh,
-            )
-
-    def _index(
-        self,
-        req: Request,
-        head: tuple[int, str] | None,
-        out: list[Event],
-        now: float,
-        new_sessions: dict[str, dict[str, Any]],
-        updates: dict[str, dict[str, Any]],
-    ) -> None:
-        """Fold this request into the batch's sessions-table writes (one per session)."""
-        sid = req.session_id
-        last = out[-1]
-        values: dict[str, Any] = {
-            "version": last.version,
-            "head_hash": last.hash,
-            "updated_at": last.recorded_at,
-            "last_active_at": now,
-        }
-        for e in out:
-            st = _STATUS_BY_TYPE.get(e.type)
-            if st is not None:
-                values["status"] = st
-        if req.index:
-            values.update(
-                {
-                    k: v
-                    for k, v in req.index.items()
-                    if k in ("history_length", "status", "last_active_at")
-                }
-            )
-        if req.kind == "import":
-            values["last_active_at"] = last.recorded_at
-        if head is None and sid not in new_sessions:
-            opened = out[0] if out[0].type == T.SESSION_OPENED else None
-            if opened is None or opened.version != 1:
-                raise InvalidEvent(f"session {sid}: the first event must be session.opened")
-            b = body(opened, SessionOpened)
-            eng = b.get("engine")
-            parent = b.get("parent")
-            row: dict[str, Any] = {
-                "id": sid,
-                "protocol": str(b.get("protocol", "")),
-                "status": "open",
-                "label": str(b.get("label", "")),
-                "engine": "" if not eng else str(eng.get("engine", "")),
-                "model_id": "" if not eng else str(eng.get("model_id", "")),
-                "parent_id": None if not parent else parent.get("session_id"),
-                "parent_version": None if not parent else parent.get("version"),
-                "fork_position": None if not parent else parent.get("token_position"),
-                "created_at": opened.recorded_at,
-                "ttl_s": b.get("ttl_s"),
-                "event_count": len(out),
-                "history_length": 0,
-            }
-            row.update(values)
-            new_sessions[sid] = row
-            return
-        if sid in new_sessions:
-            row = new_sessions[sid]
-            row.update(values)
-            row["event_count"] += len(out)
-            return
-        upd = updates.setdefault(sid, {"n": 0})
-        if req.kind == "purge":
-            upd["reset"] = True
-            upd["n"] = len(out)
-            values.setdefault("history_length", 0)
-        else:
-            upd["n"] += len(out)
-        upd.update(values)
-
-    def _apply_updates(self, cur: Any, updates: dict[str, dict[str, Any]]) -> None:
-        """The touched sessions' index rows, one statement per shape of change (most
-        batches have one): only the columns that change are bound, never ``None``."""
-        groups: dict[tuple[tuple[str, ...], bool], list[tuple[Any, ...]]] = {}
-        for sid, u in updates.items():
-            cols = tuple(c for c in _UPDATABLE if u.get(c) is not None)
-            groups.setdefault((cols, bool(u.get("reset"))), []).append(
-                (*(u[c] for c in cols), u["n"], sid)
-            )
-        for (cols, reset), rows in groups.items():
-            sets = [f"{c} = ?" for c in cols]
-            sets.append("event_count = ?" if reset else "event_count = event_count + ?")
-            sql = f"UPDATE sessions SET {', '.join(sets)} WHERE id = ?"
-            cur.executemany(self.dialect.sql(sql), rows)
-
-
-def _batch_args(plan: _Plan) -> list[Any] | None:
-    """``plan`` as the arguments of :meth:`Dialect.append_batch` (position lock, the
-    log's end before and after, the channel, the event columns, the sessions' index
-    columns); None when the plan needs more than rows and index updates."""
-    if plan.purged or plan.blob_rows or plan.new_sessions or plan.data_rows:
-        return None
-    if any(u.get("reset") for u in plan.updates.values()):
-        return None
-    from sessiontape.core.log.dialect import PG_CHANNEL, PG_LOCK_KEY
-
-    columns: list[list[Any]] = [list(c) for c in zip(*plan.rows, strict=True)] or [[]] * 8
-    ids = list(plan.updates)
-    ups = [plan.updates[i] for i in ids]
-    index = [[u.get(c) for u in ups] for c in _UPDATABLE]
-    version, head, updated, active, status, history = index
-    counts = [u["n"] for u in ups]
-    return [
-        PG_LOCK_KEY,
-        plan.start,
-        plan.end,
-        PG_CHANNEL,
-        *columns,
-        ids,
-        counts,
-        version,
-        head,
-        updated,
-        active,
-        status,
-        history,
-    ]
+        return self.planner.apply(cur, plan, expect_position=False)
