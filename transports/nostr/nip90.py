@@ -13,32 +13,28 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections import Counter
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 from sessiontape.core.engine import SamplingParams
 from sessiontape.core.errors import InvalidParameters, SessiontapeError
 from sessiontape.core.events import Event
-from sessiontape.core.runtime import Runtime
 from sessiontape.engines.models.chat_template import prompt_text
 from sessiontape.transports.nostr import d4
 from sessiontape.transports.nostr.errors import to_err
-from sessiontape.transports.nostr.settings import Settings
+from sessiontape.transports.nostr.streaming import Answerer
 
 KIND_JOB = 5050
 KIND_RESULT = 6050
 KIND_FEEDBACK = 7000
 
 
-class Host(Protocol):
+class Host(Answerer, Protocol):
     """What a job needs of the worker (:class:`sessiontape.transports.nostr.worker.D4Worker`'s public side)."""
 
-    runtime: Runtime
-    settings: Settings
     pubkey: str
-    stats: Counter[str]
 
     def knows_answer(self, call_id: str) -> bool: ...
 
@@ -50,22 +46,32 @@ class Host(Protocol):
 
     async def record_incoming_call(self, sid: str, payload: Mapping[str, Any]) -> None: ...
 
-    async def send(
-        self,
-        sid: str,
-        content: str,
-        tags: list[list[str]],
-        *,
-        kind: int = 1,
-        call_id: str | None = None,
-        final: bool = False,
-        caller: str = "",
-        more_results: bool = False,
-        close: str | None = None,
-    ) -> str: ...
+
+@dataclass(frozen=True)
+class Job:
+    """A job as the worker answers it: its event, the session it runs in and the tags every reply carries."""
+
+    payload: Mapping[str, Any]
+    id: str
+    customer: str
+    sid: str
+    reply_tags: list[list[str]]
+
+    @classmethod
+    def of(cls, payload: Mapping[str, Any]) -> Job:
+        """The job that ``payload`` (a kind-5050 event) asks for."""
+        job_id, customer = str(payload["id"]), str(payload["pubkey"])
+        return cls(
+            payload=payload,
+            id=job_id,
+            customer=customer,
+            sid="d4_" + job_id[:48],
+            reply_tags=[["e", job_id], ["p", customer]],
+        )
 
 
 def feedback_status(tags: Sequence[Sequence[str]]) -> str | None:
+    """The status a kind-7000 event's tags carry (None: it has no ``status`` tag)."""
     for t in tags:
         if len(t) >= 2 and t[0] == "status":
             return str(t[1])
@@ -99,92 +105,110 @@ def parse_job(tags: Sequence[Sequence[str]]) -> tuple[str, dict[str, Any], int |
     return "\n".join(texts), args, bid
 
 
-async def handle_job(worker: Host, payload: Mapping[str, Any]) -> None:
-    tags = payload["tags"]
+def addressed_elsewhere(worker: Host, tags: Sequence[Sequence[str]]) -> bool:
+    """Whether the job names providers (``p`` tags) and this worker is not among them."""
     targets = [t[1] for t in tags if len(t) >= 2 and t[0] == "p"]
-    if targets and worker.pubkey not in targets:
+    return bool(targets) and worker.pubkey not in targets
+
+
+async def handle_job(worker: Host, payload: Mapping[str, Any]) -> None:
+    """Answer a kind-5050 job once: record it in its session, then run it or send its error status."""
+    if addressed_elsewhere(worker, payload["tags"]):
         worker.stats["nip90_other_provider"] += 1
         return
-    job_id = str(payload["id"])
-    customer = str(payload["pubkey"])
-    if worker.knows_answer(job_id):
+    job = Job.of(payload)
+    if worker.knows_answer(job.id):
         worker.stats["duplicate"] += 1
         return
-    sid = "d4_" + job_id[:48]
-    reply_tags = [["e", job_id], ["p", customer]]
-    price = worker.settings.price_msat
-    async with worker.call_slot(sid):
-        if await worker.is_answered(job_id, sid):
+    async with worker.call_slot(job.sid):
+        if await worker.is_answered(job.id, job.sid):
             worker.stats["duplicate"] += 1
             return
-        await worker.open_call_session(sid, {"call_id": job_id, "caller": customer, "nip90": True})
-        await worker.record_incoming_call(sid, dict(payload))
+        await worker.open_call_session(
+            job.sid, {"call_id": job.id, "caller": job.customer, "nip90": True}
+        )
+        await worker.record_incoming_call(job.sid, dict(payload))
         worker.stats["nip90_jobs"] += 1
         try:
-            prompt, raw_args, bid = parse_job(tags)
-            args = d4.parse_args({**raw_args, "prompt": prompt})
-            wanted = args.max_tokens or worker.settings.default_max_tokens
-            n, _ = d4.plan_tokens(price, bid if bid is not None else price * wanted, wanted)
-            if n == 0:
-                await worker.send(
-                    sid,
-                    "",
-                    [
-                        ["status", "payment-required", "bid below one token"],
-                        *reply_tags,
-                        ["amount", str(price * wanted)],
-                    ],
-                    kind=KIND_FEEDBACK,
-                    close="negotiation",
-                )
-                return
-            await worker.send(sid, "", [["status", "processing"], *reply_tags], kind=KIND_FEEDBACK)
-            st = await worker.runtime.get(sid)
-            chat = worker.runtime.engine.info.chat
-            append = (
-                worker.runtime.engine.tokenize(prompt_text(chat, prompt)) if st.length == 0 else []
-            )
-            start = st.length + len(append)
-            params = SamplingParams(
-                max_tokens=n,
-                temperature=args.temperature,
-                top_p=args.top_p,
-                top_k=args.top_k,
-                seed=args.seed,
-            )
-            gen = cast(
-                AsyncGenerator[Event, None],
-                worker.runtime.generate(sid, params, append=append, action_id=job_id),
-            )
-            async with contextlib.aclosing(gen):
-                async for _ in gen:
-                    pass
-            text = worker.runtime.engine.detokenize(list(st.tokens[start:]))
-            produced = st.length - start
-            worker.stats["answered"] += 1
-            await worker.send(
-                sid,
-                text,
-                [
-                    *reply_tags,
-                    ["request", json.dumps(dict(payload))],
-                    ["amount", str(produced * price)],
-                ],
-                kind=KIND_RESULT,
-                call_id=job_id,
-                final=True,
-                caller=customer,
-                close="complete",
-            )
+            await run_job(worker, job)
         except SessiontapeError as exc:
-            if await worker.is_answered(job_id, sid):
-                return  # the result is recorded: an error status now would contradict it
-            err = to_err(exc)
-            await worker.runtime.record_error(sid, err["code"], err["message"])
-            await worker.send(
-                sid,
-                "",
-                [["status", "error", f"{err['code']}: {err['message']}"], *reply_tags],
-                kind=KIND_FEEDBACK,
-                close="error",
-            )
+            await fail_job(worker, job, exc)
+
+
+async def run_job(worker: Host, job: Job) -> None:
+    """Price the job within its bid, then generate its answer and send the result (or ask for payment)."""
+    price = worker.settings.price_msat
+    prompt, raw_args, bid = parse_job(job.payload["tags"])
+    args = d4.parse_args({**raw_args, "prompt": prompt})
+    wanted = args.max_tokens or worker.settings.default_max_tokens
+    n, _ = d4.plan_tokens(price, bid if bid is not None else price * wanted, wanted)
+    if n == 0:
+        await worker.send(
+            job.sid,
+            "",
+            [
+                ["status", "payment-required", "bid below one token"],
+                *job.reply_tags,
+                ["amount", str(price * wanted)],
+            ],
+            kind=KIND_FEEDBACK,
+            close="negotiation",
+        )
+        return
+    await worker.send(job.sid, "", [["status", "processing"], *job.reply_tags], kind=KIND_FEEDBACK)
+    text, produced = await generate_text(worker, job, prompt, args, n)
+    worker.stats["answered"] += 1
+    await worker.send(
+        job.sid,
+        text,
+        [
+            *job.reply_tags,
+            ["request", json.dumps(dict(job.payload))],
+            ["amount", str(produced * price)],
+        ],
+        kind=KIND_RESULT,
+        call_id=job.id,
+        final=True,
+        caller=job.customer,
+        close="complete",
+    )
+
+
+async def generate_text(
+    worker: Host, job: Job, prompt: str, args: d4.GenArgs, n: int
+) -> tuple[str, int]:
+    """Generate up to ``n`` tokens of the answer (after the prompt, when the job opens its session): (text, tokens)."""
+    st = await worker.runtime.get(job.sid)
+    engine = worker.runtime.engine
+    append = engine.tokenize(prompt_text(engine.info.chat, prompt)) if st.length == 0 else []
+    start = st.length + len(append)
+    params = SamplingParams(
+        max_tokens=n,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    gen = cast(
+        AsyncGenerator[Event, None],
+        worker.runtime.generate(job.sid, params, append=append, action_id=job.id),
+    )
+    async with contextlib.aclosing(gen):
+        async for _ in gen:
+            pass
+    return engine.detokenize(list(st.tokens[start:])), st.length - start
+
+
+async def fail_job(worker: Host, job: Job, exc: SessiontapeError) -> None:
+    """Record the job's error and send it as an ``error`` status, unless its result is recorded already."""
+    if await worker.is_answered(job.id, job.sid):
+        return  # the result is recorded: an error status now would contradict it
+    err = to_err(exc)
+    await worker.runtime.record_error(job.sid, err["code"], err["message"])
+    await worker.send(
+        job.sid,
+        "",
+        [["status", "error", f"{err['code']}: {err['message']}"], *job.reply_tags],
+        kind=KIND_FEEDBACK,
+        close="error",
+    )

@@ -6,6 +6,12 @@ tokens or ``stream_every_ms``, each published while the generation goes on
 follows the last of them and says ``more_results`` when
 the answer stopped at its length budget and the model has room, so the
 caller can continue it with a funded call.
+
+:func:`stream_answer` goes through the steps in order: plan the answer
+(:func:`plan_answer`: its prompt, what a resumed call already charged, how
+many tokens the caps allow), generate it (:func:`generate_answer`, with
+:class:`PartialResults` publishing as it goes), recount it from the log when a
+stop string ended it, and send the final result (:func:`send_final`).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import contextlib
 import time
 from collections import Counter
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
 from sessiontape.core.bodies import GenerationFinished, generated_token
@@ -24,15 +31,20 @@ from sessiontape.core.engine import SamplingParams
 from sessiontape.core.errors import InvalidParameters
 from sessiontape.core.events import Event, T
 from sessiontape.core.runtime import Runtime
+from sessiontape.core.state import SessionState
 from sessiontape.engines.models.chat_template import prompt_text
 from sessiontape.transports.nostr import d4
 from sessiontape.transports.nostr.settings import Settings
 
 
-class Send(Protocol):
-    """The worker's :meth:`~sessiontape.transports.nostr.worker.D4Worker.send`."""
+class Answerer(Protocol):
+    """What answering a call needs of the worker (:class:`~sessiontape.transports.nostr.worker.D4Worker`'s public side)."""
 
-    async def __call__(
+    runtime: Runtime
+    settings: Settings
+    stats: Counter[str]
+
+    async def send(
         self,
         sid: str,
         content: str,
@@ -47,136 +59,233 @@ class Send(Protocol):
     ) -> str: ...
 
 
-async def stream_answer(
-    runtime: Runtime,
-    settings: Settings,
-    send: Send,
-    stats: Counter[str],
-    sid: str,
-    call_id: str,
-    caller: str,
-    call: d4.Call,
-    tags: list[list[str]],
-) -> None:
-    """Answer ``call`` in session ``sid``: partial results while generating, then the final result."""
-    rt = runtime
-    price = settings.price_msat
-    st = await rt.get(sid)
-    append: list[int] = []
-    if st.length == 0:
-        if call.args.prompt is None:
-            raise InvalidParameters("args.prompt is required")
-        append = rt.engine.tokenize(prompt_text(rt.engine.info.chat, call.args.prompt))
-    gens = list(st.generations.values())
-    answer_start = gens[0].prompt_length if gens else st.length + len(append)
-    # a call resumed after a restart has already charged for these
-    charged = sum(len(g.tokens) for g in gens if g.action_id == call_id)
-    wanted = (call.args.max_tokens or settings.default_max_tokens) - charged
-    n, _budget_limited = d4.plan_tokens(
-        price, call.max_total_cost - charged * price, max(0, wanted)
-    )
-    model = rt.engine.info.model_id
-    created = int(time.time())
-    answer = list(st.tokens[answer_start:])
-    produced = charged
-    # the answer's text, decoded as it grows and cut before a stop string (a pure function
-    # of the tokens: a resumed call's text is the uninterrupted one's)
-    text = TextStream(rt.engine.detokenize, call.args.stop)
-    text.extend(answer)
-    finish: str | None = "stop" if text.stopped else None
+@dataclass(frozen=True)
+class CallToAnswer:
+    """A parsed D4 call, with the session it runs in and the tags its results carry."""
 
-    def body(reason: str | None) -> dict[str, Any]:
+    sid: str
+    call_id: str
+    caller: str
+    call: d4.Call
+    tags: list[list[str]]
+
+
+@dataclass
+class Answer:
+    """The answer as it grows: its tokens, its text (cut before a stop string) and what it has cost.
+
+    The text is decoded as the answer grows and is a pure function of its
+    tokens: a resumed call's text is the uninterrupted one's.
+    """
+
+    state: SessionState
+    append: list[int]  # the prompt's tokens, when the call opens the session
+    start: int  # where the answer begins in the session's tokens
+    tokens: list[int]
+    produced: int  # tokens generated for the call, a resumed call's earlier ones included
+    planned: int  # tokens this call may still generate
+    text: TextStream
+    model: str
+    completion_id: str
+    created: int = field(default_factory=lambda: int(time.time()))
+    finish: str | None = None
+
+    def body(self, reason: str | None) -> dict[str, Any]:
+        """The chat completion the answer is so far, finished with ``reason`` (None: not yet)."""
         return d4.completion(
-            completion_id="chatcmpl-" + call_id[:32],
-            model=model,
-            created=created,
-            text=text.text,
+            completion_id=self.completion_id,
+            model=self.model,
+            created=self.created,
+            text=self.text.text,
             finish_reason=reason,
-            prompt_tokens=answer_start,
-            completion_tokens=len(answer),
+            prompt_tokens=self.start,
+            completion_tokens=len(self.tokens),
         )
 
-    # A partial result is signed, recorded and published by a task of its own, so the
-    # generation never waits for a relay; the next one is due only once it is out (a
-    # slow relay gets fewer, longer partial results), and the final result after it.
-    partial: asyncio.Task[str] | None = None
-    try:
-        if n > 0 and finish is None:
-            params = SamplingParams(
-                max_tokens=n,
-                temperature=call.args.temperature,
-                top_p=call.args.top_p,
-                top_k=call.args.top_k,
-                seed=call.args.seed,
-            )
-            last_n, last_t = produced, time.monotonic()
-            every_n, every_s = settings.stream_every_tokens, settings.stream_every_ms / 1000
-            gen = cast(
-                AsyncGenerator[Event, None],
-                rt.generate(sid, params, append=append, action_id=call_id),
-            )
-            async with contextlib.aclosing(gen):
-                async for e in gen:
-                    if (tok := generated_token(e)) is not None:
-                        produced += 1
-                        answer.append(int(tok))
-                        text.push(int(tok))
-                        if text.stopped:
-                            finish = "stop"
-                            break
-                        if (partial is None or partial.done()) and (
-                            produced - last_n >= every_n or time.monotonic() - last_t >= every_s
-                        ):
-                            if partial is not None:
-                                partial.result()  # a partial result that failed fails the answer
-                            last_n, last_t = produced, time.monotonic()
-                            content = d4.result_content(
-                                result=body(None),
-                                iteration_cost=price,
-                                total_cost=produced * price,
-                                more_results=True,
-                                partial=True,
-                            )
-                            partial = asyncio.create_task(
-                                send(sid, content, tags, call_id=call_id, caller=caller),
-                                name=f"d4-partial-{call_id[:12]}",
-                            )
-                    elif e.type == T.GENERATION_FINISHED:
-                        reason = typed_body(e, GenerationFinished)["finish_reason"]
-                        finish = "stop" if reason in ("eos", "stop") else "length"
-        if partial is not None:
-            await partial
-    finally:
-        if partial is not None and not partial.done():  # the answer failed or was cancelled
-            partial.cancel()
+    def push(self, token: int) -> bool:
+        """Take a generated token; True when it completed a stop string (the answer ends there)."""
+        self.produced += 1
+        self.tokens.append(token)
+        self.text.push(token)
+        if self.text.stopped:
+            self.finish = "stop"
+        return self.text.stopped
+
+    def note_event(self, e: Event) -> None:
+        """Take the finish reason from a ``generation.finished`` event; other events change nothing."""
+        if e.type == T.GENERATION_FINISHED:
+            reason = typed_body(e, GenerationFinished)["finish_reason"]
+            self.finish = "stop" if reason in ("eos", "stop") else "length"
+
+    def recount(self, state: SessionState, call_id: str) -> None:
+        """Count, and charge, the answer as ``state`` (the log) holds it; the text still ends at the stop."""
+        self.state = state
+        self.tokens = list(state.tokens[self.start :])
+        self.produced = charged_tokens(state, call_id)
+
+
+def charged_tokens(state: SessionState, call_id: str) -> int:
+    """Tokens the session's generations for ``call_id`` hold, each one charged."""
+    return sum(len(g.tokens) for g in state.generations.values() if g.action_id == call_id)
+
+
+async def plan_answer(worker: Answerer, job: CallToAnswer) -> Answer:
+    """Open the answer: the prompt when the call opens the session, what is charged already, the token budget."""
+    rt, settings, args = worker.runtime, worker.settings, job.call.args
+    price = settings.price_msat
+    st = await rt.get(job.sid)
+    append: list[int] = []
+    if st.length == 0:
+        if args.prompt is None:
+            raise InvalidParameters("args.prompt is required")
+        append = rt.engine.tokenize(prompt_text(rt.engine.info.chat, args.prompt))
+    gens = list(st.generations.values())
+    start = gens[0].prompt_length if gens else st.length + len(append)
+    # a call resumed after a restart has already charged for these
+    charged = charged_tokens(st, job.call_id)
+    wanted = (args.max_tokens or settings.default_max_tokens) - charged
+    n, _budget_limited = d4.plan_tokens(
+        price, job.call.max_total_cost - charged * price, max(0, wanted)
+    )
+    answer = Answer(
+        state=st,
+        append=append,
+        start=start,
+        tokens=list(st.tokens[start:]),
+        produced=charged,
+        planned=n,
+        text=TextStream(rt.engine.detokenize, args.stop),
+        model=rt.engine.info.model_id,
+        completion_id="chatcmpl-" + job.call_id[:32],
+    )
+    answer.text.extend(answer.tokens)
+    answer.finish = "stop" if answer.text.stopped else None
+    return answer
+
+
+class PartialResults:
+    """The answer's partial results, each signed, recorded and published by a task of its own.
+
+    The generation never waits for a relay; the next partial result is due
+    only once the last one is out (a slow relay gets fewer, longer ones), and
+    the final result after it.
+    """
+
+    def __init__(self, worker: Answerer, job: CallToAnswer, answer: Answer) -> None:
+        self.worker, self.job, self.answer = worker, job, answer
+        self.every_n = worker.settings.stream_every_tokens
+        self.every_s = worker.settings.stream_every_ms / 1000
+        self.last_n, self.last_t = answer.produced, time.monotonic()
+        self.task: asyncio.Task[str] | None = None
+
+    def due(self) -> bool:
+        """Whether the last partial result is out and enough tokens or time have passed since it."""
+        if self.task is not None and not self.task.done():
+            return False
+        return (
+            self.answer.produced - self.last_n >= self.every_n
+            or time.monotonic() - self.last_t >= self.every_s
+        )
+
+    def send_if_due(self) -> None:
+        """Start publishing the answer so far when a partial result is due."""
+        if not self.due():
+            return
+        if self.task is not None:
+            self.task.result()  # a partial result that failed fails the answer
+        self.last_n, self.last_t = self.answer.produced, time.monotonic()
+        price = self.worker.settings.price_msat
+        content = d4.result_content(
+            result=self.answer.body(None),
+            iteration_cost=price,
+            total_cost=self.answer.produced * price,
+            more_results=True,
+            partial=True,
+        )
+        job = self.job
+        self.task = asyncio.create_task(
+            self.worker.send(job.sid, content, job.tags, call_id=job.call_id, caller=job.caller),
+            name=f"d4-partial-{job.call_id[:12]}",
+        )
+
+    async def wait(self) -> None:
+        """Wait for the last partial result to be out (its failure fails the answer)."""
+        if self.task is not None:
+            await self.task
+
+    async def cancel(self) -> None:
+        """Cancel a partial result still being published (the answer failed or was cancelled)."""
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
             with contextlib.suppress(BaseException):
-                await partial
-    if finish is None:
-        finish = "length"
-    text.finish()
-    if finish == "stop" and n > 0:
-        # The generation may have committed tokens past the stop string before this
-        # loop read it (it runs ahead of its reader): the answer counts, and charges,
-        # what the log holds, as a resumed call does; its text still ends at the stop.
-        st = await rt.get(sid)
-        answer = list(st.tokens[answer_start:])
-        produced = sum(len(g.tokens) for g in st.generations.values() if g.action_id == call_id)
-    room = st.length < rt.engine.info.max_length
-    more = finish == "length" and room
+                await self.task
+
+
+async def generate_answer(worker: Answerer, job: CallToAnswer, answer: Answer) -> None:
+    """Generate the answer's planned tokens, publishing partial results as they fall due."""
+    args = job.call.args
+    params = SamplingParams(
+        max_tokens=answer.planned,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    partials = PartialResults(worker, job, answer)
+    gen = cast(
+        AsyncGenerator[Event, None],
+        worker.runtime.generate(job.sid, params, append=answer.append, action_id=job.call_id),
+    )
+    try:
+        async with contextlib.aclosing(gen):
+            async for e in gen:
+                tok = generated_token(e)
+                if tok is None:
+                    answer.note_event(e)
+                elif answer.push(int(tok)):
+                    break
+                else:
+                    partials.send_if_due()
+        await partials.wait()
+    finally:
+        await partials.cancel()
+
+
+async def send_final(worker: Answerer, job: CallToAnswer, answer: Answer) -> None:
+    """Send the final result: the whole answer, its cost, and whether the caller may continue it."""
+    price = worker.settings.price_msat
+    room = answer.state.length < worker.runtime.engine.info.max_length
+    more = answer.finish == "length" and room
     content = d4.result_content(
-        result=body(finish),
+        result=answer.body(answer.finish),
         iteration_cost=price,
-        total_cost=produced * price,
+        total_cost=answer.produced * price,
         more_results=more,
     )
-    stats["answered"] += 1
-    await send(
-        sid,
+    worker.stats["answered"] += 1
+    await worker.send(
+        job.sid,
         content,
-        tags,
-        call_id=call_id,
+        job.tags,
+        call_id=job.call_id,
         final=True,
-        caller=caller,
+        caller=job.caller,
         more_results=more,
         close=None if more else "complete",
     )
+
+
+async def stream_answer(worker: Answerer, job: CallToAnswer) -> None:
+    """Answer ``job.call`` in session ``job.sid``: partial results while generating, then the final result."""
+    answer = await plan_answer(worker, job)
+    if answer.planned > 0 and answer.finish is None:
+        await generate_answer(worker, job, answer)
+    if answer.finish is None:
+        answer.finish = "length"
+    answer.text.finish()
+    if answer.finish == "stop" and answer.planned > 0:
+        # The generation may have committed tokens past the stop string before the
+        # answer read it (it runs ahead of its reader): the answer counts, and charges,
+        # what the log holds, as a resumed call does.
+        answer.recount(await worker.runtime.get(job.sid), job.call_id)
+    await send_final(worker, job, answer)

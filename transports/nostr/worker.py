@@ -62,7 +62,7 @@ from sessiontape.transports.nostr.calls import (
 from sessiontape.transports.nostr.errors import to_err
 from sessiontape.transports.nostr.relay import Relays
 from sessiontape.transports.nostr.settings import FunctionSpec, Settings
-from sessiontape.transports.nostr.streaming import stream_answer
+from sessiontape.transports.nostr.streaming import CallToAnswer, stream_answer
 
 __all__ = [
     "FUNCTION_TAG",
@@ -402,17 +402,7 @@ class D4Worker:
                         close="negotiation" if prev is None else None,
                     )
                     return
-                await stream_answer(
-                    self.runtime,
-                    self.settings,
-                    self.send,
-                    self.stats,
-                    sid,
-                    call_id,
-                    caller,
-                    call,
-                    tags,
-                )
+                await stream_answer(self, CallToAnswer(sid, call_id, caller, call, tags))
             except Exception as exc:
                 if self.book.knows_answer(call_id):
                     # the answer is recorded (and published or queued): a second one would contradict it
