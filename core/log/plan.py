@@ -422,7 +422,7 @@ def batch_args(plan: Plan) -> list[Any] | None:
         return None
     if any(u.get("reset") for u in plan.updates.values()):
         return None
-    from sessiontape.core.log.dialect import PG_CHANNEL, PG_LOCK_KEY
+    from sessiontape.core.log.postgres import PG_CHANNEL, PG_LOCK_KEY
 
     columns: list[list[Any]] = [list(c) for c in zip(*plan.rows, strict=True)] or [[]] * 8
     ids = list(plan.updates)

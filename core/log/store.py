@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from sessiontape.core.bodies import SessionPurged
 from sessiontape.core.bodies import body as typed_body
@@ -43,7 +43,9 @@ from sessiontape.core.errors import (
 from sessiontape.core.events import GENESIS_HASH, Event, NewEvent, T, event_hash, parse_json
 from sessiontape.core.log.dialect import Dialect, session_lock_key
 from sessiontape.core.log.plan import Request, RequestKind
+from sessiontape.core.log.postgres import PostgresDialect
 from sessiontape.core.log.schema import blobs, events, sessions, snapshots
+from sessiontape.core.log.sqlite import SQLiteDialect
 from sessiontape.core.log.subscriptions import Subscriptions
 from sessiontape.core.log.writer import Writer, unavailable
 
@@ -117,6 +119,17 @@ def _reading(
     return read
 
 
+def open_dialect(url: str, *, echo: bool = False, sqlite_synchronous: str = "NORMAL") -> Dialect:
+    """The dialect of ``url`` (core/log/sqlite.py or core/log/postgres.py), with its
+    SQLAlchemy engine."""
+    if url.startswith("sqlite"):
+        return SQLiteDialect(url, echo=echo, synchronous=sqlite_synchronous)
+    engine = create_async_engine(url, echo=echo)
+    if engine.dialect.name == "postgresql":
+        return PostgresDialect(engine)
+    raise ValueError(f"unsupported database {engine.dialect.name!r} (SQLite or PostgreSQL)")
+
+
 class EventLog:
     """The log. Create with :meth:`open`; one instance per process and database."""
 
@@ -181,7 +194,7 @@ class EventLog:
         ``follow`` makes subscriptions see other processes' commits on SQLite
         too (by polling); PostgreSQL always does (LISTEN/NOTIFY plus polling).
         """
-        dialect = Dialect.open(url, echo=echo, sqlite_synchronous=sqlite_synchronous)
+        dialect = open_dialect(url, echo=echo, sqlite_synchronous=sqlite_synchronous)
         self = cls(
             dialect,
             batch_max=batch_max,

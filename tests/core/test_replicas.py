@@ -15,7 +15,7 @@ import pytest
 from sessiontape.core.engine import SamplingParams
 from sessiontape.core.errors import OffsetMismatch, SessionBusy
 from sessiontape.core.events import T
-from sessiontape.core.log.dialect import PostgresDialect
+from sessiontape.core.log.postgres import PostgresDialect
 from sessiontape.core.log.store import verify_chain
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine

@@ -10,7 +10,7 @@ from pathlib import Path
 from sessiontape.core.events import NewEvent, T
 from sessiontape.core.log import EventLog
 from sessiontape.core.log.checkpoint import BACKSTOP_PAGES
-from sessiontape.core.log.dialect import SQLiteDialect
+from sessiontape.core.log.sqlite import SQLiteDialect
 
 
 def checkpoint_threads() -> list[threading.Thread]:

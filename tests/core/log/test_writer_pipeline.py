@@ -144,7 +144,7 @@ async def test_a_row_postgresql_refuses_in_the_copy_is_the_requests_fault(pg_url
     there (a type longer than its column) fails that request alone with
     InvalidArgument, writes nothing of it, and the others of its batch commit."""
     from sessiontape.core.errors import InvalidArgument
-    from sessiontape.core.log.dialect import PG_COPY_MIN_ROWS
+    from sessiontape.core.log.postgres import PG_COPY_MIN_ROWS
 
     assert PG_COPY_MIN_ROWS <= 41
     log = await EventLog.open(pg_url)
