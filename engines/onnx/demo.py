@@ -122,34 +122,81 @@ def _weights(spec: DemoSpec) -> dict[str, F32]:
 
 
 def _build_graph(spec: DemoSpec, w: dict[str, F32], layout: str = "static") -> Any:
-    """The model of ``layout``: :func:`_build_static`, or here the classic concat graph."""
-    from onnx import TensorProto, helper
-
+    """The model of ``layout``: :func:`_build_static`, or :func:`_build_concat`."""
     if layout == "static":
         return _build_static(spec, w)
+    return _build_concat(spec, w)
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """What every layer of a concat-layout pass reads (names of graph values)."""
+
+    #: reshape targets: queries of one KV group as rows, the scores by group and as rows,
+    #: and the attention output by head
+    gq_shape: str
+    score5_shape: str
+    score4_shape: str
+    out_shape: str
+    #: [b, 1, 1, s, t]: may query i attend to key j
+    allowed: str
+    #: the rotary tables' rows at the pass's positions
+    cos: str
+    sin: str
+
+
+def _build_concat(spec: DemoSpec, w: dict[str, F32]) -> Any:
+    """The classic concat graph: ``present`` is ``past`` with the pass's keys and values appended."""
+    from onnx import helper
+
     g = Graph()
     for k, v in w.items():
         g.const(k, v)
-    h, nh, nkv, hd = spec.hidden, spec.heads, spec.kv_heads, spec.head_dim
-    group = nh // nkv
+    _concat_constants(g, spec)
+    ps = _concat_pass(g, spec)
+    x = g.op("Gather", ["embed", "input_ids"], axis=0)
+    g.op("Identity", [x], name="hidden_states.0")
+    for i in range(spec.layers):
+        p = f"l{i}."
+        x = g.op("Add", [x, _concat_attention(g, spec, i, _rmsnorm(g, x, p + "attn_norm"), ps)])
+        x = g.op("Add", [x, _concat_mlp(g, i, _rmsnorm(g, x, p + "mlp_norm"))])
+        g.op("Identity", [x], name=f"hidden_states.{i + 1}")
+    g.op("MatMul", [_rmsnorm(g, x, "final_norm"), "lm_head"], name="logits")
 
-    def i64(name: str, *vals: int) -> str:
-        return g.const(name, np.array(vals, dtype=np.int64))
+    inputs, outs = graph_io(model_spec(spec), "past_sequence_length", "total_sequence_length")
+    graph = helper.make_graph(g.nodes, f"sessiontape-demo-{spec.name}", inputs, outs, g.inits)
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 18)], producer_name="sessiontape"
+    )
+    model.ir_version = 8
+    return model
 
-    i64("c_axis1", 1)
-    i64("c_axis_neg1", -1)
+
+def _concat_constants(g: Graph, spec: DemoSpec) -> None:
+    """The scalars, axes and fixed reshape targets the concat graph's operators take."""
+    nh, nkv, hd = spec.heads, spec.kv_heads, spec.head_dim
+    g.i64("c_axis1", 1)
+    g.i64("c_axis_neg1", -1)
     g.const("c_eps", np.array(spec.eps, np.float32))
     g.const("c_scale", np.array(hd**-0.5, np.float32))
     g.const("c_neginf", np.array(-np.inf, np.float32))
-    i64("c_shape_q", 0, 0, nh, hd)
-    i64("c_shape_kv", 0, 0, nkv, hd)
-    i64("c_shape_h", 0, 0, h)
+    g.i64("c_shape_q", 0, 0, nh, hd)
+    g.i64("c_shape_kv", 0, 0, nkv, hd)
+    g.i64("c_shape_h", 0, 0, spec.hidden)
     half = hd // 2
-    i64("c_split", half, half)
+    g.i64("c_split", half, half)
 
     g.const("c_zero_s", np.array(0, np.int64))
-    i64("c_axis0", 0)
+    g.i64("c_axis0", 0)
     g.const("c_one_s", np.array(1, np.int64))
+
+
+def _concat_pass(g: Graph, spec: DemoSpec) -> _Pass:
+    """The pass's reshape targets from its dimensions, its attention mask and rotary rows."""
+    from onnx import TensorProto
+
+    nh, nkv, hd = spec.heads, spec.kv_heads, spec.head_dim
+    group = nh // nkv
     ids_shape = g.op("Shape", ["input_ids"])
     batch = g.op("Gather", [ids_shape, "c_zero_s"], axis=0)
     seq = g.op("Gather", [ids_shape, "c_one_s"], axis=0)
@@ -161,16 +208,21 @@ def _build_graph(spec: DemoSpec, w: dict[str, F32], layout: str = "static") -> A
     # [b, kv_heads, group * s, head_dim]: the queries of one KV group as rows
     gq_shape = g.op(
         "Concat",
-        [batch1, i64("c_nkv", nkv), g.op("Mul", [seq1, i64("c_group", group)]), i64("c_hd", hd)],
+        [
+            batch1,
+            g.i64("c_nkv", nkv),
+            g.op("Mul", [seq1, g.i64("c_group", group)]),
+            g.i64("c_hd", hd),
+        ],
         axis=0,
     )
     score5_shape = g.op(
-        "Concat", [batch1, i64("c_nkv2", nkv), i64("c_group2", group), seq1, total1], axis=0
+        "Concat", [batch1, g.i64("c_nkv2", nkv), g.i64("c_group2", group), seq1, total1], axis=0
     )
     score4_shape = g.op(
-        "Concat", [batch1, i64("c_nkv3", nkv), g.op("Mul", [seq1, "c_group"]), total1], axis=0
+        "Concat", [batch1, g.i64("c_nkv3", nkv), g.op("Mul", [seq1, "c_group"]), total1], axis=0
     )
-    out_shape = g.op("Concat", [batch1, i64("c_nh", nh), seq1, i64("c_hd2", hd)], axis=0)
+    out_shape = g.op("Concat", [batch1, g.i64("c_nh", nh), seq1, g.i64("c_hd2", hd)], axis=0)
 
     # mask [b, 1, 1, s, t]: key j visible to query i iff j <= past + i and attention_mask[b, j]
     keys = g.op("Range", ["c_zero_s", total, "c_one_s"])
@@ -180,70 +232,68 @@ def _build_graph(spec: DemoSpec, w: dict[str, F32], layout: str = "static") -> A
         [g.op("Unsqueeze", [keys, "c_axis0"]), g.op("Unsqueeze", [qpos, "c_axis_neg1"])],
     )
     padm = g.op("Cast", ["attention_mask"], to=TensorProto.BOOL)
-    padm = g.op("Unsqueeze", [padm, i64("c_axes_123", 1, 2, 3)])
+    padm = g.op("Unsqueeze", [padm, g.i64("c_axes_123", 1, 2, 3)])
     allowed = g.op("And", [causal, padm])
 
     cos = g.op("Unsqueeze", [g.op("Gather", ["rope_cos", "position_ids"], axis=0), "c_axis1"])
     sin = g.op("Unsqueeze", [g.op("Gather", ["rope_sin", "position_ids"], axis=0), "c_axis1"])
+    return _Pass(gq_shape, score5_shape, score4_shape, out_shape, allowed, cos, sin)
 
-    def rope(x: str) -> str:
-        x1, x2 = g.op("Split", [x, "c_split"], outputs=2, axis=-1)
-        a = g.op("Sub", [g.op("Mul", [x1, cos]), g.op("Mul", [x2, sin])])
-        b = g.op("Add", [g.op("Mul", [x2, cos]), g.op("Mul", [x1, sin])])
-        return str(g.op("Concat", [a, b], axis=-1))
 
-    def rmsnorm(x: str, weight: str) -> str:
-        ms = g.op("ReduceMean", [g.op("Mul", [x, x]), "c_axis_neg1"], keepdims=1)
-        inv = g.op("Reciprocal", [g.op("Sqrt", [g.op("Add", [ms, "c_eps"])])])
-        return str(g.op("Mul", [g.op("Mul", [x, inv]), weight]))
+def _rope(g: Graph, ps: _Pass, x: str) -> str:
+    """Rotary positions (rotate-half) applied to ``x`` [b, heads, s, head_dim]."""
+    x1, x2 = g.op("Split", [x, "c_split"], outputs=2, axis=-1)
+    a = g.op("Sub", [g.op("Mul", [x1, ps.cos]), g.op("Mul", [x2, ps.sin])])
+    b = g.op("Add", [g.op("Mul", [x2, ps.cos]), g.op("Mul", [x1, ps.sin])])
+    return str(g.op("Concat", [a, b], axis=-1))
 
-    x = g.op("Gather", ["embed", "input_ids"], axis=0)
-    outputs = [g.op("Identity", [x], name="hidden_states.0")]
-    for i in range(spec.layers):
-        p = f"l{i}."
-        xn = rmsnorm(x, p + "attn_norm")
-        q = g.op(
-            "Transpose",
-            [g.op("Reshape", [g.op("MatMul", [xn, p + "wq"]), "c_shape_q"])],
-            perm=[0, 2, 1, 3],
-        )
-        k = g.op(
-            "Transpose",
-            [g.op("Reshape", [g.op("MatMul", [xn, p + "wk"]), "c_shape_kv"])],
-            perm=[0, 2, 1, 3],
-        )
-        v = g.op(
-            "Transpose",
-            [g.op("Reshape", [g.op("MatMul", [xn, p + "wv"]), "c_shape_kv"])],
-            perm=[0, 2, 1, 3],
-        )
-        q = g.op("Mul", [rope(q), "c_scale"])
-        k = rope(k)
-        pk = g.op("Concat", [f"past_key_values.{i}.key", k], axis=2, name=f"present.{i}.key")
-        pv = g.op("Concat", [f"past_key_values.{i}.value", v], axis=2, name=f"present.{i}.value")
-        qg = g.op("Reshape", [q, gq_shape])
-        scores = g.op("MatMul", [qg, g.op("Transpose", [pk], perm=[0, 1, 3, 2])])
-        scores = g.op("Where", [allowed, g.op("Reshape", [scores, score5_shape]), "c_neginf"])
-        probs = g.op("Reshape", [g.op("Softmax", [scores], axis=-1), score4_shape])
-        att = g.op("Reshape", [g.op("MatMul", [probs, pv]), out_shape])
-        att = g.op("Reshape", [g.op("Transpose", [att], perm=[0, 2, 1, 3]), "c_shape_h"])
-        x = g.op("Add", [x, g.op("MatMul", [att, p + "wo"])])
-        xn = rmsnorm(x, p + "mlp_norm")
-        gate = g.op("MatMul", [xn, p + "wg"])
-        act = g.op(
-            "Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), g.op("MatMul", [xn, p + "wu"])]
-        )
-        x = g.op("Add", [x, g.op("MatMul", [act, p + "wd"])])
-        outputs.append(g.op("Identity", [x], name=f"hidden_states.{i + 1}"))
-    g.op("MatMul", [rmsnorm(x, "final_norm"), "lm_head"], name="logits")
 
-    inputs, outs = graph_io(model_spec(spec), "past_sequence_length", "total_sequence_length")
-    graph = helper.make_graph(g.nodes, f"sessiontape-demo-{spec.name}", inputs, outs, g.inits)
-    model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", 18)], producer_name="sessiontape"
+def _rmsnorm(g: Graph, x: str, weight: str) -> str:
+    """RMSNorm of ``x`` over its last axis, scaled by ``weight``."""
+    ms = g.op("ReduceMean", [g.op("Mul", [x, x]), "c_axis_neg1"], keepdims=1)
+    inv = g.op("Reciprocal", [g.op("Sqrt", [g.op("Add", [ms, "c_eps"])])])
+    return str(g.op("Mul", [g.op("Mul", [x, inv]), weight]))
+
+
+def _concat_attention(g: Graph, spec: DemoSpec, i: int, xn: str, ps: _Pass) -> str:
+    """Layer ``i``'s attention over past and new keys (writing ``present.i.*``), through ``wo``."""
+    p = f"l{i}."
+    q = g.op(
+        "Transpose",
+        [g.op("Reshape", [g.op("MatMul", [xn, p + "wq"]), "c_shape_q"])],
+        perm=[0, 2, 1, 3],
     )
-    model.ir_version = 8
-    return model
+    k = g.op(
+        "Transpose",
+        [g.op("Reshape", [g.op("MatMul", [xn, p + "wk"]), "c_shape_kv"])],
+        perm=[0, 2, 1, 3],
+    )
+    v = g.op(
+        "Transpose",
+        [g.op("Reshape", [g.op("MatMul", [xn, p + "wv"]), "c_shape_kv"])],
+        perm=[0, 2, 1, 3],
+    )
+    q = g.op("Mul", [_rope(g, ps, q), "c_scale"])
+    k = _rope(g, ps, k)
+    pk = g.op("Concat", [f"past_key_values.{i}.key", k], axis=2, name=f"present.{i}.key")
+    pv = g.op("Concat", [f"past_key_values.{i}.value", v], axis=2, name=f"present.{i}.value")
+    qg = g.op("Reshape", [q, ps.gq_shape])
+    scores = g.op("MatMul", [qg, g.op("Transpose", [pk], perm=[0, 1, 3, 2])])
+    scores = g.op("Where", [ps.allowed, g.op("Reshape", [scores, ps.score5_shape]), "c_neginf"])
+    probs = g.op("Reshape", [g.op("Softmax", [scores], axis=-1), ps.score4_shape])
+    att = g.op("Reshape", [g.op("MatMul", [probs, pv]), ps.out_shape])
+    att = g.op("Reshape", [g.op("Transpose", [att], perm=[0, 2, 1, 3]), "c_shape_h"])
+    return str(g.op("MatMul", [att, p + "wo"]))
+
+
+def _concat_mlp(g: Graph, i: int, xn: str) -> str:
+    """Layer ``i``'s SwiGLU MLP."""
+    p = f"l{i}."
+    gate = g.op("MatMul", [xn, p + "wg"])
+    act = g.op(
+        "Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), g.op("MatMul", [xn, p + "wu"])]
+    )
+    return str(g.op("MatMul", [act, p + "wd"]))
 
 
 def model_spec(spec: DemoSpec) -> ModelSpec:

@@ -11,7 +11,10 @@ their defaults and bounds, by :class:`sessiontape.engines.onnx.options.OnnxOptio
 (docs/configuration.md lists them). With none of ``model``, ``model_dir`` and
 ``size``, the engine serves the registry's default model (SmolLM2-135M-Instruct)
 when its package is installed (``scripts/setup`` installs it), and otherwise the
-tiny demo model.
+tiny demo model. Opening the model (its session, runner and batch scheduler) is
+:mod:`sessiontape.engines.onnx.loading`'s job; this module generates: the
+prefill of what the KV cache does not hold, then decoding, in the thread that
+runs passes a hop at a time or by the batch scheduler.
 
 See docs/engines.md for why results are bit-identical however a history
 was built up.
@@ -22,11 +25,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import weakref
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sessiontape.core.engine import (
@@ -37,35 +39,15 @@ from sessiontape.core.engine import (
     Step,
     TextCodec,
 )
-from sessiontape.core.errors import ConfigError, ContextOverflow, EngineError, InvalidParameters
+from sessiontape.core.errors import ConfigError, ContextOverflow, InvalidParameters
 from sessiontape.core.settings import load_section
 from sessiontape.engines.onnx.batch import BatchScheduler, Member, Stats
-from sessiontape.engines.onnx.builder import SLOT_BLOCK
-from sessiontape.engines.onnx.demo import PAD
-from sessiontape.engines.onnx.folders import model_folder
 from sessiontape.engines.onnx.kvcache import KV, KVCache, common_prefix
-from sessiontape.engines.onnx.model import (
-    Concepts,
-    GraphSpec,
-    chat_format,
-    infer_graph,
-    load_concepts,
-    load_tokenizer,
-    model_facts,
-    model_origin,
-    model_sha256,
-)
+from sessiontape.engines.onnx.loading import load_model
+from sessiontape.engines.onnx.model import Concepts, GraphSpec
 from sessiontape.engines.onnx.options import OnnxOptions
 from sessiontape.engines.onnx.run import HOP_END, Guess, Run, Stored
-from sessiontape.engines.onnx.session import (
-    CUDA,
-    PassResult,
-    Runner,
-    choose_providers,
-    open_session,
-    preload_cuda,
-    quiet_ort,
-)
+from sessiontape.engines.onnx.session import PassResult, Runner
 from sessiontape.engines.onnx.static import StaticRunner
 from sessiontape.engines.sampling import log_softmax, top_logprobs
 
@@ -81,96 +63,13 @@ class OnnxEngine(Engine):
         if options is not None and kwargs:
             raise ConfigError("give the onnx engine options or keywords, not both")
         o = options or load_section(OnnxOptions, kwargs, "engine.options")
-        folder = model_folder(o.model, o.model_dir, o.size, o.dtype, o.attention)
-        path = folder / "model.onnx"
-        if not path.exists():
-            raise ConfigError(f"no model.onnx in {folder}")
-        ort = quiet_ort()
-        preload_cuda(ort, o.providers)
-        chosen = choose_providers(o.providers)
-        # onnxruntime's own default counts physical cores, which leaves half of a hyper-threaded VM idle
-        threads = (os.cpu_count() or 1) if o.intra_op_threads is None else o.intra_op_threads
-        self._sess = open_session(str(path), chosen, threads, o.inter_op_threads, o.spinning)
-        self.spec: GraphSpec = infer_graph(self._sess.get_inputs(), self._sess.get_outputs())
-        provider = str(self._sess.get_providers()[0])
-        facts = model_facts(folder)
-        vocab = self.spec.vocab_size or facts["vocab_size"]
-        if not vocab:
-            raise EngineError(
-                "cannot tell the vocabulary size: logits has a symbolic last dimension "
-                "and config.json names no vocab_size"
-            )
-        pad = facts["pad_token_id"]
-        if pad is None or not 0 <= pad < int(vocab):
-            pad = min(PAD, int(vocab) - 1)
-        model_max = facts["max_length"] or 4096
-        if o.max_length is not None and not o.max_length <= model_max:
-            raise ConfigError(
-                f"max_length {o.max_length} is outside [1, {model_max}] for this model"
-            )
-        limit = o.max_length or model_max
-        bind = provider == CUDA if o.io_binding is None else o.io_binding
-        prefill_chunk = o.prefill_chunk
-        self.runner: Runner | StaticRunner
-        if self.spec.static:
-            fixed = provider == CUDA or o.pass_rows is not None or o.kv_capacity is not None
-            rows = (o.pass_rows or 16) if fixed else None
-            capacity = (o.kv_capacity or limit + 1) if fixed else None
-            if capacity is not None:  # the demo graph builds slot indices in blocks of SLOT_BLOCK
-                capacity = -(-capacity // SLOT_BLOCK) * SLOT_BLOCK
-            if capacity is not None:
-                # the last slot takes the padding rows' writes; no valid position reaches it
-                limit = min(limit, capacity - 1)
-                if facts["attention"] == "gqa" and rows is not None:
-                    # GroupQueryAttention places a pass's rows at consecutive positions: the
-                    # padding rows after the last real one must not clamp at the buffer's end
-                    limit = min(limit, capacity - rows)
-            graph = fixed and provider == CUDA and o.cuda_graph is not False
-            if graph:
-                try:
-                    self._sess = open_session(
-                        str(path),
-                        chosen,
-                        threads,
-                        o.inter_op_threads,
-                        o.spinning,
-                        cuda_graph=True,
-                        fallback=False,
-                    )
-                except EngineError as exc:
-                    log.warning(
-                        "no CUDA graph for this model (%s); running passes without one", exc
-                    )
-                    graph = False
-            self.runner = StaticRunner(
-                self._sess,
-                self.spec,
-                rows=rows,
-                capacity=capacity,
-                min_rows=o.min_rows,
-                pad_token=pad,
-                cuda_graph=graph,
-            )
-            bind = True
-            if rows is not None:
-                prefill_chunk = min(prefill_chunk, rows)
-        else:
-            if o.pass_rows is not None or o.kv_capacity is not None or o.cuda_graph:
-                raise ConfigError(
-                    "pass_rows, kv_capacity and cuda_graph need a static-layout model "
-                    "(past and present sharing one [batch, kv_heads, capacity, head_dim] buffer)"
-                )
-            self.runner = Runner(
-                self._sess, self.spec, io_binding=bind, min_rows=o.min_rows, pad_token=pad
-            )
-        self.concepts: Concepts | None = None
-        cpath = o.readout_concepts or folder / "readout_concepts.json"
-        if o.readout_concepts and not cpath.exists():
-            raise ConfigError(f"readout concepts file {cpath} does not exist")
-        if cpath.exists() and self.spec.hidden_layers:
-            self.concepts = load_concepts(cpath, self.spec)
-        self._tok = load_tokenizer(folder, int(vocab))
-        self.prefill_chunk = prefill_chunk
+        loaded = load_model(o)
+        self._sess = loaded.sess
+        self.spec: GraphSpec = loaded.spec
+        self.runner: Runner | StaticRunner = loaded.runner
+        self.concepts: Concepts | None = loaded.concepts
+        self._tok = loaded.tokenizer
+        self.prefill_chunk = loaded.prefill_chunk
         self.decode_batch = o.decode_batch
         self.lookahead = o.lookahead
         #: decode steps whose token had already been run as the previous pass's guess
@@ -178,67 +77,21 @@ class OnnxEngine(Engine):
         self._readout_layers = () if self.concepts is None else self.concepts.manifest.layers
         self.cache = KVCache(o.kv_cache_bytes, on_free=self.runner.release)
         self._pool = ThreadPoolExecutor(max_workers=o.workers, thread_name_prefix="onnx-engine")
-        growing = isinstance(self.runner, StaticRunner) and not self.runner.fixed
-        slots = _batch_slots(o.batch_slots, growing, str(facts["attention"]))
-        self._batch: BatchScheduler | None = None
-        if slots:
-            assert isinstance(self.runner, StaticRunner)
-            self._batch = BatchScheduler(
-                self._sess,
-                self.spec,
-                slots=slots,
-                max_capacity=-(-(limit + 1) // SLOT_BLOCK) * SLOT_BLOCK,
-                pad_token=pad,
-                bucket=self.runner.bucket,
-                credit=max(32, self.decode_batch),
-                prefill_share=o.batch_prefill_share,
-                wait_s=o.batch_wait_s,
-                readout_layers=self._readout_layers,
-                single_row=int(facts["query_group"]) >= 2,
-            )
+        self._batch: BatchScheduler | None = loaded.batch
+        if self._batch is not None:
             # an engine dropped without aclose() must not leave its thread (and model) behind
             weakref.finalize(self, self._batch.shutdown)
         #: new positions run through the model (padding and re-run rows excluded), and forward passes
         self.positions_computed = 0
         self.passes = 0
-        self.model_dir = folder
-        self._info = EngineInfo(
-            name="onnx",
-            model_id=str(facts["model_id"]),
-            model_hash=model_sha256(folder),
-            vocab_size=int(vocab),
-            max_length=limit,
-            eos_token_ids=tuple(facts["eos_token_ids"]),
-            image_block_tokens=None,
-            readout_manifest=None if self.concepts is None else self.concepts.manifest,
-            chat=chat_format(folder),
-            origin=model_origin(folder),
-            provider=provider,
-            runtime_version=str(ort.__version__),
-            extra={
-                "model_dir": str(folder),
-                "providers": list(self._sess.get_providers()),
-                "io_binding": bind,
-                "layers": self.spec.layers,
-                "kv_heads": self.spec.kv_heads,
-                "head_dim": self.spec.head_dim,
-                "intra_op_threads": threads,
-                "spinning": o.spinning,
-                "min_rows": self.runner.min_rows,
-                "lookahead": self.lookahead,
-                "kv_layout": "static" if self.spec.static else "concat",
-                "pass_rows": getattr(self.runner, "rows", None),
-                "kv_capacity": getattr(self.runner, "capacity", None),
-                "cuda_graph": bool(getattr(self.runner, "cuda_graph", False)),
-                "batch_slots": slots,
-            },
-        )
+        self.model_dir = loaded.folder
+        self._info = loaded.info
         log.info(
             "onnx engine: %s on %s (onnxruntime %s, io_binding=%s)",
             self._info.model_id,
-            provider,
-            ort.__version__,
-            bind,
+            self._info.provider,
+            self._info.runtime_version,
+            self._info.extra["io_binding"],
         )
 
     @property
@@ -475,7 +328,36 @@ class OnnxEngine(Engine):
         params: SamplingParams,
         options: OutputOptions = OutputOptions(),  # noqa: B008
     ) -> AsyncIterator[Step]:
+        """Check the request, prefill past the cached prefix, report the wanted prompt
+        positions, then decode (batched, or a hop at a time in the worker thread)."""
         hist = [int(t) for t in history]
+        want = self._wanted(hist, params, options)
+        entry = self.cache.checkout(session_key)
+        r: Run | None = None
+        member: Member | None = None
+        try:
+            r = self._run_from_cache(entry, hist, want.first_row)
+            self.cache.truncate(entry, r.base_len, keep_buffer=self.runner.static)
+            prompt = await self._prefill(r, entry, options, want)
+            for step in _prompt_steps(hist, want, prompt, options):
+                yield step
+            if not params.max_tokens:
+                return
+            if self._batch is not None:
+                member = self._member(r, entry, params, options)
+                async for step in self._decode_batched(member):
+                    yield step
+                return
+            async with contextlib.aclosing(self._decode(r, entry, params, options)) as steps:
+                async for step in steps:
+                    yield step
+        finally:
+            await self._finish(entry, r, member)
+
+    def _wanted(
+        self, hist: Sequence[int], params: SamplingParams, options: OutputOptions
+    ) -> _Wanted:
+        """Check a request against the model; the prompt positions it asks to have reported."""
         n = len(hist)
         limit = self._info.max_length
         if n + (1 if params.max_tokens else 0) > limit:
@@ -486,128 +368,121 @@ class OnnxEngine(Engine):
             )
         if options.readout_ranges and self.concepts is None:
             raise InvalidParameters("the served model has no readout concepts")
-        readout_layers = () if self.concepts is None else self.concepts.manifest.layers
         # from the ranges, not by asking about every position: a cached turn on a long history
         # must not cost O(history) Python calls
         want_lp = _positions(options.logprob_ranges, 1, n)
         want_ro = _positions(options.readout_ranges, 0, n)
-        lp_set, ro_set = set(want_lp), set(want_ro)
         # rows that must be recomputed: logits of p-1 score p; hidden states of p give its readout
         first_row = min([n - 1 if params.max_tokens else n, *(p - 1 for p in want_lp), *want_ro])
+        return _Wanted(frozenset(want_lp), frozenset(want_ro), first_row)
 
-        loop = asyncio.get_running_loop()
-        entry = self.cache.checkout(session_key)
+    def _run_from_cache(self, entry: Any, hist: list[int], first_row: int) -> Run:
+        """A run over ``hist`` on the longest cached prefix it may keep (none from ``first_row`` on)."""
         keep = min(entry.length, first_row, common_prefix(entry.tokens, hist))
         static = self.runner.static
-        r: Run | None = None
-        member: Member | None = None
-        try:
-            base = entry.kv
-            if base is not None and static and self.cache.shared(base):
-                base = (
-                    self.runner.copy(base) if keep > 0 else None
-                )  # a fork's buffer: write into our own
-            if base is None or (keep == 0 and not static):
-                base = self.runner.empty()
-            r = Run(hist, n, base, keep)
-            self.cache.truncate(entry, keep, keep_buffer=static)
-            lp: dict[int, tuple[float, tuple[tuple[int, float], ...]]] = {}
-            ro: dict[int, tuple[float, ...]] = {}
-            pos = keep
-            while pos < n:
-                end = min(n, pos + self.prefill_chunk)
-                layers = readout_layers if _positions(options.readout_ranges, pos, end) else ()
-                res, start = await self._in_worker(self._advance, r, end, layers)
-                self.passes += 1
-                self.positions_computed += end - pos
-                self.cache.store(entry, hist[:end], res.kv)
-                for p in range(pos, end):
-                    row = p - start
-                    if p + 1 in lp_set:
-                        logp = log_softmax(res.logits[row])
-                        lp[p + 1] = (
-                            float(logp[hist[p + 1]]),
-                            top_logprobs(logp, options.logprob_top_k),
-                        )
-                    if layers and p in ro_set:
-                        ro[p] = self._readout(res, row)
-                r.last = res.logits[end - 1 - start]
-                pos = end
-            for p in sorted(lp_set | ro_set | ({0} if options.wants_logprobs(0, False) else set())):
-                lpv, top = lp.get(p, (None, ()))
-                yield Step(
-                    token_id=hist[p],
-                    position=p,
-                    is_prefill=True,
-                    logprob=lpv,
-                    top_logprobs=top,
-                    readout=ro.get(p),
-                )
-            if not params.max_tokens:
-                return
-            if self._batch is not None:
-                member = self._member(r, entry, params, options)
-                async for step in self._decode_batched(member):
-                    yield step
-                return
-            # Decoding runs in the worker thread a hop at a time; steps and cache updates
-            # come back through this queue in order, so the caller can stop at any yield
-            # and the cache holds only tokens that were yielded and run.
-            queue: asyncio.Queue[list[object]] = asyncio.Queue()
+        base = entry.kv
+        if base is not None and static and self.cache.shared(base):
+            # a fork's buffer: write into our own
+            base = self.runner.copy(base) if keep > 0 else None
+        if base is None or (keep == 0 and not static):
+            base = self.runner.empty()
+        return Run(hist, len(hist), base, keep)
 
-            def post(items: list[object]) -> None:
-                try:
-                    loop.call_soon_threadsafe(queue.put_nowait, items)
-                except RuntimeError:  # the loop is closed: nobody is listening any more
-                    r.stop = True
+    async def _prefill(self, r: Run, entry: Any, options: OutputOptions, want: _Wanted) -> _Prompt:
+        """Run the history past the cached prefix in passes of up to ``prefill_chunk`` positions,
+        storing each pass's KV; returns the wanted positions' logprobs and readouts."""
+        hist, n = r.hist, r.n
+        got = _Prompt()
+        pos = r.base_len
+        while pos < n:
+            end = min(n, pos + self.prefill_chunk)
+            wants_readout = _positions(options.readout_ranges, pos, end)
+            layers = self._readout_layers if wants_readout else ()
+            res, start = await self._in_worker(self._advance, r, end, layers)
+            self.passes += 1
+            self.positions_computed += end - pos
+            self.cache.store(entry, hist[:end], res.kv)
+            for p in range(pos, end):
+                row = p - start
+                if p + 1 in want.logprobs:
+                    logp = log_softmax(res.logits[row])
+                    got.logprobs[p + 1] = (
+                        float(logp[hist[p + 1]]),
+                        top_logprobs(logp, options.logprob_top_k),
+                    )
+                if layers and p in want.readouts:
+                    got.readouts[p] = self._readout(res, row)
+            r.last = res.logits[end - 1 - start]
+            pos = end
+        return got
 
-            while not r.done:
-                hop = loop.run_in_executor(self._pool, self._decode_hop, r, params, options, post)
-                ended = False
-                while not ended:
-                    for item in await queue.get():
-                        if item is HOP_END:
-                            ended = True
-                        elif isinstance(item, Stored):
-                            self.passes += item.passes
-                            self.positions_computed += 1
-                            self.lookahead_hits += item.hit
-                            self.cache.store(entry, item.tokens, item.kv)
-                        else:
-                            assert isinstance(item, Step)
-                            yield item
-                await hop  # raises what the worker raised
-        finally:
-            if r is not None:
+    async def _decode(
+        self, r: Run, entry: Any, params: SamplingParams, options: OutputOptions
+    ) -> AsyncGenerator[Step, None]:
+        """Decode one session in the worker thread, a hop of up to ``decode_batch`` steps at a time.
+
+        Steps and cache updates come back through a queue in order, so the
+        caller can stop at any yield and the cache holds only tokens that
+        were yielded and run.
+        """
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[list[object]] = asyncio.Queue()
+
+        def post(items: list[object]) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, items)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
                 r.stop = True
-            if member is not None and self._batch is not None and self._batch.leave(member):
-                await member_left(member)  # the scheduler hands the slot's KV back
-            if member is not None and member.result is not None:
-                tokens, kv = member.result
-                if kv is not None:
-                    # only what the caller took: it may have stopped before the run-ahead
-                    self.cache.store(entry, tokens[: r.n + member.taken] if r else tokens, kv)
-            self.cache.release(entry)
-            if r is not None and static and not self.cache.holds(r.base):
-                self.runner.release(r.base)  # a buffer that no pass stored (the first one failed)
+
+        while not r.done:
+            hop = loop.run_in_executor(self._pool, self._decode_hop, r, params, options, post)
+            ended = False
+            while not ended:
+                for item in await queue.get():
+                    if item is HOP_END:
+                        ended = True
+                    elif isinstance(item, Stored):
+                        self.passes += item.passes
+                        self.positions_computed += 1
+                        self.lookahead_hits += item.hit
+                        self.cache.store(entry, item.tokens, item.kv)
+                    else:
+                        assert isinstance(item, Step)
+                        yield item
+            await hop  # raises what the worker raised
+
+    async def _finish(self, entry: Any, r: Run | None, member: Member | None) -> None:
+        """End a generation: stop its run, store a batch member's KV (up to what the caller
+        took), release the cache entry and free a buffer that no pass stored."""
+        if r is not None:
+            r.stop = True
+        if member is not None and self._batch is not None and self._batch.leave(member):
+            await member_left(member)  # the scheduler hands the slot's KV back
+        if member is not None and member.result is not None:
+            tokens, kv = member.result
+            if kv is not None:
+                # only what the caller took: it may have stopped before the run-ahead
+                self.cache.store(entry, tokens[: r.n + member.taken] if r else tokens, kv)
+        self.cache.release(entry)
+        if r is not None and self.runner.static and not self.cache.holds(r.base):
+            self.runner.release(r.base)  # a buffer that no pass stored (the first one failed)
 
 
-def _batch_slots(batch_slots: int | None, growing: bool, attention: str) -> int:
-    """Continuous batching's slot count: 8 by default where it is built, else 0."""
-    if attention == "gqa":
-        if batch_slots:
-            raise ConfigError(
-                "batch_slots needs a model imported with --attention masked: ONNX Runtime's CPU "
-                "GroupQueryAttention runs a batch only one row per sequence, by another path "
-                "than a lone session's, so batched tokens would not be bit-exact (docs/models.md)"
-            )
-        return 0  # no continuous batching on a GQA graph: see above
-    if batch_slots and not growing:
-        raise ConfigError(
-            "batch_slots needs a static-layout model on growing buffers (the CPU default); "
-            "batching the fixed CUDA shape is not built yet"
+def _prompt_steps(
+    hist: Sequence[int], want: _Wanted, got: _Prompt, options: OutputOptions
+) -> Iterator[Step]:
+    """The prompt's steps to report, in position order, with their logprobs and readouts."""
+    first = {0} if options.wants_logprobs(0, False) else set()
+    for p in sorted(want.logprobs | want.readouts | first):
+        lpv, top = got.logprobs.get(p, (None, ()))
+        yield Step(
+            token_id=hist[p],
+            position=p,
+            is_prefill=True,
+            logprob=lpv,
+            top_logprobs=top,
+            readout=got.readouts.get(p),
         )
-    return (8 if batch_slots is None else int(batch_slots)) if growing else 0
 
 
 def _positions(ranges: Sequence[tuple[int, int]], lo: int, hi: int) -> list[int]:
@@ -616,6 +491,25 @@ def _positions(ranges: Sequence[tuple[int, int]], lo: int, hi: int) -> list[int]
     for a, b in ranges:
         got.update(range(max(a, lo), min(b, hi)))
     return sorted(got)
+
+
+@dataclass(frozen=True)
+class _Wanted:
+    """The prompt positions a generation reports, and the first one whose pass must run again."""
+
+    #: positions whose logprob is wanted (scored by the logits of the one before)
+    logprobs: frozenset[int]
+    #: positions whose readout is wanted (from their own hidden states)
+    readouts: frozenset[int]
+    first_row: int
+
+
+@dataclass(eq=False)
+class _Prompt:
+    """The prompt positions' logprobs (with their top alternatives) and readouts, by position."""
+
+    logprobs: dict[int, tuple[float, tuple[tuple[int, float], ...]]] = field(default_factory=dict)
+    readouts: dict[int, tuple[float, ...]] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
