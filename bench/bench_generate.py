@@ -65,7 +65,7 @@ def make_engine(name: str, size: str, process: str = "inline", **extra: Any) -> 
     opts: dict[str, Any] = {"size": size} if name == "onnx" else {"max_length": 8192}
     opts.update(extra)
     if process == "worker":
-        from sessiontape.core.engine_worker import WorkerEngine
+        from sessiontape.core.engine.worker import WorkerEngine
 
         return WorkerEngine(name, opts)
     return load(ENGINES, name)(**opts)  # type: ignore[no-any-return]

@@ -235,13 +235,13 @@ async def fold(histories: list[int], tokens: int, repeats: int) -> None:
     append, then generates ``tokens``; the generation's token events are
     then folded from the log: into the session document with its patch
     serialised (what a live feed does per event), and, as the baseline, into
-    the runtime's own state (``sessiontape.core.state.apply``). Medians of ``repeats``.
+    the runtime's own state (``sessiontape.core.session.state.apply``). Medians of ``repeats``.
     """
     from sessiontape.core.config import Config
     from sessiontape.core.document import DocumentBuilder
     from sessiontape.core.engine import SamplingParams
     from sessiontape.core.runtime import Runtime
-    from sessiontape.core.state import SessionState, apply
+    from sessiontape.core.session.state import SessionState, apply
     from sessiontape.engines.reference import ReferenceEngine
     from sessiontape.transports.sse.feeds import dumps
 

@@ -32,7 +32,7 @@ from sessiontape.core.errors import (
 )
 from sessiontape.core.events import Event, NewEvent, T
 from sessiontape.core.pipeline import GenerateRequest, GenerationHost, TokenPipeline, finished
-from sessiontape.core.state import SessionState
+from sessiontape.core.session.state import SessionState
 from sessiontape.core.tokens import check_ranges, length_after, sink_window_keep
 
 #: how often a generation's first append is tried again on a reloaded state

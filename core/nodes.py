@@ -9,7 +9,7 @@ configured limit abort; refs are URIs.
 
 ``check_fragment`` decides (no mutation): it returns False for a duplicate
 to ignore, True for a fragment to record, and raises otherwise. The fold
-applies the recorded body with :func:`sessiontape.core.state.apply_fragment`.
+applies the recorded body with :func:`sessiontape.core.session.state.apply_fragment`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from sessiontape.core.errors import InvalidFragment, NodeNotFound, ProtocolViolation
-from sessiontape.core.state import Node, SessionState
+from sessiontape.core.session.state import Node, SessionState
 
 
 @dataclass(frozen=True)

@@ -45,8 +45,8 @@ from sessiontape.core.config import GenerationSettings
 from sessiontape.core.engine import DEFAULT_OUTPUT, OutputOptions, SamplingParams, Step
 from sessiontape.core.errors import CacheInvariantViolation, SessiontapeError
 from sessiontape.core.events import Event, NewEvent, T
-from sessiontape.core.sessions import RunningGenerations, SessionPort
-from sessiontape.core.state import SessionState
+from sessiontape.core.session.cache import RunningGenerations, SessionPort
+from sessiontape.core.session.state import SessionState
 from sessiontape.core.tokens import ImageIn
 
 if TYPE_CHECKING:

@@ -51,10 +51,10 @@ from sessiontape.core.generation import generate_runs
 from sessiontape.core.log import EventLog
 from sessiontape.core.nodes import FragmentIn, check_fragment
 from sessiontape.core.pipeline import GenerateRequest, PipelineLimits, RunHook
-from sessiontape.core.reads import LogReads
+from sessiontape.core.session.reads import LogReads
 from sessiontape.core.scheduler import PriorityGate
-from sessiontape.core.sessions import SessionStates
-from sessiontape.core.state import (
+from sessiontape.core.session.cache import SessionStates
+from sessiontape.core.session.state import (
     OPEN,
     PURGED,
     SessionState,
@@ -122,8 +122,8 @@ def check_labels(protocol: str, label: str, session_id: str | None) -> None:
 
 
 class Runtime(SessionStates, LogReads):
-    """The API every transport calls (session states, locks and expiry: core/sessions.py;
-    a generation: core/generation.py and core/pipeline.py; reads of the log: core/reads.py)."""
+    """The API every transport calls (session states, locks and expiry: core/session/cache.py;
+    a generation: core/generation.py and core/pipeline.py; reads of the log: core/session/reads.py)."""
 
     def __init__(
         self, log_: EventLog, engine: Engine, config: Config, *, clock: Clock = time.time
@@ -147,7 +147,7 @@ class Runtime(SessionStates, LogReads):
         from sessiontape.core.registry import ENGINES, load
 
         if engine is None and config.engine_process == "worker":
-            from sessiontape.core.engine_worker import WorkerEngine
+            from sessiontape.core.engine.worker import WorkerEngine
 
             engine = WorkerEngine(config.engine_name, config.engine_options)
         elif engine is None:

@@ -18,7 +18,7 @@ from sessiontape.core.errors import (
     OffsetMismatch,
     TokenOutOfVocabulary,
 )
-from sessiontape.core.state import SessionState
+from sessiontape.core.session.state import SessionState
 
 
 @dataclass(frozen=True)

@@ -159,7 +159,7 @@ def test_the_walk_sees_the_packages() -> None:
         "sessiontape.transports.nostr.worker",
         "sessiontape.migrations.runner",
     } <= set(MODULES)
-    assert "sessiontape.core.state" in RUNTIME["sessiontape.core.nodes"]
+    assert "sessiontape.core.session.state" in RUNTIME["sessiontape.core.nodes"]
     assert (
         "sessiontape.migrations.runner" in RUNTIME["sessiontape.core.log.store"]
     )  # an import inside a function

@@ -31,7 +31,7 @@ async def cmd_sessions_ls(args: argparse.Namespace) -> int:
 
 
 async def cmd_sessions_show(args: argparse.Namespace) -> int:
-    from sessiontape.core.loader import load_state
+    from sessiontape.core.session.loader import load_state
     from sessiontape.core.replay import escape_controls, render_tokens
 
     log_ = await log_only(args)

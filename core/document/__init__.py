@@ -2,7 +2,7 @@
 
 Every transport that shows a session as JSON (the HTTP API, the SSE patch
 streams, the replay viewer) uses this one view. :class:`DocumentBuilder`
-folds events one at a time with the core fold (:func:`sessiontape.core.state.apply`,
+folds events one at a time with the core fold (:func:`sessiontape.core.session.state.apply`,
 so the document can never disagree with the runtime's state) and returns,
 for each event, the JSON Patch+ that turns the previous document into the
 new one. The patch is written by the fold itself, so a generated token costs

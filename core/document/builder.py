@@ -38,17 +38,17 @@ from sessiontape.core.document.schema import (
 )
 from sessiontape.core.document.text import Detokenize, TextRun
 from sessiontape.core.events import GENESIS_HASH, Event, T, event_hash
-from sessiontape.core.loader import base_state
+from sessiontape.core.session.loader import base_state
 from sessiontape.core.log.store import EventLog
 from sessiontape.core.patch import Op, diff, escape
-from sessiontape.core.state import SessionState, apply
+from sessiontape.core.session.state import SessionState, apply
 
 
 async def fork_base(log: EventLog, first: Event) -> SessionState | None:
     """The state a fork's document starts from, given the fork's first event.
 
     None for a session that is not a fork. The parent is loaded with
-    :func:`sessiontape.core.loader.load_state` (snapshot, then events) at the fork's
+    :func:`sessiontape.core.session.loader.load_state` (snapshot, then events) at the fork's
     version and cut at its token position, as the runtime does; the state also carries
     the parent's conversation up to there (:func:`fork_conversation`).
     """

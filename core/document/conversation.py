@@ -36,7 +36,7 @@ from sessiontape.core.document.text import Detokenize, StopCut, TextStream
 from sessiontape.core.events import Event, T
 from sessiontape.core.log.store import EventLog
 from sessiontape.core.patch import Op
-from sessiontape.core.state import SessionState
+from sessiontape.core.session.state import SessionState
 
 #: the ``wire.message`` transport the OpenAI routes record their requests under
 WIRE_TRANSPORT = "openai"

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from sessiontape.core.events import GENESIS_HASH
-from sessiontape.core.state import Image, Node
+from sessiontape.core.session.state import Image, Node
 
 Doc = dict[str, Any]
 

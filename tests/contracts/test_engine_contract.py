@@ -4,7 +4,7 @@ Engines: the reference engine, and the ONNX engine on the tiny demo model
 with its provider's default pass shape and with one fixed pass shape (the
 CUDA scheme), on the CPU provider and, where onnxruntime offers it, on CUDA;
 the reference and CPU ONNX engines also served from a worker process
-(core/engine_worker.py).
+(core/engine/worker.py).
 "Cold" below always means a fresh engine instance given the whole history in
 one call; every other way of reaching the same history (warm cache, fork,
 forget, cancel and continue, rewind) must yield identical steps: the same
@@ -58,7 +58,7 @@ async def make_engine(request: pytest.FixtureRequest, demo_dir: Path) -> AsyncIt
         kind = request.param
         eng: Engine
         if kind.endswith("-worker"):  # the same engines served from a worker process
-            from sessiontape.core.engine_worker import WorkerEngine
+            from sessiontape.core.engine.worker import WorkerEngine
 
             if kind == "reference-worker":
                 eng = WorkerEngine("reference")

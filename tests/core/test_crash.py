@@ -60,7 +60,7 @@ GENERATOR = textwrap.dedent(
 
     async def main():
         if sys.argv[2] == "worker":
-            from sessiontape.core.engine_worker import WorkerEngine
+            from sessiontape.core.engine.worker import WorkerEngine
 
             engine = WorkerEngine("reference", {"eos_bias": -1000.0})
             print(json.dumps(["worker", engine._proc.pid, ""]), flush=True)

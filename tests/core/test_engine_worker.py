@@ -1,4 +1,4 @@
-"""The engine served from a worker process (core/engine_worker.py): the same steps as the
+"""The engine served from a worker process (core/engine/worker.py): the same steps as the
 engine in this process, errors as their own class, stops that rewind the child's cache,
 back-pressure, and a child that dies."""
 
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from sessiontape.core.config import Config
 from sessiontape.core.engine import Engine, OutputOptions, SamplingParams, Step
-from sessiontape.core.engine_worker import WorkerEngine
+from sessiontape.core.engine.worker import WorkerEngine
 from sessiontape.core.errors import (
     ConfigError,
     ContextOverflow,

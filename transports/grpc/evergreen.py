@@ -49,7 +49,7 @@ from sessiontape.core.errors import (
 from sessiontape.core.events import Event, NewEvent, T
 from sessiontape.core.nodes import FragmentIn, flatten, missing
 from sessiontape.core.runtime import Runtime
-from sessiontape.core.state import SessionState
+from sessiontape.core.session.state import SessionState
 from sessiontape.transports.grpc.gen.evergreen.v2 import evergreen_pb2, evergreen_pb2_grpc
 from sessiontape.transports.grpc.service import GrpcService
 from sessiontape.transports.grpc.settings import GrpcSettings

@@ -30,7 +30,7 @@ from sessiontape.core.engine import SamplingParams
 from sessiontape.core.errors import CacheInvariantViolation
 from sessiontape.core.events import T
 from sessiontape.core.runtime import Runtime
-from sessiontape.core.state import ABORTED
+from sessiontape.core.session.state import ABORTED
 from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2 as pb
 from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2_grpc as pb_grpc
 from sessiontape.transports.grpc.service import GrpcService

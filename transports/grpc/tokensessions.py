@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from sessiontape.core.errors import SessionClosed, SessionNotFound, SessiontapeError
 from sessiontape.core.runtime import Runtime
-from sessiontape.core.state import SessionState
+from sessiontape.core.session.state import SessionState
 from sessiontape.transports.grpc.status import abort_with
 
 

@@ -31,7 +31,7 @@ from sessiontape.core.engine import SamplingParams
 from sessiontape.core.errors import InvalidParameters
 from sessiontape.core.events import Event, T
 from sessiontape.core.runtime import Runtime
-from sessiontape.core.state import SessionState
+from sessiontape.core.session.state import SessionState
 from sessiontape.engines.models.chat_template import prompt_text
 from sessiontape.transports.nostr import d4
 from sessiontape.transports.nostr.settings import Settings

@@ -26,7 +26,7 @@ from sessiontape.core.bodies import generated_token
 from sessiontape.core.document.text import TextStream
 from sessiontape.core.engine import OutputOptions
 from sessiontape.core.events import Event
-from sessiontape.core.state import OPEN
+from sessiontape.core.session.state import OPEN
 from sessiontape.transports.sse.openai import (
     Api,
     BadParam,

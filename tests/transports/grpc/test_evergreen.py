@@ -10,7 +10,7 @@ import pytest
 
 from sessiontape.core.events import Event, T
 from sessiontape.core.runtime import Runtime
-from sessiontape.core.state import SessionState
+from sessiontape.core.session.state import SessionState
 from sessiontape.engines.reference import ReferenceEngine
 from sessiontape.transports.grpc.client import (
     EvergreenClient,

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sessiontape.core.engine import Engine, SamplingParams, Step
-from sessiontape.core.engine_worker import WorkerEngine
+from sessiontape.core.engine.worker import WorkerEngine
 from sessiontape.core.events import T
 from sessiontape.engines.reference import EOS, ReferenceEngine
 from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2 as kpb

@@ -24,15 +24,15 @@ from sessiontape.core.config import Config
 from sessiontape.core.engine import Engine
 from sessiontape.core.errors import ConcurrencyError, SessionClosed, SessionExpired, SessionNotFound
 from sessiontape.core.events import Event, NewEvent, T
-from sessiontape.core.loader import load_state
+from sessiontape.core.session.loader import load_state
 from sessiontape.core.log import EventLog
-from sessiontape.core.snapshot import state_to_json
-from sessiontape.core.state import EXPIRED, OPEN, PURGED, SessionState, apply
+from sessiontape.core.session.snapshot import state_to_json
+from sessiontape.core.session.state import EXPIRED, OPEN, PURGED, SessionState, apply
 from sessiontape.core.tokens import length_after
 
 log = logging.getLogger("sessiontape.runtime")
 
-#: event types the fold only accepts on an open session (core/state.py)
+#: event types the fold only accepts on an open session (core/session/state.py)
 _NEEDS_OPEN = frozenset(
     {
         T.SESSION_CLOSED,

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from sessiontape.core import document
 from sessiontape.core.events import Event
 from sessiontape.core.log import EventLog, SessionRow
-from sessiontape.core.state import SessionState
+from sessiontape.core.session.state import SessionState
 
 
 class LogReads:

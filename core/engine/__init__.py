@@ -242,7 +242,7 @@ class Engine(ABC):
 
     def text_codec(self) -> TextCodec | None:
         """The engine's :meth:`tokenize`/:meth:`detokenize` as a picklable object, when it has
-        one: an engine served from another process (``core/engine_worker.py``) runs it on the
+        one: an engine served from another process (``core/engine/worker.py``) runs it on the
         server's side, where transports call it per token. None: ask the engine each time."""
         return None
 

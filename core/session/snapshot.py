@@ -8,7 +8,7 @@ import json
 from array import array
 from typing import Any
 
-from sessiontape.core.state import Action, Fragment, Generation, Image, Node, SessionState
+from sessiontape.core.session.state import Action, Fragment, Generation, Image, Node, SessionState
 
 
 def state_to_json(st: SessionState) -> tuple[int, str, bytes | None]:

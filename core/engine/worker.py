@@ -10,7 +10,7 @@ a quarter of the engine's speed before the log adds anything
 (docs/architecture.md, "The engine in a worker process").
 
 :class:`WorkerEngine` is an :class:`~sessiontape.core.engine.Engine` whose
-work happens in a child process (``python -m sessiontape.core.engine_worker``,
+work happens in a child process (``python -m sessiontape.core.engine.worker``,
 a fresh interpreter: the server has threads, so no fork) that loads the configured engine by name and serves it over a
 pipe:
 
@@ -151,7 +151,7 @@ class WorkerEngine(Engine):
         mine, theirs = socket.socketpair()
         with mine, theirs:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "sessiontape.core.engine_worker", str(theirs.fileno())],
+                [sys.executable, "-m", "sessiontape.core.engine.worker", str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
             )
@@ -400,7 +400,7 @@ _CALLS = frozenset(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """The worker process (``python -m sessiontape.core.engine_worker FD``): load the
+    """The worker process (``python -m sessiontape.core.engine.worker FD``): load the
     engine named in the first message, then serve it until told to close or the
     server's end of the pipe goes away."""
     args = sys.argv[1:] if argv is None else argv

@@ -7,8 +7,8 @@ from sessiontape.core.bodies import fork_point
 from sessiontape.core.errors import SessionNotFound
 from sessiontape.core.events import Event
 from sessiontape.core.log.store import EventLog
-from sessiontape.core.snapshot import state_from_json
-from sessiontape.core.state import SessionState, apply, fork_state
+from sessiontape.core.session.snapshot import state_from_json
+from sessiontape.core.session.state import SessionState, apply, fork_state
 
 
 async def base_state(log: EventLog, first: Event) -> SessionState:
