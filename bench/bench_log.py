@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sessiontape.core import gctune
 from sessiontape.core.events import Event, NewEvent, T, canonical_json
-from sessiontape.core.session.loader import load_state
 from sessiontape.core.log import EventLog
+from sessiontape.core.session.loader import load_state
 from sessiontape.core.session.snapshot import state_to_json
 from sessiontape.core.session.state import SessionState, apply
 

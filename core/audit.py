@@ -25,9 +25,9 @@ from sessiontape.core.bodies import (
 from sessiontape.core.engine import Engine, OutputOptions, SamplingParams
 from sessiontape.core.errors import ChainBroken, SessiontapeError
 from sessiontape.core.events import T
-from sessiontape.core.session.loader import base_state
 from sessiontape.core.log.store import EventLog, verify_chain
 from sessiontape.core.runtime import Runtime
+from sessiontape.core.session.loader import base_state
 from sessiontape.core.session.state import apply
 
 

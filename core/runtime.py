@@ -51,9 +51,9 @@ from sessiontape.core.generation import generate_runs
 from sessiontape.core.log import EventLog
 from sessiontape.core.nodes import FragmentIn, check_fragment
 from sessiontape.core.pipeline import GenerateRequest, PipelineLimits, RunHook
-from sessiontape.core.session.reads import LogReads
 from sessiontape.core.scheduler import PriorityGate
 from sessiontape.core.session.cache import SessionStates
+from sessiontape.core.session.reads import LogReads
 from sessiontape.core.session.state import (
     OPEN,
     PURGED,

@@ -31,8 +31,8 @@ async def cmd_sessions_ls(args: argparse.Namespace) -> int:
 
 
 async def cmd_sessions_show(args: argparse.Namespace) -> int:
-    from sessiontape.core.session.loader import load_state
     from sessiontape.core.replay import escape_controls, render_tokens
+    from sessiontape.core.session.loader import load_state
 
     log_ = await log_only(args)
     try:

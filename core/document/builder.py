@@ -38,9 +38,9 @@ from sessiontape.core.document.schema import (
 )
 from sessiontape.core.document.text import Detokenize, TextRun
 from sessiontape.core.events import GENESIS_HASH, Event, T, event_hash
-from sessiontape.core.session.loader import base_state
 from sessiontape.core.log.store import EventLog
 from sessiontape.core.patch import Op, diff, escape
+from sessiontape.core.session.loader import base_state
 from sessiontape.core.session.state import SessionState, apply
 
 

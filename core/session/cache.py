@@ -24,8 +24,8 @@ from sessiontape.core.config import Config
 from sessiontape.core.engine import Engine
 from sessiontape.core.errors import ConcurrencyError, SessionClosed, SessionExpired, SessionNotFound
 from sessiontape.core.events import Event, NewEvent, T
-from sessiontape.core.session.loader import load_state
 from sessiontape.core.log import EventLog
+from sessiontape.core.session.loader import load_state
 from sessiontape.core.session.snapshot import state_to_json
 from sessiontape.core.session.state import EXPIRED, OPEN, PURGED, SessionState, apply
 from sessiontape.core.tokens import length_after
