@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Any, TypeVar, cast
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import Any, cast
 
 from sessiontape.core import metrics
 from sessiontape.core.bodies import (
@@ -39,28 +38,22 @@ from sessiontape.core.bodies import (
 from sessiontape.core.config import Config
 from sessiontape.core.engine import DEFAULT_OUTPUT, Engine, OutputOptions, SamplingParams
 from sessiontape.core.errors import (
-    ConcurrencyError,
-    InvalidAction,
     InvalidParameters,
-    ResourceExhausted,
     SessionBusy,
     SessionNotFound,
 )
 from sessiontape.core.events import Event, NewEvent, T
 from sessiontape.core.generation import generate_runs
 from sessiontape.core.log import EventLog
-from sessiontape.core.nodes import FragmentIn, check_fragment
+from sessiontape.core.node_writes import NodeWrites, stale_retry
 from sessiontape.core.pipeline import GenerateRequest, PipelineLimits, RunHook
 from sessiontape.core.scheduler import PriorityGate
-from sessiontape.core.session.cache import SessionStates
 from sessiontape.core.session.reads import LogReads
 from sessiontape.core.session.state import (
     OPEN,
     PURGED,
     SessionState,
     fork_state,
-    overlay,
-    overlay_apply,
 )
 from sessiontape.core.tokens import (
     ImageIn,
@@ -76,37 +69,8 @@ log = logging.getLogger("sessiontape.runtime")
 
 Clock = Callable[[], float]
 
+
 #: how often a command whose cached state turned out stale is re-run on a reloaded one
-STALE_RETRIES = 3
-
-_Cmd = TypeVar("_Cmd", bound=Callable[..., Awaitable[Any]])
-
-
-def stale_retry(fn: _Cmd) -> _Cmd:
-    """Re-run a one-commit command when its commit found the session moved on.
-
-    Another process (a replica on the same PostgreSQL) wrote to the session
-    since this process cached its state: ``_commit`` drops the stale state
-    and raises ConcurrencyError before anything of the command was written.
-    The command runs again on the reloaded state, its checks included, so a
-    real conflict (an offset that no longer matches, a closed session) still
-    gets its typed error; after ``STALE_RETRIES`` the ConcurrencyError stands.
-    """
-
-    @functools.wraps(fn)
-    async def run(self: Runtime, *args: Any, **kwargs: Any) -> Any:
-        for attempt in range(STALE_RETRIES + 1):
-            try:
-                return await fn(self, *args, **kwargs)
-            except ConcurrencyError:
-                if attempt == STALE_RETRIES:
-                    raise
-                metrics.STALE_RETRIES.inc()
-        raise AssertionError("unreachable")
-
-    return cast(_Cmd, run)
-
-
 def new_session_id() -> str:
     return "s_" + secrets.token_hex(12)
 
@@ -121,7 +85,7 @@ def check_labels(protocol: str, label: str, session_id: str | None) -> None:
         raise InvalidParameters("session id must be 1 to 64 characters")
 
 
-class Runtime(SessionStates, LogReads):
+class Runtime(NodeWrites, LogReads):
     """The API every transport calls (session states, locks and expiry: core/session/cache.py;
     a generation: core/generation.py and core/pipeline.py; reads of the log: core/session/reads.py)."""
 
@@ -374,99 +338,6 @@ class Runtime(SessionStates, LogReads):
         return (
             await self.record(session_id, [NewEvent(T.ERROR, {"code": code, "message": message})])
         )[0]
-
-    @stale_retry
-    async def append_fragments(
-        self, session_id: str, fragments: Sequence[FragmentIn], direction: str = "in"
-    ) -> list[bool]:
-        """Record Evergreen fragments; returns, per fragment, False for an ignored duplicate.
-
-        All-or-nothing: if any fragment breaks a rule nothing is recorded.
-        """
-        async with self.lock(session_id):
-            st = await self.open_locked(session_id)
-            new, kept = self.fragment_events(st, fragments, direction)
-            if new:
-                await self.commit(st, new)
-            return kept
-
-    def fragment_events(
-        self, st: SessionState, fragments: Sequence[FragmentIn], direction: str
-    ) -> tuple[list[NewEvent], list[bool]]:
-        """The events that record ``fragments`` on ``st`` (nothing is written), and
-        per fragment False for an ignored duplicate; raises if any breaks a rule."""
-        # Later fragments of one message are checked against the earlier
-        # ones, on a copy-on-write overlay of the touched nodes only.
-        scratch = overlay(st) if len(fragments) > 1 else st
-        new: list[NewEvent] = []
-        kept: list[bool] = []
-        fresh: set[str] = set()
-        for f in fragments:
-            ok = check_fragment(scratch, f, self.max_depth)
-            kept.append(ok)
-            if ok:
-                if f.id not in st.nodes:
-                    fresh.add(f.id)
-                ne = NewEvent(T.NODE_FRAGMENT, f.body(direction), f.data)
-                new.append(ne)
-                if scratch is not st:
-                    overlay_apply(scratch, st, ne.body, ne.data)
-        if len(st.nodes) + len(fresh) > self.max_nodes:
-            raise ResourceExhausted(
-                f"session {st.session_id} would hold more than {self.max_nodes} nodes"
-            )
-        return new, kept
-
-    @stale_retry
-    async def submit_action(
-        self,
-        session_id: str,
-        name: str,
-        inputs: Sequence[tuple[str, str]],
-        outputs: Sequence[tuple[str, str]],
-        *,
-        target: str = "",
-        configs: Sequence[Any] = (),
-        action_id: str | None = None,
-    ) -> Event:
-        """Record an action; output ids must be new node ids."""
-        async with self.lock(session_id):
-            st = await self.open_locked(session_id)
-            if not name:
-                raise InvalidAction("action without a name")
-            seen: set[str] = set()
-            for _, nid in outputs:
-                if (
-                    nid in st.nodes
-                    or nid in seen
-                    or any(nid in [o for _, o in a.outputs] for a in st.actions.values())
-                ):
-                    raise InvalidAction(f"output id {nid!r} is not new")
-                seen.add(nid)
-            aid = action_id or f"a{len(st.actions) + 1}"
-            body = {
-                "action_id": aid,
-                "name": name,
-                "inputs": [{"name": n, "id": i} for n, i in inputs],
-                "outputs": [{"name": n, "id": i} for n, i in outputs],
-                "target": target,
-                "configs": list(configs),
-            }
-            return (await self.commit(st, [NewEvent(T.ACTION_SUBMITTED, body)]))[0]
-
-    @stale_retry
-    async def finish_action(
-        self, session_id: str, action_id: str, error: tuple[str, str] | None = None
-    ) -> Event:
-        async with self.lock(session_id):
-            st = await self.get(session_id)
-            if error is None:
-                ne = NewEvent(T.ACTION_COMPLETED, {"action_id": action_id})
-            else:
-                ne = NewEvent(
-                    T.ACTION_FAILED, {"action_id": action_id, "code": error[0], "message": error[1]}
-                )
-            return (await self.commit(st, [ne]))[0]
 
     def append_events(
         self,
