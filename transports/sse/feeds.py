@@ -367,6 +367,132 @@ async def _next(watcher: Watcher, until: asyncio.Future[int] | None, wait_s: flo
     return None
 
 
+@dataclass
+class _Stream:
+    """One watcher's stream of a session document: the feed it reads and what it sent."""
+
+    feeds: Feeds
+    session_id: str
+    watcher: Watcher
+    until: asyncio.Future[int] | None
+    #: the feed to detach from when the stream ends (set as soon as one is looked up)
+    feed: SessionFeed | None = None
+    #: the log position of the last snapshot or patch this stream sent
+    sent: int = 0
+    #: the end went out before any live patch: nothing left to pump
+    over: bool = False
+
+    async def snapshot(self) -> AsyncIterator[bytes]:
+        """A fresh start: the live feed's document, attached to its patches (or, ended, the end)."""
+        feed = self.feed = await self.feeds.get(self.session_id)
+        if feed.ended:
+            yield frame("snapshot", dumps(feed.doc), feed.position)
+            yield _end(feed.doc)
+            self.over = True
+            return
+        # no await between the snapshot and attaching: nothing can slip in between
+        first = frame("snapshot", dumps(feed.doc), feed.position)
+        self.sent = feed.position
+        self.feeds.attach(feed, self.watcher)
+        yield first
+
+    async def resume(self, last_id: int) -> AsyncIterator[bytes]:
+        """A reconnect after ``last_id``: from the live feed's ring if it reaches back that far,
+        otherwise from the log until it does."""
+        self.sent = last_id
+        feed = self.feed = self.feeds.feeds.get(self.session_id)
+        backlog = None if feed is None or feed.ended else feed.backlog(last_id, self.watcher.rfc)
+        if feed is not None and backlog is not None:
+            self._join(feed, backlog)
+            return
+        async for chunk in self._from_log(last_id):
+            yield chunk
+
+    async def _from_log(self, last_id: int) -> AsyncIterator[bytes]:
+        """The document rebuilt at ``last_id`` from the log, caught up until the session ends
+        (the end goes out) or a live feed's ring reaches back to what was sent."""
+        runtime, forks, rfc = self.feeds.runtime, self.feeds.forks, self.watcher.rfc
+        builder = await load_builder(runtime, forks, self.session_id, upto_position=last_id)
+        async for chunk in _catch_up(runtime, forks, builder, last_id, rfc):
+            yield chunk
+        self.sent = builder.position
+        while builder.doc["status"] not in TERMINAL:
+            feed = self.feed = await self.feeds.get(self.session_id)
+            backlog = feed.backlog(self.sent, rfc) if not feed.ended else None
+            if backlog is not None:
+                self._join(feed, backlog)
+                return
+            async for chunk in _catch_up(runtime, forks, builder, self.sent, rfc):
+                yield chunk
+            self.sent = builder.position
+        yield _end(builder.doc)
+        self.over = True
+
+    def _join(self, feed: SessionFeed, backlog: list[Entry]) -> None:
+        """Attach to ``feed``, with the patches of its ring this stream has not sent queued."""
+        self.feeds.attach(feed, self.watcher)
+        for en in backlog:
+            self.watcher.put(en)
+
+    async def pump(self, heartbeat_s: float) -> AsyncIterator[bytes]:
+        """The attached feed's patches as they come, heartbeats in between, then the end (or error)."""
+        until = self.until
+        while True:
+            if until is not None and until.done():
+                if not until.cancelled() and (exc := until.exception()) is not None:
+                    yield _failed(exc)
+                    return
+                if until.cancelled() or self.sent >= until.result():
+                    return
+            nxt = await _next(self.watcher, until, heartbeat_s)
+            if nxt is None:
+                if until is None or not until.done():
+                    yield b": ping\n\n"
+                continue
+            chunks, ended = self._drain(nxt)
+            if chunks:
+                yield b"".join(chunks)
+            if ended:
+                if not self.watcher.lagged and self.feed is not None:
+                    yield _end(self.feed.doc)
+                return
+
+    def _drain(self, first: Entry) -> tuple[list[bytes], bool]:
+        """``first`` and the entries queued behind it as patch frames, and whether the feed ended;
+        a committed run of tokens arrives together and goes out in one write, not one per token."""
+        rfc, queue = self.watcher.rfc, self.watcher.queue
+        chunks: list[bytes] = []
+        en = first
+        while True:
+            if en is END:
+                return chunks, True
+            if en.position > self.sent:
+                data = en.rfc if rfc and en.rfc is not None else en.plus
+                chunks.append(frame("patch", data, en.position))
+                self.sent = en.position
+                if self._reached_until():
+                    return chunks, False
+            if queue.empty():
+                return chunks, False
+            en = queue.get_nowait()
+
+    def _reached_until(self) -> bool:
+        """``until`` gave a log position, and the patch at it went out."""
+        u = self.until
+        if u is None or not u.done() or u.cancelled() or u.exception() is not None:
+            return False
+        return self.sent >= u.result()
+
+
+def _failed(exc: BaseException) -> bytes:
+    """The error frame of the generation a stream was following to its end."""
+    from sessiontape.transports.sse.errors import error_body
+
+    code = getattr(exc, "code", "internal")
+    message = getattr(exc, "message", "generation failed")
+    return frame("error", dumps(error_body(code, message)))
+
+
 async def session_stream(
     feeds: Feeds,
     session_id: str,
@@ -382,117 +508,22 @@ async def session_stream(
     patches after that position follow, exactly. ``until`` (a future giving
     a log position) ends the stream once the patch at that position went out.
     """
-    runtime = feeds.runtime
-    watcher = Watcher(rfc)
-    feed: SessionFeed | None = None
+    stream = _Stream(feeds, session_id, Watcher(rfc), until)
     try:
-        if last_id is None:
-            feed = await feeds.get(session_id)
-            if feed.ended:
-                yield frame("snapshot", dumps(feed.doc), feed.position)
-                yield _end(feed.doc)
-                return
-            # no await between the snapshot and attaching: nothing can slip in between
-            yield_first = frame("snapshot", dumps(feed.doc), feed.position)
-            sent = feed.position
-            feeds.attach(feed, watcher)
-            yield yield_first
-        else:
-            sent = last_id
-            feed = feeds.feeds.get(session_id)
-            backlog = None if feed is None or feed.ended else feed.backlog(sent, rfc)
-            if feed is not None and backlog is not None:
-                feeds.attach(feed, watcher)
-                for en in backlog:
-                    watcher.put(en)
-            else:
-                builder = await load_builder(
-                    runtime, feeds.forks, session_id, upto_position=last_id
-                )
-                async for chunk in _catch_up(runtime, feeds.forks, builder, last_id, rfc):
-                    yield chunk
-                sent = builder.position
-                while True:
-                    if builder.doc["status"] in TERMINAL:
-                        yield _end(builder.doc)
-                        return
-                    feed = await feeds.get(session_id)
-                    backlog = feed.backlog(sent, rfc) if not feed.ended else None
-                    if backlog is not None:
-                        feeds.attach(feed, watcher)
-                        for en in backlog:
-                            watcher.put(en)
-                        break
-                    async for chunk in _catch_up(runtime, feeds.forks, builder, sent, rfc):
-                        yield chunk
-                    sent = builder.position
-        while True:
-            if until is not None and until.done():
-                exc = None if until.cancelled() else until.exception()
-                if exc is not None:
-                    from sessiontape.transports.sse.errors import error_body
-
-                    code = getattr(exc, "code", "internal")
-                    message = getattr(exc, "message", "generation failed")
-                    yield frame("error", dumps(error_body(code, message)))
-                    return
-                if until.cancelled() or sent >= until.result():
-                    return
-            nxt = await _next(watcher, until, heartbeat_s)
-            if nxt is None:
-                if until is None or not until.done():
-                    yield b": ping\n\n"
-                continue
-            # Every patch already waiting goes out in one write (a committed run of
-            # tokens arrives together): one chunk, one flush, not one per token.
-            chunks: list[bytes] = []
-            ended = False
-            en = nxt
-            while True:
-                if en is END:
-                    ended = True
-                    break
-                if en.position > sent:
-                    chunks.append(
-                        frame(
-                            "patch", en.rfc if rfc and en.rfc is not None else en.plus, en.position
-                        )
-                    )
-                    sent = en.position
-                    if (
-                        until is not None
-                        and until.done()
-                        and not until.cancelled()
-                        and until.exception() is None
-                        and sent >= until.result()
-                    ):
-                        break
-                if watcher.queue.empty():
-                    break
-                en = watcher.queue.get_nowait()
-            if chunks:
-                yield b"".join(chunks)
-            if ended:
-                if watcher.lagged or feed is None:
-                    return
-                yield _end(feed.doc)
-                return
+        async for chunk in stream.snapshot() if last_id is None else stream.resume(last_id):
+            yield chunk
+        if not stream.over:
+            async for chunk in stream.pump(heartbeat_s):
+                yield chunk
     finally:
-        if feed is not None:
-            feeds.detach(feed, watcher)
+        if stream.feed is not None:
+            feeds.detach(stream.feed, stream.watcher)
 
 
 #: the events that can change the sessions list (what SessionListBuilder folds)
 LIST_EVENTS = frozenset(
-    {
-        T.SESSION_OPENED,
-        T.SESSION_CLOSED,
-        T.SESSION_ABORTED,
-        T.SESSION_EXPIRED,
-        T.SESSION_PURGED,
-        T.GENERATION_STARTED,
-        T.GENERATION_FINISHED,
-    }
+    {T.SESSION_OPENED, T.SESSION_CLOSED, T.SESSION_ABORTED, T.SESSION_EXPIRED, T.SESSION_PURGED}
+    | {T.GENERATION_STARTED, T.GENERATION_FINISHED}
 )
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
@@ -343,93 +344,96 @@ class Responses:
         """The response's event stream, numbered, a list at a time (the events ready
         together: a committed run's deltas); the events are a function of the log
         alone, how they are grouped is not."""
-        seq = -1
-
-        def ev(type_: str, **fields: Any) -> tuple[int, dict[str, Any]]:
-            nonlocal seq
-            seq += 1
-            return seq, {"type": type_, "sequence_number": seq, **fields}
-
-        rid = response_id(turn)
-        item_id = "msg_" + rid[5:]
-        snap = self.render(turn, snapshot=True)
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        yield [
-            ev("response.created", response=snap),
-            ev("response.in_progress", response=snap),
-            ev(
-                "response.output_item.added",
-                output_index=0,
-                item={
-                    "type": "message",
-                    "id": item_id,
-                    "status": "in_progress",
-                    "role": "assistant",
-                    "content": [],
-                },
-            ),
-            ev(
-                "response.content_part.added",
-                item_id=item_id,
-                output_index=0,
-                content_index=0,
-                part=part,
-            ),
-        ]
-        ts = TextStream(self._detok(), turn.stops())
-
-        def text_delta(delta: str, tokens: list[Event]) -> tuple[int, dict[str, Any]]:
-            return ev(
-                "response.output_text.delta",
-                item_id=item_id,
-                output_index=0,
-                content_index=0,
-                delta=delta,
-                logprobs=self._logprobs(turn, tokens),
-            )
-
-        behind: list[Event] = []  # token events whose text is not out yet
+        out = _Events("msg_" + response_id(turn)[5:], TextStream(self._detok(), turn.stops()))
+        yield self._opening(turn, out)
         async for run in follow_runs(self.runtime, turn):
-            ready = []
-            for e in run:
-                if (tok := generated_token(e)) is not None and not ts.stopped:
-                    behind.append(e)
-                    delta = ts.push(int(tok))
-                    if delta:
-                        ready.append(text_delta(delta, behind))
-                        behind = []
+            ready = self._deltas(turn, out, run)
             if ready:
                 yield ready
+        yield await self._closing(turn, out)
+
+    def _opening(self, turn: Turn, out: _Events) -> list[tuple[int, dict[str, Any]]]:
+        """The events before any text: the response created and in progress, its message
+        item and the item's (empty) text part added."""
+        snap = self.render(turn, snapshot=True)
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        item = {
+            "type": "message",
+            "id": out.item_id,
+            "status": "in_progress",
+            "role": "assistant",
+            "content": [],
+        }
+        return [
+            out.event("response.created", response=snap),
+            out.event("response.in_progress", response=snap),
+            out.event("response.output_item.added", output_index=0, item=item),
+            out.part_event("response.content_part.added", part=part),
+        ]
+
+    def _deltas(
+        self, turn: Turn, out: _Events, run: list[Event]
+    ) -> list[tuple[int, dict[str, Any]]]:
+        """A committed run's text deltas (tokens past a stop string add none)."""
         ready = []
-        delta = ts.finish()
+        for e in run:
+            if (tok := generated_token(e)) is not None and not out.text.stopped:
+                out.behind.append(e)
+                delta = out.text.push(int(tok))
+                if delta:
+                    ready.append(self._delta(turn, out, delta))
+        return ready
+
+    def _delta(self, turn: Turn, out: _Events, delta: str) -> tuple[int, dict[str, Any]]:
+        """A text delta carrying the logprobs of the tokens behind it, which it brings out."""
+        event = out.part_event(
+            "response.output_text.delta", delta=delta, logprobs=self._logprobs(turn, out.behind)
+        )
+        out.behind = []
+        return event
+
+    async def _closing(self, turn: Turn, out: _Events) -> list[tuple[int, dict[str, Any]]]:
+        """The events after the generation: the last delta, the text, part and item done, and
+        the response completed, incomplete or failed (as the stored response says)."""
+        ready = []
+        delta = out.text.finish()
         # tokens with no text of their own (EOS) still carry a logprob: the last delta brings it
-        if delta or (behind and turn.request.get("logprobs")):
-            ready.append(text_delta(delta, behind))
+        if delta or (out.behind and turn.request.get("logprobs")):
+            ready.append(self._delta(turn, out, delta))
         final = await self._json(turn)
         content = final["output"][0]["content"][0]
         terminal = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(
             final["status"], "response.failed"
         )
-        ready += [
-            ev(
-                "response.output_text.done",
-                item_id=item_id,
-                output_index=0,
-                content_index=0,
-                text=ts.text,
-                logprobs=content["logprobs"],
+        return [
+            *ready,
+            out.part_event(
+                "response.output_text.done", text=out.text.text, logprobs=content["logprobs"]
             ),
-            ev(
-                "response.content_part.done",
-                item_id=item_id,
-                output_index=0,
-                content_index=0,
-                part=content,
-            ),
-            ev("response.output_item.done", output_index=0, item=final["output"][0]),
-            ev(terminal, response=final),
+            out.part_event("response.content_part.done", part=content),
+            out.event("response.output_item.done", output_index=0, item=final["output"][0]),
+            out.event(terminal, response=final),
         ]
-        yield ready
+
+
+@dataclass
+class _Events:
+    """One response's stream in the making: its events numbered from 0, the text decoded so
+    far, and the token events whose text has not gone out yet."""
+
+    item_id: str
+    text: TextStream
+    behind: list[Event] = field(default_factory=list)
+    seq: int = -1
+
+    def event(self, type_: str, **fields: Any) -> tuple[int, dict[str, Any]]:
+        """The next event, numbered."""
+        self.seq += 1
+        return self.seq, {"type": type_, "sequence_number": self.seq, **fields}
+
+    def part_event(self, type_: str, **fields: Any) -> tuple[int, dict[str, Any]]:
+        """The next event about the text part of the response's one message item."""
+        return self.event(type_, item_id=self.item_id, output_index=0, content_index=0, **fields)
 
 
 class _NoResponse(E.NotFound):
