@@ -35,268 +35,33 @@ a server that cannot be reached raises :class:`~sessiontape.errors.TransportErro
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
 import httpx
 
-from sessiontape.core.patch import apply_op
-from sessiontape.errors import APIError, TransportError, from_body, from_response
+from sessiontape.calls import GENERATE_FIELDS, Call, Calls, auth_headers, parse, session_path
+from sessiontape.errors import TransportError, from_response
+from sessiontape.streams import SSE, Follow, SSEDecoder, Update
+
+__all__ = [
+    "DEFAULT_URL",
+    "GENERATE_FIELDS",
+    "SSE",
+    "AsyncClient",
+    "Call",
+    "Client",
+    "SSEDecoder",
+    "Update",
+]
+
+# The client's names live here for their users, whichever module writes them (as httpx
+# gives its names the module ``httpx``): reprs, pickles and docs say sessiontape.client.
+for _cls in (Call, SSE, SSEDecoder, Update):
+    _cls.__module__ = __name__
 
 DEFAULT_URL = "http://127.0.0.1:8080"
-
-#: the generation fields the server takes (docs/protocols/http.md)
-GENERATE_FIELDS = frozenset(
-    {
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "seed",
-        "stop_token_ids",
-        "logprob_top_k",
-        "logprob_ranges",
-        "readout_ranges",
-        "text",
-        "tokens",
-    }
-)
-
-
-# -- requests (shared by both clients) ----------------------------------------------
-
-
-@dataclass(frozen=True)
-class Call:
-    method: str
-    path: str
-    json: dict[str, Any] | None = None
-    params: dict[str, Any] | None = None
-    ndjson: bool = False
-
-
-def _given(**fields: Any) -> dict[str, Any]:
-    return {k: v for k, v in fields.items() if v is not None}
-
-
-def _generation(params: Mapping[str, Any], **mode: Any) -> dict[str, Any]:
-    unknown = set(params) - GENERATE_FIELDS
-    if unknown:
-        raise TypeError(
-            f"unknown generation parameters: {sorted(unknown)} (known: {sorted(GENERATE_FIELDS)})"
-        )
-    return {**_given(**params), **mode}
-
-
-def _session(sid: str, tail: str = "") -> str:
-    return f"/v1/sessions/{sid}{tail}"
-
-
-class _Calls:
-    """The requests behind each method, built once for both clients."""
-
-    @staticmethod
-    def create(
-        protocol: str | None,
-        label: str | None,
-        mode: str | None,
-        ttl_s: float | None,
-        eos_token_ids: list[int] | None,
-        meta: Mapping[str, Any] | None,
-    ) -> Call:
-        return Call(
-            "POST",
-            "/v1/sessions",
-            _given(
-                protocol=protocol,
-                label=label,
-                mode=mode,
-                ttl_s=ttl_s,
-                eos_token_ids=eos_token_ids,
-                meta=None if meta is None else dict(meta),
-            ),
-        )
-
-    @staticmethod
-    def listing(
-        status: str | None,
-        protocol: str | None,
-        parent: str | None,
-        limit: int | None,
-        offset: int | None,
-    ) -> Call:
-        return Call(
-            "GET",
-            "/v1/sessions",
-            params=_given(
-                status=status, protocol=protocol, parent=parent, limit=limit, offset=offset
-            ),
-        )
-
-    @staticmethod
-    def append(
-        sid: str,
-        text: str | None,
-        tokens: list[int] | None,
-        offset: int | None,
-        truncating: bool | None,
-    ) -> Call:
-        if text is None and tokens is None:
-            raise TypeError("append needs text or tokens")
-        return Call(
-            "POST",
-            _session(sid, "/append"),
-            _given(text=text, tokens=tokens, offset=offset, truncating=truncating),
-        )
-
-    @staticmethod
-    def fork(
-        sid: str,
-        at_position: int | None,
-        at_version: int | None,
-        label: str | None,
-        protocol: str | None,
-    ) -> Call:
-        return Call(
-            "POST",
-            _session(sid, "/fork"),
-            _given(at_position=at_position, at_version=at_version, label=label, protocol=protocol),
-        )
-
-
-@dataclass
-class Update:
-    """One step of a session-document stream.
-
-    ``kind`` is ``snapshot`` (the whole document), ``patch`` (``patch`` was
-    applied to it) or ``end`` (the session ended; ``data`` says how).
-    ``position`` is the log position the document is complete up to (the SSE
-    event id), ``None`` for ``end``.
-    """
-
-    kind: str
-    position: int | None
-    document: dict[str, Any]
-    patch: list[dict[str, Any]] | None = None
-    data: Any = None
-
-
-@dataclass
-class SSE:
-    event: str = "message"
-    data: str = ""
-    id: str | None = None
-
-
-class SSEDecoder:
-    """Server-Sent Events from lines (the WHATWG rules this server's streams need)."""
-
-    def __init__(self) -> None:
-        self._event = ""
-        self._data: list[str] = []
-        self._id: str | None = None
-
-    def line(self, line: str) -> SSE | None:
-        line = line.rstrip("\r\n")
-        if not line:
-            if not self._data and not self._event:
-                return None
-            out = SSE(self._event or "message", "\n".join(self._data), self._id)
-            self._event, self._data = "", []
-            return out
-        if line.startswith(":"):
-            return None  # a comment: the server's heartbeat
-        name, _, value = line.partition(":")
-        value = value[1:] if value.startswith(" ") else value
-        if name == "event":
-            self._event = value
-        elif name == "data":
-            self._data.append(value)
-        elif name == "id":
-            self._id = value
-        return None
-
-
-@dataclass
-class _Follow:
-    """The document a stream builds, and where to resume it."""
-
-    document: dict[str, Any] | None = None
-    last_event_id: int | None = None
-    until_generation: str | None = None
-    done: bool = False
-    decoder: SSEDecoder = field(default_factory=SSEDecoder)
-
-    def headers(self) -> dict[str, str]:
-        return {} if self.last_event_id is None else {"Last-Event-ID": str(self.last_event_id)}
-
-    def lines(self, lines: Iterable[str]) -> Iterator[Update]:
-        for line in lines:
-            sse = self.decoder.line(line)
-            if sse is not None:
-                update = self.event(sse)
-                if update is not None:
-                    yield update
-
-    def event(self, sse: SSE) -> Update | None:
-        if sse.event == "error":
-            self.done = True
-            raise from_body(0, _json(sse.data))
-        if sse.event == "end":
-            self.done = True
-            return Update("end", None, self.document or {}, data=_json(sse.data))
-        if sse.event not in ("snapshot", "patch"):
-            return None
-        position = int(sse.id) if sse.id else None
-        if sse.event == "snapshot":
-            self.document = _json(sse.data)
-            update = Update("snapshot", position, self.document)
-        else:
-            if self.document is None:
-                raise APIError(0, "protocol", "a patch arrived before the snapshot")
-            ops = _json(sse.data)
-            doc: Any = self.document
-            for n, op in enumerate(ops):
-                doc = apply_op(doc, op, n)
-            self.document = doc
-            update = Update("patch", position, doc, patch=ops)
-        if position is not None:
-            self.last_event_id = position
-        if self.until_generation is not None and _generation_done(
-            update.document, self.until_generation
-        ):
-            self.done = True
-        return update
-
-
-def _json(data: str) -> Any:
-    try:
-        return json.loads(data)
-    except ValueError as exc:
-        raise APIError(
-            0, "protocol", f"the server sent an event that is not JSON: {data[:200]!r}"
-        ) from exc
-
-
-def _generation_done(doc: Mapping[str, Any], gid: str) -> bool:
-    return any(
-        g.get("id") == gid and g.get("status") == "finished" for g in doc.get("generations", ())
-    )
-
-
-def _headers(token: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"} if token else {}
-
-
-def _parse(call: Call, response: httpx.Response) -> Any:
-    if response.status_code >= 400:
-        raise from_response(response.status_code, response.content)
-    if call.ndjson:
-        return [json.loads(line) for line in response.text.splitlines() if line.strip()]
-    return response.json()
 
 
 # -- sync ---------------------------------------------------------------------------
@@ -321,7 +86,7 @@ class Client:
         retries: int = 5,
         backoff_s: float = 0.2,
     ) -> None:
-        self._http = httpx.Client(base_url=base_url, headers=_headers(token), timeout=timeout)
+        self._http = httpx.Client(base_url=base_url, headers=auth_headers(token), timeout=timeout)
         self.stream_timeout = stream_timeout
         self.retries = retries
         self.backoff_s = backoff_s
@@ -343,12 +108,12 @@ class Client:
             )
         except httpx.TransportError as exc:
             raise TransportError(f"{call.method} {call.path}: {exc!r}") from exc
-        return _parse(call, response)
+        return parse(call, response)
 
     # sessions
 
     def health(self) -> dict[str, Any]:
-        return dict(self._send(Call("GET", "/healthz")))
+        return dict(self._send(Calls.health()))
 
     def create_session(
         self,
@@ -361,7 +126,7 @@ class Client:
         meta: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Open a session; returns its document (``["id"]`` is the session id)."""
-        return dict(self._send(_Calls.create(protocol, label, mode, ttl_s, eos_token_ids, meta)))
+        return dict(self._send(Calls.create(protocol, label, mode, ttl_s, eos_token_ids, meta)))
 
     def list_sessions(
         self,
@@ -372,10 +137,10 @@ class Client:
         limit: int | None = None,
         offset: int | None = None,
     ) -> list[dict[str, Any]]:
-        return list(self._send(_Calls.listing(status, protocol, parent, limit, offset))["sessions"])
+        return list(self._send(Calls.listing(status, protocol, parent, limit, offset))["sessions"])
 
     def get_session(self, session_id: str, *, version: int | None = None) -> dict[str, Any]:
-        return dict(self._send(Call("GET", _session(session_id), params=_given(version=version))))
+        return dict(self._send(Calls.get(session_id, version)))
 
     def append(
         self,
@@ -387,28 +152,23 @@ class Client:
         truncating: bool | None = None,
     ) -> dict[str, Any]:
         """Append text or tokens; returns ``{session_id, length, version}``."""
-        return dict(self._send(_Calls.append(session_id, text, tokens, offset, truncating)))
+        return dict(self._send(Calls.append(session_id, text, tokens, offset, truncating)))
 
     def generate(self, session_id: str, **params: Any) -> dict[str, Any]:
         """Generate and wait; returns ``{session_id, generation, version}`` (``generation`` as in the document)."""
-        return dict(
-            self._send(
-                Call("POST", _session(session_id, "/generate"), _generation(params, stream=False))
-            )
-        )
+        return dict(self._send(Calls.generate(session_id, params, stream=False)))
 
     def generate_background(self, session_id: str, **params: Any) -> str:
         """Start a generation that outlives this request; returns its id (follow it with :meth:`tail`)."""
-        call = Call("POST", _session(session_id, "/generate"), _generation(params, background=True))
-        return str(self._send(call)["generation_id"])
+        return str(self._send(Calls.generate(session_id, params, background=True))["generation_id"])
 
     def generate_stream(self, session_id: str, **params: Any) -> Iterator[Update]:
         """Generate, yielding the live document: the snapshot, then one update per committed event."""
-        follow = _Follow()
-        body = _generation(params)
+        follow = Follow()
+        call = Calls.generate(session_id, params)
         try:
             with self._http.stream(
-                "POST", _session(session_id, "/generate"), json=body, timeout=self._stream_timeout()
+                call.method, call.path, json=call.json, timeout=self._stream_timeout()
             ) as r:
                 if r.status_code >= 400:
                     r.read()
@@ -431,13 +191,13 @@ class Client:
         lost or repeated. To resume a stream you read before, pass both the
         ``last_event_id`` and the ``document`` you had then.
         """
-        follow = _start(until_generation, last_event_id, document)
+        follow = Follow.resume(until_generation, last_event_id, document)
         failures = 0
         while not follow.done:
             try:
                 with self._http.stream(
                     "GET",
-                    _session(session_id, "/events"),
+                    session_path(session_id, "/events"),
                     headers=follow.headers(),
                     timeout=self._stream_timeout(),
                 ) as r:
@@ -473,21 +233,21 @@ class Client:
         protocol: str | None = None,
     ) -> dict[str, Any]:
         """A new session continuing this one at a token position or event version; returns its document."""
-        return dict(self._send(_Calls.fork(session_id, at_position, at_version, label, protocol)))
+        return dict(self._send(Calls.fork(session_id, at_position, at_version, label, protocol)))
 
     def close_session(self, session_id: str, *, reason: str | None = None) -> dict[str, Any]:
         """Close a session (a no-op on a closed one); returns its document."""
-        return dict(self._send(Call("POST", _session(session_id, "/close"), _given(reason=reason))))
+        return dict(self._send(Calls.close(session_id, reason)))
 
     def feedback(self, session_id: str, feedback: Mapping[str, Any]) -> dict[str, Any]:
-        return dict(self._send(Call("POST", _session(session_id, "/feedback"), dict(feedback))))
+        return dict(self._send(Calls.feedback(session_id, feedback)))
 
     def export(self, session_id: str) -> list[dict[str, Any]]:
         """The session's events, as ``sessiontape export`` writes them (one dict per event)."""
-        return list(self._send(Call("GET", _session(session_id, "/export"), ndjson=True)))
+        return list(self._send(Calls.export(session_id)))
 
     def audit(self, session_id: str) -> dict[str, Any]:
-        return dict(self._send(Call("GET", _session(session_id, "/audit"))))
+        return dict(self._send(Calls.audit(session_id)))
 
 
 def _closed_early(failures: int, retries: int, session_id: str) -> int:
@@ -498,16 +258,6 @@ def _closed_early(failures: int, retries: int, session_id: str) -> int:
             f"tail of {session_id}: the server closed the stream {failures} times in a row"
         )
     return failures
-
-
-def _start(
-    until_generation: str | None, last_event_id: int | None, document: dict[str, Any] | None
-) -> _Follow:
-    if (last_event_id is None) != (document is None):
-        raise TypeError("resuming needs both last_event_id and the document it belongs to")
-    return _Follow(
-        document=document, last_event_id=last_event_id, until_generation=until_generation
-    )
 
 
 # -- async --------------------------------------------------------------------------
@@ -526,7 +276,9 @@ class AsyncClient:
         retries: int = 5,
         backoff_s: float = 0.2,
     ) -> None:
-        self._http = httpx.AsyncClient(base_url=base_url, headers=_headers(token), timeout=timeout)
+        self._http = httpx.AsyncClient(
+            base_url=base_url, headers=auth_headers(token), timeout=timeout
+        )
         self.stream_timeout = stream_timeout
         self.retries = retries
         self.backoff_s = backoff_s
@@ -547,10 +299,10 @@ class AsyncClient:
             )
         except httpx.TransportError as exc:
             raise TransportError(f"{call.method} {call.path}: {exc!r}") from exc
-        return _parse(call, response)
+        return parse(call, response)
 
     async def health(self) -> dict[str, Any]:
-        return dict(await self._send(Call("GET", "/healthz")))
+        return dict(await self._send(Calls.health()))
 
     async def create_session(
         self,
@@ -563,7 +315,7 @@ class AsyncClient:
         meta: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         return dict(
-            await self._send(_Calls.create(protocol, label, mode, ttl_s, eos_token_ids, meta))
+            await self._send(Calls.create(protocol, label, mode, ttl_s, eos_token_ids, meta))
         )
 
     async def list_sessions(
@@ -576,13 +328,11 @@ class AsyncClient:
         offset: int | None = None,
     ) -> list[dict[str, Any]]:
         return list(
-            (await self._send(_Calls.listing(status, protocol, parent, limit, offset)))["sessions"]
+            (await self._send(Calls.listing(status, protocol, parent, limit, offset)))["sessions"]
         )
 
     async def get_session(self, session_id: str, *, version: int | None = None) -> dict[str, Any]:
-        return dict(
-            await self._send(Call("GET", _session(session_id), params=_given(version=version)))
-        )
+        return dict(await self._send(Calls.get(session_id, version)))
 
     async def append(
         self,
@@ -593,24 +343,21 @@ class AsyncClient:
         offset: int | None = None,
         truncating: bool | None = None,
     ) -> dict[str, Any]:
-        return dict(await self._send(_Calls.append(session_id, text, tokens, offset, truncating)))
+        return dict(await self._send(Calls.append(session_id, text, tokens, offset, truncating)))
 
     async def generate(self, session_id: str, **params: Any) -> dict[str, Any]:
-        call = Call("POST", _session(session_id, "/generate"), _generation(params, stream=False))
-        return dict(await self._send(call))
+        return dict(await self._send(Calls.generate(session_id, params, stream=False)))
 
     async def generate_background(self, session_id: str, **params: Any) -> str:
-        call = Call("POST", _session(session_id, "/generate"), _generation(params, background=True))
+        call = Calls.generate(session_id, params, background=True)
         return str((await self._send(call))["generation_id"])
 
     async def generate_stream(self, session_id: str, **params: Any) -> AsyncIterator[Update]:
-        follow = _Follow()
+        follow = Follow()
         try:
+            call = Calls.generate(session_id, params)
             async with self._http.stream(
-                "POST",
-                _session(session_id, "/generate"),
-                json=_generation(params),
-                timeout=self._stream_timeout(),
+                call.method, call.path, json=call.json, timeout=self._stream_timeout()
             ) as r:
                 if r.status_code >= 400:
                     await r.aread()
@@ -629,13 +376,13 @@ class AsyncClient:
         last_event_id: int | None = None,
         document: dict[str, Any] | None = None,
     ) -> AsyncIterator[Update]:
-        follow = _start(until_generation, last_event_id, document)
+        follow = Follow.resume(until_generation, last_event_id, document)
         failures = 0
         while not follow.done:
             try:
                 async with self._http.stream(
                     "GET",
-                    _session(session_id, "/events"),
+                    session_path(session_id, "/events"),
                     headers=follow.headers(),
                     timeout=self._stream_timeout(),
                 ) as r:
@@ -672,21 +419,17 @@ class AsyncClient:
         protocol: str | None = None,
     ) -> dict[str, Any]:
         return dict(
-            await self._send(_Calls.fork(session_id, at_position, at_version, label, protocol))
+            await self._send(Calls.fork(session_id, at_position, at_version, label, protocol))
         )
 
     async def close_session(self, session_id: str, *, reason: str | None = None) -> dict[str, Any]:
-        return dict(
-            await self._send(Call("POST", _session(session_id, "/close"), _given(reason=reason)))
-        )
+        return dict(await self._send(Calls.close(session_id, reason)))
 
     async def feedback(self, session_id: str, feedback: Mapping[str, Any]) -> dict[str, Any]:
-        return dict(
-            await self._send(Call("POST", _session(session_id, "/feedback"), dict(feedback)))
-        )
+        return dict(await self._send(Calls.feedback(session_id, feedback)))
 
     async def export(self, session_id: str) -> list[dict[str, Any]]:
-        return list(await self._send(Call("GET", _session(session_id, "/export"), ndjson=True)))
+        return list(await self._send(Calls.export(session_id)))
 
     async def audit(self, session_id: str) -> dict[str, Any]:
-        return dict(await self._send(Call("GET", _session(session_id, "/audit"))))
+        return dict(await self._send(Calls.audit(session_id)))
