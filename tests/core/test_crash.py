@@ -82,6 +82,51 @@ GENERATOR = textwrap.dedent(
 )
 
 
+#: short turns, as a chat client or an agent sends them: append three tokens (the
+#: caller sees the session's head after it), generate sixteen (the caller sees every
+#: event, the finish included, which now commits with the last tokens)
+SHORT_TURNS = textwrap.dedent(
+    """
+    import asyncio, json, sys
+    from sessiontape.core.engine import SamplingParams
+    from sessiontape.core.runtime import Runtime
+    from sessiontape.engines.reference import ReferenceEngine
+    from tests.conftest import make_config
+
+    async def main():
+        rt = await Runtime.create(
+            make_config(sys.argv[1]), engine=ReferenceEngine(eos_bias=-1000.0, max_length=1 << 20)
+        )
+
+        async def work(i):
+            sid = (await rt.open_session("crash")).session_id
+            n = 0
+            while True:
+                n += 1
+                await rt.append_tokens(sid, [i % 250, n % 250, 2])
+                st = await rt.get(sid)
+                print(json.dumps([sid, st.version, st.head_hash]), flush=True)
+                params = SamplingParams(max_tokens=16, seed=n)
+                async for e in rt.generate(sid, params):
+                    print(json.dumps([e.session_id, e.version, e.hash]), flush=True)
+
+        await asyncio.gather(*(work(i) for i in range(8)))
+
+    asyncio.run(main())
+    """
+)
+
+
+async def test_sigkill_mid_short_turns_loses_nothing_a_caller_saw(
+    tmp_path: Path, db_url: str
+) -> None:
+    """Eight sessions doing short turns, killed at a random point: every append and
+    every token and finish a caller was given is in the log, chains intact (SQLite
+    and PostgreSQL)."""
+    url = db_url
+    await asyncio.to_thread(_kill_and_check, tmp_path, SHORT_TURNS, 4000, "inline", url)
+
+
 @pytest.mark.parametrize("process", ["inline", "worker"])
 def test_sigkill_mid_generation_loses_no_token_a_caller_saw(tmp_path: Path, process: str) -> None:
     """With the engine in a worker process too: and the worker goes when the server does."""
@@ -101,8 +146,10 @@ def _gone(pid: int) -> bool:
     return state in ("Z", "X")
 
 
-def _kill_and_check(tmp_path: Path, source: str, count: int, process: str = "inline") -> None:
-    url = f"sqlite+aiosqlite:///{tmp_path / 'crash.db'}"
+def _kill_and_check(
+    tmp_path: Path, source: str, count: int, process: str = "inline", url: str | None = None
+) -> None:
+    url = url or f"sqlite+aiosqlite:///{tmp_path / 'crash.db'}"
     script = tmp_path / "writer.py"
     script.write_text(source)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
