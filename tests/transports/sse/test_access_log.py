@@ -122,5 +122,5 @@ def test_access_log_can_be_turned_off_and_bad_formats_refused(tmp_path: Path) ->
     assert (
         p.returncode == 2
         and p.stderr.strip()
-        == "sessiontape: error: logging.format must be one of text, json, got 'xml'"
+        == "sessiontape: error: unknown format 'xml': logging.format must be one of text, json"
     )
