@@ -42,7 +42,7 @@ def rss_kib() -> int:
 async def client(url: str, n: int) -> None:
     import httpx
 
-    from tests.transports.sse.sse_client import events
+    from tests.transports.http.sse_client import events
 
     ready = 0
     all_ready = asyncio.Event()
@@ -108,8 +108,8 @@ async def run(tokens: int, repeats: int, counts: list[int]) -> None:
     from sessiontape.core.engine import SamplingParams
     from sessiontape.core.runtime import Runtime
     from sessiontape.engines.reference import ReferenceEngine
-    from sessiontape.transports.sse.feeds import dumps, frame
-    from sessiontape.transports.sse.plugin import HttpTransport
+    from sessiontape.transports.http.feeds import dumps, frame
+    from sessiontape.transports.http.plugin import HttpTransport
     from tests.conftest import free_port
 
     tmp = tempfile.mkdtemp()
@@ -243,7 +243,7 @@ async def fold(histories: list[int], tokens: int, repeats: int) -> None:
     from sessiontape.core.runtime import Runtime
     from sessiontape.core.session.state import SessionState, apply
     from sessiontape.engines.reference import ReferenceEngine
-    from sessiontape.transports.sse.feeds import dumps
+    from sessiontape.transports.http.feeds import dumps
 
     tmp = tempfile.mkdtemp()
     cfg = Config.load(

@@ -27,7 +27,7 @@ FOLDERS = ("core", "engines", "transports", "migrations")
 #: what the build reads: the packaging files and the package folders
 SOURCES = ("pyproject.toml", "setup.py", "README.md", "sessiontape", *FOLDERS)
 #: files that are not modules but must ship (package data)
-DATA = ("migrations/script.py.mako", "transports/sse/static/index.html")
+DATA = ("migrations/script.py.mako", "transports/http/static/index.html")
 
 
 def _installed_path(source: Path) -> str:
@@ -131,7 +131,7 @@ def test_the_editable_install_has_the_same_names(tmp_path: Path) -> None:
     out = _outside(
         "import importlib.util, sys\n"
         "import sessiontape.core.cli, sessiontape.engines.reference\n"
-        "import sessiontape.transports.sse.plugin, sessiontape.migrations.runner\n"
+        "import sessiontape.transports.http.plugin, sessiontape.migrations.runner\n"
         "print([n for n in ('core', 'engines', 'transports', 'migrations')"
         " if importlib.util.find_spec(n) is not None])\n"
         "print(sessiontape.core.cli.__file__)\n"

@@ -51,9 +51,9 @@ from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2_grpc as kakeya
 from sessiontape.transports.grpc.gen.salience.v1 import salience_pb2 as spb
 from sessiontape.transports.grpc.gen.salience.v1 import salience_pb2_grpc as salience_grpc
 from sessiontape.transports.grpc.plugin import GrpcTransport
-from sessiontape.transports.sse.plugin import HttpTransport
+from sessiontape.transports.http.plugin import HttpTransport
 from tests.conftest import free_port, make_config
-from tests.transports.sse.sse_client import SseEvent, events
+from tests.transports.http.sse_client import SseEvent, events
 
 TOKEN = "conformance-token"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)

@@ -28,8 +28,8 @@ from sessiontape.core.errors import ConfigError
 from sessiontape.engines.onnx.options import OnnxOptions
 from sessiontape.engines.reference import ReferenceEngine, ReferenceOptions
 from sessiontape.transports.grpc.settings import GrpcSettings
-from sessiontape.transports.sse.plugin import HttpTransport
-from sessiontape.transports.sse.settings import HttpSettings
+from sessiontape.transports.http.plugin import HttpTransport
+from sessiontape.transports.http.settings import HttpSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 

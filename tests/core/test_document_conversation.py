@@ -13,8 +13,8 @@ from sessiontape.core.document.conversation import Conversation, remap, request_
 from sessiontape.core.engine import OutputOptions, SamplingParams
 from sessiontape.core.patch import apply_patch
 from sessiontape.core.runtime import Runtime
-from sessiontape.transports.sse.chat_template import ROLE_MARKERS, ChatTemplate
-from sessiontape.transports.sse.turns import Turn, Turns, load_turn
+from sessiontape.transports.http.chat_template import ROLE_MARKERS, ChatTemplate
+from sessiontape.transports.http.turns import Turn, Turns, load_turn
 
 QUESTION = "What is the capital of France?"
 

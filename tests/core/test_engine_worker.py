@@ -229,7 +229,7 @@ async def test_healthz_answers_503_once_the_worker_is_gone(sqlite_url: str) -> N
     """A worker that dies while idle (nothing reading its pipe) is noticed by the probe."""
     import httpx
 
-    from sessiontape.transports.sse.app import create_app
+    from sessiontape.transports.http.app import create_app
 
     cfg = make_config(sqlite_url, engine={"name": "reference", "process": "worker"})
     rt = await Runtime.create(cfg)

@@ -1,8 +1,8 @@
 """core/patch.py against the JSON Patch+ cases it shares with the viewer's patch.js.
 
 tests/data/json_patch_cases.json holds the RFC 6902 Appendix A examples, the JSON Patch+
-``append`` cases and the edges of every op; tests/transports/sse/test_patch_js.py runs the same
-file against transports/sse/static/patch.js. ``load_cases`` and ``json_same`` serve both.
+``append`` cases and the edges of every op; tests/transports/http/test_patch_js.py runs the same
+file against transports/http/static/patch.js. ``load_cases`` and ``json_same`` serve both.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import pytest
 
 from sessiontape.core.cli import main
 from tests.conftest import free_port
-from tests.transports.sse.conftest import Served, serve
+from tests.transports.http.conftest import Served, serve
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import pytest
 from sessiontape import AsyncClient, Client, errors
 from sessiontape.client import SSEDecoder, Update
 from tests.conftest import free_port
-from tests.transports.sse.conftest import Served, serve
+from tests.transports.http.conftest import Served, serve
 
 
 @pytest.fixture
@@ -178,7 +178,7 @@ async def test_typed_errors(live: Served) -> None:
 async def test_unauthenticated(sqlite_url: str, port: int) -> None:
     from sessiontape.core.runtime import Runtime
     from sessiontape.engines.reference import ReferenceEngine
-    from sessiontape.transports.sse.plugin import HttpTransport
+    from sessiontape.transports.http.plugin import HttpTransport
     from tests.conftest import make_config
 
     cfg = make_config(sqlite_url, auth={"token": "t0ken"})

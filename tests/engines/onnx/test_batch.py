@@ -318,7 +318,7 @@ def test_every_wire_answers_engine_busy_as_retryable_resource_exhaustion() -> No
     import grpc
 
     from sessiontape.transports.grpc.status import code_for
-    from sessiontape.transports.sse.errors import to_response
+    from sessiontape.transports.http.errors import to_response
 
     exc = EngineBusy("all 8 KV slots are held by generating sessions (waited 30 s)")
     resp = to_response(exc)

@@ -1,0 +1,195 @@
+"""``HttpTransport``: the Starlette app served by uvicorn inside ``sessiontape serve``.
+
+Options: ``[transports.http]``, declared by :class:`~sessiontape.transports.http.settings.HttpSettings`.
+Request limits and timeouts come from ``[limits]`` (docs/security.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from sessiontape.core.config import parse_listen
+from sessiontape.core.errors import ConfigError
+from sessiontape.core.transport import Transport
+from sessiontape.transports.http.settings import HttpSettings
+
+if TYPE_CHECKING:
+    import uvicorn
+
+    from sessiontape.core.config import Config
+    from sessiontape.core.runtime import Runtime
+    from sessiontape.transports.http.drain import Inflight
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A bound TCP socket for uvicorn whose connections send small writes at once.
+
+    asyncio turns Nagle's algorithm off (``TCP_NODELAY``) only on sockets
+    whose ``proto`` is ``IPPROTO_TCP``; a socket made as
+    ``socket(AF_INET, SOCK_STREAM)`` has proto 0 and so kept Nagle on. A
+    streaming response then held its first body chunk until the client
+    acknowledged the headers, which a client on a kept-alive connection
+    delays by 40 ms: every SSE stream (generate, watch, chat) after the first
+    request of a connection started 40 ms late. Accepted connections
+    inherit the option from the listening socket on Linux; the explicit proto
+    makes asyncio set it on every platform.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def guarded_h11(header_timeout_s: float) -> type[Any]:
+    """uvicorn's h11 protocol plus a header deadline: a connection whose request line and headers
+    have not all arrived ``header_timeout_s`` after it opened (or after the first byte of a
+    keep-alive request) is closed. uvicorn has no such timeout of its own (slowloris)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class GuardedH11(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            if self._header_timer is None and self.conn.their_state is h11.IDLE:
+                self._arm()
+            super().data_received(data)
+            if self.conn.their_state is not h11.IDLE:
+                self._disarm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._header_timer = self.loop.call_later(header_timeout_s, self._headers_late)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_late(self) -> None:
+            self._header_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+    return GuardedH11
+
+
+def _quiet_server(uvicorn: Any) -> Any:
+    """uvicorn.Server without its signal capture: ``sessiontape serve`` owns SIGINT/SIGTERM."""
+
+    class Server(uvicorn.Server):  # type: ignore[misc]
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    return Server
+
+
+class HttpTransport(Transport):
+    name = "http"
+    options_class = HttpSettings
+    settings: HttpSettings
+
+    def __init__(
+        self, runtime: Runtime, options: Mapping[str, Any] | HttpSettings, config: Config
+    ) -> None:
+        super().__init__(runtime, options, config)
+        self.host, self.port = parse_listen(self.settings.listen)
+        self._server: uvicorn.Server | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._inflight: Inflight | None = None
+
+    async def start(self) -> str:
+        import uvicorn
+
+        from sessiontape.transports.http.app import create_app
+        from sessiontape.transports.http.inputs import Limits
+
+        limit = self.config.limits
+        limits = Limits(
+            max_body_bytes=limit.max_body_bytes,
+            max_json_depth=limit.max_json_depth,
+            max_meta_bytes=limit.max_meta_bytes,
+            body_timeout_s=limit.body_timeout_s,
+            max_requests_per_client=limit.max_requests_per_client,
+        )
+        app = create_app(
+            self.runtime,
+            auth_token=self.config.auth_token,
+            heartbeat_s=self.settings.heartbeat_s,
+            ring=self.settings.ring,
+            linger_s=self.settings.linger_s,
+            limits=limits,
+        )
+        # Bind here so a taken port is a ConfigError, not uvicorn's sys.exit inside a task.
+        try:
+            sock = listening_socket(self.host, self.port)
+        except OSError as exc:
+            raise ConfigError(
+                f"HTTP transport cannot listen on {self.host}:{self.port}: {exc}"
+            ) from exc
+        sock.set_inheritable(True)
+        self.port = sock.getsockname()[1]
+        cfg = uvicorn.Config(
+            app,
+            log_level="warning",
+            lifespan="on",
+            access_log=False,
+            timeout_graceful_shutdown=5,
+            http=guarded_h11(limit.header_timeout_s),
+            timeout_keep_alive=max(1, round(limit.keep_alive_s)),
+            h11_max_incomplete_event_size=limit.max_header_bytes,
+            limit_concurrency=limit.max_connections,
+        )
+        server = _quiet_server(uvicorn)(cfg)
+        self._server = server
+        self._inflight = app.state.inflight
+        self._task = asyncio.create_task(server.serve(sockets=[sock]), name="sessiontape-http")
+        while not server.started:
+            if self._task.done():
+                err = self._task.exception()
+                raise ConfigError(
+                    f"HTTP transport could not start on {self.host}:{self.port}: {err}"
+                )
+            await asyncio.sleep(0.01)
+        return f"HTTP on http://{self.host}:{self.port} (viewer at /, API at /v1, /metrics)"
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Watch streams end at once, other requests get ``grace`` seconds, then end too (transports/http/drain.py);
+        uvicorn's own deadline comes later, so it never has to cancel (and log) a request itself."""
+        if self._server is None or self._task is None:
+            return
+        self._server.config.timeout_graceful_shutdown = int(grace) + 3
+        if self._inflight is not None:
+            self._inflight.end(watchers_only=True)
+        self._server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), grace)
+        except TimeoutError:
+            if self._inflight is not None:
+                self._inflight.end()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._task), 2.0)
+        if not self._task.done():
+            self._server.force_exit = True
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(self._task, 1.0)
+        self._server = None
+        self._task = None
