@@ -177,7 +177,7 @@ class Api:
             raw = request.query_params.get("last_event_id")
         last = inputs.integer(raw, "Last-Event-ID", lo=0)
         # Fail before the 200 goes out: unknown sessions and bad positions are HTTP errors.
-        await self.runtime.session_row(sid)
+        await self.runtime.get(sid)  # the cached state: no read per request
         if last is not None and last > await self.runtime.last_position():
             raise InvalidParameters(f"Last-Event-ID {last} is past the end of the log")
         return _sse(session_stream(self.feeds, sid, last, rfc=rfc, heartbeat_s=self.heartbeat_s))
@@ -203,7 +203,7 @@ class Api:
         # Subscribe before the generation starts, so the stream's snapshot precedes its first event.
         stream = None
         if mode == "stream":
-            await self.runtime.session_row(sid)
+            await self.runtime.get(sid)
             fin: asyncio.Future[int] = asyncio.get_running_loop().create_future()
             stream = session_stream(
                 self.feeds, sid, None, rfc=rfc, heartbeat_s=self.heartbeat_s, until=fin
