@@ -62,6 +62,8 @@ class Dialect(ABC):
 
     #: other processes may write to the database (several servers share it)
     shared: bool = False
+    #: :meth:`append_batch` commits a plain batch in one call
+    one_call_append: bool = False
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine

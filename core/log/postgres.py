@@ -43,6 +43,7 @@ class PostgresDialect(Dialect):
     """PostgreSQL: several server processes (replicas) share the database."""
 
     shared = True
+    one_call_append = True
 
     def __init__(self, engine: AsyncEngine) -> None:
         super().__init__(engine)

@@ -346,7 +346,8 @@ class Writer:
             )
 
         results: list[list[Event]] | None = None
-        args = None if plan is None or hook is not None else batch_args(plan)
+        one_call = plan is not None and hook is None and self.dialect.one_call_append
+        args = batch_args(plan) if one_call and plan is not None else None
         if plan is not None and args is not None:
             if self.on_expect is not None:
                 self.on_expect(plan.end)
