@@ -156,7 +156,8 @@ class Planner:
                     plan.updates.setdefault(sid, {"n": 0})["last_active_at"] = req.at
                 plan.results.append([])
                 continue
-            head = self._checked_head(cur, req, head, sid in plan.heads, recheck)
+            if req.kind == RequestKind.PURGE or (head[0] if head else 0) != req.expected_version:
+                head = self._checked_head(cur, req, head, sid in plan.heads, recheck)
             if req.kind == RequestKind.IMPORT:
                 out = self._imported(plan, req, head, pos, now)
             else:
