@@ -163,6 +163,7 @@ class _Clock:
         self.in_order: list[float] = []  # commit times of this generation's tokens, in order
         self.tokens: list[int] = []  # those tokens
         self._chars: list[int] = []  # the text's length after each of them (decoded lazily)
+        self._length = 0
         self.text = TextStream(detokenize)
         self.lat: list[float] = []
 
@@ -187,8 +188,8 @@ class _Clock:
     @property
     def chars(self) -> list[int]:
         for tok in self.tokens[len(self._chars) :]:
-            self.text.push(tok)
-            self._chars.append(len(self.text.text))
+            self._length += len(self.text.push(tok))
+            self._chars.append(self._length)
         return self._chars
 
     def start(self) -> None:
@@ -196,6 +197,7 @@ class _Clock:
         self.by_position.clear()
         self.tokens.clear()
         self._chars.clear()
+        self._length = 0
         self.text = TextStream(self.detokenize)
 
     def committed_at(self, wire: str, key: int) -> float | None:
