@@ -30,7 +30,7 @@ def stale_retry(fn: _Cmd) -> _Cmd:
     """Re-run a one-commit command when its commit found the session moved on.
 
     Another process (a replica on the same PostgreSQL) wrote to the session
-    since this process cached its state: ``_commit`` drops the stale state
+    since this process cached its state: ``commit`` drops the stale state
     and raises ConcurrencyError before anything of the command was written.
     The command runs again on the reloaded state, its checks included, so a
     real conflict (an offset that no longer matches, a closed session) still

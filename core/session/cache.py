@@ -7,7 +7,9 @@ clocks behind the TTL sweeper, and the snapshot cadence. Every mutation
 goes through :meth:`SessionStates.commit`: append after the state's
 version, then fold the committed events into it; a commit a cancel lands in
 settles before the cancel goes on, so the cached state always matches the
-log. :class:`sessiontape.core.runtime.Runtime` is built on it.
+log. It also keeps the running generations (:class:`RunningGenerations`) and
+is the port the generation loop uses (:class:`SessionPort`: lock, open,
+commit, drop). :class:`sessiontape.core.runtime.Runtime` is built on it.
 """
 
 from __future__ import annotations
