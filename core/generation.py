@@ -32,11 +32,9 @@ from sessiontape.core.errors import (
 )
 from sessiontape.core.events import Event, NewEvent, T
 from sessiontape.core.pipeline import GenerateRequest, GenerationHost, TokenPipeline, finished
+from sessiontape.core.session.cache import STALE_RETRIES
 from sessiontape.core.session.state import SessionState
 from sessiontape.core.tokens import check_ranges, length_after, sink_window_keep
-
-#: how often a generation's first append is tried again on a reloaded state
-STALE_RETRIES = 3
 
 
 async def generate_runs(

@@ -9,46 +9,14 @@ process moved the session on (:func:`stale_retry`).
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar, cast
+from collections.abc import Sequence
+from typing import Any
 
-from sessiontape.core import metrics
-from sessiontape.core.errors import ConcurrencyError, InvalidAction, ResourceExhausted
+from sessiontape.core.errors import InvalidAction, ResourceExhausted
 from sessiontape.core.events import Event, NewEvent, T
 from sessiontape.core.nodes import FragmentIn, check_fragment
-from sessiontape.core.session.cache import SessionStates
+from sessiontape.core.session.cache import SessionStates, stale_retry
 from sessiontape.core.session.state import SessionState, overlay, overlay_apply
-
-#: how often a one-commit command runs again on a reloaded state
-STALE_RETRIES = 3
-
-_Cmd = TypeVar("_Cmd", bound=Callable[..., Awaitable[Any]])
-
-
-def stale_retry(fn: _Cmd) -> _Cmd:
-    """Re-run a one-commit command when its commit found the session moved on.
-
-    Another process (a replica on the same PostgreSQL) wrote to the session
-    since this process cached its state: ``commit`` drops the stale state
-    and raises ConcurrencyError before anything of the command was written.
-    The command runs again on the reloaded state, its checks included, so a
-    real conflict (an offset that no longer matches, a closed session) still
-    gets its typed error; after ``STALE_RETRIES`` the ConcurrencyError stands.
-    """
-
-    @functools.wraps(fn)
-    async def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        for attempt in range(STALE_RETRIES + 1):
-            try:
-                return await fn(self, *args, **kwargs)
-            except ConcurrencyError:
-                if attempt == STALE_RETRIES:
-                    raise
-                metrics.STALE_RETRIES.inc()
-        raise AssertionError("unreachable")
-
-    return cast(_Cmd, run)
 
 
 class NodeWrites(SessionStates):

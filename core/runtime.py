@@ -45,9 +45,10 @@ from sessiontape.core.errors import (
 from sessiontape.core.events import Event, NewEvent, T
 from sessiontape.core.generation import generate_runs
 from sessiontape.core.log import EventLog
-from sessiontape.core.node_writes import NodeWrites, stale_retry
+from sessiontape.core.node_writes import NodeWrites
 from sessiontape.core.pipeline import GenerateRequest, PipelineLimits, RunHook
 from sessiontape.core.scheduler import PriorityGate
+from sessiontape.core.session.cache import stale_retry
 from sessiontape.core.session.reads import LogReads
 from sessiontape.core.session.state import (
     OPEN,

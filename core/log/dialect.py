@@ -138,10 +138,11 @@ class Dialect(ABC):
             isinstance(exc, DBAPIError) and exc.connection_invalidated
         )
 
-    async def append_batch(self, args: Sequence[Any]) -> bool | None:
+    async def append_batch(self, args: Sequence[Any]) -> bool:
         """Commit a plain batch (event rows without data, session index updates) in
-        one call, when the dialect has such a path; None when it has not."""
-        return None
+        one call (only where :attr:`one_call_append`; raises :class:`NotNow` elsewhere):
+        True when it committed, False when the log moved on since the plan."""
+        raise NotNow
 
     async def reset_pool(self) -> None:
         """After an unavailable error: drop pooled connections (all may be dead; the next

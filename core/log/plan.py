@@ -425,7 +425,9 @@ def batch_args(plan: Plan) -> list[Any] | None:
         return None
     from sessiontape.core.log.postgres import PG_CHANNEL, PG_LOCK_KEY
 
-    columns: list[list[Any]] = [list(c) for c in zip(*plan.rows, strict=True)] or [[]] * 8
+    columns: list[list[Any]] = [list(c) for c in zip(*plan.rows, strict=True)] or [
+        [] for _ in EVENT_COLUMNS
+    ]
     ids = list(plan.updates)
     ups = [plan.updates[i] for i in ids]
     index = [[u.get(c) for u in ups] for c in UPDATABLE]

@@ -101,7 +101,7 @@ class PostgresDialect(Dialect):
         except (asyncpg.exceptions.InterfaceError, asyncpg.exceptions.InternalClientError) as exc:
             raise _as_sqlalchemy(statement, exc) from exc
 
-    async def append_batch(self, args: Sequence[Any]) -> bool | None:
+    async def append_batch(self, args: Sequence[Any]) -> bool:
         """One ``sessiontape_append`` call (migrations/versions/0002_pg_append.py) on the
         writer's own connection: the whole batch in one round trip and one transaction.
         True when it committed; False when the log moved on since the plan (nothing

@@ -346,15 +346,15 @@ class Writer:
             )
 
         results: list[list[Event]] | None = None
-        one_call = plan is not None and hook is None and self.dialect.one_call_append
-        args = batch_args(plan) if one_call and plan is not None else None
+        args = None
+        if plan is not None and hook is None and self.dialect.one_call_append:
+            args = batch_args(plan)
         if plan is not None and args is not None:
             if self.on_expect is not None:
                 self.on_expect(plan.end)
-            done = await self.dialect.append_batch(args)
-            if done:
+            if await self.dialect.append_batch(args):
                 results = plan.results
-            elif done is False:
+            else:
                 plan = self._moved()  # None: planned again inside the transaction
         if plan is not None and results is None:
             planned = plan
@@ -413,23 +413,12 @@ class Writer:
             raise CacheMiss
 
         try:
-            return self._plan(None, batch, start, head_of, recheck=None)
+            return self.planner.plan(None, batch, start, head_of, recheck=None)
         except Exception:
             # an unknown session, a version that does not match, a request that
             # cannot be planned at all: planned inside the transaction instead,
             # where what fails fails only its own request
             return None
-
-    def _plan(
-        self,
-        cur: Any,
-        batch: list[Request],
-        pos: int,
-        head_of: Callable[[Any, str], tuple[int, str] | None],
-        *,
-        recheck: Callable[[Any, str], tuple[int, str] | None] | None,
-    ) -> Plan:
-        return self.planner.plan(cur, batch, pos, head_of, recheck=recheck)
 
     def _write(self, cur: Any, batch: list[Request]) -> list[list[Event]]:
         """The batch's statements on a DBAPI cursor, inside the caller's transaction:
@@ -444,5 +433,5 @@ class Writer:
                 raise CacheMiss  # it came from the database already
             return self._head(cur, sid)
 
-        plan = self._plan(cur, batch, pos, self._head, recheck=recheck)
+        plan = self.planner.plan(cur, batch, pos, self._head, recheck=recheck)
         return self.planner.apply(cur, plan, expect_position=False)

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol, TypeVar, cast
 
 from sessiontape.core import metrics
 from sessiontape.core.config import Config
@@ -50,6 +51,37 @@ _NEEDS_OPEN = frozenset(
         T.GENERATION_FINISHED,
     }
 )
+
+
+#: how often a one-commit command runs again on a reloaded state
+STALE_RETRIES = 3
+
+_Cmd = TypeVar("_Cmd", bound=Callable[..., Awaitable[Any]])
+
+
+def stale_retry(fn: _Cmd) -> _Cmd:
+    """Re-run a one-commit command when its commit found the session moved on.
+
+    Another process (a replica on the same PostgreSQL) wrote to the session
+    since this process cached its state: ``commit`` drops the stale state
+    and raises ConcurrencyError before anything of the command was written.
+    The command runs again on the reloaded state, its checks included, so a
+    real conflict (an offset that no longer matches, a closed session) still
+    gets its typed error; after ``STALE_RETRIES`` the ConcurrencyError stands.
+    """
+
+    @functools.wraps(fn)
+    async def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        for attempt in range(STALE_RETRIES + 1):
+            try:
+                return await fn(self, *args, **kwargs)
+            except ConcurrencyError:
+                if attempt == STALE_RETRIES:
+                    raise
+                metrics.STALE_RETRIES.inc()
+        raise AssertionError("unreachable")
+
+    return cast(_Cmd, run)
 
 
 class SessionPort(Protocol):

@@ -195,7 +195,7 @@ async def test_a_request_that_cannot_be_planned_fails_alone(
     await log.append("a", 1, [appended(0, [1])])
     await log.append("b", 1, [appended(0, [1])])
     writer = log.writer
-    real = writer._plan
+    real = writer.planner.plan
     faults = []
 
     def plan(cur: object, batch: list[Any], pos: int, head_of: Any, *, recheck: Any) -> Any:
@@ -204,7 +204,7 @@ async def test_a_request_that_cannot_be_planned_fails_alone(
             raise RuntimeError("a bug while planning")
         return real(cur, batch, pos, head_of, recheck=recheck)
 
-    monkeypatch.setattr(writer, "_plan", plan)
+    monkeypatch.setattr(writer.planner, "plan", plan)
     results = await asyncio.wait_for(
         asyncio.gather(
             log.append("a", 2, [appended(1, [2])]), log.append("b", 2, [appended(1, [2])])
