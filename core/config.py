@@ -237,6 +237,18 @@ class LimitsSettings:
     )
 
 
+@dataclass(frozen=True)
+class ServerSettings:
+    """``[server]``: the process ``sessiontape serve`` runs."""
+
+    event_loop: str = option(
+        "auto",
+        "`uvloop` (less CPU a request on every wire), `asyncio` (the standard library's), or "
+        "`auto`: uvloop where it is installed",
+        choices=("auto", "uvloop", "asyncio"),
+    )
+
+
 #: every section but ``[transports]`` (a table per transport, each its transport's class)
 SECTIONS: dict[str, type[Any]] = {
     "database": DatabaseSettings,
@@ -247,6 +259,7 @@ SECTIONS: dict[str, type[Any]] = {
     "generation": GenerationSettings,
     "logging": LoggingSettings,
     "limits": LimitsSettings,
+    "server": ServerSettings,
 }
 
 ALIASES = {
@@ -322,6 +335,7 @@ class Config:
     generation: GenerationSettings = field(default_factory=GenerationSettings)
     logging: LoggingSettings = field(default_factory=LoggingSettings)
     limits: LimitsSettings = field(default_factory=LimitsSettings)
+    server: ServerSettings = field(default_factory=ServerSettings)
     #: transport name -> its settings (the transport's ``options_class``), or its table
     #: as given for a transport that declares none
     transports: dict[str, Any] = field(default_factory=dict)

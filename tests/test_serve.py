@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grpc
 import httpx
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.conftest import free_port
@@ -156,6 +157,42 @@ def test_serve_demo_model_on_request(tmp_path: Path) -> None:
     assert code == 0, rest
 
 
+@pytest.mark.parametrize("event_loop", ["auto", "asyncio"])
+def test_serve_on_either_event_loop_generates_the_same_tokens(
+    tmp_path: Path, event_loop: str
+) -> None:
+    """`[server] event_loop`: uvloop by default, asyncio's on request; the same seeded turn
+    over Kakeya and HTTP gives the same tokens on both."""
+    from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2 as kpb
+    from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2_grpc as kgrpc
+
+    (tmp_path / "sessiontape.toml").write_text(f'[server]\nevent_loop = "{event_loop}"\n')
+    g, h = free_port(), free_port()
+    proc, lines = start(
+        tmp_path, "--engine", "reference", "--grpc", f"127.0.0.1:{g}", "--http", f"127.0.0.1:{h}"
+    )
+    try:
+        ready = next(line for line in lines if "sessiontape ready" in line)
+        assert f"event loop {'uvloop' if event_loop == 'auto' else 'asyncio'}" in ready
+        with grpc.insecure_channel(f"127.0.0.1:{g}") as ch:
+            kakeya = kgrpc.RuntimeServiceStub(ch)
+            sid = kakeya.CreateSession(kpb.CreateSessionRequest()).session_id
+            kakeya.AppendTokens(kpb.AppendTokensRequest(session_id=sid, token_ids=[5, 6, 7]))
+            stream = kakeya.Generate(kpb.GenerateRequest(session_id=sid, max_tokens=12, seed=3))
+            grpc_ids = [m.token_id for m in stream if m.WhichOneof("payload") == "token_id"]
+        with httpx.Client(base_url=f"http://127.0.0.1:{h}", timeout=30) as c:
+            hid = c.post("/v1/sessions", json={}).json()["id"]
+            c.post(f"/v1/sessions/{hid}/append", json={"tokens": [5, 6, 7]}).raise_for_status()
+            body = {"max_tokens": 12, "seed": 3, "stream": False}
+            r = c.post(f"/v1/sessions/{hid}/generate", json=body)
+            r.raise_for_status()
+            http_ids = c.get(f"/v1/sessions/{hid}").json()["history"]["ids"][3:]
+    finally:
+        code, rest = stop(proc)
+    assert code == 0, rest
+    assert 1 <= len(grpc_ids) <= 12 and grpc_ids == http_ids
+
+
 def test_serve_refuses_bad_config_with_one_line(tmp_path: Path) -> None:
     proc = subprocess.run(
         [
@@ -196,3 +233,19 @@ def test_serve_refuses_bad_config_with_one_line(tmp_path: Path) -> None:
         timeout=60,
     )
     assert proc.returncode == 2 and "HOST:PORT" in proc.stderr
+
+
+def test_event_loop_choice_without_uvloop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where uvloop cannot be imported, `auto` falls back to asyncio's loop and `uvloop` is a
+    ConfigError that says so."""
+    import uvloop
+
+    from sessiontape.core.commands.serve import loop_factory
+    from sessiontape.core.errors import ConfigError
+
+    assert loop_factory("auto") is uvloop.new_event_loop
+    assert loop_factory("asyncio") is None
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # import uvloop now raises ImportError
+    assert loop_factory("auto") is None
+    with pytest.raises(ConfigError, match="uvloop is not installed"):
+        loop_factory("uvloop")

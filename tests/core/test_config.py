@@ -215,8 +215,12 @@ def test_the_example_file_loads_clean() -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        # a misspelled section: there is no [server]; the known ones are listed
-        ("[sever]\nlisten = 1\n", r"unknown section \[sever\]; known: auth, database, engine"),
+        # a section far from every known one: the known ones are listed
+        (
+            "[frontend]\nlisten = 1\n",
+            r"unknown section \[frontend\]; known: auth, database, engine",
+        ),
+        ("[sever]\nevent_loop = 1\n", r"unknown section \[sever\]; did you mean \[server\]\?"),
         (
             "[sesions]\nmax_nodes = 10\n",
             r"unknown section \[sesions\]; did you mean \[sessions\]\?",
