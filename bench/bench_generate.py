@@ -765,6 +765,13 @@ async def main() -> None:
         help="the CPU the wire rows' client processes are pinned to: last (the default, "
         "when there are two or more), none, or a CPU number",
     )
+    ap.add_argument(
+        "--event-loop",
+        default="auto",
+        choices=("auto", "uvloop", "asyncio"),
+        help="the server's event loop, as [server] event_loop (default auto: uvloop where "
+        "installed, as `sessiontape serve` runs)",
+    )
     ap.add_argument("--client", help=argparse.SUPPRESS)  # internal: be the client of one wire
     ap.add_argument("--ports", help=argparse.SUPPRESS)
     ap.add_argument("--nostr", default="", help=argparse.SUPPRESS)
@@ -816,7 +823,8 @@ async def main() -> None:
         f"engine {engine.info.name} ({engine.info.model_id}, {engine.info.provider}), "
         f"{args.tokens} greedy tokens per generation, {args.rounds} interleaved rounds, medians "
         "(ratio: of the rounds' ratios); "
-        f"{os.cpu_count()} CPUs; the server's engine "
+        f"{os.cpu_count()} CPUs; event loop {type(asyncio.get_running_loop()).__module__}; "
+        "the server's engine "
         + ("in a worker process" if worker else "in its process")
         + " (engine alone: in this process)\n"
     )
@@ -862,5 +870,18 @@ async def main() -> None:
                 )
 
 
+def _loop_factory() -> Any:
+    """The benchmark's event loop: the server's (``--event-loop``, as ``[server] event_loop``;
+    uvloop by default, as ``sessiontape serve`` runs); a wire client always runs asyncio's."""
+    from sessiontape.core.commands.serve import loop_factory
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--event-loop", default="auto")
+    pre.add_argument("--client")
+    known, _ = pre.parse_known_args()
+    return None if known.client else loop_factory(known.event_loop)
+
+
 if __name__ == "__main__":
-    asyncio.run(main())
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        runner.run(main())

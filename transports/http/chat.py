@@ -27,7 +27,7 @@ from sessiontape.core.engine import OutputOptions
 from sessiontape.core.events import Event, T
 from sessiontape.transports.http.openai import Api, Models, error_event, json_body
 from sessiontape.transports.http.openai_bodies import ChatCompletionRequest, check_fields, parse
-from sessiontape.transports.http.turns import Turn, Turns, follow_runs, load_turn, logprob_entry
+from sessiontape.transports.http.turns import Turn, Turns, load_turn, logprob_entry
 
 API = "chat.completions"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -82,7 +82,13 @@ class ChatCompletions:
         else:
             await self.runtime.live(sid)
         turn = await self.turns.start(
-            sid, API, messages, req, params, OutputOptions(logprob_top_k=top or 0)
+            sid,
+            API,
+            messages,
+            req,
+            params,
+            OutputOptions(logprob_top_k=top or 0),
+            live=bool(r.stream),
         )
         if r.stream:
             return self._sse(turn)
@@ -101,11 +107,11 @@ class ChatCompletions:
             "seed": turn.seed,
         }
 
-    def _usage(self, turn: Turn) -> dict[str, Any]:
+    def _usage(self, turn: Turn, completion: int) -> dict[str, Any]:
         return {
             "prompt_tokens": turn.prompt_tokens,
-            "completion_tokens": len(turn.tokens),
-            "total_tokens": turn.prompt_tokens + len(turn.tokens),
+            "completion_tokens": completion,
+            "total_tokens": turn.prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": max(0, turn.prompt_tokens - turn.appended)},
         }
 
@@ -129,7 +135,7 @@ class ChatCompletions:
                     "finish_reason": _finish(turn.finish_reason, stopped),
                 }
             ],
-            "usage": self._usage(turn),
+            "usage": self._usage(turn, len(turn.tokens)),
         }
 
     def _sse(self, turn: Turn) -> Response:
@@ -164,10 +170,11 @@ class ChatCompletions:
         yield chunk({"role": "assistant", "content": ""})
         ts = TextStream(self._detok(), turn.stops())
         reason = None
+        generated = 0  # every token the generation made (past a stop string too), as the log
         # one chunk per committed run: the tokens that are ready when the stream gets
         # to them share a delta (one token each while the reader keeps up), so a
         # reader slower than the engine gets fewer, longer chunks instead of a backlog
-        async for run in follow_runs(self.runtime, turn):
+        async for run in self.turns.runs(turn):
             parts: list[str] = []
             lps: list[dict[str, Any]] = []
             for e in run:
@@ -175,7 +182,10 @@ class ChatCompletions:
                     reason = str(typed_body(e, GenerationFinished).get("finish_reason"))
                     break
                 tok = generated_token(e)
-                if ts.stopped or tok is None:
+                if tok is None:
+                    continue
+                generated += 1
+                if ts.stopped:
                     continue
                 parts.append(ts.push(int(tok)))
                 if logprobs:
@@ -192,8 +202,8 @@ class ChatCompletions:
             yield chunk({"content": tail})
         yield chunk({}, _finish(reason, ts.stopped))
         if turn.request.get("include_usage"):
-            final = await load_turn(self.runtime, turn.session_id, turn.version, API)
-            yield {**head, "choices": [], "usage": self._usage(final)}
+            # the stream saw every generated token: no need to read the turn back
+            yield {**head, "choices": [], "usage": self._usage(turn, generated)}
 
 
 def _finish(reason: str | None, stopped: bool) -> str:

@@ -37,7 +37,7 @@ from sessiontape.transports.http.openai import (
     split_id,
 )
 from sessiontape.transports.http.openai_bodies import ResponseCreateRequest, check_fields, parse
-from sessiontape.transports.http.turns import Turn, Turns, follow_runs, load_turn, logprob_entry
+from sessiontape.transports.http.turns import Turn, Turns, load_turn, logprob_entry
 
 API = "responses"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -100,6 +100,7 @@ class Responses:
             params,
             OutputOptions(logprob_top_k=top or 0),
             close_after=not store,
+            live=bool(r.stream),
         )
         if r.stream:
             return self._sse(turn, -1, cancel_on_disconnect=not background)
@@ -346,7 +347,7 @@ class Responses:
         alone, how they are grouped is not."""
         out = _Events("msg_" + response_id(turn)[5:], TextStream(self._detok(), turn.stops()))
         yield self._opening(turn, out)
-        async for run in follow_runs(self.runtime, turn):
+        async for run in self.turns.runs(turn):
             ready = self._deltas(turn, out, run)
             if ready:
                 yield ready

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +48,9 @@ class Turn:
     tokens: list[int] = field(default_factory=list)
     token_events: list[Event] = field(default_factory=list)
     finished: Event | None = None
+    #: the runs as this process's driving task takes them, for the stream that started
+    #: the turn (None: the stream follows the log)
+    live: LiveRuns | None = field(default=None, repr=False)
 
     @property
     def version(self) -> int:
@@ -135,28 +138,101 @@ async def load_turn(runtime: Runtime, session_id: str, version: int, api: str) -
     return turn
 
 
-async def follow_runs(runtime: Runtime, turn: Turn) -> AsyncIterator[list[Event]]:
+async def follow_runs(
+    runtime: Runtime, turn: Turn, after_version: int = 0
+) -> AsyncIterator[list[Event]]:
     """The turn's generated-token events, then its ``generation.finished``: from the
     log, then live (only committed events), each time all that are ready (a
-    committed run of tokens together; ``generation.finished`` ends the last list)."""
+    committed run of tokens together; ``generation.finished`` ends the last list).
+    ``after_version`` leaves out the events up to that session version."""
     gid = turn.generation_id
     sub = runtime.subscribe_batches(turn.started.position, turn.session_id)
     try:
         async for batch in sub:
-            run = []
-            for e in batch:
-                if generation_id_of(e) != gid:
-                    continue
-                if generated_token(e) is not None:
-                    run.append(e)
-                elif e.type == T.GENERATION_FINISHED:
-                    run.append(e)
-                    yield run
-                    return
+            run = _of_turn(batch, gid, after_version)
             if run:
                 yield run
+                if run[-1].type == T.GENERATION_FINISHED:
+                    return
     finally:
         await sub.aclose()  # type: ignore[attr-defined]
+
+
+def _of_turn(batch: Sequence[Event], gid: str, after_version: int = 0) -> list[Event]:
+    """``batch``'s generated tokens of generation ``gid`` past ``after_version``, up to and
+    with its ``generation.finished``."""
+    run = []
+    for e in batch:
+        if e.version <= after_version or generation_id_of(e) != gid:
+            continue
+        if generated_token(e) is not None:
+            run.append(e)
+        elif e.type == T.GENERATION_FINISHED:
+            run.append(e)
+            break
+    return run
+
+
+class LiveRuns:
+    """A turn's committed runs handed from its driving task to the stream that started it.
+
+    The driver waits in :meth:`put` until the stream has taken the run, so the
+    token pipeline sees the stream's pace ([pacing](docs/architecture.md#pacing))
+    rather than the driver's: a stream that keeps up gets short runs at once, a
+    slower one fewer, longer runs. When the stream stops reading (it ended, or
+    took nothing for ``stalled_s``) the channel closes and the driver goes on
+    alone; a stream that is still there then follows the log from its last run.
+    Every run was committed before it is handed on.
+    """
+
+    #: seconds the driver waits for the stream to take a run before it goes on alone
+    stalled_s = 10.0
+
+    def __init__(self) -> None:
+        self._runs: list[list[Event]] = []
+        self._ready = asyncio.Event()  # a run, the end or the close, for the stream
+        self._taken = asyncio.Event()  # the stream took the last run (or the channel closed)
+        self._ended = False
+        self.closed = False
+
+    async def put(self, run: list[Event]) -> None:
+        if self.closed:
+            return
+        self._runs.append(run)
+        self._ready.set()
+        self._taken.clear()
+        try:
+            await asyncio.wait_for(self._taken.wait(), self.stalled_s)
+        except TimeoutError:
+            self.close()
+
+    def end(self) -> None:
+        """The driver is done: the stream takes what is left, then ends."""
+        self._ended = True
+        self._ready.set()
+
+    def close(self) -> None:
+        """No more hand-overs: the driver no longer waits, the stream stops taking."""
+        self.closed = True
+        self._runs.clear()
+        self._taken.set()
+        self._ready.set()
+
+    async def stream(self) -> AsyncGenerator[list[Event], None]:
+        """The runs in order, until the driver ended or the channel closed."""
+        try:
+            while not self.closed:
+                if self._runs:
+                    run = self._runs.pop(0)
+                    self._taken.set()
+                    yield run
+                elif self._ended:
+                    return
+                else:
+                    self._ready.clear()
+                    await self._ready.wait()
+        finally:
+            self.close()
 
 
 def logprob_entry(detokenize: Any, e: Event) -> dict[str, Any]:
@@ -217,9 +293,11 @@ class Turns:
         options: OutputOptions,
         *,
         close_after: bool = False,
+        live: bool = False,
     ) -> Turn:
         """Render, append and start generating; returns once ``generation.started`` and the
-        request's ``wire.message`` are committed. The generation runs on in a task."""
+        request's ``wire.message`` are committed. The generation runs on in a task; with
+        ``live``, its runs are handed to the caller's stream (:meth:`runs`) as they commit."""
         lock = self._locks.setdefault(session_id, asyncio.Lock())
         try:
             async with lock:
@@ -231,14 +309,11 @@ class Turns:
                 )
                 last = int(st.tokens[-1]) if st.length else None
                 tokens = self.render(messages, st.length, after, last)
-                agen = self.runtime.generate(session_id, params, options, append=tokens)
-                started = None
+                runs = self.runtime.generate_runs(session_id, params, options, append=tokens)
                 try:
-                    async for e in agen:
-                        if e.type == T.GENERATION_STARTED:
-                            started = e
-                            break
-                    assert started is not None
+                    # the first run: any truncation and generation.started
+                    first = await anext(aiter(runs))
+                    [started] = [e for e in first if e.type == T.GENERATION_STARTED]
                     request = {
                         **request,
                         "stop": [*self.template.stop, *request.get("stop", [])],
@@ -253,14 +328,15 @@ class Turns:
                     }
                     wire = await self.runtime.record_wire(session_id, WIRE, "in", payload)
                 except BaseException:
-                    await agen.aclose()  # type: ignore[attr-defined]
+                    await runs.aclose()  # type: ignore[attr-defined]
                     raise
         finally:
             if not lock.locked():
                 self._locks.pop(session_id, None)
         turn = Turn(session_id, started, request, wire.version, len(tokens))
+        turn.live = LiveRuns() if live else None
         task = asyncio.create_task(
-            self._drive(agen, turn, close_after), name=f"openai-{session_id}"
+            self._drive(runs, turn, close_after), name=f"openai-{session_id}"
         )
         key = (session_id, started.version)
         self.running[key] = task
@@ -270,21 +346,45 @@ class Turns:
         task.add_done_callback(_retrieve)
         return turn
 
-    async def _drive(self, agen: AsyncIterator[Event], turn: Turn, close_after: bool) -> None:
-        """Run the generation; a stop string ends it early (the log then says ``cancelled``,
-        and the text, cut before the stop string, says why)."""
+    async def _drive(self, runs: AsyncIterator[list[Event]], turn: Turn, close_after: bool) -> None:
+        """Run the generation, handing its runs to a live stream; a stop string ends it
+        early (the log then says ``cancelled``, and the text, cut before the stop string,
+        says why)."""
         ts = TextStream(self.runtime.engine.detokenize, turn.stops())
         try:
-            async for e in agen:
-                if (tok := generated_token(e)) is not None:
-                    ts.push(int(tok))
-                    if ts.stopped:
-                        break
+            async for run in runs:
+                for e in run:
+                    if (tok := generated_token(e)) is not None and not ts.stopped:
+                        ts.push(int(tok))
+                if turn.live is not None:
+                    await turn.live.put(run)
+                if ts.stopped:
+                    break
         finally:
-            await agen.aclose()  # type: ignore[attr-defined]
+            if turn.live is not None:
+                turn.live.end()
+            await runs.aclose()  # type: ignore[attr-defined]
             if close_after:
                 with contextlib.suppress(SessiontapeError):
                     await self.runtime.close(turn.session_id, "openai: store=false")
+
+    async def runs(self, turn: Turn) -> AsyncIterator[list[Event]]:
+        """The turn's generated tokens, then its ``generation.finished`` (as
+        :func:`follow_runs`): handed on by the driving task while it runs when the turn
+        was started ``live``, the rest from the log (a cancel, a failure, a stop string:
+        the driver ends before the finish is committed)."""
+        gid, seen = turn.generation_id, turn.started.version
+        if turn.live is not None:
+            async with contextlib.aclosing(turn.live.stream()) as live:
+                async for batch in live:
+                    run = _of_turn(batch, gid, seen)
+                    if run:
+                        seen = run[-1].version
+                        yield run
+                        if run[-1].type == T.GENERATION_FINISHED:
+                            return
+        async for run in follow_runs(self.runtime, turn, seen):
+            yield run
 
     async def wait(self, turn: Turn) -> None:
         """Until the turn's generation ended; re-raises its failure."""

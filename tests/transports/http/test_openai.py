@@ -438,6 +438,37 @@ async def test_chat_stop_string_cuts_the_text(live: Served) -> None:
     assert cut.choices[0].finish_reason == "stop"
 
 
+async def test_chat_stream_with_a_stop_string_matches_the_plain_reply(live: Served) -> None:
+    """Streamed, the text is cut at the same place and the usage counts every token the
+    generation made, as the reply read back from the log does."""
+    req: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "s"}],
+        "max_tokens": 30,
+        "seed": 5,
+    }
+    async with async_client(live) as c:
+        text = (await c.chat.completions.create(**req)).choices[0].message.content or ""
+        stop = next((ch for ch in text[3:] if ch.isprintable() and ch != "\ufffd"), None)
+        if stop is None:
+            pytest.skip("no printable character to stop at")  # pragma: no cover
+        plain = await c.chat.completions.create(**req, stop=[stop])
+        stream = await c.chat.completions.create(
+            **req, stop=[stop], stream=True, stream_options={"include_usage": True}
+        )
+        chunks = [ch async for ch in stream]
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert streamed == plain.choices[0].message.content == text[: text.index(stop)]
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "stop"
+    usage = chunks[-1].usage
+    assert usage is not None and plain.usage is not None
+    assert usage.prompt_tokens == plain.usage.prompt_tokens
+    # how many tokens were made past the stop depends on the runs' boundaries: the log says
+    sid, _, version = chunks[-1].id.removeprefix("chatcmpl-").rpartition("_")
+    logged = await load_turn(live.runtime, sid, int(version), "chat.completions")
+    assert usage.completion_tokens == len(logged.tokens) >= len(streamed)
+
+
 async def test_errors_have_openai_shape(live: Served) -> None:
     async with async_client(live) as c:
         with pytest.raises(openai.BadRequestError) as bad:
