@@ -35,15 +35,22 @@ log = logging.getLogger("sessiontape.http.feeds")
 def dumps(value: Any) -> str:
     """Compact JSON text of a document or a patch (orjson; the standard library
     for what orjson refuses, such as integers beyond 64 bits)."""
+    return dump_bytes(value).decode()
+
+
+def dump_bytes(value: Any) -> bytes:
+    """:func:`dumps` as UTF-8 bytes: a snapshot goes to the wire without passing through
+    ``str`` (a third of the time for a document of many generations)."""
     try:
-        return orjson.dumps(value).decode()
+        return orjson.dumps(value)
     except (orjson.JSONEncodeError, TypeError):
-        return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def frame(event: str, data: str, id_: int | None = None) -> bytes:
-    head = f"id: {id_}\n" if id_ is not None else ""
-    return f"{head}event: {event}\ndata: {data}\n\n".encode()
+def frame(event: str, data: str | bytes, id_: int | None = None) -> bytes:
+    head = f"id: {id_}\nevent: {event}\ndata: " if id_ is not None else f"event: {event}\ndata: "
+    body = data if isinstance(data, bytes) else data.encode()
+    return b"".join((head.encode(), body, b"\n\n"))
 
 
 # -- documents from the log ---------------------------------------------------
@@ -386,12 +393,12 @@ class _Stream:
         """A fresh start: the live feed's document, attached to its patches (or, ended, the end)."""
         feed = self.feed = await self.feeds.get(self.session_id)
         if feed.ended:
-            yield frame("snapshot", dumps(feed.doc), feed.position)
+            yield frame("snapshot", dump_bytes(feed.doc), feed.position)
             yield _end(feed.doc)
             self.over = True
             return
         # no await between the snapshot and attaching: nothing can slip in between
-        first = frame("snapshot", dumps(feed.doc), feed.position)
+        first = frame("snapshot", dump_bytes(feed.doc), feed.position)
         self.sent = feed.position
         self.feeds.attach(feed, self.watcher)
         yield first
@@ -548,7 +555,7 @@ async def list_stream(
         row["generating"] = runtime.is_generating(r.id)
         rows.append(row)
     builder = SessionListBuilder(rows)
-    yield frame("snapshot", dumps(builder.doc), position)
+    yield frame("snapshot", dump_bytes(builder.doc), position)
     queue: asyncio.Queue[Event | None] = asyncio.Queue(maxsize=queue_max)
 
     async def pump() -> None:
