@@ -491,7 +491,7 @@ class Server:
         self.proc, self.ports, self.log = proc, ports, log
 
     @classmethod
-    async def start(cls, tmp: Path, url: str, sessions: int) -> Server:
+    async def start(cls, tmp: Path, url: str, sessions: int, event_loop: str = "auto") -> Server:
         ports = free_port(), free_port()
         config = tmp / "sessiontape.toml"
         config.write_text(
@@ -501,6 +501,7 @@ class Server:
             f'[transports.http]\nlisten = "127.0.0.1:{ports[1]}"\n'
             # the whole fleet comes from one loopback address; a real one from many
             f"[limits]\nmax_requests_per_client = {sessions + 64}\n"
+            f"[server]\nevent_loop = {json.dumps(event_loop)}\n"
         )
         log = tmp / "server.log"
         with log.open("wb") as err:
@@ -674,7 +675,7 @@ async def load_row(args: argparse.Namespace, sessions: int, engine: Engine) -> d
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
         async with database(args.db, tmp) as url:
-            server = await Server.start(tmp, url, sessions)
+            server = await Server.start(tmp, url, sessions, args.event_loop)
             clients: list[Client] = []
             try:
                 for k in range(n):
@@ -793,27 +794,74 @@ SUMMARY = [
 ]
 
 
+async def _turns_on(args: argparse.Namespace, server: Any) -> tuple[Any, list[float]]:
+    """The turns client's two series against ``server``, and the server's CPU for each."""
+    client = await Client.start(args, server, "--role=turns")
+    cpu: list[float] = []
+    try:
+        await client.expect("ready")
+        await client.tell()
+        for _ in range(2):
+            await client.expect("start")
+            c0 = server.cpu()
+            await client.expect("end")
+            cpu.append(server.cpu() - c0)
+        return await client.result(), cpu
+    finally:
+        await client.end()
+
+
+class BareServer:
+    """bench/bare_kakeya.py in a process of its own: the gRPC floor of a Kakeya turn."""
+
+    def __init__(self, proc: Any, port: int) -> None:
+        self.proc, self.ports = proc, (port, free_port())
+
+    @classmethod
+    async def start(cls, event_loop: str) -> BareServer:
+        port = free_port()
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(Path(__file__).with_name("bare_kakeya.py")),
+            str(port),
+            "--event-loop",
+            event_loop,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 60)
+        if line.strip() != b"ready":
+            proc.kill()
+            raise RuntimeError("bench/bare_kakeya.py did not start")
+        return cls(proc, port)
+
+    def cpu(self) -> float:
+        return proc_cpu(self.proc.pid)
+
+    async def stop(self) -> None:
+        self.proc.kill()
+        await self.proc.wait()
+
+
 async def turns_row(args: argparse.Namespace, engine: Engine) -> None:
-    """One client's turns one after another, then one-token generations; printed."""
+    """One client's turns one after another, then one-token generations; printed, with the
+    same turns against a bare Kakeya server (the wire's floor) when the wire is Kakeya."""
     alone = [await engine_alone(engine, args.tokens), await engine_alone(engine, 1)]
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
         async with database(args.db, tmp) as url:
-            server = await Server.start(tmp, url, 1)
-            client = await Client.start(args, server, "--role=turns")
-            cpu: list[float] = []
+            server = await Server.start(tmp, url, 1, args.event_loop)
             try:
-                await client.expect("ready")
-                await client.tell()
-                for _ in range(2):
-                    await client.expect("start")
-                    c0 = server.cpu()
-                    await client.expect("end")
-                    cpu.append(server.cpu() - c0)
-                results = await client.result()
+                results, cpu = await _turns_on(args, server)
             finally:
-                await client.end()
                 await server.stop()
+    floor: tuple[Any, list[float]] | None = None
+    if args.turn_wire == "kakeya":
+        bare = await BareServer.start(args.event_loop)
+        try:
+            floor = await _turns_on(args, bare)
+        finally:
+            await bare.stop()
     alone[0] += await engine_alone(engine, args.tokens)
     alone[1] += await engine_alone(engine, 1)
     rows = []
@@ -837,6 +885,22 @@ async def turns_row(args: argparse.Namespace, engine: Engine) -> None:
         )
         if res["errors"]:
             print(f"{name}: errors " + "; ".join(f"{m} (x{k})" for m, k in res["errors"].items()))
+    if floor is not None:
+        for name, res, c in zip(names, *floor, strict=True):
+            ls, done = res["lat"], max(1, len(res["lat"]))
+            rows.append(
+                [
+                    f"{name}, bare Kakeya server (no runtime)",
+                    f"{len(ls):,}",
+                    ms(pct(ls, 0.5)),
+                    ms(pct(ls, 0.99)),
+                    f"{c / done * 1e3:.2f}",
+                    f"{res['client_cpu'] / done * 1e3:.2f}",
+                    "",
+                    "",
+                    str(sum(res["errors"].values())),
+                ]
+            )
     print(f"one client, turns one after another over {LABELS[args.turn_wire]}\n")
     table(
         [
@@ -886,6 +950,12 @@ def parse() -> argparse.Namespace:
     ap.add_argument(
         "--turn-count", type=int, default=1000, help="turns mode: turns (and 1-token generations)"
     )
+    ap.add_argument(
+        "--event-loop",
+        default="auto",
+        choices=("auto", "uvloop", "asyncio"),
+        help="the server's [server] event_loop (default auto: uvloop where installed)",
+    )
     ap.add_argument("--role", help=argparse.SUPPRESS)  # internal: be a client process
     ap.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--ports", help=argparse.SUPPRESS)
@@ -916,7 +986,8 @@ async def main() -> None:
     print(
         f"engine {engine.info.name} ({engine.info.model_id}); {os.cpu_count()} CPUs, load {load}; "
         f"database {args.db.split('://')[0]}; a turn appends {args.append} tokens and generates "
-        f"{args.tokens}; client processes pinned to CPU {client_cpu(args.client_cpu)}\n",
+        f"{args.tokens}; client processes pinned to CPU {client_cpu(args.client_cpu)}; "
+        f"the server's event loop: {args.event_loop}\n",
         flush=True,
     )
     if args.mode in ("turns", "both"):
