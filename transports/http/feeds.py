@@ -33,14 +33,13 @@ log = logging.getLogger("sessiontape.http.feeds")
 
 
 def dumps(value: Any) -> str:
-    """Compact JSON text of a document or a patch (orjson; the standard library
-    for what orjson refuses, such as integers beyond 64 bits)."""
+    """Compact JSON text of a document or a patch (:func:`dump_bytes`, decoded)."""
     return dump_bytes(value).decode()
 
 
 def dump_bytes(value: Any) -> bytes:
-    """:func:`dumps` as UTF-8 bytes: a snapshot goes to the wire without passing through
-    ``str`` (a third of the time for a document of many generations)."""
+    """Compact JSON as UTF-8 (orjson; the standard library for what orjson refuses, such as
+    integers beyond 64 bits). A snapshot goes to the wire as these bytes, never a ``str``."""
     try:
         return orjson.dumps(value)
     except (orjson.JSONEncodeError, TypeError):
@@ -49,8 +48,7 @@ def dump_bytes(value: Any) -> bytes:
 
 def frame(event: str, data: str | bytes, id_: int | None = None) -> bytes:
     head = f"id: {id_}\nevent: {event}\ndata: " if id_ is not None else f"event: {event}\ndata: "
-    body = data if isinstance(data, bytes) else data.encode()
-    return b"".join((head.encode(), body, b"\n\n"))
+    return b"".join((head.encode(), data if isinstance(data, bytes) else data.encode(), b"\n\n"))
 
 
 # -- documents from the log ---------------------------------------------------
