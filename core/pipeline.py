@@ -57,6 +57,11 @@ if TYPE_CHECKING:
 #: most steps in a generation's first run, committed before the caller's pace is known
 FIRST_RUN = 8
 
+#: a generation of at most this many tokens (a short turn) is not cut at ``FIRST_RUN``:
+#: a fast engine makes the rest in about the time the first run's tokens take to write,
+#: and one run is one commit and one hand-over fewer
+SHORT_GENERATION = 2 * FIRST_RUN
+
 #: ``[generation]`` configuration: how far the engine may run ahead of the log (its
 #: options and their defaults: :class:`sessiontape.core.config.GenerationSettings`)
 PipelineLimits = GenerationSettings
@@ -187,6 +192,7 @@ class TokenPipeline:
         #: the engine's last step (or its failure) is in the queue: nothing more will
         #: come, so the committer never lingers for more
         self._engine_done = False
+        self._first_run = FIRST_RUN
         #: the engine ended on its own and every step it made was taken: the run that
         #: carries the last of them also carries ``generation.finished`` (one commit
         #: fewer per generation; a short turn's whole answer can be one commit)
@@ -204,6 +210,10 @@ class TokenPipeline:
         eparams = dataclasses.replace(
             self.params, max_tokens=max_tokens, stop_token_ids=tuple(sorted(self.eos | self.stops))
         )
+        if max_tokens <= SHORT_GENERATION:
+            # one more than the steps: the first run waits for the engine's end too, so
+            # the finish rides with it
+            self._first_run = max(FIRST_RUN, max_tokens + 1)
         steps = self.rt.engine.generate(self.sid, list(st.tokens), eparams, self.options)
         self._producer = asyncio.create_task(self._produce(steps), name=f"engine-{self.sid}")
 
@@ -329,8 +339,8 @@ class TokenPipeline:
             # caller's first tokens do not wait behind a full run (a Kakeya client's
             # first messages took 150-200 us each: the 64th of a first run of 64
             # arrived 11 ms after its commit); an engine that is done already (a short
-            # answer) commits all it made at once
-            max_run = min(max_run, FIRST_RUN)
+            # answer) commits all it made at once, and a short generation is one run
+            max_run = min(max_run, self._first_run)
             min_run = min(min_run, max_run)
         if (
             min_run > 1

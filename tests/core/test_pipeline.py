@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from sessiontape.core.engine import DEFAULT_OUTPUT, OutputOptions, SamplingParams, Step
 from sessiontape.core.errors import EngineError, InvalidArgument
 from sessiontape.core.events import Event, NewEvent, T
-from sessiontape.core.pipeline import FIRST_RUN
+from sessiontape.core.pipeline import FIRST_RUN, SHORT_GENERATION
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
 from tests.conftest import make_config
@@ -666,5 +666,30 @@ async def test_the_first_run_is_short_until_the_callers_pace_is_known(sqlite_url
             assert 1 <= sizes[0] <= FIRST_RUN, sizes
             assert sum(sizes) == 120
             await check_agrees(rt, sid, seen)
+    finally:
+        await rt.aclose()
+
+
+async def test_a_short_generation_is_one_run_with_its_finish(sqlite_url: str) -> None:
+    """A short turn (at most SHORT_GENERATION tokens) of a fast engine is not cut at
+    FIRST_RUN: its tokens and generation.finished commit together, after the commit of
+    generation.started (8 and 8 tokens, then the finish in the second run, before)."""
+    rt = await Runtime.create(make_config(sqlite_url), engine=ReferenceEngine(eos_bias=-1000.0))
+    try:
+        one_run = 0
+        for seed in range(10):
+            sid = (await rt.open_session("t")).session_id
+            await rt.append_text(sid, "abc")
+            shapes: list[tuple[int, bool]] = []
+            seen: list[Event] = []
+            params = SamplingParams(max_tokens=SHORT_GENERATION, seed=seed)
+            async for run in rt.generate_runs(sid, params):
+                seen.extend(run)
+                shapes.append((len(generated(run)), run[-1].type == T.GENERATION_FINISHED))
+            assert sum(n for n, _ in shapes) == SHORT_GENERATION
+            one_run += shapes[1:] == [(SHORT_GENERATION, True)]
+            await check_agrees(rt, sid, seen)
+        # a machine that stalls the loop for milliseconds may split one; not most
+        assert one_run >= 8, one_run
     finally:
         await rt.aclose()
