@@ -66,13 +66,15 @@ SHORT_GENERATION = 2 * FIRST_RUN
 #: options and their defaults: :class:`sessiontape.core.config.GenerationSettings`)
 PipelineLimits = GenerationSettings
 
-#: ``with_run(state, tokens) -> events``: called under the session's lock just before
-#: each run of generated tokens commits, with the session's state (the run not yet
-#: in it) and the run's generated token ids; the events it returns commit in the
-#: same append, after the run's (a transport's record of what it sends for the run,
-#: such as Evergreen's output fragment). It must not await; if it raises, the run
-#: is not committed and the generation fails with that error.
-RunHook = Callable[[SessionState, list[int]], Sequence[NewEvent]]
+#: ``with_run(state, tokens, last) -> events``: called under the session's lock just
+#: before each run of generated tokens commits, with the session's state (the run not
+#: yet in it), the run's generated token ids, and whether the run is the generation's
+#: last (it carries ``generation.finished``); the events it returns commit in the same
+#: append, after the run's tokens and before the finish (a transport's record of what it
+#: sends for the run, such as Evergreen's output fragment, the final one with the last
+#: run). It must not await; if it raises, the run is not committed and the generation
+#: fails with that error.
+RunHook = Callable[[SessionState, list[int], bool], Sequence[NewEvent]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -426,10 +428,10 @@ class TokenPipeline:
         new, generated = self._events(steps)
         rt = self.rt
         async with rt.lock(self.sid):
+            finish = self._finish_with_run(generated)
             if self.with_run is not None and generated:
                 tokens = [s.token_id for s in steps if not s.is_prefill]
-                new.extend(self.with_run(self.st, tokens))
-            finish = self._finish_with_run(generated)
+                new.extend(self.with_run(self.st, tokens, bool(finish)))
             new.extend(finish)
             # Alone, a run commits on the spot when the writer is idle (a slow engine's
             # steps each pay no hand-offs). Beside other generations it goes through

@@ -483,12 +483,14 @@ async def test_a_run_hooks_events_commit_with_the_runs_tokens(sqlite_url: str) -
         await rt.append_text(sid, "x")
         seen: list[list[int]] = []
         lengths: list[int] = []
+        lasts: list[bool] = []
 
-        def hook(state: Any, tokens: list[int]) -> list[NewEvent]:
+        def hook(state: Any, tokens: list[int], last: bool) -> list[NewEvent]:
             # the state the run commits onto: the earlier runs in it, this one not yet
             assert state.session_id == sid
             lengths.append(state.length - sum(len(t) for t in seen))
             seen.append(list(tokens))
+            lasts.append(last)
             return [NewEvent(T.NOTE, {"text": f"run {len(seen)}: {len(tokens)} tokens"})]
 
         runs, failure = await _runs_with(rt, sid, hook, max_tokens=23)
@@ -496,8 +498,10 @@ async def test_a_run_hooks_events_commit_with_the_runs_tokens(sqlite_url: str) -
         token_runs = [r for r in runs if generated(r)]
         assert len(token_runs) == len(seen) >= 5  # max_run 5: 23 tokens in 5 or more runs
         assert len(set(lengths)) == 1  # the prompt's length, every time
-        for run, tokens in zip(token_runs, seen, strict=True):
+        for run, tokens, last in zip(token_runs, seen, lasts, strict=True):
             assert generated(run) == tokens
+            # ``last``: the run carries generation.finished
+            assert last == (run[-1].type == T.GENERATION_FINISHED)
             # the hook's events right after the tokens (the last run ends with the finish)
             ours = run[:-1] if run[-1].type == T.GENERATION_FINISHED else run
             assert ours[-1].type == T.NOTE and ours[-1].body["text"].endswith(
@@ -528,7 +532,7 @@ async def test_a_run_hook_that_raises_fails_the_generation_before_that_run_commi
         await rt.append_text(sid, "x")
         calls = 0
 
-        def hook(state: Any, tokens: list[int]) -> list[NewEvent]:
+        def hook(state: Any, tokens: list[int], last: bool) -> list[NewEvent]:
             nonlocal calls
             calls += 1
             if calls == 3:

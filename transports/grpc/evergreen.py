@@ -424,16 +424,19 @@ class _Stream:
         # whatever the engine's speed, and nothing commits between a run and its
         # fragment.
         sent: deque[list[FragmentIn]] = deque()
+        final_sent = False
 
-        def fragment(st: SessionState, tokens: list[int]) -> Sequence[NewEvent]:
-            nonlocal seq
-            piece = text.extend(tokens)
-            frags = self._fragments(act, seq, piece, continued=True) if piece else []
+        def fragment(st: SessionState, tokens: list[int], last: bool) -> Sequence[NewEvent]:
+            # the last run also carries the final fragment (the text's tail, continued=False)
+            nonlocal seq, final_sent
+            piece = text.extend(tokens) + (text.finish() if last else "")
+            frags = self._fragments(act, seq, piece, continued=not last) if piece or last else []
             if not frags or self.stopping:
                 return []
             new, _ = self.runtime.fragment_events(st, frags, "out")
             seq += 1
             sent.append(frags)
+            final_sent = last
             return new
 
         runs = cast(
@@ -454,7 +457,8 @@ class _Stream:
                     raise _Stopped
                 if any(ev.type == T.NODE_FRAGMENT for ev in run):
                     await self._send(sent.popleft())
-        await self._emit(act, seq, text.finish(), continued=False)
+        if not final_sent:
+            await self._emit(act, seq, text.finish(), continued=False)
 
     def _fragments(
         self, act: PendingAction, seq: int, text: str, *, continued: bool

@@ -180,7 +180,7 @@ async def test_each_output_fragment_commits_with_the_tokens_it_carries(
 ) -> None:
     """A streamed output fragment is recorded in the same append as the run of
     tokens whose text it carries (nothing commits between them); the last one,
-    which ends the node, follows the generation."""
+    which ends the node, commits with the generation's last run and its finish."""
     rt = server.runtime
     out = await exchange(
         client,
@@ -211,6 +211,12 @@ async def test_each_output_fragment_commits_with_the_tokens_it_carries(
     text = b"".join(evs[i].data or b"" for i in streamed)
     assert rt.engine.detokenize(carried).encode().startswith(text)
     assert out.nodes["r"].decode() == rt.engine.detokenize(tokens)
+    # the generation ended on its own: the final fragment, the last tokens and the finish
+    # are one append, in that order
+    [fin] = out.of(T.GENERATION_FINISHED)
+    assert fin.body["finish_reason"] in ("length", "eos")
+    assert evs[last].recorded_at == fin.recorded_at and evs[last + 1] == fin
+    assert evs[last - 1].type == T.GENERATION_TOKEN
 
 
 async def test_outputs_of_earlier_actions_feed_later_ones(
