@@ -349,14 +349,17 @@ class _Stream:
                 await self._barrier(act)
                 if self.stopping:
                     return
-                await self._generate(act)
+                completed = await self._generate(act)
             except (_Stopped, asyncio.CancelledError):
                 return  # finish() records the action as cancelled
             except Exception as exc:
                 code = exc.code if isinstance(exc, SessiontapeError) else "internal"
                 await self._finish_action(act.id, (code, message_for(exc)))
                 raise
-            await self._finish_action(act.id, None)
+            if completed:
+                self.unfinished.remove(act.id)  # action.completed rode with the last run
+            else:
+                await self._finish_action(act.id, None)
         if not self.stopping:
             self.outbox.put_nowait(None)
 
@@ -406,7 +409,9 @@ class _Stream:
             raise InvalidAction(f"GENERATE: action {act.id} has an empty prompt")
         return tokens
 
-    async def _generate(self, act: PendingAction) -> None:
+    async def _generate(self, act: PendingAction) -> bool:
+        """Run ``act``'s generation, streaming its output; True when ``action.completed``
+        was committed with the last run (the generation ended on its own)."""
         prompt = await self._prompt(act)
         st = await self.runtime.get(self.sid)
         # The prompt replaces the session's token history; keep the common
@@ -424,11 +429,11 @@ class _Stream:
         # whatever the engine's speed, and nothing commits between a run and its
         # fragment.
         sent: deque[list[FragmentIn]] = deque()
-        final_sent = False
 
         def fragment(st: SessionState, tokens: list[int], last: bool) -> Sequence[NewEvent]:
             # the last run also carries the final fragment (the text's tail, continued=False)
-            nonlocal seq, final_sent
+            # and the action's completion: the output is whole once that run commits
+            nonlocal seq
             piece = text.extend(tokens) + (text.finish() if last else "")
             frags = self._fragments(act, seq, piece, continued=not last) if piece or last else []
             if not frags or self.stopping:
@@ -436,7 +441,8 @@ class _Stream:
             new, _ = self.runtime.fragment_events(st, frags, "out")
             seq += 1
             sent.append(frags)
-            final_sent = last
+            if last:
+                new.append(NewEvent(T.ACTION_COMPLETED, {"action_id": act.id}))
             return new
 
         runs = cast(
@@ -451,14 +457,19 @@ class _Stream:
                 with_run=fragment,
             ),
         )
+        completed = False
         async with contextlib.aclosing(runs):
             async for run in runs:
+                completed = completed or any(ev.type == T.ACTION_COMPLETED for ev in run)
                 if self.stopping:
+                    if completed:
+                        return True  # the action is whole in the log: not cancelled
                     raise _Stopped
                 if any(ev.type == T.NODE_FRAGMENT for ev in run):
                     await self._send(sent.popleft())
-        if not final_sent:
+        if not completed:
             await self._emit(act, seq, text.finish(), continued=False)
+        return completed
 
     def _fragments(
         self, act: PendingAction, seq: int, text: str, *, continued: bool

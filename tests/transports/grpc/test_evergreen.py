@@ -162,7 +162,14 @@ async def test_generate_streams_the_output_and_the_log_holds_every_message(
         (f.id, f.seq, f.continued) for f in frags
     ]
     assert [e.data or b"" for e in outbound] == [f.chunk_fragment.data for f in frags]
-    assert [e.type for e in out.events][-2:] == [T.ACTION_COMPLETED, T.SESSION_CLOSED]
+    # the final fragment, the action's completion and the generation's finish: one append
+    assert [e.type for e in out.events][-4:] == [
+        T.NODE_FRAGMENT,
+        T.ACTION_COMPLETED,
+        T.GENERATION_FINISHED,
+        T.SESSION_CLOSED,
+    ]
+    assert len({e.recorded_at for e in out.events[-4:-1]}) == 1
     assert out.events[-1].body["reason"] == "client"
     [started] = out.of(T.GENERATION_STARTED)
     assert started.body["action_id"] == "a1"
@@ -211,12 +218,14 @@ async def test_each_output_fragment_commits_with_the_tokens_it_carries(
     text = b"".join(evs[i].data or b"" for i in streamed)
     assert rt.engine.detokenize(carried).encode().startswith(text)
     assert out.nodes["r"].decode() == rt.engine.detokenize(tokens)
-    # the generation ended on its own: the final fragment, the last tokens and the finish
-    # are one append, in that order
+    # the generation ended on its own: the last tokens, the final fragment, the action's
+    # completion and the finish are one append, in that order
     [fin] = out.of(T.GENERATION_FINISHED)
+    [done] = out.of(T.ACTION_COMPLETED)
     assert fin.body["finish_reason"] in ("length", "eos")
-    assert evs[last].recorded_at == fin.recorded_at and evs[last + 1] == fin
     assert evs[last - 1].type == T.GENERATION_TOKEN
+    assert evs[last + 1 : last + 3] == [done, fin]
+    assert evs[last].recorded_at == done.recorded_at == fin.recorded_at
 
 
 async def test_outputs_of_earlier_actions_feed_later_ones(
