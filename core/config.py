@@ -243,8 +243,8 @@ class ServerSettings:
 
     event_loop: str = option(
         "auto",
-        "`uvloop` (less CPU a request on every wire), `asyncio` (the standard library's), or "
-        "`auto`: uvloop where it is installed",
+        "`uvloop`, `asyncio` (the standard library's), or `auto`: uvloop where it is "
+        "installed (measured: docs/performance.md, Load)",
         choices=("auto", "uvloop", "asyncio"),
     )
 

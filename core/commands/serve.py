@@ -60,7 +60,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
     """The event loop ``[server] event_loop`` names: uvloop's, or None for asyncio's own.
 
-    uvloop runs the same server with less CPU a request on every wire
+    uvloop took a little off a sequential turn and matched asyncio under load
     (docs/performance.md, "Load"); ``auto`` takes it where it is installed.
     """
     if choice == "asyncio":

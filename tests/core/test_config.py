@@ -425,3 +425,14 @@ def test_unknown_sections_never_load(name: str, value: object) -> None:
         return
     with pytest.raises(ConfigError, match=rf"unknown section \[{name}\]"):
         Config.from_tree({name: value})
+
+
+@pytest.mark.parametrize("value", ['"uv"', '""', "1", "true", '["uvloop"]', "nan"])
+def test_server_event_loop_takes_only_its_choices(tmp_path: Path, value: str) -> None:
+    """`[server] event_loop`: a value outside auto/uvloop/asyncio, or of another type, is a
+    ConfigError naming the option; the default is auto."""
+    assert Config.load(None).server.event_loop == "auto"
+    path = tmp_path / "c.toml"
+    path.write_text(f"[server]\nevent_loop = {value}\n")
+    with pytest.raises(ConfigError, match=r"server\.event_loop"):
+        Config.load(path)

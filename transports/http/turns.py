@@ -189,7 +189,8 @@ class LiveRuns:
     stalled_s = 10.0
 
     def __init__(self) -> None:
-        self._runs: list[list[Event]] = []
+        # at most one run waits: put() returns only once the stream took it
+        self._run: list[Event] | None = None
         self._ready = asyncio.Event()  # a run, the end or the close, for the stream
         self._taken = asyncio.Event()  # the stream took the last run (or the channel closed)
         self._ended = False
@@ -198,7 +199,7 @@ class LiveRuns:
     async def put(self, run: list[Event]) -> None:
         if self.closed:
             return
-        self._runs.append(run)
+        self._run = run
         self._ready.set()
         self._taken.clear()
         try:
@@ -214,7 +215,7 @@ class LiveRuns:
     def close(self) -> None:
         """No more hand-overs: the driver no longer waits, the stream stops taking."""
         self.closed = True
-        self._runs.clear()
+        self._run = None
         self._taken.set()
         self._ready.set()
 
@@ -222,8 +223,8 @@ class LiveRuns:
         """The runs in order, until the driver ended or the channel closed."""
         try:
             while not self.closed:
-                if self._runs:
-                    run = self._runs.pop(0)
+                if self._run is not None:
+                    run, self._run = self._run, None
                     self._taken.set()
                     yield run
                 elif self._ended:
@@ -350,12 +351,12 @@ class Turns:
         """Run the generation, handing its runs to a live stream; a stop string ends it
         early (the log then says ``cancelled``, and the text, cut before the stop string,
         says why)."""
-        ts = TextStream(self.runtime.engine.detokenize, turn.stops())
+        stops = turn.stops()
+        ts = TextStream(self.runtime.engine.detokenize, stops)
         try:
             async for run in runs:
-                for e in run:
-                    if (tok := generated_token(e)) is not None and not ts.stopped:
-                        ts.push(int(tok))
+                if stops:  # the text is decoded here only to find a stop string
+                    ts.extend([int(t) for e in run if (t := generated_token(e)) is not None])
                 if turn.live is not None:
                     await turn.live.put(run)
                 if ts.stopped:
