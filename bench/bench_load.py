@@ -476,6 +476,19 @@ def proc_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def tree_cpu(pid: int) -> float:
+    """CPU seconds process ``pid`` and its live children (an engine worker) have used."""
+    total = proc_cpu(pid)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # gone meanwhile
+            continue
+        if int(text[text.rindex(")") + 2 :].split()[1]) == pid:
+            total += proc_cpu(int(stat.parent.name))
+    return total
+
+
 def proc_rss(pid: int) -> int:
     """Resident bytes of process ``pid``."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -491,12 +504,20 @@ class Server:
         self.proc, self.ports, self.log = proc, ports, log
 
     @classmethod
-    async def start(cls, tmp: Path, url: str, sessions: int, event_loop: str = "auto") -> Server:
+    async def start(
+        cls,
+        tmp: Path,
+        url: str,
+        sessions: int,
+        event_loop: str = "auto",
+        engine_process: str = "inline",
+    ) -> Server:
         ports = free_port(), free_port()
         config = tmp / "sessiontape.toml"
         config.write_text(
             f"[database]\nurl = {json.dumps(url)}\n"
             '[engine]\nname = "reference"\noptions = { eos_bias = -1000.0 }\n'
+            f"process = {json.dumps(engine_process)}\n"
             f'[transports.grpc]\nlisten = "127.0.0.1:{ports[0]}"\n'
             f'[transports.http]\nlisten = "127.0.0.1:{ports[1]}"\n'
             # the whole fleet comes from one loopback address; a real one from many
@@ -530,7 +551,7 @@ class Server:
         return self.log.read_text(errors="replace")
 
     def cpu(self) -> float:
-        return proc_cpu(self.proc.pid)
+        return tree_cpu(self.proc.pid)
 
     def rss(self) -> int:
         return proc_rss(self.proc.pid)
@@ -675,7 +696,7 @@ async def load_row(args: argparse.Namespace, sessions: int, engine: Engine) -> d
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
         async with database(args.db, tmp) as url:
-            server = await Server.start(tmp, url, sessions, args.event_loop)
+            server = await Server.start(tmp, url, sessions, args.event_loop, args.engine_process)
             clients: list[Client] = []
             try:
                 for k in range(n):
@@ -836,7 +857,7 @@ class BareServer:
         return cls(proc, port)
 
     def cpu(self) -> float:
-        return proc_cpu(self.proc.pid)
+        return tree_cpu(self.proc.pid)
 
     async def stop(self) -> None:
         self.proc.kill()
@@ -850,7 +871,7 @@ async def turns_row(args: argparse.Namespace, engine: Engine) -> None:
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
         async with database(args.db, tmp) as url:
-            server = await Server.start(tmp, url, 1, args.event_loop)
+            server = await Server.start(tmp, url, 1, args.event_loop, args.engine_process)
             try:
                 results, cpu = await _turns_on(args, server)
             finally:
@@ -956,6 +977,12 @@ def parse() -> argparse.Namespace:
         choices=("auto", "uvloop", "asyncio"),
         help="the server's [server] event_loop (default auto: uvloop where installed)",
     )
+    ap.add_argument(
+        "--engine-process",
+        default="inline",
+        choices=("inline", "worker"),
+        help="the server's [engine] process: its event loop, or a worker process of its own",
+    )
     ap.add_argument("--role", help=argparse.SUPPRESS)  # internal: be a client process
     ap.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--ports", help=argparse.SUPPRESS)
@@ -987,7 +1014,7 @@ async def main() -> None:
         f"engine {engine.info.name} ({engine.info.model_id}); {os.cpu_count()} CPUs, load {load}; "
         f"database {args.db.split('://')[0]}; a turn appends {args.append} tokens and generates "
         f"{args.tokens}; client processes pinned to CPU {client_cpu(args.client_cpu)}; "
-        f"the server's event loop: {args.event_loop}\n",
+        f"the server's event loop: {args.event_loop}; the engine: {args.engine_process}\n",
         flush=True,
     )
     if args.mode in ("turns", "both"):
