@@ -52,6 +52,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import secrets
 import statistics
 import sys
@@ -121,13 +122,22 @@ def _ok(r: Any) -> Any:
     return r
 
 
+#: an SSE frame's id line (a log position)
+SSE_ID = re.compile(rb"(?:^|\n)id: (\d+)\n")
+
+
 class HttpSession:
-    """The native HTTP API: ``stream`` False reads the JSON answer, True the SSE stream."""
+    """The native HTTP API: ``stream`` False reads the JSON answer, True the SSE stream.
+
+    A streaming session resumes each turn's stream from the last ``id`` of the one
+    before (``Last-Event-ID``), as a client that keeps the document does: no snapshot
+    after the first turn."""
 
     replaces_history = False
 
     def __init__(self, http: Any, stream: bool) -> None:
         self.http, self.stream, self.sid = http, stream, ""
+        self.last_id: int | None = None
 
     async def open(self) -> None:
         self.sid = _ok(await self.http.post("/v1/sessions", json={"eos_token_ids": []})).json()[
@@ -142,15 +152,20 @@ class HttpSession:
         if not self.stream:
             gen = _ok(await self.http.post(url, json={**body, "stream": False})).json()
             return len(gen["generation"]["tokens"])
-        async with self.http.stream("POST", url, json=body) as resp:
+        headers = {} if self.last_id is None else {"Last-Event-ID": str(self.last_id)}
+        async with self.http.stream("POST", url, json=body, headers=headers) as resp:
             if resp.status_code >= 400:
                 await resp.aread()
                 _ok(resp)
             tail = b""
             async for chunk in resp.aiter_raw():
-                if b"event: error" in tail + chunk:
-                    raise WireError(f"SSE error event: {(tail + chunk)[-200:]!r}")
-                tail = chunk[-16:]
+                seen = tail + chunk
+                if b"event: error" in seen:
+                    raise WireError(f"SSE error event: {seen[-200:]!r}")
+                ids = SSE_ID.findall(seen)
+                if ids:
+                    self.last_id = int(ids[-1])
+                tail = seen[-32:]
         return None
 
     async def close(self) -> None:

@@ -162,13 +162,29 @@ class Client:
         """Start a generation that outlives this request; returns its id (follow it with :meth:`tail`)."""
         return str(self._send(Calls.generate(session_id, params, background=True))["generation_id"])
 
-    def generate_stream(self, session_id: str, **params: Any) -> Iterator[Update]:
-        """Generate, yielding the live document: the snapshot, then one update per committed event."""
-        follow = Follow()
+    def generate_stream(
+        self,
+        session_id: str,
+        *,
+        last_event_id: int | None = None,
+        document: dict[str, Any] | None = None,
+        **params: Any,
+    ) -> Iterator[Update]:
+        """Generate, yielding the live document: the snapshot, then one update per committed event.
+
+        With the ``document`` of an earlier stream and its ``last_event_id``
+        (both, or neither) no snapshot is sent: the updates continue that
+        document, so a turn costs the same however long the session has grown.
+        """
+        follow = Follow.resume(None, last_event_id, document)
         call = Calls.generate(session_id, params)
         try:
             with self._http.stream(
-                call.method, call.path, json=call.json, timeout=self._stream_timeout()
+                call.method,
+                call.path,
+                json=call.json,
+                headers=follow.headers(),
+                timeout=self._stream_timeout(),
             ) as r:
                 if r.status_code >= 400:
                     r.read()
@@ -352,12 +368,23 @@ class AsyncClient:
         call = Calls.generate(session_id, params, background=True)
         return str((await self._send(call))["generation_id"])
 
-    async def generate_stream(self, session_id: str, **params: Any) -> AsyncIterator[Update]:
-        follow = Follow()
+    async def generate_stream(
+        self,
+        session_id: str,
+        *,
+        last_event_id: int | None = None,
+        document: dict[str, Any] | None = None,
+        **params: Any,
+    ) -> AsyncIterator[Update]:
+        follow = Follow.resume(None, last_event_id, document)
         try:
             call = Calls.generate(session_id, params)
             async with self._http.stream(
-                call.method, call.path, json=call.json, timeout=self._stream_timeout()
+                call.method,
+                call.path,
+                json=call.json,
+                headers=follow.headers(),
+                timeout=self._stream_timeout(),
             ) as r:
                 if r.status_code >= 400:
                     await r.aread()

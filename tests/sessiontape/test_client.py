@@ -262,3 +262,47 @@ async def test_seed_comes_back_as_an_exact_integer(live: Served) -> None:
     assert [g["params"]["seed"] for g in doc["generations"]] == seeds
     assert [g["params"]["seed"] for g in tailed[-1].document["generations"]] == [*seeds, 2**63]
     assert all(type(g["params"]["seed"]) is int for g in tailed[-1].document["generations"])
+
+
+async def test_a_stream_continues_the_document_of_the_last_one(live: Served) -> None:
+    """``generate_stream(last_event_id=, document=)``: no snapshot on the next turn, and the
+    document it ends with is the server's."""
+    async with AsyncClient(live.url) as st:
+        sid = (await st.create_session())["id"]
+        first = [u async for u in st.generate_stream(sid, max_tokens=3, seed=1, text="Hi")]
+        assert first[0].kind == "snapshot"
+        last = first[-1]
+        second = [
+            u
+            async for u in st.generate_stream(
+                sid,
+                last_event_id=last.position,
+                document=last.document,
+                max_tokens=4,
+                seed=2,
+                text=" again",
+            )
+        ]
+        assert second and all(u.kind == "patch" for u in second)
+        assert second[-1].document == await st.get_session(sid)
+        assert len(second[-1].document["generations"]) == 2
+        with pytest.raises(TypeError, match="both last_event_id and the document"):
+            async for _ in st.generate_stream(sid, last_event_id=last.position, max_tokens=1):
+                pass
+
+    def sync_turns() -> tuple[list[Update], dict[str, Any]]:
+        with Client(live.url) as st:
+            first = list(st.generate_stream(sid, max_tokens=2, seed=3))
+            more = list(
+                st.generate_stream(
+                    sid,
+                    last_event_id=first[-1].position,
+                    document=first[-1].document,
+                    max_tokens=2,
+                    seed=4,
+                )
+            )
+            return more, st.get_session(sid)
+
+    more, doc = await asyncio.to_thread(sync_turns)
+    assert more and all(u.kind == "patch" for u in more) and more[-1].document == doc

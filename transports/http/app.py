@@ -44,11 +44,11 @@ from sessiontape.transports.http.feeds import (
     Feeds,
     dumps,
     events_after,
-    list_stream,
     load_builder,
     session_stream,
 )
 from sessiontape.transports.http.limits import PerClientLimit
+from sessiontape.transports.http.list_feed import list_stream
 from sessiontape.transports.http.openai import PREFIXES as OPENAI_PREFIXES
 from sessiontape.transports.http.openai import error_response as openai_error
 from sessiontape.transports.http.openai_routes import routes as openai_routes
@@ -169,18 +169,24 @@ class Api:
     async def events(self, request: Request) -> Response:
         sid = request.path_params["sid"]
         rfc = _rfc(request)
-        # A blank Last-Event-ID is malformed like any other non-integer (docs/protocols/http.md), not
-        # "from the start": EventSource sends the header only once it has an id. The header, when
-        # present, wins over ?last_event_id=.
+        # Fail before the 200 goes out: unknown sessions and bad positions are HTTP errors.
+        await self.runtime.get(sid)  # the cached state: no read per request
+        last = await self._last_event_id(request)
+        return _sse(session_stream(self.feeds, sid, last, rfc=rfc, heartbeat_s=self.heartbeat_s))
+
+    async def _last_event_id(self, request: Request) -> int | None:
+        """Where a document stream resumes: ``Last-Event-ID`` (or ``?last_event_id=``), checked.
+
+        A blank value is malformed like any other non-integer (docs/protocols/http.md), not
+        "from the start": EventSource sends the header only once it has an id. The header,
+        when present, wins over the query parameter."""
         raw = request.headers.get("last-event-id")
         if raw is None:
             raw = request.query_params.get("last_event_id")
         last = inputs.integer(raw, "Last-Event-ID", lo=0)
-        # Fail before the 200 goes out: unknown sessions and bad positions are HTTP errors.
-        await self.runtime.get(sid)  # the cached state: no read per request
         if last is not None and last > await self.runtime.last_position():
             raise InvalidParameters(f"Last-Event-ID {last} is past the end of the log")
-        return _sse(session_stream(self.feeds, sid, last, rfc=rfc, heartbeat_s=self.heartbeat_s))
+        return last
 
     async def append(self, request: Request) -> Response:
         sid = request.path_params["sid"]
@@ -200,13 +206,16 @@ class Api:
         rfc = _rfc(request)
         append = self.runtime.engine.tokenize(b.text) if b.text is not None else b.tokens or []
         mode = b.mode
-        # Subscribe before the generation starts, so the stream's snapshot precedes its first event.
+        # Subscribe before the generation starts, so the stream's snapshot precedes its first
+        # event; a client holding the document up to Last-Event-ID gets no snapshot, only the
+        # patches after it, so a turn costs the same however long the session has grown.
         stream = None
         if mode == "stream":
             await self.runtime.get(sid)
+            last = await self._last_event_id(request)
             fin: asyncio.Future[int] = asyncio.get_running_loop().create_future()
             stream = session_stream(
-                self.feeds, sid, None, rfc=rfc, heartbeat_s=self.heartbeat_s, until=fin
+                self.feeds, sid, last, rfc=rfc, heartbeat_s=self.heartbeat_s, until=fin
             )
             first_frame = await anext(stream)
         agen = self.runtime.generate(sid, params, options, append=append)
@@ -244,7 +253,8 @@ class Api:
         async def body() -> AsyncIterator[bytes]:
             assert stream is not None
             try:
-                yield first_frame
+                if first_frame:
+                    yield first_frame
                 async for chunk in stream:
                     yield chunk
             finally:

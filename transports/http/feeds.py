@@ -23,10 +23,10 @@ from typing import Any
 import orjson
 
 from sessiontape.core.bodies import fork_point
-from sessiontape.core.document import TERMINAL, DocumentBuilder, SessionListBuilder
+from sessiontape.core.document import TERMINAL, DocumentBuilder
 from sessiontape.core.errors import InvalidParameters, SessionNotFound
-from sessiontape.core.events import Event, T
-from sessiontape.core.patch import diff, to_rfc6902
+from sessiontape.core.events import Event
+from sessiontape.core.patch import to_rfc6902
 from sessiontape.core.runtime import Runtime
 
 log = logging.getLogger("sessiontape.http.feeds")
@@ -511,90 +511,21 @@ async def session_stream(
 
     With ``last_id`` (a position this stream sent) no snapshot is sent: the
     patches after that position follow, exactly. ``until`` (a future giving
-    a log position) ends the stream once the patch at that position went out.
+    a log position) ends the stream once the patch at that position went out;
+    such a stream's first chunk comes as soon as it is attached (``b""`` when
+    a resume has nothing to send yet), so its caller can then start what it follows.
     """
     stream = _Stream(feeds, session_id, Watcher(rfc), until)
     try:
+        sent = False
         async for chunk in stream.snapshot() if last_id is None else stream.resume(last_id):
+            sent = True
             yield chunk
+        if not sent and until is not None:
+            yield b""
         if not stream.over:
             async for chunk in stream.pump(heartbeat_s):
                 yield chunk
     finally:
         if stream.feed is not None:
             feeds.detach(stream.feed, stream.watcher)
-
-
-#: the events that can change the sessions list (what SessionListBuilder folds)
-LIST_EVENTS = frozenset(
-    {T.SESSION_OPENED, T.SESSION_CLOSED, T.SESSION_ABORTED, T.SESSION_EXPIRED, T.SESSION_PURGED}
-    | {T.GENERATION_STARTED, T.GENERATION_FINISHED}
-)
-
-
-async def list_stream(
-    runtime: Runtime,
-    *,
-    limit: int = 200,
-    heartbeat_s: float = 15.0,
-    rfc: bool = False,
-    queue_max: int = 10_000,
-) -> AsyncIterator[bytes]:
-    """The SSE stream of the sessions list: a snapshot, then patches as sessions change.
-
-    A reconnect always gets a fresh snapshot (the list is an index view, not
-    a fold from genesis), so a client more than ``queue_max`` list changes
-    behind is not buffered for: its stream ends and it reconnects.
-    """
-    position = await runtime.last_position()
-    rows = []
-    for r in await runtime.list_sessions(limit=limit):
-        row = r.to_json()
-        row["generating"] = runtime.is_generating(r.id)
-        rows.append(row)
-    builder = SessionListBuilder(rows)
-    yield frame("snapshot", dump_bytes(builder.doc), position)
-    queue: asyncio.Queue[Event | None] = asyncio.Queue(maxsize=queue_max)
-
-    async def pump() -> None:
-        try:
-            async for e in runtime.subscribe(position, None):
-                if e.type not in LIST_EVENTS:
-                    continue
-                try:
-                    queue.put_nowait(e)
-                except asyncio.QueueFull:
-                    log.info(
-                        "sessions list watcher more than %d changes behind: ending its stream",
-                        queue_max,
-                    )
-                    break
-        except Exception:  # end the stream; the client reconnects for a fresh snapshot
-            log.exception("sessions list feed failed")
-        finally:
-            # None ends the stream, ahead of anything still queued (a lagging client starts over anyway)
-            while not queue.empty():
-                queue.get_nowait()
-            queue.put_nowait(None)
-
-    task = asyncio.create_task(pump(), name="sse-list-pump")
-    try:
-        while True:
-            try:
-                async with asyncio.timeout(heartbeat_s):  # not wait_for: 3.11's can lose a cancel
-                    e = await queue.get()
-            except TimeoutError:
-                yield b": ping\n\n"
-                continue
-            if e is None:
-                return
-            before = builder.doc
-            after = builder.apply(e)
-            if after is not before:
-                ops = diff(before, after)
-                if ops:
-                    yield frame("patch", dumps(to_rfc6902(ops, after) if rfc else ops), e.position)
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task

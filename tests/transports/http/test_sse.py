@@ -15,7 +15,7 @@ import pytest
 from sessiontape.core.engine import SamplingParams
 from sessiontape.core.patch import apply_patch
 from sessiontape.core.runtime import Runtime
-from sessiontape.transports.http.feeds import list_stream
+from sessiontape.transports.http.list_feed import list_stream
 from tests.transports.http.conftest import Served, serve
 from tests.transports.http.sse_client import SseEvent, events
 
@@ -235,3 +235,73 @@ async def test_a_lagging_sessions_list_watcher_is_dropped_not_buffered(runtime: 
 
 async def _drain(stream: AsyncIterator[bytes]) -> list[bytes]:
     return [chunk async for chunk in stream]
+
+
+async def _generate_stream(
+    c: httpx.AsyncClient, sid: str, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> list[SseEvent]:
+    async with c.stream(
+        "POST", f"/v1/sessions/{sid}/generate", json=body, headers=headers or {}
+    ) as resp:
+        assert resp.status_code == 200, await resp.aread()
+        return [ev async for ev in events(resp)]
+
+
+@pytest.mark.parametrize("ring", [4096, 1])
+async def test_generate_stream_resumed_from_last_event_id_sends_only_patches(
+    sqlite_url: str, port: int, ring: int
+) -> None:
+    """A client holding the document up to Last-Event-ID gets no snapshot on its next turn:
+    the patches after that position (another client's append included), exactly, from the
+    live feed's ring or, where the ring does not reach back (``ring = 1``), from the log."""
+    server = await serve(sqlite_url, port, ring=ring)
+    try:
+        await _resumed_turns(server)
+    finally:
+        await server.transport.stop(grace=1.0)
+        await server.runtime.aclose()
+
+
+async def _resumed_turns(server: Served) -> None:
+    async with httpx.AsyncClient(base_url=server.url, timeout=20) as c:
+        sid = await _session(c)
+        first = await _generate_stream(c, sid, {"max_tokens": 4, "seed": 2})
+        assert first[0].event == "snapshot"
+        doc = first[0].json()
+        for ev in first[1:]:
+            doc = apply_patch(doc, ev.json())
+        last = first[-1].id
+        assert last is not None
+        # something happens between the turns that this client did not watch
+        for text in (" and", " then"):  # two events: past a ring of one
+            await c.post(f"/v1/sessions/{sid}/append", json={"text": text})
+        second = await _generate_stream(
+            c, sid, {"max_tokens": 5, "seed": 3, "text": "!"}, {"Last-Event-ID": str(last)}
+        )
+        assert second and all(ev.event == "patch" for ev in second)
+        ids = [ev.id for ev in second]
+        assert all(i is not None and i > last for i in ids) and ids == sorted(set(ids))
+        for ev in second:
+            doc = apply_patch(doc, ev.json())
+        assert doc == (await c.get(f"/v1/sessions/{sid}")).json()
+        assert _finished(doc) and len(doc["generations"]) == 2
+        assert bytes(doc["history"]["ids"][-len(doc["generations"][1]["tokens"]) - 10 :][:10]) == (
+            b" and then!"
+        )
+
+
+@pytest.mark.parametrize("bad", ["", "x", "-1", "10000000"])
+async def test_generate_stream_with_a_bad_last_event_id_is_refused_before_generating(
+    server: Served, bad: str
+) -> None:
+    async with httpx.AsyncClient(base_url=server.url, timeout=20) as c:
+        sid = await _session(c)
+        before = (await c.get(f"/v1/sessions/{sid}")).json()
+        r = await c.post(
+            f"/v1/sessions/{sid}/generate",
+            json={"max_tokens": 3, "text": "more"},
+            headers={"Last-Event-ID": bad},
+        )
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_parameters"
+        assert "Last-Event-ID" in r.json()["error"]["message"]
+        assert (await c.get(f"/v1/sessions/{sid}")).json() == before
