@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from sessiontape.core import metrics
 from sessiontape.core.bodies import fork_point
-from sessiontape.core.events import Event
+from sessiontape.core.events import Event, T
 
 log = logging.getLogger("sessiontape.log")
 
@@ -80,6 +80,11 @@ class Subscriptions:
         self.tail = tail
         self.poll_interval_s = poll_interval_s
         self._subscribers: set[_Subscriber] = set()
+        #: the same subscribers, found without looking at the others: those of every
+        #: event, those of one session, those of a session's forks' ``session.opened``
+        self._of_all: set[_Subscriber] = set()
+        self._of_session: dict[str, set[_Subscriber]] = {}
+        self._of_forks: dict[str, set[_Subscriber]] = {}
         self._published = 0
         #: the log's end after this process's commit in flight: its NOTIFY (which may
         #: arrive before the commit's answer) is this process's own, not a reason to read
@@ -140,9 +145,52 @@ class Subscriptions:
             evs = [e for e in evs if e.position > self._published]
         if not evs:
             return
-        for sub in list(self._subscribers):
+        for sub in self._interested(evs):
             sub.offer(evs)
         self._published = max(self._published, evs[-1].position)
+
+    def _interested(self, evs: list[Event]) -> list[_Subscriber]:
+        """The subscribers that want some of ``evs``: a commit costs its own sessions'
+        watchers, not one look per watcher of every other session (a fleet's hundreds)."""
+        subs = list(self._of_all)
+        of_session, of_forks = self._of_session, self._of_forks
+        if not of_session:
+            return subs
+        seen: set[str] = set()
+        forks = False
+        for e in evs:
+            sid = e.session_id
+            if sid not in seen:
+                seen.add(sid)
+                subs.extend(of_session.get(sid, ()))
+            if of_forks and e.type == T.SESSION_OPENED:
+                parent = fork_point(e)
+                if parent is not None and parent.get("session_id") in of_forks:
+                    subs.extend(of_forks[parent["session_id"]])
+                    forks = True
+        # a forks' watcher is also its session's: offered a commit once
+        return list(dict.fromkeys(subs)) if forks else subs
+
+    def _add(self, sub: _Subscriber) -> None:
+        self._subscribers.add(sub)
+        if sub.session_id is None:
+            self._of_all.add(sub)
+            return
+        self._of_session.setdefault(sub.session_id, set()).add(sub)
+        if sub.with_forks:
+            self._of_forks.setdefault(sub.session_id, set()).add(sub)
+
+    def _remove(self, sub: _Subscriber) -> None:
+        self._subscribers.discard(sub)
+        if sub.session_id is None:
+            self._of_all.discard(sub)
+            return
+        for index in (self._of_session, self._of_forks):
+            subs = index.get(sub.session_id)
+            if subs is not None:
+                subs.discard(sub)
+                if not subs:
+                    del index[sub.session_id]
 
     async def _tail_loop(self) -> None:
         """Pick up committed events from every process, in position order."""
@@ -196,7 +244,7 @@ class Subscriptions:
         sub = _Subscriber(session_id, with_forks)
         # forks are other sessions' events: catch-up reads every session's, filtered here
         read_id = None if with_forks else session_id
-        self._subscribers.add(sub)
+        self._add(sub)
         metrics.SUBSCRIBERS.inc()
         last = from_position
         try:
@@ -237,5 +285,5 @@ class Subscriptions:
                 while not queue.empty():
                     sub.take(queue.get_nowait())
         finally:
-            self._subscribers.discard(sub)
+            self._remove(sub)
             metrics.SUBSCRIBERS.dec()

@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from sessiontape.core.bodies import fork_point
 from sessiontape.core.errors import ChainBroken, ConcurrencyError
 from sessiontape.core.events import GENESIS_HASH, Event, NewEvent, T
 from sessiontape.core.log import EventLog
@@ -579,3 +580,76 @@ async def test_a_tailing_log_closes_when_a_wake_up_lands_as_it_closes(sqlite_url
             await follower.close()
     finally:
         await writer.close()
+
+
+async def test_live_subscribers_of_many_sessions_each_get_theirs_once_in_order(
+    log: EventLog,
+) -> None:
+    """Commits of several sessions at once (a parent's events and its fork's opening
+    among them) reach each live subscriber exactly as ``wants`` says: every event of
+    the log, one session's, or one session's plus its forks' openings; once each, in
+    position order, and nothing for a session nobody touched."""
+
+    def fork_of(parent: str) -> NewEvent:
+        return NewEvent(
+            T.SESSION_OPENED,
+            {"protocol": "test", "parent": {"session_id": parent, "version": 1}},
+        )
+
+    for sid in ("a", "b", "idle"):
+        await log.append(sid, 0, [opened()])
+    start = await log.last_position()
+    kinds = {
+        "all": (None, False),
+        "a": ("a", False),
+        "a+forks": ("a", True),
+        "b+forks": ("b", True),
+        "idle": ("idle", False),
+    }
+    streams = {k: log.subscribe_batches(start, sid, with_forks=f) for k, (sid, f) in kinds.items()}
+    got: dict[str, list[Event]] = {k: [] for k in kinds}
+
+    async def read(k: str) -> None:
+        async for batch in streams[k]:
+            got[k].extend(batch)
+
+    tasks = [asyncio.create_task(read(k)) for k in kinds]
+    await asyncio.sleep(0.05)  # caught up: now live
+    # the first append of a burst commits on its own (the writer was idle); the
+    # rest share commits: a parent's events with its fork's opening among them
+    await asyncio.gather(
+        log.append("c", 0, [opened()]),
+        log.append("a", 1, [appended(0, [0])]),
+        log.append("a-fork", 0, [fork_of("a"), appended(0, [9])]),
+        log.append("b", 1, [appended(0, [1]), appended(1, [2])]),
+        log.append("b-fork", 0, [fork_of("b")]),
+    )
+    await asyncio.gather(
+        log.append("c", 1, [appended(0, [7])]),
+        log.append("a", 2, [appended(1, [3])]),
+        log.append("a-fork-2", 0, [fork_of("a")]),
+    )
+    await log.append("a-fork-3", 0, [fork_of("a")])  # a fork's opening alone in its commit
+    everything = await log.read_all(start, 1000)
+    assert len(everything) == 11
+
+    def wanted(sid: str | None, forks: bool) -> list[Event]:
+        if sid is None:
+            return everything
+        return [
+            e
+            for e in everything
+            if e.session_id == sid or (forks and (fork_point(e) or {}).get("session_id") == sid)
+        ]
+
+    for _ in range(200):
+        if all(len(got[k]) == len(wanted(*kinds[k])) for k in kinds):
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)  # nothing more arrives
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for k, (sid, forks) in kinds.items():
+        assert got[k] == wanted(sid, forks), k
+    assert got["idle"] == [] and [e.session_id for e in got["a+forks"]].count("a-fork") == 1
