@@ -10,8 +10,9 @@ every session that existed before it byte-for-byte as it was.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -57,6 +58,17 @@ class Fuzzed:
     runtime: Runtime
     channel: grpc.aio.Channel
     sids: list[str]
+    #: what the server logged at ERROR (an internal error's traceback), for a failure's report
+    errors: list[str] = field(default_factory=list)
+
+
+class _Errors(logging.Handler):
+    def __init__(self, into: list[str]) -> None:
+        super().__init__(logging.ERROR)
+        self.into = into
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.into.append(self.format(record))
 
 
 @pytest.fixture
@@ -71,10 +83,17 @@ async def fuzzed(sqlite_url: str) -> AsyncIterator[Fuzzed]:
     ]
     for sid in sids:
         await rt.append_tokens(sid, [1, 2, 3])
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{tr.port}") as channel:
-        yield Fuzzed(rt, channel, sids)
-    await tr.stop(0.5)
-    await rt.aclose()
+    errors: list[str] = []
+    handler = _Errors(errors)
+    server_log = logging.getLogger("sessiontape")
+    server_log.addHandler(handler)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{tr.port}") as channel:
+            yield Fuzzed(rt, channel, sids, errors)
+    finally:
+        server_log.removeHandler(handler)
+        await tr.stop(0.5)
+        await rt.aclose()
 
 
 async def _stored(f: Fuzzed) -> str:
@@ -86,11 +105,12 @@ async def _stored(f: Fuzzed) -> str:
 async def _check(f: Fuzzed, method: Any, payloads: list[bytes]) -> None:
     before = await _stored(f)
     path = f"/{method.containing_service.full_name}/{method.name}"
+    f.errors.clear()
     if method.client_streaming:
         code = await _stream(f, path, method.server_streaming, payloads)
     else:
         code = await raw_call(f.channel, path, False, method.server_streaming, payloads[0])
-    assert code not in FORBIDDEN, (path, code, payloads)
+    assert code not in FORBIDDEN, (path, code, payloads, f.errors)
     if code in REFUSALS:
         assert await _stored(f) == before, (path, code, payloads)
 
