@@ -4,7 +4,9 @@ Two kinds of input per method: raw bytes (mostly undecodable) and typed
 random messages (every field anywhere in its wire range: NaN, infinities,
 huge integers, unknown enum values, corrupt ``Any``). The status must be a
 typed one, never UNKNOWN, INTERNAL or DATA_LOSS; a refused call must leave
-every session that existed before it byte-for-byte as it was.
+every session that existed before it byte-for-byte as it was. The one
+INTERNAL that is grpc.aio's client's own (``CLIENT_LOST_STATUS``) is judged
+by what the server did instead: no internal error logged, nothing changed.
 """
 
 from __future__ import annotations
@@ -44,6 +46,13 @@ REFUSALS = {
     grpc.StatusCode.UNAUTHENTICATED,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
+#: What grpc.aio's client reads instead of the server's status when the server ended a
+#: client-streaming call while the client's request iterator was still writing: its
+#: failed write sets this status if the server's has not been read yet (one run in four
+#: to ten of the long fuzz of StartSession under CPU contention, each 1,000 calls; for
+#: payloads such as [b"\xe1", b"\xe1"] the server refused the first with INVALID_ARGUMENT
+#: while the second was on its way). The status is the client library's, not the server's.
+CLIENT_LOST_STATUS = "Internal error from Core"
 METHODS = [
     m
     for module in (evergreen_pb2, salience_pb2, kakeya_pb2)
@@ -107,7 +116,13 @@ async def _check(f: Fuzzed, method: Any, payloads: list[bytes]) -> None:
     path = f"/{method.containing_service.full_name}/{method.name}"
     f.errors.clear()
     if method.client_streaming:
-        code = await _stream(f, path, method.server_streaming, payloads)
+        code, details = await _stream(f, path, method.server_streaming, payloads)
+        if code is grpc.StatusCode.INTERNAL and details == CLIENT_LOST_STATUS:
+            # grpc.aio's client lost the server's status: the server is judged by what it
+            # did (its last resort logs every internal error it answers; nothing else changed)
+            assert not f.errors, (path, payloads, f.errors)
+            assert await _stored(f) == before, (path, payloads)
+            return
     else:
         code = await raw_call(f.channel, path, False, method.server_streaming, payloads[0])
     assert code not in FORBIDDEN, (path, code, payloads, f.errors)
@@ -117,7 +132,8 @@ async def _check(f: Fuzzed, method: Any, payloads: list[bytes]) -> None:
 
 async def _stream(
     f: Fuzzed, path: str, server_streaming: bool, payloads: list[bytes]
-) -> grpc.StatusCode:
+) -> tuple[grpc.StatusCode, str]:
+    """The call's status as the client read it, and its details."""
     try:
         if server_streaming:
             async for _ in f.channel.stream_stream(path)(iter(payloads)):
@@ -125,8 +141,8 @@ async def _stream(
         else:
             await f.channel.stream_unary(path)(iter(payloads))
     except grpc.aio.AioRpcError as exc:
-        return exc.code()
-    return grpc.StatusCode.OK
+        return exc.code(), str(exc.details())
+    return grpc.StatusCode.OK, ""
 
 
 def inputs(method: Any, sids: list[str]) -> st.SearchStrategy[list[bytes]]:
