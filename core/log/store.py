@@ -174,6 +174,12 @@ class EventLog:
         """Whether other server processes may write to this database (PostgreSQL replicas)."""
         return self.dialect.shared
 
+    def known_end(self) -> int:
+        """A lower bound of :meth:`last_position`, from memory (what this process committed
+        or read from other processes; 0 before either): reading nothing, it can say a
+        position exists, never that one does not."""
+        return max(self.subscriptions.published, self.writer.last_position or 0)
+
     # -- lifecycle ---------------------------------------------------------
 
     @classmethod

@@ -93,6 +93,11 @@ class Subscriptions:
         self._tailer: asyncio.Task[None] | None = None
         self._closing = False
 
+    @property
+    def published(self) -> int:
+        """The last position handed to subscribers (or, with none, skipped past)."""
+        return self._published
+
     def start(self, last_position: int) -> None:
         self._closing = False
         if self.tail:

@@ -384,6 +384,11 @@ class Writer:
                 self._remember(evs[-1].session_id, (evs[-1].version, evs[-1].hash))
                 self._last_position = max(self._last_position or 0, evs[-1].position)
 
+    @property
+    def last_position(self) -> int | None:
+        """The log's end as of this writer's last commit (None before its first)."""
+        return self._last_position
+
     def _plan_from_cache(self, batch: list[Request], *, after: Plan | None) -> Plan | None:
         """The batch's rows, hashes and events, computed before its transaction from
         what this writer knows (session heads, the last position; or, ``after``,

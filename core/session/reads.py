@@ -51,6 +51,11 @@ class LogReads:
         """The position of the newest committed event (0 for an empty log): a resume cursor."""
         return await self.log.last_position()
 
+    async def position_exists(self, position: int) -> bool:
+        """Whether the log reaches ``position`` (a client's resume cursor): from memory when
+        this process has committed or seen that far, else read."""
+        return position <= self.log.known_end() or position <= await self.log.last_position()
+
     async def session_row(self, session_id: str) -> SessionRow:
         """The session's row in the sessions index; raises SessionNotFound."""
         return await self.log.get_session(session_id)

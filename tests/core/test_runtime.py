@@ -359,3 +359,25 @@ async def test_a_fork_of_a_generating_session_does_not_inherit_its_running_gener
     )
     await task
     assert finished == ["length"]  # the parent's generation ran on to its end
+
+
+async def test_a_resume_cursor_exists_from_memory_or_from_the_log(sqlite_url: str) -> None:
+    """``position_exists`` answers from memory what this process committed, and reads
+    the log for what it did not see (a position from before it started, or from
+    another process); a position past the log's end never exists."""
+    rt = await Runtime.create(make_config(sqlite_url), engine=ReferenceEngine())
+    try:
+        st = await rt.open_session("test")
+        await rt.append_tokens(st.session_id, [1, 2, 3])
+        end = await rt.last_position()
+        assert rt.log.known_end() == end
+        assert await rt.position_exists(end) and not await rt.position_exists(end + 1)
+    finally:
+        await rt.aclose()
+    again = await Runtime.create(make_config(sqlite_url), engine=ReferenceEngine())
+    try:
+        assert again.log.known_end() < end  # nothing committed or seen by this process yet
+        assert await again.position_exists(end) and await again.position_exists(1)
+        assert not await again.position_exists(end + 1)
+    finally:
+        await again.aclose()

@@ -184,7 +184,7 @@ class Api:
         if raw is None:
             raw = request.query_params.get("last_event_id")
         last = inputs.integer(raw, "Last-Event-ID", lo=0)
-        if last is not None and last > await self.runtime.last_position():
+        if last is not None and not await self.runtime.position_exists(last):
             raise InvalidParameters(f"Last-Event-ID {last} is past the end of the log")
         return last
 
