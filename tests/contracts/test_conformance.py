@@ -525,6 +525,7 @@ async def test_d4_results_and_feedback_read_the_same_over_sse_and_http(
             "price_msat": 1000,
             "stream_every_tokens": 4,
             "stream_every_ms": 10_000,
+            "stream_gap_ms": 0,
             "reconnect_min_s": 0.5,
             "retry_base_s": 0.05,
         },

@@ -75,6 +75,9 @@ class NostrOptions(TransportSettings):
     )
     stream_every_tokens: int = option(16, "a partial result every this many tokens ...", ge=1)
     stream_every_ms: int = option(500, "... or milliseconds", ge=1)
+    stream_gap_ms: int = option(
+        25, "... but never sooner than this after the last (a fast engine's cap)", ge=0
+    )
     negotiate_function_id: str = option(
         SAMPLE_NEGOTIATE_FUNCTION_ID, "the price-negotiation function", check=_hex_check
     )
@@ -108,6 +111,7 @@ class Settings:
     price_msat: int
     stream_every_tokens: int
     stream_every_ms: int
+    stream_gap_ms: int
     negotiate_function_id: str
     default_max_tokens: int
     since_slack_s: int

@@ -1,8 +1,9 @@
 """Streaming a D4 call's answer: generate within the price caps, send partial results, then the final one.
 
 Partial results (``partial: true``) go out every ``stream_every_tokens``
-tokens or ``stream_every_ms``, each published while the generation goes on
-(never two at once: a slow relay gets fewer, longer ones); the final result
+tokens or ``stream_every_ms``, at least ``stream_gap_ms`` apart, each
+published while the generation goes on (never two at once: a slow relay gets
+fewer, longer ones); the final result
 follows the last of them and says ``more_results`` when
 the answer stopped at its length budget and the model has room, so the
 caller can continue it with a funded call.
@@ -175,17 +176,21 @@ class PartialResults:
         self.worker, self.job, self.answer = worker, job, answer
         self.every_n = worker.settings.stream_every_tokens
         self.every_s = worker.settings.stream_every_ms / 1000
+        self.gap_s = worker.settings.stream_gap_ms / 1000
         self.last_n, self.last_t = answer.produced, time.monotonic()
         self.task: asyncio.Task[str] | None = None
 
     def due(self) -> bool:
-        """Whether the last partial result is out and enough tokens or time have passed since it."""
+        """Whether the last partial result is out and enough tokens or time have passed
+        since it, and at least the gap: a relay that answers in a millisecond would
+        otherwise get a partial result (the whole answer so far, signed and recorded)
+        every ``every_n`` tokens of a fast engine, which then runs at a fraction of its pace."""
         if self.task is not None and not self.task.done():
             return False
-        return (
-            self.answer.produced - self.last_n >= self.every_n
-            or time.monotonic() - self.last_t >= self.every_s
-        )
+        since = time.monotonic() - self.last_t
+        if since < self.gap_s:
+            return False
+        return self.answer.produced - self.last_n >= self.every_n or since >= self.every_s
 
     def send_if_due(self) -> None:
         """Start publishing the answer so far when a partial result is due."""

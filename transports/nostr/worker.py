@@ -560,7 +560,7 @@ class D4Worker:
 
     async def republish(self) -> int:
         """Publish again the answers no relay has acknowledged; returns how many are now delivered."""
-        if not self.book.unacked or self.relays.client is None:
+        if not self.book.unacked or self.relays.publisher is None:
             return 0
         done = 0
         async with self._republishing:

@@ -336,6 +336,7 @@ async def make_worker(tmp_path: Path) -> AsyncIterator[WorkerFactory]:
             "price_msat": 1000,
             "stream_every_tokens": 4,
             "stream_every_ms": 10_000,
+            "stream_gap_ms": 0,
             "default_max_tokens": 12,
             "reconnect_min_s": 0.5,
             "retry_base_s": 0.05,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from pathlib import Path
@@ -108,6 +109,42 @@ async def test_a_slow_relay_never_holds_the_generation(
             assert [o.get("partial", False) for o in outs] == [True] * (len(outs) - 1) + [False]
             # every 4 tokens was due, but never while one was in flight
             assert len(outs) - 1 == len(worker.partials_out) < 10
+        finally:
+            await caller.close()
+    finally:
+        await runtime.aclose()
+
+
+async def test_partial_results_keep_their_gap_on_a_fast_relay(
+    tmp_path: Path, make_worker: WorkerFactory, local_relay: LocalRelay
+) -> None:
+    """A relay that answers at once and an engine that makes a partial result due every
+    few milliseconds still get partial results no closer than ``stream_gap_ms``: each
+    is the whole answer so far, signed and recorded, and one per relay round trip
+    would hold a fast engine back."""
+    runtime = await open_runtime(f"sqlite+aiosqlite:///{tmp_path / 'gap.db'}", step_delay_s=0.002)
+    try:
+        worker = await make_worker(
+            runtime, [local_relay.url], stream_every_tokens=1, stream_gap_ms=60
+        )
+        [fid] = worker.functions
+        caller = await Caller(worker.pubkey).connect(local_relay.url)
+        try:
+            call_id = await caller.call(fid, call_body(args={"max_tokens": 120}))
+            final = await caller.wait_final(call_id)
+            assert chat(final)["usage"]["completion_tokens"] == 120
+            evs = await runtime.log.read("d4_" + call_id[:48])
+            outs = [
+                e
+                for e in evs
+                if e.type == T.WIRE
+                and e.body["direction"] == "out"
+                and json.loads(e.body["payload"]["content"]).get("partial")
+            ]
+            times = [e.recorded_at for e in outs]
+            assert len(times) >= 2  # 120 tokens at 2 ms or more each: 240 ms of answer
+            assert all(b - a >= 0.055 for a, b in itertools.pairwise(times)), times
+            assert len(times) < 120 // 2
         finally:
             await caller.close()
     finally:
