@@ -277,9 +277,11 @@ class D4Worker:
 
         Forged events (bad id or signature) are dropped and counted;
         duplicates (the same event from several relays, or one already in
-        the log) are dropped and counted.
+        the log) are dropped and counted. The worker's own events (its
+        results carry the function's tag, so the calls subscription brings
+        each back) are dropped first, before their signature is checked.
         """
-        if self._stopping:
+        if self._stopping or event.author().to_hex() == self.pubkey:
             return False
         try:
             valid = bool(event.verify())
@@ -294,8 +296,6 @@ class D4Worker:
             self.stats["duplicate"] += 1
             return False
         self.book.seen[eid] = None
-        if event.author().to_hex() == self.pubkey:
-            return False
         task = asyncio.create_task(self._handle(event), name=f"d4-{eid[:8]}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -77,3 +77,24 @@ async def test_unstorable_call_content_is_a_typed_error_result(
         assert st.length == 0 and st.errors == [err]
     finally:
         await caller.close()
+
+
+async def test_the_workers_own_events_are_dropped_before_any_check(
+    runtime: Runtime, make_worker: WorkerFactory, local_relay: LocalRelay
+) -> None:
+    """Its results carry the function's tag, so the calls subscription brings each back:
+    one signed by the worker, or one only claiming its key, is dropped unhandled and
+    uncounted, and nothing is recorded."""
+    worker = await make_worker(runtime, [local_relay.url])
+    [fid] = worker.functions
+    own = json.loads(
+        ns.EventBuilder(ns.Kind(1), json.dumps(call_body("an echo")))
+        .tags([ns.Tag.parse(["e", fid])])
+        .finalize(worker.keys)
+        .as_json()
+    )
+    claimed = {**own, "sig": own["sig"][:-8] + "00000000"}
+    before, stats = await _log(runtime), dict(worker.stats)
+    for ev in (own, claimed):
+        assert worker.ingest(ns.Event.from_json(json.dumps(ev))) is False
+    assert dict(worker.stats) == stats and await _log(runtime) == before
