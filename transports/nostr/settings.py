@@ -76,7 +76,10 @@ class NostrOptions(TransportSettings):
     stream_every_tokens: int = option(16, "a partial result every this many tokens ...", ge=1)
     stream_every_ms: int = option(500, "... or milliseconds", ge=1)
     stream_gap_ms: int = option(
-        25, "... but never sooner than this after the last (a fast engine's cap)", ge=0
+        25,
+        "... but never sooner than this after the last (a fast engine's cap)",
+        ge=0,
+        le=60_000,
     )
     negotiate_function_id: str = option(
         SAMPLE_NEGOTIATE_FUNCTION_ID, "the price-negotiation function", check=_hex_check

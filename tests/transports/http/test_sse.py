@@ -290,7 +290,7 @@ async def _resumed_turns(server: Served) -> None:
         )
 
 
-@pytest.mark.parametrize("bad", ["", "x", "-1", "10000000"])
+@pytest.mark.parametrize("bad", ["", "x", "-1", "10000000", str(2**70), "1e3", "nan"])
 async def test_generate_stream_with_a_bad_last_event_id_is_refused_before_generating(
     server: Served, bad: str
 ) -> None:

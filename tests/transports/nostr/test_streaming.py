@@ -8,8 +8,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from sessiontape.core.errors import ConfigError
 from sessiontape.core.events import T
 from sessiontape.core.runtime import Runtime
+from sessiontape.transports.nostr.settings import Settings
 from sessiontape.transports.nostr.worker import D4Worker
 from tests.transports.nostr.conftest import (
     Caller,
@@ -149,3 +153,12 @@ async def test_partial_results_keep_their_gap_on_a_fast_relay(
             await caller.close()
     finally:
         await runtime.aclose()
+
+
+@pytest.mark.parametrize(
+    "value", [float("nan"), float("inf"), -1, 2.5, "25", True, None, [25], 2**70]
+)
+def test_stream_gap_ms_refuses_what_is_not_a_whole_number_of_milliseconds(value: object) -> None:
+    """The option is refused by name, as a ConfigError, before any key is read."""
+    with pytest.raises(ConfigError, match=r"transports\.nostr\.stream_gap_ms"):
+        Settings.from_options({"relays": ["ws://127.0.0.1:1"], "stream_gap_ms": value})
