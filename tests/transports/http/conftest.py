@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -42,12 +43,21 @@ async def serve(
     return Served(rt, tr, f"http://127.0.0.1:{port}")
 
 
-@pytest.fixture
-async def server(sqlite_url: str, port: int) -> AsyncIterator[Served]:
-    """uvicorn on loopback; the reference engine sleeps 20 ms a step so streams can be cut mid-generation."""
-    s = await serve(sqlite_url, port, step_delay_s=0.02)
+@contextlib.asynccontextmanager
+async def serving(
+    sqlite_url: str, port: int, *, step_delay_s: float = 0.0, **options: object
+) -> AsyncIterator[Served]:
+    """:func:`serve`, stopped (transport, then runtime) however the block ends."""
+    s = await serve(sqlite_url, port, step_delay_s=step_delay_s, **options)
     try:
         yield s
     finally:
         await s.transport.stop(grace=1.0)
         await s.runtime.aclose()
+
+
+@pytest.fixture
+async def server(sqlite_url: str, port: int) -> AsyncIterator[Served]:
+    """uvicorn on loopback; the reference engine sleeps 20 ms a step so streams can be cut mid-generation."""
+    async with serving(sqlite_url, port, step_delay_s=0.02) as s:
+        yield s

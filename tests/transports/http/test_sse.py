@@ -16,7 +16,7 @@ from sessiontape.core.engine import SamplingParams
 from sessiontape.core.patch import apply_patch
 from sessiontape.core.runtime import Runtime
 from sessiontape.transports.http.list_feed import list_stream
-from tests.transports.http.conftest import Served, serve
+from tests.transports.http.conftest import Served, serving
 from tests.transports.http.sse_client import SseEvent, events
 
 
@@ -89,8 +89,7 @@ async def _watch_with_cut(
 
 @pytest.mark.parametrize("linger_s", [30.0, 0.0], ids=["resume-from-ring", "resume-from-log"])
 async def test_resume_after_a_cut_is_exact(sqlite_url: str, port: int, linger_s: float) -> None:
-    s = await serve(sqlite_url, port, step_delay_s=0.02, linger_s=linger_s)
-    try:
+    async with serving(sqlite_url, port, step_delay_s=0.02, linger_s=linger_s) as s:
         async with httpx.AsyncClient(base_url=s.url, timeout=20) as c:
             sid = await _session(c)
             await _generate_in_background(c, sid)
@@ -100,9 +99,6 @@ async def test_resume_after_a_cut_is_exact(sqlite_url: str, port: int, linger_s:
         positions = [e.position for e in await s.runtime.log.read(sid) if e.position > snapshot_id]
         assert ids == positions  # no gap, no duplicate
         assert doc["generations"][0]["finish_reason"] in ("length", "eos")
-    finally:
-        await s.transport.stop(grace=1.0)
-        await s.runtime.aclose()
 
 
 async def test_rfc6902_fallback_stream(server: Served) -> None:
@@ -254,12 +250,8 @@ async def test_generate_stream_resumed_from_last_event_id_sends_only_patches(
     """A client holding the document up to Last-Event-ID gets no snapshot on its next turn:
     the patches after that position (another client's append included), exactly, from the
     live feed's ring or, where the ring does not reach back (``ring = 1``), from the log."""
-    server = await serve(sqlite_url, port, ring=ring)
-    try:
+    async with serving(sqlite_url, port, ring=ring) as server:
         await _resumed_turns(server)
-    finally:
-        await server.transport.stop(grace=1.0)
-        await server.runtime.aclose()
 
 
 async def _resumed_turns(server: Served) -> None:
