@@ -115,6 +115,33 @@ def _config(src: Source, specials: Any, dtype: str, sha: str, tok: str, tpl: str
     }
 
 
+#: x86 flags of a CPU whose int8 dot products do not saturate (VNNI)
+_VNNI = ("avx512_vnni", "avx_vnni")
+
+
+def accuracy_level(cpu_flags: str | None = None) -> int:
+    """MatMulNBits' ``accuracy_level`` for blocks kept as they are: 4 (int8 activations,
+    the CPU's fast path) where int8 products are exact, 1 (float activations) on an
+    x86 CPU without VNNI.
+
+    Measured on an AVX2-only EPYC guest (onnxruntime 1.31.1, 2026-11-27): at level 4
+    the default SmolLM2 import served nonsense to every question asked over the OpenAI
+    routes, greedy included, where the same path on the VNNI guests of earlier days
+    answered them; with the graph's level set to 0 the France prompt gives "The capital
+    of France is Paris." (AVX2 has no int8 dot product without 16-bit intermediate
+    sums, the likely cause). ``cpu_flags``: /proc/cpuinfo's flags (read when None; a
+    machine without it keeps level 4)."""
+    if cpu_flags is None:
+        try:
+            cpu_flags = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return 4
+    flags = set(cpu_flags.split())
+    if "avx2" not in flags and "avx512f" not in flags:
+        return 4  # not an x86 CPU whose int8 path is known to drift
+    return 4 if any(f in flags for f in _VNNI) else 1
+
+
 def import_model(
     source: Path,
     out: Path,
@@ -142,6 +169,7 @@ def import_model(
         src.spec,
         name=name or (source.stem if source.is_file() else source.name),
         attention=attention,
+        accuracy_level=accuracy_level(),
     )
     sha = source_sha256(source)
     tok, specials, template = _tokenizer(src)
@@ -177,7 +205,11 @@ def import_model(
 def cache_folder(dtype: str, sha: str, attention: str = "gqa") -> Path:
     from sessiontape.engines.onnx.demo import cache_root
 
-    return cache_root() / "imported" / f"{sha[:16]}-{dtype}-{attention}-v{IMPORTER_VERSION}"
+    # the accuracy level depends on the CPU: a cache carried to another machine imports again
+    level = accuracy_level()
+    return (
+        cache_root() / "imported" / f"{sha[:16]}-{dtype}-{attention}-a{level}-v{IMPORTER_VERSION}"
+    )
 
 
 def ensure_imported(model: str, dtype: str = "auto", attention: str = "gqa") -> Path:

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from sessiontape.core.engine import OutputOptions, SamplingParams, Step
+from sessiontape.engines.models.importer import accuracy_level
 from sessiontape.engines.models.registry import DEFAULT_MODEL, installed, registry_path
 from sessiontape.engines.onnx.engine import OnnxEngine
 
@@ -297,3 +298,27 @@ async def test_audit_reexecutes_a_real_model_session(default_dir: Path, sqlite_u
         assert report.reexecuted and report.ok, report.to_json()
     finally:
         await rt.aclose()
+
+
+def test_france_answer_with_the_default_weights(q4: OnnxEngine) -> None:
+    """The 4-bit blocks served by default answer as float32 does, on this machine's CPU
+    (at the accuracy level :func:`accuracy_level` chose for it)."""
+    [france] = [p for p in PROMPTS if p["name"] == "france"]
+    ids = generated_ids(q4, "fr-q4", france["prompt_ids"])
+    assert q4.detokenize(ids[: ids.index(q4.info.eos_token_ids[0])]) == (
+        "The capital of France is Paris."
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "level"),
+    [
+        ("fpu sse2 avx avx2 fma", 1),
+        ("fpu sse2 avx avx2 avx512f avx512bw", 1),
+        ("fpu sse2 avx avx2 avx_vnni", 4),
+        ("fpu sse2 avx avx2 avx512f avx512_vnni", 4),
+        ("fp asimd asimddp", 4),
+    ],
+)
+def test_int8_activations_only_where_int8_products_are_exact(flags: str, level: int) -> None:
+    assert accuracy_level(flags) == level
