@@ -76,8 +76,12 @@ async def generate_runs(
 
 
 def _checked(rt: GenerationHost, request: GenerateRequest) -> GenerateRequest:
-    """The request, checked against the engine, with a seed drawn when it has none (so
-    every generation can be re-executed)."""
+    """The request, checked against the engine, with the sampling it left to the model
+    set as the model recommends and a seed drawn when it has none (so every
+    generation can be re-executed from what ``generation.started`` records)."""
+    if request.params.from_model:
+        params = request.params.for_model(rt.engine.info.sampling)
+        request = dataclasses.replace(request, params=params)
     request.params.check()
     if request.options.readout_ranges and rt.engine.info.readout_manifest is None:
         raise InvalidRange(f"engine {rt.engine.info.name!r} has no readouts")

@@ -29,6 +29,7 @@ from sessiontape.core.engine import (
 )
 from sessiontape.core.errors import ConfigError, ContextOverflow
 from sessiontape.core.settings import load_section, option
+from sessiontape.engines.models.sampling import SamplingOptions
 from sessiontape.engines.sampling import log_softmax, sample, top_logprobs
 from sessiontape.engines.tokenizer import ByteTokenizer
 
@@ -37,8 +38,8 @@ VOCAB = 259
 
 
 @dataclass(frozen=True)
-class ReferenceOptions:
-    """``[engine.options]`` of the reference engine."""
+class ReferenceOptions(SamplingOptions):
+    """``[engine.options]`` of the reference engine (it recommends no sampling itself)."""
 
     max_length: int = option(4096, "context limit, in tokens", ge=1)
     image_tokens: int | None = option(
@@ -73,6 +74,7 @@ class ReferenceEngine(Engine):
             ),
             provider="python",
             runtime_version="1",
+            sampling=opts.chosen(),
         )
 
     @property

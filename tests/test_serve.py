@@ -80,6 +80,8 @@ def test_serve_defaults_to_the_real_chat_model_over_http_openai_and_grpc(
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
         [model] = client.models.list().data
         assert model.id == "smollm2-135m-instruct"
+        # what a request naming no sampling gets: the model card's recommendation
+        assert (model.model_extra or {})["sampling"] == {"temperature": 0.2, "top_p": 0.9}
         reply = client.chat.completions.create(
             model=model.id,
             messages=[{"role": "user", "content": "What is 2 + 2? Answer with a number."}],

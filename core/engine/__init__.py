@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 
@@ -37,6 +37,34 @@ class ChatFormat:
     template: str
     bos_token: str | None = None
     eos_token: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelSampling:
+    """The sampling a served model recommends for requests that name none (its
+    ``generation_config.json``, a GGUF's ``general.sampling.*``, a registry entry, or
+    the operator's ``[engine.options]``). ``None``: no recommendation, the wire's
+    default applies (temperature 1, top_p 1, top_k 0)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in vars(self).items() if v is not None}
+
+
+#: the sampling fields a request may leave to the model (:attr:`SamplingParams.from_model`)
+MODEL_SAMPLED = ("temperature", "top_p", "top_k")
+
+
+def left_to_model(**fields: object) -> frozenset[str]:
+    """The names among ``fields`` (of :data:`MODEL_SAMPLED`) that a request left unset
+    (``None``): ``left_to_model(temperature=body.temperature, top_p=None)``."""
+    unknown = set(fields) - set(MODEL_SAMPLED)
+    if unknown:
+        raise ValueError(f"not sampling fields a model recommends: {sorted(unknown)}")
+    return frozenset(k for k, v in fields.items() if v is None)
 
 
 @dataclass(frozen=True)
@@ -61,6 +89,8 @@ class EngineInfo:
     #: where the model came from (recorded in ``session.opened``): ``source_sha256``,
     #: ``tokenizer_sha256``, ``chat_template_sha256``, ``dtype`` for an imported model
     origin: Mapping[str, str] = field(default_factory=dict)
+    #: what the served model recommends where a request names no sampling
+    sampling: ModelSampling = field(default_factory=ModelSampling)
 
     def provenance(self) -> dict[str, Any]:
         """The engine binding recorded in every session's ``session.opened`` event."""
@@ -90,6 +120,19 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    #: fields of :data:`MODEL_SAMPLED` the request left unset: the served model's
+    #: recommendation replaces their value when the generation begins
+    #: (:meth:`for_model`); never recorded, the resolved values are
+    from_model: frozenset[str] = frozenset()
+
+    def for_model(self, model: ModelSampling) -> SamplingParams:
+        """These parameters with the fields left to the model set as ``model`` recommends
+        (fields it says nothing of keep their value)."""
+        if not self.from_model:
+            return self
+        chosen = {k: getattr(model, k) for k in self.from_model if k in MODEL_SAMPLED}
+        chosen = {k: v for k, v in chosen.items() if v is not None}
+        return replace(self, from_model=frozenset(), **chosen)
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -42,7 +42,7 @@ from sessiontape.engines.onnx.model import hash_file
 log = logging.getLogger("sessiontape.engines.models")
 
 #: bump when the graph or the folder's files change, so caches rebuild
-IMPORTER_VERSION = 4
+IMPORTER_VERSION = 5
 MODEL_TYPE = "sessiontape-import"
 #: the graph's attention: one GroupQueryAttention per layer (fastest alone), or separate
 #: operators masked by position (continuous batching stays bit-exact)
@@ -112,6 +112,8 @@ def _config(src: Source, specials: Any, dtype: str, sha: str, tok: str, tpl: str
         "source": {"kind": src.kind, "name": src.path.name, "sha256": sha},
         "tokenizer_sha256": _sha(tok),
         "chat_template_sha256": None if tpl is None else _sha(tpl),
+        #: what the source recommends for requests that name no sampling (sampling.py)
+        "sampling": src.sampling.to_json(),
     }
 
 

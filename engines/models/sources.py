@@ -33,6 +33,7 @@ import numpy as np
 from sessiontape.core.errors import UnsupportedModel
 from sessiontape.engines.models import quant
 from sessiontape.engines.models.arch import spec_from_gguf, spec_from_hf
+from sessiontape.engines.models.sampling import gguf_sampling, hf_sampling
 from sessiontape.engines.onnx.builder import F32, QuantMatrix, Tensor
 
 DTYPES = ("auto", "float32", "float16", "q8", "q4")
@@ -121,6 +122,7 @@ class GgufSource:
         self._tensors = {t.name: t for t in self._reader.tensors}
         name = str(self.meta.get("general.name") or path.stem)
         self.spec, self._permute = spec_from_gguf(self.meta, name)
+        self.sampling = gguf_sampling(self.meta, path.name)
         if "rope_freqs.weight" in self._tensors:  # Llama 3.1's rope scaling, as llama.cpp keeps it
             self.spec = replace(self.spec, rope_freq_factors=self._rope_factors())
         self.policy = WeightPolicy(dtype)
@@ -313,6 +315,7 @@ class HfSource:
             for name in st.entries:
                 self._where[name] = st
         self.spec, self._tied = spec_from_hf(self.config, folder.name)
+        self.sampling = hf_sampling(folder)
         self.policy = WeightPolicy("float32" if dtype == "auto" else dtype)
         self.spec = replace(self.spec, float_type=float_type(dtype))
 

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from sessiontape.core.errors import ConfigError
+from sessiontape.engines.models.registry import REGISTRY
 from sessiontape.engines.onnx.demo import SIZES, ensure_demo
 
 log = logging.getLogger("sessiontape.engines.onnx")
@@ -36,6 +37,13 @@ def model_folder(
     if size not in SIZES:
         raise ConfigError(f"unknown demo model size {size!r}; choose one of {sorted(SIZES)}")
     return ensure_demo(size)
+
+
+def registry_name(model: str | None, model_dir: str | Path | None, size: str | None) -> str | None:
+    """The registry entry :func:`model_folder` serves for these options, if it serves one."""
+    if model is None and model_dir is None and size is None:
+        model = default_model()
+    return model if model in REGISTRY else None
 
 
 def default_model() -> str | None:

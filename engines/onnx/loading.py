@@ -19,12 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sessiontape.core.engine import EngineInfo
+from sessiontape.core.engine import EngineInfo, ModelSampling
 from sessiontape.core.errors import ConfigError, EngineError
+from sessiontape.engines.models.registry import REGISTRY
+from sessiontape.engines.models.sampling import layered
 from sessiontape.engines.onnx.batch import BatchScheduler
 from sessiontape.engines.onnx.builder import SLOT_BLOCK
 from sessiontape.engines.onnx.demo import PAD
-from sessiontape.engines.onnx.folders import model_folder
+from sessiontape.engines.onnx.folders import model_folder, registry_name
 from sessiontape.engines.onnx.model import (
     Concepts,
     GraphSpec,
@@ -35,6 +37,7 @@ from sessiontape.engines.onnx.model import (
     load_tokenizer,
     model_facts,
     model_origin,
+    model_sampling,
     model_sha256,
 )
 from sessiontape.engines.onnx.options import OnnxOptions
@@ -268,6 +271,7 @@ def engine_info(
         readout_manifest=None if concepts is None else concepts.manifest,
         chat=chat_format(m.folder),
         origin=model_origin(m.folder),
+        sampling=served_sampling(m.folder, o),
         provider=m.provider,
         runtime_version=str(m.ort.__version__),
         extra={
@@ -288,6 +292,15 @@ def engine_info(
             "batch_slots": slots,
         },
     )
+
+
+def served_sampling(folder: Path, o: OnnxOptions) -> ModelSampling:
+    """The sampling of a request that names none: the options', else the registry
+    entry's the model was named by, else the model's own (engines/models/sampling.py)."""
+    options = o.chosen()
+    name = registry_name(o.model, o.model_dir, o.size)
+    entry = ModelSampling() if name is None else REGISTRY[name].sampling
+    return layered(options, entry, model_sampling(folder))
 
 
 def batch_scheduler(

@@ -28,8 +28,9 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from sessiontape.core.engine import ChatFormat, ReadoutManifest
+from sessiontape.core.engine import ChatFormat, ModelSampling, ReadoutManifest
 from sessiontape.core.errors import ConfigError, EngineError
+from sessiontape.engines.models.sampling import checked_sampling
 
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 _HIDDEN = re.compile(r"^hidden_states\.(\d+)$")
@@ -161,6 +162,16 @@ def model_origin(folder: Path) -> dict[str, str]:
         if cfg.get(key):
             out[key] = str(cfg[key])
     return out
+
+
+def model_sampling(folder: Path) -> ModelSampling:
+    """What an imported model's source recommends for requests that name no sampling
+    (config.json's ``sampling``; nothing for other folders)."""
+    path = folder / "config.json"
+    recommended = read_json(path).get("sampling") or {}
+    if not isinstance(recommended, dict):
+        raise ConfigError(f"{path}: sampling is not a JSON object")
+    return checked_sampling(recommended, f"{path}: sampling")
 
 
 def read_json(path: Path) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from sessiontape.core.settings import option
 from sessiontape.engines.models.importer import ATTENTIONS
+from sessiontape.engines.models.sampling import SamplingOptions
 from sessiontape.engines.models.sources import DTYPES
 from sessiontape.engines.onnx.demo import SIZES
 
@@ -23,7 +24,7 @@ MAX_BATCH_SLOTS = 1024
 
 
 @dataclass(frozen=True)
-class OnnxOptions:
+class OnnxOptions(SamplingOptions):
     """``[engine.options]`` of the ONNX Runtime engine."""
 
     model: str | None = option(

@@ -37,7 +37,7 @@ from google.protobuf import json_format, message, struct_pb2
 
 from sessiontape.core.bodies import action_id_of
 from sessiontape.core.document.text import TextStream
-from sessiontape.core.engine import SamplingParams
+from sessiontape.core.engine import MODEL_SAMPLED, SamplingParams
 from sessiontape.core.errors import (
     InvalidAction,
     InvalidFragment,
@@ -197,6 +197,7 @@ def sampling_params(configs: Sequence[Any]) -> SamplingParams:
             top_k=ints.get("top_k", SamplingParams.top_k),
             seed=None if seed is None else int(seed),
             stop_token_ids=tuple(int(t) for t in merged.get("stop_token_ids", ())),
+            from_model=frozenset(f for f in MODEL_SAMPLED if f not in merged),
         )
     except (TypeError, ValueError) as exc:
         raise InvalidParameters(f"bad GENERATE config: {exc}") from exc

@@ -26,7 +26,7 @@ from typing import Any
 
 from sessiontape.core.bodies import GenerationFinished, TokensTruncated, body, generated_token
 from sessiontape.core.config import Config
-from sessiontape.core.engine import SamplingParams
+from sessiontape.core.engine import SamplingParams, left_to_model
 from sessiontape.core.errors import CacheInvariantViolation
 from sessiontape.core.events import T
 from sessiontape.core.runtime import Runtime
@@ -137,12 +137,17 @@ class KakeyaService(pb_grpc.RuntimeServiceServicer, GrpcService):
         protocol's; taking the runtime's runs directly spares two generator hops a token)."""
         sid = request.session_id
         async with grpc_errors(context, sid):
+            has_t, has_p, has_k = (request.HasField(f) for f in ("temperature", "top_p", "top_k"))
             params = SamplingParams(
                 max_tokens=request.max_tokens,
-                temperature=request.temperature if request.HasField("temperature") else 1.0,
-                top_p=request.top_p if request.HasField("top_p") else 1.0,
-                top_k=request.top_k if request.HasField("top_k") else 0,
+                temperature=request.temperature if has_t else 1.0,
+                top_p=request.top_p if has_p else 1.0,
+                top_k=request.top_k if has_k else 0,
                 seed=request.seed if request.HasField("seed") else None,
+                # unset: the served model's recommendation
+                from_model=left_to_model(
+                    temperature=has_t or None, top_p=has_p or None, top_k=has_k or None
+                ),
             )
             self.generations.track()
             runs = self.runtime.generate_runs(sid, params, sink_window=self.sink_window)

@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from sessiontape.core.bodies import GenerationFinished, GenerationToken, body
-from sessiontape.core.engine import OutputOptions, SamplingParams
+from sessiontape.core.engine import OutputOptions, SamplingParams, left_to_model
 from sessiontape.core.errors import ModelMismatch
 from sessiontape.core.events import Event, T
 from sessiontape.core.runtime import Runtime
@@ -139,6 +139,12 @@ class SalienceService(pb_grpc.SalienceServicer, GrpcService):
                 top_k=request.top_k,
                 seed=None,  # the runtime draws one and records it
                 stop_token_ids=tuple(request.stop_token_ids),
+                # proto3 scalars: 0 is unset, left to the served model's recommendation
+                from_model=left_to_model(
+                    temperature=request.temperature or None,
+                    top_p=request.top_p or None,
+                    top_k=request.top_k or None,
+                ),
             )
             options = OutputOptions(
                 logprob_top_k=request.logprob_top_k,

@@ -54,7 +54,7 @@ class ChatCompletions:
         r = parse(ChatCompletionRequest, b)
         messages = r.turn()
         max_tokens = r.max_tokens if r.max_completion_tokens is None else r.max_completion_tokens
-        params = r.sampling(max_tokens)
+        params = r.sampling(max_tokens).for_model(self.runtime.engine.info.sampling)
         top = r.top_logprobs
         sid = r.session_id
         req = {

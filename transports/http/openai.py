@@ -177,6 +177,8 @@ class Models:
             "provider": info.provider,
             "max_length": info.max_length,
             "model_hash": info.model_hash,
+            # what a request that names no temperature / top_p / top_k gets (docs/models.md)
+            "sampling": info.sampling.to_json(),
         }
 
     async def list(self, _: Request) -> Response:

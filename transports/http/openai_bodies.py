@@ -30,7 +30,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from sessiontape.core.engine import SamplingParams
+from sessiontape.core.engine import SamplingParams, left_to_model
 from sessiontape.transports.http.openai import DEFAULT_MAX_TOKENS, BadParam
 from sessiontape.transports.http.request_bodies import describe
 
@@ -111,18 +111,22 @@ class Request(BaseModel):
     unsupported: ClassVar[tuple[str, ...]] = ()
 
     model: str = Field(min_length=1, description="GET /v1/models; the engine's name also works")
-    temperature: Temperature | None = 1.0
-    top_p: TopP | None = 1.0
+    #: unset: the served model's recommendation (docs/models.md), else 1
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     seed: Seed | None = None
     metadata: Metadata | None = None
     stream: bool | None = False
 
     def sampling(self, max_tokens: int | None) -> SamplingParams:
+        """The request's sampling; what it leaves unset (and top_k, which OpenAI's API
+        does not name) the served model's recommendation sets when the generation begins."""
         return SamplingParams(
             max_tokens=max_tokens or DEFAULT_MAX_TOKENS,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             seed=self.seed,
+            from_model=left_to_model(temperature=self.temperature, top_p=self.top_p, top_k=None),
         )
 
 

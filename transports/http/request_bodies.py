@@ -38,7 +38,7 @@ from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue
 from pydantic_core import CoreSchema, ErrorDetails, PydanticCustomError, core_schema
 from pydantic_core.core_schema import ErrorType
 
-from sessiontape.core.engine import MAX_TOKENS_LIMIT, OutputOptions, SamplingParams
+from sessiontape.core.engine import MAX_TOKENS_LIMIT, OutputOptions, SamplingParams, left_to_model
 from sessiontape.core.errors import InvalidArgument, InvalidParameters
 
 INT64 = (-(2**63), 2**63 - 1)
@@ -151,9 +151,10 @@ class Generate(Body):
     `background=true` with 202 at once."""
 
     max_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)] | None = _SAMPLING.max_tokens
-    temperature: Annotated[float, Field(ge=0, le=1e6)] | None = _SAMPLING.temperature
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = _SAMPLING.top_p
-    top_k: NonNegative | None = _SAMPLING.top_k
+    #: unset (or null): the served model's recommendation, else 1 / 1 / 0
+    temperature: Annotated[float, Field(ge=0, le=1e6)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: NonNegative | None = None
     seed: Seed | None = None
     stop_token_ids: list[NonNegative] = Field(default_factory=list)
     logprob_top_k: Annotated[int, Field(ge=0, le=2**31)] | None = None
@@ -180,6 +181,9 @@ class Generate(Body):
             top_k=d.top_k if self.top_k is None else self.top_k,
             seed=self.seed,
             stop_token_ids=tuple(self.stop_token_ids),
+            from_model=left_to_model(
+                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k
+            ),
         )
         params.check()
         options = OutputOptions(

@@ -68,7 +68,8 @@ class Responses:
         items = r.messages()
         instructions, prev = r.instructions, r.previous_response_id
         store, background = r.store is not False, bool(r.background)
-        params = r.sampling(r.max_output_tokens)
+        # the values used, as the response echoes them
+        params = r.sampling(r.max_output_tokens).for_model(self.runtime.engine.info.sampling)
         top = r.top_logprobs
         req = {
             "model": model,

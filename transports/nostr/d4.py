@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from sessiontape.core.engine import left_to_model
 from sessiontape.core.errors import InvalidParameters, InvalidValue
 from sessiontape.core.events import check_body
 
@@ -47,6 +48,8 @@ class GenArgs:
     seed: int | None
     stop: tuple[str, ...]
     max_tokens: int | None
+    #: the sampling arguments the call left out (or null): the served model's recommendation
+    from_model: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -171,6 +174,9 @@ def parse_args(args: Mapping[str, Any]) -> GenArgs:
         seed=_int_or_none(args, "seed", 0, MAX_SEED),
         stop=stops,
         max_tokens=_int_or_none(args, "max_tokens", 1, 1 << 31),
+        from_model=left_to_model(
+            temperature=args.get("temperature"), top_p=args.get("top_p"), top_k=args.get("top_k")
+        ),
     )
 
 

@@ -188,6 +188,7 @@ async def generate_text(
         top_p=args.top_p,
         top_k=args.top_k,
         seed=args.seed,
+        from_model=args.from_model,
     )
     gen = cast(
         AsyncGenerator[Event, None],

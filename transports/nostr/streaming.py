@@ -235,6 +235,7 @@ async def generate_answer(worker: Answerer, job: CallToAnswer, answer: Answer) -
         top_p=args.top_p,
         top_k=args.top_k,
         seed=args.seed,
+        from_model=args.from_model,
     )
     partials = PartialResults(worker, job, answer)
     gen = cast(

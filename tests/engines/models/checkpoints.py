@@ -283,9 +283,11 @@ def write_gguf(
     gguf_arch: str | None = None,
     extra: Mapping[str, int | float | str] | None = None,
     extra_tensors: Mapping[str, F32] | None = None,
+    general: Mapping[str, int | float | str] | None = None,
 ) -> GgufFile:
     """A GGUF file as llama.cpp's converter writes it; matrices in ``qtype`` (norms and biases
-    stay F32). ``extra`` adds (or overrides) ``{arch}.``-relative integer/float/string keys."""
+    stay F32). ``extra`` adds (or overrides) ``{arch}.``-relative integer/float/string keys;
+    ``general`` adds whole keys (``general.sampling.temp``) typed the same way."""
     name = gguf_arch or arch.name
     w = gguf.GGUFWriter(str(path), arch=name)
     w.add_name(f"tiny-{arch.name}")
@@ -304,13 +306,14 @@ def write_gguf(
         "vocab_size": VOCAB,
         **(extra or {}),
     }
-    for key, value in meta.items():  # as llama.cpp types them: uint32, float32, string
+    keyed = {f"{name}.{key}": value for key, value in meta.items()} | dict(general or {})
+    for key, value in keyed.items():  # as llama.cpp types them: uint32, float32, string
         if isinstance(value, str):
-            w.add_string(f"{name}.{key}", value)
+            w.add_string(key, value)
         elif isinstance(value, int):
-            w.add_uint32(f"{name}.{key}", value)
+            w.add_uint32(key, value)
         else:
-            w.add_float32(f"{name}.{key}", value)
+            w.add_float32(key, value)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt2")
     w.add_token_list(TOKENS)

@@ -20,6 +20,7 @@ from sessiontape.transports.grpc.client import (
     sampling_config,
     text_fragments,
 )
+from sessiontape.transports.grpc.evergreen import sampling_params
 from sessiontape.transports.grpc.gen.evergreen.v2 import evergreen_pb2
 from tests.transports.grpc.conftest import Served
 
@@ -761,3 +762,9 @@ async def test_client_cancel_records_the_generation_as_cancelled(
     assert fin.body["finish_reason"] == "cancelled"
     assert [e.body["code"] for e in evs if e.type == T.ACTION_FAILED] == ["cancelled"]
     assert evs[-1].type == T.SESSION_CLOSED and evs[-1].body["reason"] == "cancelled"
+
+
+def test_generate_config_keys_left_out_are_the_models() -> None:
+    assert sampling_params([]).from_model == frozenset({"temperature", "top_p", "top_k"})
+    params = sampling_params([sampling_config(temperature=0.5), sampling_config(top_k=3)])
+    assert (params.temperature, params.top_k, params.from_model) == (0.5, 3, frozenset({"top_p"}))

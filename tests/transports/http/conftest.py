@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
+from sessiontape.core.engine import Engine
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
 from sessiontape.transports.http.app import create_app
@@ -34,10 +35,16 @@ class Served:
 
 
 async def serve(
-    sqlite_url: str, port: int, *, step_delay_s: float = 0.0, **options: object
+    sqlite_url: str,
+    port: int,
+    *,
+    step_delay_s: float = 0.0,
+    engine: Engine | None = None,
+    **options: object,
 ) -> Served:
+    """``engine``: the reference engine (sleeping ``step_delay_s`` a step) unless given."""
     cfg = make_config(sqlite_url)
-    rt = await Runtime.create(cfg, engine=ReferenceEngine(step_delay_s=step_delay_s))
+    rt = await Runtime.create(cfg, engine=engine or ReferenceEngine(step_delay_s=step_delay_s))
     tr = HttpTransport(rt, {"listen": f"127.0.0.1:{port}", "heartbeat_s": 1.0, **options}, cfg)
     await tr.start()
     return Served(rt, tr, f"http://127.0.0.1:{port}")
@@ -45,10 +52,15 @@ async def serve(
 
 @contextlib.asynccontextmanager
 async def serving(
-    sqlite_url: str, port: int, *, step_delay_s: float = 0.0, **options: object
+    sqlite_url: str,
+    port: int,
+    *,
+    step_delay_s: float = 0.0,
+    engine: Engine | None = None,
+    **options: object,
 ) -> AsyncIterator[Served]:
     """:func:`serve`, stopped (transport, then runtime) however the block ends."""
-    s = await serve(sqlite_url, port, step_delay_s=step_delay_s, **options)
+    s = await serve(sqlite_url, port, step_delay_s=step_delay_s, engine=engine, **options)
     try:
         yield s
     finally:

@@ -148,3 +148,9 @@ def test_settings_reject_bad_memory_options(tmp_path: Path, bad: dict[str, objec
         Settings.from_options({"relays": ["ws://127.0.0.1:1"], "key_file": str(key)}).index_size
         == 10_000
     )
+
+
+def test_sampling_a_call_leaves_out_or_nulls_is_the_models() -> None:
+    args = d4.parse_args({"temperature": 0.3, "top_k": None})
+    assert args.from_model == frozenset({"top_p", "top_k"})
+    assert d4.parse_args({"temperature": 1, "top_p": 1, "top_k": 0}).from_model == frozenset()
