@@ -74,8 +74,21 @@ def sample(logits: F32, params: SamplingParams, position: int) -> tuple[int, flo
     return _draw(scaled, logp, params, position)
 
 
+#: vocabularies from this size on draw from a sorted prefix (:func:`_draw_prefix`)
+PREFIX_MIN_VOCAB = 2048
+#: the first prefix :func:`_draw_prefix` sorts; it grows fourfold until the draw lies in it
+FIRST_PREFIX = 64
+
+
 def _draw(scaled: F64, logp: F64, params: SamplingParams, position: int) -> tuple[int, float]:
-    """The seeded draw among the top-k / top-p candidates of ``scaled`` (logits / temperature)."""
+    """The seeded draw among the top-k / top-p candidates of ``scaled`` (logits / temperature).
+
+    The candidates in order of score (the lowest id first among equal ones); the draw
+    takes the first whose cumulative probability passes ``u`` (the seeded uniform) of the
+    whole. A large vocabulary with finite scores sorts only the prefix the draw needs
+    (:func:`_draw_prefix`), the same draw."""
+    if scaled.shape[0] >= PREFIX_MIN_VOCAB and np.isfinite(scaled).all():
+        return _draw_prefix(scaled, logp, params, position)
     order = np.lexsort((np.arange(scaled.shape[0]), -scaled))
     if params.top_k > 0:
         order = order[: params.top_k]
@@ -91,3 +104,61 @@ def _draw(scaled: F64, logp: F64, params: SamplingParams, position: int) -> tupl
     i = int(np.searchsorted(cum, u * cum[-1], side="right"))
     tok = int(order[min(i, len(order) - 1)])
     return tok, float(logp[tok])
+
+
+def _first(scaled: F64, m: int) -> npt.NDArray[np.intp]:
+    """The ``m`` first ids of ``scaled`` in the draw's order (highest score first, the
+    lowest id first among equal ones), in that order: what a full sort's first ``m``
+    are, from a partition (the ties at the boundary settled by id)."""
+    n = scaled.shape[0]
+    neg = -scaled
+    if m >= n:
+        return np.lexsort((np.arange(n), neg))
+    part = np.argpartition(neg, m - 1)[:m]
+    kth = neg[part].max()
+    strict = np.flatnonzero(neg < kth)
+    ties = np.flatnonzero(neg == kth)[: m - strict.shape[0]]
+    idx = np.concatenate([strict, ties])
+    return idx[np.lexsort((idx, neg[idx]))]
+
+
+def _draw_prefix(
+    scaled: F64, logp: F64, params: SamplingParams, position: int
+) -> tuple[int, float]:
+    """:func:`_draw` for a large vocabulary of finite scores: each candidate's probability
+    is its weight over the candidates' total (the same arithmetic as the full sort's,
+    the total summed in id order where every id is a candidate), and only a prefix of
+    the candidates is sorted, grown fourfold until it holds the ``top_p`` cut and the
+    draw. A sampled 49,152-token vocabulary took 11 ms a token sorted in full (the
+    SmolLM2 models' decode step takes about as long) and a fraction of a millisecond so."""
+    n = scaled.shape[0]
+    limit = n if params.top_k <= 0 else min(params.top_k, n)
+    top = float(scaled.max())
+    if limit < n:
+        candidates = _first(scaled, limit)
+        total = float(np.exp(scaled[candidates] - top).sum())
+    else:
+        candidates = None
+        total = float(np.exp(scaled - top).sum())
+    u = uniform(params.seed, position)
+    m = min(limit, FIRST_PREFIX)
+    while True:
+        order = _first(scaled, m) if candidates is None else candidates[:m]
+        p = np.exp(scaled[order] - top) / total
+        whole = m == limit
+        if params.top_p < 1.0:
+            cum = np.cumsum(p)
+            keep = int(np.searchsorted(cum, params.top_p) + 1)
+            if keep <= m or whole:
+                order, p = order[:keep], p[:keep] / p[:keep].sum()
+                cum = np.cumsum(p)
+                i = int(np.searchsorted(cum, u * cum[-1], side="right"))
+                tok = int(order[min(i, len(order) - 1)])
+                return tok, float(logp[tok])
+        else:
+            cum = np.cumsum(p)
+            i = int(np.searchsorted(cum, u, side="right"))
+            if i < m or whole:
+                tok = int(order[min(i, len(order) - 1)])
+                return tok, float(logp[tok])
+        m = min(limit, 4 * m)

@@ -206,6 +206,18 @@ def _float_rows(raw: Any, t: Any) -> F32:
     return np.asarray(quants.dequantize(raw, t.tensor_type), dtype=np.float32)
 
 
+def gguf_parameters(path: Path) -> int:
+    """How many weights a GGUF file holds (its tensors' elements); 0 for a file that is
+    not readable GGUF (the import then refuses it with the reason)."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+    except (ValueError, OSError, IndexError):
+        return 0
+    return sum(int(t.n_elements) for t in reader.tensors)
+
+
 def gguf_metadata(reader: Any) -> dict[str, Any]:
     """A GGUF file's key-value metadata as plain Python values (strings, numbers, lists)."""
     out: dict[str, Any] = {}

@@ -9,7 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sessiontape.core.engine import SamplingParams
-from sessiontape.engines.sampling import _draw, log_softmax, sample
+from sessiontape.engines.sampling import (
+    F64,
+    PREFIX_MIN_VOCAB,
+    _draw,
+    log_softmax,
+    sample,
+    uniform,
+)
 
 #: scores with many ties and both infinities among them
 _SCORE = st.one_of(
@@ -66,3 +73,48 @@ def test_top_k_one_equals_greedy_on_ordinary_scores() -> None:
         greedy = sample(x, SamplingParams(max_tokens=1, temperature=0.0), position)
         top1 = sample(x, SamplingParams(max_tokens=1, temperature=0.7, top_k=1, seed=3), position)
         assert top1 == greedy
+
+
+def _draw_sorted(scaled: F64, params: SamplingParams, position: int) -> int:
+    """The draw as its definition says: every candidate sorted (highest score first, the
+    lowest id first among equal ones), top-k, then the top-p cut, then the seeded pick."""
+    order = np.lexsort((np.arange(scaled.shape[0]), -scaled))
+    if params.top_k > 0:
+        order = order[: params.top_k]
+    z = scaled[order]
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if params.top_p < 1.0:
+        cum = np.cumsum(p)
+        keep = int(np.searchsorted(cum, params.top_p) + 1)
+        order, p = order[:keep], p[:keep] / p[:keep].sum()
+    cum = np.cumsum(p)
+    i = int(np.searchsorted(cum, uniform(params.seed, position) * cum[-1], side="right"))
+    return int(order[min(i, len(order) - 1)])
+
+
+@settings(max_examples=200, derandomize=True, deadline=None)
+@given(
+    vocab=st.sampled_from([PREFIX_MIN_VOCAB, 5_000, 49_152]),
+    spread=st.sampled_from([0.3, 3.0, 12.0]),
+    ties=st.booleans(),
+    temperature=st.sampled_from([0.05, 0.2, 0.7, 1.0, 1.6]),
+    top_p=st.sampled_from([1.0, 0.999, 0.9, 0.5, 0.01]),
+    top_k=st.sampled_from([0, 0, 1, 7, 64, 65, 3_000]),
+    seed=st.integers(0, 2**32),
+)
+def test_a_large_vocabulary_draws_what_the_full_sort_draws(
+    vocab: int, spread: float, ties: bool, temperature: float, top_p: float, top_k: int, seed: int
+) -> None:
+    """The prefix draw (large vocabularies) picks the token the definition picks, ties
+    at every prefix boundary included (rounded scores), for ten positions each."""
+    x = (np.random.default_rng(seed).standard_normal(vocab) * spread).astype(np.float32)
+    if ties:
+        x = np.round(x)
+    logp = log_softmax(x)
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    scaled = x.astype(np.float64) / temperature
+    for position in range(10):
+        tok, lp = _draw(scaled, logp, params, position)
+        assert tok == _draw_sorted(scaled, params, position)
+        assert lp == logp[tok]

@@ -22,7 +22,11 @@ import numpy as np
 import pytest
 
 from sessiontape.core.engine import OutputOptions, SamplingParams, Step
-from sessiontape.engines.models.importer import accuracy_level
+from sessiontape.engines.models.importer import (
+    FLOAT_AUTO_MAX_BYTES,
+    accuracy_level,
+    import_dtype,
+)
 from sessiontape.engines.models.registry import DEFAULT_MODEL, installed, registry_path
 from sessiontape.engines.onnx.engine import OnnxEngine
 
@@ -212,7 +216,9 @@ def test_default_import_provenance_and_readouts(q4: OnnxEngine, default_dir: Pat
     assert prov["source_sha256"] == REFERENCE["gguf"]["sha256"] == cfg["source"]["sha256"]
     assert prov["tokenizer_sha256"] == cfg["tokenizer_sha256"]
     assert prov["chat_template_sha256"] == cfg["chat_template_sha256"]
-    assert prov["dtype"] == "auto" and len(prov["model_hash"]) == 64
+    # auto: the GGUF's blocks, or float32 weights on a CPU without exact int8 products
+    assert prov["dtype"] == import_dtype("auto", registry_path(DEFAULT_MODEL))
+    assert len(prov["model_hash"]) == 64
     assert q4.info.chat is not None and "<|im_start|>" in q4.info.chat.template
     manifest = q4.info.readout_manifest
     assert manifest is not None and "question" in manifest.concepts
@@ -322,3 +328,32 @@ def test_france_answer_with_the_default_weights(q4: OnnxEngine) -> None:
 )
 def test_int8_activations_only_where_int8_products_are_exact(flags: str, level: int) -> None:
     assert accuracy_level(flags) == level
+
+
+@pytest.mark.parametrize(
+    ("flags", "dtype", "imported"),
+    [
+        ("fpu sse2 avx avx2 fma", "auto", "float32"),
+        ("fpu sse2 avx avx2 avx_vnni", "auto", "auto"),
+        ("fp asimd asimddp", "auto", "auto"),
+        ("fpu sse2 avx avx2 fma", "q4", "q4"),
+        ("fpu sse2 avx avx2 fma", "float16", "float16"),
+    ],
+)
+def test_auto_holds_small_gguf_weights_as_float32_where_int8_is_inexact(
+    flags: str, dtype: str, imported: str
+) -> None:
+    """Where int8 products saturate, 4-bit blocks run with float activations, unpacked on
+    every call (2.5 tokens/s for SmolLM2 on an AVX2 VM); float32 weights answer the same,
+    about 9 times faster."""
+    assert import_dtype(dtype, registry_path(DEFAULT_MODEL), flags) == imported
+
+
+def test_auto_keeps_the_blocks_of_a_model_too_large_for_float32(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from sessiontape.engines.models import importer
+
+    monkeypatch.setattr(importer, "FLOAT_AUTO_MAX_BYTES", 134_515_008 * 4 - 1)
+    assert import_dtype("auto", registry_path(DEFAULT_MODEL), "avx2") == "auto"
+    assert FLOAT_AUTO_MAX_BYTES == 4 << 30
