@@ -89,6 +89,13 @@ def _draw(scaled: F64, logp: F64, params: SamplingParams, position: int) -> tupl
     (:func:`_draw_prefix`), the same draw."""
     if scaled.shape[0] >= PREFIX_MIN_VOCAB and np.isfinite(scaled).all():
         return _draw_prefix(scaled, logp, params, position)
+    return _draw_sorted(scaled, logp, params, position)
+
+
+def _draw_sorted(
+    scaled: F64, logp: F64, params: SamplingParams, position: int
+) -> tuple[int, float]:
+    """:func:`_draw` as its definition says: every candidate sorted."""
     order = np.lexsort((np.arange(scaled.shape[0]), -scaled))
     if params.top_k > 0:
         order = order[: params.top_k]
