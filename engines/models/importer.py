@@ -150,9 +150,11 @@ FLOAT_AUTO_MAX_BYTES = 4 << 30
 
 
 def import_dtype(dtype: str, source: Path, cpu_flags: str | None = None) -> str:
-    """The dtype an import of ``source`` uses: ``dtype``, except that ``auto`` holds a GGUF
-    file's weights as float32 (dequantized exactly) on a CPU where :func:`accuracy_level`
-    is 1, when they take at most :data:`FLOAT_AUTO_MAX_BYTES` so.
+    """The dtype a server imports ``source`` with (:func:`ensure_imported`): ``dtype``,
+    except that ``auto`` holds a GGUF file's weights as float32 (dequantized exactly) on a
+    CPU where :func:`accuracy_level` is 1, when they take at most
+    :data:`FLOAT_AUTO_MAX_BYTES` so. (``sessiontape model import --dtype auto`` writes
+    the blocks wherever it runs: a folder is served as it is, on any CPU.)
 
     There MatMulNBits computes 4-bit blocks with float activations by unpacking the
     weights on every call: SmolLM2-135M decoded 2.3-2.7 tokens/s on the AVX2 VM of
@@ -187,7 +189,6 @@ def import_model(
             f"unknown attention {attention!r}; choose one of {', '.join(ATTENTIONS)}"
         )
     t0 = time.perf_counter()
-    dtype = import_dtype(dtype, source)
     src = open_source(source, dtype)
     src.spec = replace_spec(
         src.spec,

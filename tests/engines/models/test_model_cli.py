@@ -97,14 +97,16 @@ def test_an_unsupported_source_is_one_line_and_writes_nothing(tmp_path: Path) ->
 def test_the_cache_imports_once_per_source_dtype_and_attention(
     tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from sessiontape.engines.models.importer import ensure_imported, source_sha256
+    from sessiontape.engines.models.importer import ensure_imported, import_dtype, source_sha256
 
     monkeypatch.setenv("SESSIONTAPE_CACHE", str(tmp_path))
     first = ensure_imported(str(tiny_gguf))
     stamp = (first / "model.onnx").stat().st_mtime_ns
     assert ensure_imported(str(tiny_gguf)) == first  # reused, not rebuilt
     assert (first / "model.onnx").stat().st_mtime_ns == stamp
-    assert first.name.startswith(source_sha256(tiny_gguf)[:16] + "-auto-gqa-")
+    # auto, or float32 on a CPU whose int8 products are inexact (importer.import_dtype)
+    dtype = import_dtype("auto", tiny_gguf)
+    assert first.name.startswith(f"{source_sha256(tiny_gguf)[:16]}-{dtype}-gqa-")
     masked = ensure_imported(str(tiny_gguf), attention="masked")
     assert masked != first and json.loads((masked / "config.json").read_text())["attention"] == (
         "masked"
