@@ -637,9 +637,11 @@ async def test_generations_taking_turns_commit_each_turns_steps_as_one_run(
             return sizes[1:-1]  # the first has no step time to go by; the last is a rest
 
         sizes = [n for each in await asyncio.gather(*(one(s) for s in range(gens))) for n in each]
-        # a turn's steps in one run: a tiny run at most now and then, where a slow
-        # step let the committer's linger time run out inside a turn
-        assert sum(n <= 2 for n in sizes) <= gens, sizes
+        # a turn's steps in one run: a tiny run now and then, where a slow step let the
+        # committer's linger time run out inside a turn (up to 16 of 60 runs with a CI
+        # run and benchmarks sharing the two cores). The fault this guards against split
+        # every turn into its first step and the rest: half the runs tiny
+        assert sum(n <= 2 for n in sizes) <= len(sizes) // 3, sizes
         # no run spans two turns by lingering: the committer that lingered across the other
         # generations' turns merged nearly every turn with the next. A committer still busy
         # with its last commit while seven other turns run (a slow commit on a loaded
