@@ -114,6 +114,7 @@ class SamplingOptions:
         None,
         "the top_k of a request that names none (0: no top-k filter)",
         ge=0,
+        le=2**31 - 1,
         shown="the model's recommendation, else 0",
     )
 

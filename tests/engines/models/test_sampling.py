@@ -147,3 +147,33 @@ def test_the_registry_model_recommends_its_cards_sampling(tmp_path: Path) -> Non
     assert served_sampling(tmp_path, o) == ModelSampling(temperature=0.2, top_p=0.9, top_k=5)
     # a folder named as it is: only its own recommendation
     assert served_sampling(tmp_path, OnnxOptions(model_dir=tmp_path)) == ModelSampling(top_k=5)
+
+
+BAD_OPTIONS = [
+    ("default_temperature", math.nan),
+    ("default_temperature", math.inf),
+    ("default_temperature", -1),
+    ("default_temperature", 101),
+    ("default_temperature", "0.2"),
+    ("default_temperature", True),
+    ("default_top_p", 0),
+    ("default_top_p", 1.5),
+    ("default_top_p", [0.9]),
+    ("default_top_k", -1),
+    ("default_top_k", 2.5),
+    ("default_top_k", 2**70),
+    ("default_top_k", "7"),
+]
+
+
+@pytest.mark.parametrize(("name", "value"), BAD_OPTIONS, ids=[f"{n}={v!r}" for n, v in BAD_OPTIONS])
+def test_bad_default_sampling_options_are_refused_by_name(name: str, value: Any) -> None:
+    """Both engines take the options through one class; a bad value is a ConfigError
+    naming it, before any model is opened."""
+    from sessiontape.engines.onnx.engine import OnnxEngine
+    from sessiontape.engines.reference import ReferenceEngine
+
+    with pytest.raises(ConfigError, match=name):
+        ReferenceEngine(**{name: value})
+    with pytest.raises(ConfigError, match=name):
+        OnnxEngine(model_dir="/nonexistent", **{name: value})
