@@ -30,8 +30,9 @@ from sessiontape.core.engine import ModelSampling
 from sessiontape.core.errors import UnsupportedModel
 from sessiontape.core.settings import option
 
-#: the highest temperature a model or an operator may recommend
+#: the highest temperature and top_k a model or an operator may recommend
 MAX_TEMPERATURE = 100.0
+MAX_TOP_K = 2**31 - 1
 
 #: a GGUF's keys for the fields (llama.cpp's ``general.sampling.*``)
 GGUF_KEYS = {
@@ -56,7 +57,7 @@ def checked_sampling(values: Mapping[str, Any], where: str) -> ModelSampling:
     if top_p is not None and not (_number(top_p) and 0 < top_p <= 1):
         raise UnsupportedModel(f"{where}: top_p must be a number in (0, 1], got {top_p!r}")
     if top_k is not None and not (
-        _number(top_k) and float(top_k).is_integer() and 0 <= top_k < 2**31
+        _number(top_k) and float(top_k).is_integer() and 0 <= top_k <= MAX_TOP_K
     ):
         raise UnsupportedModel(f"{where}: top_k must be an integer in [0, 2**31), got {top_k!r}")
     return ModelSampling(
@@ -114,7 +115,7 @@ class SamplingOptions:
         None,
         "the top_k of a request that names none (0: no top-k filter)",
         ge=0,
-        le=2**31 - 1,
+        le=MAX_TOP_K,
         shown="the model's recommendation, else 0",
     )
 
