@@ -3,14 +3,26 @@ when it stops early.
 
 :func:`generate_runs` checks a :class:`~sessiontape.core.pipeline.GenerateRequest`,
 takes the session's writer lock (one writer per session across processes),
-commits the generation's first append (the request's tokens and images, any
-truncation and ``generation.started``, together), runs the token pipeline
+builds the generation's first append (the request's tokens and images, any
+truncation and ``generation.started``), runs the token pipeline
 (:mod:`sessiontape.core.pipeline`) and yields its committed runs, and ends the
 generation in the log exactly once: ``generation.finished`` with the last run
 when the engine ended on its own, on its own commit otherwise, or
 ``cancelled``/``error`` when the caller stopped or something failed. The
 runtime's :meth:`~sessiontape.core.runtime.Runtime.generate_runs` is its one
 caller.
+
+The first append commits with the first run of tokens (a short turn's whole
+generation is then one commit), and the engine starts on the history as it will
+be. Nothing of the generation is visible before that commit, so durability
+before visibility holds; a generation that ends before its first run commits
+(cancelled, aborted, failed) commits the first append with its end. It commits
+on its own first instead (before the engine starts) when the request asks for it
+(``start_apart``: a caller that records something of its own after
+``generation.started``, or answers once the start is durable) and when other
+processes write to the database (replicas): there a commit made on a state they
+moved on fails with nothing written, and the start is begun again on a reloaded
+state before any token is decoded.
 """
 
 from __future__ import annotations
@@ -31,7 +43,8 @@ from sessiontape.core.errors import (
     SessionBusy,
 )
 from sessiontape.core.events import Event, NewEvent, T
-from sessiontape.core.pipeline import GenerateRequest, GenerationHost, TokenPipeline, finished
+from sessiontape.core.generate_request import FirstAppend, GenerateRequest
+from sessiontape.core.pipeline import GenerationHost, TokenPipeline, finished, shown
 from sessiontape.core.session.cache import STALE_RETRIES
 from sessiontape.core.session.state import SessionState
 from sessiontape.core.tokens import check_ranges, length_after, sink_window_keep
@@ -43,13 +56,14 @@ async def generate_runs(
     """:meth:`Runtime.generate_runs` (see there)."""
     request = _checked(rt, request)
     gid = "g_" + secrets.token_hex(6)
-    st, committed = await _open(rt, session_id, gid, request)
-    gen = TokenPipeline(rt, st, gid, request, rt.pipeline)
+    st, first = await _open(rt, session_id, gid, request)
+    gen = TokenPipeline(rt, st, gid, request, rt.pipeline, first)
     done = False
     failure: BaseException | None = None
     try:
         gen.start_engine()
-        yield [e for e in committed if e.type in (T.TOKENS_TRUNCATED, T.GENERATION_STARTED)]
+        if first.committed:
+            yield shown(first.committed, len(first.committed))
         runs = gen.runs()
         try:
             async for run in runs:
@@ -58,8 +72,7 @@ async def generate_runs(
             await runs.aclose()  # type: ignore[attr-defined]
         await _check_engine_after(rt, gen, st)
         if not gen.finish_committed:
-            async with rt.lock(session_id):
-                fin = await rt.commit(st, gen.finished_event(gen.reason, None))
+            fin = await gen.commit_end(gen.reason, None)
             done = True
             yield fin
         done = True
@@ -93,9 +106,10 @@ def _checked(rt: GenerationHost, request: GenerateRequest) -> GenerateRequest:
 
 async def _open(
     rt: GenerationHost, session_id: str, gid: str, request: GenerateRequest
-) -> tuple[SessionState, list[Event]]:
-    """Take the session's writer lock and commit the generation's first append, on a
-    reloaded state again when another process moved the session on meanwhile."""
+) -> tuple[SessionState, FirstAppend]:
+    """Take the session's writer lock and build the generation's first append
+    (committed when it starts apart, on a reloaded state again when another process
+    moved the session on meanwhile)."""
     if session_id in rt.generating:
         raise SessionBusy(session_id)
     # One writer per session across processes (replicas on one PostgreSQL): the
@@ -122,15 +136,18 @@ async def _check_engine_after(rt: GenerationHost, gen: TokenPipeline, st: Sessio
     """After the runs: the engine stopped, its cache rewound to the log when it decoded
     past it, and no longer than the history (Kakeya INV-1); the generation's metrics."""
     await gen.stop_engine()
+    # the history the log will hold: the first append may still wait for its commit
+    length = gen.history_length
     if gen.dropped:
-        rt.engine.rewind(gen.sid, st.length)
+        rt.engine.rewind(gen.sid, length)
     cached = rt.engine.cached_length(gen.sid)
-    if cached is not None and cached > st.length:
+    if cached is not None and cached > length:
         rt.record_violation(gen.sid, 1)
-        raise CacheInvariantViolation(f"INV-1: cache holds {cached} positions, history {st.length}")
+        raise CacheInvariantViolation(f"INV-1: cache holds {cached} positions, history {length}")
     total = time.perf_counter() - gen.t0
     metrics.KV_BYTES.set(rt.engine.kv_total_bytes())
-    produced = len(st.generations[gen.gid].tokens)
+    g = st.generations.get(gen.gid)
+    produced = 0 if g is None else len(g.tokens)
     if produced and total > 0:
         metrics.TOKENS_PER_SECOND.observe(produced / total)
 
@@ -159,9 +176,10 @@ async def _to_the_end(work: Awaitable[None]) -> None:
 
 async def _begin(
     rt: GenerationHost, session_id: str, gid: str, request: GenerateRequest
-) -> tuple[SessionState, list[Event]]:
-    """Check the generation against the session and commit its first append (the
-    optional prompt, truncations and ``generation.started``, together).
+) -> tuple[SessionState, FirstAppend]:
+    """Check the generation against the session and build its first append (the
+    optional prompt, truncations and ``generation.started``, together), committed
+    here when the generation starts apart (see the module docstring).
 
     Other processes may write to this database (replicas on PostgreSQL): a state
     they moved on is dropped by the runtime's follower when their events arrive,
@@ -189,9 +207,12 @@ async def _begin(
         check_ranges(request.options.logprob_ranges, limit, "logprobs")
         check_ranges(request.options.readout_ranges, limit, "readout")
         new.append(_started(gid, request, length))
-        committed = await rt.commit(st, new)
+        if request.start_apart or rt.log.shared:
+            first = FirstAppend(committed=await rt.commit(st, new), length=st.length)
+        else:
+            first = FirstAppend(pending=new, length=length)
         rt.generating.begin(session_id)
-    return st, committed
+    return st, first
 
 
 def _interrupted(st: SessionState) -> list[NewEvent]:
@@ -252,15 +273,16 @@ async def _settle_unfinished(
     await gen.stop_engine()
     if done:
         return
-    if gen.dropped:
-        with contextlib.suppress(Exception):
-            rt.engine.rewind(gen.sid, st.length)
-    active = st.active_generation
-    if active is None or active.id != gen.gid:
-        return
     reason: FinishReason = (
         "error" if failure is not None else ("aborted" if gen.reason == "aborted" else "cancelled")
     )
-    with contextlib.suppress(Exception):
-        async with rt.lock(gen.sid):
-            await rt.commit(st, gen.finished_event(reason, failure))
+    active = st.active_generation
+    if gen.first_pending or (active is not None and active.id == gen.gid):
+        # the first append, if it still waits for its commit, commits with the end
+        with contextlib.suppress(Exception):
+            await gen.commit_end(reason, failure)
+    if gen.dropped or gen.first_pending:
+        # the engine's cache back to what the log holds (without the first append
+        # when even its commit with the end failed)
+        with contextlib.suppress(Exception):
+            rt.engine.rewind(gen.sid, st.length)

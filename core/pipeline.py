@@ -36,18 +36,19 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sessiontape.core import metrics
 from sessiontape.core.bodies import FinishReason, GenerationFinished
 from sessiontape.core.config import GenerationSettings
-from sessiontape.core.engine import DEFAULT_OUTPUT, OutputOptions, SamplingParams, Step
+from sessiontape.core.engine import Step
 from sessiontape.core.errors import CacheInvariantViolation, SessiontapeError
 from sessiontape.core.events import Event, NewEvent, T
+from sessiontape.core.generate_request import FirstAppend, GenerateRequest
 from sessiontape.core.session.cache import RunningGenerations, SessionPort
 from sessiontape.core.session.state import SessionState
-from sessiontape.core.tokens import ImageIn
+from sessiontape.core.tokens import ImageIn, tokens_after
 
 if TYPE_CHECKING:
     from sessiontape.core.engine import Engine
@@ -65,40 +66,6 @@ SHORT_GENERATION = 2 * FIRST_RUN
 #: ``[generation]`` configuration: how far the engine may run ahead of the log (its
 #: options and their defaults: :class:`sessiontape.core.config.GenerationSettings`)
 PipelineLimits = GenerationSettings
-
-#: ``with_run(state, tokens, last) -> events``: called under the session's lock just
-#: before each run of generated tokens commits, with the session's state (the run not
-#: yet in it), the run's generated token ids, and whether the run is the generation's
-#: last (it carries ``generation.finished``); the events it returns commit in the same
-#: append, after the run's tokens and before the finish (a transport's record of what it
-#: sends for the run, such as Evergreen's output fragment, the final one with the last
-#: run). It must not await; if it raises, the run is not committed and the generation
-#: fails with that error.
-RunHook = Callable[[SessionState, list[int], bool], Sequence[NewEvent]]
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerateRequest:
-    """One generation's parameters, from the wire to the engine: what to append first
-    (tokens, images, at an offset), how to sample, what to report, how urgent it is,
-    the action it serves, the sink+window truncation, and a transport's run hook."""
-
-    params: SamplingParams
-    options: OutputOptions = DEFAULT_OUTPUT
-    append: Sequence[int] = ()
-    #: Salience's offset rule for ``append`` (None: append at the end)
-    offset: int | None = None
-    truncating: bool = False
-    images: Sequence[ImageIn] = ()
-    priority: int = 0
-    action_id: str | None = None
-    #: Kakeya's sink+window truncation (sink, window), applied before the generation
-    sink_window: tuple[int, int] | None = None
-    with_run: RunHook | None = None
-
-    @property
-    def appends(self) -> bool:
-        return bool(self.append or self.images or self.offset is not None)
 
 
 class GenerationHost(SessionPort, Protocol):
@@ -150,8 +117,10 @@ class TokenPipeline:
         gid: str,
         request: GenerateRequest,
         limits: PipelineLimits,
+        first: FirstAppend,
     ) -> None:
         self.rt = rt
+        self._first = first
         self.with_run = request.with_run
         self.st = st
         self.gid = gid
@@ -202,11 +171,27 @@ class TokenPipeline:
         #: ``generation.finished`` committed with the last run
         self.finish_committed = False
 
+    @property
+    def first_pending(self) -> bool:
+        """The first append waits for its commit (the fold has no such generation yet)."""
+        return bool(self._first.pending) and self.gid not in self.st.generations
+
+    @property
+    def history_length(self) -> int:
+        """The history's length once what is committed so far and the first append are."""
+        return self._first.length if self.first_pending else self.st.length
+
+    def _pending(self) -> list[NewEvent]:
+        return list(self._first.pending) if self.first_pending else []
+
     # -- stages --------------------------------------------------------------
 
     def start_engine(self) -> None:
         st = self.st
-        max_tokens = min(self.params.max_tokens, self.rt.engine.info.max_length - st.length)
+        history: list[int] = list(st.tokens)
+        for ne in self._pending():
+            history = tokens_after(history, ne.type, ne.body)
+        max_tokens = min(self.params.max_tokens, self.rt.engine.info.max_length - len(history))
         # open_session records the engine's ids when none were given, so an
         # empty list is a deliberate "no EOS" (Kakeya), not a missing value.
         eparams = dataclasses.replace(
@@ -216,7 +201,7 @@ class TokenPipeline:
             # one more than the steps: the first run waits for the engine's end too, so
             # the finish rides with it
             self._first_run = max(FIRST_RUN, max_tokens + 1)
-        steps = self.rt.engine.generate(self.sid, list(st.tokens), eparams, self.options)
+        steps = self.rt.engine.generate(self.sid, history, eparams, self.options)
         self._producer = asyncio.create_task(self._produce(steps), name=f"engine-{self.sid}")
 
     async def _produce(self, steps: AsyncIterator[Step]) -> None:
@@ -425,9 +410,13 @@ class TokenPipeline:
         return new, generated
 
     async def _commit_run(self, steps: list[Step]) -> list[Event]:
-        new, generated = self._events(steps)
+        run, generated = self._events(steps)
         rt = self.rt
         async with rt.lock(self.sid):
+            # the first run carries the first append when it waits for its commit
+            first = self._pending()
+            new = [*first, *run]
+            length = self.history_length + generated
             finish = self._finish_with_run(generated)
             if self.with_run is not None and generated:
                 tokens = [s.token_id for s in steps if not s.is_prefill]
@@ -438,13 +427,9 @@ class TokenPipeline:
             # the write loop, whose hand-offs let more steps gather per run: eight
             # fast generations committing at once made runs of a step or two and
             # ran 5-10% slower.
-            evs = await rt.commit(
-                self.st,
-                new,
-                length=self.st.length + generated,
-                at_once=len(rt.generating) <= 1,
-            )
+            evs = await rt.commit(self.st, new, length=length, at_once=len(rt.generating) <= 1)
         self.finish_committed = bool(finish)
+        evs = shown(evs, len(first))
         if generated:
             metrics.TOKENS_GENERATED.inc(generated)
             if self.ttft is None:
@@ -458,7 +443,7 @@ class TokenPipeline:
         will be); empty otherwise, and the finish commits on its own after the runs."""
         if not (self.ended and self._natural_end) or self.reason == "aborted":
             return []
-        length = self.st.length + generated
+        length = self.history_length + generated
         cached = self.rt.engine.cached_length(self.sid)
         if cached is not None and cached > length:
             return []  # INV-1 fails: raised after the runs, recorded as an error
@@ -517,12 +502,24 @@ class TokenPipeline:
             with contextlib.suppress(BaseException):
                 await committer
 
+    async def commit_end(self, reason: FinishReason, failure: BaseException | None) -> list[Event]:
+        """Commit the generation's end on its own (with the first append when that still
+        waits for its commit); returns what the caller is shown of it."""
+        first = self._pending()
+        async with self.rt.lock(self.sid):
+            evs = await self.rt.commit(self.st, [*first, *self.finished_event(reason, failure)])
+        return shown(evs, len(first))
+
     def finished_event(
         self, reason: FinishReason, failure: BaseException | None, uncommitted: int = 0
     ) -> list[NewEvent]:
         """The events that end the generation (``uncommitted``: generated tokens of the
         run they commit with, not yet in the state)."""
-        g = self.st.generations[self.gid]
+        g = self.st.generations.get(self.gid)
+        # before the first append commits, the generation has no tokens in the log
+        prompt, produced = (
+            (self._first.length, 0) if g is None else (g.prompt_length, len(g.tokens))
+        )
         total = round(time.perf_counter() - self.t0, 6)
         new: list[NewEvent] = []
         if failure is not None:
@@ -541,14 +538,27 @@ class TokenPipeline:
             finished(
                 self.gid,
                 reason,
-                g.prompt_length,
-                len(g.tokens) + uncommitted,
+                prompt,
+                produced + uncommitted,
                 self.prefill_s,
                 total,
                 None if self.ttft is None else round(self.ttft, 6),
             )
         )
         return new
+
+
+#: what a caller is shown of a generation's first append: the truncation it made and
+#: ``generation.started``, not the request's own tokens and images (the caller sent them)
+SHOWN_OF_FIRST = (T.TOKENS_TRUNCATED, T.GENERATION_STARTED)
+
+
+def shown(evs: list[Event], first: int) -> list[Event]:
+    """``evs`` as the caller is shown them, when their first ``first`` are the
+    generation's first append."""
+    if not first:
+        return evs
+    return [e for e in evs[:first] if e.type in SHOWN_OF_FIRST] + evs[first:]
 
 
 def finished(

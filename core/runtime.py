@@ -43,10 +43,11 @@ from sessiontape.core.errors import (
     SessionNotFound,
 )
 from sessiontape.core.events import Event, NewEvent, T
+from sessiontape.core.generate_request import GenerateRequest, RunHook
 from sessiontape.core.generation import generate_runs
 from sessiontape.core.log import EventLog
 from sessiontape.core.node_writes import NodeWrites
-from sessiontape.core.pipeline import GenerateRequest, PipelineLimits, RunHook
+from sessiontape.core.pipeline import PipelineLimits
 from sessiontape.core.scheduler import PriorityGate
 from sessiontape.core.session.cache import stale_retry
 from sessiontape.core.session.reads import LogReads
@@ -438,6 +439,7 @@ class Runtime(NodeWrites, LogReads):
         priority: int = 0,
         action_id: str | None = None,
         sink_window: tuple[int, int] | None = None,
+        start_apart: bool = False,
     ) -> AsyncIterator[Event]:
         """Append (optionally), prefill and decode; yields each committed event.
 
@@ -445,7 +447,8 @@ class Runtime(NodeWrites, LogReads):
         ``generation.started``, ``generation.token`` per scored prompt
         position and per generated token, then ``generation.finished``. Every
         check happens before the first commit, which holds the append, any
-        truncation and ``generation.started`` together. A second concurrent
+        truncation and ``generation.started`` together, with the first run of
+        tokens unless ``start_apart`` (core/generation.py). A second concurrent
         generate on the session raises SessionBusy. If the caller stops
         iterating, the generation is recorded as ``cancelled``; an engine
         failure as ``error`` with an ``error.recorded`` event. Without a seed,
@@ -464,6 +467,7 @@ class Runtime(NodeWrites, LogReads):
             priority=priority,
             action_id=action_id,
             sink_window=sink_window,
+            start_apart=start_apart,
         )
         try:
             async for run in runs:
@@ -489,6 +493,7 @@ class Runtime(NodeWrites, LogReads):
         action_id: str | None = None,
         sink_window: tuple[int, int] | None = None,
         with_run: RunHook | None = None,
+        start_apart: bool = False,
     ) -> AsyncIterator[list[Event]]:
         """:meth:`generate` in runs: each item is the events of one commit.
 
@@ -496,7 +501,9 @@ class Runtime(NodeWrites, LogReads):
         steps) while runs commit; a transport that writes a whole run at once
         pays its per-message cost once per run (core/pipeline.py).
         ``with_run`` adds the caller's own events to each run's commit
-        (:data:`~sessiontape.core.pipeline.RunHook`).
+        (:data:`~sessiontape.core.pipeline.RunHook`). ``start_apart``: the first
+        item is the committed ``generation.started`` (and any truncation), before
+        the engine starts; otherwise they come in the first run.
         """
         request = GenerateRequest(
             params,
@@ -509,6 +516,7 @@ class Runtime(NodeWrites, LogReads):
             action_id=action_id,
             sink_window=sink_window,
             with_run=with_run,
+            start_apart=start_apart,
         )
         return generate_runs(self, session_id, request)
 

@@ -143,3 +143,16 @@ def length_after(length: int, body_type: str, body: Mapping[str, Any]) -> int:
     ):
         return length + 1
     return length
+
+
+def tokens_after(tokens: Sequence[int], body_type: str, body: Mapping[str, Any]) -> list[int]:
+    """The history after an event not committed yet, as the fold will make it (the
+    engine starts on it while the event waits to commit with the first run)."""
+    from sessiontape.core.events import T
+
+    if body_type == T.TOKENS_APPENDED:
+        return [*tokens, *(int(t) for t in body_as(body_type, body, TokensAppended)["tokens"])]
+    if body_type == T.TOKENS_TRUNCATED:
+        keep = body_as(body_type, body, TokensTruncated)["keep"]
+        return [int(t) for start, end in keep for t in tokens[int(start) : int(end)]]
+    return list(tokens)

@@ -509,7 +509,9 @@ async def test_a_run_hooks_events_commit_with_the_runs_tokens(sqlite_url: str) -
             )
             assert len({e.recorded_at for e in run}) == 1  # one commit
         evs = await rt.log.read(sid)
-        assert [e.hash for r in token_runs for e in r if e.type != T.GENERATION_FINISHED] == [
+        # the first run also carries generation.started, the generation's first append
+        kept = (T.GENERATION_TOKEN, T.NOTE)
+        assert [e.hash for r in token_runs for e in r if e.type in kept] == [
             e.hash
             for e in evs
             if e.type in (T.GENERATION_TOKEN, T.NOTE)
@@ -678,8 +680,8 @@ async def test_the_first_run_is_short_until_the_callers_pace_is_known(sqlite_url
 
 async def test_a_short_generation_is_one_run_with_its_finish(sqlite_url: str) -> None:
     """A short turn (at most SHORT_GENERATION tokens) of a fast engine is not cut at
-    FIRST_RUN: its tokens and generation.finished commit together, after the commit of
-    generation.started (8 and 8 tokens, then the finish in the second run, before)."""
+    FIRST_RUN: generation.started, its tokens and generation.finished commit together
+    (before: started alone, then 8 and 8 tokens, the finish with the second run)."""
     rt = await Runtime.create(make_config(sqlite_url), engine=ReferenceEngine(eos_bias=-1000.0))
     try:
         one_run = 0
@@ -693,7 +695,8 @@ async def test_a_short_generation_is_one_run_with_its_finish(sqlite_url: str) ->
                 seen.extend(run)
                 shapes.append((len(generated(run)), run[-1].type == T.GENERATION_FINISHED))
             assert sum(n for n, _ in shapes) == SHORT_GENERATION
-            one_run += shapes[1:] == [(SHORT_GENERATION, True)]
+            one_run += shapes == [(SHORT_GENERATION, True)]
+            assert seen[0].type == T.GENERATION_STARTED
             await check_agrees(rt, sid, seen)
         # a machine that stalls the loop for milliseconds may split one; not most
         assert one_run >= 8, one_run

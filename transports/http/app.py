@@ -218,7 +218,10 @@ class Api:
                 self.feeds, sid, last, rfc=rfc, heartbeat_s=self.heartbeat_s, until=fin
             )
             first_frame = await anext(stream)
-        agen = self.runtime.generate(sid, params, options, append=append)
+        # background answers once generation.started is durable: it commits apart
+        agen = self.runtime.generate(
+            sid, params, options, append=append, start_apart=mode == "background"
+        )
         try:
             first = await anext(agen)
         except BaseException:

@@ -310,7 +310,10 @@ class Turns:
                 )
                 last = int(st.tokens[-1]) if st.length else None
                 tokens = self.render(messages, st.length, after, last)
-                runs = self.runtime.generate_runs(session_id, params, options, append=tokens)
+                # started apart: the request's wire.message follows generation.started
+                runs = self.runtime.generate_runs(
+                    session_id, params, options, append=tokens, start_apart=True
+                )
                 try:
                     # the first run: any truncation and generation.started
                     first = await anext(aiter(runs))
