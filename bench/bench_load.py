@@ -10,10 +10,11 @@ log on), on free loopback ports, with a fresh SQLite file (or, given ``--db
 postgresql+asyncpg://...``, a fresh database on that server) for each row. The clients
 are asyncio tasks, one per session, in ``--clients`` other processes pinned to one CPU
 (the last, as bench_generate.py pins its wire clients), sharing what a client library
-shares: HTTP keep-alive pools and gRPC channels (each channel its own connection),
-at most ``--per-channel`` sessions each (the server takes 100 concurrent streams a
-connection, and an Evergreen session holds one for its life; httpx scans its whole pool
-on every request, which with hundreds of connections made the client the bottleneck).
+shares: gRPC channels (each channel its own connection), at most ``--per-channel``
+sessions each (the server takes 100 concurrent streams a connection, and an Evergreen
+session holds one for its life), and HTTP keep-alive pools, at most ``--per-pool``
+sessions each (httpx scans its whole pool on every request, which with tens of
+connections made the client the bottleneck: see ``Pool``).
 
 A turn appends ``--append`` tokens and generates ``--tokens``, read to the end of the
 answer: HTTP JSON (``POST /generate`` with ``tokens`` and ``stream: false``), SSE (the
@@ -283,12 +284,20 @@ class EvergreenSession:
 
 class Pool:
     """What one client process shares, as a client library would: gRPC channels (each its
-    own connection) and HTTP keep-alive pools, taken round-robin, at most ``per_channel``
-    sessions each (one HTTP pool of hundreds of connections costs its client a scan of
-    them all on every request)."""
+    own connection), at most ``per_channel`` sessions each, and HTTP keep-alive pools, at
+    most ``per_pool`` sessions each, taken round-robin. httpx scans every connection of a
+    pool on each request (``has_expired``, a ``getpeername`` each): one pool of 40 fleet
+    sessions took 55% of the client's CPU, and once the server answered HTTP turns
+    faster, the client's loop, busy scanning, held the gRPC sessions' messages back for
+    seconds."""
 
     def __init__(
-        self, ports: tuple[int, int], wires: Sequence[str], per_channel: int, timeout: float
+        self,
+        ports: tuple[int, int],
+        wires: Sequence[str],
+        per_channel: int,
+        timeout: float,
+        per_pool: int = 8,
     ) -> None:
         import httpx
 
@@ -297,10 +306,10 @@ class Pool:
         gport, hport = ports
         n_http = sum(w in ("http", "sse") for w in wires)
         n_grpc = len(wires) - n_http
-        limits = httpx.Limits(max_connections=per_channel, max_keepalive_connections=per_channel)
+        limits = httpx.Limits(max_connections=per_pool, max_keepalive_connections=per_pool)
         self.https = [
             httpx.AsyncClient(base_url=f"http://127.0.0.1:{hport}", timeout=timeout, limits=limits)
-            for _ in range(max(1, math.ceil(n_http / per_channel)))
+            for _ in range(max(1, math.ceil(n_http / per_pool)))
         ]
         self.channels = [
             EvergreenClient(f"127.0.0.1:{gport}", options=[("grpc.use_local_subchannel_pool", 1)])
@@ -400,7 +409,7 @@ async def load_client(args: argparse.Namespace) -> None:
     wires = args.wires.split(",")
     mine = [wires[i % len(wires)] for i in range(args.index, args.sessions, args.clients)]
     ports = (int(args.ports.split(",")[0]), int(args.ports.split(",")[1]))
-    pool = Pool(ports, mine + wires, args.per_channel, args.timeout)
+    pool = Pool(ports, mine + wires, args.per_channel, args.timeout, args.per_pool)
     append = text_of(args.append)
 
     def slot(wire: str) -> Slot:
@@ -629,6 +638,7 @@ PASSED = (
     "wires",
     "client_cpu",
     "per_channel",
+    "per_pool",
     "timeout",
     "max_history",
     "turn_wire",
@@ -978,6 +988,7 @@ def parse() -> argparse.Namespace:
         help="the CPU the client processes are pinned to: last (the default), none, or a number",
     )
     ap.add_argument("--per-channel", type=int, default=50, help="gRPC sessions a connection")
+    ap.add_argument("--per-pool", type=int, default=8, help="HTTP sessions a keep-alive pool")
     ap.add_argument("--timeout", type=float, default=30.0, help="seconds before a turn fails")
     ap.add_argument(
         "--max-history", type=int, default=2048, help="tokens before a session is replaced"
