@@ -19,10 +19,13 @@ before visibility holds; a generation that ends before its first run commits
 (cancelled, aborted, failed) commits the first append with its end. It commits
 on its own first instead (before the engine starts) when the request asks for it
 (``start_apart``: a caller that records something of its own after
-``generation.started``, or answers once the start is durable) and when other
-processes write to the database (replicas): there a commit made on a state they
-moved on fails with nothing written, and the start is begun again on a reloaded
-state before any token is decoded.
+``generation.started``, or answers once the start is durable).
+
+Other processes may write to the database (replicas on PostgreSQL): a commit made
+on a state they moved on fails as a version conflict with nothing written. When
+that commit is the first run's, nothing was shown either, so the generation is
+begun again on a reloaded state (:func:`_begun_again`, at most ``STALE_RETRIES``
+times); a start committed apart is begun again the same way (:func:`_open`).
 """
 
 from __future__ import annotations
@@ -50,10 +53,45 @@ from sessiontape.core.session.state import SessionState
 from sessiontape.core.tokens import check_ranges, length_after, sink_window_keep
 
 
-async def generate_runs(
+def generate_runs(
     rt: GenerationHost, session_id: str, request: GenerateRequest
 ) -> AsyncIterator[list[Event]]:
     """:meth:`Runtime.generate_runs` (see there)."""
+    if rt.log.shared and not request.start_apart:
+        return _begun_again(rt, session_id, request)
+    return _generation(rt, session_id, request)
+
+
+async def _begun_again(
+    rt: GenerationHost, session_id: str, request: GenerateRequest
+) -> AsyncIterator[list[Event]]:
+    """A generation on a database other processes write to: begun again on a reloaded
+    state when its first run's commit, which carries the first append, finds that another
+    process moved the session on (nothing was written or shown, and the engine decoded
+    from a history that is no longer the session's)."""
+    request = _checked(rt, request)  # one seed for every attempt
+    for attempt in range(STALE_RETRIES + 1):
+        shown_any = False
+        runs = _generation(rt, session_id, request)
+        try:
+            async for run in runs:
+                shown_any = True
+                yield run
+            return
+        except ConcurrencyError:
+            if shown_any or attempt == STALE_RETRIES:
+                raise
+            metrics.STALE_RETRIES.inc()
+        finally:
+            # abandoned without aclose, the loop may be finalizing the inner one already
+            with contextlib.suppress(RuntimeError):
+                await runs.aclose()  # type: ignore[attr-defined]
+
+
+async def _generation(
+    rt: GenerationHost, session_id: str, request: GenerateRequest
+) -> AsyncIterator[list[Event]]:
+    """One attempt at the generation, from the writer lock to its settled end."""
     request = _checked(rt, request)
     gid = "g_" + secrets.token_hex(6)
     st, first = await _open(rt, session_id, gid, request)
@@ -207,7 +245,7 @@ async def _begin(
         check_ranges(request.options.logprob_ranges, limit, "logprobs")
         check_ranges(request.options.readout_ranges, limit, "readout")
         new.append(_started(gid, request, length))
-        if request.start_apart or rt.log.shared:
+        if request.start_apart:
             first = FirstAppend(committed=await rt.commit(st, new), length=st.length)
         else:
             first = FirstAppend(pending=new, length=length)

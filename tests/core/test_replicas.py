@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from sessiontape.core import metrics
 from sessiontape.core.engine import SamplingParams
 from sessiontape.core.errors import OffsetMismatch, SessionBusy
 from sessiontape.core.events import T
@@ -20,6 +21,7 @@ from sessiontape.core.log.store import verify_chain
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
 from tests.conftest import make_config
+from tests.core.test_first_append import SpyEngine
 
 pytestmark = pytest.mark.postgres
 
@@ -58,6 +60,39 @@ async def test_alternating_writes_across_replicas_never_conflict(
             break
         await asyncio.sleep(0.05)
     assert st_a.tokens == st_b.tokens and st_a.version == st_b.version == evs[-1].version
+
+
+async def test_a_generation_on_a_state_another_replica_moved_on_begins_again(
+    pair: tuple[Runtime, Runtime],
+) -> None:
+    """B appends, A generates at once on its cached state (its tail has not brought B's
+    append yet): the first run's commit, which carries the generation's first append,
+    finds the session moved on and writes nothing; the generation begins again on the
+    reloaded state, so its prompt holds B's tokens and nothing is lost or doubled."""
+    a, b = pair
+    spy = SpyEngine(eos_bias=-1000.0)
+    a.engine = spy
+    sid = (await a.open_session("http", eos_token_ids=[])).session_id
+    await a.append_tokens(sid, [65])  # A caches the state
+    before = metrics.STALE_RETRIES._value.get()
+    for i in range(5):
+        await b.append_tokens(sid, [70 + i])
+        seen = [e async for e in a.generate(sid, SamplingParams(max_tokens=3, seed=i), append=[80])]
+        assert seen[-1].body["finish_reason"] == "length"
+        state = await b.load(sid)
+        started = seen[0]
+        assert started.type == T.GENERATION_STARTED
+        prompt = state.tokens.tolist()[: started.body["prompt_length"]]
+        assert prompt[-2:] == [70 + i, 80]  # B's append, then the request's
+        assert spy.histories[-1] == prompt  # the engine started on that history
+    evs = await a.log.read(sid)
+    verify_chain(evs)
+    assert [e.version for e in evs] == list(range(1, len(evs) + 1))
+    assert sum(e.type == T.GENERATION_STARTED for e in evs) == 5
+    appended = [e.body["tokens"] for e in evs if e.type == T.TOKENS_APPENDED]
+    assert appended == [[65], *[[t] for i in range(5) for t in (70 + i, 80)]]
+    # the race is the point of this test: at least one generation began again
+    assert metrics.STALE_RETRIES._value.get() > before
 
 
 async def test_a_real_conflict_still_gets_its_typed_error(pair: tuple[Runtime, Runtime]) -> None:
