@@ -82,9 +82,10 @@ GENERATOR = textwrap.dedent(
 )
 
 
-#: short turns, as a chat client or an agent sends them: append three tokens (the
-#: caller sees the session's head after it), generate sixteen (the caller sees every
-#: event, the finish included, which now commits with the last tokens)
+#: short turns, as a chat client or an agent sends them: append three tokens, on their
+#: own (the caller sees the session's head after it) or in the generate request (they
+#: commit with generation.started and the first run), and generate sixteen (the caller
+#: sees every event, the finish included, which commits with the last tokens)
 SHORT_TURNS = textwrap.dedent(
     """
     import asyncio, json, sys
@@ -103,11 +104,17 @@ SHORT_TURNS = textwrap.dedent(
             n = 0
             while True:
                 n += 1
-                await rt.append_tokens(sid, [i % 250, n % 250, 2])
-                st = await rt.get(sid)
-                print(json.dumps([sid, st.version, st.head_hash]), flush=True)
                 params = SamplingParams(max_tokens=16, seed=n)
-                async for e in rt.generate(sid, params):
+                append = [i % 250, n % 250, 2]
+                if n % 2:
+                    # the append in the request: it commits with the first run
+                    gen = rt.generate(sid, params, append=append)
+                else:
+                    await rt.append_tokens(sid, append)
+                    st = await rt.get(sid)
+                    print(json.dumps([sid, st.version, st.head_hash]), flush=True)
+                    gen = rt.generate(sid, params)
+                async for e in gen:
                     print(json.dumps([e.session_id, e.version, e.hash]), flush=True)
 
         await asyncio.gather(*(work(i) for i in range(8)))
@@ -120,9 +127,10 @@ SHORT_TURNS = textwrap.dedent(
 async def test_sigkill_mid_short_turns_loses_nothing_a_caller_saw(
     tmp_path: Path, db_url: str
 ) -> None:
-    """Eight sessions doing short turns, killed at a random point: every append and
-    every token and finish a caller was given is in the log, chains intact (SQLite
-    and PostgreSQL)."""
+    """Eight sessions doing short turns (the append acknowledged on its own, or
+    carried by the request and committed with the first run), killed at a random
+    point: every append and every token and finish a caller was given is in the log,
+    chains intact (SQLite and PostgreSQL)."""
     url = db_url
     await asyncio.to_thread(_kill_and_check, tmp_path, SHORT_TURNS, 4000, "inline", url)
 
