@@ -48,7 +48,7 @@ from sessiontape.core.events import Event, NewEvent, T
 from sessiontape.core.generate_request import FirstAppend, GenerateRequest
 from sessiontape.core.session.cache import RunningGenerations, SessionPort
 from sessiontape.core.session.state import SessionState
-from sessiontape.core.tokens import ImageIn, tokens_after
+from sessiontape.core.tokens import ImageIn, fold_tokens
 
 if TYPE_CHECKING:
     from sessiontape.core.engine import Engine
@@ -190,7 +190,7 @@ class TokenPipeline:
         st = self.st
         history: list[int] = list(st.tokens)
         for ne in self._pending():
-            history = tokens_after(history, ne.type, ne.body)
+            fold_tokens(history, ne.type, ne.body)
         max_tokens = min(self.params.max_tokens, self.rt.engine.info.max_length - len(history))
         # open_session records the engine's ids when none were given, so an
         # empty list is a deliberate "no EOS" (Kakeya), not a missing value.

@@ -145,14 +145,13 @@ def length_after(length: int, body_type: str, body: Mapping[str, Any]) -> int:
     return length
 
 
-def tokens_after(tokens: Sequence[int], body_type: str, body: Mapping[str, Any]) -> list[int]:
-    """The history after an event not committed yet, as the fold will make it (the
-    engine starts on it while the event waits to commit with the first run)."""
+def fold_tokens(history: list[int], body_type: str, body: Mapping[str, Any]) -> None:
+    """Fold an event not committed yet into ``history`` (in place), as the fold will
+    (the engine starts on it while the event waits to commit with the first run)."""
     from sessiontape.core.events import T
 
     if body_type == T.TOKENS_APPENDED:
-        return [*tokens, *(int(t) for t in body_as(body_type, body, TokensAppended)["tokens"])]
-    if body_type == T.TOKENS_TRUNCATED:
+        history.extend(int(t) for t in body_as(body_type, body, TokensAppended)["tokens"])
+    elif body_type == T.TOKENS_TRUNCATED:
         keep = body_as(body_type, body, TokensTruncated)["keep"]
-        return [int(t) for start, end in keep for t in tokens[int(start) : int(end)]]
-    return list(tokens)
+        history[:] = [t for start, end in keep for t in history[int(start) : int(end)]]
