@@ -25,6 +25,7 @@ from sessiontape.core.bodies import (
 from sessiontape.core.engine import Engine, OutputOptions, SamplingParams
 from sessiontape.core.errors import ChainBroken, SessiontapeError
 from sessiontape.core.events import T
+from sessiontape.core.handback import handing_back
 from sessiontape.core.log.store import EventLog, verify_chain
 from sessiontape.core.runtime import Runtime
 from sessiontape.core.session.loader import base_state
@@ -113,7 +114,7 @@ async def audit_session(
         report.problems.append(f"v1 {evs[0].type}: fork base cannot be rebuilt: {_reason(exc)}")
         return report
     gens: dict[str, RecordedGeneration] = {}
-    for e in evs:
+    async for e in handing_back(evs):
         try:
             if e.type == T.GENERATION_STARTED:
                 g = _recorded(body(e, GenerationStarted), st.tokens, st.eos_token_ids)

@@ -41,6 +41,7 @@ from sessiontape.core.errors import (
     SessiontapeError,
 )
 from sessiontape.core.events import GENESIS_HASH, Event, NewEvent, T, event_hash, parse_json
+from sessiontape.core.handback import handing_back
 from sessiontape.core.log.dialect import Dialect, session_lock_key
 from sessiontape.core.log.plan import Request, RequestKind
 from sessiontape.core.log.postgres import PostgresDialect
@@ -357,7 +358,8 @@ class EventLog:
                     blob_data[sha] = bytes(data)
         loads = parse_json
         out = []
-        for pos, sid, version, type_, body, data, blob_sha, recorded_at, h, prev in rows:
+        async for row in handing_back(rows):  # a long history does not stall other sessions
+            pos, sid, version, type_, body, data, blob_sha, recorded_at, h, prev = row
             if blob_sha is not None:
                 data = blob_data[blob_sha]
             elif data is not None:

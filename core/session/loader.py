@@ -6,6 +6,7 @@ from __future__ import annotations
 from sessiontape.core.bodies import fork_point
 from sessiontape.core.errors import SessionNotFound
 from sessiontape.core.events import Event
+from sessiontape.core.handback import handing_back
 from sessiontape.core.log.store import EventLog
 from sessiontape.core.session.snapshot import state_from_json
 from sessiontape.core.session.state import SessionState, apply, fork_state
@@ -39,6 +40,6 @@ async def load_state(
         if not evs:
             raise SessionNotFound(session_id)
         base = await base_state(log, evs[0])
-    for e in evs:
+    async for e in handing_back(evs):
         apply(base, e)
     return base

@@ -36,6 +36,7 @@ from sessiontape.core.errors import (
     Unauthenticated,
 )
 from sessiontape.core.events import T
+from sessiontape.core.handback import handing_back
 from sessiontape.core.runtime import Runtime
 from sessiontape.transports.http import errors, inputs
 from sessiontape.transports.http.accesslog import AccessLog
@@ -307,7 +308,9 @@ class Api:
         evs = await self.runtime.read_events(sid)
         if not evs:
             raise NotFound(f"session {sid!r} not found")
-        lines = "".join(json.dumps(e.to_json(), separators=(",", ":")) + "\n" for e in evs)
+        lines = "".join(
+            [json.dumps(e.to_json(), separators=(",", ":")) + "\n" async for e in handing_back(evs)]
+        )
         return Response(
             lines,
             media_type="application/x-ndjson",
@@ -333,7 +336,7 @@ class Api:
         )
         base = dumps(builder.doc)
         steps = []
-        for e in await events_after(self.runtime, self.feeds.forks, sid, 0):
+        async for e in handing_back(await events_after(self.runtime, self.feeds.forks, sid, 0)):
             patch = builder.apply(e)
             steps.append(
                 dumps(

@@ -26,6 +26,7 @@ from sessiontape.core.bodies import fork_point
 from sessiontape.core.document import TERMINAL, DocumentBuilder
 from sessiontape.core.errors import InvalidParameters, SessionNotFound
 from sessiontape.core.events import Event
+from sessiontape.core.handback import handing_back
 from sessiontape.core.patch import to_rfc6902
 from sessiontape.core.runtime import Runtime
 
@@ -120,7 +121,7 @@ async def load_builder(
     )
     builder = DocumentBuilder(session_id, detokenize=runtime.engine.detokenize, base=base)
     children = [e for e in await forks.of(session_id) if limit is None or e.position <= limit]
-    for e in sorted([*own, *children], key=lambda e: e.position):
+    async for e in handing_back(sorted([*own, *children], key=lambda e: e.position)):
         builder.apply(e)
     if upto_position is not None:
         builder.position = max(builder.position, upto_position)
@@ -339,7 +340,7 @@ class Feeds:
 async def _catch_up(
     runtime: Runtime, forks: Forks, builder: DocumentBuilder, after: int, rfc: bool
 ) -> AsyncIterator[bytes]:
-    for e in await events_after(runtime, forks, builder.session_id, after):
+    async for e in handing_back(await events_after(runtime, forks, builder.session_id, after)):
         ops = builder.apply(e)
         if ops:
             yield frame("patch", dumps(to_rfc6902(ops, builder.doc) if rfc else ops), e.position)
