@@ -50,6 +50,8 @@ class PostgresDialect(Dialect):
         self._listen_conn: AsyncConnection | None = None
         #: the connection holding this process's session writer locks
         self._lock_conn: AsyncConnection | None = None
+        #: its asyncpg connection, and the ``_lock_conn`` it belongs to
+        self._lock_driver: tuple[AsyncConnection, Any] | None = None
         self._lock_mutex = asyncio.Lock()
         #: the writer's connection for :meth:`append_batch`
         self._append_conn: AsyncConnection | None = None
@@ -159,35 +161,61 @@ class PostgresDialect(Dialect):
 
     async def try_lock_session(self, session_id: str) -> bool:
         """A session-level advisory lock on one connection kept for all of this
-        process's locks, so a process that dies releases them with its connection."""
+        process's locks, so a process that dies releases them with its connection.
+
+        Taken and released with the driver's own calls: through SQLAlchemy's text
+        statements a lock and its release cost 215 us of this process's CPU, on
+        the driver 70 us (once per generation, one after another on this one
+        connection)."""
         async with self._lock_mutex:
-            if self._lock_conn is None:
-                conn = await self.engine.connect()
-                self._lock_conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
-            got = (
-                await self._lock_conn.execute(
-                    sa.text("SELECT pg_try_advisory_lock(:k)"), {"k": session_lock_key(session_id)}
-                )
-            ).scalar()
+            got = await self._on_lock_conn("SELECT pg_try_advisory_lock($1)", session_id)
         return bool(got)
 
     async def unlock_session(self, session_id: str) -> None:
         async with self._lock_mutex:
-            conn = self._lock_conn
-            if conn is None:
+            if self._lock_conn is None:
                 return  # the connection went away, and its locks with it
             try:
-                await conn.execute(
-                    sa.text("SELECT pg_advisory_unlock(:k)"), {"k": session_lock_key(session_id)}
-                )
+                await self._on_lock_conn("SELECT pg_advisory_unlock($1)", session_id)
             except Exception:
                 log.warning(
                     "releasing the writer lock of %s failed; dropping the lock connection",
                     session_id,
                 )
-                self._lock_conn = None
-                with contextlib.suppress(Exception):
-                    await conn.close()
+                await self._drop_lock_conn()
+
+    async def _on_lock_conn(self, statement: str, session_id: str) -> Any:
+        """``statement`` with the session's lock key, on the lock connection (opened
+        on first use); asyncpg's errors raised as SQLAlchemy's, and a lost connection
+        dropped (the server released its locks with it)."""
+        import asyncpg
+
+        try:
+            if self._lock_conn is None:
+                conn = await self.engine.connect()
+                self._lock_conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+            if self._lock_driver is None or self._lock_driver[0] is not self._lock_conn:
+                raw = await self._lock_conn.get_raw_connection()
+                self._lock_driver = (self._lock_conn, raw.driver_connection)
+            return await self._lock_driver[1].fetchval(statement, session_lock_key(session_id))
+        except (
+            asyncpg.exceptions.PostgresError,
+            asyncpg.exceptions.InterfaceError,
+            asyncpg.exceptions.InternalClientError,
+            OSError,
+        ) as exc:
+            mapped = _as_sqlalchemy(statement, exc)
+            if isinstance(mapped, OperationalError):
+                await self._drop_lock_conn()
+            raise mapped from exc
+
+    async def _drop_lock_conn(self) -> None:
+        conn, self._lock_conn, self._lock_driver = self._lock_conn, None, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                await conn.invalidate()
+            with contextlib.suppress(Exception):
+                await conn.close()
 
     async def close(self) -> None:
         await self._drop_append_conn()
@@ -196,6 +224,7 @@ class PostgresDialect(Dialect):
                 with contextlib.suppress(Exception):
                     await conn.close()
         self._listen_conn = self._lock_conn = None
+        self._lock_driver = None
         await super().close()
 
 

@@ -333,9 +333,13 @@ class EventLog:
 
         False when another process holds it (PostgreSQL: a session-level
         advisory lock, released with the holder's connection if it dies).
-        SQLite has one writing process: always True.
+        SQLite has one writing process: always True. Raises LogUnavailable when the
+        database cannot be asked (the next call opens a new lock connection).
         """
-        return await self.dialect.try_lock_session(session_id)
+        try:
+            return await self.dialect.try_lock_session(session_id)
+        except sa.exc.DBAPIError as exc:
+            raise unavailable(exc) from exc
 
     async def unlock_session(self, session_id: str) -> None:
         await self.dialect.unlock_session(session_id)

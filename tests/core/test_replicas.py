@@ -14,7 +14,7 @@ import pytest
 
 from sessiontape.core import metrics
 from sessiontape.core.engine import SamplingParams
-from sessiontape.core.errors import OffsetMismatch, SessionBusy
+from sessiontape.core.errors import LogUnavailable, OffsetMismatch, SessionBusy
 from sessiontape.core.events import T
 from sessiontape.core.log.postgres import PostgresDialect
 from sessiontape.core.log.store import verify_chain
@@ -185,6 +185,41 @@ async def test_a_replica_that_died_mid_generation_leaves_it_interrupted(pg_url: 
     finally:
         await b.aclose()
         await a.aclose()
+
+
+async def test_a_lost_lock_connection_is_a_typed_error_and_the_next_generation_reconnects(
+    pair: tuple[Runtime, Runtime],
+) -> None:
+    a, b = pair
+    sid = (await a.open_session("http")).session_id
+    await a.append_text(sid, "hello")
+    assert len([e async for e in a.generate(sid, SamplingParams(max_tokens=3, seed=1))]) > 3
+    dialect = a.log.dialect
+    assert isinstance(dialect, PostgresDialect) and dialect._lock_driver is not None
+    lock_pid = dialect._lock_driver[1].get_server_pid()
+    # the database ends the lock connection (a restart, an administrator, a proxy)
+    async with b.log.engine.connect() as conn:
+        raw = await conn.get_raw_connection()
+        assert await raw.driver_connection.fetchval(  # type: ignore[union-attr]
+            "SELECT pg_terminate_backend($1)", lock_pid
+        )
+    before = [e.hash for e in await a.log.read(sid)]
+    with pytest.raises(LogUnavailable):
+        async for _ in a.generate(sid, SamplingParams(max_tokens=3, seed=2)):
+            pass
+    assert [e.hash for e in await a.log.read(sid)] == before  # nothing was written
+    assert not a.is_generating(sid)
+    got = [e async for e in a.generate(sid, SamplingParams(max_tokens=3, seed=3))]
+    assert got[-1].type == T.GENERATION_FINISHED
+    assert dialect._lock_driver[1].get_server_pid() != lock_pid
+    # and the lock is a real one again: the other replica cannot take it meanwhile
+    agen = a.generate(sid, SamplingParams(max_tokens=400, seed=4))
+    await agen.__anext__()
+    with pytest.raises(SessionBusy):
+        async for _ in b.generate(sid, SamplingParams(max_tokens=2, seed=5)):
+            pass
+    await agen.aclose()  # type: ignore[attr-defined]
+    verify_chain(await b.log.read(sid))
 
 
 async def test_sweepers_on_every_replica_expire_a_session_once(pg_url: str) -> None:
