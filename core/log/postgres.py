@@ -104,8 +104,8 @@ class PostgresDialect(Dialect):
             raise _as_sqlalchemy(statement, exc) from exc
 
     async def append_batch(self, args: Sequence[Any]) -> bool:
-        """One ``sessiontape_append`` call (migrations/versions/0002_pg_append.py) on the
-        writer's own connection: the whole batch in one round trip and one transaction.
+        """One ``sessiontape_append`` call (migrations/versions/0002_pg_append.py; events
+        with data since 0003_pg_append_data.py) on the writer's own connection: the whole batch in one round trip and one transaction.
         True when it committed; False when the log moved on since the plan (nothing
         written). Errors are raised as SQLAlchemy's, as the usual path raises them."""
         import asyncpg

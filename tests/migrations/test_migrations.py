@@ -21,7 +21,7 @@ async def test_models_and_migrations_agree(db_url: str) -> None:
     finally:
         await log.close()
     assert diff == []
-    assert rev == "0002_pg_append"
+    assert rev == "0003_pg_append_data"
 
 
 async def test_reopening_a_migrated_database_is_a_no_op(sqlite_url: str) -> None:

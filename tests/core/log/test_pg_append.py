@@ -82,6 +82,43 @@ async def test_a_plan_from_the_cache_commits_in_one_call(pair: tuple[EventLog, E
     check_dense_and_chained(await a.read_all(0, limit=100))
 
 
+async def test_events_with_data_commit_in_one_call_beside_events_without(
+    pair: tuple[EventLog, EventLog],
+) -> None:
+    a, _ = pair
+    await a.append("s", 0, [opened()])
+    await a.append("t", 0, [opened()])
+    answers = spy_calls(a)
+    small = bytes(range(256)) * 3  # inline: under the log's inline_max_bytes
+    big = b"\x00\xff" * a.inline_max_bytes  # over it: a blob, the usual transaction
+    # appends queued together share a batch: rows with and without data in one call
+    await asyncio.gather(
+        a.append("s", 1, [NewEvent(T.NOTE, {"text": "with data"}, small), note("plain")]),
+        a.append("t", 1, [note("plain too"), NewEvent(T.NOTE, {"text": "empty"}, b"")]),
+    )
+    assert answers and all(answers)
+    calls = len(answers)
+    await a.append("s", 3, [NewEvent(T.NOTE, {"text": "a blob"}, big)])
+    assert len(answers) == calls  # planned with a new blob: not one call
+    [e] = await a.append("s", 4, [NewEvent(T.NOTE, {"text": "after"}, small[:5])])
+    assert len(answers) == calls + 1 and answers[-1]
+    evs = await a.read_all(0, limit=100)
+    check_dense_and_chained(evs)
+    data = {(x.session_id, x.body.get("text")): x.data for x in evs}
+    assert data[("s", "with data")] == small
+    assert data[("s", "plain")] is None
+    assert data[("t", "plain too")] is None
+    assert data[("t", "empty")] == b""
+    assert data[("s", "a blob")] == big
+    assert data[("s", "after")] == small[:5]
+    # what was read back hashes as what was committed
+    from sessiontape.core.log.store import verify_chain
+
+    for sid in ("s", "t"):
+        verify_chain(await a.read(sid))
+    assert e.hash == (await a.read("s"))[-1].hash
+
+
 async def test_another_process_writing_makes_the_plan_start_again(
     pair: tuple[EventLog, EventLog],
 ) -> None:
