@@ -417,9 +417,11 @@ class Planner:
 
 def batch_args(plan: Plan) -> list[Any] | None:
     """``plan`` as the arguments of :meth:`Dialect.append_batch` (position lock, the
-    log's end before and after, the channel, the event columns with each event's
-    inline data and blob, the sessions' index columns); None when the plan needs more
-    than event rows and index updates (new sessions, new blobs, a purge)."""
+    log's end before and after, the channel, the event columns, the sessions' index
+    columns), the event columns with each event's inline data and blob when an event
+    carries data (migration 0003's form of the function; 0002's otherwise, two arrays
+    fewer to send); None when the plan needs more than event rows and index updates
+    (new sessions, new blobs, a purge)."""
     if plan.purged or plan.blob_rows or plan.new_sessions:
         return None
     if any(u.get("reset") for u in plan.updates.values()):
@@ -429,8 +431,9 @@ def batch_args(plan: Plan) -> list[Any] | None:
     columns: list[list[Any]] = [list(c) for c in zip(*plan.rows, strict=True)] or [
         [] for _ in EVENT_COLUMNS
     ]
-    columns += [[None] * len(plan.rows), [None] * len(plan.rows)]  # data, blob_sha
     if plan.data_rows:
+        # migration 0003's form of the function: each event's data and blob too
+        columns += [[None] * len(plan.rows), [None] * len(plan.rows)]
         for column, more in zip(columns, zip(*plan.data_rows, strict=True), strict=True):
             column.extend(more)
     ids = list(plan.updates)

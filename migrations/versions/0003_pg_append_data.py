@@ -8,8 +8,8 @@ two more arrays, each event's ``data`` and ``blob_sha`` (NULL for the events
 without), and is otherwise the same. A batch with new blobs, new sessions or
 a purge still takes the usual transaction.
 
-0002's function stays, for servers of the previous release during a rolling
-upgrade.
+0002's function stays: a batch without data still calls it (two arrays fewer
+to send), as do servers of the previous release during a rolling upgrade.
 
 SQLite: nothing to do (its writer commits in process).
 
