@@ -26,6 +26,8 @@ HANDBACK_EVERY = 256
 
 async def handing_back(items: Iterable[T], every: int = HANDBACK_EVERY) -> AsyncIterator[T]:
     """``items`` in order, with the event loop handed back after every ``every`` of them."""
+    if every < 1:
+        raise ValueError(f"every must be at least 1, got {every}")
     for i, item in enumerate(items, 1):
         yield item
         if i % every == 0:

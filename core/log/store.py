@@ -334,12 +334,24 @@ class EventLog:
         False when another process holds it (PostgreSQL: a session-level
         advisory lock, released with the holder's connection if it dies).
         SQLite has one writing process: always True. Raises LogUnavailable when the
-        database cannot be asked (the next call opens a new lock connection).
+        database cannot be asked (the next call opens a new lock connection). A
+        caller cancelled meanwhile lets the call finish and releases a lock it got,
+        so no lock outlives the cancel.
         """
+        task = asyncio.ensure_future(self.dialect.try_lock_session(session_id))
         try:
-            return await self.dialect.try_lock_session(session_id)
-        except sa.exc.DBAPIError as exc:
-            raise unavailable(exc) from exc
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                if await task:
+                    await self.dialect.unlock_session(session_id)
+            raise
+        except Exception as exc:
+            if isinstance(exc, sa.exc.DBAPIError | sa.exc.TimeoutError) or (
+                self.dialect.is_unavailable(exc)
+            ):
+                raise unavailable(exc) from exc
+            raise
 
     async def unlock_session(self, session_id: str) -> None:
         await self.dialect.unlock_session(session_id)

@@ -201,7 +201,8 @@ async def test_a_lost_lock_connection_is_a_typed_error_and_the_next_generation_r
     async with b.log.engine.connect() as conn:
         raw = await conn.get_raw_connection()
         assert await raw.driver_connection.fetchval(  # type: ignore[union-attr]
-            "SELECT pg_terminate_backend($1)", lock_pid
+            "SELECT pg_terminate_backend($1, 5000)",
+            lock_pid,  # returns once it exited
         )
     before = [e.hash for e in await a.log.read(sid)]
     with pytest.raises(LogUnavailable):
@@ -220,6 +221,25 @@ async def test_a_lost_lock_connection_is_a_typed_error_and_the_next_generation_r
             pass
     await agen.aclose()  # type: ignore[attr-defined]
     verify_chain(await b.log.read(sid))
+
+
+async def test_a_lock_call_cancelled_midway_leaves_no_lock_behind(
+    pair: tuple[Runtime, Runtime],
+) -> None:
+    a, b = pair
+    sid = (await a.open_session("http")).session_id
+    for turns in range(3):  # cancelled before it is sent, while it runs, as it answers
+        task = asyncio.ensure_future(a.log.try_lock_session(sid))
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # the other replica can take the session's writer lock: none was left held
+        assert await b.log.try_lock_session(sid)
+        await b.log.unlock_session(sid)
+    got = [e async for e in a.generate(sid, SamplingParams(max_tokens=2, seed=1))]
+    assert got[-1].type == T.GENERATION_FINISHED
 
 
 async def test_sweepers_on_every_replica_expire_a_session_once(pg_url: str) -> None:
