@@ -26,7 +26,7 @@ from sessiontape.core.engine import Engine, OutputOptions, SamplingParams
 from sessiontape.core.errors import ChainBroken, SessiontapeError
 from sessiontape.core.events import T
 from sessiontape.core.handback import handing_back
-from sessiontape.core.log.store import EventLog, verify_chain
+from sessiontape.core.log.store import ChainCheck, EventLog
 from sessiontape.core.runtime import Runtime
 from sessiontape.core.session.loader import base_state
 from sessiontape.core.session.state import apply
@@ -103,7 +103,9 @@ async def audit_session(
 
         raise SessionNotFound(session_id)
     try:
-        verify_chain(evs)
+        check = ChainCheck()
+        async for e in handing_back(evs):
+            check(e)
     except ChainBroken as exc:
         report.chain_ok = False
         report.problems.append(str(exc))

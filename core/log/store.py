@@ -533,21 +533,35 @@ class EventLog:
 
 def verify_chain(evs: Sequence[Event], start_hash: str | None = None) -> None:
     """Raise ChainBroken unless ``evs`` (one session, in order) chain correctly."""
-    prev = start_hash
-    expect_version: int | None = None
+    check = ChainCheck(start_hash)
     for e in evs:
-        if prev is None:
+        check(e)
+
+
+class ChainCheck:
+    """:func:`verify_chain` an event at a time: call it with each of one session's
+    events in order (a loop that hands the event loop back between them)."""
+
+    __slots__ = ("expect_version", "prev")
+
+    def __init__(self, start_hash: str | None = None) -> None:
+        self.prev = start_hash
+        self.expect_version: int | None = None
+
+    def __call__(self, e: Event) -> None:
+        if self.prev is None:
             # A purge tombstone vouches for the head it replaced; otherwise
             # the chain must start at version 1 from the genesis hash.
             if e.type == T.SESSION_PURGED:
-                prev = e.prev_hash
+                self.prev = e.prev_hash
             elif e.version == 1:
-                prev = GENESIS_HASH
+                self.prev = GENESIS_HASH
             else:
                 raise ChainBroken(f"{e.session_id}: chain starts at version {e.version}")
-        if expect_version is not None and e.version != expect_version:
-            raise ChainBroken(f"{e.session_id}: version {e.version} follows {expect_version - 1}")
-        if e.prev_hash != prev:
+        expect = self.expect_version
+        if expect is not None and e.version != expect:
+            raise ChainBroken(f"{e.session_id}: version {e.version} follows {expect - 1}")
+        if e.prev_hash != self.prev:
             raise ChainBroken(
                 f"{e.session_id} v{e.version}: prev_hash does not match the previous event"
             )
@@ -562,5 +576,5 @@ def verify_chain(evs: Sequence[Event], start_hash: str | None = None) -> None:
             raise ChainBroken(
                 f"{e.session_id} v{e.version}: tombstone does not name the purged head"
             )
-        prev = e.hash
-        expect_version = e.version + 1
+        self.prev = e.hash
+        self.expect_version = e.version + 1
