@@ -108,7 +108,8 @@ async def run(tokens: int, repeats: int, counts: list[int]) -> None:
     from sessiontape.core.engine import SamplingParams
     from sessiontape.core.runtime import Runtime
     from sessiontape.engines.reference import ReferenceEngine
-    from sessiontape.transports.http.feeds import dumps, frame
+    from sessiontape.transports.http.feeds import frame
+    from sessiontape.transports.http.json_encoding import dumps
     from sessiontape.transports.http.plugin import HttpTransport
     from tests.conftest import free_port
 
@@ -243,7 +244,7 @@ async def fold(histories: list[int], tokens: int, repeats: int) -> None:
     from sessiontape.core.runtime import Runtime
     from sessiontape.core.session.state import SessionState, apply
     from sessiontape.engines.reference import ReferenceEngine
-    from sessiontape.transports.http.feeds import dumps
+    from sessiontape.transports.http.json_encoding import dumps
 
     tmp = tempfile.mkdtemp()
     cfg = Config.load(

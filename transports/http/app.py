@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.responses import FileResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -43,11 +43,11 @@ from sessiontape.transports.http.accesslog import AccessLog
 from sessiontape.transports.http.drain import Drain, Inflight
 from sessiontape.transports.http.feeds import (
     Feeds,
-    dumps,
     events_after,
     load_builder,
     session_stream,
 )
+from sessiontape.transports.http.json_encoding import JSONResponse, dumps
 from sessiontape.transports.http.limits import PerClientLimit
 from sessiontape.transports.http.list_feed import list_stream
 from sessiontape.transports.http.openai import PREFIXES as OPENAI_PREFIXES

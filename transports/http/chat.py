@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from sessiontape.core import errors as E
 from sessiontape.core.bodies import GenerationFinished, generated_token
@@ -25,6 +25,7 @@ from sessiontape.core.bodies import body as typed_body
 from sessiontape.core.document.text import TextStream
 from sessiontape.core.engine import OutputOptions
 from sessiontape.core.events import Event, T
+from sessiontape.transports.http.json_encoding import JSONResponse
 from sessiontape.transports.http.openai import Api, Models, error_event, json_body
 from sessiontape.transports.http.openai_bodies import ChatCompletionRequest, check_fields, parse
 from sessiontape.transports.http.turns import Turn, Turns, load_turn, logprob_entry

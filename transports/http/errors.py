@@ -14,11 +14,12 @@ from typing import Any
 
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sessiontape.core import errors as E
 from sessiontape.core import metrics
+from sessiontape.transports.http.json_encoding import JSONResponse
 
 log = logging.getLogger("sessiontape.http")
 REQUEST_ID = "sessiontape.request_id"

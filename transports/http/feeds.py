@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections import OrderedDict, deque
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
-
-import orjson
 
 from sessiontape.core.bodies import fork_point
 from sessiontape.core.document import TERMINAL, DocumentBuilder
@@ -29,22 +26,9 @@ from sessiontape.core.events import Event
 from sessiontape.core.handback import handing_back
 from sessiontape.core.patch import to_rfc6902
 from sessiontape.core.runtime import Runtime
+from sessiontape.transports.http.json_encoding import dump_bytes, dumps
 
 log = logging.getLogger("sessiontape.http.feeds")
-
-
-def dumps(value: Any) -> str:
-    """Compact JSON text of a document or a patch (:func:`dump_bytes`, decoded)."""
-    return dump_bytes(value).decode()
-
-
-def dump_bytes(value: Any) -> bytes:
-    """Compact JSON as UTF-8 (orjson; the standard library for what orjson refuses, such as
-    integers beyond 64 bits). A snapshot goes to the wire as these bytes, never a ``str``."""
-    try:
-        return orjson.dumps(value)
-    except (orjson.JSONEncodeError, TypeError):
-        return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def frame(event: str, data: str | bytes, id_: int | None = None) -> bytes:

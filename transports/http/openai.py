@@ -23,13 +23,14 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from sessiontape.core import errors as E
 from sessiontape.core import metrics
 from sessiontape.core.errors import InvalidParameters, NotFound, SessiontapeError
 from sessiontape.core.runtime import Runtime
 from sessiontape.transports.http import errors, inputs
+from sessiontape.transports.http.json_encoding import JSONResponse
 
 log = logging.getLogger("sessiontape.http.openai")
 

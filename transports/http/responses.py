@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from sessiontape.core import errors as E
 from sessiontape.core.bodies import generated_token
@@ -28,6 +28,7 @@ from sessiontape.core.document.text import TextStream
 from sessiontape.core.engine import OutputOptions
 from sessiontape.core.events import Event
 from sessiontape.core.session.state import OPEN
+from sessiontape.transports.http.json_encoding import JSONResponse
 from sessiontape.transports.http.openai import (
     Api,
     BadParam,
