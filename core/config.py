@@ -191,6 +191,15 @@ class GenerationSettings:
         "committed when it asks for it",
         gt=0,
     )
+    max_active: int = option(
+        16,
+        "generations that run at once; the others wait their turn, in priority then "
+        "arrival order (0: no limit) ...",
+        ge=0,
+    )
+    active_hold_s: float = option(
+        0.25, "... a generation gives its place to the next after this long, and runs on", gt=0
+    )
 
 
 @dataclass(frozen=True)

@@ -58,8 +58,10 @@ def generate_runs(
 ) -> AsyncIterator[list[Event]]:
     """:meth:`Runtime.generate_runs` (see there)."""
     if rt.log.shared and not request.start_apart:
-        return _begun_again(rt, session_id, request)
-    return _generation(rt, session_id, request)
+        runs = _begun_again(rt, session_id, request)
+    else:
+        runs = _generation(rt, session_id, request)
+    return rt.admission.admitted(runs, request.priority)
 
 
 async def _begun_again(

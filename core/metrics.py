@@ -20,6 +20,10 @@ BATCH_SIZE = Histogram(
 )
 SUBSCRIBERS = Gauge("sessiontape_subscribers", "Live log subscribers")
 SESSIONS_OPEN = Gauge("sessiontape_sessions_open", "Sessions open in this process")
+GENERATIONS_WAITING = Gauge(
+    "sessiontape_generations_waiting",
+    "Generations waiting for their place ([generation] max_active)",
+)
 #: protocols a session may be labelled with in metrics; any other client-chosen name counts as "other"
 KNOWN_PROTOCOLS = frozenset({"http", "evergreen", "salience", "kakeya", "nostr", "openai", "d4"})
 

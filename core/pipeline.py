@@ -53,7 +53,7 @@ from sessiontape.core.tokens import ImageIn, fold_tokens
 if TYPE_CHECKING:
     from sessiontape.core.engine import Engine
     from sessiontape.core.log import EventLog
-    from sessiontape.core.scheduler import PriorityGate
+    from sessiontape.core.scheduler import Admission, PriorityGate
 
 #: most steps in a generation's first run, committed before the caller's pace is known
 FIRST_RUN = 8
@@ -69,14 +69,14 @@ PipelineLimits = GenerationSettings
 
 
 class GenerationHost(SessionPort, Protocol):
-    """What a generation needs of the runtime (:class:`sessiontape.core.runtime.Runtime`
-    is the one implementation): the engine, the log and the priority gate, the session
-    cache's port (lock, open, commit, drop), the running generations, and the events
-    an append makes."""
+    """What a generation needs of the runtime (:class:`sessiontape.core.runtime.Runtime`,
+    the one implementation): the engine, the log, the admission and the priority gate,
+    the session cache's port, the running generations, and the events an append makes."""
 
     engine: Engine
     log: EventLog
     gate: PriorityGate
+    admission: Admission
     pipeline: PipelineLimits
     generating: RunningGenerations
 

@@ -48,7 +48,7 @@ from sessiontape.core.generation import generate_runs
 from sessiontape.core.log import EventLog
 from sessiontape.core.node_writes import NodeWrites
 from sessiontape.core.pipeline import PipelineLimits
-from sessiontape.core.scheduler import PriorityGate
+from sessiontape.core.scheduler import Admission, PriorityGate
 from sessiontape.core.session.cache import stale_retry
 from sessiontape.core.session.reads import LogReads
 from sessiontape.core.session.state import (
@@ -97,6 +97,7 @@ class Runtime(NodeWrites, LogReads):
         super().__init__(log_, engine, config, clock)
         self._follower: asyncio.Task[None] | None = None
         self.gate = PriorityGate()
+        self.admission = Admission(config.generation.max_active, config.generation.active_hold_s)
         #: Kakeya counters: session id -> [INV-1 violations, INV-2 violations]
         self.invariant_violations: dict[str, list[int]] = {}
         self.max_depth = int(config.sessions_opt("max_nesting_depth"))
