@@ -61,6 +61,10 @@ def generate_runs(
         runs = _begun_again(rt, session_id, request)
     else:
         runs = _generation(rt, session_id, request)
+    if rt.engine.batches:
+        # the engine schedules every generation's steps into shared passes itself:
+        # more sessions a pass is its speed, not a longer queue
+        return runs
     return rt.admission.admitted(runs, request.priority)
 
 

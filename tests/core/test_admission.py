@@ -164,3 +164,33 @@ async def test_the_runtime_admits_generations_one_at_a_time_with_a_limit_of_one(
         assert rt.admission.active == 0
     finally:
         await rt.aclose()
+
+
+class BatchingReference(ReferenceEngine):
+    """The reference engine presenting itself as one that batches sessions per pass."""
+
+    @property
+    def batches(self) -> bool:
+        return True
+
+
+async def test_an_engine_that_batches_is_not_queued(sqlite_url: str) -> None:
+    cfg = make_config(sqlite_url, generation={"max_active": 1, "active_hold_s": 60})
+    rt = await Runtime.create(cfg, engine=BatchingReference(eos_bias=-1000.0, step_delay_s=0.002))
+    try:
+        sids = [(await rt.open_session("t", eos_token_ids=[])).session_id for _ in range(3)]
+        for sid in sids:
+            await rt.append_text(sid, "abc")
+
+        async def gen(sid: str) -> None:
+            async for _ in rt.generate(sid, SamplingParams(max_tokens=12, seed=1)):
+                pass
+
+        await asyncio.gather(*(gen(s) for s in sids))
+        evs = await rt.log.read_all(0, limit=10_000)
+        types = [e.type for e in evs if e.type in (T.GENERATION_STARTED, T.GENERATION_FINISHED)]
+        # all three started before the first one finished
+        assert types[:3] == [T.GENERATION_STARTED] * 3
+        assert rt.admission.active == 0
+    finally:
+        await rt.aclose()
