@@ -105,11 +105,10 @@ class PostgresDialect(Dialect):
 
     async def append_batch(self, args: Sequence[Any]) -> bool:
         """One ``sessiontape_append`` call (migrations/versions/0002_pg_append.py; events
-        with data since 0003_pg_append_data.py) on the writer's own connection: the whole batch in one round trip and one transaction.
-        True when it committed; False when the log moved on since the plan (nothing
-        written). Errors are raised as SQLAlchemy's, as the usual path raises them."""
-        import asyncpg
-
+        with data since 0003_pg_append_data.py) on the writer's own connection: the
+        whole batch in one round trip and one transaction. True when it committed;
+        False when the log moved on since the plan (nothing written). Errors are
+        raised as SQLAlchemy's, as the usual path raises them."""
         statement = (
             "SELECT sessiontape_append($1"
             + "".join(f", ${i}" for i in range(2, len(args) + 1))
@@ -122,12 +121,7 @@ class PostgresDialect(Dialect):
             raw = await self._append_conn.get_raw_connection()
             driver: Any = raw.driver_connection
             return bool(await driver.fetchval(statement, *args))
-        except (
-            asyncpg.exceptions.PostgresError,
-            asyncpg.exceptions.InterfaceError,
-            asyncpg.exceptions.InternalClientError,
-            OSError,
-        ) as exc:
+        except _driver_errors() as exc:
             mapped = _as_sqlalchemy(statement, exc)
             if isinstance(mapped, OperationalError):
                 await self._drop_append_conn()
@@ -188,8 +182,6 @@ class PostgresDialect(Dialect):
         """``statement`` with the session's lock key, on the lock connection (opened
         on first use); asyncpg's errors raised as SQLAlchemy's, and a lost connection
         dropped (the server released its locks with it)."""
-        import asyncpg
-
         try:
             if self._lock_conn is None:
                 conn = await self.engine.connect()
@@ -198,12 +190,7 @@ class PostgresDialect(Dialect):
                 raw = await self._lock_conn.get_raw_connection()
                 self._lock_driver = (self._lock_conn, raw.driver_connection)
             return await self._lock_driver[1].fetchval(statement, session_lock_key(session_id))
-        except (
-            asyncpg.exceptions.PostgresError,
-            asyncpg.exceptions.InterfaceError,
-            asyncpg.exceptions.InternalClientError,
-            OSError,
-        ) as exc:
+        except _driver_errors() as exc:
             mapped = _as_sqlalchemy(statement, exc)
             if isinstance(mapped, OperationalError):
                 await self._drop_lock_conn()
@@ -226,6 +213,19 @@ class PostgresDialect(Dialect):
         self._listen_conn = self._lock_conn = None
         self._lock_driver = None
         await super().close()
+
+
+def _driver_errors() -> tuple[type[BaseException], ...]:
+    """What a call on asyncpg's own connection raises for a database error, a lost
+    connection or a broken protocol: what :func:`_as_sqlalchemy` maps."""
+    import asyncpg
+
+    return (
+        asyncpg.exceptions.PostgresError,
+        asyncpg.exceptions.InterfaceError,
+        asyncpg.exceptions.InternalClientError,
+        OSError,
+    )
 
 
 def _as_sqlalchemy(statement: str, exc: BaseException) -> DBAPIError:

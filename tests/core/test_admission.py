@@ -136,27 +136,34 @@ async def test_no_limit_starts_everything_at_once() -> None:
     await asyncio.gather(*tasks)
 
 
+async def three_generations_at_once(
+    sqlite_url: str, engine: ReferenceEngine
+) -> tuple[Runtime, list[str], list[tuple[str, str]]]:
+    """A runtime admitting one generation at a time and three sessions generating at
+    once: the runtime, the sessions, and the generations' starts and finishes in log
+    order."""
+    cfg = make_config(sqlite_url, generation={"max_active": 1, "active_hold_s": 60})
+    rt = await Runtime.create(cfg, engine=engine)
+    sids = [(await rt.open_session("t", eos_token_ids=[])).session_id for _ in range(3)]
+    for sid in sids:
+        await rt.append_text(sid, "abc")
+
+    async def gen(sid: str) -> None:
+        async for _ in rt.generate(sid, SamplingParams(max_tokens=12, seed=1)):
+            pass
+
+    await asyncio.gather(*(gen(s) for s in sids))
+    evs = await rt.log.read_all(0, limit=10_000)
+    ends = (T.GENERATION_STARTED, T.GENERATION_FINISHED)
+    return rt, sids, [(e.session_id, e.type) for e in evs if e.type in ends]
+
+
 async def test_the_runtime_admits_generations_one_at_a_time_with_a_limit_of_one(
     sqlite_url: str,
 ) -> None:
-    cfg = make_config(sqlite_url, generation={"max_active": 1, "active_hold_s": 60})
-    rt = await Runtime.create(cfg, engine=ReferenceEngine(eos_bias=-1000.0, step_delay_s=0.001))
+    engine = ReferenceEngine(eos_bias=-1000.0, step_delay_s=0.001)
+    rt, sids, marks = await three_generations_at_once(sqlite_url, engine)
     try:
-        sids = [(await rt.open_session("t", eos_token_ids=[])).session_id for _ in range(3)]
-        for sid in sids:
-            await rt.append_text(sid, "abc")
-
-        async def gen(sid: str) -> None:
-            async for _ in rt.generate(sid, SamplingParams(max_tokens=12, seed=1)):
-                pass
-
-        await asyncio.gather(*(gen(s) for s in sids))
-        evs = await rt.log.read_all(0, limit=10_000)
-        marks = [
-            (e.session_id, e.type)
-            for e in evs
-            if e.type in (T.GENERATION_STARTED, T.GENERATION_FINISHED)
-        ]
         # each generation started after the one before it finished, in arrival order
         assert marks == [
             (s, t) for s in sids for t in (T.GENERATION_STARTED, T.GENERATION_FINISHED)
@@ -175,22 +182,11 @@ class BatchingReference(ReferenceEngine):
 
 
 async def test_an_engine_that_batches_is_not_queued(sqlite_url: str) -> None:
-    cfg = make_config(sqlite_url, generation={"max_active": 1, "active_hold_s": 60})
-    rt = await Runtime.create(cfg, engine=BatchingReference(eos_bias=-1000.0, step_delay_s=0.002))
+    engine = BatchingReference(eos_bias=-1000.0, step_delay_s=0.002)
+    rt, _, marks = await three_generations_at_once(sqlite_url, engine)
     try:
-        sids = [(await rt.open_session("t", eos_token_ids=[])).session_id for _ in range(3)]
-        for sid in sids:
-            await rt.append_text(sid, "abc")
-
-        async def gen(sid: str) -> None:
-            async for _ in rt.generate(sid, SamplingParams(max_tokens=12, seed=1)):
-                pass
-
-        await asyncio.gather(*(gen(s) for s in sids))
-        evs = await rt.log.read_all(0, limit=10_000)
-        types = [e.type for e in evs if e.type in (T.GENERATION_STARTED, T.GENERATION_FINISHED)]
         # all three started before the first one finished
-        assert types[:3] == [T.GENERATION_STARTED] * 3
+        assert [t for _, t in marks[:3]] == [T.GENERATION_STARTED] * 3
         assert rt.admission.active == 0
     finally:
         await rt.aclose()
