@@ -90,16 +90,14 @@ class Admission:
     def waiting(self) -> int:
         return len(self._waiters)
 
-    async def admitted(self, runs: AsyncIterator[T], priority: int = 0) -> AsyncIterator[T]:
+    def admitted(self, runs: AsyncIterator[T], priority: int = 0) -> AsyncIterator[T]:
         """``runs`` once a place is free; the place is given up when they end or after
-        ``hold_s``, whichever comes first."""
+        ``hold_s``, whichever comes first. With no limit, ``runs`` themselves."""
         if self.limit <= 0:
-            try:
-                async for run in runs:
-                    yield run
-            finally:
-                await runs.aclose()  # type: ignore[attr-defined]
-            return
+            return runs
+        return self._admitted(runs, priority)
+
+    async def _admitted(self, runs: AsyncIterator[T], priority: int) -> AsyncIterator[T]:
         try:
             await self._enter(priority)
         except BaseException:

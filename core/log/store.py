@@ -338,6 +338,8 @@ class EventLog:
         caller cancelled meanwhile lets the call finish and releases a lock it got,
         so no lock outlives the cancel.
         """
+        if not self.dialect.shared:
+            return True  # no other process to hold it off: no task to shield
         task = asyncio.ensure_future(self.dialect.try_lock_session(session_id))
         try:
             return await asyncio.shield(task)
