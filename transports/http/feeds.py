@@ -234,7 +234,14 @@ class SessionFeed:
         """Ring entries past ``after``, or None when the ring does not reach back that far."""
         if after < self.floor:
             return None
-        out = [en for en in self.ring if en.position > after]
+        # positions rise along the ring: walk back from its end, past only what is
+        # wanted (a stream resumed each turn wants a turn's entries, not the ring's)
+        out: list[Entry] = []
+        for en in reversed(self.ring):
+            if en.position <= after:
+                break
+            out.append(en)
+        out.reverse()
         if rfc and any(en.rfc is None for en in out):
             return None
         return out

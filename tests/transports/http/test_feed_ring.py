@@ -1,0 +1,59 @@
+"""A live feed's ring of patches (transports/http/feeds.py): what a stream resumed after a
+position is given from memory, and when it must go to the log instead."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sessiontape.core.document.builder import DocumentBuilder
+from sessiontape.transports.http.feeds import Entry, SessionFeed
+
+
+def _feed(ring: int, start: int) -> SessionFeed:
+    # the ring needs neither the runtime nor the feed's task
+    return SessionFeed(cast(Any, None), DocumentBuilder("s"), start, ring)
+
+
+def _push(feed: SessionFeed, position: int, rfc: bool) -> None:
+    """What ``publish`` does with an event's patch once it is serialised."""
+    if len(feed.ring) == feed.ring.maxlen:
+        feed.floor = feed.ring[0].position
+    feed.ring.append(Entry(position, f"p{position}", f"r{position}" if rfc else None))
+    feed.position = position
+
+
+@settings(max_examples=300, derandomize=True, database=None)
+@given(
+    ring=st.integers(min_value=1, max_value=12),
+    start=st.integers(min_value=0, max_value=5),
+    gaps=st.lists(st.integers(min_value=1, max_value=4), max_size=40),
+    after=st.integers(min_value=0, max_value=200),
+)
+def test_the_backlog_is_every_entry_past_the_position_in_order(
+    ring: int, start: int, gaps: list[int], after: int
+) -> None:
+    feed = _feed(ring, start)
+    position = start
+    for gap in gaps:  # a session's events are some of the log's positions, rising
+        position += gap
+        _push(feed, position, rfc=True)
+    got = feed.backlog(after, rfc=False)
+    if after < feed.floor:
+        assert got is None  # the ring no longer reaches back that far: the log answers
+        return
+    assert got is not None
+    assert [en.position for en in got] == [en.position for en in feed.ring if en.position > after]
+    assert feed.backlog(after, rfc=True) == got
+
+
+def test_a_backlog_without_the_rfc_form_of_an_entry_is_refused_for_rfc_watchers() -> None:
+    feed = _feed(8, 0)
+    _push(feed, 1, rfc=False)
+    _push(feed, 2, rfc=True)
+    assert feed.backlog(1, rfc=True) == [feed.ring[1]]
+    assert feed.backlog(0, rfc=True) is None
+    assert [en.position for en in feed.backlog(0, rfc=False) or []] == [1, 2]
+    assert feed.backlog(2, rfc=False) == []
