@@ -144,6 +144,14 @@ class Dialect(ABC):
         True when it committed, False when the log moved on since the plan."""
         raise NotNow
 
+    async def fetch(self, sql: str, params: Sequence[Any]) -> list[Sequence[Any]]:
+        """The rows of one read statement (``?`` placeholders), as the driver gives them.
+
+        Through SQLAlchemy here; a dialect with a cheaper way to its driver overrides it.
+        """
+        async with self.engine.connect() as conn:
+            return list((await conn.exec_driver_sql(self.sql(sql), tuple(params))).all())
+
     async def reset_pool(self) -> None:
         """After an unavailable error: drop pooled connections (all may be dead; the next
         use connects afresh) instead of handing each dead one out in turn."""

@@ -82,6 +82,9 @@ class SessionRow:
 P = ParamSpec("P")
 R = TypeVar("R")
 
+#: blob hashes looked up in one statement (inside SQLite's bound-variable limit)
+_BLOBS_PER_READ = 500
+
 
 def _reading(
     fn: Callable[Concatenate[EventLog, P], Awaitable[R]],
@@ -365,15 +368,16 @@ class EventLog:
     )
 
     async def _fetch_events(self, sql: str, params: tuple[Any, ...]) -> list[Event]:
-        async with self.engine.connect() as conn:
-            rows: Sequence[Any] = (await conn.exec_driver_sql(self.dialect.sql(sql), params)).all()
-            shas = {r[6] for r in rows if r[6] is not None}
-            blob_data: dict[str, bytes] = {}
-            if shas:
-                for sha, data in await conn.execute(
-                    sa.select(blobs.c.sha256, blobs.c.data).where(blobs.c.sha256.in_(shas))
-                ):
-                    blob_data[sha] = bytes(data)
+        rows = await self.dialect.fetch(sql, params)
+        shas = sorted({r[6] for r in rows if r[6] is not None})
+        blob_data: dict[str, bytes] = {}
+        for i in range(0, len(shas), _BLOBS_PER_READ):
+            some = shas[i : i + _BLOBS_PER_READ]
+            marks = ", ".join("?" * len(some))
+            for sha, data in await self.dialect.fetch(
+                f"SELECT sha256, data FROM blobs WHERE sha256 IN ({marks})", some
+            ):
+                blob_data[sha] = bytes(data)
         loads = parse_json
         out = []
         async for row in handing_back(rows):  # a long history does not stall other sessions

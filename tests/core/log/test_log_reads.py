@@ -1,0 +1,77 @@
+"""Reading the log back: SQLite's reader threads, blobs looked up in batches, and a
+database that goes away and comes back."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from sessiontape.core.errors import LogUnavailable
+from sessiontape.core.events import NewEvent, T
+from sessiontape.core.log import EventLog
+from sessiontape.core.log.store import _BLOBS_PER_READ
+
+
+def opened() -> NewEvent:
+    return NewEvent(T.SESSION_OPENED, {"protocol": "test"})
+
+
+async def test_a_read_with_more_blobs_than_one_lookup_takes_gets_each_its_own(
+    db_url: str,
+) -> None:
+    log = await EventLog.open(db_url, inline_max_bytes=8)  # every payload below is a blob
+    try:
+        n = 2 * _BLOBS_PER_READ + 7
+        payloads = [hashlib.sha256(str(i).encode()).digest() for i in range(n)]
+        await log.append("s", 0, [opened()])
+        # one payload twice: two events, one blob
+        notes = [NewEvent(T.NOTE, {"i": i}, p) for i, p in enumerate([*payloads, payloads[3]])]
+        await log.append("s", 1, notes)
+        back = (await log.read("s"))[1:]
+        assert [e.body["i"] for e in back] == list(range(n + 1))
+        assert [e.data for e in back] == [*payloads, payloads[3]]
+        assert [e.data for e in await log.read_all(0, limit=10_000, session_id="s")][1:] == [
+            *payloads,
+            payloads[3],
+        ]
+    finally:
+        await log.close()
+
+
+async def test_sqlite_reads_after_the_database_went_away_are_unavailable_then_recover(
+    tmp_path: Path,
+) -> None:
+    folder = tmp_path / "db"
+    folder.mkdir()
+    log = await EventLog.open(f"sqlite+aiosqlite:///{folder / 'log.db'}")
+    try:
+        first = await log.append("s", 0, [opened(), NewEvent(T.NOTE, {"k": 1})])
+        assert await log.read("s") == first
+        moved = tmp_path / "moved"
+        os.rename(folder, moved)
+        # what an unavailable error does: every reader connection is opened anew
+        await log.dialect.reset_pool()
+        with pytest.raises(LogUnavailable) as info:
+            await log.read("s")
+        assert "SELECT" not in info.value.message
+        os.rename(moved, folder)
+        assert await log.read("s") == first  # the readers connect again: nothing was lost
+        more = await log.append("s", 2, [NewEvent(T.NOTE, {"k": 2})])
+        assert await log.read("s") == first + more
+    finally:
+        await log.close()
+
+
+async def test_sqlite_reads_see_each_commit_at_once(tmp_path: Path) -> None:
+    log = await EventLog.open(f"sqlite+aiosqlite:///{tmp_path / 'log.db'}")
+    try:
+        evs = await log.append("s", 0, [opened()])
+        for k in range(50):  # read-your-writes on every reader thread's connection
+            evs += await log.append("s", len(evs), [NewEvent(T.NOTE, {"k": k})])
+            assert await log.read("s") == evs
+            assert (await log.read_all(evs[-1].position - 1))[-1] == evs[-1]
+    finally:
+        await log.close()
