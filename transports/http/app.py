@@ -291,8 +291,9 @@ class Api:
     async def close(self, request: Request) -> Response:
         sid = request.path_params["sid"]
         b = await self._body(request, Close)
-        await self.runtime.close(sid, "client" if b.reason is None else b.reason)
-        return JSONResponse(await self.document(sid))
+        st = await self.runtime.close(sid, "client" if b.reason is None else b.reason)
+        doc = await self.feeds.final_document(sid, st.version)
+        return JSONResponse(doc if doc is not None else await self.document(sid))
 
     async def feedback(self, request: Request) -> Response:
         sid = request.path_params["sid"]

@@ -1,5 +1,6 @@
-"""A live feed's ring of patches (transports/http/feeds.py): what a stream resumed after a
-position is given from memory, and when it must go to the log instead."""
+"""A live feed (transports/http/feeds.py): its ring of patches, what a stream resumed after a
+position is given from memory and when it must go to the log instead, and who waits for
+it to fold a version."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sessiontape.core.document.builder import DocumentBuilder
-from sessiontape.transports.http.feeds import Entry, SessionFeed
+from sessiontape.core.runtime import Runtime
+from sessiontape.transports.http.feeds import Entry, Feeds, SessionFeed
 
 
 def _feed(ring: int, start: int) -> SessionFeed:
@@ -57,3 +59,36 @@ def test_a_backlog_without_the_rfc_form_of_an_entry_is_refused_for_rfc_watchers(
     assert feed.backlog(0, rfc=True) is None
     assert [en.position for en in feed.backlog(0, rfc=False) or []] == [1, 2]
     assert feed.backlog(2, rfc=False) == []
+
+
+async def test_a_feed_wakes_who_waits_for_a_version_once_it_folds_it(runtime: Runtime) -> None:
+    st = await runtime.open_session("http", label="fold")
+    await runtime.append_tokens(st.session_id, [1, 2, 3])
+    await runtime.close(st.session_id)
+    opened, appended, closed = await runtime.read_events(st.session_id)
+    feed = SessionFeed(runtime, DocumentBuilder(st.session_id), 0, 16)
+    early, late = feed.folded(2), feed.folded(3)
+    gone = feed.folded(3)
+    gone.cancel()  # a caller that gave up (its wait timed out)
+    feed.publish(opened)
+    assert not early.done() and not late.done()
+    feed.publish(appended)
+    assert early.done() and not late.done()
+    feed.publish(closed)
+    assert late.done() and feed.ended and feed._folding == []
+    assert feed.folded(1).done()  # what it holds already, or an ended feed: at once
+
+
+async def test_a_feed_that_stops_short_wakes_its_waiters_and_closing_reads_the_log(
+    runtime: Runtime,
+) -> None:
+    st = await runtime.open_session("http", label="short")
+    feeds = Feeds(runtime)
+    feed = await feeds.get(st.session_id)
+    waiting = feed.folded(99)
+    await feed.stop()  # a feed that failed or was reaped before the end came
+    assert waiting.done()
+    closed = await runtime.close(st.session_id)
+    assert await feeds.final_document(st.session_id, closed.version) is None
+    assert await feeds.final_document("s_unknown", 1) is None
+    await feeds.close()

@@ -297,3 +297,42 @@ async def test_generate_stream_with_a_bad_last_event_id_is_refused_before_genera
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_parameters"
         assert "Last-Event-ID" in r.json()["error"]["message"]
         assert (await c.get(f"/v1/sessions/{sid}")).json() == before
+
+
+async def test_closing_a_watched_session_answers_its_feeds_document_as_the_log_has_it(
+    sqlite_url: str, port: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sessiontape.transports.http import app as app_module
+
+    folded: list[str] = []
+    real = app_module.load_builder
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        folded.append(args[2])
+        return await real(*args, **kwargs)
+
+    async with (
+        serving(sqlite_url, port) as s,
+        httpx.AsyncClient(base_url=s.url, timeout=20) as c,
+    ):
+        watched, unwatched = await _session(c), await _session(c)
+        # a streamed generation leaves the session's live feed behind it (it lingers)
+        async with c.stream(
+            "POST", f"/v1/sessions/{watched}/generate", json={"max_tokens": 12, "seed": 3}
+        ) as resp:
+            assert "patch" in [ev.event async for ev in events(resp)]
+        await c.post(
+            f"/v1/sessions/{unwatched}/generate",
+            json={"max_tokens": 12, "seed": 3, "stream": False},
+        )
+        await c.post(f"/v1/sessions/{watched}/fork", json={})  # a child the feed saw live
+        monkeypatch.setattr(app_module, "load_builder", counted)
+        closed = {sid: await c.post(f"/v1/sessions/{sid}/close") for sid in (watched, unwatched)}
+        # the watched session's answer came from its feed; the other's from the log
+        assert folded == [unwatched]
+        monkeypatch.undo()
+        for sid, r in closed.items():
+            assert r.status_code == 200
+            fresh = (await c.get(f"/v1/sessions/{sid}")).json()
+            assert r.json() == fresh and fresh["status"] == "closed"
+        assert len(closed[watched].json()["children"]) == 1
