@@ -9,6 +9,7 @@ the session's history, whatever its length.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,21 +47,27 @@ def generation_entry(b: GenerationStarted, started_at: float, *, with_text: bool
     }
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _token_text(detokenize: Detokenize, token: int) -> str:
+    """One token's own text, decoded once a process: every entry shows its token's (a
+    tokenizer's decode is a pure function of the ids; an engine's bound ``detokenize``
+    is equal, and hashes equal, each time it is taken)."""
+    return detokenize([token])
+
+
 def token_entry(b: GenerationToken, at: float, detokenize: Detokenize | None) -> dict[str, Any]:
     """A ``generation.token``'s entry in ``tokens`` (generated) or ``prefill`` (scored)."""
 
-    def text(ids: Sequence[int]) -> str | None:
-        return None if detokenize is None else detokenize(ids)
+    def text(token: int) -> str | None:
+        return None if detokenize is None else _token_text(detokenize, token)
 
     tok = int(b["token"])
     return {
         "id": tok,
         "position": int(b["position"]),
-        "text": text([tok]),
+        "text": text(tok),
         "logprob": b.get("logprob"),
-        "top": [
-            {"id": int(i), "text": text([int(i)]), "logprob": lp} for i, lp in b.get("top", ())
-        ],
+        "top": [{"id": int(i), "text": text(int(i)), "logprob": lp} for i, lp in b.get("top", ())],
         "readout": b.get("readout"),
         "t": b.get("t"),
         "at": at,
