@@ -327,7 +327,8 @@ class Feeds:
         if feed is None:
             return None
         try:
-            await asyncio.wait_for(asyncio.shield(feed.folded(version)), wait_s)
+            async with asyncio.timeout(wait_s):  # not wait_for: 3.11's can lose a cancel
+                await feed.folded(version)
         except TimeoutError:
             return None
         doc = feed.doc

@@ -92,3 +92,19 @@ async def test_a_feed_that_stops_short_wakes_its_waiters_and_closing_reads_the_l
     assert await feeds.final_document(st.session_id, closed.version) is None
     assert await feeds.final_document("s_unknown", 1) is None
     await feeds.close()
+
+
+async def test_closing_waits_a_bounded_time_for_a_feed_that_has_not_folded_the_end(
+    runtime: Runtime,
+) -> None:
+    st = await runtime.open_session("http", label="slow")
+    feeds = Feeds(runtime)
+    feed = await feeds.get(st.session_id)
+    # a version the feed never reaches (as if it lagged): the log answers instead
+    assert await feeds.final_document(st.session_id, 99, wait_s=0.05) is None
+    await runtime.append_tokens(st.session_id, [4, 5])
+    closed = await runtime.close(st.session_id)
+    doc = await feeds.final_document(st.session_id, closed.version)
+    assert doc is not None and doc["status"] == "closed" and doc["version"] == closed.version
+    assert feed._folding == []  # the waiter that gave up was dropped
+    await feeds.close()
