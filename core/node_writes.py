@@ -87,11 +87,7 @@ class NodeWrites(SessionStates):
                 raise InvalidAction("action without a name")
             seen: set[str] = set()
             for _, nid in outputs:
-                if (
-                    nid in st.nodes
-                    or nid in seen
-                    or any(nid in [o for _, o in a.outputs] for a in st.actions.values())
-                ):
+                if nid in st.nodes or nid in seen or nid in st.action_outputs:
                     raise InvalidAction(f"output id {nid!r} is not new")
                 seen.add(nid)
             aid = action_id or f"a{len(st.actions) + 1}"

@@ -112,6 +112,7 @@ def state_from_json(text: str, data: bytes | None) -> SessionState:
         a["inputs"] = [tuple(x) for x in a["inputs"]]
         a["outputs"] = [tuple(x) for x in a["outputs"]]
         st.actions[a["id"]] = Action(**a)
+        st.action_outputs.update(o for _, o in a["outputs"])
     for g in d["generations"]:
         st.generations[g["id"]] = Generation(**g)
     return st

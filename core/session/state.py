@@ -151,6 +151,9 @@ class SessionState:
     nodes: dict[str, Node] = field(default_factory=dict)
     parents_of: dict[str, set[str]] = field(default_factory=dict)
     actions: dict[str, Action] = field(default_factory=dict)
+    #: every id some action names as an output (derived from ``actions``: a new
+    #: action's outputs are checked against it, not against every action's)
+    action_outputs: set[str] = field(default_factory=set)
     generations: dict[str, Generation] = field(default_factory=dict)
     feedback: list[dict[str, Any]] = field(default_factory=list)
     errors: list[dict[str, Any]] = field(default_factory=list)
@@ -315,14 +318,16 @@ def _action(state: SessionState, e: Event, b: ActionSubmitted) -> None:
     aid = str(b["action_id"])
     if aid in state.actions:
         raise InvalidEvent(f"action {aid} submitted twice")
+    outputs = [(str(p["name"]), str(p["id"])) for p in b.get("outputs", [])]
     state.actions[aid] = Action(
         id=aid,
         name=str(b.get("name", "")),
         inputs=[(str(p["name"]), str(p["id"])) for p in b.get("inputs", [])],
-        outputs=[(str(p["name"]), str(p["id"])) for p in b.get("outputs", [])],
+        outputs=outputs,
         target=str(b.get("target", "")),
         configs=list(b.get("configs", [])),
     )
+    state.action_outputs.update(o for _, o in outputs)
 
 
 def _action_of(state: SessionState, aid: str) -> Action:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
+
 import pytest
 
 from sessiontape.core.errors import InvalidAction, InvalidFragment, NodeNotFound, ProtocolViolation
 from sessiontape.core.nodes import FragmentIn, flatten, is_complete, missing
 from sessiontape.core.runtime import Runtime
+from sessiontape.engines.reference import ReferenceEngine
+from tests.conftest import make_config
 
 
 def leaf(
@@ -149,6 +153,37 @@ async def test_cycles_and_depth_abort(runtime: Runtime) -> None:
     await runtime.append_fragments(sid, [parent("c", ("d",))])  # a > b > c > d: depth 4
     with pytest.raises(ProtocolViolation, match="depth"):
         await runtime.append_fragments(sid, [parent("d", ("e",))])
+
+
+async def test_action_outputs_stay_taken_in_a_state_loaded_from_a_snapshot(
+    sqlite_url: str,
+) -> None:
+    def runtime_on_file() -> Awaitable[Runtime]:
+        config = make_config(sqlite_url, log={"snapshot_every": 3})
+        return Runtime.create(config, engine=ReferenceEngine())
+
+    rt = await runtime_on_file()
+    try:
+        sid = await new(rt)
+        await rt.append_fragments(sid, [leaf("in")])
+        for k in range(5):
+            await rt.submit_action(sid, "GENERATE", [("prompt", "in")], [("out", f"o{k}")])
+        for task in list(rt._background):  # the snapshots, saved in the background
+            await task
+        snapshot = await rt.log.load_snapshot(sid)
+        assert snapshot is not None and snapshot[0] >= 3
+        live = await rt.get(sid)
+    finally:
+        await rt.aclose()
+    rt = await runtime_on_file()  # a new process: the state comes from the snapshot
+    try:
+        loaded = await rt.load(sid)
+        assert loaded.action_outputs == live.action_outputs == {f"o{k}" for k in range(5)}
+        with pytest.raises(InvalidAction):
+            await rt.submit_action(sid, "GENERATE", [("prompt", "in")], [("out", "o1")])
+        await assert_unchanged(rt, sid, live.version)
+    finally:
+        await rt.aclose()
 
 
 async def test_action_outputs_must_be_new(runtime: Runtime) -> None:
