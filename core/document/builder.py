@@ -98,6 +98,8 @@ class DocumentBuilder:
             h["images"] = [image_view(im) for im in base.images]
             doc["nodes"] = {nid: node_view(n) for nid, n in base.nodes.items()}
             doc["roots"] = self._roots()
+        #: the ids in ``doc["roots"]``: kept as nodes come, not recomputed from every node
+        self._root_ids: set[str] = set(doc["roots"])
         #: the chat turns (``doc["conversation"]`` is its list)
         self.chat = Conversation(detokenize)
         if isinstance(base, ForkBase) and base.conversation is not None:
@@ -258,6 +260,7 @@ class DocumentBuilder:
         if e.type == T.SESSION_PURGED:
             self._replace(doc, "nodes", {}, "/nodes")
             self._replace(doc, "roots", [], "/roots")
+            self._root_ids.clear()
             h = doc["history"]
             for key, value in (
                 ("ids", []),
@@ -279,12 +282,22 @@ class DocumentBuilder:
         nodes = doc["nodes"]
         is_new = nid not in nodes
         self._set(nodes, nid, node_view(node), "/nodes/" + escape(nid))
-        if is_new or b.get("child_ids"):
-            self._set(doc, "roots", self._roots(), "/roots")
-            # a parent's children list changed: re-render parents whose children arrived
-            for c in b.get("child_ids", ()):
-                if c in nodes and c in self.state.nodes:
-                    self._set(nodes, c, node_view(self.state.nodes[c]), "/nodes/" + escape(c))
+        children = b.get("child_ids", ())
+        if is_new and not self.state.parents_of.get(nid):
+            # roots are in arrival order, and a node arrives last: it joins at the end
+            self._root_ids.add(nid)
+            self._push(doc["roots"], nid, "/roots")
+        for c in children:
+            if c in self._root_ids:  # a root named as a child is one no more
+                self._root_ids.discard(c)
+                roots = doc["roots"]
+                i = roots.index(c)
+                del roots[i]
+                self._ops.append({"op": "remove", "path": f"/roots/{i}"})
+        # a parent's children list changed: re-render parents whose children arrived
+        for c in children:
+            if c in nodes and c in self.state.nodes:
+                self._set(nodes, c, node_view(self.state.nodes[c]), "/nodes/" + escape(c))
 
     def _action(self, doc: Doc, e: Event, _: int) -> None:
         aid = str(action_id_of(e))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import copy
 import json
 from collections.abc import Sequence
@@ -21,7 +23,7 @@ from sessiontape.core.document import (
     fork_base,
 )
 from sessiontape.core.engine import OutputOptions, SamplingParams
-from sessiontape.core.errors import InvalidEvent
+from sessiontape.core.errors import InvalidEvent, SessiontapeError
 from sessiontape.core.events import Event
 from sessiontape.core.nodes import FragmentIn
 from sessiontape.core.patch import apply_patch, diff, to_rfc6902
@@ -357,3 +359,52 @@ async def test_sessions_list_folds_status_and_generating(runtime: Runtime) -> No
     assert seen[0] == ("open", False)
     assert ("open", True) in seen
     assert seen[-1] == ("closed", False)
+
+
+#: a node's fragment: (node, children named); a node with children is a parent
+NODE_STEPS = st.lists(
+    st.tuples(st.integers(0, 9), st.lists(st.integers(0, 9), max_size=3, unique=True)),
+    min_size=1,
+    max_size=24,
+)
+
+
+@settings(max_examples=40, derandomize=True, database=None, deadline=None)
+@given(steps=NODE_STEPS)
+def test_roots_are_the_nodes_nobody_names_as_a_child_in_arrival_order(
+    tmp_path_factory: pytest.TempPathFactory, steps: list[tuple[int, list[int]]]
+) -> None:
+    """Kept as each fragment comes (a new parentless node joins at the end, a root
+    named as a child leaves): equal to the definition after every event, and the
+    patches carry a watcher's copy there."""
+
+    async def main() -> None:
+        db = tmp_path_factory.mktemp("roots") / "log.db"
+        rt = await Runtime.create(
+            make_config(f"sqlite+aiosqlite:///{db}"), engine=ReferenceEngine()
+        )
+        try:
+            sid = (await rt.open_session("evergreen")).session_id
+            for node, kids in steps:
+                children = tuple(f"n{k}" for k in kids)
+                fragment = (
+                    FragmentIn(id=f"n{node}", seq=0, continued=False, child_ids=children)
+                    if children
+                    else FragmentIn(
+                        id=f"n{node}", seq=0, continued=False, has_chunk=True, data=b"x"
+                    )
+                )
+                # a fragment the model refuses changes nothing
+                with contextlib.suppress(SessiontapeError):
+                    await rt.append_fragments(sid, [fragment])
+            b = DocumentBuilder(sid)
+            watched = copy.deepcopy(b.doc)
+            for e in await rt.log.read(sid):
+                ops = b.apply(e)
+                watched = apply_patch(watched, json.loads(json.dumps(ops)))
+                assert b.doc["roots"] == b._roots()
+                assert watched == b.doc
+        finally:
+            await rt.aclose()
+
+    asyncio.run(main())
