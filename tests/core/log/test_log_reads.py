@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -73,5 +74,25 @@ async def test_sqlite_reads_see_each_commit_at_once(tmp_path: Path) -> None:
             evs += await log.append("s", len(evs), [NewEvent(T.NOTE, {"k": k})])
             assert await log.read("s") == evs
             assert (await log.read_all(evs[-1].position - 1))[-1] == evs[-1]
+    finally:
+        await log.close()
+
+
+async def test_sqlite_reads_hold_no_snapshot_that_would_keep_the_wal_from_a_checkpoint(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "log.db"
+    log = await EventLog.open(f"sqlite+aiosqlite:///{path}")
+    try:
+        evs = await log.append("s", 0, [opened()])
+        for k in range(10):
+            evs += await log.append("s", len(evs), [NewEvent(T.NOTE, {"k": k})])
+            assert len(await log.read("s")) == len(evs)
+        other = sqlite3.connect(path, isolation_level=None)
+        try:
+            busy, _, _ = other.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        finally:
+            other.close()
+        assert busy == 0  # a reader that kept its read transaction open would block it
     finally:
         await log.close()
