@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -64,15 +64,9 @@ class PostgresDialect(Dialect):
         """On a pooled connection's asyncpg connection: its records, not SQLAlchemy rows
         built one by one on the event loop (2,034 events: 3.2-3.4 ms against 4.0 ms)."""
         statement = self.sql(sql)
-        async with self.engine.connect() as conn:
+        async with self.engine.connect() as conn, _driver_call(statement, conn.invalidate):
             raw = await conn.get_raw_connection()
-            try:
-                return list(await raw.driver_connection.fetch(statement, *params))  # type: ignore[union-attr]
-            except _driver_errors() as exc:
-                mapped = _as_sqlalchemy(statement, exc)
-                if isinstance(mapped, OperationalError):
-                    await conn.invalidate()  # not handed out again
-                raise mapped from exc
+            return list(await raw.driver_connection.fetch(statement, *params))  # type: ignore[union-attr]
 
     async def transaction(self, work: Work[R], before_commit: Hook[R], *, small: bool = False) -> R:
         def run(conn: sa.Connection) -> R:
@@ -128,18 +122,13 @@ class PostgresDialect(Dialect):
             + "".join(f", ${i}" for i in range(2, len(args) + 1))
             + ")"
         )
-        try:
+        async with _driver_call(statement, self._drop_append_conn):
             if self._append_conn is None:
                 conn = await self.engine.connect()
                 self._append_conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
             raw = await self._append_conn.get_raw_connection()
             driver: Any = raw.driver_connection
             return bool(await driver.fetchval(statement, *args))
-        except _driver_errors() as exc:
-            mapped = _as_sqlalchemy(statement, exc)
-            if isinstance(mapped, OperationalError):
-                await self._drop_append_conn()
-            raise mapped from exc
 
     async def _drop_append_conn(self) -> None:
         conn, self._append_conn = self._append_conn, None
@@ -196,7 +185,7 @@ class PostgresDialect(Dialect):
         """``statement`` with the session's lock key, on the lock connection (opened
         on first use); asyncpg's errors raised as SQLAlchemy's, and a lost connection
         dropped (the server released its locks with it)."""
-        try:
+        async with _driver_call(statement, self._drop_lock_conn):
             if self._lock_conn is None:
                 conn = await self.engine.connect()
                 self._lock_conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
@@ -204,11 +193,6 @@ class PostgresDialect(Dialect):
                 raw = await self._lock_conn.get_raw_connection()
                 self._lock_driver = (self._lock_conn, raw.driver_connection)
             return await self._lock_driver[1].fetchval(statement, session_lock_key(session_id))
-        except _driver_errors() as exc:
-            mapped = _as_sqlalchemy(statement, exc)
-            if isinstance(mapped, OperationalError):
-                await self._drop_lock_conn()
-            raise mapped from exc
 
     async def _drop_lock_conn(self) -> None:
         conn, self._lock_conn, self._lock_driver = self._lock_conn, None, None
@@ -240,6 +224,20 @@ def _driver_errors() -> tuple[type[BaseException], ...]:
         asyncpg.exceptions.InternalClientError,
         OSError,
     )
+
+
+@contextlib.asynccontextmanager
+async def _driver_call(statement: str, drop: Callable[[], Awaitable[None]]) -> AsyncIterator[None]:
+    """Around a call on asyncpg's own connection: its errors raised as SQLAlchemy's
+    (:func:`_as_sqlalchemy`), and a lost connection given to ``drop`` first, so it is
+    not used again."""
+    try:
+        yield
+    except _driver_errors() as exc:
+        mapped = _as_sqlalchemy(statement, exc)
+        if isinstance(mapped, OperationalError):
+            await drop()
+        raise mapped from exc
 
 
 def _as_sqlalchemy(statement: str, exc: BaseException) -> DBAPIError:

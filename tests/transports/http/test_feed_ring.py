@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from sessiontape.core.document.builder import DocumentBuilder
 from sessiontape.core.runtime import Runtime
+from sessiontape.core.session.state import SessionState
 from sessiontape.transports.http.feeds import Entry, Feeds, SessionFeed
 
 
@@ -79,12 +80,17 @@ async def test_a_feed_wakes_who_waits_for_a_version_once_it_folds_it(runtime: Ru
     assert feed.folded(1).done()  # what it holds already, or an ended feed: at once
 
 
+async def _watched(runtime: Runtime) -> tuple[SessionState, Feeds, SessionFeed]:
+    """An open session and the live feed a watcher would get of it."""
+    st = await runtime.open_session("http", label="watched")
+    feeds = Feeds(runtime)
+    return st, feeds, await feeds.get(st.session_id)
+
+
 async def test_a_feed_that_stops_short_wakes_its_waiters_and_closing_reads_the_log(
     runtime: Runtime,
 ) -> None:
-    st = await runtime.open_session("http", label="short")
-    feeds = Feeds(runtime)
-    feed = await feeds.get(st.session_id)
+    st, feeds, feed = await _watched(runtime)
     waiting = feed.folded(99)
     await feed.stop()  # a feed that failed or was reaped before the end came
     assert waiting.done()
@@ -97,9 +103,7 @@ async def test_a_feed_that_stops_short_wakes_its_waiters_and_closing_reads_the_l
 async def test_closing_waits_a_bounded_time_for_a_feed_that_has_not_folded_the_end(
     runtime: Runtime,
 ) -> None:
-    st = await runtime.open_session("http", label="slow")
-    feeds = Feeds(runtime)
-    feed = await feeds.get(st.session_id)
+    st, feeds, feed = await _watched(runtime)
     # a version the feed never reaches (as if it lagged): the log answers instead
     assert await feeds.final_document(st.session_id, 99, wait_s=0.05) is None
     await runtime.append_tokens(st.session_id, [4, 5])
