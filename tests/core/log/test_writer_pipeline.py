@@ -473,8 +473,10 @@ async def test_an_append_that_cannot_commit_at_once_is_left_to_the_write_loop(
             await log.append("s", 0, [appended(0, [1])])
         assert log.append_now("never-opened", 3, [appended(0, [1])]) is None
         assert [e.version for e in await log.read("s")] == [1]
-        # right after a commit: left to the write loop, where the next ones may gather
+        # right after another session's commit: left to the write loop, where the
+        # next ones may gather; once the writer has been idle a while, at once
         await log.append("s", 1, [appended(0, [1])])
+        await log.append("other", 0, [opened()])
         assert log.append_now("s", 2, [appended(1, [2])]) is None
         await asyncio.sleep(2 * NOW_IDLE_S)
         assert log.append_now("s", 2, [appended(1, [2])]) is not None
@@ -497,5 +499,34 @@ async def test_an_append_that_cannot_commit_at_once_is_left_to_the_write_loop(
         evs = await asyncio.wait_for(pending, 10)
         assert [e.version for e in evs] == [5]
         verify_chain(await log.read("s"))
+    finally:
+        await log.close()
+
+
+async def test_an_append_right_after_its_own_sessions_commit_commits_at_once(
+    sqlite_url: str,
+) -> None:
+    """A session that follows its own commit (a short turn's generation right after
+    the turn's append) has nobody to gather with: it commits at once however soon it
+    comes, while another session's append that soon still queues."""
+    log = await EventLog.open(sqlite_url)
+    try:
+        await log.append("a", 0, [opened()])
+        await log.append("b", 0, [opened()])
+        await asyncio.sleep(2 * NOW_IDLE_S)
+        seen, undo = _spy_transactions(log)
+        try:
+            assert log.append_now("a", 1, [appended(0, [1])]) is not None
+            await asyncio.sleep(0)  # the next turn of the loop, well within NOW_IDLE_S
+            assert log.append_now("a", 2, [appended(1, [2])]) is not None
+            await asyncio.sleep(0)
+            assert log.append_now("b", 1, [appended(0, [3])]) is None  # nothing written
+            await log.append("b", 1, [appended(0, [3])])
+        finally:
+            undo()
+        assert seen == ["now", "now", "queued"]
+        assert [e.version for e in await log.read("a")] == [1, 2, 3]
+        verify_chain(await log.read("a"))
+        assert [e.version for e in await log.read("b")] == [1, 2]
     finally:
         await log.close()
