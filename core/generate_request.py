@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from sessiontape.core.engine import DEFAULT_OUTPUT, OutputOptions, SamplingParams
-from sessiontape.core.events import Event, NewEvent, T
+from sessiontape.core.events import Event, NewEvent
 from sessiontape.core.session.state import SessionState
 from sessiontape.core.tokens import ImageIn
 
@@ -63,16 +63,3 @@ class FirstAppend:
     length: int
     committed: list[Event] = dataclasses.field(default_factory=list)
     pending: list[NewEvent] = dataclasses.field(default_factory=list)
-
-
-#: what a caller is shown of a generation's first append: the truncation it made and
-#: ``generation.started``, not the request's own tokens and images (the caller sent them)
-SHOWN_OF_FIRST = (T.TOKENS_TRUNCATED, T.GENERATION_STARTED)
-
-
-def shown(evs: list[Event], first: int) -> list[Event]:
-    """``evs`` as the caller is shown them, when their first ``first`` are the
-    generation's first append."""
-    if not first:
-        return evs
-    return [e for e in evs[:first] if e.type in SHOWN_OF_FIRST] + evs[first:]

@@ -46,8 +46,8 @@ from sessiontape.core.errors import (
     SessionBusy,
 )
 from sessiontape.core.events import Event, NewEvent, T
-from sessiontape.core.generate_request import FirstAppend, GenerateRequest, shown
-from sessiontape.core.pipeline import GenerationHost, TokenPipeline, finished
+from sessiontape.core.generate_request import FirstAppend, GenerateRequest
+from sessiontape.core.pipeline import GenerationHost, TokenPipeline, finished, shown
 from sessiontape.core.session.cache import STALE_RETRIES
 from sessiontape.core.session.state import SessionState
 from sessiontape.core.tokens import check_ranges, length_after, sink_window_keep
@@ -124,18 +124,12 @@ async def _generation(
         failure = exc
         raise
     finally:
-        # A generation that finished has settled already (its engine stopped in
-        # _check_engine_after, its end committed) and, on a database no other process
-        # writes to, holds no lock worth a release: a short turn's end then costs no
-        # task (each _to_the_end is a task, a shield and their hand-offs).
         try:
-            if not done:
-                await _to_the_end(_settle_unfinished(rt, gen, st, failure))
+            await _to_the_end(_settle_unfinished(rt, gen, st, done, failure))
         finally:
             # even when cancelled again while recording the cancel
             rt.generating.end(session_id)
-            if rt.log.shared:
-                await _to_the_end(rt.log.unlock_session(session_id))
+            await _to_the_end(rt.log.unlock_session(session_id))
 
 
 def _checked(rt: GenerationHost, request: GenerateRequest) -> GenerateRequest:
@@ -315,11 +309,14 @@ async def _settle_unfinished(
     rt: GenerationHost,
     gen: TokenPipeline,
     st: SessionState,
+    done: bool,
     failure: BaseException | None,
 ) -> None:
     """Stop the engine, rewind its cache to the log, and record a generation that did
     not finish: ``cancelled``, or ``error`` when something failed."""
     await gen.stop_engine()
+    if done:
+        return
     reason: FinishReason = (
         "error" if failure is not None else ("aborted" if gen.reason == "aborted" else "cancelled")
     )

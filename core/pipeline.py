@@ -14,8 +14,7 @@ Three stages run at once for one generation::
   ``generation.max_run``), appends them as one ``log.append`` (one
   transaction; the log's writer still groups concurrent sessions' appends
   into one commit) and starts the next append as soon as the previous one
-  settled. The first run commits in the caller's task; the committer task
-  starts only if the generation goes on past it.
+  settled.
 - The **caller** receives a run of committed events while the next run
   commits. Nothing is yielded before its commit: durable before visible.
   A caller slower than the engine (a wire that sends one message per token)
@@ -46,8 +45,7 @@ from sessiontape.core.config import GenerationSettings
 from sessiontape.core.engine import Step
 from sessiontape.core.errors import CacheInvariantViolation, SessiontapeError
 from sessiontape.core.events import Event, NewEvent, T
-from sessiontape.core.generate_request import FirstAppend, GenerateRequest, shown
-from sessiontape.core.scheduler import OPEN_GATE
+from sessiontape.core.generate_request import FirstAppend, GenerateRequest
 from sessiontape.core.session.cache import RunningGenerations, SessionPort
 from sessiontape.core.session.state import SessionState
 from sessiontape.core.tokens import ImageIn, fold_tokens
@@ -217,7 +215,7 @@ class TokenPipeline:
         if self.rt.engine.batches:
             # the engine schedules every generation's steps into shared passes itself:
             # taking turns here would leave all but one session idle in each pass
-            gate = OPEN_GATE
+            gate = NO_GATE
         try:
             done = False
             step: Step | None = None
@@ -454,61 +452,33 @@ class TokenPipeline:
             metrics.TTFT_SECONDS.observe(self.ttft)
         return self.finished_event(self.reason, None, generated)
 
-    async def _next_run(self) -> list[Event] | None:
-        """Take and commit the next run; None once the generation ended or an abort
-        was asked for. A cancel that lands during the commit waits for it to settle
-        (:meth:`SessionStates.commit`)."""
-        if self.ended:
-            return None
-        if self.rt.generating.stop_requested(self.sid):
-            self.reason = "aborted"
-            return None
-        await self._credit.acquire()
-        return await self._commit_run(await self._take())
-
     async def _commit_loop(self) -> None:
         out = self._out
         try:
-            while (run := await self._next_run()) is not None:
-                out.put_nowait(run)
+            while not self.ended:
+                if self.rt.generating.stop_requested(self.sid):
+                    self.reason = "aborted"
+                    break
+                await self._credit.acquire()
+                steps = await self._take()
+                # a cancel that lands during the commit waits for it to settle (_commit)
+                out.put_nowait(await self._commit_run(steps))
             await out.put(None)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             await out.put(exc)
 
-    def _handled(self, run: list[Event], seconds: float) -> None:
-        """Note the caller's pace from the time it took to handle ``run``."""
-        per = seconds / max(1, len(run))
-        c = self.consume_per_event
-        # weighted to the latest run: a caller's first messages are slow (a new
-        # stream), and an average that forgot them slowly kept the runs after a
-        # short first run small for a dozen runs (Kakeya 8% slower)
-        self.consume_per_event = per if c is None else 0.3 * c + 0.7 * per
-
     async def runs(self) -> AsyncIterator[list[Event]]:
         """Committed runs of ``generation.token`` events, as soon as each commits (the
-        committer goes on with the next run while the caller handles this one).
-
-        The first run commits in the caller's own task: the caller waits for it
-        whatever happens, and until it has handled one run its pace is unknown, so
-        the second run waits for it too. A generation that ends with its first run
-        (a short turn, one commit) needs no committer task and no hand-over.
-        """
-        first = await self._next_run()
-        if first is None:
-            return
-        given = time.perf_counter()
-        yield first
-        self._handled(first, time.perf_counter() - given)
-        self._credit.release()  # the caller asks for the next run
-        if self.ended:
-            return
+        committer goes on with the next run while the caller handles this one)."""
         committer = asyncio.create_task(self._commit_loop(), name=f"committer-{self.sid}")
         try:
             while True:
                 item = await self._out.get()
-                paced = self._paced_run() is not None
+                # until the caller has handled a run its pace is unknown: the next run
+                # waits for it, so a slow caller's second run is cut like the rest
+                paced = self.consume_per_event is None or self._paced_run() is not None
                 if not paced:
                     self._credit.release()  # the next run commits while this one is handled
                 if item is None:
@@ -517,7 +487,12 @@ class TokenPipeline:
                     raise item
                 given = time.perf_counter()
                 yield item
-                self._handled(item, time.perf_counter() - given)
+                per = (time.perf_counter() - given) / max(1, len(item))
+                c = self.consume_per_event
+                # weighted to the latest run: a caller's first messages are slow (a new
+                # stream), and an average that forgot them slowly kept the runs after a
+                # short first run small for a dozen runs (Kakeya 8% slower)
+                self.consume_per_event = per if c is None else 0.3 * c + 0.7 * per
                 if paced:
                     self._credit.release()  # the caller asks for the next run: commit it now
         finally:
@@ -573,6 +548,19 @@ class TokenPipeline:
         return new
 
 
+#: what a caller is shown of a generation's first append: the truncation it made and
+#: ``generation.started``, not the request's own tokens and images (the caller sent them)
+SHOWN_OF_FIRST = (T.TOKENS_TRUNCATED, T.GENERATION_STARTED)
+
+
+def shown(evs: list[Event], first: int) -> list[Event]:
+    """``evs`` as the caller is shown them, when their first ``first`` are the
+    generation's first append."""
+    if not first:
+        return evs
+    return [e for e in evs[:first] if e.type in SHOWN_OF_FIRST] + evs[first:]
+
+
 def finished(
     gid: str,
     reason: FinishReason,
@@ -593,3 +581,20 @@ def finished(
         "ttft_s": ttft_s,
     }
     return NewEvent(T.GENERATION_FINISHED, b)
+
+
+class _OpenGate:
+    """A gate that never makes anyone wait (for engines that batch generations themselves)."""
+
+    @contextlib.asynccontextmanager
+    async def slot(self, priority: int = 0) -> AsyncIterator[None]:
+        yield
+
+    def more_urgent_waiting(self, priority: int) -> bool:
+        return False
+
+    def waiting(self) -> bool:
+        return False
+
+
+NO_GATE: Any = _OpenGate()

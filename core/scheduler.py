@@ -14,7 +14,7 @@ import heapq
 import itertools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from sessiontape.core import metrics
 
@@ -64,24 +64,6 @@ class PriorityGate:
                 fut.set_result(None)  # hand over: stays busy
                 return
         self._busy = False
-
-
-class _OpenGate:
-    """A gate that never makes anyone wait (for engines that batch generations themselves)."""
-
-    @asynccontextmanager
-    async def slot(self, priority: int = 0) -> AsyncIterator[None]:
-        yield
-
-    def more_urgent_waiting(self, priority: int) -> bool:
-        return False
-
-    def waiting(self) -> bool:
-        return False
-
-
-#: a :class:`PriorityGate` in shape that never makes anyone wait
-OPEN_GATE: Any = _OpenGate()
 
 
 class Admission:

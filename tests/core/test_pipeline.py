@@ -702,26 +702,3 @@ async def test_a_short_generation_is_one_run_with_its_finish(sqlite_url: str) ->
         assert one_run >= 8, one_run
     finally:
         await rt.aclose()
-
-
-async def test_a_generation_ending_with_its_first_run_starts_no_committer(
-    sqlite_url: str,
-) -> None:
-    """The first run commits in the caller's task (the caller waits for it anyway): a
-    short turn that ends with it hands nothing to another task, and only a generation
-    that goes on past its first run starts the committer that pipelines the rest."""
-    rt = await Runtime.create(make_config(sqlite_url), engine=ReferenceEngine(eos_bias=-1000.0))
-    try:
-        for max_tokens, committer in ((SHORT_GENERATION, False), (200, True)):
-            sid = (await rt.open_session("t")).session_id
-            await rt.append_text(sid, "abc")
-            names: set[str] = set()
-            seen: list[Event] = []
-            async for run in rt.generate_runs(sid, SamplingParams(max_tokens=max_tokens, seed=1)):
-                seen.extend(run)
-                names.update(t.get_name() for t in asyncio.all_tasks())
-            assert len(generated(seen)) == max_tokens
-            assert (f"committer-{sid}" in names) is committer, (max_tokens, names)
-            await check_agrees(rt, sid, seen)
-    finally:
-        await rt.aclose()
