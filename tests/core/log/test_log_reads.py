@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sqlite3
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,16 @@ from sessiontape.core.log.store import _BLOBS_PER_READ
 
 def opened() -> NewEvent:
     return NewEvent(T.SESSION_OPENED, {"protocol": "test"})
+
+
+@pytest.fixture
+async def sqlite_log(sqlite_url: str) -> AsyncIterator[EventLog]:
+    """A log on a SQLite file of its own (``tmp_path / "log.db"``), closed afterwards."""
+    log = await EventLog.open(sqlite_url)
+    try:
+        yield log
+    finally:
+        await log.close()
 
 
 async def test_a_read_with_more_blobs_than_one_lookup_takes_gets_each_its_own(
@@ -66,33 +77,26 @@ async def test_sqlite_reads_after_the_database_went_away_are_unavailable_then_re
         await log.close()
 
 
-async def test_sqlite_reads_see_each_commit_at_once(tmp_path: Path) -> None:
-    log = await EventLog.open(f"sqlite+aiosqlite:///{tmp_path / 'log.db'}")
-    try:
-        evs = await log.append("s", 0, [opened()])
-        for k in range(50):  # read-your-writes on every reader thread's connection
-            evs += await log.append("s", len(evs), [NewEvent(T.NOTE, {"k": k})])
-            assert await log.read("s") == evs
-            assert (await log.read_all(evs[-1].position - 1))[-1] == evs[-1]
-    finally:
-        await log.close()
+async def test_sqlite_reads_see_each_commit_at_once(sqlite_log: EventLog) -> None:
+    log = sqlite_log
+    evs = await log.append("s", 0, [opened()])
+    for k in range(50):  # read-your-writes on every reader thread's connection
+        evs += await log.append("s", len(evs), [NewEvent(T.NOTE, {"k": k})])
+        assert await log.read("s") == evs
+        assert (await log.read_all(evs[-1].position - 1))[-1] == evs[-1]
 
 
 async def test_sqlite_reads_hold_no_snapshot_that_would_keep_the_wal_from_a_checkpoint(
-    tmp_path: Path,
+    sqlite_log: EventLog, tmp_path: Path
 ) -> None:
-    path = tmp_path / "log.db"
-    log = await EventLog.open(f"sqlite+aiosqlite:///{path}")
+    log = sqlite_log
+    evs = await log.append("s", 0, [opened()])
+    for k in range(10):
+        evs += await log.append("s", len(evs), [NewEvent(T.NOTE, {"k": k})])
+        assert len(await log.read("s")) == len(evs)
+    other = sqlite3.connect(tmp_path / "log.db", isolation_level=None)  # the fixture's file
     try:
-        evs = await log.append("s", 0, [opened()])
-        for k in range(10):
-            evs += await log.append("s", len(evs), [NewEvent(T.NOTE, {"k": k})])
-            assert len(await log.read("s")) == len(evs)
-        other = sqlite3.connect(path, isolation_level=None)
-        try:
-            busy, _, _ = other.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
-        finally:
-            other.close()
-        assert busy == 0  # a reader that kept its read transaction open would block it
+        busy, _, _ = other.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
     finally:
-        await log.close()
+        other.close()
+    assert busy == 0  # a reader that kept its read transaction open would block it
