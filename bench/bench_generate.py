@@ -4,6 +4,7 @@
         [--tokens 400] [--sessions 1,8] [--rounds 5] [--pg URL | --no-pg] [--wires]
         [--wire-rows sse,kakeya,salience,evergreen,openai,nostr,ceilings]
         [--engine-process inline|worker] [--client-cpu last|none|N] [--pace-s S]
+        [--nostr-relay nostr-relay|nostr-sdk]
 
 Every row is measured in interleaved rounds in one run: a round generates the
 same greedy tokens once with the engine alone (``Engine.generate`` driven
@@ -407,6 +408,12 @@ async def _nostr_client(relay: str, fid: str, worker: str, tokens: int) -> dict[
             ]
         )
     )
+    # the connection and the subscription are set up before the clock, as the other
+    # rows' clients make their calls first: the relay's end of stored events says both are
+    while True:
+        note = await asyncio.wait_for(notes.next(), 60)
+        if note.is_message() and note.message.as_enum().is_end_of_stored_events():
+            break
     body = {
         "max_iteration_cost": 1000,
         "max_total_cost": 1000 * tokens,
@@ -447,6 +454,87 @@ async def _nostr_client(relay: str, fid: str, worker: str, tokens: int) -> dict[
     _mark("end")
     await client.shutdown()
     return {"n": n, "dt": dt, "client_cpu": cpu, "arrivals": arrivals}
+
+
+RELAYS = ("nostr-relay", "nostr-sdk")
+
+
+async def start_relay(kind: str, workdir: Path) -> tuple[asyncio.subprocess.Process, str]:
+    """A loopback relay in a process of its own: the ``nostr-relay`` package (Python,
+    SQLite storage, signatures checked) or nostr-sdk's ``LocalRelay``; returns it and its URL.
+
+    nostr-sdk's relay leaves Nagle's algorithm on its sockets: a result it sends a client
+    within about 40 ms of its last message to that client (the call's ``OK``) waits for
+    the client's delayed acknowledgement, which adds about 20 ms to each of this row's
+    400-token answers (docs/performance.md, "Token path"). ``nostr-relay`` writes at once.
+    """
+    if kind == "nostr-sdk":
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            __file__,
+            "--relay",
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        assert proc.stdout is not None
+        return proc, (await proc.stdout.readline()).decode().strip()
+    import json
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    config = workdir / "relay.json"
+    config.write_text(
+        json.dumps(
+            {
+                "DEBUG": False,
+                "storage": {
+                    "sqlalchemy.url": f"sqlite+aiosqlite:///{workdir / 'relay.sqlite3'}",
+                    "num_concurrent_reqs": 4,
+                    "num_concurrent_adds": 1,
+                    "validators": [
+                        "nostr_relay.validators.is_not_too_large",
+                        "nostr_relay.validators.is_signed",
+                    ],
+                },
+                "gunicorn": {"bind": f"127.0.0.1:{port}", "workers": 1, "loglevel": "warning"},
+                "authentication": {"enabled": False},
+                "max_limit": 6000,
+            }
+        )
+    )
+    proc = await asyncio.create_subprocess_exec(
+        str(Path(sys.executable).parent / "nostr-relay"),
+        "-c",
+        str(config),
+        "serve",
+        "--use-uvicorn",
+        cwd=workdir,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            if proc.returncode is not None or time.monotonic() > deadline:
+                raise RuntimeError("nostr-relay did not start") from None
+            await asyncio.sleep(0.1)
+            continue
+        writer.close()
+        return proc, f"ws://127.0.0.1:{port}"
+
+
+async def stop_relay(proc: asyncio.subprocess.Process) -> None:
+    """Stop a relay :func:`start_relay` started."""
+    if proc.stdin is not None:  # nostr-sdk's stops when its stdin closes
+        proc.stdin.close()
+    else:
+        proc.terminate()
+    await proc.wait()
 
 
 async def run_relay() -> None:
@@ -547,10 +635,12 @@ async def wire_rows(
     rounds: int,
     only: frozenset[str] = frozenset(WIRES),
     generation: dict[str, Any] | None = None,
+    relay_kind: str = "nostr-relay",
 ) -> None:
     """The wire rows (those named in ``only``): ``engine`` alone against the server's
     path with ``served`` (the same engine object, or the same engine in a worker process);
-    ``generation``: the server's ``[generation]`` settings beyond the defaults."""
+    ``generation``: the server's ``[generation]`` settings beyond the defaults;
+    ``relay_kind``: the Nostr row's relay (:func:`start_relay`)."""
 
     def free() -> int:
         import socket
@@ -581,16 +671,8 @@ async def wire_rows(
     grpc_t = load(TRANSPORTS, "grpc")(rt, cfg.transports["grpc"], cfg)
     http_t = load(TRANSPORTS, "http")(rt, cfg.transports["http"], cfg)
     # the Nostr wire: a relay in its own process, the D4 worker with its default pacing
-    relay = await asyncio.create_subprocess_exec(
-        sys.executable,
-        __file__,
-        "--relay",
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-    )
-    assert relay.stdout is not None and relay.stdin is not None
-    relay_url = (await relay.stdout.readline()).decode().strip()
     key_dir = tempfile.TemporaryDirectory()
+    relay, relay_url = await start_relay(relay_kind, Path(key_dir.name))
     key_file = Path(key_dir.name) / "worker.key"
     import nostr_sdk as ns
 
@@ -688,8 +770,7 @@ async def wire_rows(
         await http_t.stop()
         await grpc_t.stop()
         await rt.aclose()
-        relay.stdin.close()
-        await relay.wait()
+        await stop_relay(relay)
         key_dir.cleanup()
 
 
@@ -803,6 +884,13 @@ async def main() -> None:
         help="the server's event loop, as [server] event_loop (default auto: uvloop where "
         "installed, as `sessiontape serve` runs)",
     )
+    ap.add_argument(
+        "--nostr-relay",
+        default="nostr-relay",
+        choices=RELAYS,
+        help="the Nostr row's relay: the nostr-relay package (the default) or nostr-sdk's "
+        "LocalRelay, whose sockets leave Nagle's algorithm on",
+    )
     ap.add_argument("--client", help=argparse.SUPPRESS)  # internal: be the client of one wire
     ap.add_argument("--ports", help=argparse.SUPPRESS)
     ap.add_argument("--nostr", default="", help=argparse.SUPPRESS)
@@ -898,6 +986,7 @@ async def main() -> None:
                     args.rounds,
                     frozenset(args.wire_rows.split(",")),
                     {} if args.pace_s is None else {"pace_s": args.pace_s},
+                    args.nostr_relay,
                 )
 
 
