@@ -42,7 +42,9 @@ class Host(Answerer, Protocol):
 
     async def is_answered(self, call_id: str, session_id: str) -> bool: ...
 
-    async def open_call_session(self, sid: str, meta: Mapping[str, Any]) -> None: ...
+    async def claim_call(
+        self, call_id: str, sid: str, meta: Mapping[str, Any] | None = None
+    ) -> bool: ...
 
     async def record_incoming_call(self, sid: str, payload: Mapping[str, Any]) -> None: ...
 
@@ -121,12 +123,10 @@ async def handle_job(worker: Host, payload: Mapping[str, Any]) -> None:
         worker.stats["duplicate"] += 1
         return
     async with worker.call_slot(job.sid):
-        if await worker.is_answered(job.id, job.sid):
+        meta = {"call_id": job.id, "caller": job.customer, "nip90": True}
+        if not await worker.claim_call(job.id, job.sid, meta):
             worker.stats["duplicate"] += 1
             return
-        await worker.open_call_session(
-            job.sid, {"call_id": job.id, "caller": job.customer, "nip90": True}
-        )
         await worker.record_incoming_call(job.sid, dict(payload))
         worker.stats["nip90_jobs"] += 1
         try:

@@ -340,12 +340,22 @@ class D4Worker:
         async with self._sem, self.session_lock(sid):
             yield
 
-    async def open_call_session(self, sid: str, meta: Mapping[str, Any]) -> None:
-        try:
-            await self.runtime.get(sid)
-        except SessionNotFound:
-            with contextlib.suppress(ConcurrencyError):
+    async def claim_call(
+        self, call_id: str, sid: str, meta: Mapping[str, Any] | None = None
+    ) -> bool:
+        """Under the call's slot: whether ``call_id`` is still to be answered.
+
+        A new call (``meta``: its session's) opens its session first. When that
+        succeeds the log held nothing of it, so there is no answer to look for; when
+        the session is there already (the call delivered again, or seen before a
+        restart) its log says. A continuation (``meta`` None) runs in the session of
+        the result it continues.
+        """
+        if meta is not None:
+            with contextlib.suppress(ConcurrencyError):  # the session is there already
                 await self.runtime.open_session("nostr", session_id=sid, label="d4 call", meta=meta)
+                return True
+        return not await self.is_answered(call_id, sid)
 
     async def _on_call(
         self,
@@ -363,14 +373,11 @@ class D4Worker:
             return
         prev = next((self.book.results[r] for r in others if r in self.book.results), None)
         sid = prev.session_id if prev else (known.session_id if known else call_session_id(call_id))
+        meta = None if prev else {"call_id": call_id, "caller": caller, "function_id": fid}
         async with self.call_slot(sid):
-            if await self.is_answered(call_id, sid):
+            if not await self.claim_call(call_id, sid, meta):
                 self.stats["duplicate"] += 1
                 return
-            if prev is None:
-                await self.open_call_session(
-                    sid, {"call_id": call_id, "caller": caller, "function_id": fid}
-                )
             await self.record_incoming_call(sid, payload)
             self.stats["calls"] += 1
             tags = [["e", call_id], ["e", fid]]
