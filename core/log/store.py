@@ -45,7 +45,7 @@ from sessiontape.core.handback import handing_back
 from sessiontape.core.log.dialect import Dialect, session_lock_key
 from sessiontape.core.log.plan import Request, RequestKind
 from sessiontape.core.log.postgres import PostgresDialect
-from sessiontape.core.log.schema import blobs, events, sessions, snapshots
+from sessiontape.core.log.schema import blobs, sessions, snapshots
 from sessiontape.core.log.sqlite import SQLiteDialect
 from sessiontape.core.log.subscriptions import Subscriptions
 from sessiontape.core.log.writer import Writer, unavailable
@@ -178,10 +178,17 @@ class EventLog:
         """Whether other server processes may write to this database (PostgreSQL replicas)."""
         return self.dialect.shared
 
+    async def end(self) -> int:
+        """:meth:`last_position`, from memory where this process is the log's only writer
+        (SQLite, not following another process): every commit is its own."""
+        if not self.subscriptions.tail:
+            return self.known_end()
+        return await self.last_position()
+
     def known_end(self) -> int:
-        """A lower bound of :meth:`last_position`, from memory (what this process committed
-        or read from other processes; 0 before either): reading nothing, it can say a
-        position exists, never that one does not."""
+        """A lower bound of :meth:`last_position`, from memory (the log's end when this
+        process opened it, and what it committed or read from other processes since):
+        reading nothing, it can say a position exists, never that one does not."""
         return max(self.subscriptions.published, self.writer.last_position or 0)
 
     # -- lifecycle ---------------------------------------------------------
@@ -219,8 +226,9 @@ class EventLog:
                 # several servers starting on a fresh database migrate one at a time
                 await dialect.migration_lock(conn)
                 await conn.run_sync(upgrade_connection)
-        if self.subscriptions.tail:
-            self.subscriptions.start(await self.last_position())
+        # where the log ends: read once, then known from this process's commits (and, when
+        # other processes write, from tailing theirs)
+        self.subscriptions.start(await self.last_position())
         await dialect.listen(self.subscriptions.wake)
         self.writer.start()
         return self
@@ -418,14 +426,17 @@ class EventLog:
 
     @_reading
     async def last_position(self) -> int:
-        async with self.engine.connect() as conn:
-            return int(
-                (
-                    await conn.execute(
-                        sa.select(sa.func.coalesce(sa.func.max(events.c.position), 0))
-                    )
-                ).scalar_one()
-            )
+        rows = await self.dialect.fetch("SELECT coalesce(max(position), 0) FROM events", ())
+        return int(rows[0][0])
+
+    @_reading
+    async def forks_of(self, session_id: str) -> list[tuple[str, str]]:
+        """The id and status of each session forked from ``session_id``: one indexed
+        query on the driver, not through SQLAlchemy's (a session document's every start)."""
+        rows = await self.dialect.fetch(
+            "SELECT id, status FROM sessions WHERE parent_id = ?", (session_id,)
+        )
+        return [(str(r[0]), str(r[1])) for r in rows]
 
     @_reading
     async def get_blob(self, sha256: str) -> bytes | None:

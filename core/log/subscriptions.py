@@ -100,8 +100,8 @@ class Subscriptions:
 
     def start(self, last_position: int) -> None:
         self._closing = False
+        self._published = last_position
         if self.tail:
-            self._published = last_position
             self._tailer = asyncio.create_task(self._tail_loop(), name="sessiontape-log-tailer")
 
     def wake(self, end: int | None = None) -> None:
@@ -252,10 +252,13 @@ class Subscriptions:
         self._add(sub)
         metrics.SUBSCRIBERS.inc()
         last = from_position
+        # This process the log's only writer (no tailing), every commit past what it
+        # has published is handed on live: a subscriber from there has nothing to read.
+        caught_up = not self.tail and last >= self._published
         try:
             while True:
                 # catch up from the database
-                while True:
+                while not caught_up:
                     evs = await self._read(last, PAGE, read_id)
                     if evs:
                         last = evs[-1].position
@@ -264,6 +267,7 @@ class Subscriptions:
                             yield wanted
                     if len(evs) < PAGE:
                         break
+                caught_up = False  # after an overflow, what was dropped is read back
                 sub.overflowed = False
                 # live: what is queued now, in one batch (the queue holds no gaps until
                 # it overflows; then the rest is read from the database)

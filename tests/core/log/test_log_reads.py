@@ -3,11 +3,13 @@ database that goes away and comes back."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -100,3 +102,43 @@ async def test_sqlite_reads_hold_no_snapshot_that_would_keep_the_wal_from_a_chec
     finally:
         other.close()
     assert busy == 0  # a reader that kept its read transaction open would block it
+
+
+async def test_the_only_writers_end_is_the_logs_and_a_subscriber_from_it_reads_nothing(
+    sqlite_url: str,
+) -> None:
+    """A SQLite log's one process knows where the log ends without asking the database,
+    from the moment it opens (a log written before); a subscriber from that end is
+    live at once, with no catch-up read, and still gets the next commit."""
+    first = await EventLog.open(sqlite_url)
+    try:
+        await first.append("s", 0, [opened(), NewEvent(T.NOTE, {"i": 0})])
+    finally:
+        await first.close()
+    log = await EventLog.open(sqlite_url)
+    try:
+        assert await log.end() == await log.last_position() == 2
+        reads: list[tuple[int, int, str | None]] = []
+        real = log.subscriptions._read
+
+        async def counted(after: int, limit: int, sid: str | None) -> Any:
+            reads.append((after, limit, sid))
+            return await real(after, limit, sid)
+
+        log.subscriptions._read = counted  # type: ignore[method-assign]
+        got: list[int] = []
+        live = log.subscribe_batches(await log.end(), "s")
+        waiting = asyncio.ensure_future(anext(live))
+        await asyncio.sleep(0.05)  # the subscriber waits for the next commit
+        await log.append("s", 2, [NewEvent(T.NOTE, {"i": 1})])
+        got = [e.position for e in await asyncio.wait_for(waiting, 5)]
+        await live.aclose()  # type: ignore[attr-defined]
+        assert got == [3] and reads == []
+        assert await log.end() == await log.last_position() == 3
+        # from an earlier position the subscriber reads what it missed first
+        older = log.subscribe_batches(1, "s")
+        assert [e.position for e in await asyncio.wait_for(anext(older), 5)] == [2, 3]
+        await older.aclose()  # type: ignore[attr-defined]
+        assert reads == [(1, reads[0][1], "s")]
+    finally:
+        await log.close()
