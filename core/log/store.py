@@ -25,7 +25,7 @@ import contextlib
 import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import sqlalchemy as sa
@@ -45,7 +45,7 @@ from sessiontape.core.handback import handing_back
 from sessiontape.core.log.dialect import Dialect, session_lock_key
 from sessiontape.core.log.plan import Request, RequestKind
 from sessiontape.core.log.postgres import PostgresDialect
-from sessiontape.core.log.schema import blobs, sessions, snapshots
+from sessiontape.core.log.schema import snapshots
 from sessiontape.core.log.sqlite import SQLiteDialect
 from sessiontape.core.log.subscriptions import Subscriptions
 from sessiontape.core.log.writer import Writer, unavailable
@@ -81,6 +81,9 @@ class SessionRow:
 
 P = ParamSpec("P")
 R = TypeVar("R")
+
+#: the sessions index's columns in SessionRow's order, for the driver's own reads
+_SESSION_COLUMNS = ", ".join(f.name for f in fields(SessionRow))
 
 #: blob hashes looked up in one statement (inside SQLite's bound-variable limit)
 _BLOBS_PER_READ = 500
@@ -440,21 +443,17 @@ class EventLog:
 
     @_reading
     async def get_blob(self, sha256: str) -> bytes | None:
-        async with self.engine.connect() as conn:
-            data = (
-                await conn.execute(sa.select(blobs.c.data).where(blobs.c.sha256 == sha256))
-            ).scalar()
-            return None if data is None else bytes(data)
+        rows = await self.dialect.fetch("SELECT data FROM blobs WHERE sha256 = ?", (sha256,))
+        return bytes(rows[0][0]) if rows else None
 
     @_reading
     async def get_session(self, session_id: str) -> SessionRow:
-        async with self.engine.connect() as conn:
-            row = (
-                await conn.execute(sa.select(sessions).where(sessions.c.id == session_id))
-            ).first()
-        if row is None:
+        rows = await self.dialect.fetch(
+            f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE id = ?", (session_id,)
+        )
+        if not rows:
             raise SessionNotFound(session_id)
-        return SessionRow(**row._mapping)
+        return SessionRow(*rows[0])
 
     @_reading
     async def list_sessions(
@@ -470,29 +469,33 @@ class EventLog:
     ) -> list[SessionRow]:
         """Rows of the sessions index, newest first; ``active_after`` keeps sessions
         whose last activity is later than that time."""
-        q = sa.select(sessions)
-        if active_after is not None:
-            q = q.where(sessions.c.last_active_at > active_after)
-        if status is not None:
-            q = q.where(sessions.c.status == status)
-        if protocol is not None:
-            q = q.where(sessions.c.protocol == protocol)
-        if parent_id is not None:
-            q = q.where(sessions.c.parent_id == parent_id)
-        order = sessions.c.created_at.desc() if newest_first else sessions.c.created_at.asc()
-        q = q.order_by(order, sessions.c.id).limit(limit).offset(offset)
-        async with self.engine.connect() as conn:
-            return [SessionRow(**r._mapping) for r in (await conn.execute(q)).all()]
+        where: list[str] = []
+        params: list[Any] = []
+        for column, op, value in (
+            ("last_active_at", ">", active_after),
+            ("status", "=", status),
+            ("protocol", "=", protocol),
+            ("parent_id", "=", parent_id),
+        ):
+            if value is not None:
+                where.append(f"{column} {op} ?")
+                params.append(value)
+        sql = f"SELECT {_SESSION_COLUMNS} FROM sessions"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += f" ORDER BY created_at {'DESC' if newest_first else 'ASC'}, id LIMIT ? OFFSET ?"
+        rows = await self.dialect.fetch(sql, (*params, limit, offset))
+        return [SessionRow(*r) for r in rows]
 
     @_reading
     async def idle_sessions(self, now: float, default_ttl: float) -> list[SessionRow]:
         """Open sessions whose idle TTL ran out at ``now``."""
-        ttl = sa.func.coalesce(sessions.c.ttl_s, default_ttl)
-        q = sa.select(sessions).where(
-            sessions.c.status == "open", sessions.c.last_active_at + ttl < now
+        rows = await self.dialect.fetch(
+            f"SELECT {_SESSION_COLUMNS} FROM sessions"
+            " WHERE status = 'open' AND last_active_at + coalesce(ttl_s, ?) < ?",
+            (default_ttl, now),
         )
-        async with self.engine.connect() as conn:
-            return [SessionRow(**r._mapping) for r in (await conn.execute(q)).all()]
+        return [SessionRow(*r) for r in rows]
 
     # -- snapshots ---------------------------------------------------------
 
@@ -516,16 +519,15 @@ class EventLog:
     async def load_snapshot(
         self, session_id: str, max_version: int | None = None
     ) -> tuple[int, str, bytes | None] | None:
-        q = sa.select(snapshots.c.version, snapshots.c.state, snapshots.c.data).where(
-            snapshots.c.session_id == session_id
+        rows = await self.dialect.fetch(
+            "SELECT version, state, data FROM snapshots WHERE session_id = ? AND version <= ?"
+            " ORDER BY version DESC LIMIT 1",
+            (session_id, 2**31 - 1 if max_version is None else max_version),
         )
-        if max_version is not None:
-            q = q.where(snapshots.c.version <= max_version)
-        async with self.engine.connect() as conn:
-            row = (await conn.execute(q.order_by(snapshots.c.version.desc()).limit(1))).first()
-        if row is None:
+        if not rows:
             return None
-        return int(row[0]), str(row[1]), None if row[2] is None else bytes(row[2])
+        version, state, data = rows[0]
+        return int(version), str(state), None if data is None else bytes(data)
 
     async def _read_page(self, after: int, limit: int, session_id: str | None) -> list[Event]:
         return await self.read_all(after, limit=limit, session_id=session_id)

@@ -15,10 +15,11 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from sessiontape.core.errors import ChainBroken, ConcurrencyError, InvalidEvent
+from sessiontape.core.errors import ChainBroken, ConcurrencyError, InvalidEvent, SessionNotFound
 from sessiontape.core.events import Event, NewEvent
 from sessiontape.core.log import EventLog
 from sessiontape.core.log.store import verify_chain
@@ -231,3 +232,58 @@ async def test_ndjson_export_reimports_identically_both_ways(log: EventLog, tmp_
             assert await dst.read(sid) == back
     finally:
         await scratch.close()
+
+
+async def test_the_sessions_index_reads_filter_order_and_page(log: EventLog) -> None:
+    """get_session, list_sessions and idle_sessions answer from the index on every
+    backend: each filter, both orders, a page, an unknown id, the idle TTL."""
+
+    def opened_as(protocol: str, ttl_s: float | None, parent: str | None = None) -> NewEvent:
+        body: dict[str, object] = {
+            "protocol": protocol,
+            "label": f"{protocol} session",
+            "engine": {"engine": "x", "model_id": "m", "vocab_size": 300},
+            "ttl_s": ttl_s,
+        }
+        if parent is not None:
+            body["parent"] = {"session_id": parent, "version": 2, "token_position": 1}
+        return NewEvent("session.opened", body)
+
+    await log.append("a", 0, [opened_as("http", 60.0), tokens(0, [1, 2])])
+    await asyncio.sleep(0.01)  # created_at orders the list
+    await log.append("b", 0, [opened_as("grpc", None, parent="a")])
+    await asyncio.sleep(0.01)
+    await log.append("c", 0, [opened_as("http", 0.001)])
+    row = await log.get_session("b")
+    assert (row.id, row.protocol, row.status, row.label, row.engine, row.model_id) == (
+        "b",
+        "grpc",
+        "open",
+        "grpc session",
+        "x",
+        "m",
+    )
+    assert (row.parent_id, row.parent_version, row.fork_position) == ("a", 2, 1)
+    assert (row.version, row.event_count, row.ttl_s) == (1, 1, None)
+    a = await log.get_session("a")
+    assert (a.version, a.event_count, a.ttl_s, a.parent_id) == (2, 2, 60.0, None)
+    assert isinstance(a.created_at, float) and a.created_at <= row.created_at
+    with pytest.raises(SessionNotFound):
+        await log.get_session("nope")
+
+    async def ids(**kw: Any) -> list[str]:
+        return [r.id for r in await log.list_sessions(**kw)]
+
+    assert await ids() == ["c", "b", "a"]
+    assert await ids(newest_first=False) == ["a", "b", "c"]
+    assert await ids(limit=1, offset=1) == ["b"]
+    assert await ids(protocol="http") == ["c", "a"]
+    assert await ids(parent_id="a") == ["b"]
+    assert await ids(status="open", protocol="grpc") == ["b"]
+    assert await ids(status="closed") == []
+    assert await ids(active_after=row.last_active_at) == ["c"]
+    assert await log.forks_of("a") == [("b", "open")] and await log.forks_of("b") == []
+    # a TTL of its own, or the default for one without; open sessions only
+    now = (await log.get_session("c")).last_active_at + 1.0
+    assert sorted(r.id for r in await log.idle_sessions(now, 30.0)) == ["c"]
+    assert sorted(r.id for r in await log.idle_sessions(now + 60.0, 30.0)) == ["a", "b", "c"]
