@@ -434,14 +434,6 @@ class Config:
             return ttls
         return ttls.get(protocol, ttls.get("default", IDLE_TTL_S))
 
-    def sessions_opt(self, key: str) -> Any:
-        """One of ``[sessions]`` by name (``config.sessions.KEY`` reads it typed)."""
-        return getattr(self.sessions, key)
-
-    def log_opt(self, key: str) -> Any:
-        """One of ``[log]`` by name (``config.log.KEY`` reads it typed)."""
-        return getattr(self.log, key)
-
 
 def _enabled(settings: Any) -> bool:
     if isinstance(settings, Mapping):

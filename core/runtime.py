@@ -100,8 +100,8 @@ class Runtime(NodeWrites, LogReads):
         self.admission = Admission(config.generation.max_active, config.generation.active_hold_s)
         #: Kakeya counters: session id -> [INV-1 violations, INV-2 violations]
         self.invariant_violations: dict[str, list[int]] = {}
-        self.max_depth = int(config.sessions_opt("max_nesting_depth"))
-        self.max_nodes = int(config.sessions_opt("max_nodes"))
+        self.max_depth = config.sessions.max_nesting_depth
+        self.max_nodes = config.sessions.max_nodes
         self.pipeline: PipelineLimits = config.generation
 
     # -- construction ------------------------------------------------------
@@ -127,9 +127,9 @@ class Runtime(NodeWrites, LogReads):
         log.info("engine %s: model %s on %s", info.name, info.model_id, info.provider)
         log_ = await EventLog.open(
             config.db_url,
-            batch_max=int(config.log_opt("batch_max")),
-            inline_max_bytes=int(config.log_opt("inline_max_bytes")),
-            poll_interval_s=float(config.log_opt("poll_interval_s")),
+            batch_max=config.log.batch_max,
+            inline_max_bytes=config.log.inline_max_bytes,
+            poll_interval_s=config.log.poll_interval_s,
         )
         rt = cls(log_, engine, config, clock=clock)
         if log_.shared:

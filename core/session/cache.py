@@ -158,8 +158,8 @@ class SessionStates:
         self._snapshotted: dict[str, int] = {}
         self._sweeper: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
-        self.cache_size = int(config.sessions_opt("state_cache_size"))
-        self.snapshot_every = int(config.log_opt("snapshot_every"))
+        self.cache_size = config.sessions.state_cache_size
+        self.snapshot_every = config.log.snapshot_every
 
     def lock(self, sid: str) -> asyncio.Lock:
         lock = self._locks.get(sid)
@@ -365,7 +365,7 @@ class SessionStates:
         return expired
 
     def start_sweeper(self) -> None:
-        interval = float(self.config.sessions_opt("sweep_interval_s"))
+        interval = self.config.sessions.sweep_interval_s
 
         async def loop() -> None:
             while True:
