@@ -514,6 +514,7 @@ async def start_relay(kind: str, workdir: Path) -> tuple[asyncio.subprocess.Proc
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.DEVNULL,
+        preexec_fn=_die_with_parent,
     )
     deadline = time.monotonic() + 30
     while True:
@@ -521,6 +522,7 @@ async def start_relay(kind: str, workdir: Path) -> tuple[asyncio.subprocess.Proc
             _, writer = await asyncio.open_connection("127.0.0.1", port)
         except OSError:
             if proc.returncode is not None or time.monotonic() > deadline:
+                await stop_relay(proc)
                 raise RuntimeError("nostr-relay did not start") from None
             await asyncio.sleep(0.1)
             continue
@@ -528,13 +530,29 @@ async def start_relay(kind: str, workdir: Path) -> tuple[asyncio.subprocess.Proc
         return proc, f"ws://127.0.0.1:{port}"
 
 
+def _die_with_parent() -> None:
+    """In the relay's process before it runs: SIGTERM when the benchmark's process ends,
+    however it ends (Linux's ``PR_SET_PDEATHSIG``; elsewhere nothing)."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+
+
 async def stop_relay(proc: asyncio.subprocess.Process) -> None:
-    """Stop a relay :func:`start_relay` started."""
+    """Stop a relay :func:`start_relay` started (killed if it has not ended in 10 s)."""
+    if proc.returncode is not None:
+        return
     if proc.stdin is not None:  # nostr-sdk's stops when its stdin closes
         proc.stdin.close()
     else:
         proc.terminate()
-    await proc.wait()
+    try:
+        await asyncio.wait_for(proc.wait(), 10)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
 
 
 async def run_relay() -> None:
@@ -672,6 +690,7 @@ async def wire_rows(
     http_t = load(TRANSPORTS, "http")(rt, cfg.transports["http"], cfg)
     # the Nostr wire: a relay in its own process, the D4 worker with its default pacing
     key_dir = tempfile.TemporaryDirectory()
+    # the relay ends with this process even when a start below fails (_die_with_parent)
     relay, relay_url = await start_relay(relay_kind, Path(key_dir.name))
     key_file = Path(key_dir.name) / "worker.key"
     import nostr_sdk as ns

@@ -181,13 +181,6 @@ class EventLog:
         """Whether other server processes may write to this database (PostgreSQL replicas)."""
         return self.dialect.shared
 
-    async def end(self) -> int:
-        """:meth:`last_position`, from memory where this process is the log's only writer
-        (SQLite, not following another process): every commit is its own."""
-        if not self.subscriptions.tail:
-            return self.known_end()
-        return await self.last_position()
-
     def known_end(self) -> int:
         """A lower bound of :meth:`last_position`, from memory (the log's end when this
         process opened it, and what it committed or read from other processes since):

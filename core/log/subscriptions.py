@@ -252,8 +252,11 @@ class Subscriptions:
         self._add(sub)
         metrics.SUBSCRIBERS.inc()
         last = from_position
-        # This process the log's only writer (no tailing), every commit past what it
-        # has published is handed on live: a subscriber from there has nothing to read.
+        # With no tailing (SQLite: one server process writes), every commit this process
+        # makes past what it has published is handed on live, and a subscriber from at
+        # or past that (the log's end, read just before) has nothing to read back. What
+        # another process wrote (a `sessiontape import` or `purge`) is never handed on,
+        # as before; a subscriber from the end read from the database starts past it.
         caught_up = not self.tail and last >= self._published
         try:
             while True:

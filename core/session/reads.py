@@ -55,10 +55,6 @@ class LogReads:
         """The id and status of each session forked from ``session_id``."""
         return await self.log.forks_of(session_id)
 
-    async def end_position(self) -> int:
-        """:meth:`last_position`, read only where other processes may write the log."""
-        return await self.log.end()
-
     async def position_exists(self, position: int) -> bool:
         """Whether the log reaches ``position`` (a client's resume cursor): from memory when
         this process has committed or seen that far, else read."""

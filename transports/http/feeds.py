@@ -295,7 +295,7 @@ class Feeds:
         fut: asyncio.Future[SessionFeed] = asyncio.get_running_loop().create_future()
         self._building[session_id] = fut
         try:
-            position = await self.runtime.end_position()
+            position = await self.runtime.last_position()
             builder = await load_builder(
                 self.runtime, self.forks, session_id, upto_position=position
             )

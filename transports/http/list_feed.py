@@ -38,7 +38,7 @@ async def list_stream(
     a fold from genesis), so a client more than ``queue_max`` list changes
     behind is not buffered for: its stream ends and it reconnects.
     """
-    position = await runtime.end_position()
+    position = await runtime.last_position()
     rows = []
     for r in await runtime.list_sessions(limit=limit):
         row = r.to_json()

@@ -104,20 +104,20 @@ async def test_sqlite_reads_hold_no_snapshot_that_would_keep_the_wal_from_a_chec
     assert busy == 0  # a reader that kept its read transaction open would block it
 
 
-async def test_the_only_writers_end_is_the_logs_and_a_subscriber_from_it_reads_nothing(
-    sqlite_url: str,
-) -> None:
-    """A SQLite log's one process knows where the log ends without asking the database,
-    from the moment it opens (a log written before); a subscriber from that end is
-    live at once, with no catch-up read, and still gets the next commit."""
+async def test_a_subscriber_from_the_logs_end_reads_nothing_back(sqlite_url: str) -> None:
+    """On a log no process tails (SQLite), a subscriber from the log's end is live at
+    once, with no catch-up read, and still gets the next commit: from a log written
+    before this process opened it, and after another process (an import) wrote to it.
+    One from an earlier position reads what it missed first."""
     first = await EventLog.open(sqlite_url)
     try:
         await first.append("s", 0, [opened(), NewEvent(T.NOTE, {"i": 0})])
     finally:
         await first.close()
     log = await EventLog.open(sqlite_url)
+    other = await EventLog.open(sqlite_url)
     try:
-        assert await log.end() == await log.last_position() == 2
+        assert log.known_end() == await log.last_position() == 2
         reads: list[tuple[int, int, str | None]] = []
         real = log.subscriptions._read
 
@@ -126,19 +126,25 @@ async def test_the_only_writers_end_is_the_logs_and_a_subscriber_from_it_reads_n
             return await real(after, limit, sid)
 
         log.subscriptions._read = counted  # type: ignore[method-assign]
-        got: list[int] = []
-        live = log.subscribe_batches(await log.end(), "s")
-        waiting = asyncio.ensure_future(anext(live))
-        await asyncio.sleep(0.05)  # the subscriber waits for the next commit
-        await log.append("s", 2, [NewEvent(T.NOTE, {"i": 1})])
-        got = [e.position for e in await asyncio.wait_for(waiting, 5)]
-        await live.aclose()  # type: ignore[attr-defined]
-        assert got == [3] and reads == []
-        assert await log.end() == await log.last_position() == 3
+
+        async def next_commit(after: int, version: int) -> list[int]:
+            live = log.subscribe_batches(after, "s")
+            waiting = asyncio.ensure_future(anext(live))
+            await asyncio.sleep(0.05)  # the subscriber waits for the next commit
+            await log.append("s", version, [NewEvent(T.NOTE, {"i": version})])
+            got = [e.position for e in await asyncio.wait_for(waiting, 5)]
+            await live.aclose()  # type: ignore[attr-defined]
+            return got
+
+        assert await next_commit(await log.last_position(), 2) == [3] and reads == []
+        await other.append("s", 3, [NewEvent(T.NOTE, {"i": "other"})])  # position 4
+        assert await log.last_position() == 4 and log.known_end() == 3
+        assert await next_commit(await log.last_position(), 4) == [5] and reads == []
         # from an earlier position the subscriber reads what it missed first
         older = log.subscribe_batches(1, "s")
-        assert [e.position for e in await asyncio.wait_for(anext(older), 5)] == [2, 3]
+        assert [e.position for e in await asyncio.wait_for(anext(older), 5)] == [2, 3, 4, 5]
         await older.aclose()  # type: ignore[attr-defined]
-        assert reads == [(1, reads[0][1], "s")]
+        assert [r[0] for r in reads] == [1]
     finally:
+        await other.close()
         await log.close()
