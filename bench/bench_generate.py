@@ -484,26 +484,10 @@ async def start_relay(kind: str, workdir: Path) -> tuple[asyncio.subprocess.Proc
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = int(sock.getsockname()[1])
+    from tests.transports.nostr.relay_config import nostr_relay_config
+
     config = workdir / "relay.json"
-    config.write_text(
-        json.dumps(
-            {
-                "DEBUG": False,
-                "storage": {
-                    "sqlalchemy.url": f"sqlite+aiosqlite:///{workdir / 'relay.sqlite3'}",
-                    "num_concurrent_reqs": 4,
-                    "num_concurrent_adds": 1,
-                    "validators": [
-                        "nostr_relay.validators.is_not_too_large",
-                        "nostr_relay.validators.is_signed",
-                    ],
-                },
-                "gunicorn": {"bind": f"127.0.0.1:{port}", "workers": 1, "loglevel": "warning"},
-                "authentication": {"enabled": False},
-                "max_limit": 6000,
-            }
-        )
-    )
+    config.write_text(json.dumps(nostr_relay_config(workdir, port)))
     proc = await asyncio.create_subprocess_exec(
         str(Path(sys.executable).parent / "nostr-relay"),
         "-c",

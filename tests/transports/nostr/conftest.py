@@ -21,6 +21,7 @@ from sessiontape.engines.reference import ReferenceEngine
 from sessiontape.transports.nostr.settings import Settings
 from sessiontape.transports.nostr.worker import D4Worker
 from tests.conftest import free_port, make_config
+from tests.transports.nostr.relay_config import nostr_relay_config
 
 WAIT_S = 20.0
 
@@ -78,32 +79,9 @@ class NostrRelayProcess:
         self.port = free_port()
         self.url = f"ws://127.0.0.1:{self.port}"
         self.workdir = workdir
-        validators = ["nostr_relay.validators.is_not_too_large"]
-        if verify_signatures:
-            validators.append("nostr_relay.validators.is_signed")
         self.config = workdir / "relay.yaml"
         self.config.write_text(
-            json.dumps(
-                {
-                    "DEBUG": False,
-                    "storage": {
-                        "sqlalchemy.url": f"sqlite+aiosqlite:///{workdir / 'relay.sqlite3'}",
-                        "num_concurrent_reqs": 4,
-                        "num_concurrent_adds": 1,
-                        "validators": validators,
-                    },
-                    "gunicorn": {
-                        "bind": f"127.0.0.1:{self.port}",
-                        "workers": 1,
-                        "loglevel": "warning",
-                    },
-                    "authentication": {"enabled": False},
-                    "message_timeout": 1800,
-                    "subscription_limit": 32,
-                    "max_limit": 6000,
-                    "hellthread_limit": 100,
-                }
-            )
+            json.dumps(nostr_relay_config(workdir, self.port, verify_signatures=verify_signatures))
         )
         self.proc: subprocess.Popen[bytes] | None = None
 
