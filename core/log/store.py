@@ -426,15 +426,6 @@ class EventLog:
         return int(rows[0][0])
 
     @_reading
-    async def forks_of(self, session_id: str) -> list[tuple[str, str]]:
-        """The id and status of each session forked from ``session_id``: one indexed
-        query on the driver, not through SQLAlchemy's (a session document's every start)."""
-        rows = await self.dialect.fetch(
-            "SELECT id, status FROM sessions WHERE parent_id = ?", (session_id,)
-        )
-        return [(str(r[0]), str(r[1])) for r in rows]
-
-    @_reading
     async def get_blob(self, sha256: str) -> bytes | None:
         rows = await self.dialect.fetch("SELECT data FROM blobs WHERE sha256 = ?", (sha256,))
         return bytes(rows[0][0]) if rows else None

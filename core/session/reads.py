@@ -51,10 +51,6 @@ class LogReads:
         """The position of the newest committed event (0 for an empty log): a resume cursor."""
         return await self.log.last_position()
 
-    async def forks_of(self, session_id: str) -> list[tuple[str, str]]:
-        """The id and status of each session forked from ``session_id``."""
-        return await self.log.forks_of(session_id)
-
     async def position_exists(self, position: int) -> bool:
         """Whether the log reaches ``position`` (a client's resume cursor): from memory when
         this process has committed or seen that far, else read."""

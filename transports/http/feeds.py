@@ -61,12 +61,12 @@ class Forks:
     async def of(self, session_id: str, after: int = 0) -> list[Event]:
         """The forks' ``session.opened`` events past log position ``after``."""
         out = []
-        for fork_id, status in await self.runtime.forks_of(session_id):
-            if status == "purged":  # its events, the opening one included, are gone
+        for row in await self.runtime.list_sessions(parent_id=session_id, limit=100_000):
+            if row.status == "purged":  # its events, the opening one included, are gone
                 continue
-            e = self._opened.get(fork_id)
+            e = self._opened.get(row.id)
             if e is None:
-                first = await self.runtime.read_events(fork_id, 1, 1)
+                first = await self.runtime.read_events(row.id, 1, 1)
                 if not first:
                     continue
                 e = first[0]

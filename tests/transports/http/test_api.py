@@ -365,7 +365,7 @@ async def test_forks_cost_one_index_query_per_document(
     await client.post(f"/v1/sessions/{sid}/append", json={"text": "abcdef"})
     forks = [(await runtime.fork(sid, at_position=i)).session_id for i in range(1, 6)]
     calls: Counter[str] = Counter()
-    for name in ("read", "forks_of"):
+    for name in ("read", "list_sessions"):
         real = getattr(runtime.log, name)
 
         def counted(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
@@ -376,13 +376,13 @@ async def test_forks_cost_one_index_query_per_document(
     first = (await client.get(f"/v1/sessions/{sid}")).json()
     assert sorted(c["session_id"] for c in first["children"]) == sorted(forks)
     assert calls == {
-        "forks_of": 1,
+        "list_sessions": 1,
         "read": 1 + len(forks),
     }  # cold: each fork's first event once
     for _ in range(3):
         calls.clear()
         assert (await client.get(f"/v1/sessions/{sid}")).json() == first
-        assert calls == {"forks_of": 1, "read": 1}
+        assert calls == {"list_sessions": 1, "read": 1}
 
 
 async def test_a_fork_made_while_its_parent_generates_renders(server: Served) -> None:
