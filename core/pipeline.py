@@ -46,6 +46,8 @@ from sessiontape.core.engine import Step
 from sessiontape.core.errors import CacheInvariantViolation, SessiontapeError
 from sessiontape.core.events import Event, NewEvent, T
 from sessiontape.core.generate_request import FirstAppend, GenerateRequest
+from sessiontape.core.pacing import ShortHold, linger_s
+from sessiontape.core.scheduler import NO_GATE
 from sessiontape.core.session.cache import RunningGenerations, SessionPort
 from sessiontape.core.session.state import SessionState
 from sessiontape.core.tokens import ImageIn, fold_tokens
@@ -164,6 +166,8 @@ class TokenPipeline:
         #: come, so the committer never lingers for more
         self._engine_done = False
         self._first_run = FIRST_RUN
+        #: a short generation's hold of the gate to its end (core/pacing.py)
+        self._short: ShortHold | None = None
         #: the engine ended on its own and every step it made was taken: the run that
         #: carries the last of them also carries ``generation.finished`` (one commit
         #: fewer per generation; a short turn's whole answer can be one commit)
@@ -201,6 +205,8 @@ class TokenPipeline:
             # one more than the steps: the first run waits for the engine's end too, so
             # the finish rides with it
             self._first_run = max(FIRST_RUN, max_tokens + 1)
+            if not self.rt.engine.batches:
+                self._short = ShortHold(max_tokens)
         steps = self.rt.engine.generate(self.sid, history, eparams, self.options)
         self._producer = asyncio.create_task(self._produce(steps), name=f"engine-{self.sid}")
 
@@ -212,6 +218,7 @@ class TokenPipeline:
         taking turns without a hand-over per token.
         """
         gate, q, burst, burst_s = self.rt.gate, self._queue, self.limits.burst, self.limits.burst_s
+        short = self._short
         if self.rt.engine.batches:
             # the engine schedules every generation's steps into shared passes itself:
             # taking turns here would leave all but one session idle in each pass
@@ -228,6 +235,8 @@ class TokenPipeline:
                     # hand-over (it would commit that burst's first step as a run alone)
                     last = time.perf_counter()
                     turn_ends = last + burst_s
+                    if short is not None:
+                        short.begin(last)
                     for _ in range(burst):
                         try:
                             step = await anext(steps)
@@ -236,6 +245,8 @@ class TokenPipeline:
                             break
                         self.taken += 1
                         now = time.perf_counter()
+                        if short is not None and not step.is_prefill:
+                            short.decoded_one(now - last)
                         self.interval = (
                             now - last
                             if self.interval is None
@@ -249,7 +260,9 @@ class TokenPipeline:
                         if self._enough is not None and q.qsize() >= self._enough_at:
                             self._enough.set()
                         if gate.more_urgent_waiting(self.priority) or (
-                            now >= turn_ends and gate.waiting()
+                            now >= turn_ends
+                            and gate.waiting()
+                            and not (short is not None and short.holds(now))
                         ):
                             break
                     handing_over = gate.waiting()
@@ -329,21 +342,21 @@ class TokenPipeline:
             # answer) commits all it made at once, and a short generation is one run
             max_run = min(max_run, self._first_run)
             min_run = min(min_run, max_run)
+        wait = 0.0
         if (
             min_run > 1
             and not isinstance(first, _End)
             and interval is not None
-            and interval * 4 < limits.linger_s
             and q.qsize() + 1 < min_run
             and not self._off_gate
             and not self._engine_done
         ):
+            missing = min_run - 1 - q.qsize()
+            wait = linger_s(limits, interval, missing, self._short, self.rt.gate.waiting())
+        if wait > 0:
             # a fast engine: let a few more steps arrive (woken early when enough did)
             enough = self._enough = asyncio.Event()
             self._enough_at = min_run - 1
-            # twice the engine's pace: the loop's other work stretches its steps, and
-            # a timer that ran out a few steps short split a turn in two
-            wait = min(limits.linger_s, 2 * interval * (min_run - 1 - q.qsize()))
             timer = asyncio.get_running_loop().call_later(wait, enough.set)
             try:
                 await enough.wait()
@@ -581,20 +594,3 @@ def finished(
         "ttft_s": ttft_s,
     }
     return NewEvent(T.GENERATION_FINISHED, b)
-
-
-class _OpenGate:
-    """A gate that never makes anyone wait (for engines that batch generations themselves)."""
-
-    @contextlib.asynccontextmanager
-    async def slot(self, priority: int = 0) -> AsyncIterator[None]:
-        yield
-
-    def more_urgent_waiting(self, priority: int) -> bool:
-        return False
-
-    def waiting(self) -> bool:
-        return False
-
-
-NO_GATE: Any = _OpenGate()

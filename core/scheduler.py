@@ -14,7 +14,7 @@ import heapq
 import itertools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from sessiontape.core import metrics
 
@@ -147,3 +147,20 @@ class Admission:
                 fut.set_result(None)  # the place passes on
                 return
         self.active -= 1
+
+
+class _OpenGate:
+    """A gate that never makes anyone wait (for engines that batch generations themselves)."""
+
+    @asynccontextmanager
+    async def slot(self, priority: int = 0) -> AsyncIterator[None]:
+        yield
+
+    def more_urgent_waiting(self, priority: int) -> bool:
+        return False
+
+    def waiting(self) -> bool:
+        return False
+
+
+NO_GATE: Any = _OpenGate()

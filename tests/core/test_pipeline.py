@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from sessiontape.core import pacing
 from sessiontape.core.engine import DEFAULT_OUTPUT, OutputOptions, SamplingParams, Step
 from sessiontape.core.errors import EngineError, InvalidArgument
 from sessiontape.core.events import Event, NewEvent, T
@@ -451,6 +452,57 @@ async def test_a_turn_of_the_gate_ends_after_burst_steps_or_burst_s(
         await asyncio.gather(*(one(s) for s in sids))
         assert sorted(set(order)) == sorted(sids) and len(order) == 48
         assert shortest <= _longest_turn(order) <= longest
+    finally:
+        await rt.aclose()
+
+
+@pytest.mark.parametrize(
+    ("step_s", "max_tokens", "whole"),
+    [
+        # 16 steps of 1 ms: past burst_s (5 ms), within the hold: one turn each
+        (0.001, SHORT_GENERATION, True),
+        # a slow engine's short generation (16 x 6 ms past the hold) still hands over
+        (0.006, SHORT_GENERATION, False),
+        # a longer generation hands over after burst_s as before
+        (0.002, 3 * SHORT_GENERATION, False),
+    ],
+)
+async def test_a_short_generation_keeps_the_gate_to_its_end_when_its_engine_is_fast(
+    sqlite_url: str, step_s: float, max_tokens: int, whole: bool, monkeypatch: Any
+) -> None:
+    """Three generations at once: a short one whose engine makes the rest of it within
+    SHORT_HOLD_S keeps the gate past burst_s and, while others wait for the gate, commits
+    as one run with its finish (its steps in a row, the generations in arrival order); a
+    slow engine's, or a long generation, takes turns of about burst_s."""
+    if whole:
+        # a machine busy with other work can stretch 1 ms steps past the real hold
+        monkeypatch.setattr(pacing, "SHORT_HOLD_S", 1.0)
+    engine = CountingEngine(eos_bias=-1000.0, step_delay_s=step_s)
+    rt = await Runtime.create(make_config(sqlite_url), engine=engine)
+    try:
+        sids = []
+        for _ in range(3):
+            sid = (await rt.open_session("t")).session_id
+            await rt.append_text(sid, "abc")
+            sids.append(sid)
+
+        async def one(sid: str) -> list[tuple[int, bool]]:
+            shapes = []
+            params = SamplingParams(max_tokens=max_tokens, seed=1)
+            async for run in rt.generate_runs(sid, params):
+                shapes.append((len(generated(run)), run[-1].type == T.GENERATION_FINISHED))
+            return shapes
+
+        shapes = await asyncio.gather(*(one(s) for s in sids))
+        order = engine.order
+        assert len(order) == 3 * max_tokens
+        if whole:
+            assert order == [s for s in sids for _ in range(max_tokens)]
+            # the last one, alone at the gate, streams its steps as this engine's come
+            assert shapes[:2] == [[(max_tokens, True)]] * 2
+        else:
+            assert _longest_turn(order) < max_tokens
+            assert all(len(s) > 1 for s in shapes), shapes
     finally:
         await rt.aclose()
 
