@@ -183,7 +183,10 @@ class GenerationSettings:
         ge=1,
     )
     burst_s: float = option(
-        0.005, "... ending past this many seconds while another generation waits", gt=0
+        0.005,
+        "... ending past this many seconds while another generation waits (a short "
+        "generation of a fast engine keeps it to its end: docs/architecture.md, Pacing)",
+        gt=0,
     )
     pace_s: float = option(
         0.004,
