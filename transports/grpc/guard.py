@@ -9,6 +9,8 @@
   (:mod:`sessiontape.transports.grpc.status`);
 - anything else ends it with ``INTERNAL`` and a request id, logged once with
   that id; the exception's text never reaches the client;
+- the event loop keeps polling while a message it handed over is on its way
+  (:mod:`sessiontape.transports.grpc.spin`);
 - a streaming response is sent with ``context.write`` from the call's own
   task, and the servicer's generator is closed in that task however the call
   ends. Handed to grpc as an async generator, a generator suspended at a
@@ -27,6 +29,7 @@ from typing import Any
 import grpc
 
 from sessiontape.core.errors import InvalidArgument
+from sessiontape.transports.grpc.spin import Spinner, SpinningContext
 from sessiontape.transports.grpc.status import code_for, message_for
 
 
@@ -75,8 +78,10 @@ def _is_abort(exc: BaseException) -> bool:
 
 
 def _unary_response(
-    behavior: Callable[..., Awaitable[Any]], streaming_request: bool
+    behavior: Callable[..., Awaitable[Any]], streaming_request: bool, spinner: Spinner
 ) -> Callable[..., Any]:
+    del spinner  # a unary answer's completion is not waited for (spin.py)
+
     async def call(request: Any, context: Any) -> Any:
         try:
             if streaming_request:
@@ -92,20 +97,23 @@ def _unary_response(
     return call
 
 
-def _stream_response(behavior: Callable[..., Any], streaming_request: bool) -> Callable[..., Any]:
+def _stream_response(
+    behavior: Callable[..., Any], streaming_request: bool, spinner: Spinner
+) -> Callable[..., Any]:
     async def call(request: Any, context: Any) -> None:
         try:
             if streaming_request:
                 request = _checked(request)
             elif isinstance(request, _Undecodable):
                 raise _refuse(request)
-            responses = behavior(request, context)
+            ctx = SpinningContext(context, spinner) if spinner.spin_s > 0 else context
+            responses = behavior(request, ctx)
             if not hasattr(responses, "__aiter__"):
                 await responses  # a servicer that writes with context.write itself
                 return
             try:
                 async for response in responses:
-                    await context.write(response)
+                    await ctx.write(response)
             finally:
                 aclose = getattr(responses, "aclose", None)
                 if aclose is not None:
@@ -126,8 +134,9 @@ _MAKERS = {
 }
 
 
-def guarded(handler: Any) -> Any:
-    """``handler`` with the decode check and the last-resort mapping around its behavior."""
+def guarded(handler: Any, spinner: Spinner | None = None) -> Any:
+    """``handler`` with the decode check and the last-resort mapping around its behavior
+    (and the loop kept polling while its messages are on their way, by ``spinner``)."""
     streaming_request, streaming_response = (
         bool(handler.request_streaming),
         bool(handler.response_streaming),
@@ -142,20 +151,24 @@ def guarded(handler: Any) -> Any:
         return handler
     wrap = _stream_response if streaming_response else _unary_response
     return _MAKERS[(streaming_request, streaming_response)](
-        wrap(behavior, streaming_request),
+        wrap(behavior, streaming_request, spinner or Spinner(0.0)),
         request_deserializer=_deserializer(handler.request_deserializer),
         response_serializer=handler.response_serializer,
     )
 
 
 class GuardInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Installed first, so it wraps every handler, the auth interceptor's refusals included."""
+    """Installed first, so it wraps every handler, the auth interceptor's refusals included.
+    ``spin_s``: how long the loop polls after handing a message over (0: it sleeps)."""
+
+    def __init__(self, spin_s: float = 0.0) -> None:
+        self.spinner = Spinner(spin_s)
 
     async def intercept_service(
         self, continuation: Callable[[Any], Awaitable[Any]], details: Any
     ) -> Any:
         handler = await continuation(details)
-        return None if handler is None else guarded(handler)
+        return None if handler is None else guarded(handler, self.spinner)
 
 
 __all__ = ["GuardInterceptor", "guarded"]

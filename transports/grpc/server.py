@@ -151,7 +151,7 @@ class GrpcServer:
     async def start(self) -> str:
         host, port = parse_listen(self.listen)
         creds = self._credentials()
-        interceptors: list[Any] = [GuardInterceptor()]
+        interceptors: list[Any] = [GuardInterceptor(self.settings.spin_s)]
         if self.auth_token:
             interceptors.append(BearerAuthInterceptor(self.auth_token))
         server = grpc.aio.server(
