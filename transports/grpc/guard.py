@@ -78,10 +78,8 @@ def _is_abort(exc: BaseException) -> bool:
 
 
 def _unary_response(
-    behavior: Callable[..., Awaitable[Any]], streaming_request: bool, spinner: Spinner
+    behavior: Callable[..., Awaitable[Any]], streaming_request: bool
 ) -> Callable[..., Any]:
-    del spinner  # a unary answer's completion is not waited for (spin.py)
-
     async def call(request: Any, context: Any) -> Any:
         try:
             if streaming_request:
@@ -149,9 +147,13 @@ def guarded(handler: Any, spinner: Spinner | None = None) -> Any:
     }[(streaming_request, streaming_response)]
     if behavior is None:
         return handler
-    wrap = _stream_response if streaming_response else _unary_response
+    call = (
+        _stream_response(behavior, streaming_request, spinner or Spinner(0.0))
+        if streaming_response
+        else _unary_response(behavior, streaming_request)  # no write of its own to wait for
+    )
     return _MAKERS[(streaming_request, streaming_response)](
-        wrap(behavior, streaming_request, spinner or Spinner(0.0)),
+        call,
         request_deserializer=_deserializer(handler.request_deserializer),
         response_serializer=handler.response_serializer,
     )
