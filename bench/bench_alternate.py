@@ -1,0 +1,238 @@
+"""A setting's two values compared on one server, switched every second while one Kakeya
+client sends turns one after another.
+
+    .venv/bin/python bench/bench_alternate.py [--setting spin_s] [--values 0,0.0005]
+        [--seconds 30] [--every 1.0]
+
+On a VM whose speed swings within minutes, two runs of a fresh server a side cannot
+separate a 10% change from the noise. Here one ``sessiontape serve`` runs the whole
+time; a thread in it sets the setting to one value, then the other, every ``--every``
+seconds, and notes the time and the process's CPU (``os.times()``) at each switch. The
+client notes each turn's end and length. Each window's turns and CPU count to the value
+it ran with (its first 50 ms left out, a turn begun before the switch); the table gives,
+per value, the median over its windows of the CPU a turn and of the median turn.
+
+Settings (set on the live objects, as the config would have made them):
+
+- ``spin_s``: ``[transports.grpc] spin_s``, how long the loop polls while a streamed
+  message is in flight (``transports/grpc/spin.Spinner``);
+- ``max_active``: ``[generation] max_active`` (``core/scheduler.Admission.limit``; with
+  one client, a check that the harness itself sees no difference).
+
+A turn appends 3 tokens and generates 16 with the reference engine, EOS biased away.
+The client (this process, after the server started) is pinned to the last CPU, as
+bench_load.py's are (``--client-cpu none`` leaves it floating).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+#: where each setting lives: the class whose instances carry it, and the attribute
+SETTINGS = {
+    "spin_s": ("sessiontape.transports.grpc.spin", "Spinner", "spin_s"),
+    "max_active": ("sessiontape.core.scheduler", "Admission", "limit"),
+}
+
+#: the server's hook, run at its start as ``sitecustomize`` (only in the server process)
+HOOK = """
+import importlib, json, os, sys, threading, time
+_cfg = json.loads(os.environ["SESSIONTAPE_BENCH_ALTERNATE"])
+if "serve" in sys.argv:
+    _mod = importlib.import_module(_cfg["module"])
+    _cls = getattr(_mod, _cfg["cls"])
+    _made = []
+    _init = _cls.__init__
+    def _remember(self, *a, **k):
+        _init(self, *a, **k)
+        _made.append(self)
+    _cls.__init__ = _remember
+    def _switch():
+        out = open(_cfg["log"], "w", buffering=1)
+        side = 0
+        while True:
+            time.sleep(_cfg["every"])
+            side = 1 - side
+            for obj in _made:
+                setattr(obj, _cfg["attr"], _cfg["values"][side])
+            t = os.times()
+            out.write(f"{time.time():.4f} {side} {t.user + t.system:.4f}\\n")
+    threading.Thread(target=_switch, daemon=True, name="bench-alternate").start()
+"""
+
+
+async def client(port: int, seconds: float, log: Path) -> int:
+    import grpc
+
+    from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2 as pb
+    from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2_grpc as pbg
+
+    turns = 0
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = pbg.RuntimeServiceStub(ch)
+        sid = ""
+        with log.open("w") as out:
+            end = time.time() + seconds
+            while time.time() < end:
+                if turns % 100 == 0:  # a fresh session now and then, as bench_load's
+                    if sid:
+                        await stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+                    req = pb.CreateSessionRequest(eos_token_ids=[])
+                    sid = (await stub.CreateSession(req)).session_id
+                t0 = time.perf_counter()
+                await stub.AppendTokens(
+                    pb.AppendTokensRequest(session_id=sid, token_ids=[97, 98, 99])
+                )
+                gen = pb.GenerateRequest(session_id=sid, max_tokens=16, seed=1, temperature=0.0)
+                async for _ in stub.Generate(gen):
+                    pass
+                out.write(f"{time.time():.4f} {time.perf_counter() - t0:.6f}\n")
+                turns += 1
+    return turns
+
+
+def windows(switches: Path, turns: Path) -> dict[int, dict[str, list[float]]]:
+    """Per side: each window's CPU a turn and median turn, in ms."""
+    marks = [(float(a), int(b), float(c)) for a, b, c in (ln.split() for ln in switches.open())]
+    ends = [(float(a), float(b)) for a, b in (ln.split() for ln in turns.open())]
+    out: dict[int, dict[str, list[float]]] = {
+        0: {"cpu": [], "turn": []},
+        1: {"cpu": [], "turn": []},
+    }
+    for (t0, side, c0), (t1, _, c1) in itertools.pairwise(marks):
+        lat = [d for t, d in ends if t0 + 0.05 < t <= t1]
+        if len(lat) < 10:
+            continue
+        out[side]["cpu"].append((c1 - c0) / len(lat) * 1e3)
+        out[side]["turn"].append(statistics.median(lat) * 1e3)
+    return out
+
+
+async def run(args: argparse.Namespace) -> None:
+    values = [float(v) if args.setting == "spin_s" else int(v) for v in args.values.split(",")]
+    if len(values) != 2:
+        raise SystemExit("--values takes two values")
+    module, cls, attr = SETTINGS[args.setting]
+    with tempfile.TemporaryDirectory() as tmp_s:
+        tmp = Path(tmp_s)
+        (tmp / "hook").mkdir()
+        (tmp / "hook" / "sitecustomize.py").write_text(HOOK)
+        port, hport = _free(), _free()
+        (tmp / "sessiontape.toml").write_text(
+            f'[database]\nurl = "sqlite+aiosqlite:///{tmp}/db.sqlite"\n'
+            '[engine]\nname = "reference"\noptions = { eos_bias = -1000.0 }\n'
+            f'[transports.grpc]\nlisten = "127.0.0.1:{port}"\n'
+            f'[transports.http]\nlisten = "127.0.0.1:{hport}"\n'
+        )
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(tmp / "hook"), os.environ.get("PYTHONPATH", "")]),
+            "SESSIONTAPE_BENCH_ALTERNATE": json.dumps(
+                {
+                    "module": module,
+                    "cls": cls,
+                    "attr": attr,
+                    "values": values,
+                    "every": args.every,
+                    "log": str(tmp / "switches.log"),
+                }
+            ),
+        }
+        # the first value is the server's own from the start: the first window is its
+        attr_env = {
+            "spin_s": "SESSIONTAPE_TRANSPORTS__GRPC__SPIN_S",
+            "max_active": "SESSIONTAPE_GENERATION__MAX_ACTIVE",
+        }[args.setting]
+        env[attr_env] = str(values[0])
+        with (tmp / "server.log").open("wb") as err:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "sessiontape.core.cli",
+                "serve",
+                "--config",
+                str(tmp / "sessiontape.toml"),
+                env=env,
+                cwd=tmp,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=err,
+            )
+        try:
+            deadline = time.monotonic() + 60
+            while "sessiontape ready" not in (tmp / "server.log").read_text(errors="replace"):
+                if proc.returncode is not None or time.monotonic() > deadline:
+                    raise RuntimeError((tmp / "server.log").read_text(errors="replace")[-2000:])
+                await asyncio.sleep(0.05)
+            if args.client_cpu != "none":  # as bench_load's clients: the server has the rest
+                cpu = (
+                    (os.cpu_count() or 1) - 1 if args.client_cpu == "last" else int(args.client_cpu)
+                )
+                os.sched_setaffinity(0, {cpu})
+            await client(port, 2.0, tmp / "warm.log")  # warm-up, not counted
+            n = await client(port, args.seconds, tmp / "turns.log")
+        finally:
+            proc.terminate()
+            await proc.wait()
+        sides = windows(tmp / "switches.log", tmp / "turns.log")
+    print(
+        f"{args.setting} alternating {values[0]} / {values[1]} every {args.every} s on one "
+        f"server, one Kakeya client turn after turn for {args.seconds:.0f} s ({n:,} turns; "
+        f"{os.cpu_count()} CPUs)\n"
+    )
+    print(f"| {args.setting} | windows | server CPU a turn ms | median turn ms |")
+    print("|---|---:|---:|---:|")
+    med = {
+        s: (statistics.median(w["cpu"]), statistics.median(w["turn"]))
+        for s, w in sides.items()
+        if w["cpu"]
+    }
+    for side, value in enumerate(values):
+        if side in med:
+            print(
+                f"| {value} | {len(sides[side]['cpu'])} | {med[side][0]:.2f} | {med[side][1]:.2f} |"
+            )
+    if len(med) == 2:
+        print(
+            f"\n{values[1]} against {values[0]}: CPU a turn x{med[1][0] / med[0][0]:.3f}, "
+            f"median turn x{med[1][1] / med[0][1]:.3f}"
+        )
+
+
+def _free() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--setting", choices=sorted(SETTINGS), default="spin_s")
+    ap.add_argument("--values", default="0,0.0005", help="the two values, comma-separated")
+    ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument("--every", type=float, default=1.0, help="seconds between switches")
+    ap.add_argument(
+        "--client-cpu",
+        default="last",
+        help="the CPU the client is pinned to: last, none, or a number",
+    )
+    args = ap.parse_args()
+    asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    main()
