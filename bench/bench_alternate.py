@@ -39,11 +39,21 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_generate import client_cpu  # noqa: E402
+from bench_load import Server  # noqa: E402  (the server as bench_load.py starts it)
 
 #: where each setting lives: the class whose instances carry it, and the attribute
 SETTINGS = {
     "spin_s": ("sessiontape.transports.grpc.spin", "Spinner", "spin_s"),
     "max_active": ("sessiontape.core.scheduler", "Admission", "limit"),
+}
+
+#: the environment variable that sets each setting at the server's start
+ENV_NAMES = {
+    "spin_s": "SESSIONTAPE_TRANSPORTS__GRPC__SPIN_S",
+    "max_active": "SESSIONTAPE_GENERATION__MAX_ACTIVE",
 }
 
 #: the server's hook, run at its start as ``sitecustomize`` (only in the server process)
@@ -129,13 +139,6 @@ async def run(args: argparse.Namespace) -> None:
         tmp = Path(tmp_s)
         (tmp / "hook").mkdir()
         (tmp / "hook" / "sitecustomize.py").write_text(HOOK)
-        port, hport = _free(), _free()
-        (tmp / "sessiontape.toml").write_text(
-            f'[database]\nurl = "sqlite+aiosqlite:///{tmp}/db.sqlite"\n'
-            '[engine]\nname = "reference"\noptions = { eos_bias = -1000.0 }\n'
-            f'[transports.grpc]\nlisten = "127.0.0.1:{port}"\n'
-            f'[transports.http]\nlisten = "127.0.0.1:{hport}"\n'
-        )
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(tmp / "hook"), os.environ.get("PYTHONPATH", "")]),
@@ -149,43 +152,19 @@ async def run(args: argparse.Namespace) -> None:
                     "log": str(tmp / "switches.log"),
                 }
             ),
+            # the first value is the server's own from the start: the first window is its
+            ENV_NAMES[args.setting]: str(values[0]),
         }
-        # the first value is the server's own from the start: the first window is its
-        attr_env = {
-            "spin_s": "SESSIONTAPE_TRANSPORTS__GRPC__SPIN_S",
-            "max_active": "SESSIONTAPE_GENERATION__MAX_ACTIVE",
-        }[args.setting]
-        env[attr_env] = str(values[0])
-        with (tmp / "server.log").open("wb") as err:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "sessiontape.core.cli",
-                "serve",
-                "--config",
-                str(tmp / "sessiontape.toml"),
-                env=env,
-                cwd=tmp,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.DEVNULL,
-                stderr=err,
-            )
+        server = await Server.start(tmp, f"sqlite+aiosqlite:///{tmp}/db.sqlite", 1, env=env)
         try:
-            deadline = time.monotonic() + 60
-            while "sessiontape ready" not in (tmp / "server.log").read_text(errors="replace"):
-                if proc.returncode is not None or time.monotonic() > deadline:
-                    raise RuntimeError((tmp / "server.log").read_text(errors="replace")[-2000:])
-                await asyncio.sleep(0.05)
-            if args.client_cpu != "none":  # as bench_load's clients: the server has the rest
-                cpu = (
-                    (os.cpu_count() or 1) - 1 if args.client_cpu == "last" else int(args.client_cpu)
-                )
+            cpu = client_cpu(args.client_cpu)  # as bench_load's clients: the server has the rest
+            if cpu is not None:
                 os.sched_setaffinity(0, {cpu})
+            port = server.ports[0]
             await client(port, 2.0, tmp / "warm.log")  # warm-up, not counted
             n = await client(port, args.seconds, tmp / "turns.log")
         finally:
-            proc.terminate()
-            await proc.wait()
+            await server.stop()
         sides = windows(tmp / "switches.log", tmp / "turns.log")
     print(
         f"{args.setting} alternating {values[0]} / {values[1]} every {args.every} s on one "
@@ -209,14 +188,6 @@ async def run(args: argparse.Namespace) -> None:
             f"\n{values[1]} against {values[0]}: CPU a turn x{med[1][0] / med[0][0]:.3f}, "
             f"median turn x{med[1][1] / med[0][1]:.3f}"
         )
-
-
-def _free() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def main() -> None:

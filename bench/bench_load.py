@@ -535,7 +535,9 @@ class Server:
         sessions: int,
         event_loop: str = "auto",
         engine_process: str = "inline",
+        env: dict[str, str] | None = None,
     ) -> Server:
+        """``env``: the server process's environment (default: this one's)."""
         ports = free_port(), free_port()
         config = tmp / "sessiontape.toml"
         config.write_text(
@@ -561,6 +563,7 @@ class Server:
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=err,
                 cwd=tmp,
+                env=env,
             )
         server = cls(proc, ports, log)
         deadline = time.monotonic() + 60
