@@ -1,7 +1,7 @@
 """A setting's two values compared on one server, switched every second while one Kakeya
 client sends turns one after another.
 
-    .venv/bin/python bench/bench_alternate.py [--setting spin_s] [--values 0,0.0005]
+    .venv/bin/python bench/bench_alternate.py [--setting max_active] [--values 16,8]
         [--seconds 30] [--every 1.0]
 
 On a VM whose speed swings within minutes, two runs of a fresh server a side cannot
@@ -14,10 +14,13 @@ per value, the median over its windows of the CPU a turn and of the median turn.
 
 Settings (set on the live objects, as the config would have made them):
 
-- ``spin_s``: ``[transports.grpc] spin_s``, how long the loop polls while a streamed
-  message is in flight (``transports/grpc/spin.Spinner``);
 - ``max_active``: ``[generation] max_active`` (``core/scheduler.Admission.limit``; with
   one client, a check that the harness itself sees no difference).
+
+It was written for ``[transports.grpc] spin_s`` (how long the loop polled while a
+grpc.aio write was in flight), which went with grpc.aio (docs/performance/load.md);
+a setting is added here as a class, the attribute its instances carry it in, and the
+environment variable that sets it at the server's start.
 
 A turn appends 3 tokens and generates 16 with the reference engine, EOS biased away.
 The client (this process, after the server started) is pinned to the last CPU, as
@@ -46,13 +49,11 @@ from bench_load import Server  # noqa: E402  (the server as bench_load.py starts
 
 #: where each setting lives: the class whose instances carry it, and the attribute
 SETTINGS = {
-    "spin_s": ("sessiontape.transports.grpc.spin", "Spinner", "spin_s"),
     "max_active": ("sessiontape.core.scheduler", "Admission", "limit"),
 }
 
 #: the environment variable that sets each setting at the server's start
 ENV_NAMES = {
-    "spin_s": "SESSIONTAPE_TRANSPORTS__GRPC__SPIN_S",
     "max_active": "SESSIONTAPE_GENERATION__MAX_ACTIVE",
 }
 
@@ -131,7 +132,7 @@ def windows(switches: Path, turns: Path) -> dict[int, dict[str, list[float]]]:
 
 
 async def run(args: argparse.Namespace) -> None:
-    values = [float(v) if args.setting == "spin_s" else int(v) for v in args.values.split(",")]
+    values = [float(v) if "." in v else int(v) for v in args.values.split(",")]
     if len(values) != 2:
         raise SystemExit("--values takes two values")
     module, cls, attr = SETTINGS[args.setting]
@@ -192,8 +193,8 @@ async def run(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--setting", choices=sorted(SETTINGS), default="spin_s")
-    ap.add_argument("--values", default="0,0.0005", help="the two values, comma-separated")
+    ap.add_argument("--setting", choices=sorted(SETTINGS), default="max_active")
+    ap.add_argument("--values", default="16,8", help="the two values, comma-separated")
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--every", type=float, default=1.0, help="seconds between switches")
     ap.add_argument(

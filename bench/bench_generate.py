@@ -794,13 +794,15 @@ async def generated_ids(engine: Engine, tokens: int) -> AsyncIterator[int]:
 
 
 async def _bare_kakeya(tokens: int, engine: Engine | None = None, pipelined: bool = False) -> _Bare:
-    """A grpc.aio server whose Kakeya Generate streams ``tokens`` ready-made messages,
+    """sessiontape's gRPC endpoint (no runtime behind it) whose Kakeya Generate streams
+    ``tokens`` ready-made messages,
     or, given ``engine``, one message per step of ``engine`` as it generates (no log);
     ``pipelined``: the engine generates in a task of its own, ahead of the writes."""
-    import grpc
-
+    from sessiontape.transports.grpc.calls import MethodTable
     from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2 as kpb
     from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2_grpc as kgrpc
+    from sessiontape.transports.grpc.guard import guarded
+    from sessiontape.transports.grpc.listener import Listener
 
     class Bare(kgrpc.RuntimeServiceServicer):  # type: ignore[misc]
         async def CreateSession(self, request: Any, context: Any) -> Any:
@@ -831,10 +833,11 @@ async def _bare_kakeya(tokens: int, engine: Engine | None = None, pipelined: boo
                 await producer
             yield kpb.GenerateResponse(done=kpb.GenerateDone())
 
-    server = grpc.aio.server()
-    kgrpc.add_RuntimeServiceServicer_to_server(Bare(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    table = MethodTable()
+    kgrpc.add_RuntimeServiceServicer_to_server(Bare(), table)
+    methods = {path: guarded(path, h) for path, h in table.handlers.items()}
+    server = Listener(methods, max_message_bytes=4 << 20, max_streams=100)
+    port = await server.start("127.0.0.1", 0)
     return _Bare(server, port)
 
 

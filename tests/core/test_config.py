@@ -286,14 +286,17 @@ def test_unknown_sections_and_keys_are_refused_with_the_nearest_name(
             r"transports\.nostr\.relays\[1\] must be a string",
         ),
         (
-            "[transports.grpc]\nspin_s = nan\n",
-            r"transports\.grpc\.spin_s must be a finite number",
+            "[transports.http]\nlinger_s = nan\n",
+            r"transports\.http\.linger_s must be a finite number",
         ),
-        ("[transports.grpc]\nspin_s = -0.001\n", r"transports\.grpc\.spin_s must be >= 0"),
-        ("[transports.grpc]\nspin_s = 1.0\n", r"transports\.grpc\.spin_s must be <= 0\.01"),
+        ("[transports.http]\nlinger_s = -0.001\n", r"transports\.http\.linger_s must be >= 0"),
         (
-            '[transports.grpc]\nspin_s = "0.001"\n',
-            r"transports\.grpc\.spin_s must be a number, got '0\.001' \(str\)",
+            "[transports.nostr]\nstream_gap_ms = 60001\n",
+            r"transports\.nostr\.stream_gap_ms must be <= 60000",
+        ),
+        (
+            '[transports.http]\nlinger_s = "0.001"\n',
+            r"transports\.http\.linger_s must be a number, got '0\.001' \(str\)",
         ),
         ("[auth]\ntoken = 123\n", r"auth\.token must be a string, got 123 \(int\)"),
         ("engine = 1\n", r"\[engine\] must be a table, got 1 \(int\)"),

@@ -1,6 +1,6 @@
 """The gRPC input boundary and last resort, for every method of every service.
 
-:class:`GuardInterceptor` wraps each handler so that
+:func:`guarded` wraps each method's handler so that
 
 - a request that does not decode (bad protobuf bytes, invalid UTF-8 in a
   string field) ends the call with ``INVALID_ARGUMENT``, not the ``UNKNOWN``
@@ -9,13 +9,11 @@
   (:mod:`sessiontape.transports.grpc.status`);
 - anything else ends it with ``INTERNAL`` and a request id, logged once with
   that id; the exception's text never reaches the client;
-- the event loop keeps polling while a message it handed over is on its way
-  (:mod:`sessiontape.transports.grpc.spin`);
 - a streaming response is sent with ``context.write`` from the call's own
   task, and the servicer's generator is closed in that task however the call
-  ends. Handed to grpc as an async generator, a generator suspended at a
-  ``yield`` while grpc awaited the send was left open when the call was
-  cancelled (a client gone, a server shutdown): its cleanup (recording the
+  ends. Handed to grpc.aio (this server's first) as an async generator, a
+  generator suspended at a ``yield`` while the send was awaited was left open
+  when the call was cancelled (a client gone, a server shutdown): its cleanup (recording the
   generation as cancelled) ran later, in whatever task the interpreter's
   finalizer made, after a draining server had stopped waiting.
 """
@@ -26,10 +24,8 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import grpc
-
 from sessiontape.core.errors import InvalidArgument
-from sessiontape.transports.grpc.spin import Spinner, SpinningContext
+from sessiontape.transports.grpc.calls import Aborted, Method
 from sessiontape.transports.grpc.status import code_for, message_for
 
 
@@ -73,8 +69,8 @@ async def _end(context: Any, exc: BaseException) -> None:
 
 
 def _is_abort(exc: BaseException) -> bool:
-    # context.abort raises grpc.aio.AbortError; it must pass through untouched
-    return isinstance(exc, grpc.aio.AbortError | asyncio.CancelledError)
+    # context.abort raises Aborted; it must pass through untouched
+    return isinstance(exc, Aborted | asyncio.CancelledError)
 
 
 def _unary_response(
@@ -95,23 +91,20 @@ def _unary_response(
     return call
 
 
-def _stream_response(
-    behavior: Callable[..., Any], streaming_request: bool, spinner: Spinner
-) -> Callable[..., Any]:
+def _stream_response(behavior: Callable[..., Any], streaming_request: bool) -> Callable[..., Any]:
     async def call(request: Any, context: Any) -> None:
         try:
             if streaming_request:
                 request = _checked(request)
             elif isinstance(request, _Undecodable):
                 raise _refuse(request)
-            ctx = SpinningContext(context, spinner) if spinner.spin_s > 0 else context
-            responses = behavior(request, ctx)
+            responses = behavior(request, context)
             if not hasattr(responses, "__aiter__"):
                 await responses  # a servicer that writes with context.write itself
                 return
             try:
                 async for response in responses:
-                    await ctx.write(response)
+                    await context.write(response)
             finally:
                 aclose = getattr(responses, "aclose", None)
                 if aclose is not None:
@@ -124,17 +117,9 @@ def _stream_response(
     return call
 
 
-_MAKERS = {
-    (False, False): grpc.unary_unary_rpc_method_handler,
-    (True, False): grpc.stream_unary_rpc_method_handler,
-    (False, True): grpc.unary_stream_rpc_method_handler,
-    (True, True): grpc.stream_stream_rpc_method_handler,
-}
-
-
-def guarded(handler: Any, spinner: Spinner | None = None) -> Any:
-    """``handler`` with the decode check and the last-resort mapping around its behavior
-    (and the loop kept polling while its messages are on their way, by ``spinner``)."""
+def guarded(path: str, handler: Any) -> Method:
+    """The method of a grpc ``RpcMethodHandler``, with the decode check and the last-resort
+    mapping around its behavior."""
     streaming_request, streaming_response = (
         bool(handler.request_streaming),
         bool(handler.response_streaming),
@@ -145,32 +130,14 @@ def guarded(handler: Any, spinner: Spinner | None = None) -> Any:
         (False, True): handler.unary_stream,
         (True, True): handler.stream_stream,
     }[(streaming_request, streaming_response)]
-    if behavior is None:
-        return handler
     call = (
-        _stream_response(behavior, streaming_request, spinner or Spinner(0.0))
+        _stream_response(behavior, streaming_request)
         if streaming_response
-        else _unary_response(behavior, streaming_request)  # no write of its own to wait for
+        else _unary_response(behavior, streaming_request)
     )
-    return _MAKERS[(streaming_request, streaming_response)](
-        call,
-        request_deserializer=_deserializer(handler.request_deserializer),
-        response_serializer=handler.response_serializer,
-    )
+    deserialize = _deserializer(handler.request_deserializer) or (lambda data: data)
+    serialize = handler.response_serializer or (lambda message: message)
+    return Method(path, streaming_request, streaming_response, call, deserialize, serialize)
 
 
-class GuardInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Installed first, so it wraps every handler, the auth interceptor's refusals included.
-    ``spin_s``: how long the loop polls after handing a message over (0: it sleeps)."""
-
-    def __init__(self, spin_s: float = 0.0) -> None:
-        self.spinner = Spinner(spin_s)
-
-    async def intercept_service(
-        self, continuation: Callable[[Any], Awaitable[Any]], details: Any
-    ) -> Any:
-        handler = await continuation(details)
-        return None if handler is None else guarded(handler, self.spinner)
-
-
-__all__ = ["GuardInterceptor", "guarded"]
+__all__ = ["guarded"]

@@ -119,9 +119,10 @@ class SalienceService(pb_grpc.SalienceServicer, GrpcService):
             st = await live_session(self.runtime, request.session_id)
         return pb.DumpSessionResponse(tokens=list(st.tokens))
 
-    # grpc.aio also takes a handler that writes with context.write (the stubs type an iterator)
+    # the server also takes a handler that writes with its context (the stubs type an iterator)
     async def Generate(self, request: pb.GenerateRequest, context: Any) -> None:  # type: ignore[override]
-        """Written with ``context.write`` run by run (as Kakeya's: one message per token)."""
+        """Written with ``context.write_many`` run by run (as Kakeya's: one message per token,
+        a run's messages in one write)."""
         sid = request.session_id
         async with grpc_errors(context, sid):
             # Anything but a no-op is Runtime.generate's to refuse (closed,
@@ -168,13 +169,11 @@ class SalienceService(pb_grpc.SalienceServicer, GrpcService):
                 priority=request.priority,
             )
             wire = _WireEvents(request)
-            write = context.write
+            write_many = context.write_many
             async with closing(runs):
                 async for run in runs:
-                    for ev in run:
-                        out = wire.event(ev)
-                        if out is not None:
-                            await write(out)
+                    # a committed run's messages go out in one write (calls.ServicerContext)
+                    await write_many([out for ev in run if (out := wire.event(ev)) is not None])
 
 
 def _is_noop(r: pb.GenerateRequest) -> bool:

@@ -1,40 +1,48 @@
-"""The gRPC server: one ``grpc.aio`` server for every sessiontape service.
+"""The gRPC server: every sessiontape service on one port, HTTP/2 in the event loop.
 
 It hosts, on one port, every service registered under the entry-point group
 ``sessiontape.grpc_services`` (a :class:`sessiontape.transports.grpc.service.GrpcService`,
 one instance per server), the standard health service
 (``grpc.health.v1.Health``) and server reflection (``grpc.reflection.v1`` and
-``v1alpha``, see :mod:`sessiontape.transports.grpc.reflection`) listing all of them. After
-the server stopped, each service's ``drain`` is awaited so that work cancelled
-at the grace deadline (a running generation) is recorded before the runtime
-closes.
+``v1alpha``, see :mod:`sessiontape.transports.grpc.reflection`) listing all of them.
+Services register their generated handlers on a
+:class:`~sessiontape.transports.grpc.calls.MethodTable` as they would on a grpc.aio
+server; each handler is wrapped by :func:`sessiontape.transports.grpc.guard.guarded`.
+
+HTTP/2 (connections, streams, flow control, HPACK, keepalive pings) is grpclib's
+protocol layer, pinned to one release; the calls on it are
+:mod:`sessiontape.transports.grpc.calls`. Clients are any gRPC clients (grpcio's, grpc-js,
+grpcurl): the wire is gRPC's.
+
+Stopping: new connections and calls are refused (``UNAVAILABLE``), calls in flight
+run up to the grace period, the rest are cancelled, and each service's ``drain`` is
+awaited so that work cancelled at the grace deadline (a running generation) is
+recorded before the runtime closes.
 
 Options: ``[transports.grpc]``, declared by :class:`~sessiontape.transports.grpc.settings.GrpcSettings`.
-Every handler is wrapped by :class:`sessiontape.transports.grpc.guard.GuardInterceptor`. When ``config.auth_token`` is set
-every call but health needs ``authorization: Bearer <token>``.
+When ``config.auth_token`` is set every call but health needs
+``authorization: Bearer <token>``.
 """
 
 from __future__ import annotations
 
-import hmac
+import asyncio
 import logging
-from collections.abc import Awaitable, Callable
-from pathlib import Path
+import ssl
 from typing import Any
 
-import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from sessiontape.core import registry
 from sessiontape.core.config import parse_listen
-from sessiontape.core.errors import ConfigError, Unauthenticated
+from sessiontape.core.errors import ConfigError
 from sessiontape.core.runtime import Runtime
-from sessiontape.transports.grpc import reflection
-from sessiontape.transports.grpc.guard import GuardInterceptor
+from sessiontape.transports.grpc import calls, reflection
+from sessiontape.transports.grpc.guard import guarded
+from sessiontape.transports.grpc.listener import Listener
 from sessiontape.transports.grpc.service import GROUP, GrpcService
 from sessiontape.transports.grpc.settings import GrpcSettings
-from sessiontape.transports.grpc.status import code_for, message_for
 
 log = logging.getLogger("sessiontape.grpc")
 
@@ -43,68 +51,8 @@ HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 OPEN_PREFIXES = (f"/{HEALTH_SERVICE}/",)
 
 
-class BearerAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Requires ``authorization: Bearer <token>`` on every call outside OPEN_PREFIXES."""
-
-    def __init__(self, token: str) -> None:
-        self._expected = token.encode()
-
-    def _authorized(self, metadata: Any) -> bool:
-        for key, value in metadata or ():
-            if key.lower() == "authorization":
-                got = value.encode(errors="replace") if isinstance(value, str) else bytes(value)
-                # the scheme is case-insensitive (RFC 9110 section 11.1); the token is not
-                scheme, _, token = got.strip().partition(b" ")
-                return scheme.lower() == b"bearer" and hmac.compare_digest(
-                    token.strip(), self._expected
-                )
-        return False
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[Any], Awaitable[Any]],
-        details: Any,
-    ) -> Any:
-        handler = await continuation(details)
-        if handler is None or details.method.startswith(OPEN_PREFIXES):
-            return handler
-        if self._authorized(details.invocation_metadata):
-            return handler
-        return _rejecting(
-            handler,
-            Unauthenticated(
-                "missing or wrong bearer token (metadata 'authorization: Bearer <token>')"
-            ),
-        )
-
-
-def _rejecting(handler: Any, exc: Exception) -> Any:
-    """A handler of the same shape as ``handler`` that ends the call with ``exc``'s status."""
-    code, message = code_for(exc), message_for(exc)
-
-    async def unary(request: Any, context: Any) -> Any:
-        await context.abort(code, message)
-
-    async def streaming(request: Any, context: Any) -> Any:
-        await context.abort(code, message)
-        yield  # pragma: no cover - makes this an async generator
-
-    kinds = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }
-    make = kinds[(bool(handler.request_streaming), bool(handler.response_streaming))]
-    return make(
-        streaming if handler.response_streaming else unary,
-        request_deserializer=handler.request_deserializer,
-        response_serializer=handler.response_serializer,
-    )
-
-
 class GrpcServer:
-    """Owns the ``grpc.aio.Server`` and the services it hosts."""
+    """Owns the services, health and reflection, and the endpoint that serves them."""
 
     def __init__(
         self, runtime: Runtime, settings: GrpcSettings | None = None, auth_token: str = ""
@@ -120,20 +68,23 @@ class GrpcServer:
         self.services: list[str] = []
         self.port: int | None = None
         self._services: list[GrpcService] = []
-        self._server: Any = None
+        self._listener: Listener | None = None
+        self._closed: asyncio.Event | None = None
         self._health: HealthServicer | None = None
 
-    def _credentials(self) -> Any:
+    def _ssl(self) -> ssl.SSLContext | None:
         cert, key = self.settings.tls_cert, self.settings.tls_key
         if cert is None or key is None:  # both or neither (GrpcSettings)
             return None
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         try:
-            pair = (Path(key).read_bytes(), Path(cert).read_bytes())
-        except OSError as exc:
+            ctx.load_cert_chain(cert, key)
+        except (OSError, ssl.SSLError) as exc:
             raise ConfigError(f"transports.grpc: cannot read TLS files: {exc}") from exc
-        return grpc.ssl_server_credentials([pair])
+        ctx.set_alpn_protocols(["h2"])
+        return ctx
 
-    def _load_services(self, server: Any) -> None:
+    def _load_services(self, table: calls.MethodTable) -> None:
         names = registry.available(GROUP)
         if not names:
             raise ConfigError(
@@ -145,64 +96,58 @@ class GrpcServer:
             if not (isinstance(factory, type) and issubclass(factory, GrpcService)):
                 raise ConfigError(f"transports.grpc: service {name!r} is not a GrpcService")
             service = factory.create(self.runtime, self.settings)
-            self.services.extend(service.add_to(server))
+            self.services.extend(service.add_to(table))
             self._services.append(service)
 
     async def start(self) -> str:
         host, port = parse_listen(self.listen)
-        creds = self._credentials()
-        interceptors: list[Any] = [GuardInterceptor(self.settings.spin_s)]
-        if self.auth_token:
-            interceptors.append(BearerAuthInterceptor(self.auth_token))
-        server = grpc.aio.server(
-            interceptors=interceptors,
-            options=[
-                ("grpc.max_receive_message_length", self.max_message_bytes),
-                ("grpc.max_send_message_length", self.max_message_bytes),
-                ("grpc.max_concurrent_streams", self.max_streams),
-                ("grpc.so_reuseport", 0),
-            ],
-        )
-        self._load_services(server)
+        context = self._ssl()
+        table = calls.MethodTable()
+        self._load_services(table)
         self._health = _EngineHealth(self.runtime, ("", *self.services))
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable(server, [*self.services, HEALTH_SERVICE])
-        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        try:
-            bound = (
-                server.add_secure_port(address, creds)
-                if creds is not None
-                else server.add_insecure_port(address)
-            )
-        except RuntimeError as exc:
-            raise ConfigError(f"transports.grpc: cannot listen on {address}: {exc}") from exc
-        if not bound:
-            raise ConfigError(f"transports.grpc: cannot listen on {address}")
-        self.port = int(bound)
-        await server.start()
-        self._server = server
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, table)
+        reflection.enable(table, [*self.services, HEALTH_SERVICE])
+        listener = Listener(
+            {path: guarded(path, h) for path, h in table.handlers.items()},
+            max_message_bytes=self.max_message_bytes,
+            max_streams=self.max_streams,
+            token=self.auth_token,
+            open_prefixes=OPEN_PREFIXES,
+        )
+        self.port = await listener.start(host, port, context)
+        self._listener = listener
+        self._closed = asyncio.Event()
         for svc in ("", *self.services):
             await self._health.set(svc, health_pb2.HealthCheckResponse.SERVING)
-        scheme = "grpcs" if creds is not None else "grpc"
+        scheme = "grpcs" if context is not None else "grpc"
         return (
             f"gRPC on {scheme}://{host}:{self.port} ({', '.join(self.services) or 'no services'})"
         )
 
     async def stop(self, grace: float | None = None) -> None:
-        """Refuse new calls, let in-flight ones run up to ``grace`` s, then cancel the rest."""
-        if self._server is None:
+        """Health turns NOT_SERVING; the endpoint stops (calls in flight run up to ``grace``
+        s, the rest are cancelled); then each service's ``drain`` waits for the endings of
+        what was cancelled to be recorded."""
+        if self._listener is None:
             return
         grace = self.grace_s if grace is None else grace
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
-        await self._server.stop(grace)
+        await self._listener.stop(grace)
         for service in self._services:
             await service.drain(max(grace, 5.0))
-        self._server = None
+        self._listener = None
+        if self._closed is not None:
+            self._closed.set()
+
+    @property
+    def methods(self) -> dict[str, calls.Method]:
+        """What the endpoint answers, by path (empty before ``start``)."""
+        return {} if self._listener is None else self._listener.methods
 
     async def wait(self) -> None:
-        if self._server is not None:
-            await self._server.wait_for_termination()
+        if self._closed is not None:
+            await self._closed.wait()
 
 
 class _EngineHealth(HealthServicer):  # type: ignore[misc]
@@ -224,4 +169,4 @@ class _EngineHealth(HealthServicer):  # type: ignore[misc]
         return await super().Check(request, context)
 
 
-__all__ = ["BearerAuthInterceptor", "GrpcServer"]
+__all__ = ["GrpcServer"]

@@ -23,13 +23,6 @@ class GrpcSettings(TransportSettings):
     max_message_bytes: int | None = option(
         None, "receive and send limit per message", ge=1, shown="`[limits] max_body_bytes`"
     )
-    spin_s: float = option(
-        0.0005,
-        "seconds the event loop keeps polling after handing a message over, rather than "
-        "sleeping until grpc says it went (docs/architecture.md, gRPC writes; 0: sleep)",
-        ge=0,
-        le=0.01,
-    )
     max_concurrent_streams: int | None = option(
         None,
         "streams one client connection may open",

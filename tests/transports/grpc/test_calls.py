@@ -1,0 +1,223 @@
+"""What sessiontape's gRPC endpoint does with a call that grpc.aio used to do for it:
+compressed requests, deadlines, unknown methods, and HTTP/2 requests that are not gRPC
+calls or end inside a message (sent with the ``h2`` library, byte by byte, as a broken
+or hostile client would). Every refused call leaves the log unchanged."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from dataclasses import dataclass, field
+
+import grpc
+import h2.config
+import h2.connection
+import h2.events
+import pytest
+
+from sessiontape.core.events import T
+from sessiontape.engines.reference import ReferenceEngine
+from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2 as kpb
+from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2_grpc as kgrpc
+from tests.transports.grpc.conftest import Serve, Served
+
+APPEND = "/kakeya.v1.RuntimeService/AppendTokens"
+GENERATE = "/kakeya.v1.RuntimeService/Generate"
+
+
+def grpc_frame(payload: bytes, compressed: bool = False) -> bytes:
+    return struct.pack(">BI", int(compressed), len(payload)) + payload
+
+
+@dataclass
+class Answer:
+    """What a raw HTTP/2 request got back."""
+
+    headers: dict[str, str] = field(default_factory=dict)
+    trailers: dict[str, str] = field(default_factory=dict)
+    data_frames: list[bytes] = field(default_factory=list)
+
+    @property
+    def status(self) -> int | None:
+        """The gRPC status, from the trailers (or a trailers-only response's headers)."""
+        raw = self.trailers.get("grpc-status", self.headers.get("grpc-status"))
+        return None if raw is None else int(raw)
+
+    def messages(self) -> list[bytes]:
+        body, out = b"".join(self.data_frames), []
+        while body:
+            _, n = struct.unpack(">BI", body[:5])
+            out.append(body[5 : 5 + n])
+            body = body[5 + n :]
+        return out
+
+
+async def raw_call(
+    port: int,
+    path: str,
+    body: bytes,
+    *,
+    method: str = "POST",
+    content_type: str = "application/grpc",
+    extra: tuple[tuple[str, str], ...] = (),
+    end: bool = True,
+) -> Answer:
+    """One HTTP/2 request on a fresh connection, read until the server ends its stream."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    headers = [
+        (":method", method),
+        (":scheme", "http"),
+        (":authority", f"127.0.0.1:{port}"),
+        (":path", path),
+        ("content-type", content_type),
+        ("te", "trailers"),
+        *extra,
+    ]
+    conn.send_headers(1, headers, end_stream=not body and end)
+    if body:
+        conn.send_data(1, body, end_stream=end)
+    writer.write(conn.data_to_send())
+    answer = Answer()
+    try:
+        async with asyncio.timeout(10):
+            while True:
+                data = await reader.read(65536)
+                if not data:
+                    return answer
+                for ev in conn.receive_data(data):
+                    if isinstance(ev, h2.events.ResponseReceived):
+                        answer.headers = {k.decode(): v.decode() for k, v in ev.headers}
+                    elif isinstance(ev, h2.events.TrailersReceived):
+                        answer.trailers = {k.decode(): v.decode() for k, v in ev.headers}
+                    elif isinstance(ev, h2.events.DataReceived):
+                        answer.data_frames.append(ev.data)
+                        conn.acknowledge_received_data(ev.flow_controlled_length, 1)
+                    elif isinstance(ev, h2.events.StreamEnded | h2.events.StreamReset):
+                        return answer
+                writer.write(conn.data_to_send())
+    finally:
+        writer.close()
+
+
+async def kakeya_session(served: Served) -> str:
+    async with grpc.aio.insecure_channel(served.target) as ch:
+        resp = await kgrpc.RuntimeServiceStub(ch).CreateSession(kpb.CreateSessionRequest())
+    return str(resp.session_id)
+
+
+@pytest.mark.parametrize("compression", [grpc.Compression.Gzip, grpc.Compression.Deflate])
+async def test_compressed_requests_are_inflated(
+    server: Served, compression: grpc.Compression
+) -> None:
+    sid = await kakeya_session(server)
+    async with grpc.aio.insecure_channel(server.target, compression=compression) as ch:
+        stub = kgrpc.RuntimeServiceStub(ch)
+        resp = await stub.AppendTokens(kpb.AppendTokensRequest(session_id=sid, token_ids=[7] * 500))
+    assert resp.history_length == 500
+    st = await server.runtime.load(sid)
+    assert list(st.tokens) == [7] * 500
+
+
+async def test_a_deadline_ends_a_running_generation_and_it_is_recorded(server: Served) -> None:
+    engine = server.runtime.engine
+    assert isinstance(engine, ReferenceEngine)
+    engine.eos_bias, engine.step_delay_s = -1000.0, 0.002
+    sid = await kakeya_session(server)
+    async with grpc.aio.insecure_channel(server.target) as ch:
+        stub = kgrpc.RuntimeServiceStub(ch)
+        await stub.AppendTokens(kpb.AppendTokensRequest(session_id=sid, token_ids=[1, 2]))
+        call = stub.Generate(kpb.GenerateRequest(session_id=sid, max_tokens=5000), timeout=0.3)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in call:
+                pass
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    for _ in range(300):  # the server records the end once its task has unwound
+        evs = await server.runtime.log.read(sid, 1, None)
+        fins = [e for e in evs if e.type == T.GENERATION_FINISHED]
+        if fins:
+            break
+        await asyncio.sleep(0.01)
+    assert [f.body["finish_reason"] for f in fins] == ["cancelled"]
+    assert 0 < fins[0].body["completion_tokens"] < 5000
+
+
+async def test_an_unknown_method_is_unimplemented(server: Served) -> None:
+    before = await server.runtime.log.last_position()
+    async with grpc.aio.insecure_channel(server.target) as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await ch.unary_unary("/kakeya.v1.RuntimeService/Nope")(b"")
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "/kakeya.v1.RuntimeService/Nope" in (err.value.details() or "")
+    assert await server.runtime.log.last_position() == before
+
+
+async def test_requests_that_are_not_grpc_calls_are_refused(server: Served) -> None:
+    port = server.transport.port
+    assert port is not None
+    get = await raw_call(port, APPEND, b"", method="GET")
+    assert get.headers[":status"] == "405"
+    text = await raw_call(port, APPEND, b"hello", content_type="text/plain")
+    assert text.headers[":status"] == "415"
+
+
+async def test_a_request_that_ends_inside_a_message_is_invalid_argument(server: Served) -> None:
+    port = server.transport.port
+    assert port is not None
+    sid = await kakeya_session(server)
+    before = await server.runtime.log.last_position()
+    whole = kpb.AppendTokensRequest(session_id=sid, token_ids=[5, 6, 7]).SerializeToString()
+    for body in (grpc_frame(whole)[:3], grpc_frame(whole)[:-2]):  # in the prefix; in the bytes
+        answer = await raw_call(port, APPEND, body)
+        assert answer.status == grpc.StatusCode.INVALID_ARGUMENT.value[0], answer
+        assert "ended inside a message" in answer.headers.get("grpc-message", "")
+    assert await server.runtime.log.last_position() == before
+
+
+async def test_a_message_over_the_limit_is_refused_before_its_bytes_come(serve: Serve) -> None:
+    served = await serve(max_message_bytes=2048)
+    port = served.transport.port
+    assert port is not None
+    # the prefix announces 1 MiB; not one byte of it is sent, and the stream stays open:
+    # the answer can only come from the prefix
+    answer = await raw_call(port, APPEND, struct.pack(">BI", 0, 1 << 20), end=False)
+    assert answer.status == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert "exceeds the limit of 2048" in answer.headers.get("grpc-message", "")
+
+
+async def test_an_unknown_compression_is_invalid_argument(server: Served) -> None:
+    port = server.transport.port
+    assert port is not None
+    sid = await kakeya_session(server)
+    before = await server.runtime.log.last_position()
+    whole = kpb.AppendTokensRequest(session_id=sid, token_ids=[5]).SerializeToString()
+    for encoding, body in (("snappy", whole), ("gzip", b"not gzip at all")):
+        answer = await raw_call(
+            port, APPEND, grpc_frame(body, compressed=True), extra=(("grpc-encoding", encoding),)
+        )
+        assert answer.status == grpc.StatusCode.INVALID_ARGUMENT.value[0], answer
+    assert await server.runtime.log.last_position() == before
+
+
+async def test_a_committed_run_goes_out_in_one_write(server: Served) -> None:
+    """A generation's messages go out run by run, a committed run's in one write: its
+    last tokens and its done message (committed together with them) in one DATA frame,
+    and fewer frames than messages."""
+    engine = server.runtime.engine
+    assert isinstance(engine, ReferenceEngine)
+    engine.eos_bias = -1000.0
+    port = server.transport.port
+    assert port is not None
+    sid = await kakeya_session(server)
+    req = kpb.GenerateRequest(session_id=sid, max_tokens=16, seed=1, temperature=0.0)
+    answer = await raw_call(port, GENERATE, grpc_frame(req.SerializeToString()))
+    assert answer.status == 0, answer
+    messages = [kpb.GenerateResponse.FromString(m) for m in answer.messages()]
+    assert [m.WhichOneof("payload") for m in messages] == ["token_id"] * 16 + ["done"]
+    evs = await server.runtime.log.read(sid, 1, None)
+    assert [m.token_id for m in messages[:16]] == [
+        e.body["token"] for e in evs if e.type == T.GENERATION_TOKEN
+    ]
+    per_frame = [len(Answer(data_frames=[f]).messages()) for f in answer.data_frames]
+    assert len(per_frame) < 17 and per_frame[-1] >= 2, per_frame

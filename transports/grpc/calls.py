@@ -1,0 +1,296 @@
+"""One gRPC call on an HTTP/2 stream: its request messages in, its servicer run, its
+messages and status out.
+
+The gRPC server (:mod:`sessiontape.transports.grpc.server`) takes HTTP/2 itself from
+grpclib's protocol layer (connections, streams, flow control, pings, all in the event
+loop); what a gRPC call is on one stream is here, in sessiontape's hands:
+
+- the request's headers checked (``POST``, ``application/grpc``), its method found,
+  its bearer token checked, its ``grpc-timeout`` kept as a deadline;
+- request messages read with their size checked from their 5-byte prefix, before
+  their bytes are taken (``max_message_bytes``), and ``gzip``/``deflate`` ones
+  inflated up to that size;
+- the servicer given a :class:`ServicerContext`, grpc.aio's servicer context as far
+  as sessiontape's servicers and grpcio's health and reflection servicers use it, plus
+  ``write_many``: the messages of one committed run handed to the connection in one
+  write (gRPC messages are a byte stream; a Kakeya run of 16 tokens is one ``send``,
+  not 16);
+- the status sent as trailers, or as a trailers-only response when nothing else was.
+
+Why not grpc.aio: its core hands every message to a thread of its own and back (an
+``eventfd`` kick, a poller thread's wake, a socket write to wake the loop), one message
+in flight a call; a short Kakeya turn paid 22 such round trips, a quarter of its CPU
+(docs/architecture.md, "The gRPC server").
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import grpc
+from grpclib.metadata import Deadline, decode_metadata, encode_grpc_message, encode_metadata
+from grpclib.protocol import Stream
+
+from sessiontape.core.errors import InvalidArgument, ResourceExhausted
+from sessiontape.transports.grpc.status import code_for, message_for
+
+CONTENT_TYPE = "application/grpc"
+ACCEPT_ENCODING = "identity,deflate,gzip"
+#: zlib's window bits for each request encoding this server inflates
+_INFLATE = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+
+
+class Aborted(Exception):
+    """``context.abort``: the call ends with this status, sent as its trailers."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+@dataclass(frozen=True, slots=True)
+class Method:
+    """One method a server answers: its path, shape, behavior and message codecs."""
+
+    path: str
+    request_streaming: bool
+    response_streaming: bool
+    #: ``(request or request iterator, context)``: awaitable of the response (unary), or
+    #: awaitable of None, the servicer having written its messages with the context
+    behavior: Callable[[Any, ServicerContext], Any]
+    deserialize: Callable[[bytes], Any]
+    serialize: Callable[[Any], bytes]
+
+
+class MethodTable:
+    """The methods of a server, by path. It stands in for a grpc.aio server to what
+    registers on one: generated ``add_*Servicer_to_server`` functions, grpcio-health-checking,
+    grpcio-reflection. Each registers ``grpc.RpcMethodHandler`` objects."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[str, Any] = {}
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        for name, handler in handlers.items():
+            self.handlers[f"/{service}/{name}"] = handler
+
+    def add_generic_rpc_handlers(self, generic: Iterable[Any]) -> None:
+        for g in generic:
+            table = getattr(g, "_method_handlers", None)  # grpc.method_handlers_generic_handler's
+            if not isinstance(table, dict):
+                raise TypeError(f"a generic handler without a method table: {g!r}")
+            self.handlers.update(table)
+
+
+class ServicerContext:
+    """A servicer's view of its call (grpc.aio's ``ServicerContext``, the part in use)."""
+
+    __slots__ = ("_call", "code", "details")
+
+    def __init__(self, call: Call) -> None:
+        self._call = call
+        self.code: grpc.StatusCode | None = None
+        self.details = ""
+
+    async def write(self, message: Any) -> None:
+        await self._call.send((message,))
+
+    async def write_many(self, messages: Sequence[Any]) -> None:
+        """``messages`` in order, handed to the connection in one write."""
+        if messages:
+            await self._call.send(messages)
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", *_: Any) -> NoReturn:
+        raise Aborted(code, details)
+
+    async def send_initial_metadata(self, metadata: Iterable[tuple[str, str]]) -> None:
+        await self._call.send_headers(list(metadata))
+
+    def invocation_metadata(self) -> tuple[tuple[str, Any], ...]:
+        return tuple(self._call.metadata.items())
+
+    def peer(self) -> str:
+        return self._call.peer()
+
+    def time_remaining(self) -> float | None:
+        d = self._call.deadline
+        return None if d is None else d.time_remaining()
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self.code = code
+
+    def set_details(self, details: str) -> None:
+        self.details = details
+
+
+def _frame(payload: bytes) -> bytes:
+    return b"\x00" + len(payload).to_bytes(4, "big") + payload
+
+
+class Call:
+    """One call's stream: reading its request messages, writing its answer."""
+
+    __slots__ = (
+        "deadline",
+        "encoding",
+        "headers_sent",
+        "limit",
+        "metadata",
+        "method",
+        "stream",
+    )
+
+    def __init__(
+        self,
+        stream: Stream,
+        method: Method,
+        headers: Sequence[tuple[str, str]],
+        deadline: Deadline | None,
+        limit: int,
+    ) -> None:
+        self.stream = stream
+        self.method = method
+        self.metadata = decode_metadata(headers)
+        self.encoding = next((v for k, v in headers if k == "grpc-encoding"), "identity")
+        self.deadline = deadline
+        self.limit = limit
+        self.headers_sent = False
+
+    def peer(self) -> str:
+        addr = self.stream.connection.get_peer().addr()
+        if not addr:
+            return "unknown"
+        host, port = addr[0], addr[1]
+        return f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}"
+
+    async def recv(self) -> Any | None:
+        """The next request message decoded (None once the client finished sending)."""
+        try:
+            prefix = await self.stream.recv_data(5)
+            if not prefix:
+                return None
+            compressed, size = prefix[0], int.from_bytes(prefix[1:5], "big")
+            if size > self.limit:
+                raise ResourceExhausted(
+                    f"request message of {size} bytes exceeds the limit of {self.limit}"
+                    " (max_message_bytes)"
+                )
+            data = await self.stream.recv_data(size)
+        except AssertionError:  # grpclib's buffer: the stream ended short of what was asked
+            raise InvalidArgument("the request stream ended inside a message") from None
+        if compressed:
+            data = self._inflate(data)
+        return self.method.deserialize(data)
+
+    def _inflate(self, data: bytes) -> bytes:
+        bits = _INFLATE.get(self.encoding)
+        if bits is None:
+            raise InvalidArgument(f"request message compressed with {self.encoding!r}")
+        inflater = zlib.decompressobj(bits)
+        try:
+            out = inflater.decompress(data, self.limit + 1)
+        except zlib.error as exc:
+            raise InvalidArgument(f"request message does not inflate ({exc})") from None
+        if len(out) > self.limit or inflater.unconsumed_tail:
+            raise ResourceExhausted(
+                f"request message inflates past the limit of {self.limit} bytes (max_message_bytes)"
+            )
+        return out
+
+    async def requests(self) -> AsyncIterator[Any]:
+        while (message := await self.recv()) is not None:
+            yield message
+
+    async def request(self) -> Any:
+        message = await self.recv()
+        if message is None:
+            raise InvalidArgument("the call carried no request message")
+        return message
+
+    async def send_headers(self, metadata: Sequence[tuple[str, str]] = ()) -> None:
+        if self.headers_sent:
+            raise InvalidArgument("initial metadata was already sent")
+        self.headers_sent = True
+        headers = [
+            (":status", "200"),
+            ("content-type", CONTENT_TYPE),
+            ("grpc-accept-encoding", ACCEPT_ENCODING),
+            *encode_metadata(metadata),
+        ]
+        await self.stream.send_headers(headers)
+
+    async def send(self, messages: Iterable[Any]) -> None:
+        serialize, limit = self.method.serialize, self.limit
+        parts = []
+        for m in messages:
+            payload = serialize(m)
+            if len(payload) > limit:
+                raise ResourceExhausted(
+                    f"response message of {len(payload)} bytes exceeds the limit of {limit}"
+                    " (max_message_bytes)"
+                )
+            parts.append(_frame(payload))
+        data = b"".join(parts)
+        if not self.headers_sent:
+            await self.send_headers()
+        await self.stream.send_data(data)
+
+    async def finish(self, code: grpc.StatusCode, details: str = "") -> None:
+        """The status, as trailers (or a trailers-only response), ending the stream."""
+        status: list[tuple[str, str]] = [("grpc-status", str(code.value[0]))]
+        if details:
+            status.append(("grpc-message", encode_grpc_message(details)))
+        if self.headers_sent:
+            headers = status
+        else:
+            self.headers_sent = True
+            headers = [(":status", "200"), ("content-type", CONTENT_TYPE), *status]
+        await self.stream.send_headers(headers, end_stream=True)
+
+
+async def run(call: Call) -> None:
+    """The servicer's behavior for ``call``, its answer and its status."""
+    method, ctx = call.method, ServicerContext(call)
+    try:
+        request = call.requests() if method.request_streaming else await call.request()
+        out = await method.behavior(request, ctx)
+        if not method.response_streaming:
+            if out is None:  # a generated servicer's unimplemented method sets a code
+                raise Aborted(
+                    ctx.code or grpc.StatusCode.UNKNOWN, ctx.details or "no response message"
+                )
+            await call.send((out,))
+    except Aborted as exc:
+        await call.finish(exc.code, exc.details)
+        return
+    except Exception as exc:  # outside the servicer: its request did not read
+        await call.finish(code_for(exc), message_for(exc))
+        return
+    await call.finish(grpc.StatusCode.OK)
+
+
+async def refuse(stream: Stream, code: grpc.StatusCode, details: str, http: int = 200) -> None:
+    """A trailers-only answer to a request that never became a call."""
+    await stream.send_headers(
+        [
+            (":status", str(http)),
+            ("content-type", CONTENT_TYPE),
+            ("grpc-status", str(code.value[0])),
+            ("grpc-message", encode_grpc_message(details)),
+        ],
+        end_stream=True,
+    )
+
+
+__all__ = [
+    "Aborted",
+    "Call",
+    "Method",
+    "MethodTable",
+    "ServicerContext",
+    "refuse",
+    "run",
+]

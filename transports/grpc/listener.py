@@ -1,0 +1,265 @@
+"""The gRPC endpoint: a listening socket, its HTTP/2 connections, a task per call.
+
+HTTP/2 itself (frames, HPACK, flow control, keepalive pings) is grpclib's protocol
+layer (``grpclib.protocol.H2Protocol``, pinned to one grpclib release in
+pyproject.toml): this module gives it a handler per connection, which starts a task per
+stream. What a task does with its stream (the gRPC call) is
+:mod:`sessiontape.transports.grpc.calls`. Here: which requests become calls (method,
+shutdown, bearer token), the deadline, and the endpoint's life (start, graceful stop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import ssl
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import grpc
+import h2.config
+import h2.exceptions
+from grpclib.config import Configuration
+from grpclib.exceptions import StreamTerminatedError
+from grpclib.metadata import Deadline
+from grpclib.protocol import AbstractHandler, H2Protocol, Stream
+from h2.settings import SettingCodes
+
+from sessiontape.core.errors import ConfigError, Unauthenticated
+from sessiontape.transports.grpc import calls
+from sessiontape.transports.grpc.status import message_for
+
+#: what a call's stream raises once its client is gone
+_GONE = (StreamTerminatedError, h2.exceptions.StreamClosedError, ConnectionError)
+
+
+def authorized(headers: Sequence[tuple[str, str]], expected: bytes) -> bool:
+    """``authorization: Bearer <expected>`` among ``headers`` (the scheme in any case)."""
+    for key, value in headers:
+        if key == "authorization":
+            # the scheme is case-insensitive (RFC 9110 section 11.1); the token is not
+            scheme, _, token = value.encode(errors="replace").strip().partition(b" ")
+            return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), expected)
+    return False
+
+
+#: how long a refused call that streams its requests waits for its first one (see _Refused)
+REFUSAL_WAIT_S = 0.25
+
+
+class _Refused(Exception):
+    """A request that does not become a call: answered trailers-only.
+
+    A refused call whose client streams its requests (Evergreen, reflection) is answered
+    once its first request arrived (or ``REFUSAL_WAIT_S`` passed): grpcio's clients write
+    that request as the call starts, and a write that finds the call already ended makes
+    such a client report ``INTERNAL`` ("Internal error from Core") in place of the status
+    the server sent.
+    """
+
+    def __init__(
+        self, code: grpc.StatusCode, details: str, http: int = 200, *, streaming: bool = False
+    ) -> None:
+        super().__init__(details)
+        self.code, self.details, self.http, self.streaming = code, details, http, streaming
+
+
+class _Connection(AbstractHandler):
+    """The calls of one HTTP/2 connection, a task each (grpclib's protocol calls these)."""
+
+    def __init__(self, server: Listener) -> None:
+        self.server = server
+        self.calls: dict[Stream, asyncio.Task[None]] = {}
+
+    def accept(self, stream: Stream, headers: Any, release_stream: Callable[[], None]) -> None:
+        task = asyncio.get_running_loop().create_task(
+            self.server.serve(stream, headers, release_stream)
+        )
+        self.calls[stream] = task
+        self.server.running.add(task)
+        task.add_done_callback(lambda t: self._done(stream, t))
+
+    def _done(self, stream: Stream, task: asyncio.Task[None]) -> None:
+        self.calls.pop(stream, None)
+        self.server.running.discard(task)
+
+    def cancel(self, stream: Stream) -> None:  # the client reset the stream
+        task = self.calls.pop(stream, None)
+        if task is not None:
+            task.cancel()
+
+    def close(self) -> None:  # the connection is gone
+        for task in list(self.calls.values()):
+            task.cancel()
+
+
+class _Protocol(H2Protocol):
+    """grpclib's HTTP/2 protocol with this server's stream limit, tracked for shutdown."""
+
+    def __init__(self, server: Listener) -> None:
+        super().__init__(_Connection(server), server.h2_limits, server.h2_config)
+        self.server = server
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self.connection._connection.update_settings(
+            {SettingCodes.MAX_CONCURRENT_STREAMS: self.server.max_streams}
+        )
+        self.connection.flush()
+        self.server.connections.add(self)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.server.connections.discard(self)
+        super().connection_lost(exc)
+
+
+class Listener:
+    """Serves ``methods`` (by path) on one socket: start, then stop with a grace period.
+
+    ``token``: the bearer token every call needs but those whose path starts with one
+    of ``open_prefixes`` (empty: no token). ``max_message_bytes`` caps each message
+    both ways; ``max_streams`` the streams one connection may have open at once.
+    """
+
+    def __init__(
+        self,
+        methods: Mapping[str, calls.Method],
+        *,
+        max_message_bytes: int,
+        max_streams: int,
+        token: str = "",
+        open_prefixes: tuple[str, ...] = (),
+    ) -> None:
+        self.methods = dict(methods)
+        self.max_message_bytes = max_message_bytes
+        self.max_streams = max_streams
+        self.open_prefixes = open_prefixes
+        self.port: int | None = None
+        self.running: set[asyncio.Task[None]] = set()
+        self.connections: set[_Protocol] = set()
+        self.h2_config = h2.config.H2Configuration(
+            client_side=False,
+            header_encoding="ascii",
+            validate_inbound_headers=False,
+            validate_outbound_headers=False,
+            normalize_inbound_headers=False,
+            normalize_outbound_headers=False,
+        )
+        self.h2_limits = Configuration().__for_server__()
+        self._token = token.encode()
+        self._socket: asyncio.Server | None = None
+        self._stopping = False
+
+    async def start(self, host: str, port: int, context: ssl.SSLContext | None = None) -> int:
+        """Listen on ``host:port`` (0: a free port); returns the port."""
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        try:
+            self._socket = await asyncio.get_running_loop().create_server(
+                lambda: _Protocol(self), host, port, ssl=context, reuse_address=True
+            )
+        except OSError as exc:
+            raise ConfigError(f"transports.grpc: cannot listen on {address}: {exc}") from exc
+        self.port = int(self._socket.sockets[0].getsockname()[1])
+        return self.port
+
+    def _method(self, headers: Sequence[tuple[str, str]]) -> calls.Method:
+        """The method a request's headers call, or why it is refused."""
+        h = dict(headers)
+        if h.get(":method") != "POST":
+            raise _Refused(grpc.StatusCode.UNIMPLEMENTED, "gRPC calls are POST requests", 405)
+        if not h.get("content-type", "").startswith(calls.CONTENT_TYPE):
+            raise _Refused(grpc.StatusCode.UNKNOWN, "content-type is not application/grpc", 415)
+        path = h.get(":path", "")
+        method = self.methods.get(path)
+        if method is None:
+            raise _Refused(grpc.StatusCode.UNIMPLEMENTED, f"method not found: {path}")
+        streaming = method.request_streaming
+        if self._stopping:
+            raise _Refused(
+                grpc.StatusCode.UNAVAILABLE, "the server is shutting down", streaming=streaming
+            )
+        if (
+            self._token
+            and not path.startswith(self.open_prefixes)
+            and not authorized(headers, self._token)
+        ):
+            refused = Unauthenticated(
+                "missing or wrong bearer token (metadata 'authorization: Bearer <token>')"
+            )
+            raise _Refused(
+                grpc.StatusCode.UNAUTHENTICATED, message_for(refused), streaming=streaming
+            )
+        return method
+
+    async def serve(
+        self, stream: Stream, headers: Sequence[tuple[str, str]], release: Callable[[], None]
+    ) -> None:
+        """One call, from its request's headers to its status."""
+        expired = False
+        task = asyncio.current_task()
+        assert task is not None
+        this: asyncio.Task[Any] = task
+
+        def expire() -> None:
+            nonlocal expired
+            expired = True
+            this.cancel()
+
+        timer = None
+        call: calls.Call | None = None
+        try:
+            try:
+                method = self._method(headers)
+                deadline = Deadline.from_headers(headers)
+            except ValueError:
+                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "invalid grpc-timeout") from None
+            call = calls.Call(stream, method, headers, deadline, self.max_message_bytes)
+            if deadline is not None:
+                timer = asyncio.get_running_loop().call_later(deadline.time_remaining(), expire)
+            await calls.run(call)
+        except _Refused as exc:
+            with contextlib.suppress(*_GONE):
+                if exc.streaming:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stream.recv_data(1), REFUSAL_WAIT_S)
+                await calls.refuse(stream, exc.code, exc.details, exc.http)
+        except asyncio.CancelledError:
+            # the deadline passed or the server stopped: the client hears why; a client
+            # that reset its stream or closed its connection hears nothing more
+            code = (
+                grpc.StatusCode.DEADLINE_EXCEEDED
+                if expired
+                else grpc.StatusCode.UNAVAILABLE
+                if self._stopping
+                else None
+            )
+            if code is None or call is None:
+                raise
+            this.uncancel()  # cancelled by this endpoint, to answer with a status
+            with contextlib.suppress(*_GONE):
+                await call.finish(code, "deadline exceeded" if expired else "the server stopped")
+        except _GONE:
+            pass
+        finally:
+            if timer is not None:
+                timer.cancel()
+            release()
+
+    async def stop(self, grace: float) -> None:
+        """Refuse new connections and calls, let calls in flight run up to ``grace`` s,
+        cancel the rest (their clients hear ``UNAVAILABLE``) and close the connections."""
+        if self._socket is None:
+            return
+        self._stopping = True
+        self._socket.close()
+        pending = set(self.running)
+        if pending:
+            _, pending = await asyncio.wait(pending, timeout=grace)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=max(grace, 5.0))
+        for conn in list(self.connections):
+            conn.processor.close("the server stopped")
+        self._socket = None
