@@ -210,19 +210,28 @@ class Call:
             raise InvalidArgument("the call carried no request message")
         return message
 
-    async def send_headers(self, metadata: Sequence[tuple[str, str]] = ()) -> None:
+    def _initial(self, metadata: Sequence[tuple[str, str]] = ()) -> list[tuple[str, str]]:
         if self.headers_sent:
             raise InvalidArgument("initial metadata was already sent")
         self.headers_sent = True
-        headers = [
+        return [
             (":status", "200"),
             ("content-type", CONTENT_TYPE),
             ("grpc-accept-encoding", ACCEPT_ENCODING),
             *encode_metadata(metadata),
         ]
-        await self.stream.send_headers(headers)
 
-    async def send(self, messages: Iterable[Any]) -> None:
+    def _status(self, code: grpc.StatusCode, details: str) -> list[tuple[str, str]]:
+        """The trailers (with the response headers when none went: trailers-only)."""
+        status = [("grpc-status", str(code.value[0]))]
+        if details:
+            status.append(("grpc-message", encode_grpc_message(details)))
+        if self.headers_sent:
+            return status
+        self.headers_sent = True
+        return [(":status", "200"), ("content-type", CONTENT_TYPE), *status]
+
+    def _frames(self, messages: Iterable[Any]) -> bytes:
         serialize, limit = self.method.serialize, self.limit
         parts = []
         for m in messages:
@@ -233,22 +242,67 @@ class Call:
                     " (max_message_bytes)"
                 )
             parts.append(_frame(payload))
-        data = b"".join(parts)
-        if not self.headers_sent:
-            await self.send_headers()
+        return b"".join(parts)
+
+    def _at_once(
+        self,
+        headers: list[tuple[str, str]] | None,
+        data: bytes,
+        trailers: list[tuple[str, str]] | None = None,
+    ) -> bool:
+        """``headers``, ``data`` and ``trailers`` (each optional) handed to the connection
+        in one write, when it takes them now: not paused by back-pressure, ``data`` inside
+        the stream's flow-control window and one frame. False: nothing was written."""
+        st = self.stream
+        h2c = st._h2_connection  # grpclib's own stream methods write through these two
+        transport = st._transport
+        if (
+            not st.connection.write_ready.is_set()
+            or transport.is_closing()
+            or st.id not in h2c.streams
+            or len(data) > h2c.max_outbound_frame_size
+            or (data and h2c.local_flow_control_window(st.id) < len(data))
+        ):
+            return False
+        if headers:
+            h2c.send_headers(st.id, headers)
+        if data:
+            h2c.send_data(st.id, data)
+        if trailers:
+            h2c.send_headers(st.id, trailers, end_stream=True)
+        transport.write(h2c.data_to_send())
+        return True
+
+    async def send_headers(self, metadata: Sequence[tuple[str, str]] = ()) -> None:
+        await self.stream.send_headers(self._initial(metadata))
+
+    async def send(self, messages: Iterable[Any]) -> None:
+        """``messages`` (with the response headers, the first time) in one write where the
+        connection takes it now, else as grpclib's stream sends, waiting for windows."""
+        data = self._frames(messages)
+        headers = None if self.headers_sent else self._initial()
+        if self._at_once(headers, data):
+            return
+        if headers is not None:
+            await self.stream.send_headers(headers)
         await self.stream.send_data(data)
+
+    async def answer(self, message: Any) -> None:
+        """A unary call's response and its OK status: headers, message and trailers in one
+        write where the connection takes it now."""
+        data = self._frames((message,))
+        headers = None if self.headers_sent else self._initial()
+        trailers = self._status(grpc.StatusCode.OK, "")
+        if self._at_once(headers, data, trailers):
+            return
+        if headers is not None:
+            await self.stream.send_headers(headers)
+        await self.stream.send_data(data)
+        await self.stream.send_headers(trailers, end_stream=True)
 
     async def finish(self, code: grpc.StatusCode, details: str = "") -> None:
         """The status, as trailers (or a trailers-only response), ending the stream."""
-        status: list[tuple[str, str]] = [("grpc-status", str(code.value[0]))]
-        if details:
-            status.append(("grpc-message", encode_grpc_message(details)))
-        if self.headers_sent:
-            headers = status
-        else:
-            self.headers_sent = True
-            headers = [(":status", "200"), ("content-type", CONTENT_TYPE), *status]
-        await self.stream.send_headers(headers, end_stream=True)
+        await self.stream.send_headers(self._status(code, details), end_stream=True)
 
 
 async def run(call: Call) -> None:
@@ -262,7 +316,8 @@ async def run(call: Call) -> None:
                 raise Aborted(
                     ctx.code or grpc.StatusCode.UNKNOWN, ctx.details or "no response message"
                 )
-            await call.send((out,))
+            await call.answer(out)
+            return
     except Aborted as exc:
         await call.finish(exc.code, exc.details)
         return

@@ -13,6 +13,7 @@ import grpc
 import h2.config
 import h2.connection
 import h2.events
+import h2.settings
 import pytest
 
 from sessiontape.core.events import T
@@ -61,11 +62,15 @@ async def raw_call(
     content_type: str = "application/grpc",
     extra: tuple[tuple[str, str], ...] = (),
     end: bool = True,
+    window: int | None = None,
 ) -> Answer:
-    """One HTTP/2 request on a fresh connection, read until the server ends its stream."""
+    """One HTTP/2 request on a fresh connection, read until the server ends its stream
+    (``window``: the stream flow-control window the client grants, in bytes)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     conn.initiate_connection()
+    if window is not None:
+        conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: window})
     headers = [
         (":method", method),
         (":scheme", "http"),
@@ -221,3 +226,31 @@ async def test_a_committed_run_goes_out_in_one_write(server: Served) -> None:
     ]
     per_frame = [len(Answer(data_frames=[f]).messages()) for f in answer.data_frames]
     assert len(per_frame) < 17 and per_frame[-1] >= 2, per_frame
+
+
+@pytest.mark.parametrize("window", [1, 7])
+async def test_answers_wider_than_the_clients_window_arrive_whole(
+    server: Served, window: int
+) -> None:
+    """A client that takes a few bytes at a time (its HTTP/2 window) gets every answer
+    whole and in order: the endpoint waits for the window rather than overrun it."""
+    engine = server.runtime.engine
+    assert isinstance(engine, ReferenceEngine)
+    engine.eos_bias = -1000.0
+    port = server.transport.port
+    assert port is not None
+    sid = await kakeya_session(server)
+    append = kpb.AppendTokensRequest(session_id=sid, token_ids=[5, 6, 7]).SerializeToString()
+    answer = await raw_call(port, APPEND, grpc_frame(append), window=window)
+    assert answer.status == 0, answer
+    assert all(len(f) <= window for f in answer.data_frames)
+    assert kpb.AppendTokensResponse.FromString(answer.messages()[0]).history_length == 3
+    gen = kpb.GenerateRequest(session_id=sid, max_tokens=16, seed=1, temperature=0.0)
+    answer = await raw_call(port, GENERATE, grpc_frame(gen.SerializeToString()), window=window)
+    assert answer.status == 0, answer
+    messages = [kpb.GenerateResponse.FromString(m) for m in answer.messages()]
+    evs = await server.runtime.log.read(sid, 1, None)
+    assert [m.token_id for m in messages[:16]] == [
+        e.body["token"] for e in evs if e.type == T.GENERATION_TOKEN
+    ]
+    assert messages[16].done.generated_token_count == 16
