@@ -69,6 +69,8 @@ class Fuzzed:
     sids: list[str]
     #: what the server logged at ERROR (an internal error's traceback), for a failure's report
     errors: list[str] = field(default_factory=list)
+    #: the server's port, for clients other than ``channel``
+    port: int = 0
 
 
 class _Errors(logging.Handler):
@@ -98,7 +100,7 @@ async def fuzzed(sqlite_url: str) -> AsyncIterator[Fuzzed]:
     server_log.addHandler(handler)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{tr.port}") as channel:
-            yield Fuzzed(rt, channel, sids, errors)
+            yield Fuzzed(rt, channel, sids, errors, port=tr.port or 0)
     finally:
         server_log.removeHandler(handler)
         await tr.stop(0.5)
