@@ -95,13 +95,14 @@ class Api:
         *,
         heartbeat_s: float = 15.0,
         ring: int = 4096,
+        ring_bytes: int = 65536,
         linger_s: float = 30.0,
         limits: inputs.Limits | None = None,
     ) -> None:
         self.runtime = runtime
         self.limits = limits or inputs.Limits()
         self.heartbeat_s = heartbeat_s
-        self.feeds = Feeds(runtime, ring=ring, linger_s=linger_s)
+        self.feeds = Feeds(runtime, ring=ring, ring_bytes=ring_bytes, linger_s=linger_s)
         self.background: set[asyncio.Task[Any]] = set()
 
     async def aclose(self) -> None:
@@ -474,10 +475,18 @@ def create_app(
     auth_token: str = "",
     heartbeat_s: float = 15.0,
     ring: int = 4096,
+    ring_bytes: int = 65536,
     linger_s: float = 30.0,
     limits: inputs.Limits | None = None,
 ) -> Starlette:
-    api = Api(runtime, heartbeat_s=heartbeat_s, ring=ring, linger_s=linger_s, limits=limits)
+    api = Api(
+        runtime,
+        heartbeat_s=heartbeat_s,
+        ring=ring,
+        ring_bytes=ring_bytes,
+        linger_s=linger_s,
+        limits=limits,
+    )
     sid = "/v1/sessions/{sid}"
     routes = [
         Route("/", api.index),

@@ -129,6 +129,9 @@ class Entry:
     plus: str
     rfc: str | None = None
 
+    def size(self) -> int:  # its text, both forms: what the ring counts against ring_bytes
+        return len(self.plus) + (0 if self.rfc is None else len(self.rfc))
+
 
 END = Entry(-1, "")
 
@@ -163,6 +166,7 @@ class SessionFeed:
         position: int,
         ring: int,
         forks: Forks | None = None,
+        ring_bytes: int = 65536,
     ) -> None:
         self.runtime = runtime
         self.forks = forks
@@ -170,9 +174,12 @@ class SessionFeed:
         self.session_id = builder.session_id
         #: every event with a position <= this is folded into ``doc``
         self.position = position
-        #: the ring holds every patch with floor < position <= self.position
+        #: every patch with floor < position <= self.position, within ring and ring_bytes
         self.floor = position
-        self.ring: deque[Entry] = deque(maxlen=ring)
+        self.ring: deque[Entry] = deque()
+        self.ring_max = ring
+        self.ring_bytes_max = ring_bytes
+        self.ring_bytes = 0
         self.watchers: set[Watcher] = set()
         self.ended = builder.doc["status"] in TERMINAL
         self.task: asyncio.Task[None] | None = None
@@ -246,15 +253,25 @@ class SessionFeed:
         entry = Entry(e.position, dumps(ops))
         if any(w.rfc for w in self.watchers):
             entry.rfc = dumps(to_rfc6902(ops, after))
-        if len(self.ring) == self.ring.maxlen:
-            self.floor = self.ring[0].position
-        self.ring.append(entry)
+        self.keep(entry)
         for w in list(self.watchers):
             w.put(entry)
         if after["status"] in TERMINAL:
             self.ended = True
         if self._folding:
             self._wake_folded(everyone=self.ended)
+
+    def keep(self, entry: Entry) -> None:
+        """``entry`` into the ring; the oldest leave (the floor rising) while it is over."""
+        ring = self.ring
+        ring.append(entry)
+        self.ring_bytes += entry.size()
+        while len(ring) > max(1, self.ring_max) or (
+            len(ring) > 1 and self.ring_bytes > self.ring_bytes_max
+        ):
+            old = ring.popleft()
+            self.ring_bytes -= old.size()
+            self.floor = old.position
 
     def backlog(self, after: int, rfc: bool) -> list[Entry] | None:
         """Ring entries past ``after``, or None when the ring does not reach back that far."""
@@ -276,9 +293,17 @@ class SessionFeed:
 class Feeds:
     """The live feeds by session id; a feed lingers ``linger_s`` after its last watcher leaves."""
 
-    def __init__(self, runtime: Runtime, *, ring: int = 4096, linger_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        runtime: Runtime,
+        *,
+        ring: int = 4096,
+        ring_bytes: int = 65536,
+        linger_s: float = 30.0,
+    ) -> None:
         self.runtime = runtime
         self.ring = ring
+        self.ring_bytes = ring_bytes
         self.linger_s = linger_s
         self.feeds: dict[str, SessionFeed] = {}
         self.forks = Forks(runtime)
@@ -299,7 +324,9 @@ class Feeds:
             builder = await load_builder(
                 self.runtime, self.forks, session_id, upto_position=position
             )
-            feed = SessionFeed(self.runtime, builder, position, self.ring, self.forks)
+            feed = SessionFeed(
+                self.runtime, builder, position, self.ring, self.forks, self.ring_bytes
+            )
             if not feed.ended:
                 feed.start()
                 self.feeds[session_id] = feed

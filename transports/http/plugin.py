@@ -135,6 +135,7 @@ class HttpTransport(Transport):
             auth_token=self.config.auth_token,
             heartbeat_s=self.settings.heartbeat_s,
             ring=self.settings.ring,
+            ring_bytes=self.settings.ring_bytes,
             linger_s=self.settings.linger_s,
             limits=limits,
         )

@@ -20,6 +20,9 @@ class HttpSettings(TransportSettings):
     )
     heartbeat_s: float = option(15.0, "seconds between SSE comment lines on an idle stream", gt=0)
     ring: int = option(4096, "patches a live feed keeps for a fast resume", ge=1)
+    ring_bytes: int = option(
+        65536, "... and at most this many bytes of them (the newest patch always)", ge=1
+    )
     linger_s: float = option(30.0, "seconds a live feed outlives its last watcher", ge=0)
     chat_template: str | dict[str, Any] | None = option(
         None,

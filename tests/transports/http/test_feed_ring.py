@@ -15,16 +15,14 @@ from sessiontape.core.session.state import SessionState
 from sessiontape.transports.http.feeds import Entry, Feeds, SessionFeed
 
 
-def _feed(ring: int, start: int) -> SessionFeed:
+def _feed(ring: int, start: int, ring_bytes: int = 1 << 20) -> SessionFeed:
     # the ring needs neither the runtime nor the feed's task
-    return SessionFeed(cast(Any, None), DocumentBuilder("s"), start, ring)
+    return SessionFeed(cast(Any, None), DocumentBuilder("s"), start, ring, None, ring_bytes)
 
 
-def _push(feed: SessionFeed, position: int, rfc: bool) -> None:
+def _push(feed: SessionFeed, position: int, rfc: bool, text: str = "") -> None:
     """What ``publish`` does with an event's patch once it is serialised."""
-    if len(feed.ring) == feed.ring.maxlen:
-        feed.floor = feed.ring[0].position
-    feed.ring.append(Entry(position, f"p{position}", f"r{position}" if rfc else None))
+    feed.keep(Entry(position, f"p{position}{text}", f"r{position}{text}" if rfc else None))
     feed.position = position
 
 
@@ -112,3 +110,33 @@ async def test_closing_waits_a_bounded_time_for_a_feed_that_has_not_folded_the_e
     assert doc is not None and doc["status"] == "closed" and doc["version"] == closed.version
     assert feed._folding == []  # the waiter that gave up was dropped
     await feeds.close()
+
+
+@settings(max_examples=200, derandomize=True, database=None)
+@given(
+    budget=st.integers(min_value=1, max_value=400),
+    sizes=st.lists(st.integers(min_value=0, max_value=120), min_size=1, max_size=40),
+    rfc=st.booleans(),
+)
+def test_the_ring_keeps_the_newest_patches_within_its_bytes(
+    budget: int, sizes: list[int], rfc: bool
+) -> None:
+    feed = _feed(4096, 0, ring_bytes=budget)
+    for position, size in enumerate(sizes, start=1):
+        _push(feed, position, rfc, "x" * size)
+    kept = [en.position for en in feed.ring]
+    # the newest patches, in order, the newest always, within the budget unless alone
+    assert kept == list(range(len(sizes) - len(kept) + 1, len(sizes) + 1))
+    total = sum(en.size() for en in feed.ring)
+    assert total == feed.ring_bytes
+    assert len(kept) == 1 or total <= budget
+    # and no fewer than fit: the one before the oldest kept would have passed the budget
+    dropped = len(sizes) - len(kept)
+    if dropped:
+        before = Entry(dropped, f"p{dropped}" + "x" * sizes[dropped - 1])
+        extra = before.size() + (len(f"r{dropped}") + sizes[dropped - 1] if rfc else 0)
+        assert total + extra > budget
+        # a resume from before the floor goes to the log; from the floor on, the ring answers
+        assert feed.floor == dropped
+        assert feed.backlog(dropped - 1, rfc=False) is None
+        assert [en.position for en in feed.backlog(dropped, rfc=False) or []] == kept
