@@ -25,12 +25,16 @@ in flight a call; a short Kakeya turn paid 22 such round trips, a quarter of its
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import zlib
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import grpc
+import h2.exceptions
+from grpclib.exceptions import StreamTerminatedError
 from grpclib.metadata import Deadline, decode_metadata, encode_grpc_message, encode_metadata
 from grpclib.protocol import Stream
 
@@ -38,6 +42,11 @@ from sessiontape.core.errors import InvalidArgument, ResourceExhausted
 from sessiontape.transports.grpc.status import code_for, message_for
 
 CONTENT_TYPE = "application/grpc"
+#: what a call's stream raises once its client is gone (a reset, a lost connection)
+CLIENT_GONE = (StreamTerminatedError, h2.exceptions.StreamClosedError, ConnectionError)
+#: how long a call whose client streams its requests waits, before answering a status
+#: other than OK, for the first request when it has read none (see Call.await_first_request)
+FIRST_REQUEST_WAIT_S = 0.25
 ACCEPT_ENCODING = "identity,deflate,gzip"
 #: zlib's window bits for each request encoding this server inflates
 _INFLATE = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
@@ -140,6 +149,7 @@ class Call:
         "limit",
         "metadata",
         "method",
+        "received",
         "stream",
     )
 
@@ -157,7 +167,10 @@ class Call:
         self.encoding = next((v for k, v in headers if k == "grpc-encoding"), "identity")
         self.deadline = deadline
         self.limit = limit
+        #: whether the response headers went out (set once they are written)
         self.headers_sent = False
+        #: request bytes taken from the stream so far
+        self.received = 0
 
     def peer(self) -> str:
         addr = self.stream.connection.get_peer().addr()
@@ -179,6 +192,7 @@ class Call:
                     " (max_message_bytes)"
                 )
             data = await self.stream.recv_data(size)
+            self.received += 5 + size
         except AssertionError:  # grpclib's buffer: the stream ended short of what was asked
             raise InvalidArgument("the request stream ended inside a message") from None
         if compressed:
@@ -198,6 +212,8 @@ class Call:
             raise ResourceExhausted(
                 f"request message inflates past the limit of {self.limit} bytes (max_message_bytes)"
             )
+        if not inflater.eof:
+            raise InvalidArgument("request message does not inflate (it ends short)")
         return out
 
     async def requests(self) -> AsyncIterator[Any]:
@@ -213,7 +229,6 @@ class Call:
     def _initial(self, metadata: Sequence[tuple[str, str]] = ()) -> list[tuple[str, str]]:
         if self.headers_sent:
             raise InvalidArgument("initial metadata was already sent")
-        self.headers_sent = True
         return [
             (":status", "200"),
             ("content-type", CONTENT_TYPE),
@@ -221,14 +236,14 @@ class Call:
             *encode_metadata(metadata),
         ]
 
-    def _status(self, code: grpc.StatusCode, details: str) -> list[tuple[str, str]]:
-        """The trailers (with the response headers when none went: trailers-only)."""
+    def _status(self, code: grpc.StatusCode, details: str, alone: bool) -> list[tuple[str, str]]:
+        """The trailers; ``alone``: no response headers went, so they carry them
+        (a trailers-only response)."""
         status = [("grpc-status", str(code.value[0]))]
         if details:
             status.append(("grpc-message", encode_grpc_message(details)))
-        if self.headers_sent:
+        if not alone:
             return status
-        self.headers_sent = True
         return [(":status", "200"), ("content-type", CONTENT_TYPE), *status]
 
     def _frames(self, messages: Iterable[Any]) -> bytes:
@@ -271,10 +286,17 @@ class Call:
         if trailers:
             h2c.send_headers(st.id, trailers, end_stream=True)
         transport.write(h2c.data_to_send())
+        if headers or trailers:
+            st.connection.headers_send_process()  # grpclib's keepalive bookkeeping
+        if data:
+            st.connection.data_send_process()
+        if headers:
+            self.headers_sent = True
         return True
 
     async def send_headers(self, metadata: Sequence[tuple[str, str]] = ()) -> None:
         await self.stream.send_headers(self._initial(metadata))
+        self.headers_sent = True
 
     async def send(self, messages: Iterable[Any]) -> None:
         """``messages`` (with the response headers, the first time) in one write where the
@@ -285,6 +307,7 @@ class Call:
             return
         if headers is not None:
             await self.stream.send_headers(headers)
+            self.headers_sent = True
         await self.stream.send_data(data)
 
     async def answer(self, message: Any) -> None:
@@ -292,17 +315,30 @@ class Call:
         write where the connection takes it now."""
         data = self._frames((message,))
         headers = None if self.headers_sent else self._initial()
-        trailers = self._status(grpc.StatusCode.OK, "")
+        trailers = self._status(grpc.StatusCode.OK, "", alone=False)
         if self._at_once(headers, data, trailers):
             return
         if headers is not None:
             await self.stream.send_headers(headers)
+            self.headers_sent = True
         await self.stream.send_data(data)
         await self.stream.send_headers(trailers, end_stream=True)
 
     async def finish(self, code: grpc.StatusCode, details: str = "") -> None:
         """The status, as trailers (or a trailers-only response), ending the stream."""
-        await self.stream.send_headers(self._status(code, details), end_stream=True)
+        alone = not self.headers_sent
+        # cancelled while it waits to write, nothing went: a second finish is trailers-only
+        await self.stream.send_headers(self._status(code, details, alone), end_stream=True)
+        self.headers_sent = True
+
+    async def await_first_request(self) -> None:
+        """Before a status other than OK on a call whose client streams its requests and of
+        which nothing was read: wait (a little) for the client's first request. grpcio's
+        clients write it as the call starts, and one whose write finds the call ended
+        reports INTERNAL ("Internal error from Core") in place of the status sent."""
+        if self.method.request_streaming and self.received == 0:
+            with contextlib.suppress(TimeoutError, AssertionError, *CLIENT_GONE):
+                await asyncio.wait_for(self.stream.recv_data(1), FIRST_REQUEST_WAIT_S)
 
 
 async def run(call: Call) -> None:
@@ -319,9 +355,13 @@ async def run(call: Call) -> None:
             await call.answer(out)
             return
     except Aborted as exc:
+        await call.await_first_request()
         await call.finish(exc.code, exc.details)
         return
+    except CLIENT_GONE:
+        raise
     except Exception as exc:  # outside the servicer: its request did not read
+        await call.await_first_request()
         await call.finish(code_for(exc), message_for(exc))
         return
     await call.finish(grpc.StatusCode.OK)

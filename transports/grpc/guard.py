@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from sessiontape.core.errors import InvalidArgument
-from sessiontape.transports.grpc.calls import Aborted, Method
+from sessiontape.transports.grpc.calls import CLIENT_GONE, Aborted, Method
 from sessiontape.transports.grpc.status import code_for, message_for
 
 
@@ -69,8 +69,9 @@ async def _end(context: Any, exc: BaseException) -> None:
 
 
 def _is_abort(exc: BaseException) -> bool:
-    # context.abort raises Aborted; it must pass through untouched
-    return isinstance(exc, Aborted | asyncio.CancelledError)
+    # context.abort raises Aborted, and a client gone ends the call with nobody to tell:
+    # they pass through untouched (the latter is no internal error to log)
+    return isinstance(exc, (Aborted, asyncio.CancelledError, *CLIENT_GONE))
 
 
 def _unary_response(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import re
 import ssl
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -21,7 +22,6 @@ import grpc
 import h2.config
 import h2.exceptions
 from grpclib.config import Configuration
-from grpclib.exceptions import StreamTerminatedError
 from grpclib.metadata import Deadline
 from grpclib.protocol import AbstractHandler, H2Protocol, Stream
 from h2.settings import SettingCodes
@@ -30,8 +30,9 @@ from sessiontape.core.errors import ConfigError, Unauthenticated
 from sessiontape.transports.grpc import calls
 from sessiontape.transports.grpc.status import message_for
 
-#: what a call's stream raises once its client is gone
-_GONE = (StreamTerminatedError, h2.exceptions.StreamClosedError, ConnectionError)
+_GONE = calls.CLIENT_GONE
+#: a grpc-timeout as gRPC's HTTP/2 protocol spells it: at most 8 digits and a unit
+_TIMEOUT = re.compile(r"[0-9]{1,8}[HMSmun]")
 
 
 def authorized(headers: Sequence[tuple[str, str]], expected: bytes) -> bool:
@@ -73,16 +74,20 @@ class _Connection(AbstractHandler):
         self.calls: dict[Stream, asyncio.Task[None]] = {}
 
     def accept(self, stream: Stream, headers: Any, release_stream: Callable[[], None]) -> None:
-        task = asyncio.get_running_loop().create_task(
-            self.server.serve(stream, headers, release_stream)
-        )
+        task = asyncio.get_running_loop().create_task(self.server.serve(stream, headers))
         self.calls[stream] = task
         self.server.running.add(task)
-        task.add_done_callback(lambda t: self._done(stream, t))
+        task.add_done_callback(lambda t: self._done(stream, t, release_stream))
 
-    def _done(self, stream: Stream, task: asyncio.Task[None]) -> None:
+    def _done(
+        self, stream: Stream, task: asyncio.Task[None], release_stream: Callable[[], None]
+    ) -> None:
+        # here, not in the task: a task cancelled before its first step (a reset that came
+        # in the same read as the request) runs none of its code, and an unreleased stream
+        # keeps its unacknowledged data out of the connection's window for good
         self.calls.pop(stream, None)
         self.server.running.discard(task)
+        release_stream()
 
     def cancel(self, stream: Stream) -> None:  # the client reset the stream
         task = self.calls.pop(stream, None)
@@ -172,9 +177,8 @@ class Listener:
             raise _Refused(grpc.StatusCode.UNKNOWN, "content-type is not application/grpc", 415)
         path = h.get(":path", "")
         method = self.methods.get(path)
-        if method is None:
-            raise _Refused(grpc.StatusCode.UNIMPLEMENTED, f"method not found: {path}")
-        streaming = method.request_streaming
+        # which methods exist is for authorized clients to learn: the token comes first
+        streaming = method is not None and method.request_streaming
         if self._stopping:
             raise _Refused(
                 grpc.StatusCode.UNAVAILABLE, "the server is shutting down", streaming=streaming
@@ -190,12 +194,13 @@ class Listener:
             raise _Refused(
                 grpc.StatusCode.UNAUTHENTICATED, message_for(refused), streaming=streaming
             )
+        if method is None:
+            raise _Refused(grpc.StatusCode.UNIMPLEMENTED, f"method not found: {path}")
         return method
 
-    async def serve(
-        self, stream: Stream, headers: Sequence[tuple[str, str]], release: Callable[[], None]
-    ) -> None:
-        """One call, from its request's headers to its status."""
+    async def serve(self, stream: Stream, headers: Sequence[tuple[str, str]]) -> None:
+        """One call, from its request's headers to its status (its stream is released when
+        the task is done: ``_Connection``)."""
         expired = False
         task = asyncio.current_task()
         assert task is not None
@@ -209,19 +214,26 @@ class Listener:
         timer = None
         call: calls.Call | None = None
         try:
+            method = self._method(headers)
             try:
-                method = self._method(headers)
+                for key, value in headers:
+                    if key == "grpc-timeout" and not _TIMEOUT.fullmatch(value):
+                        raise ValueError(value)
                 deadline = Deadline.from_headers(headers)
-            except ValueError:
-                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "invalid grpc-timeout") from None
-            call = calls.Call(stream, method, headers, deadline, self.max_message_bytes)
+                call = calls.Call(stream, method, headers, deadline, self.max_message_bytes)
+            except Exception as exc:  # a malformed grpc-timeout or binary metadata value
+                raise _Refused(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"malformed request headers ({type(exc).__name__})",
+                    streaming=method.request_streaming,
+                ) from None
             if deadline is not None:
                 timer = asyncio.get_running_loop().call_later(deadline.time_remaining(), expire)
             await calls.run(call)
         except _Refused as exc:
             with contextlib.suppress(*_GONE):
                 if exc.streaming:
-                    with contextlib.suppress(TimeoutError):
+                    with contextlib.suppress(TimeoutError, AssertionError):
                         await asyncio.wait_for(stream.recv_data(1), REFUSAL_WAIT_S)
                 await calls.refuse(stream, exc.code, exc.details, exc.http)
         except asyncio.CancelledError:
@@ -244,7 +256,6 @@ class Listener:
         finally:
             if timer is not None:
                 timer.cancel()
-            release()
 
     async def stop(self, grace: float) -> None:
         """Refuse new connections and calls, let calls in flight run up to ``grace`` s,

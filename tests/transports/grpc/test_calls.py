@@ -6,8 +6,10 @@ or hostile client would). Every refused call leaves the log unchanged."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import struct
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import h2.config
@@ -20,6 +22,7 @@ from sessiontape.core.events import T
 from sessiontape.engines.reference import ReferenceEngine
 from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2 as kpb
 from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2_grpc as kgrpc
+from sessiontape.transports.grpc.guard import guarded
 from tests.transports.grpc.conftest import Serve, Served
 
 APPEND = "/kakeya.v1.RuntimeService/AppendTokens"
@@ -254,3 +257,99 @@ async def test_answers_wider_than_the_clients_window_arrive_whole(
         e.body["token"] for e in evs if e.type == T.GENERATION_TOKEN
     ]
     assert messages[16].done.generated_token_count == 16
+
+
+@pytest.mark.parametrize(
+    "header",
+    [("x-bin", "a"), ("grpc-timeout", "9" * 40 + "m"), ("grpc-timeout", "abc")],
+    ids=["bad-binary-metadata", "huge-timeout", "bad-timeout"],
+)
+async def test_malformed_request_headers_are_invalid_argument(
+    server: Served, header: tuple[str, str]
+) -> None:
+    port = server.transport.port
+    assert port is not None
+    sid = await kakeya_session(server)
+    before = await server.runtime.log.last_position()
+    req = kpb.AppendTokensRequest(session_id=sid, token_ids=[5]).SerializeToString()
+    answer = await raw_call(port, APPEND, grpc_frame(req), extra=(header,))
+    assert answer.status == grpc.StatusCode.INVALID_ARGUMENT.value[0], answer
+    assert await server.runtime.log.last_position() == before
+
+
+async def test_calls_reset_as_they_start_leave_the_connection_usable(server: Served) -> None:
+    """Requests whose client resets them in the same write as their body (so their task is
+    cancelled before it runs) still give their stream back and acknowledge its bytes: past
+    the connection's 4 MiB window, the next call on the connection is answered."""
+    port = server.transport.port
+    assert port is not None
+    sid = await kakeya_session(server)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    headers = [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":authority", f"127.0.0.1:{port}"),
+        (":path", APPEND),
+        ("content-type", "application/grpc"),
+        ("te", "trailers"),
+    ]
+    body = grpc_frame(b"x" * 16000)
+    stream_id = 1
+    try:
+        async with asyncio.timeout(20):
+            for _ in range(300):  # 4.8 MB, more than the connection's window
+                while conn.outbound_flow_control_window < len(body):
+                    for ev in conn.receive_data(await reader.read(65536)):
+                        assert not isinstance(ev, h2.events.ConnectionTerminated), ev
+                conn.send_headers(stream_id, headers)
+                conn.send_data(stream_id, body)
+                conn.reset_stream(stream_id)
+                writer.write(conn.data_to_send())
+                stream_id += 2
+            req = kpb.AppendTokensRequest(session_id=sid, token_ids=[9]).SerializeToString()
+            conn.send_headers(stream_id, headers)
+            conn.send_data(stream_id, grpc_frame(req), end_stream=True)
+            writer.write(conn.data_to_send())
+            trailers: dict[bytes, bytes] = {}
+            while not trailers:
+                for ev in conn.receive_data(await reader.read(65536)):
+                    if isinstance(ev, h2.events.TrailersReceived) and ev.stream_id == stream_id:
+                        trailers = dict(ev.headers)
+                writer.write(conn.data_to_send())
+    finally:
+        writer.close()
+    assert trailers[b"grpc-status"] == b"0"
+    assert list((await server.runtime.load(sid)).tokens) == [9]
+
+
+async def test_a_streaming_call_ended_before_it_read_keeps_its_status(server: Served) -> None:
+    """A servicer that ends a client-streaming call before reading a request: grpcio's
+    client, which writes its first request as the call starts, gets the status sent, not
+    the INTERNAL it reports when its write finds the call over."""
+
+    async def refuse(requests: Any, context: Any) -> Any:
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not now")
+        yield  # pragma: no cover - makes this an async generator
+
+    grpc_server = server.transport.server
+    assert grpc_server is not None
+    path = "/test.Early/Refuse"
+    grpc_server.methods[path] = guarded(path, grpc.stream_stream_rpc_method_handler(refuse))
+    codes = []
+    async with grpc.aio.insecure_channel(server.target) as ch:
+        for _ in range(20):
+            call = ch.stream_stream(path)()
+            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                await call.write(b"\x08\x01")
+            codes.append(await call.code())
+    assert set(codes) == {grpc.StatusCode.FAILED_PRECONDITION}, codes
+
+
+async def test_the_token_is_asked_before_a_method_is_looked_up(serve: Serve) -> None:
+    served = await serve(token="s3cret")
+    async with grpc.aio.insecure_channel(served.target) as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await ch.unary_unary("/kakeya.v1.RuntimeService/Nope")(b"")
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
