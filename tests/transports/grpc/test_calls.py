@@ -56,6 +56,24 @@ class Answer:
         return out
 
 
+def request_headers(
+    port: int,
+    path: str,
+    method: str = "POST",
+    content_type: str = "application/grpc",
+    extra: tuple[tuple[str, str], ...] = (),
+) -> list[tuple[str, str]]:
+    return [
+        (":method", method),
+        (":scheme", "http"),
+        (":authority", f"127.0.0.1:{port}"),
+        (":path", path),
+        ("content-type", content_type),
+        ("te", "trailers"),
+        *extra,
+    ]
+
+
 async def raw_call(
     port: int,
     path: str,
@@ -74,15 +92,7 @@ async def raw_call(
     conn.initiate_connection()
     if window is not None:
         conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: window})
-    headers = [
-        (":method", method),
-        (":scheme", "http"),
-        (":authority", f"127.0.0.1:{port}"),
-        (":path", path),
-        ("content-type", content_type),
-        ("te", "trailers"),
-        *extra,
-    ]
+    headers = request_headers(port, path, method, content_type, extra)
     conn.send_headers(1, headers, end_stream=not body and end)
     if body:
         conn.send_data(1, body, end_stream=end)
@@ -113,6 +123,15 @@ async def kakeya_session(served: Served) -> str:
     async with grpc.aio.insecure_channel(served.target) as ch:
         resp = await kgrpc.RuntimeServiceStub(ch).CreateSession(kpb.CreateSessionRequest())
     return str(resp.session_id)
+
+
+async def full_length_session(server: Served) -> tuple[int, str]:
+    """The server's port and a new Kakeya session whose generations run to max_tokens."""
+    engine = server.runtime.engine
+    assert isinstance(engine, ReferenceEngine)
+    engine.eos_bias = -1000.0
+    assert server.transport.port is not None
+    return server.transport.port, await kakeya_session(server)
 
 
 @pytest.mark.parametrize("compression", [grpc.Compression.Gzip, grpc.Compression.Deflate])
@@ -212,12 +231,7 @@ async def test_a_committed_run_goes_out_in_one_write(server: Served) -> None:
     """A generation's messages go out run by run, a committed run's in one write: its
     last tokens and its done message (committed together with them) in one DATA frame,
     and fewer frames than messages."""
-    engine = server.runtime.engine
-    assert isinstance(engine, ReferenceEngine)
-    engine.eos_bias = -1000.0
-    port = server.transport.port
-    assert port is not None
-    sid = await kakeya_session(server)
+    port, sid = await full_length_session(server)
     req = kpb.GenerateRequest(session_id=sid, max_tokens=16, seed=1, temperature=0.0)
     answer = await raw_call(port, GENERATE, grpc_frame(req.SerializeToString()))
     assert answer.status == 0, answer
@@ -237,12 +251,7 @@ async def test_answers_wider_than_the_clients_window_arrive_whole(
 ) -> None:
     """A client that takes a few bytes at a time (its HTTP/2 window) gets every answer
     whole and in order: the endpoint waits for the window rather than overrun it."""
-    engine = server.runtime.engine
-    assert isinstance(engine, ReferenceEngine)
-    engine.eos_bias = -1000.0
-    port = server.transport.port
-    assert port is not None
-    sid = await kakeya_session(server)
+    port, sid = await full_length_session(server)
     append = kpb.AppendTokensRequest(session_id=sid, token_ids=[5, 6, 7]).SerializeToString()
     answer = await raw_call(port, APPEND, grpc_frame(append), window=window)
     assert answer.status == 0, answer
@@ -287,14 +296,7 @@ async def test_calls_reset_as_they_start_leave_the_connection_usable(server: Ser
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     conn.initiate_connection()
-    headers = [
-        (":method", "POST"),
-        (":scheme", "http"),
-        (":authority", f"127.0.0.1:{port}"),
-        (":path", APPEND),
-        ("content-type", "application/grpc"),
-        ("te", "trailers"),
-    ]
+    headers = request_headers(port, APPEND)
     body = grpc_frame(b"x" * 16000)
     stream_id = 1
     try:
