@@ -128,9 +128,8 @@ class Entry:
     position: int
     plus: str
     rfc: str | None = None
-
-    def size(self) -> int:  # its text, both forms: what the ring counts against ring_bytes
-        return len(self.plus) + (0 if self.rfc is None else len(self.rfc))
+    #: its text's length, both forms, once in a ring (what it counts against ring_bytes)
+    size: int = 0
 
 
 END = Entry(-1, "")
@@ -263,15 +262,15 @@ class SessionFeed:
 
     def keep(self, entry: Entry) -> None:
         """``entry`` into the ring; the oldest leave (the floor rising) while it is over."""
-        ring = self.ring
+        ring, rfc = self.ring, entry.rfc
+        entry.size = size = len(entry.plus) if rfc is None else len(entry.plus) + len(rfc)
         ring.append(entry)
-        self.ring_bytes += entry.size()
-        while len(ring) > max(1, self.ring_max) or (
-            len(ring) > 1 and self.ring_bytes > self.ring_bytes_max
-        ):
+        total = self.ring_bytes + size
+        while len(ring) > 1 and (total > self.ring_bytes_max or len(ring) > self.ring_max):
             old = ring.popleft()
-            self.ring_bytes -= old.size()
+            total -= old.size
             self.floor = old.position
+        self.ring_bytes = total
 
     def backlog(self, after: int, rfc: bool) -> list[Entry] | None:
         """Ring entries past ``after``, or None when the ring does not reach back that far."""

@@ -127,14 +127,14 @@ def test_the_ring_keeps_the_newest_patches_within_its_bytes(
     kept = [en.position for en in feed.ring]
     # the newest patches, in order, the newest always, within the budget unless alone
     assert kept == list(range(len(sizes) - len(kept) + 1, len(sizes) + 1))
-    total = sum(en.size() for en in feed.ring)
+    total = sum(len(en.plus) + len(en.rfc or "") for en in feed.ring)
     assert total == feed.ring_bytes
     assert len(kept) == 1 or total <= budget
     # and no fewer than fit: the one before the oldest kept would have passed the budget
     dropped = len(sizes) - len(kept)
     if dropped:
-        before = Entry(dropped, f"p{dropped}" + "x" * sizes[dropped - 1])
-        extra = before.size() + (len(f"r{dropped}") + sizes[dropped - 1] if rfc else 0)
+        extra = len(f"p{dropped}") + sizes[dropped - 1]
+        extra += len(f"r{dropped}") + sizes[dropped - 1] if rfc else 0
         assert total + extra > budget
         # a resume from before the floor goes to the log; from the floor on, the ring answers
         assert feed.floor == dropped
