@@ -298,6 +298,16 @@ def test_unknown_sections_and_keys_are_refused_with_the_nearest_name(
             '[transports.http]\nlinger_s = "0.001"\n',
             r"transports\.http\.linger_s must be a number, got '0\.001' \(str\)",
         ),
+        ("[transports.http]\nring_bytes = 0\n", r"transports\.http\.ring_bytes must be >= 1"),
+        (
+            "[transports.http]\nring_bytes = 1.5\n",
+            r"transports\.http\.ring_bytes must be an integer",
+        ),
+        (
+            "[transports.http]\nring_bytes = true\n",
+            r"transports\.http\.ring_bytes must be an integer",
+        ),
+        ("[transports.grpc]\nspin_s = 0.0005\n", r"unknown key `spin_s` in \[transports\.grpc\]"),
         ("[auth]\ntoken = 123\n", r"auth\.token must be a string, got 123 \(int\)"),
         ("engine = 1\n", r"\[engine\] must be a table, got 1 \(int\)"),
         ("[transports]\nhttp = 1\n", r"transports\.http must be a table"),
