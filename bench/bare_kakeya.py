@@ -31,7 +31,7 @@ from sessiontape.core.commands.serve import loop_factory
 from sessiontape.transports.grpc.calls import MethodTable
 from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2 as pb
 from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2_grpc as pbg
-from sessiontape.transports.grpc.guard import guarded
+from sessiontape.transports.grpc.guard import guarded_methods
 from sessiontape.transports.grpc.listener import Listener
 
 
@@ -78,7 +78,7 @@ async def serve_grpcio(port: int) -> None:
 async def serve(port: int) -> None:
     table = MethodTable()
     pbg.add_RuntimeServiceServicer_to_server(BareKakeya(), table)
-    methods = {path: guarded(path, h) for path, h in table.handlers.items()}
+    methods = guarded_methods(table)
     listener = Listener(methods, max_message_bytes=4 << 20, max_streams=100)
     await listener.start("127.0.0.1", port)
     print("ready", flush=True)

@@ -801,7 +801,7 @@ async def _bare_kakeya(tokens: int, engine: Engine | None = None, pipelined: boo
     from sessiontape.transports.grpc.calls import MethodTable
     from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2 as kpb
     from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2_grpc as kgrpc
-    from sessiontape.transports.grpc.guard import guarded
+    from sessiontape.transports.grpc.guard import guarded_methods
     from sessiontape.transports.grpc.listener import Listener
 
     class Bare(kgrpc.RuntimeServiceServicer):  # type: ignore[misc]
@@ -835,7 +835,7 @@ async def _bare_kakeya(tokens: int, engine: Engine | None = None, pipelined: boo
 
     table = MethodTable()
     kgrpc.add_RuntimeServiceServicer_to_server(Bare(), table)
-    methods = {path: guarded(path, h) for path, h in table.handlers.items()}
+    methods = guarded_methods(table)
     server = Listener(methods, max_message_bytes=4 << 20, max_streams=100)
     port = await server.start("127.0.0.1", 0)
     return _Bare(server, port)

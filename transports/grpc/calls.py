@@ -44,8 +44,8 @@ from sessiontape.transports.grpc.status import code_for, message_for
 CONTENT_TYPE = "application/grpc"
 #: what a call's stream raises once its client is gone (a reset, a lost connection)
 CLIENT_GONE = (StreamTerminatedError, h2.exceptions.StreamClosedError, ConnectionError)
-#: how long a call whose client streams its requests waits, before answering a status
-#: other than OK, for the first request when it has read none (see Call.await_first_request)
+#: how long a call whose client streams its requests waits for the first one before
+#: answering a status other than OK, when it read none (see :func:`await_first_request`)
 FIRST_REQUEST_WAIT_S = 0.25
 ACCEPT_ENCODING = "identity,deflate,gzip"
 #: zlib's window bits for each request encoding this server inflates
@@ -236,16 +236,6 @@ class Call:
             *encode_metadata(metadata),
         ]
 
-    def _status(self, code: grpc.StatusCode, details: str, alone: bool) -> list[tuple[str, str]]:
-        """The trailers; ``alone``: no response headers went, so they carry them
-        (a trailers-only response)."""
-        status = [("grpc-status", str(code.value[0]))]
-        if details:
-            status.append(("grpc-message", encode_grpc_message(details)))
-        if not alone:
-            return status
-        return [(":status", "200"), ("content-type", CONTENT_TYPE), *status]
-
     def _frames(self, messages: Iterable[Any]) -> bytes:
         serialize, limit = self.method.serialize, self.limit
         parts = []
@@ -298,47 +288,52 @@ class Call:
         await self.stream.send_headers(self._initial(metadata))
         self.headers_sent = True
 
-    async def send(self, messages: Iterable[Any]) -> None:
-        """``messages`` (with the response headers, the first time) in one write where the
-        connection takes it now, else as grpclib's stream sends, waiting for windows."""
+    async def send(self, messages: Iterable[Any], *, last: bool = False) -> None:
+        """``messages`` (with the response headers, the first time; ``last``: with the OK
+        status too) in one write where the connection takes it now, else as grpclib's
+        stream sends, waiting for windows."""
         data = self._frames(messages)
         headers = None if self.headers_sent else self._initial()
-        if self._at_once(headers, data):
-            return
-        if headers is not None:
-            await self.stream.send_headers(headers)
-            self.headers_sent = True
-        await self.stream.send_data(data)
-
-    async def answer(self, message: Any) -> None:
-        """A unary call's response and its OK status: headers, message and trailers in one
-        write where the connection takes it now."""
-        data = self._frames((message,))
-        headers = None if self.headers_sent else self._initial()
-        trailers = self._status(grpc.StatusCode.OK, "", alone=False)
+        trailers = _status(grpc.StatusCode.OK, "") if last else None
         if self._at_once(headers, data, trailers):
             return
         if headers is not None:
             await self.stream.send_headers(headers)
             self.headers_sent = True
         await self.stream.send_data(data)
-        await self.stream.send_headers(trailers, end_stream=True)
+        if trailers is not None:
+            await self.stream.send_headers(trailers, end_stream=True)
 
     async def finish(self, code: grpc.StatusCode, details: str = "") -> None:
         """The status, as trailers (or a trailers-only response), ending the stream."""
-        alone = not self.headers_sent
+        status = _status(code, details)
+        if not self.headers_sent:  # a trailers-only response
+            status = [(":status", "200"), ("content-type", CONTENT_TYPE), *status]
         # cancelled while it waits to write, nothing went: a second finish is trailers-only
-        await self.stream.send_headers(self._status(code, details, alone), end_stream=True)
+        await self.stream.send_headers(status, end_stream=True)
         self.headers_sent = True
 
-    async def await_first_request(self) -> None:
-        """Before a status other than OK on a call whose client streams its requests and of
-        which nothing was read: wait (a little) for the client's first request. grpcio's
-        clients write it as the call starts, and one whose write finds the call ended
-        reports INTERNAL ("Internal error from Core") in place of the status sent."""
+    async def failing(self) -> None:
+        """Before a status other than OK: a call whose client streams its requests and of
+        which nothing was read waits for the first (:func:`await_first_request`)."""
         if self.method.request_streaming and self.received == 0:
-            with contextlib.suppress(TimeoutError, AssertionError, *CLIENT_GONE):
-                await asyncio.wait_for(self.stream.recv_data(1), FIRST_REQUEST_WAIT_S)
+            await await_first_request(self.stream)
+
+
+def _status(code: grpc.StatusCode, details: str) -> list[tuple[str, str]]:
+    status = [("grpc-status", str(code.value[0]))]
+    if details:
+        status.append(("grpc-message", encode_grpc_message(details)))
+    return status
+
+
+async def await_first_request(stream: Stream) -> None:
+    """Wait (at most ``FIRST_REQUEST_WAIT_S``) for a client's first request on ``stream``.
+    grpcio's clients write it as a streaming-request call starts, and one whose write finds
+    the call already ended reports INTERNAL ("Internal error from Core") in place of the
+    status the server sent."""
+    with contextlib.suppress(TimeoutError, AssertionError, *CLIENT_GONE):
+        await asyncio.wait_for(stream.recv_data(1), FIRST_REQUEST_WAIT_S)
 
 
 async def run(call: Call) -> None:
@@ -352,16 +347,16 @@ async def run(call: Call) -> None:
                 raise Aborted(
                     ctx.code or grpc.StatusCode.UNKNOWN, ctx.details or "no response message"
                 )
-            await call.answer(out)
+            await call.send((out,), last=True)
             return
     except Aborted as exc:
-        await call.await_first_request()
+        await call.failing()
         await call.finish(exc.code, exc.details)
         return
     except CLIENT_GONE:
         raise
     except Exception as exc:  # outside the servicer: its request did not read
-        await call.await_first_request()
+        await call.failing()
         await call.finish(code_for(exc), message_for(exc))
         return
     await call.finish(grpc.StatusCode.OK)
@@ -369,15 +364,8 @@ async def run(call: Call) -> None:
 
 async def refuse(stream: Stream, code: grpc.StatusCode, details: str, http: int = 200) -> None:
     """A trailers-only answer to a request that never became a call."""
-    await stream.send_headers(
-        [
-            (":status", str(http)),
-            ("content-type", CONTENT_TYPE),
-            ("grpc-status", str(code.value[0])),
-            ("grpc-message", encode_grpc_message(details)),
-        ],
-        end_stream=True,
-    )
+    headers = [(":status", str(http)), ("content-type", CONTENT_TYPE), *_status(code, details)]
+    await stream.send_headers(headers, end_stream=True)
 
 
 __all__ = [
@@ -386,6 +374,7 @@ __all__ = [
     "Method",
     "MethodTable",
     "ServicerContext",
+    "await_first_request",
     "refuse",
     "run",
 ]

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from sessiontape.core.errors import InvalidArgument
-from sessiontape.transports.grpc.calls import CLIENT_GONE, Aborted, Method
+from sessiontape.transports.grpc.calls import CLIENT_GONE, Aborted, Method, MethodTable
 from sessiontape.transports.grpc.status import code_for, message_for
 
 
@@ -141,4 +141,9 @@ def guarded(path: str, handler: Any) -> Method:
     return Method(path, streaming_request, streaming_response, call, deserialize, serialize)
 
 
-__all__ = ["guarded"]
+def guarded_methods(table: MethodTable) -> dict[str, Method]:
+    """Every method registered on ``table``, guarded, by path."""
+    return {path: guarded(path, h) for path, h in table.handlers.items()}
+
+
+__all__ = ["guarded", "guarded_methods"]

@@ -45,18 +45,11 @@ def authorized(headers: Sequence[tuple[str, str]], expected: bytes) -> bool:
     return False
 
 
-#: how long a refused call that streams its requests waits for its first one (see _Refused)
-REFUSAL_WAIT_S = 0.25
-
-
 class _Refused(Exception):
     """A request that does not become a call: answered trailers-only.
 
     A refused call whose client streams its requests (Evergreen, reflection) is answered
-    once its first request arrived (or ``REFUSAL_WAIT_S`` passed): grpcio's clients write
-    that request as the call starts, and a write that finds the call already ended makes
-    such a client report ``INTERNAL`` ("Internal error from Core") in place of the status
-    the server sent.
+    once its first request arrived, or a little later (:func:`calls.await_first_request`).
     """
 
     def __init__(
@@ -233,8 +226,7 @@ class Listener:
         except _Refused as exc:
             with contextlib.suppress(*_GONE):
                 if exc.streaming:
-                    with contextlib.suppress(TimeoutError, AssertionError):
-                        await asyncio.wait_for(stream.recv_data(1), REFUSAL_WAIT_S)
+                    await calls.await_first_request(stream)
                 await calls.refuse(stream, exc.code, exc.details, exc.http)
         except asyncio.CancelledError:
             # the deadline passed or the server stopped: the client hears why; a client

@@ -39,7 +39,7 @@ from sessiontape.core.config import parse_listen
 from sessiontape.core.errors import ConfigError
 from sessiontape.core.runtime import Runtime
 from sessiontape.transports.grpc import calls, reflection
-from sessiontape.transports.grpc.guard import guarded
+from sessiontape.transports.grpc.guard import guarded_methods
 from sessiontape.transports.grpc.listener import Listener
 from sessiontape.transports.grpc.service import GROUP, GrpcService
 from sessiontape.transports.grpc.settings import GrpcSettings
@@ -108,7 +108,7 @@ class GrpcServer:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, table)
         reflection.enable(table, [*self.services, HEALTH_SERVICE])
         listener = Listener(
-            {path: guarded(path, h) for path, h in table.handlers.items()},
+            guarded_methods(table),
             max_message_bytes=self.max_message_bytes,
             max_streams=self.max_streams,
             token=self.auth_token,
