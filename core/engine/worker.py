@@ -10,7 +10,7 @@ a quarter of the engine's speed before the log adds anything
 (docs/architecture.md, "The engine in a worker process").
 
 :class:`WorkerEngine` is an :class:`~sessiontape.core.engine.Engine` whose
-work happens in a child process (``python -m sessiontape.core.engine.worker``,
+work happens in a child process (``python -m sessiontape.core.engine.child``,
 a fresh interpreter: the server has threads, so no fork) that loads the configured engine by name and serves it over a
 pipe:
 
@@ -24,12 +24,23 @@ pipe:
   how far it read; the child closes the engine's generator and rewinds
   the cache to the positions the caller took, as the engine contract asks
   (the child ran ahead of the caller).
-- The other methods (``rewind``, ``forget``, ``fork``, ``cached_length``,
-  ``kv_*``, ``scheduler_stats``, ``image_block_length``) are calls that
-  wait for the child's answer. They are answered between the child's
-  engine steps (ONNX passes run on the engine's own threads), so the wait
-  is a pipe round trip. They come once per generation or request, never
-  per token.
+- A generation's end carries the session's ``cached_length`` and the
+  engine's ``kv_total_bytes`` as the child saw them then. The runtime asks
+  for both as every generation ends (Kakeya INV-1, the KV gauge), so those
+  answers come from here while nothing sent since has changed the
+  session's cache (a ``gen``, ``stop``, ``rewind``, ``forget`` or ``fork``
+  for its key makes the copy stale, and the next ask goes to the child).
+  Asking the child blocks the event loop until the child reaches the call
+  between its engine steps: behind a fleet's generations that wait was a
+  fifth of the loop's time (docs/performance/load.md, 2026-11-28).
+- ``forget`` is sent without waiting: a session's cache going away answers
+  nothing, and the pipe keeps it in order with what follows.
+- The other methods (``rewind``, ``fork``, ``kv_live_bytes``,
+  ``scheduler_stats``, ``image_block_length``, and ``cached_length`` when
+  the copy is stale) are calls that wait for the child's answer. They are
+  answered between the child's engine steps (ONNX passes run on the
+  engine's own threads), so the wait is a pipe round trip or more. They
+  come once per request at most, never per token.
 - ``tokenize`` and ``detokenize`` run here, on the engine's
   :meth:`~sessiontape.core.engine.Engine.text_codec` (sent over once at
   start), because transports call them per token; an engine without a
@@ -53,12 +64,9 @@ import contextlib
 import importlib
 import itertools
 import logging
-import pickle
-import queue
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from multiprocessing.connection import Connection
@@ -90,14 +98,16 @@ CALL_TIMEOUT_S = 120.0
 #: how long the child may take to load its engine
 START_TIMEOUT_S = 300.0
 
-_Wire = tuple[int, int, bool, float | None, tuple[tuple[int, float], ...], tuple[float, ...] | None]
+Wire = tuple[int, int, bool, float | None, tuple[tuple[int, float], ...], tuple[float, ...] | None]
+#: a session's cache at a generation's end: (key, epoch, cached_length, kv_total_bytes)
+State = tuple[str, int, int | None, int]
 
 
-def _wire(s: Step) -> _Wire:
+def wire(s: Step) -> Wire:
     return (s.token_id, s.position, s.is_prefill, s.logprob, s.top_logprobs, s.readout)
 
 
-def _error_parts(exc: BaseException) -> tuple[str, str, str, dict[str, Any]]:
+def error_parts(exc: BaseException) -> tuple[str, str, str, dict[str, Any]]:
     attrs = {
         k: v
         for k, v in vars(exc).items()
@@ -151,7 +161,7 @@ class WorkerEngine(Engine):
         mine, theirs = socket.socketpair()
         with mine, theirs:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "sessiontape.core.engine.worker", str(theirs.fileno())],
+                [sys.executable, "-m", "sessiontape.core.engine.child", str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
             )
@@ -161,9 +171,15 @@ class WorkerEngine(Engine):
         self._conn.send(start)
         self._ids = itertools.count(1)
         #: running generations' inboxes, by generation id
-        self._inboxes: dict[int, asyncio.Queue[list[_Wire] | _End]] = {}
+        self._inboxes: dict[int, asyncio.Queue[list[Wire] | _End]] = {}
         #: set once the child is gone (or closed): every later call raises it
         self._broken: EngineError | None = None
+        #: per session key, how many messages that change its cache were sent
+        self._epochs: dict[str, int] = {}
+        #: per session key, (epoch, cached_length) the child reported at a generation's end
+        self._cached: dict[str, tuple[int, int | None]] = {}
+        #: the engine's kv_total_bytes at the latest generation's end, once one ended
+        self._kv_total: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         try:
             if not self._conn.poll(START_TIMEOUT_S):
@@ -224,7 +240,23 @@ class WorkerEngine(Engine):
         if kind == "steps":
             inbox.put_nowait(msg[2])
         elif kind == "end":
+            self._note_state(msg[3])
             inbox.put_nowait(_End(None if msg[2] is None else _rebuild_error(msg[2])))
+
+    def _touch(self, key: str) -> int:
+        """A message that changes ``key``'s cache is being sent: the copy is stale."""
+        epoch = self._epochs[key] = self._epochs.get(key, 0) + 1
+        self._cached.pop(key, None)
+        return epoch
+
+    def _note_state(self, state: State | None) -> None:
+        """A generation's end as the child saw it: kept while nothing changed it since."""
+        if state is None:
+            return  # the child could not read it: the next ask goes there
+        key, epoch, cached, kv_total = state
+        self._kv_total = kv_total
+        if self._epochs.get(key) == epoch:
+            self._cached[key] = (epoch, cached)
 
     def _readable(self) -> None:
         conn = self._conn
@@ -305,7 +337,7 @@ class WorkerEngine(Engine):
     ) -> AsyncIterator[Step]:
         self._ensure_reader()
         gid = next(self._ids)
-        inbox: asyncio.Queue[list[_Wire] | _End] = asyncio.Queue()
+        inbox: asyncio.Queue[list[Wire] | _End] = asyncio.Queue()
         self._inboxes[gid] = inbox
         hist = list(history)
         keep = len(hist)  # the cache the caller may rely on: history + generated steps taken
@@ -313,7 +345,8 @@ class WorkerEngine(Engine):
         ended = False
         half = max(1, self._window // 2)
         try:
-            self._send(("gen", gid, session_key, hist, params, options))
+            epoch = self._touch(session_key)
+            self._send(("gen", gid, session_key, epoch, hist, params, options))
             while True:
                 item = await inbox.get()
                 if isinstance(item, _End):
@@ -335,22 +368,29 @@ class WorkerEngine(Engine):
             if not ended and self._broken is None:
                 # the child ran ahead of the caller: stop it and trim what was not taken
                 with contextlib.suppress(EngineError):
+                    self._touch(session_key)
                     self._send(("stop", gid, session_key, keep))
 
     def fork(self, parent_key: str, child_key: str, at_position: int) -> None:
+        self._touch(child_key)
         self._call("fork", parent_key, child_key, at_position)
 
     def forget(self, session_key: str) -> None:
         if self._broken is None:
-            self._call("forget", session_key)
+            self._touch(session_key)
+            self._epochs.pop(session_key, None)
+            self._send(("forget", session_key))
 
     def rewind(self, session_key: str, length: int) -> None:
+        self._touch(session_key)
         self._call("rewind", session_key, length)
 
     def kv_live_bytes(self, session_key: str) -> int:
         return int(self._call("kv_live_bytes", session_key))
 
     def kv_total_bytes(self) -> int:
+        if self._kv_total is not None and self._broken is None:
+            return self._kv_total
         return int(self._call("kv_total_bytes"))
 
     def scheduler_stats(self) -> Mapping[str, float]:
@@ -359,6 +399,9 @@ class WorkerEngine(Engine):
         return dict(self._call("scheduler_stats"))
 
     def cached_length(self, session_key: str) -> int | None:
+        known = self._cached.get(session_key)
+        if known is not None and self._broken is None:
+            return known[1]
         value = self._call("cached_length", session_key)
         return None if value is None else int(value)
 
@@ -379,197 +422,3 @@ class WorkerEngine(Engine):
         for inbox in self._inboxes.values():
             inbox.put_nowait(_End(self._broken))
         self._conn.close()
-
-
-# -- the child ---------------------------------------------------------------
-
-_CALLS = frozenset(
-    {
-        "tokenize",
-        "detokenize",
-        "fork",
-        "forget",
-        "rewind",
-        "kv_live_bytes",
-        "kv_total_bytes",
-        "scheduler_stats",
-        "cached_length",
-        "image_block_length",
-    }
-)
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """The worker process (``python -m sessiontape.core.engine.worker FD``): load the
-    engine named in the first message, then serve it until told to close or the
-    server's end of the pipe goes away."""
-    args = sys.argv[1:] if argv is None else argv
-    conn = Connection(int(args[0]))
-    try:
-        _, name, options, window, flush_s, path = conn.recv()
-        sys.path[:] = [*path, *(p for p in sys.path if p not in path)]
-        from sessiontape.core.registry import ENGINES, load
-
-        engine: Engine = load(ENGINES, name)(**options)
-        conn.send(("ready", engine.info, engine.batches, engine.text_codec()))
-    except BaseException as exc:  # reported to the server, which raises it
-        with contextlib.suppress(Exception):
-            conn.send(("err", 0, _error_parts(exc)))
-        return
-    asyncio.run(_Child(conn, engine, window, flush_s).serve())
-
-
-class _Run:
-    """One generation in the child."""
-
-    def __init__(self) -> None:
-        self.acked = 0
-        self.credit = asyncio.Event()
-        self.task: asyncio.Task[None] | None = None
-
-
-class _Child:
-    def __init__(self, conn: Connection, engine: Engine, window: int, flush_s: float) -> None:
-        self.conn = conn
-        self.engine = engine
-        self.window = window
-        self.flush_s = flush_s
-        self.runs: dict[int, _Run] = {}
-        self.inbox: asyncio.Queue[tuple[Any, ...] | None] = asyncio.Queue()
-        # Writes go through a thread of their own: a write the server is slow to read
-        # (it may itself be blocked writing a long history here) must not stop this
-        # loop from reading, or both ends would wait on each other.
-        self.outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-        self.writer = threading.Thread(target=self._write, name="engine-worker-writer", daemon=True)
-        self.writer.start()
-
-    def send(self, msg: tuple[Any, ...]) -> None:
-        self.outbox.put(pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))
-
-    def _write(self) -> None:
-        while (data := self.outbox.get()) is not None:
-            try:
-                self.conn.send_bytes(data)
-            except OSError:
-                return  # the server is gone; the reader sees it too
-
-    def _readable(self) -> None:
-        try:
-            while self.conn.poll():
-                self.inbox.put_nowait(self.conn.recv())
-        except (EOFError, OSError):
-            self.inbox.put_nowait(None)  # the server is gone
-
-    async def serve(self) -> None:
-        loop = asyncio.get_running_loop()
-        loop.add_reader(self.conn.fileno(), self._readable)
-        try:
-            while True:
-                msg = await self.inbox.get()
-                if msg is None or msg[0] == "close":
-                    break
-                await self.handle(msg)
-        finally:
-            loop.remove_reader(self.conn.fileno())
-            self.outbox.put(None)
-            for run in list(self.runs.values()):
-                if run.task is not None:
-                    run.task.cancel()
-            await asyncio.gather(
-                *(r.task for r in self.runs.values() if r.task is not None), return_exceptions=True
-            )
-            with contextlib.suppress(Exception):
-                await self.engine.aclose()
-            self.writer.join(5)
-
-    async def handle(self, msg: tuple[Any, ...]) -> None:
-        """One message, in order: a stop settles before a later call is answered."""
-        kind = msg[0]
-        if kind == "call":
-            _, rid, method, args = msg
-            try:
-                if method not in _CALLS:
-                    raise EngineError(f"no engine call {method!r}")
-                self.send(("ret", rid, getattr(self.engine, method)(*args)))
-            except Exception as exc:
-                self.send(("err", rid, _error_parts(exc)))
-        elif kind == "gen":
-            _, gid, key, history, params, options = msg
-            run = self.runs[gid] = _Run()
-            run.task = asyncio.create_task(self.generate(gid, run, key, history, params, options))
-        elif kind == "credit":
-            run_ = self.runs.get(msg[1])
-            if run_ is not None:
-                run_.acked = max(run_.acked, int(msg[2]))
-                run_.credit.set()
-        elif kind == "stop":
-            _, gid, key, keep = msg
-            stopped = self.runs.pop(gid, None)
-            if stopped is not None and stopped.task is not None:
-                stopped.task.cancel()
-                with contextlib.suppress(BaseException):
-                    await stopped.task
-            try:
-                self.engine.rewind(key, int(keep))
-            except Exception:
-                log.exception("engine worker: rewinding %s to %s after a stop", key, keep)
-
-    async def generate(
-        self,
-        gid: int,
-        run: _Run,
-        key: str,
-        history: list[int],
-        params: SamplingParams,
-        options: OutputOptions,
-    ) -> None:
-        loop = asyncio.get_running_loop()
-        steps = self.engine.generate(key, history, params, options)
-        batch: list[_Wire] = []
-        produced = 0
-        timer: asyncio.TimerHandle | None = None
-        last = time.perf_counter()
-        interval: float | None = None
-
-        def flush() -> None:
-            nonlocal timer
-            if timer is not None:
-                timer.cancel()
-                timer = None
-            if batch:
-                self.send(("steps", gid, batch.copy()))
-                batch.clear()
-
-        try:
-            async for step in steps:
-                now = time.perf_counter()
-                interval = now - last if interval is None else 0.8 * interval + 0.2 * (now - last)
-                last = now
-                batch.append(_wire(step))
-                produced += 1
-                if interval * 2 > self.flush_s or len(batch) >= MAX_BATCH:
-                    flush()  # steps come slowly (or enough wait): none is held
-                elif timer is None:
-                    timer = loop.call_later(self.flush_s, flush)
-                while produced - run.acked >= self.window:
-                    flush()
-                    run.credit.clear()
-                    await run.credit.wait()
-                    last = time.perf_counter()  # the wait is not the engine's pace
-            flush()
-            self.send(("end", gid, None))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            flush()
-            self.send(("end", gid, _error_parts(exc)))
-        finally:
-            if timer is not None:
-                timer.cancel()
-            self.runs.pop(gid, None)
-            with contextlib.suppress(Exception):
-                await steps.aclose()  # type: ignore[attr-defined]
-
-
-if __name__ == "__main__":
-    main()

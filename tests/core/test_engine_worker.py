@@ -338,3 +338,57 @@ async def test_property_any_stop_takes_a_prefix_of_the_inline_steps_and_leaves_t
     again = [s async for s in shared_worker.generate(key, history, params, options)]
     assert again == want
     shared_worker.forget(key)
+
+
+async def test_a_generations_end_brings_the_cache_state_and_later_changes_ask_the_child(
+    tmp_path: Path,
+) -> None:
+    """What the runtime asks as every generation ends (``cached_length``,
+    ``kv_total_bytes``) is answered from the state the end carried, without waiting on
+    the child; after anything that changes the session's cache (a stop, a rewind, a
+    fork, a forget) the answer is the child's again, never the old copy."""
+    from sessiontape.engines.onnx.demo import build_demo
+
+    folder = tmp_path / "tiny"
+    build_demo("tiny", folder)
+    engine = WorkerEngine("onnx", {"model_dir": str(folder), "intra_op_threads": 1})
+    asked: list[str] = []
+    real_call = engine._call
+
+    def call(method: str, *args: object) -> object:
+        asked.append(method)
+        return real_call(method, *args)
+
+    engine._call = call  # type: ignore[method-assign]
+
+    def truth(key: str) -> tuple[int | None, int]:
+        before = len(asked)
+        value = (real_call("cached_length", key), real_call("kv_total_bytes"))
+        del asked[before:]
+        return value
+
+    params = SamplingParams(max_tokens=10, temperature=0.0, seed=3)
+    try:
+        got = [s async for s in engine.generate("a", HISTORY, params)]
+        assert len(got) == 10
+        assert (engine.cached_length("a"), engine.kv_total_bytes()) == truth("a")
+        assert engine.cached_length("a") is not None
+        assert asked == []  # both from the end's state
+        engine.rewind("a", 5)
+        assert engine.cached_length("a") == truth("a")[0] == 5
+        assert asked == ["rewind", "cached_length"]
+        engine.fork("a", "b", 4)
+        assert engine.cached_length("b") == truth("b")[0]
+        agen = engine.generate("a", HISTORY, params)
+        await anext(agen)  # type: ignore[call-overload]
+        await agen.aclose()  # type: ignore[attr-defined]
+        asked.clear()
+        assert engine.cached_length("a") == truth("a")[0]
+        assert asked == ["cached_length"]  # a stop made the copy stale
+        [s async for s in engine.generate("a", HISTORY, params)]
+        engine.forget("a")
+        asked.clear()
+        assert engine.cached_length("a") == truth("a")[0]
+        assert asked == ["cached_length"]
+    finally:
+        await engine.aclose()

@@ -1,0 +1,242 @@
+"""The engine worker's child process: ``python -m sessiontape.core.engine.child FD``.
+
+It loads the engine named in the server's first message and serves it over the
+pipe (core/engine/worker.py says what the server sends and what comes back):
+generations stream their steps in batches within a credit window and end with
+the session's cache state; calls are answered between engine steps; a stop
+rewinds the cache to what the server took.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import pickle
+import queue
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+from sessiontape.core.engine import Engine, OutputOptions, SamplingParams
+from sessiontape.core.engine.worker import MAX_BATCH, State, Wire, error_parts, wire
+from sessiontape.core.errors import EngineError
+
+log = logging.getLogger(__name__)
+
+_CALLS = frozenset(
+    {
+        "tokenize",
+        "detokenize",
+        "fork",
+        "forget",
+        "rewind",
+        "kv_live_bytes",
+        "kv_total_bytes",
+        "scheduler_stats",
+        "cached_length",
+        "image_block_length",
+    }
+)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """The worker process (``python -m sessiontape.core.engine.worker FD``): load the
+    engine named in the first message, then serve it until told to close or the
+    server's end of the pipe goes away."""
+    args = sys.argv[1:] if argv is None else argv
+    conn = Connection(int(args[0]))
+    try:
+        _, name, options, window, flush_s, path = conn.recv()
+        sys.path[:] = [*path, *(p for p in sys.path if p not in path)]
+        from sessiontape.core.registry import ENGINES, load
+
+        engine: Engine = load(ENGINES, name)(**options)
+        conn.send(("ready", engine.info, engine.batches, engine.text_codec()))
+    except BaseException as exc:  # reported to the server, which raises it
+        with contextlib.suppress(Exception):
+            conn.send(("err", 0, error_parts(exc)))
+        return
+    asyncio.run(_Child(conn, engine, window, flush_s).serve())
+
+
+class _Run:
+    """One generation in the child."""
+
+    def __init__(self) -> None:
+        self.acked = 0
+        self.credit = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+
+
+class _Child:
+    def __init__(self, conn: Connection, engine: Engine, window: int, flush_s: float) -> None:
+        self.conn = conn
+        self.engine = engine
+        self.window = window
+        self.flush_s = flush_s
+        self.runs: dict[int, _Run] = {}
+        self.inbox: asyncio.Queue[tuple[Any, ...] | None] = asyncio.Queue()
+        # Writes go through a thread of their own: a write the server is slow to read
+        # (it may itself be blocked writing a long history here) must not stop this
+        # loop from reading, or both ends would wait on each other.
+        self.outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self.writer = threading.Thread(target=self._write, name="engine-worker-writer", daemon=True)
+        self.writer.start()
+
+    def send(self, msg: tuple[Any, ...]) -> None:
+        self.outbox.put(pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))
+
+    def _write(self) -> None:
+        while (data := self.outbox.get()) is not None:
+            try:
+                self.conn.send_bytes(data)
+            except OSError:
+                return  # the server is gone; the reader sees it too
+
+    def _readable(self) -> None:
+        try:
+            while self.conn.poll():
+                self.inbox.put_nowait(self.conn.recv())
+        except (EOFError, OSError):
+            self.inbox.put_nowait(None)  # the server is gone
+
+    async def serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self.conn.fileno(), self._readable)
+        try:
+            while True:
+                msg = await self.inbox.get()
+                if msg is None or msg[0] == "close":
+                    break
+                await self.handle(msg)
+        finally:
+            loop.remove_reader(self.conn.fileno())
+            self.outbox.put(None)
+            for run in list(self.runs.values()):
+                if run.task is not None:
+                    run.task.cancel()
+            await asyncio.gather(
+                *(r.task for r in self.runs.values() if r.task is not None), return_exceptions=True
+            )
+            with contextlib.suppress(Exception):
+                await self.engine.aclose()
+            self.writer.join(5)
+
+    async def handle(self, msg: tuple[Any, ...]) -> None:
+        """One message, in order: a stop settles before a later call is answered."""
+        kind = msg[0]
+        if kind == "call":
+            _, rid, method, args = msg
+            try:
+                if method not in _CALLS:
+                    raise EngineError(f"no engine call {method!r}")
+                self.send(("ret", rid, getattr(self.engine, method)(*args)))
+            except Exception as exc:
+                self.send(("err", rid, error_parts(exc)))
+        elif kind == "gen":
+            _, gid, key, epoch, history, params, options = msg
+            run = self.runs[gid] = _Run()
+            run.task = asyncio.create_task(
+                self.generate(gid, run, (key, epoch), history, params, options)
+            )
+        elif kind == "forget":
+            try:
+                self.engine.forget(msg[1])
+            except Exception:
+                log.exception("engine worker: forgetting %s", msg[1])
+        elif kind == "credit":
+            run_ = self.runs.get(msg[1])
+            if run_ is not None:
+                run_.acked = max(run_.acked, int(msg[2]))
+                run_.credit.set()
+        elif kind == "stop":
+            _, gid, key, keep = msg
+            stopped = self.runs.pop(gid, None)
+            if stopped is not None and stopped.task is not None:
+                stopped.task.cancel()
+                with contextlib.suppress(BaseException):
+                    await stopped.task
+            try:
+                self.engine.rewind(key, int(keep))
+            except Exception:
+                log.exception("engine worker: rewinding %s to %s after a stop", key, keep)
+
+    async def generate(
+        self,
+        gid: int,
+        run: _Run,
+        keyed: tuple[str, int],
+        history: list[int],
+        params: SamplingParams,
+        options: OutputOptions,
+    ) -> None:
+        """Stream one generation's steps; its end carries the session's cache state
+        (``keyed``: the session key and the epoch the server sent it with)."""
+        loop = asyncio.get_running_loop()
+        key = keyed[0]
+        steps = self.engine.generate(key, history, params, options)
+        batch: list[Wire] = []
+        produced = 0
+        timer: asyncio.TimerHandle | None = None
+        last = time.perf_counter()
+        interval: float | None = None
+
+        def flush() -> None:
+            nonlocal timer
+            if timer is not None:
+                timer.cancel()
+                timer = None
+            if batch:
+                self.send(("steps", gid, batch.copy()))
+                batch.clear()
+
+        try:
+            async for step in steps:
+                now = time.perf_counter()
+                interval = now - last if interval is None else 0.8 * interval + 0.2 * (now - last)
+                last = now
+                batch.append(wire(step))
+                produced += 1
+                if interval * 2 > self.flush_s or len(batch) >= MAX_BATCH:
+                    flush()  # steps come slowly (or enough wait): none is held
+                elif timer is None:
+                    timer = loop.call_later(self.flush_s, flush)
+                while produced - run.acked >= self.window:
+                    flush()
+                    run.credit.clear()
+                    await run.credit.wait()
+                    last = time.perf_counter()  # the wait is not the engine's pace
+            flush()
+            self.send(("end", gid, None, self._state(keyed)))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            flush()
+            self.send(("end", gid, error_parts(exc), self._state(keyed)))
+        finally:
+            if timer is not None:
+                timer.cancel()
+            self.runs.pop(gid, None)
+            with contextlib.suppress(Exception):
+                await steps.aclose()  # type: ignore[attr-defined]
+
+    def _state(self, keyed: tuple[str, int]) -> State | None:
+        """The session's cache as of now, for the server's copy (None if it cannot be read)."""
+        try:
+            cached = self.engine.cached_length(keyed[0])
+            return (
+                keyed[0],
+                keyed[1],
+                None if cached is None else int(cached),
+                int(self.engine.kv_total_bytes()),
+            )
+        except Exception:
+            return None
+
+
+if __name__ == "__main__":
+    main()
