@@ -79,6 +79,9 @@ class _Child:
         self.window = window
         self.flush_s = flush_s
         self.runs: dict[int, _Run] = {}
+        #: per session key, the history of its latest generation: the server sends a
+        #: generation what it adds to that (``kept`` positions of it, then the rest)
+        self.histories: dict[str, tuple[int, ...]] = {}
         self.inbox: asyncio.Queue[tuple[Any, ...] | None] = asyncio.Queue()
         # Writes go through a thread of their own: a write the server is slow to read
         # (it may itself be blocked writing a long history here) must not stop this
@@ -138,12 +141,15 @@ class _Child:
             except Exception as exc:
                 self.send(("err", rid, error_parts(exc)))
         elif kind == "gen":
-            _, gid, key, epoch, history, params, options = msg
+            _, gid, key, epoch, kept, added, params, options = msg
+            history = [*self.histories.get(key, ())[:kept], *added]
+            self.histories[key] = tuple(history)  # the engine may keep or change its list
             run = self.runs[gid] = _Run()
             run.task = asyncio.create_task(
                 self.generate(gid, run, (key, epoch), history, params, options)
             )
         elif kind == "forget":
+            self.histories.pop(msg[1], None)
             try:
                 self.engine.forget(msg[1])
             except Exception:

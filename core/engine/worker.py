@@ -64,6 +64,9 @@ import contextlib
 import importlib
 import itertools
 import logging
+import os
+import pickle
+import select
 import socket
 import subprocess
 import sys
@@ -133,6 +136,46 @@ def _rebuild_error(parts: tuple[str, str, str, dict[str, Any]]) -> BaseException
     return EngineError(f"engine worker: {qualname}: {message}")
 
 
+class _Frames:
+    """The child's messages as they arrive on the pipe, read without blocking: all that is
+    there in one ``recv`` (multiprocessing's framing: a 4-byte big-endian length, or -1
+    and an 8-byte one), where ``Connection`` takes a ``poll`` and two reads a message."""
+
+    def __init__(self, fd: int) -> None:
+        self._sock = socket.socket(fileno=os.dup(fd))
+        self._buf = bytearray()
+
+    def read(self) -> list[Any]:
+        """The messages complete so far (none if nothing arrived); EOFError once the
+        child's end is closed."""
+        try:
+            data = self._sock.recv(1 << 18, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return []
+        if not data:
+            raise EOFError("the engine worker closed its end of the pipe")
+        buf = self._buf
+        buf += data
+        out: list[Any] = []
+        pos, end = 0, len(buf)
+        while end - pos >= 4:
+            n = int.from_bytes(buf[pos : pos + 4], "big", signed=True)
+            start = pos + 4
+            if n == -1:
+                if end - pos < 12:
+                    break
+                n, start = int.from_bytes(buf[pos + 4 : pos + 12], "big"), pos + 12
+            if end - start < n:
+                break
+            out.append(pickle.loads(buf[start : start + n]))
+            pos = start + n
+        del buf[:pos]
+        return out
+
+    def close(self) -> None:
+        self._sock.close()
+
+
 class _End:
     __slots__ = ("error",)
 
@@ -180,6 +223,9 @@ class WorkerEngine(Engine):
         self._cached: dict[str, tuple[int, int | None]] = {}
         #: the engine's kv_total_bytes at the latest generation's end, once one ended
         self._kv_total: int | None = None
+        #: per session key, the history its latest generation was sent with (the child
+        #: keeps the same): a turn sends what it adds to it, not the whole history
+        self._sent: dict[str, list[int]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         try:
             if not self._conn.poll(START_TIMEOUT_S):
@@ -199,6 +245,7 @@ class WorkerEngine(Engine):
             self._kill()
             raise _rebuild_error(msg[2])
         _, self._info, self._batches, self._codec = msg
+        self._frames = _Frames(self._conn.fileno())
 
     # -- plumbing ------------------------------------------------------------
 
@@ -259,12 +306,13 @@ class WorkerEngine(Engine):
             self._cached[key] = (epoch, cached)
 
     def _readable(self) -> None:
-        conn = self._conn
         try:
-            while conn.poll():
-                self._dispatch(conn.recv())
+            msgs = self._frames.read()
         except (EOFError, OSError):
             self._fail()
+            return
+        for msg in msgs:
+            self._dispatch(msg)
 
     def _ensure_reader(self) -> None:
         loop = asyncio.get_running_loop()
@@ -282,23 +330,26 @@ class WorkerEngine(Engine):
         rid = next(self._ids)
         self._send(("call", rid, method, args))
         deadline = time.monotonic() + CALL_TIMEOUT_S
-        conn = self._conn
+        fd = self._conn.fileno()
+        answer: tuple[Any, ...] | None = None
         try:
-            while True:
+            while answer is None:
                 left = deadline - time.monotonic()
-                if left <= 0 or not conn.poll(left):
+                if left <= 0 or not select.select([fd], [], [], left)[0]:
                     raise EngineError(
                         f"engine worker did not answer {method} in {CALL_TIMEOUT_S:.0f} s"
                     )
-                msg = conn.recv()
-                if msg[0] in ("ret", "err") and msg[1] == rid:
-                    if msg[0] == "err":
-                        raise _rebuild_error(msg[2])
-                    return msg[2]
-                self._dispatch(msg)
+                for msg in self._frames.read():
+                    if msg[0] in ("ret", "err") and msg[1] == rid:
+                        answer = msg
+                    else:
+                        self._dispatch(msg)  # stream messages that came first
         except (EOFError, OSError) as exc:
             self._fail()
             raise EngineError("engine worker is gone") from exc
+        if answer[0] == "err":
+            raise _rebuild_error(answer[2])
+        return answer[2]
 
     # -- the Engine ABC ------------------------------------------------------
 
@@ -346,7 +397,10 @@ class WorkerEngine(Engine):
         half = max(1, self._window // 2)
         try:
             epoch = self._touch(session_key)
-            self._send(("gen", gid, session_key, epoch, hist, params, options))
+            base = self._sent.get(session_key)
+            kept = len(base) if base is not None and hist[: len(base)] == base else 0
+            self._sent[session_key] = hist
+            self._send(("gen", gid, session_key, epoch, kept, hist[kept:], params, options))
             while True:
                 item = await inbox.get()
                 if isinstance(item, _End):
@@ -379,6 +433,7 @@ class WorkerEngine(Engine):
         if self._broken is None:
             self._touch(session_key)
             self._epochs.pop(session_key, None)
+            self._sent.pop(session_key, None)
             self._send(("forget", session_key))
 
     def rewind(self, session_key: str, length: int) -> None:
@@ -422,3 +477,4 @@ class WorkerEngine(Engine):
         for inbox in self._inboxes.values():
             inbox.put_nowait(_End(self._broken))
         self._conn.close()
+        self._frames.close()

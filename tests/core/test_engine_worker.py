@@ -392,3 +392,19 @@ async def test_a_generations_end_brings_the_cache_state_and_later_changes_ask_th
         assert asked == ["cached_length"]
     finally:
         await engine.aclose()
+
+
+async def test_a_sessions_later_histories_reach_the_child_whole(worker: WorkerEngine) -> None:
+    """A generation sends the child what its history adds to the one sent before for that
+    session (the child keeps that); a history that grew, changed, shrank or follows a
+    forget must still reach the engine whole: the steps are the inline engine's."""
+    here = ReferenceEngine(eos_bias=-1000.0)
+    params = SamplingParams(max_tokens=6, temperature=0.8, seed=11)
+    grown = [*HISTORY, 33, 34]
+    changed = [*HISTORY[:-1], 7, 33, 34]
+    for history in (HISTORY, grown, grown, changed, HISTORY[:3], [], HISTORY):
+        got = [s async for s in worker.generate("h", history, params)]
+        want = [s async for s in here.generate("h", history, params)]
+        assert got == want, history
+        if history == grown:
+            worker.forget("h")
