@@ -50,30 +50,59 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def guarded_h11(header_timeout_s: float) -> type[Any]:
-    """uvicorn's h11 protocol plus a header deadline: a connection whose request line and headers
-    have not all arrived ``header_timeout_s`` after it opened (or after the first byte of a
-    keep-alive request) is closed. uvicorn has no such timeout of its own (slowloris)."""
-    import h11
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+class HeadTooLarge(Exception):
+    """A request line and headers past ``[limits] max_header_bytes``: the parser stops, and
+    uvicorn answers 400 and closes the connection."""
 
-    class GuardedH11(H11Protocol):
+
+def guarded_httptools(header_timeout_s: float, max_header_bytes: int) -> type[Any]:
+    """uvicorn's httptools protocol plus a header deadline and a header size limit.
+
+    A connection whose request line and headers have not all arrived
+    ``header_timeout_s`` after it opened (or after the first byte of a keep-alive
+    request) is closed (slowloris); uvicorn has no such timeout. A request line and
+    headers longer than ``max_header_bytes`` are answered 400; llhttp sets no limit
+    of its own. httptools in place of h11: a streamed SSE turn took 7% less of the
+    server's CPU, h11's per-event state machine on every chunk written
+    (docs/performance/load.md, 2026-11-28)."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class GuardedHttpTools(HttpToolsProtocol):
         _header_timer: asyncio.TimerHandle | None = None
+        _head_bytes = 0
+        _in_head = True
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._arm()
 
-        def data_received(self, data: bytes) -> None:
-            if self._header_timer is None and self.conn.their_state is h11.IDLE:
-                self._arm()
-            super().data_received(data)
-            if self.conn.their_state is not h11.IDLE:
-                self._disarm()
-
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
             super().connection_lost(exc)
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._in_head, self._head_bytes = True, 0
+            if self._header_timer is None:
+                self._arm()
+
+        def on_url(self, url: bytes) -> None:
+            self._count(len(url))
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._count(len(name) + len(value) + 4)  # with ": " and CRLF, as sent
+            super().on_header(name, value)
+
+        def on_headers_complete(self) -> None:
+            self._in_head = False
+            self._disarm()
+            super().on_headers_complete()
+
+        def _count(self, n: int) -> None:
+            self._head_bytes += n
+            if self._head_bytes > max_header_bytes:
+                raise HeadTooLarge(f"request head over {max_header_bytes} bytes")
 
         def _arm(self) -> None:
             self._header_timer = self.loop.call_later(header_timeout_s, self._headers_late)
@@ -85,10 +114,10 @@ def guarded_h11(header_timeout_s: float) -> type[Any]:
 
         def _headers_late(self) -> None:
             self._header_timer = None
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            if self._in_head and not self.transport.is_closing():
                 self.transport.close()
 
-    return GuardedH11
+    return GuardedHttpTools
 
 
 def _quiet_server(uvicorn: Any) -> Any:
@@ -154,9 +183,8 @@ class HttpTransport(Transport):
             lifespan="on",
             access_log=False,
             timeout_graceful_shutdown=5,
-            http=guarded_h11(limit.header_timeout_s),
+            http=guarded_httptools(limit.header_timeout_s, limit.max_header_bytes),
             timeout_keep_alive=max(1, round(limit.keep_alive_s)),
-            h11_max_incomplete_event_size=limit.max_header_bytes,
             limit_concurrency=limit.max_connections,
         )
         server = _quiet_server(uvicorn)(cfg)

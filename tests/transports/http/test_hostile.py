@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -360,6 +361,46 @@ async def test_slow_headers_are_cut_off_while_others_are_served(served: Served) 
     with contextlib.suppress(asyncio.CancelledError):
         await sender
     await _close(writer)
+
+
+async def test_a_request_head_past_max_header_bytes_is_400_and_one_within_it_is_served(
+    sqlite_url: str, port: int
+) -> None:
+    """``[limits] max_header_bytes`` counts the request line and headers as they are parsed:
+    a head just within it is served (on a kept-alive connection too), one past it is
+    answered 400 with the connection closed, and the server goes on serving."""
+    cfg = make_config(sqlite_url, limits={"max_header_bytes": 2048})
+    rt = await Runtime.create(cfg, engine=ReferenceEngine())
+    tr = HttpTransport(rt, {"listen": f"127.0.0.1:{port}"}, cfg)
+    await tr.start()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        within = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"p" * 1900 + b"\r\n\r\n"
+        for _ in range(2):  # twice on one connection: the count starts again per request
+            writer.write(within)
+            await writer.drain()
+            head = await _response_head(reader)
+            assert head.startswith(b"HTTP/1.1 200"), head
+            length = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))  # type: ignore[union-attr]
+            await reader.readexactly(length)
+        many = b"".join(b"X-H%d: %s\r\n" % (i, b"v" * 100) for i in range(30))
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + many + b"\r\n")
+        await writer.drain()
+        head = await _response_head(reader)
+        assert head.startswith(b"HTTP/1.1 400"), head
+        rest = await asyncio.wait_for(reader.read(), 10)  # its body, then the close
+        assert b"HTTP/1.1" not in rest
+        await _close(writer)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"p" * 4000 + b"\r\n\r\n")
+        await writer.drain()
+        assert (await _response_head(reader)).startswith(b"HTTP/1.1 400")
+        await _close(writer)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
+            assert (await c.get("/healthz")).status_code == 200
+    finally:
+        await tr.stop(grace=1.0)
+        await rt.aclose()
 
 
 async def test_slow_body_is_408_and_a_vanished_client_is_not_an_internal_error(
