@@ -22,9 +22,13 @@ same POST, streamed), Salience (one ``Generate`` with ``append_tokens``), Kakeya
 (``AppendTokens`` then ``Generate``) and Evergreen (one message: a text node and a
 GENERATE reading it, until the output's last fragment; Evergreen prompts are
 self-contained, so each turn's prompt is its new text and the session's history is
-replaced, keeping the common prefix). A turn's latency runs from its first request to
+replaced, keeping the common prefix); with ``--wires`` naming ``openai``, also the
+OpenAI Responses API (``POST /v1/responses``, the turn's text as the user's message,
+continuing the previous response). A turn's latency runs from its first request to
 the end of its answer. A session that reaches ``--max-history`` tokens is closed and a
-new one opened in its place (not timed; the server's CPU for it is counted).
+new one opened in its place (not timed; the server's CPU for it is counted; an HTTP
+close asks for ``Prefer: return=minimal``, as a client that does not read the
+document would).
 
 ``load``: for each count in ``--sessions``, the sessions are spread over ``--wires``
 round-robin (a mixed fleet); each creates its session, takes one turn and waits; then
@@ -72,13 +76,16 @@ from bench_generate import client_cpu, generated_ids, make_engine
 from sessiontape.core import gctune
 from sessiontape.core.engine import Engine
 
-WIRES = ("http", "sse", "salience", "kakeya", "evergreen")
+WIRES = ("http", "sse", "salience", "kakeya", "evergreen", "openai")
+#: the fleet's wires unless ``--wires`` names others (the issue's five)
+DEFAULT_WIRES = ("http", "sse", "salience", "kakeya", "evergreen")
 LABELS = {
     "http": "HTTP JSON",
     "sse": "SSE",
     "salience": "Salience",
     "kakeya": "Kakeya",
     "evergreen": "Evergreen",
+    "openai": "OpenAI Responses",
 }
 
 
@@ -122,6 +129,11 @@ def _ok(r: Any) -> Any:
         raise WireError(f"HTTP {r.status_code}: {r.text[:160]}")
     return r
 
+
+#: a close's answer without the document, which a fleet's client does not read (the
+#: gRPC wires' closes answer a length): folding a full session's document from the log
+#: is work that grows with the session (docs/protocols/http.md)
+MINIMAL = {"Prefer": "return=minimal"}
 
 #: an SSE frame's id line (a log position)
 SSE_ID = re.compile(rb"(?:^|\n)id: (\d+)\n")
@@ -170,7 +182,7 @@ class HttpSession:
         return None
 
     async def close(self) -> None:
-        _ok(await self.http.post(f"/v1/sessions/{self.sid}/close"))
+        _ok(await self.http.post(f"/v1/sessions/{self.sid}/close", headers=MINIMAL))
 
 
 class KakeyaSession:
@@ -282,6 +294,44 @@ class EvergreenSession:
             pass
 
 
+class OpenAISession:
+    """The OpenAI Responses API (``POST /v1/responses``, not streamed), each turn continuing
+    the one before (``previous_response_id``): the turn's text as the user's message, its
+    reply ``tokens`` long (``max_output_tokens``). JSON over the pool's httpx client, not
+    the ``openai`` package (whose models cost the client more than the server spends):
+    the server's path is the same. The chat template wraps each message, so the session's
+    history grows by more than the text; ``history_per_turn`` counts that."""
+
+    replaces_history = False
+    #: tokens a turn adds to the history besides its text and reply: the reference
+    #: engine's template around the user's message and the assistant's reply
+    history_per_turn = 48
+
+    def __init__(self, http: Any) -> None:
+        self.http, self.sid, self.prev = http, "", None
+
+    async def open(self) -> None:
+        self.sid, self.prev = "", None
+
+    async def turn(self, append: str, tokens: int) -> int | None:
+        body: dict[str, Any] = {
+            "model": "reference",
+            "input": append or ".",
+            "max_output_tokens": tokens,
+            "temperature": 0,
+            "seed": 1,
+        }
+        if self.prev is not None:
+            body["previous_response_id"] = self.prev
+        resp = _ok(await self.http.post("/v1/responses", json=body)).json()
+        self.prev, self.sid = resp["id"], resp["session_id"]
+        return int(resp["usage"]["output_tokens"])
+
+    async def close(self) -> None:
+        if self.sid:
+            _ok(await self.http.post(f"/v1/sessions/{self.sid}/close", headers=MINIMAL))
+
+
 class Pool:
     """What one client process shares, as a client library would: gRPC channels (each its
     own connection), at most ``per_channel`` sessions each, and HTTP keep-alive pools, at
@@ -304,7 +354,7 @@ class Pool:
         from sessiontape.transports.grpc.client import EvergreenClient
 
         gport, hport = ports
-        n_http = sum(w in ("http", "sse") for w in wires)
+        n_http = sum(w in ("http", "sse", "openai") for w in wires)
         n_grpc = len(wires) - n_http
         limits = httpx.Limits(max_connections=per_pool, max_keepalive_connections=per_pool)
         self.https = [
@@ -318,9 +368,11 @@ class Pool:
         self._next = Counter[str]()
 
     def session(self, wire: str) -> Session:
-        kind = "http" if wire in ("http", "sse") else "grpc"
+        kind = "http" if wire in ("http", "sse", "openai") else "grpc"
         k = self._next[kind]
         self._next[kind] += 1
+        if wire == "openai":
+            return OpenAISession(self.https[k % len(self.https)])
         if kind == "http":
             return HttpSession(self.https[k % len(self.https)], wire == "sse")
         client = self.channels[k % len(self.channels)]
@@ -369,7 +421,7 @@ class Slot:
             n = await self.session.turn(append, tokens)
             dt = time.perf_counter() - t0
         if not self.session.replaces_history:
-            self.length += len(append) + tokens
+            self.length += len(append) + tokens + getattr(self.session, "history_per_turn", 0)
         if n is not None and n != tokens:
             raise WireError(f"{n} of {tokens} tokens")
         return dt
@@ -977,7 +1029,11 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--seconds", type=float, default=20.0, help="timed part of each row")
     ap.add_argument("--tokens", type=int, default=16, help="tokens generated a turn")
     ap.add_argument("--append", type=int, default=3, help="tokens appended a turn")
-    ap.add_argument("--wires", default=",".join(WIRES), help="the fleet's wires, round-robin")
+    ap.add_argument(
+        "--wires",
+        default=",".join(DEFAULT_WIRES),
+        help=f"the fleet's wires, round-robin, of {', '.join(WIRES)}",
+    )
     ap.add_argument(
         "--db",
         default="sqlite",

@@ -447,3 +447,29 @@ async def test_a_json_generate_answers_the_documents_entry_for_its_generation(
         assert answer["version"] == doc["version"]
         assert answer["generation"] == doc["generations"][turn]
         assert answer["generation"]["status"] == "finished"
+
+
+@pytest.mark.parametrize(
+    "prefer",
+    ["return=minimal", "respond-async, return=minimal", 'RETURN = "minimal"; x=1'],
+)
+async def test_close_with_prefer_return_minimal_answers_id_status_version(
+    client: httpx.AsyncClient, prefer: str
+) -> None:
+    """``Prefer: return=minimal`` (RFC 7240) on close answers the session's id, status and
+    version, says it applied the preference, and closes exactly as without it; without
+    it (or with ``return=representation``) the answer is the document."""
+    sid = await _open(client)
+    r = await client.post(f"/v1/sessions/{sid}/generate", json={"text": "hi", "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    r = await client.post(f"/v1/sessions/{sid}/close", headers={"Prefer": prefer})
+    assert r.status_code == 200, r.text
+    assert r.headers["preference-applied"] == "return=minimal"
+    doc = (await client.get(f"/v1/sessions/{sid}")).json()
+    assert r.json() == {"id": sid, "status": "closed", "version": doc["version"]}
+    assert doc["status"] == "closed"
+    again = await client.post(
+        f"/v1/sessions/{sid}/close", headers={"Prefer": "return=representation"}
+    )
+    assert again.status_code == 200 and "preference-applied" not in again.headers
+    assert again.json() == doc
