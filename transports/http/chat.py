@@ -120,7 +120,8 @@ class ChatCompletions:
         return logprob_entry(self._detok(), e)
 
     async def _json(self, turn: Turn) -> dict[str, Any]:
-        turn = await load_turn(self.runtime, turn.session_id, turn.version, API)
+        if turn.finished is None:  # its driver did not take the finish: the log has it
+            turn = await load_turn(self.runtime, turn.session_id, turn.version, API)
         text, stopped = turn.text(self._detok())
         logprobs = None
         if turn.request.get("logprobs"):

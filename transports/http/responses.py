@@ -110,7 +110,8 @@ class Responses:
             return JSONResponse(await self._json(turn, reload=False))
         with contextlib.suppress(Exception):  # a failure is in the log: the response shows "failed"
             await self.turns.wait(turn)
-        return JSONResponse(await self._json(turn))
+        # a turn whose finish its driver took is whole; any other is read back from the log
+        return JSONResponse(await self._json(turn, reload=False))
 
     async def _session(self, prev: str | None) -> tuple[str, dict[str, Any] | None]:
         """The session this response goes into, and what it forked, if it did."""
@@ -121,6 +122,8 @@ class Responses:
                 meta={"openai": API, "chat_template": self.template.to_json()},
             )
             return st.session_id, None
+        if (sid := await self._continues(prev)) is not None:
+            return sid, None
         pturn = await self._stored(prev, "previous_response_id")
         if pturn.finished is None and self.runtime.is_generating(pturn.session_id):
             raise E.SessionBusy(pturn.session_id)
@@ -147,6 +150,25 @@ class Responses:
             "token_position": pturn.end,
             "response_id": prev,
         }
+
+    async def _continues(self, prev: str) -> str | None:
+        """The session of ``prev`` when it is the latest turn this process drove there, stored,
+        and the session is open with nothing after it: the request continues it, known
+        without reading the turn back. None otherwise (the log then says)."""
+        try:
+            sid, version = split_id(prev, "resp_")
+        except E.NotFound:
+            return None
+        latest = self.turns.latest(sid, version, API)
+        if latest is None or not latest.store:
+            return None
+        try:
+            st = await self.runtime.get(sid)
+        except E.SessiontapeError:
+            return None  # gone since (purged): the log's answer is the one to give
+        last = next(reversed(st.generations.values()), None)
+        unchanged = last is not None and last.id == latest.generation_id
+        return sid if st.status == OPEN and unchanged and st.length == latest.end else None
 
     async def _stored(self, rid: str, param: str = "response_id") -> Turn:
         try:

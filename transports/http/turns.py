@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -255,8 +256,24 @@ def _retrieve(task: asyncio.Task[None]) -> None:
         task.exception()
 
 
+@dataclass(frozen=True)
+class Latest:
+    """A session's latest turn that this process drove to its committed finish: what a
+    request continuing it (``previous_response_id``) needs to know, without reading the
+    turn back from the log."""
+
+    version: int
+    api: str
+    generation_id: str
+    end: int
+    store: bool
+
+
 class Turns:
     """Starts turns; keeps the tasks that drive their generations."""
+
+    #: sessions whose latest driven turn is remembered (:class:`Latest`, about 100 bytes)
+    LATEST_KEPT = 65_536
 
     def __init__(
         self, runtime: Runtime, template: AnyTemplate, tasks: set[asyncio.Task[Any]]
@@ -266,6 +283,22 @@ class Turns:
         self.tasks = tasks  # the app's background set: cancelled at shutdown
         self.running: dict[tuple[str, int], asyncio.Task[None]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._latest: OrderedDict[str, Latest] = OrderedDict()
+
+    def latest(self, session_id: str, version: int, api: str) -> Latest | None:
+        """The session's latest turn driven here, if it is the one at ``version`` of ``api``.
+        A hint only: the caller checks against the session's state that nothing followed
+        it (a later append or generation, a close, a purge) before it relies on it."""
+        got = self._latest.get(session_id)
+        return got if got is not None and got.version == version and got.api == api else None
+
+    def _remember(self, turn: Turn, api: str) -> None:
+        self._latest[turn.session_id] = Latest(
+            turn.version, api, turn.generation_id, turn.end, bool(turn.request.get("store", True))
+        )
+        self._latest.move_to_end(turn.session_id)
+        while len(self._latest) > self.LATEST_KEPT:
+            self._latest.popitem(last=False)
 
     def render(
         self,
@@ -340,7 +373,7 @@ class Turns:
         turn = Turn(session_id, started, request, wire.version, len(tokens))
         turn.live = LiveRuns() if live else None
         task = asyncio.create_task(
-            self._drive(runs, turn, close_after), name=f"openai-{session_id}"
+            self._drive(runs, turn, api, close_after), name=f"openai-{session_id}"
         )
         key = (session_id, started.version)
         self.running[key] = task
@@ -350,16 +383,30 @@ class Turns:
         task.add_done_callback(_retrieve)
         return turn
 
-    async def _drive(self, runs: AsyncIterator[list[Event]], turn: Turn, close_after: bool) -> None:
+    async def _drive(
+        self, runs: AsyncIterator[list[Event]], turn: Turn, api: str, close_after: bool
+    ) -> None:
         """Run the generation, handing its runs to a live stream; a stop string ends it
         early (the log then says ``cancelled``, and the text, cut before the stop string,
-        says why)."""
+        says why). A generation whose ``generation.finished`` came in its runs completes
+        ``turn`` from them: the same events :func:`load_turn` would read back, so the
+        answer needs no read of the log."""
         stops = turn.stops()
         ts = TextStream(self.runtime.engine.detokenize, stops)
+        gid = turn.generation_id
+        tokens: list[int] = []
+        token_events: list[Event] = []
         try:
             async for run in runs:
                 if stops:  # the text is decoded here only to find a stop string
                     ts.extend([int(t) for e in run if (t := generated_token(e)) is not None])
+                for e in _of_turn(run, gid):
+                    if e.type == T.GENERATION_FINISHED:
+                        turn.tokens, turn.token_events, turn.finished = tokens, token_events, e
+                        self._remember(turn, api)
+                    else:
+                        tokens.append(int(generated_token(e)))  # type: ignore[arg-type]
+                        token_events.append(e)
                 if turn.live is not None:
                     await turn.live.put(run)
                 if ts.stopped:

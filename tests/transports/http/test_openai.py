@@ -207,6 +207,36 @@ async def test_previous_response_that_is_not_the_latest_forks(live: Served) -> N
     assert [it.content[0].text for it in listed.data] == ["right"]  # type: ignore[union-attr]
 
 
+async def test_continuing_a_response_checks_the_session_not_a_remembered_turn(
+    live: Served,
+) -> None:
+    """The server remembers each session's latest turn it drove, so continuing it needs no
+    read of the log; but a session closed, or appended to, since that turn is forked from
+    it as the log says, and the answer a POST gives is the one GET rebuilds from the log."""
+    async with async_client(live) as c:
+        r1 = await c.responses.create(model=MODEL, input="one", max_output_tokens=4, temperature=0)
+        sid = session_of(r1.id)[0]
+        r2 = await c.responses.create(
+            model=MODEL, input="two", max_output_tokens=4, previous_response_id=r1.id
+        )
+        assert session_of(r2.id)[0] == sid  # continued
+        assert (await c.responses.retrieve(r2.id)).model_dump() == r2.model_dump()
+        await live.runtime.append_text(sid, "an append after r2")
+        r3 = await c.responses.create(
+            model=MODEL, input="three", max_output_tokens=4, previous_response_id=r2.id
+        )
+        forked = session_of(r3.id)[0]
+        assert forked != sid and r3.model_extra is not None
+        await live.runtime.close(forked)
+        r4 = await c.responses.create(
+            model=MODEL, input="four", max_output_tokens=4, previous_response_id=r3.id
+        )
+        assert session_of(r4.id)[0] not in (sid, forked)
+        assert (await c.responses.retrieve(r4.id)).model_dump() == r4.model_dump()
+    st = await live.runtime.get(sid)
+    assert live.runtime.engine.detokenize(st.tokens).endswith("an append after r2")
+
+
 async def test_stream_events_and_resume(live: Served) -> None:
     async with async_client(live) as c:
         stream = await c.responses.create(
