@@ -217,8 +217,10 @@ class WorkerEngine(Engine):
         self._inboxes: dict[int, asyncio.Queue[list[Wire] | _End]] = {}
         #: set once the child is gone (or closed): every later call raises it
         self._broken: EngineError | None = None
-        #: per session key, how many messages that change its cache were sent
+        #: per session key, the number of the latest message sent that changes its cache
+        #: (numbered across keys, so a key forgotten and used again never repeats one)
         self._epochs: dict[str, int] = {}
+        self._epoch_ids = itertools.count(1)
         #: per session key, (epoch, cached_length) the child reported at a generation's end
         self._cached: dict[str, tuple[int, int | None]] = {}
         #: the engine's kv_total_bytes at the latest generation's end, once one ended
@@ -292,7 +294,7 @@ class WorkerEngine(Engine):
 
     def _touch(self, key: str) -> int:
         """A message that changes ``key``'s cache is being sent: the copy is stale."""
-        epoch = self._epochs[key] = self._epochs.get(key, 0) + 1
+        epoch = self._epochs[key] = next(self._epoch_ids)
         self._cached.pop(key, None)
         return epoch
 
@@ -431,7 +433,7 @@ class WorkerEngine(Engine):
 
     def forget(self, session_key: str) -> None:
         if self._broken is None:
-            self._touch(session_key)
+            self._cached.pop(session_key, None)
             self._epochs.pop(session_key, None)
             self._sent.pop(session_key, None)
             self._send(("forget", session_key))
