@@ -261,7 +261,9 @@ class WorkerEngine(Engine):
         if self._broken is not None:
             raise self._broken
         try:
-            self._conn.send(msg)
+            # pickle.dumps, not Connection.send's ForkingPickler, which builds a BytesIO and
+            # a pickler a message (5.0 against 3.2 us for a generation's start)
+            self._conn.send_bytes(pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))
         except (OSError, ValueError) as exc:
             self._fail()
             raise EngineError("engine worker is gone") from exc
