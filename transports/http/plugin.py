@@ -50,76 +50,6 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-class HeadTooLarge(Exception):
-    """A request line and headers past ``[limits] max_header_bytes``: the parser stops, and
-    uvicorn answers 400 and closes the connection."""
-
-
-def guarded_httptools(header_timeout_s: float, max_header_bytes: int) -> type[Any]:
-    """uvicorn's httptools protocol plus a header deadline and a header size limit.
-
-    A connection whose request line and headers have not all arrived
-    ``header_timeout_s`` after it opened (or after the first byte of a keep-alive
-    request) is closed (slowloris); uvicorn has no such timeout. A request line and
-    headers longer than ``max_header_bytes`` are answered 400; llhttp sets no limit
-    of its own. httptools in place of h11: a streamed SSE turn took 7% less of the
-    server's CPU, h11's per-event state machine on every chunk written
-    (docs/performance/load.md, 2026-11-28)."""
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
-    class GuardedHttpTools(HttpToolsProtocol):
-        _header_timer: asyncio.TimerHandle | None = None
-        _head_bytes = 0
-        _in_head = True
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._arm()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            super().connection_lost(exc)
-
-        def on_message_begin(self) -> None:
-            super().on_message_begin()
-            self._in_head, self._head_bytes = True, 0
-            if self._header_timer is None:
-                self._arm()
-
-        def on_url(self, url: bytes) -> None:
-            self._count(len(url))
-            super().on_url(url)
-
-        def on_header(self, name: bytes, value: bytes) -> None:
-            self._count(len(name) + len(value) + 4)  # with ": " and CRLF, as sent
-            super().on_header(name, value)
-
-        def on_headers_complete(self) -> None:
-            self._in_head = False
-            self._disarm()
-            super().on_headers_complete()
-
-        def _count(self, n: int) -> None:
-            self._head_bytes += n
-            if self._head_bytes > max_header_bytes:
-                raise HeadTooLarge(f"request head over {max_header_bytes} bytes")
-
-        def _arm(self) -> None:
-            self._header_timer = self.loop.call_later(header_timeout_s, self._headers_late)
-
-        def _disarm(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-
-        def _headers_late(self) -> None:
-            self._header_timer = None
-            if self._in_head and not self.transport.is_closing():
-                self.transport.close()
-
-    return GuardedHttpTools
-
-
 def _quiet_server(uvicorn: Any) -> Any:
     """uvicorn.Server without its signal capture: ``sessiontape serve`` owns SIGINT/SIGTERM."""
 
@@ -150,6 +80,7 @@ class HttpTransport(Transport):
 
         from sessiontape.transports.http.app import create_app
         from sessiontape.transports.http.inputs import Limits
+        from sessiontape.transports.http.protocol import guarded_httptools
 
         limit = self.config.limits
         limits = Limits(

@@ -403,6 +403,36 @@ async def test_a_request_head_past_max_header_bytes_is_400_and_one_within_it_is_
         await rt.aclose()
 
 
+async def test_bad_bytes_behind_a_whole_request_are_refused_after_its_answer(
+    served: Served,
+) -> None:
+    """A close followed on its connection by bytes that are no request: the close is
+    answered (200) before the 400 that ends the connection, so the client learns what
+    its close did; bad bytes inside a request's own body are still refused at once."""
+    host, port = served.url.removeprefix("http://").split(":")
+    async with httpx.AsyncClient(base_url=served.url) as c:
+        sid = (await c.post("/v1/sessions", json={})).json()["id"]
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        f"POST /v1/sessions/{sid}/close HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+        + b"e\r\n(\xfc\xb0 not a request\r\n\r\n"
+    )
+    await writer.drain()
+    got = await asyncio.wait_for(reader.read(), 10)
+    await _close(writer)
+    statuses = re.findall(rb"HTTP/1\.1 (\d{3}) ", got)
+    assert statuses == [b"200", b"400"], got[:400]
+    assert (await served.runtime.get(sid)).status == "closed"
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        b"POST /v1/sessions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"
+    )
+    await writer.drain()
+    got = await asyncio.wait_for(reader.read(), 10)
+    await _close(writer)
+    assert re.findall(rb"HTTP/1\.1 (\d{3}) ", got) == [b"400"], got[:400]
+
+
 async def test_slow_body_is_408_and_a_vanished_client_is_not_an_internal_error(
     served: Served, caplog: pytest.LogCaptureFixture
 ) -> None:
