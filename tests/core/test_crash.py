@@ -95,9 +95,15 @@ SHORT_TURNS = textwrap.dedent(
     from tests.conftest import make_config
 
     async def main():
-        rt = await Runtime.create(
-            make_config(sys.argv[1]), engine=ReferenceEngine(eos_bias=-1000.0, max_length=1 << 20)
-        )
+        options = {"eos_bias": -1000.0, "max_length": 1 << 20}
+        if sys.argv[2] == "worker":
+            from sessiontape.core.engine.worker import WorkerEngine
+
+            engine = WorkerEngine("reference", options)
+            print(json.dumps(["worker", engine._proc.pid, ""]), flush=True)
+        else:
+            engine = ReferenceEngine(**options)
+        rt = await Runtime.create(make_config(sys.argv[1]), engine=engine)
 
         async def work(i):
             sid = (await rt.open_session("crash")).session_id
@@ -124,15 +130,17 @@ SHORT_TURNS = textwrap.dedent(
 )
 
 
+@pytest.mark.parametrize("process", ["inline", "worker"])
 async def test_sigkill_mid_short_turns_loses_nothing_a_caller_saw(
-    tmp_path: Path, db_url: str
+    tmp_path: Path, db_url: str, process: str
 ) -> None:
     """Eight sessions doing short turns (the append acknowledged on its own, or
     carried by the request and committed with the first run), killed at a random
     point: every append and every token and finish a caller was given is in the log,
-    chains intact (SQLite and PostgreSQL)."""
+    chains intact (SQLite and PostgreSQL; the engine inline, and in a worker, whose
+    generations' ends carry the cache state the runtime checks)."""
     url = db_url
-    await asyncio.to_thread(_kill_and_check, tmp_path, SHORT_TURNS, 4000, "inline", url)
+    await asyncio.to_thread(_kill_and_check, tmp_path, SHORT_TURNS, 4000, process, url)
 
 
 @pytest.mark.parametrize("process", ["inline", "worker"])
