@@ -262,13 +262,23 @@ def _writes() -> dict[str, Any]:
             generated,
         ),
         "fork": ("fork at a token position or event version", {"201": _json(_DOC)}),
-        "close": ("close", {"200": _json(_DOC)}),
+        "close": (
+            "close; the document, or with Prefer: return=minimal its id, status and version",
+            {
+                "200": _json(
+                    {"oneOf": [_DOC, _obj(id=_STR, status=_STR, version=_INT)]},
+                    "the closed session's document, or (return=minimal) its id, status, version",
+                )
+            },
+        ),
         "feedback": ("record feedback", {"201": _json(_obj(version=_INT))}),
     }
     out: dict[str, Any] = {}
     for name, (summary, responses) in ops.items():
         path = f"/v1/sessions/{{sid}}/{name}"
         params: list[dict[str, Any]] = [_SID, _PATCH] if name == "generate" else [_SID]
+        if name == "close":
+            params.append({"name": "Prefer", "in": "header", "schema": _STR})
         out[path] = {"post": _op(path, "post", summary, responses, params=params)}
     return out
 
