@@ -8,6 +8,7 @@ sets its size, default 300).
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -41,3 +42,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("fuzz") is not None:
             item.add_marker(skip)
+
+
+class LoggedErrors(logging.Handler):
+    """Collects what a server logs at ERROR (an internal error's traceback), for a fuzz
+    failure's report and for the assertion that nothing was."""
+
+    def __init__(self, into: list[str]) -> None:
+        super().__init__(logging.ERROR)
+        self.into = into
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.into.append(self.format(record))

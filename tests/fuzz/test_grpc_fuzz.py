@@ -29,7 +29,7 @@ from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2 as kakeya_pb2
 from sessiontape.transports.grpc.gen.salience.v1 import salience_pb2
 from sessiontape.transports.grpc.plugin import GrpcTransport
 from tests.conftest import make_config
-from tests.fuzz.conftest import LONG, QUICK, fuzz_settings
+from tests.fuzz.conftest import LONG, QUICK, LoggedErrors, fuzz_settings
 from tests.fuzz.strategies import message
 from tests.transports.grpc.test_hostile import raw_call
 
@@ -73,15 +73,6 @@ class Fuzzed:
     port: int = 0
 
 
-class _Errors(logging.Handler):
-    def __init__(self, into: list[str]) -> None:
-        super().__init__(logging.ERROR)
-        self.into = into
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.into.append(self.format(record))
-
-
 @pytest.fixture
 async def fuzzed(sqlite_url: str) -> AsyncIterator[Fuzzed]:
     cfg = make_config(sqlite_url)
@@ -95,7 +86,7 @@ async def fuzzed(sqlite_url: str) -> AsyncIterator[Fuzzed]:
     for sid in sids:
         await rt.append_tokens(sid, [1, 2, 3])
     errors: list[str] = []
-    handler = _Errors(errors)
+    handler = LoggedErrors(errors)
     server_log = logging.getLogger("sessiontape")
     server_log.addHandler(handler)
     try:

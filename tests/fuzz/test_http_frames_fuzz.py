@@ -27,7 +27,7 @@ from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
 from sessiontape.transports.http.plugin import HttpTransport
 from tests.conftest import make_config
-from tests.fuzz.conftest import LONG, QUICK, fuzz_settings
+from tests.fuzz.conftest import LONG, QUICK, LoggedErrors, fuzz_settings
 
 #: a response's status line, wherever one starts in what the server sent
 STATUS = re.compile(rb"(?:^|\r\n)HTTP/1\.[01] (\d{3}) ")
@@ -77,15 +77,6 @@ class Served:
     errors: list[str] = field(default_factory=list)
 
 
-class _Errors(logging.Handler):
-    def __init__(self, into: list[str]) -> None:
-        super().__init__(logging.ERROR)
-        self.into = into
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.into.append(self.format(record))
-
-
 @pytest.fixture
 async def served(sqlite_url: str, port: int) -> AsyncIterator[Served]:
     cfg = make_config(
@@ -103,7 +94,7 @@ async def served(sqlite_url: str, port: int) -> AsyncIterator[Served]:
     st_ = await rt.open_session("http")
     await rt.append_text(st_.session_id, "a stored prompt")
     errors: list[str] = []
-    handler = _Errors(errors)
+    handler = LoggedErrors(errors)
     loggers = [logging.getLogger(n) for n in ("sessiontape", "uvicorn", "uvicorn.error")]
     for lg in loggers:
         lg.addHandler(handler)
