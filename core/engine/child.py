@@ -191,6 +191,13 @@ class _Child:
         last = time.perf_counter()
         interval: float | None = None
 
+        hold = 2 * self.flush_s
+        held_since, holding = 0.0, False
+
+        def left_s(produced: int, interval: float) -> float:
+            """How long the generation's remaining steps take at this pace."""
+            return max(0, params.max_tokens - produced) * interval
+
         def flush() -> None:
             nonlocal timer
             if timer is not None:
@@ -210,7 +217,15 @@ class _Child:
                 if interval * 2 > self.flush_s or len(batch) >= MAX_BATCH:
                     flush()  # steps come slowly (or enough wait): none is held
                 elif timer is None:
-                    timer = loop.call_later(self.flush_s, flush)
+                    timer, held_since, holding = loop.call_later(self.flush_s, flush), now, False
+                elif not holding and now - held_since + left_s(produced, interval) <= hold:
+                    # the rest comes within 2 * flush_s of the batch's first step at this
+                    # pace: held to the end, one batch (one run, one commit for the server)
+                    timer.cancel()
+                    timer, holding = (
+                        loop.call_at(loop.time() + hold - (now - held_since), flush),
+                        True,
+                    )
                 while produced - run.acked >= self.window:
                     flush()
                     run.credit.clear()

@@ -16,7 +16,9 @@ pipe:
 
 - ``generate`` starts a generation in the child, which streams its steps
   back in batches: a step is held at most ``flush_s`` for others to join
-  it, and not at all when steps come slower than that. The child runs at
+  it (``2 * flush_s`` when the generation's rest comes within that at its
+  pace: then it ends in the batch, one run for the server), and not at all
+  when steps come slower than that. The child runs at
   most ``window`` steps ahead of what the caller took (credit sent back
   as the caller takes them), so a slow consumer stops the engine instead
   of growing a queue.

@@ -408,3 +408,31 @@ async def test_a_sessions_later_histories_reach_the_child_whole(worker: WorkerEn
         assert got == want, history
         if history == grown:
             worker.forget("h")
+
+
+async def test_a_short_generation_at_the_engines_pace_comes_in_one_batch() -> None:
+    """Steps faster than ``flush_s`` are held for others to share their write; a
+    generation whose rest comes within twice that at its pace is held to its end, so
+    the server takes it as one run (one commit). A long one still comes in batches."""
+    # steps of about 8 ms: held (faster than flush_s / 2); 16 of them outlast flush_s
+    # (0.1 s), which flushed them in two batches, but fit in 2 * flush_s
+    engine = WorkerEngine("reference", {"eos_bias": -1000.0, "step_delay_s": 0.008}, flush_s=0.1)
+    batches: list[int] = []
+    dispatch = engine._dispatch
+
+    def counted(msg: tuple[object, ...]) -> None:
+        if msg[0] == "steps":
+            batches.append(len(msg[2]))  # type: ignore[arg-type]
+        dispatch(msg)
+
+    engine._dispatch = counted  # type: ignore[method-assign]
+    try:
+        for _ in range(2):
+            batches.clear()
+            got = [s async for s in engine.generate("b", HISTORY, SamplingParams(max_tokens=16))]
+            assert len(got) == 16 and batches == [16]
+        batches.clear()  # 40 steps outlast 2 * flush_s: batches as before
+        got = [s async for s in engine.generate("b", HISTORY, SamplingParams(max_tokens=40))]
+        assert len(got) == 40 and len(batches) > 1 and sum(batches) == 40
+    finally:
+        await engine.aclose()
