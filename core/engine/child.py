@@ -44,7 +44,7 @@ _CALLS = frozenset(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """The worker process (``python -m sessiontape.core.engine.worker FD``): load the
+    """The worker process (``python -m sessiontape.core.engine.child FD``): load the
     engine named in the first message, then serve it until told to close or the
     server's end of the pipe goes away."""
     args = sys.argv[1:] if argv is None else argv
@@ -222,10 +222,7 @@ class _Child:
                     # the rest comes within 2 * flush_s of the batch's first step at this
                     # pace: held to the end, one batch (one run, one commit for the server)
                     timer.cancel()
-                    timer, holding = (
-                        loop.call_at(loop.time() + hold - (now - held_since), flush),
-                        True,
-                    )
+                    timer, holding = loop.call_later(hold - (now - held_since), flush), True
                 while produced - run.acked >= self.window:
                     flush()
                     run.credit.clear()

@@ -27,7 +27,7 @@ from sessiontape.core.bodies import generated_token
 from sessiontape.core.document.text import TextStream
 from sessiontape.core.engine import OutputOptions
 from sessiontape.core.events import Event
-from sessiontape.core.session.state import OPEN
+from sessiontape.core.session.state import OPEN, SessionState
 from sessiontape.transports.http.json_encoding import JSONResponse
 from sessiontape.transports.http.openai import (
     Api,
@@ -46,6 +46,13 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 def response_id(turn: Turn) -> str:
     return f"resp_{turn.session_id}_{turn.version}"
+
+
+def _ends_with(st: SessionState, generation_id: str, end: int) -> bool:
+    """The session is open and that generation is its last thing: its history ends where
+    the generation did, so a turn continuing it goes into the session itself."""
+    last = next(reversed(st.generations.values()), None)
+    return st.status == OPEN and last is not None and last.id == generation_id and st.length == end
 
 
 class Responses:
@@ -131,13 +138,7 @@ class Responses:
         # generation records it as interrupted), or running in another process (which the
         # runtime's one-writer rule refuses)
         st = await self.runtime.get(pturn.session_id)
-        last = next(reversed(st.generations.values()), None)
-        if (
-            st.status == OPEN
-            and last is not None
-            and last.id == pturn.generation_id
-            and st.length == pturn.end
-        ):
+        if _ends_with(st, pturn.generation_id, pturn.end):
             return pturn.session_id, None
         child = await self.runtime.fork(
             pturn.session_id,
@@ -166,9 +167,7 @@ class Responses:
             st = await self.runtime.get(sid)
         except E.SessiontapeError:
             return None  # gone since (purged): the log's answer is the one to give
-        last = next(reversed(st.generations.values()), None)
-        unchanged = last is not None and last.id == latest.generation_id
-        return sid if st.status == OPEN and unchanged and st.length == latest.end else None
+        return sid if _ends_with(st, latest.generation_id, latest.end) else None
 
     async def _stored(self, rid: str, param: str = "response_id") -> Turn:
         try:
