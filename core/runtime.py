@@ -116,7 +116,9 @@ class Runtime(NodeWrites, LogReads):
         if engine is None and config.engine_process == "worker":
             from sessiontape.core.engine.worker import WorkerEngine
 
-            engine = WorkerEngine(config.engine_name, config.engine_options)
+            engine = WorkerEngine(
+                config.engine_name, config.engine_options, event_loop=config.server.event_loop
+            )
         elif engine is None:
             factory = load(ENGINES, config.engine_name)
             engine = factory(**config.engine_options)

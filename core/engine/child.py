@@ -12,20 +12,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import pickle
-import queue
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
 from sessiontape.core.engine import Engine, OutputOptions, SamplingParams
+from sessiontape.core.engine.pipe import Frames, Outbox
 from sessiontape.core.engine.worker import MAX_BATCH, State, Wire, error_parts, wire
 from sessiontape.core.errors import EngineError
 
 log = logging.getLogger(__name__)
+
+#: how long the child's last writes may wait for the server as it closes
+CLOSE_TIMEOUT_S = 5.0
 
 _CALLS = frozenset(
     {
@@ -50,17 +51,24 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     conn = Connection(int(args[0]))
     try:
-        _, name, options, window, flush_s, path = conn.recv()
+        _, name, options, window, flush_s, path, event_loop = conn.recv()
         sys.path[:] = [*path, *(p for p in sys.path if p not in path)]
+        from sessiontape.core.commands.serve import loop_factory
         from sessiontape.core.registry import ENGINES, load
 
+        factory = loop_factory(event_loop)  # the server's choice: uvloop took 9% off here
         engine: Engine = load(ENGINES, name)(**options)
         conn.send(("ready", engine.info, engine.batches, engine.text_codec()))
     except BaseException as exc:  # reported to the server, which raises it
         with contextlib.suppress(Exception):
             conn.send(("err", 0, error_parts(exc)))
         return
-    asyncio.run(_Child(conn, engine, window, flush_s).serve())
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(_serve(conn, engine, window, flush_s))
+
+
+async def _serve(conn: Connection, engine: Engine, window: int, flush_s: float) -> None:
+    await _Child(conn, engine, window, flush_s).serve()
 
 
 class _Run:
@@ -83,28 +91,21 @@ class _Child:
         #: generation what it adds to that (``kept`` positions of it, then the rest)
         self.histories: dict[str, tuple[int, ...]] = {}
         self.inbox: asyncio.Queue[tuple[Any, ...] | None] = asyncio.Queue()
-        # Writes go through a thread of their own: a write the server is slow to read
-        # (it may itself be blocked writing a long history here) must not stop this
-        # loop from reading, or both ends would wait on each other.
-        self.outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-        self.writer = threading.Thread(target=self._write, name="engine-worker-writer", daemon=True)
-        self.writer.start()
+        self.frames = Frames(conn.fileno())
+        # Writes never block this loop (pipe.Outbox): a write the server is slow to read
+        # (it may itself be blocked writing a long history here) must not stop this loop
+        # from reading, or both ends would wait on each other.
+        self.outbox = Outbox(conn.fileno(), asyncio.get_running_loop())
 
     def send(self, msg: tuple[Any, ...]) -> None:
-        self.outbox.put(pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))
-
-    def _write(self) -> None:
-        while (data := self.outbox.get()) is not None:
-            try:
-                self.conn.send_bytes(data)
-            except OSError:
-                return  # the server is gone; the reader sees it too
+        self.outbox.put(msg)
 
     def _readable(self) -> None:
         try:
-            while self.conn.poll():
-                self.inbox.put_nowait(self.conn.recv())
+            for msg in self.frames.read():
+                self.inbox.put_nowait(msg)
         except (EOFError, OSError):
+            asyncio.get_running_loop().remove_reader(self.conn.fileno())
             self.inbox.put_nowait(None)  # the server is gone
 
     async def serve(self) -> None:
@@ -118,7 +119,6 @@ class _Child:
                 await self.handle(msg)
         finally:
             loop.remove_reader(self.conn.fileno())
-            self.outbox.put(None)
             for run in list(self.runs.values()):
                 if run.task is not None:
                     run.task.cancel()
@@ -127,7 +127,8 @@ class _Child:
             )
             with contextlib.suppress(Exception):
                 await self.engine.aclose()
-            self.writer.join(5)
+            self.outbox.close(CLOSE_TIMEOUT_S)
+            self.frames.close()
 
     async def handle(self, msg: tuple[Any, ...]) -> None:
         """One message, in order: a stop settles before a later call is answered."""

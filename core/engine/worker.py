@@ -66,7 +66,6 @@ import contextlib
 import importlib
 import itertools
 import logging
-import os
 import pickle
 import select
 import socket
@@ -86,6 +85,7 @@ from sessiontape.core.engine import (
     Step,
     TextCodec,
 )
+from sessiontape.core.engine.pipe import Frames
 from sessiontape.core.errors import ConfigError, EngineError, SessiontapeError
 
 __all__ = ["WorkerEngine"]
@@ -138,46 +138,6 @@ def _rebuild_error(parts: tuple[str, str, str, dict[str, Any]]) -> BaseException
     return EngineError(f"engine worker: {qualname}: {message}")
 
 
-class _Frames:
-    """The child's messages as they arrive on the pipe, read without blocking: all that is
-    there in one ``recv`` (multiprocessing's framing: a 4-byte big-endian length, or -1
-    and an 8-byte one), where ``Connection`` takes a ``poll`` and two reads a message."""
-
-    def __init__(self, fd: int) -> None:
-        self._sock = socket.socket(fileno=os.dup(fd))
-        self._buf = bytearray()
-
-    def read(self) -> list[Any]:
-        """The messages complete so far (none if nothing arrived); EOFError once the
-        child's end is closed."""
-        try:
-            data = self._sock.recv(1 << 18, socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            return []
-        if not data:
-            raise EOFError("the engine worker closed its end of the pipe")
-        buf = self._buf
-        buf += data
-        out: list[Any] = []
-        pos, end = 0, len(buf)
-        while end - pos >= 4:
-            n = int.from_bytes(buf[pos : pos + 4], "big", signed=True)
-            start = pos + 4
-            if n == -1:
-                if end - pos < 12:
-                    break
-                n, start = int.from_bytes(buf[pos + 4 : pos + 12], "big"), pos + 12
-            if end - start < n:
-                break
-            out.append(pickle.loads(buf[start : start + n]))
-            pos = start + n
-        del buf[:pos]
-        return out
-
-    def close(self) -> None:
-        self._sock.close()
-
-
 class _End:
     __slots__ = ("error",)
 
@@ -195,7 +155,9 @@ class WorkerEngine(Engine):
         *,
         window: int = DEFAULT_WINDOW,
         flush_s: float = DEFAULT_FLUSH_S,
+        event_loop: str = "auto",
     ) -> None:
+        """``event_loop``: the child's, as ``[server] event_loop`` names the server's."""
         if int(window) < 1 or not float(flush_s) >= 0:
             raise ConfigError(
                 f"engine worker window must be >= 1 and flush_s >= 0, got {window}, {flush_s}"
@@ -212,7 +174,15 @@ class WorkerEngine(Engine):
             )
             self._conn = Connection(mine.detach())
         # the server's import path too, so a ``module:Class`` engine it can import loads there
-        start = ("start", name, dict(options or {}), self._window, float(flush_s), list(sys.path))
+        start = (
+            "start",
+            name,
+            dict(options or {}),
+            self._window,
+            float(flush_s),
+            list(sys.path),
+            event_loop,
+        )
         self._conn.send(start)
         self._ids = itertools.count(1)
         #: running generations' inboxes, by generation id
@@ -249,7 +219,7 @@ class WorkerEngine(Engine):
             self._kill()
             raise _rebuild_error(msg[2])
         _, self._info, self._batches, self._codec = msg
-        self._frames = _Frames(self._conn.fileno())
+        self._frames = Frames(self._conn.fileno())
 
     # -- plumbing ------------------------------------------------------------
 

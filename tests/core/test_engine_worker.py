@@ -96,6 +96,32 @@ async def test_a_runtime_configured_with_a_worker_logs_what_the_inline_engine_lo
     assert logged["inline"] == logged["worker"]
 
 
+def _uvloop_loaded(pid: int) -> bool:
+    """Whether uvloop's extension is mapped into process ``pid``."""
+    return "uvloop" in Path(f"/proc/{pid}/maps").read_text()
+
+
+@pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
+async def test_the_child_runs_the_event_loop_the_server_is_configured_with(
+    tmp_path: Path, event_loop: str
+) -> None:
+    pytest.importorskip("uvloop")
+    cfg = make_config(
+        f"sqlite+aiosqlite:///{tmp_path / 'loop'}.db",
+        engine={"name": "reference", "process": "worker", "options": {"eos_bias": -1000.0}},
+        server={"event_loop": event_loop},
+    )
+    rt = await Runtime.create(cfg)
+    try:
+        assert isinstance(rt.engine, WorkerEngine)
+        params = SamplingParams(max_tokens=50, temperature=0.0, seed=1)
+        want = await steps(ReferenceEngine(eos_bias=-1000.0), "a", params, OutputOptions())
+        assert await steps(rt.engine, "a", params, OutputOptions()) == want
+        assert _uvloop_loaded(rt.engine._proc.pid) == (event_loop == "uvloop")
+    finally:
+        await rt.aclose()
+
+
 def test_the_engine_process_is_checked_in_config() -> None:
     with pytest.raises(ConfigError, match=r"engine\.process must be one of inline, worker"):
         Config.load(environ={}, overrides={"engine": {"name": "reference", "process": "thread"}})
