@@ -18,7 +18,14 @@ metadata = sa.MetaData()
 events = sa.Table(
     "events",
     metadata,
-    sa.Column("position", sa.BigInteger, primary_key=True, autoincrement=False),
+    # INTEGER on SQLite, where only that declaration makes the column the rowid (the
+    # table's own key, not a second index of every event: migration 0004)
+    sa.Column(
+        "position",
+        sa.BigInteger().with_variant(sa.Integer(), "sqlite"),
+        primary_key=True,
+        autoincrement=False,
+    ),
     sa.Column("session_id", sa.String(64), nullable=False),
     sa.Column("version", sa.Integer, nullable=False),
     sa.Column("type", sa.String(64), nullable=False),

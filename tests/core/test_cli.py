@@ -217,4 +217,4 @@ def test_purge_leaves_a_verifiable_tombstone(populated: tuple[str, list[str]]) -
 
 def test_db_upgrade(tmp_path: Path) -> None:
     url = f"sqlite+aiosqlite:///{tmp_path / 'u.db'}"
-    assert "revision 0003_pg_append_data" in cli("db", "upgrade", db=url).stdout
+    assert "revision 0004_sqlite_position_rowid" in cli("db", "upgrade", db=url).stdout
