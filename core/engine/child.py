@@ -18,9 +18,17 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-from sessiontape.core.engine import Engine, OutputOptions, SamplingParams
+from sessiontape.core.engine import Engine, OutputOptions, SamplingParams, Step
 from sessiontape.core.engine.pipe import Frames, Outbox
-from sessiontape.core.engine.worker import MAX_BATCH, State, Wire, error_parts, wire
+from sessiontape.core.engine.worker import (
+    MAX_BATCH,
+    SHORT_HOLD_S,
+    SHORT_STEPS,
+    State,
+    Wire,
+    error_parts,
+    wire,
+)
 from sessiontape.core.errors import EngineError
 
 log = logging.getLogger(__name__)
@@ -78,6 +86,86 @@ class _Run:
         self.acked = 0
         self.credit = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
+
+
+class _Batch:
+    """One generation's steps not yet written, and when they are.
+
+    A step is held at most ``flush_s`` for others to share its write, and not at all
+    when steps come slower than that. A batch whose generation's rest comes within
+    ``2 * flush_s`` of its first step at the pace so far is held to the end: the
+    server takes it as one run, one commit. A short generation (at most
+    :data:`SHORT_STEPS` steps) whose rest comes within :data:`SHORT_HOLD_S` (the
+    server's own ``linger_s`` for more steps) is held to its end too, however its steps
+    compare with ``flush_s``: the runtime commits it as one run anyway, and its steps
+    went one a write, each a read and a wake-up for the server.
+    """
+
+    def __init__(self, child: _Child, gid: int, max_tokens: int) -> None:
+        self.child, self.gid, self.max_tokens = child, gid, max_tokens
+        self.steps: list[Wire] = []
+        self.produced = 0
+        self.timer: asyncio.TimerHandle | None = None
+        self.last = time.perf_counter()
+        self.interval: float | None = None
+        self.held_since = 0.0
+        self.holding = False  # held to the end, its rest within 2 * flush_s
+        self.held_short = False  # held to the end as a short generation
+
+    def left_s(self, interval: float) -> float:
+        """How long the generation's remaining steps take at this pace."""
+        return max(0, self.max_tokens - self.produced) * interval
+
+    def add(self, step: Step) -> None:
+        now = time.perf_counter()
+        dt = now - self.last
+        interval = self.interval = dt if self.interval is None else 0.8 * self.interval + 0.2 * dt
+        self.last = now
+        self.steps.append(wire(step))
+        self.produced += 1
+        flush_s = self.child.flush_s
+        if len(self.steps) >= MAX_BATCH:
+            self.flush()
+        elif self.max_tokens <= SHORT_STEPS and self.left_s(interval) <= SHORT_HOLD_S:
+            if not self.held_short:
+                self._later(2 * SHORT_HOLD_S)  # a backstop, should the engine stall
+                self.held_short = True
+        elif self.held_short or interval * 2 > flush_s:
+            self.flush()  # steps come slowly (or a short hold's pace fell): none is held
+        elif self.timer is None:
+            self._later(flush_s)
+            self.held_since, self.holding = now, False
+        elif not self.holding and now - self.held_since >= flush_s:
+            self.flush()  # held its time while steps kept coming (the timer is coarser)
+        elif not self.holding and now - self.held_since + self.left_s(interval) <= 2 * flush_s:
+            self._later(2 * flush_s - (now - self.held_since))
+            self.holding = True
+
+    def waited(self) -> None:
+        """The generation waited for credit: that wait is not the engine's pace."""
+        self.last = time.perf_counter()
+
+    def _later(self, delay_s: float) -> None:
+        """A flush in ``delay_s``, 1 ms at the least: uvloop's timers count whole
+        milliseconds and ran one of 0.5 ms at once, which sent every step alone (the
+        batch's own time is checked as each step comes, in :meth:`add`)."""
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer = asyncio.get_running_loop().call_later(max(delay_s, 0.001), self.flush)
+
+    def flush(self) -> None:
+        self.held_short = False
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.steps:
+            self.child.send(("steps", self.gid, self.steps))
+            self.steps = []
+
+    def close(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
 
 class _Child:
@@ -183,62 +271,25 @@ class _Child:
     ) -> None:
         """Stream one generation's steps; its end carries the session's cache state
         (``keyed``: the session key and the epoch the server sent it with)."""
-        loop = asyncio.get_running_loop()
-        key = keyed[0]
-        steps = self.engine.generate(key, history, params, options)
-        batch: list[Wire] = []
-        produced = 0
-        timer: asyncio.TimerHandle | None = None
-        last = time.perf_counter()
-        interval: float | None = None
-
-        hold = 2 * self.flush_s
-        held_since, holding = 0.0, False
-
-        def left_s(produced: int, interval: float) -> float:
-            """How long the generation's remaining steps take at this pace."""
-            return max(0, params.max_tokens - produced) * interval
-
-        def flush() -> None:
-            nonlocal timer
-            if timer is not None:
-                timer.cancel()
-                timer = None
-            if batch:
-                self.send(("steps", gid, batch.copy()))
-                batch.clear()
-
+        steps = self.engine.generate(keyed[0], history, params, options)
+        batch = _Batch(self, gid, params.max_tokens)
         try:
             async for step in steps:
-                now = time.perf_counter()
-                interval = now - last if interval is None else 0.8 * interval + 0.2 * (now - last)
-                last = now
-                batch.append(wire(step))
-                produced += 1
-                if interval * 2 > self.flush_s or len(batch) >= MAX_BATCH:
-                    flush()  # steps come slowly (or enough wait): none is held
-                elif timer is None:
-                    timer, held_since, holding = loop.call_later(self.flush_s, flush), now, False
-                elif not holding and now - held_since + left_s(produced, interval) <= hold:
-                    # the rest comes within 2 * flush_s of the batch's first step at this
-                    # pace: held to the end, one batch (one run, one commit for the server)
-                    timer.cancel()
-                    timer, holding = loop.call_later(hold - (now - held_since), flush), True
-                while produced - run.acked >= self.window:
-                    flush()
+                batch.add(step)
+                while batch.produced - run.acked >= self.window:
+                    batch.flush()
                     run.credit.clear()
                     await run.credit.wait()
-                    last = time.perf_counter()  # the wait is not the engine's pace
-            flush()
+                    batch.waited()
+            batch.flush()
             self.send(("end", gid, None, self._state(keyed)))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            flush()
+            batch.flush()
             self.send(("end", gid, error_parts(exc), self._state(keyed)))
         finally:
-            if timer is not None:
-                timer.cancel()
+            batch.close()
             self.runs.pop(gid, None)
             with contextlib.suppress(Exception):
                 await steps.aclose()  # type: ignore[attr-defined]

@@ -98,6 +98,12 @@ DEFAULT_WINDOW = 256
 DEFAULT_FLUSH_S = 0.0005
 #: most steps in one pipe write
 MAX_BATCH = 64
+#: a generation of at most this many steps (``core.pipeline.SHORT_GENERATION``), which
+#: the runtime commits as one run, the child sends in one batch when...
+SHORT_STEPS = 16
+#: ...its rest comes within this long at its pace (``[generation] linger_s``'s default,
+#: the longest the server waits for more steps): a short turn is one write, not one a step
+SHORT_HOLD_S = 0.005
 #: how long a call waits for the child's answer (a pass of a large prompt can take a while)
 CALL_TIMEOUT_S = 120.0
 #: how long the child may take to load its engine

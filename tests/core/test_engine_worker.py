@@ -436,6 +436,48 @@ async def test_a_sessions_later_histories_reach_the_child_whole(worker: WorkerEn
             worker.forget("h")
 
 
+def _counting_batches(engine: WorkerEngine) -> dict[int, int]:
+    """Steps messages by generation id, as the server's side receives them."""
+    seen: dict[int, int] = {}
+    dispatch = engine._dispatch
+
+    def counted(msg: tuple[object, ...]) -> None:
+        if msg[0] == "steps":
+            gid = msg[1]
+            assert isinstance(gid, int)
+            seen[gid] = seen.get(gid, 0) + 1
+        dispatch(msg)
+
+    engine._dispatch = counted  # type: ignore[method-assign]
+    return seen
+
+
+async def test_a_short_generation_within_the_servers_linger_comes_in_one_batch() -> None:
+    """Steps slower than ``flush_s / 2`` were sent one a write; a short generation whose
+    rest comes within ``SHORT_HOLD_S`` at its pace is held to its end (the runtime
+    commits it as one run anyway). A slow engine's short generation streams."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, seed=1)
+    # steps of about 0.4 ms: more than flush_s / 2, 7 of them well within SHORT_HOLD_S
+    engine = WorkerEngine("reference", {"eos_bias": -1000.0, "step_delay_s": 0.0004})
+    seen = _counting_batches(engine)
+    try:
+        # the child's first generation is slower than its pace (its first steps' timers)
+        assert len([s async for s in engine.generate("f", HISTORY, params)]) == 8
+        for _ in range(3):
+            seen.clear()
+            assert len([s async for s in engine.generate("f", HISTORY, params)]) == 8
+            assert list(seen.values()) == [1]
+    finally:
+        await engine.aclose()
+    slow = WorkerEngine("reference", {"eos_bias": -1000.0, "step_delay_s": 0.01})
+    seen = _counting_batches(slow)
+    try:
+        got = [s async for s in slow.generate("s", HISTORY, SamplingParams(max_tokens=16))]
+        assert len(got) == 16 and sum(seen.values()) >= 10  # as they come, but the last
+    finally:
+        await slow.aclose()
+
+
 async def test_a_short_generation_at_the_engines_pace_comes_in_one_batch() -> None:
     """Steps faster than ``flush_s`` are held for others to share their write; a
     generation whose rest comes within twice that at its pace is held to its end, so
