@@ -15,7 +15,7 @@ generation's turn for a second run and a second commit: in the load benchmark's 
 of 100 a quarter of the generations took two to four runs, and the time after a first
 run was 9 ms at the median but 197 ms at the 99th percentile (2026-11-28).
 
-A short generation (at most ``core/pipeline.SHORT_GENERATION`` tokens) keeps the gate
+A short generation (at most :data:`SHORT_GENERATION` tokens) keeps the gate
 to its end instead, and its first run waits for that end, while its engine's own pace
 (the time per decoded step after the first, which also carries the prefill) says the
 rest is made within :data:`SHORT_HOLD_S` of its first turn. The total work is the same;
@@ -30,6 +30,15 @@ from __future__ import annotations
 import time
 
 from sessiontape.core.config import GenerationSettings
+
+#: most steps in a generation's first run, committed before the caller's pace is known
+FIRST_RUN = 8
+
+#: a generation of at most this many tokens (a short turn) is not cut at ``FIRST_RUN``:
+#: a fast engine makes the rest in about the time the first run's tokens take to write,
+#: and one run is one commit and one hand-over fewer (the engine worker's child sends
+#: it in one batch too: core/engine/child.py)
+SHORT_GENERATION = 2 * FIRST_RUN
 
 #: the longest a short generation holds the gate past ``burst_s`` (counted from its
 #: first turn, not from its wait for it), and its first run waits for its end

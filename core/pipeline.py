@@ -46,7 +46,7 @@ from sessiontape.core.engine import Step
 from sessiontape.core.errors import CacheInvariantViolation, SessiontapeError
 from sessiontape.core.events import Event, NewEvent, T
 from sessiontape.core.generate_request import FirstAppend, GenerateRequest
-from sessiontape.core.pacing import ShortHold, linger_s
+from sessiontape.core.pacing import FIRST_RUN, SHORT_GENERATION, ShortHold, linger_s
 from sessiontape.core.scheduler import NO_GATE
 from sessiontape.core.session.cache import RunningGenerations, SessionPort
 from sessiontape.core.session.state import SessionState
@@ -56,14 +56,6 @@ if TYPE_CHECKING:
     from sessiontape.core.engine import Engine
     from sessiontape.core.log import EventLog
     from sessiontape.core.scheduler import Admission, PriorityGate
-
-#: most steps in a generation's first run, committed before the caller's pace is known
-FIRST_RUN = 8
-
-#: a generation of at most this many tokens (a short turn) is not cut at ``FIRST_RUN``:
-#: a fast engine makes the rest in about the time the first run's tokens take to write,
-#: and one run is one commit and one hand-over fewer
-SHORT_GENERATION = 2 * FIRST_RUN
 
 #: ``[generation]`` configuration: how far the engine may run ahead of the log (its
 #: options and their defaults: :class:`sessiontape.core.config.GenerationSettings`)

@@ -117,7 +117,10 @@ class Runtime(NodeWrites, LogReads):
             from sessiontape.core.engine.worker import WorkerEngine
 
             engine = WorkerEngine(
-                config.engine_name, config.engine_options, event_loop=config.server.event_loop
+                config.engine_name,
+                config.engine_options,
+                event_loop=config.server.event_loop,
+                short_hold_s=config.generation.linger_s,
             )
         elif engine is None:
             factory = load(ENGINES, config.engine_name)

@@ -22,14 +22,13 @@ from sessiontape.core.engine import Engine, OutputOptions, SamplingParams, Step
 from sessiontape.core.engine.pipe import Frames, Outbox
 from sessiontape.core.engine.worker import (
     MAX_BATCH,
-    SHORT_HOLD_S,
-    SHORT_STEPS,
     State,
     Wire,
     error_parts,
     wire,
 )
 from sessiontape.core.errors import EngineError
+from sessiontape.core.pacing import SHORT_GENERATION
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     conn = Connection(int(args[0]))
     try:
-        _, name, options, window, flush_s, path, event_loop = conn.recv()
+        _, name, options, window, flush_s, path, event_loop, short_hold_s = conn.recv()
         sys.path[:] = [*path, *(p for p in sys.path if p not in path)]
         from sessiontape.core.commands.serve import loop_factory
         from sessiontape.core.registry import ENGINES, load
@@ -72,11 +71,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             conn.send(("err", 0, error_parts(exc)))
         return
     with asyncio.Runner(loop_factory=factory) as runner:
-        runner.run(_serve(conn, engine, window, flush_s))
+        runner.run(_serve(conn, engine, window, flush_s, short_hold_s))
 
 
-async def _serve(conn: Connection, engine: Engine, window: int, flush_s: float) -> None:
-    await _Child(conn, engine, window, flush_s).serve()
+async def _serve(
+    conn: Connection, engine: Engine, window: int, flush_s: float, short_hold_s: float
+) -> None:
+    await _Child(conn, engine, window, flush_s, short_hold_s).serve()
 
 
 class _Run:
@@ -95,8 +96,8 @@ class _Batch:
     when steps come slower than that. A batch whose generation's rest comes within
     ``2 * flush_s`` of its first step at the pace so far is held to the end: the
     server takes it as one run, one commit. A short generation (at most
-    :data:`SHORT_STEPS` steps) whose rest comes within :data:`SHORT_HOLD_S` (the
-    server's own ``linger_s`` for more steps) is held to its end too, however its steps
+    ``SHORT_GENERATION`` steps) whose rest comes within the child's ``short_hold_s``
+    (the server's own ``[generation] linger_s`` for more steps) is held to its end too, however its steps
     compare with ``flush_s``: the runtime commits it as one run anyway, and its steps
     went one a write, each a read and a wake-up for the server.
     """
@@ -126,9 +127,11 @@ class _Batch:
         flush_s = self.child.flush_s
         if len(self.steps) >= MAX_BATCH:
             self.flush()
-        elif self.max_tokens <= SHORT_STEPS and self.left_s(interval) <= SHORT_HOLD_S:
+        elif (
+            self.max_tokens <= SHORT_GENERATION and self.left_s(interval) <= self.child.short_hold_s
+        ):
             if not self.held_short:
-                self._later(2 * SHORT_HOLD_S)  # a backstop, should the engine stall
+                self._later(2 * self.child.short_hold_s)  # a backstop, should the engine stall
                 self.held_short = True
         elif self.held_short or interval * 2 > flush_s:
             self.flush()  # steps come slowly (or a short hold's pace fell): none is held
@@ -169,11 +172,14 @@ class _Batch:
 
 
 class _Child:
-    def __init__(self, conn: Connection, engine: Engine, window: int, flush_s: float) -> None:
+    def __init__(
+        self, conn: Connection, engine: Engine, window: int, flush_s: float, short_hold_s: float
+    ) -> None:
         self.conn = conn
         self.engine = engine
         self.window = window
         self.flush_s = flush_s
+        self.short_hold_s = short_hold_s
         self.runs: dict[int, _Run] = {}
         #: per session key, the history of its latest generation: the server sends a
         #: generation what it adds to that (``kept`` positions of it, then the rest)

@@ -76,6 +76,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
+from sessiontape.core.config import GenerationSettings
 from sessiontape.core.engine import (
     DEFAULT_OUTPUT,
     Engine,
@@ -98,12 +99,6 @@ DEFAULT_WINDOW = 256
 DEFAULT_FLUSH_S = 0.0005
 #: most steps in one pipe write
 MAX_BATCH = 64
-#: a generation of at most this many steps (``core.pipeline.SHORT_GENERATION``), which
-#: the runtime commits as one run, the child sends in one batch when...
-SHORT_STEPS = 16
-#: ...its rest comes within this long at its pace (``[generation] linger_s``'s default,
-#: the longest the server waits for more steps): a short turn is one write, not one a step
-SHORT_HOLD_S = 0.005
 #: how long a call waits for the child's answer (a pass of a large prompt can take a while)
 CALL_TIMEOUT_S = 120.0
 #: how long the child may take to load its engine
@@ -162,8 +157,14 @@ class WorkerEngine(Engine):
         window: int = DEFAULT_WINDOW,
         flush_s: float = DEFAULT_FLUSH_S,
         event_loop: str = "auto",
+        short_hold_s: float | None = None,
     ) -> None:
-        """``event_loop``: the child's, as ``[server] event_loop`` names the server's."""
+        """``event_loop``: the child's, as ``[server] event_loop`` names the server's.
+        ``short_hold_s``: the server's ``[generation] linger_s`` (its default when None),
+        the longest the child holds a short generation's steps for its end to join them
+        (core/engine/child.py, ``_Batch``)."""
+        if short_hold_s is None:
+            short_hold_s = GenerationSettings().linger_s
         if int(window) < 1 or not float(flush_s) >= 0:
             raise ConfigError(
                 f"engine worker window must be >= 1 and flush_s >= 0, got {window}, {flush_s}"
@@ -188,6 +189,7 @@ class WorkerEngine(Engine):
             float(flush_s),
             list(sys.path),
             event_loop,
+            float(short_hold_s),
         )
         self._conn.send(start)
         self._ids = itertools.count(1)

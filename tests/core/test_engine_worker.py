@@ -454,10 +454,10 @@ def _counting_batches(engine: WorkerEngine) -> dict[int, int]:
 
 async def test_a_short_generation_within_the_servers_linger_comes_in_one_batch() -> None:
     """Steps slower than ``flush_s / 2`` were sent one a write; a short generation whose
-    rest comes within ``SHORT_HOLD_S`` at its pace is held to its end (the runtime
+    rest comes within the server's ``linger_s`` at its pace is held to its end (the runtime
     commits it as one run anyway). A slow engine's short generation streams."""
     params = SamplingParams(max_tokens=8, temperature=0.0, seed=1)
-    # steps of about 0.4 ms: more than flush_s / 2, 7 of them well within SHORT_HOLD_S
+    # steps of about 0.4 ms: more than flush_s / 2, 7 of them well within linger_s (5 ms)
     engine = WorkerEngine("reference", {"eos_bias": -1000.0, "step_delay_s": 0.0004})
     seen = _counting_batches(engine)
     try:

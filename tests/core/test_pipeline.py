@@ -17,7 +17,7 @@ from sessiontape.core import pacing
 from sessiontape.core.engine import DEFAULT_OUTPUT, OutputOptions, SamplingParams, Step
 from sessiontape.core.errors import EngineError, InvalidArgument
 from sessiontape.core.events import Event, NewEvent, T
-from sessiontape.core.pipeline import FIRST_RUN, SHORT_GENERATION
+from sessiontape.core.pacing import FIRST_RUN, SHORT_GENERATION
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
 from tests.conftest import make_config
