@@ -2,8 +2,8 @@
 messages and status out.
 
 The gRPC server (:mod:`sessiontape.transports.grpc.server`) takes HTTP/2 itself from
-grpclib's protocol layer (connections, streams, flow control, pings, all in the event
-loop); what a gRPC call is on one stream is here, in sessiontape's hands:
+:mod:`sessiontape.transports.grpc.http2` (connections, streams, flow control, all in
+the event loop); what a gRPC call is on one stream is here:
 
 - the request's headers checked (``POST``, ``application/grpc``), its method found,
   its bearer token checked, its ``grpc-timeout`` kept as a deadline;
@@ -33,17 +33,15 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import grpc
-import h2.exceptions
-from grpclib.exceptions import StreamTerminatedError
 from grpclib.metadata import Deadline, decode_metadata, encode_grpc_message, encode_metadata
-from grpclib.protocol import Stream
 
 from sessiontape.core.errors import InvalidArgument, ResourceExhausted
+from sessiontape.transports.grpc.http2 import Stream, StreamEndedShort, StreamGone
 from sessiontape.transports.grpc.status import code_for, message_for
 
 CONTENT_TYPE = "application/grpc"
 #: what a call's stream raises once its client is gone (a reset, a lost connection)
-CLIENT_GONE = (StreamTerminatedError, h2.exceptions.StreamClosedError, ConnectionError)
+CLIENT_GONE = (StreamGone, ConnectionError)
 #: how long a call whose client streams its requests waits for the first one before
 #: answering a status other than OK, when it read none (see :func:`await_first_request`)
 FIRST_REQUEST_WAIT_S = 0.25
@@ -173,7 +171,7 @@ class Call:
         self.received = 0
 
     def peer(self) -> str:
-        addr = self.stream.connection.get_peer().addr()
+        addr = self.stream.peer()
         if not addr:
             return "unknown"
         host, port = addr[0], addr[1]
@@ -193,7 +191,7 @@ class Call:
                 )
             data = await self.stream.recv_data(size)
             self.received += 5 + size
-        except AssertionError:  # grpclib's buffer: the stream ended short of what was asked
+        except StreamEndedShort:
             raise InvalidArgument("the request stream ended inside a message") from None
         if compressed:
             data = self._inflate(data)
@@ -249,53 +247,20 @@ class Call:
             parts.append(_frame(payload))
         return b"".join(parts)
 
-    def _at_once(
-        self,
-        headers: list[tuple[str, str]] | None,
-        data: bytes,
-        trailers: list[tuple[str, str]] | None = None,
-    ) -> bool:
-        """``headers``, ``data`` and ``trailers`` (each optional) handed to the connection
-        in one write, when it takes them now: not paused by back-pressure, ``data`` inside
-        the stream's flow-control window and one frame. False: nothing was written."""
-        st = self.stream
-        h2c = st._h2_connection  # grpclib's own stream methods write through these two
-        transport = st._transport
-        if (
-            not st.connection.write_ready.is_set()
-            or transport.is_closing()
-            or st.id not in h2c.streams
-            or len(data) > h2c.max_outbound_frame_size
-            or (data and h2c.local_flow_control_window(st.id) < len(data))
-        ):
-            return False
-        if headers:
-            h2c.send_headers(st.id, headers)
-        if data:
-            h2c.send_data(st.id, data)
-        if trailers:
-            h2c.send_headers(st.id, trailers, end_stream=True)
-        transport.write(h2c.data_to_send())
-        if headers or trailers:
-            st.connection.headers_send_process()  # grpclib's keepalive bookkeeping
-        if data:
-            st.connection.data_send_process()
-        if headers:
-            self.headers_sent = True
-        return True
-
     async def send_headers(self, metadata: Sequence[tuple[str, str]] = ()) -> None:
         await self.stream.send_headers(self._initial(metadata))
         self.headers_sent = True
 
     async def send(self, messages: Iterable[Any], *, last: bool = False) -> None:
         """``messages`` (with the response headers, the first time; ``last``: with the OK
-        status too) in one write where the connection takes it now, else as grpclib's
-        stream sends, waiting for windows."""
+        status too) in one write where the connection takes it now, else frame by frame,
+        waiting for the client's windows."""
         data = self._frames(messages)
         headers = None if self.headers_sent else self._initial()
         trailers = _status(grpc.StatusCode.OK, "") if last else None
-        if self._at_once(headers, data, trailers):
+        if self.stream.try_send(headers, data, trailers):
+            if headers is not None:
+                self.headers_sent = True
             return
         if headers is not None:
             await self.stream.send_headers(headers)
@@ -332,7 +297,7 @@ async def await_first_request(stream: Stream) -> None:
     grpcio's clients write it as a streaming-request call starts, and one whose write finds
     the call already ended reports INTERNAL ("Internal error from Core") in place of the
     status the server sent."""
-    with contextlib.suppress(TimeoutError, AssertionError, *CLIENT_GONE):
+    with contextlib.suppress(TimeoutError, StreamEndedShort, *CLIENT_GONE):
         await asyncio.wait_for(stream.recv_data(1), FIRST_REQUEST_WAIT_S)
 
 

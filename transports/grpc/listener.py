@@ -1,11 +1,10 @@
 """The gRPC endpoint: a listening socket, its HTTP/2 connections, a task per call.
 
-HTTP/2 itself (frames, HPACK, flow control, keepalive pings) is grpclib's protocol
-layer (``grpclib.protocol.H2Protocol``, pinned to one grpclib release in
-pyproject.toml): this module gives it a handler per connection, which starts a task per
-stream. What a task does with its stream (the gRPC call) is
-:mod:`sessiontape.transports.grpc.calls`. Here: which requests become calls (method,
-shutdown, bearer token), the deadline, and the endpoint's life (start, graceful stop).
+HTTP/2 itself (frames, HPACK, flow control) is :mod:`sessiontape.transports.grpc.http2`:
+this module gives each connection a handler, which starts a task per stream. What a
+task does with its stream (the gRPC call) is :mod:`sessiontape.transports.grpc.calls`.
+Here: which requests become calls (method, shutdown, bearer token), the deadline, and
+the endpoint's life (start, graceful stop).
 """
 
 from __future__ import annotations
@@ -15,19 +14,15 @@ import contextlib
 import hmac
 import re
 import ssl
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grpc
-import h2.config
-import h2.exceptions
-from grpclib.config import Configuration
 from grpclib.metadata import Deadline
-from grpclib.protocol import AbstractHandler, H2Protocol, Stream
-from h2.settings import SettingCodes
 
 from sessiontape.core.errors import ConfigError, Unauthenticated
 from sessiontape.transports.grpc import calls
+from sessiontape.transports.grpc.http2 import Connection, Stream
 from sessiontape.transports.grpc.status import message_for
 
 _GONE = calls.CLIENT_GONE
@@ -59,52 +54,44 @@ class _Refused(Exception):
         self.code, self.details, self.http, self.streaming = code, details, http, streaming
 
 
-class _Connection(AbstractHandler):
-    """The calls of one HTTP/2 connection, a task each (grpclib's protocol calls these)."""
+class _Calls:
+    """The calls of one HTTP/2 connection, a task each (the connection calls these)."""
+
+    __slots__ = ("calls", "server")
 
     def __init__(self, server: Listener) -> None:
         self.server = server
         self.calls: dict[Stream, asyncio.Task[None]] = {}
 
-    def accept(self, stream: Stream, headers: Any, release_stream: Callable[[], None]) -> None:
+    def accept(self, stream: Stream, headers: Sequence[tuple[str, str]]) -> None:
         task = asyncio.get_running_loop().create_task(self.server.serve(stream, headers))
         self.calls[stream] = task
         self.server.running.add(task)
-        task.add_done_callback(lambda t: self._done(stream, t, release_stream))
+        task.add_done_callback(lambda t: self._done(stream, t))
 
-    def _done(
-        self, stream: Stream, task: asyncio.Task[None], release_stream: Callable[[], None]
-    ) -> None:
+    def _done(self, stream: Stream, task: asyncio.Task[None]) -> None:
         # here, not in the task: a task cancelled before its first step (a reset that came
         # in the same read as the request) runs none of its code, and an unreleased stream
-        # keeps its unacknowledged data out of the connection's window for good
+        # keeps its unread data out of the connection's window for good
         self.calls.pop(stream, None)
         self.server.running.discard(task)
-        release_stream()
+        stream.release()
 
-    def cancel(self, stream: Stream) -> None:  # the client reset the stream
+    def cancel(self, stream: Stream) -> None:  # the client reset the stream, or it went
         task = self.calls.pop(stream, None)
         if task is not None:
             task.cancel()
 
-    def close(self) -> None:  # the connection is gone
-        for task in list(self.calls.values()):
-            task.cancel()
 
-
-class _Protocol(H2Protocol):
-    """grpclib's HTTP/2 protocol with this server's stream limit, tracked for shutdown."""
+class _Connection(Connection):
+    """An HTTP/2 connection of this endpoint, tracked for shutdown."""
 
     def __init__(self, server: Listener) -> None:
-        super().__init__(_Connection(server), server.h2_limits, server.h2_config)
+        super().__init__(_Calls(server), max_streams=server.max_streams)
         self.server = server
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
-        self.connection._connection.update_settings(
-            {SettingCodes.MAX_CONCURRENT_STREAMS: self.server.max_streams}
-        )
-        self.connection.flush()
         self.server.connections.add(self)
 
     def connection_lost(self, exc: BaseException | None) -> None:
@@ -135,16 +122,7 @@ class Listener:
         self.open_prefixes = open_prefixes
         self.port: int | None = None
         self.running: set[asyncio.Task[None]] = set()
-        self.connections: set[_Protocol] = set()
-        self.h2_config = h2.config.H2Configuration(
-            client_side=False,
-            header_encoding="ascii",
-            validate_inbound_headers=False,
-            validate_outbound_headers=False,
-            normalize_inbound_headers=False,
-            normalize_outbound_headers=False,
-        )
-        self.h2_limits = Configuration().__for_server__()
+        self.connections: set[_Connection] = set()
         self._token = token.encode()
         self._socket: asyncio.Server | None = None
         self._stopping = False
@@ -154,7 +132,7 @@ class Listener:
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
             self._socket = await asyncio.get_running_loop().create_server(
-                lambda: _Protocol(self), host, port, ssl=context, reuse_address=True
+                lambda: _Connection(self), host, port, ssl=context, reuse_address=True
             )
         except OSError as exc:
             raise ConfigError(f"transports.grpc: cannot listen on {address}: {exc}") from exc
@@ -250,12 +228,15 @@ class Listener:
                 timer.cancel()
 
     async def stop(self, grace: float) -> None:
-        """Refuse new connections and calls, let calls in flight run up to ``grace`` s,
-        cancel the rest (their clients hear ``UNAVAILABLE``) and close the connections."""
+        """Refuse new connections and calls (GOAWAY on every connection: clients take new
+        calls elsewhere), let calls in flight run up to ``grace`` s, cancel the rest (their
+        clients hear ``UNAVAILABLE``) and close the connections."""
         if self._socket is None:
             return
         self._stopping = True
         self._socket.close()
+        for conn in list(self.connections):
+            conn.going_away()
         pending = set(self.running)
         if pending:
             _, pending = await asyncio.wait(pending, timeout=grace)
@@ -264,5 +245,5 @@ class Listener:
         if pending:
             await asyncio.wait(pending, timeout=max(grace, 5.0))
         for conn in list(self.connections):
-            conn.processor.close("the server stopped")
+            conn.close("the server stopped")
         self._socket = None

@@ -9,8 +9,8 @@ Services register their generated handlers on a
 :class:`~sessiontape.transports.grpc.calls.MethodTable` as they would on a grpc.aio
 server; each handler is wrapped by :func:`sessiontape.transports.grpc.guard.guarded`.
 
-HTTP/2 (connections, streams, flow control, HPACK, keepalive pings) is grpclib's
-protocol layer, pinned to one release; the calls on it are
+HTTP/2 (connections, streams, flow control, HPACK) is
+:mod:`sessiontape.transports.grpc.http2`; the calls on it are
 :mod:`sessiontape.transports.grpc.calls`. Clients are any gRPC clients (grpcio's, grpc-js,
 grpcurl): the wire is gRPC's.
 

@@ -1,0 +1,388 @@
+"""The gRPC endpoint's HTTP/2 (``transports/grpc/http2.py``) against clients that are
+not it: frames written by hand here (struct and ``hpack``), the ``h2`` library, and
+grpcio. Each protocol error ends its connection with the GOAWAY code RFC 9113 names
+and leaves the log and the server's other connections as they were."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import hpack
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sessiontape.transports.grpc import calls
+from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2 as kpb
+from sessiontape.transports.grpc.listener import Listener
+from tests.fuzz.conftest import QUICK, fuzz_settings
+from tests.fuzz.test_grpc_fuzz import Fuzzed, _stored, fuzzed  # noqa: F401
+from tests.transports.grpc.conftest import Serve, Served
+from tests.transports.grpc.test_calls import (
+    APPEND,
+    grpc_frame,
+    kakeya_session,
+    raw_call,
+    request_headers,
+)
+
+IDLE = "/test.Idle/Wait"
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+DATA, HEADERS, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY = 0, 1, 3, 4, 5, 6, 7
+WINDOW_UPDATE, CONTINUATION = 8, 9
+END_STREAM, END_HEADERS, PADDED = 0x1, 0x4, 0x8
+PROTOCOL_ERROR, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR = 0x1, 0x3, 0x6
+REFUSED_STREAM, COMPRESSION_ERROR = 0x7, 0x9
+
+
+def fr(ftype: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    n = len(payload)
+    return struct.pack(">BHBBI", n >> 16, n & 0xFFFF, ftype, flags, stream) + payload
+
+
+@dataclass
+class Frame:
+    type: int
+    flags: int
+    stream: int
+    payload: bytes
+
+
+class Raw:
+    """A client that writes frames as given and reads the server's back, one by one."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.encoder = hpack.Encoder()
+
+    def send(self, *frames: bytes) -> None:
+        self.writer.write(b"".join(frames))
+
+    def headers(
+        self, stream: int, port: int, path: str = APPEND, flags: int = END_HEADERS
+    ) -> bytes:
+        return fr(HEADERS, flags, stream, self.encoder.encode(request_headers(port, path)))
+
+    async def frames(self) -> AsyncIterator[Frame]:
+        """The server's frames until it closes the connection (10 s at most)."""
+        async with asyncio.timeout(10):
+            while True:
+                try:
+                    head = await self.reader.readexactly(9)
+                except asyncio.IncompleteReadError:
+                    return
+                hi, lo, ftype, flags, stream = struct.unpack(">BHBBI", head)
+                payload = await self.reader.readexactly(hi << 16 | lo)
+                yield Frame(ftype, flags, stream & 0x7FFFFFFF, payload)
+
+    async def goaway(self) -> int:
+        """The error code of the server's GOAWAY (after which it must close)."""
+        code = None
+        try:
+            async for f in self.frames():
+                if f.type == GOAWAY:
+                    code = struct.unpack(">II", f.payload[:8])[1]
+        finally:
+            self.writer.close()
+        assert code is not None, "the connection closed without GOAWAY"
+        return code
+
+
+async def connect(port: int, *, preface: bool = True) -> Raw:
+    raw = Raw(*await asyncio.open_connection("127.0.0.1", port))
+    if preface:
+        raw.send(PREFACE, fr(SETTINGS, 0, 0))
+    return raw
+
+
+async def still_serves(served: Served) -> None:
+    """A grpcio call on a new connection is answered."""
+    sid = await kakeya_session(served)
+    assert sid
+
+
+async def test_a_ping_is_answered_with_its_payload(server: Served) -> None:
+    assert server.transport.port is not None
+    raw = await connect(server.transport.port)
+    raw.send(fr(PING, 0, 0, b"sessiont"))
+    async for f in raw.frames():
+        if f.type == PING:
+            assert f.flags == 1 and f.payload == b"sessiont"
+            break
+    else:
+        pytest.fail("no PING acknowledgement")
+    raw.writer.close()
+
+
+def _violations(port: int, enc: hpack.Encoder) -> dict[str, tuple[bytes, int]]:
+    head = enc.encode(request_headers(port, APPEND))
+    return {
+        "not-a-preface": (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", PROTOCOL_ERROR),
+        "first-frame-not-settings": (PREFACE + fr(PING, 0, 0, b"12345678"), PROTOCOL_ERROR),
+        "frame-over-16k": (
+            PREFACE + fr(SETTINGS, 0, 0) + fr(DATA, 0, 1, b"x" * 16_385),
+            FRAME_SIZE_ERROR,
+        ),
+        "data-on-stream-0": (PREFACE + fr(SETTINGS, 0, 0) + fr(DATA, 0, 0, b"x"), PROTOCOL_ERROR),
+        "data-on-an-idle-stream": (
+            PREFACE + fr(SETTINGS, 0, 0) + fr(DATA, 0, 9, b"x"),
+            PROTOCOL_ERROR,
+        ),
+        "headers-on-an-even-stream": (
+            PREFACE + fr(SETTINGS, 0, 0) + fr(HEADERS, END_HEADERS, 2, head),
+            PROTOCOL_ERROR,
+        ),
+        "window-past-2^31": (
+            PREFACE + fr(SETTINGS, 0, 0) + fr(WINDOW_UPDATE, 0, 0, struct.pack(">I", 2**31 - 1)),
+            FLOW_CONTROL_ERROR,
+        ),
+        "push-promise": (
+            PREFACE + fr(SETTINGS, 0, 0) + fr(PUSH_PROMISE, 0, 1, b"\0" * 4),
+            PROTOCOL_ERROR,
+        ),
+        "bad-hpack": (
+            PREFACE + fr(SETTINGS, 0, 0) + fr(HEADERS, END_HEADERS, 1, b"\xff\xff\xff\xff\xff"),
+            COMPRESSION_ERROR,
+        ),
+        "continuation-out-of-place": (
+            PREFACE + fr(SETTINGS, 0, 0) + fr(CONTINUATION, END_HEADERS, 1, head),
+            PROTOCOL_ERROR,
+        ),
+        "headers-left-unfinished": (
+            PREFACE + fr(SETTINGS, 0, 0) + fr(HEADERS, 0, 1, head) + fr(PING, 0, 0, b"12345678"),
+            PROTOCOL_ERROR,
+        ),
+        "settings-of-odd-length": (PREFACE + fr(SETTINGS, 0, 0, b"\0" * 5), FRAME_SIZE_ERROR),
+        "frame-size-setting-too-small": (
+            PREFACE + fr(SETTINGS, 0, 0, struct.pack(">HI", 5, 100)),
+            PROTOCOL_ERROR,
+        ),
+        "ping-of-7-bytes": (
+            PREFACE + fr(SETTINGS, 0, 0) + fr(PING, 0, 0, b"1234567"),
+            FRAME_SIZE_ERROR,
+        ),
+    }
+
+
+@pytest.mark.parametrize(
+    "case",
+    list(_violations(0, hpack.Encoder())),
+)
+async def test_a_protocol_error_ends_the_connection_with_its_goaway_code(
+    server: Served, case: str
+) -> None:
+    port = server.transport.port
+    assert port is not None
+    await kakeya_session(server)
+    before = await server.runtime.log.last_position()
+    raw = await connect(port, preface=False)
+    data, code = _violations(port, raw.encoder)[case]
+    raw.send(data)
+    assert await raw.goaway() == code
+    assert await server.runtime.log.last_position() == before
+    await still_serves(server)
+
+
+@pytest.fixture
+async def idle() -> AsyncIterator[int]:
+    """An endpoint whose one method never reads its requests (its stream's bytes stay
+    unread), on a free port."""
+
+    async def wait(requests: object, ctx: object) -> None:
+        await asyncio.sleep(30)
+
+    method = calls.Method(IDLE, True, False, wait, bytes, bytes)
+    listener = Listener({IDLE: method}, max_message_bytes=1 << 20, max_streams=10)
+    yield await listener.start("127.0.0.1", 0)
+    await listener.stop(0.1)
+
+
+async def test_data_past_the_stream_window_is_a_flow_control_error(idle: int) -> None:
+    raw = await connect(idle)
+    raw.send(raw.headers(1, idle, IDLE))
+    chunk = b"\0" * 16_384
+    raw.send(*(fr(DATA, 0, 1, chunk) for _ in range(4 * 64)))  # the window's 4 MiB: taken
+    raw.send(fr(DATA, 0, 1, b"\0"))  # one byte past it
+    assert await raw.goaway() == FLOW_CONTROL_ERROR
+
+
+async def test_bytes_of_a_stream_reset_before_it_read_go_back_to_the_window(idle: int) -> None:
+    """4 MiB sent on a stream whose call never reads, then the stream reset: the bytes
+    come back to the connection's window, and a second stream's 4 MiB go through."""
+    raw = await connect(idle)
+    chunk = b"\0" * 16_384
+    raw.send(raw.headers(1, idle, IDLE), *(fr(DATA, 0, 1, chunk) for _ in range(4 * 64)))
+    raw.send(fr(RST_STREAM, 0, 1, struct.pack(">I", 8)))
+    returned = 0
+    async for f in raw.frames():
+        if f.type == WINDOW_UPDATE and f.stream == 0:
+            returned += struct.unpack(">I", f.payload)[0]
+            if returned >= 4 * 1024 * 1024:
+                break
+    assert returned >= 4 * 1024 * 1024
+    raw.send(raw.headers(3, idle, IDLE), *(fr(DATA, 0, 3, chunk) for _ in range(4 * 64)))
+    raw.send(fr(PING, 0, 0, b"12345678"))
+    async for f in raw.frames():
+        assert f.type != GOAWAY, f
+        if f.type == PING:
+            break
+    raw.writer.close()
+
+
+async def test_streams_past_the_limit_are_refused_and_the_rest_answered(serve: Serve) -> None:
+    served = await serve(max_concurrent_streams=2)
+    port = served.transport.port
+    assert port is not None
+    sid = await kakeya_session(served)
+    raw = await connect(port)
+    raw.send(raw.headers(1, port), raw.headers(3, port), raw.headers(5, port))
+    refused = None
+    async for f in raw.frames():
+        if f.type == RST_STREAM:
+            refused = (f.stream, struct.unpack(">I", f.payload)[0])
+            break
+    assert refused == (5, REFUSED_STREAM)
+    body = grpc_frame(kpb.AppendTokensRequest(session_id=sid, token_ids=[4]).SerializeToString())
+    raw.send(fr(DATA, END_STREAM, 1, body), fr(DATA, END_STREAM, 3, body))
+    ended = set()
+    async for f in raw.frames():
+        if f.type == HEADERS and f.flags & END_STREAM:
+            ended.add(f.stream)
+            if ended == {1, 3}:
+                break
+    raw.writer.close()
+    assert list((await served.runtime.load(sid)).tokens) == [4, 4]
+
+
+async def test_padded_frames_and_header_blocks_in_continuations_are_read(server: Served) -> None:
+    """A request whose headers come padded, split across HEADERS and two CONTINUATION
+    frames, and whose body comes in padded DATA frames, is the same request."""
+    port = server.transport.port
+    assert port is not None
+    sid = await kakeya_session(server)
+    raw = await connect(port)
+    block = raw.encoder.encode(request_headers(port, APPEND, extra=(("x-pad", "p" * 30_000),)))
+    third = len(block) // 3
+    body = grpc_frame(kpb.AppendTokensRequest(session_id=sid, token_ids=[7, 8]).SerializeToString())
+    raw.send(
+        fr(HEADERS, PADDED, 1, bytes([3]) + block[:third] + b"\0\0\0"),
+        fr(CONTINUATION, 0, 1, block[third : 2 * third]),
+        fr(CONTINUATION, END_HEADERS, 1, block[2 * third :]),
+        fr(DATA, PADDED, 1, bytes([10]) + body[:4] + b"\0" * 10),
+        fr(DATA, PADDED | END_STREAM, 1, bytes([0]) + body[4:]),
+    )
+    decoder = hpack.Decoder()
+    status = None
+    async for f in raw.frames():
+        if f.type == HEADERS and f.flags & END_STREAM:
+            status = dict(decoder.decode(f.payload)).get("grpc-status")
+            break
+        if f.type == HEADERS:
+            decoder.decode(f.payload)
+    raw.writer.close()
+    assert status == "0"
+    assert list((await server.runtime.load(sid)).tokens) == [7, 8]
+
+
+async def test_a_request_wider_than_the_windows_arrives_whole(serve: Serve) -> None:
+    """A 6 MiB request (the stream's and the connection's receive windows are 4 MiB): the
+    endpoint opens the windows as the bytes come, before the message is whole."""
+    served = await serve(max_message_bytes=8 * 1024 * 1024)
+    sid = await kakeya_session(served)
+    # an unknown field (number 1000, bytes) rides along: parsed and not stored
+    filler = b"\xc2\x3e" + _varint(6 * 1024 * 1024) + b"f" * (6 * 1024 * 1024)
+    request = kpb.AppendTokensRequest(session_id=sid, token_ids=[1, 2]).SerializeToString() + filler
+    async with grpc.aio.insecure_channel(
+        served.target, options=[("grpc.max_send_message_length", 8 * 1024 * 1024)]
+    ) as ch:
+        call = ch.unary_unary(APPEND, request_serializer=bytes, response_deserializer=bytes)
+        answer = kpb.AppendTokensResponse.FromString(await call(request, timeout=20))
+    assert answer.history_length == 2
+    # and the connection's window came back: the next call on a fresh one goes through
+    port = served.transport.port
+    assert port is not None
+    follow = kpb.AppendTokensRequest(session_id=sid, token_ids=[3]).SerializeToString()
+    assert (await raw_call(port, APPEND, grpc_frame(follow))).status == 0
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+@st.composite
+def frame_soup(draw: st.DrawFn) -> bytes:
+    """Up to eight frames of any type (the ten of RFC 9113 and one unknown), any flags,
+    streams 0 to 7, payloads of up to 40 random bytes."""
+    out = b""
+    for _ in range(draw(st.integers(1, 8))):
+        ftype = draw(st.sampled_from((0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0x42)))
+        flags = draw(st.sampled_from((0, 1, 4, 5, 8, 0x20, 0x2D, 0xFF)))
+        stream = draw(st.integers(0, 7))
+        out += fr(ftype, flags, stream, draw(st.binary(max_size=40)))
+    return out
+
+
+@fuzz_settings(QUICK * 4)
+@given(soup=frame_soup())
+async def test_random_frames_end_in_a_goaway_or_an_answer_never_a_fault(
+    fuzzed: Fuzzed,  # noqa: F811
+    soup: bytes,
+) -> None:
+    """After a valid preface, random frames: the server answers them, ignores them, or
+    ends the connection with GOAWAY; it logs no fault of its own, stores nothing, and its
+    other connections go on."""
+    before = await _stored(fuzzed)
+    fuzzed.errors.clear()
+    raw = await connect(fuzzed.port)
+    raw.send(soup)
+    await raw.writer.drain()
+    raw.writer.write_eof()
+    async for _ in raw.frames():
+        pass
+    raw.writer.close()
+    assert not fuzzed.errors, (soup, fuzzed.errors)
+    assert await _stored(fuzzed) == before
+    stub = fuzzed.channel.unary_unary(APPEND, request_serializer=bytes, response_deserializer=bytes)
+    ok = kpb.AppendTokensRequest(session_id=fuzzed.sids[1], token_ids=[]).SerializeToString()
+    try:
+        await stub(ok, timeout=5)
+    except grpc.aio.AioRpcError as exc:  # an empty append is refused, with a status
+        assert exc.code() is grpc.StatusCode.INVALID_ARGUMENT, exc
+
+
+def test_the_endpoint_runs_on_uvloops_transports() -> None:
+    """``sessiontape serve`` runs uvloop by default, whose transports are not asyncio's
+    classes: a connection there answers a PING and refuses a stream past its limit."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def wait(requests: object, ctx: object) -> None:
+        await asyncio.sleep(30)
+
+    async def main() -> tuple[bytes, int]:
+        method = calls.Method(IDLE, True, False, wait, bytes, bytes)
+        listener = Listener({IDLE: method}, max_message_bytes=1 << 20, max_streams=1)
+        port = await listener.start("127.0.0.1", 0)
+        raw = await connect(port)
+        raw.send(raw.headers(1, port, IDLE), raw.headers(3, port, IDLE))
+        raw.send(fr(PING, 0, 0, b"uvloop!!"))
+        pong, refused = b"", -1
+        async for f in raw.frames():
+            if f.type == RST_STREAM:
+                refused = f.stream
+            if f.type == PING:
+                pong = f.payload
+                break
+        raw.writer.close()
+        await listener.stop(0.1)
+        return pong, refused
+
+    assert uvloop.run(main()) == (b"uvloop!!", 3)

@@ -1,0 +1,456 @@
+"""One client connection of the endpoint: frames in, frames out, a stream per request."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from typing import Protocol, cast
+
+import hpack
+
+from sessiontape.transports.grpc.http2.frames import (
+    ACK,
+    COMPRESSION_ERROR,
+    CONTINUATION,
+    DATA,
+    DEFAULT_FRAME,
+    DEFAULT_WINDOW,
+    END_HEADERS,
+    END_STREAM,
+    ENHANCE_YOUR_CALM,
+    FLOW_CONTROL_ERROR,
+    FRAME_SIZE_ERROR,
+    GOAWAY,
+    HEAD,
+    HEADERS,
+    INTERNAL_ERROR,
+    MAX_FRAME,
+    MAX_HEADER_BLOCK,
+    MAX_HEADER_LIST,
+    MAX_WINDOW,
+    NO_ERROR,
+    PADDED,
+    PING,
+    PREFACE,
+    PRIORITY,
+    PRIORITY_FLAG,
+    PROTOCOL_ERROR,
+    PUSH_PROMISE,
+    RECEIVE_WINDOW,
+    REFUSED_STREAM,
+    RST_STREAM,
+    S_ENABLE_PUSH,
+    S_HEADER_TABLE_SIZE,
+    S_INITIAL_WINDOW_SIZE,
+    S_MAX_CONCURRENT_STREAMS,
+    S_MAX_FRAME_SIZE,
+    S_MAX_HEADER_LIST_SIZE,
+    SETTING,
+    SETTINGS,
+    STREAM_CLOSED,
+    U32,
+    WINDOW_UPDATE,
+    ConnectionFault,
+    Headers,
+    StreamFault,
+    frame,
+    unpad,
+)
+from sessiontape.transports.grpc.http2.stream import Stream
+
+log = logging.getLogger(__name__)
+
+
+class Handler(Protocol):
+    """What a connection tells about its streams."""
+
+    def accept(self, stream: Stream, headers: Headers) -> None:
+        """A request's headers came: start its call (it calls ``stream.release()`` when
+        it is done)."""
+
+    def cancel(self, stream: Stream) -> None:
+        """The stream's client reset it, or the connection ended: cancel its call."""
+
+
+class Connection(asyncio.Protocol):
+    """One client connection: frames in, frames out, a :class:`Stream` per request."""
+
+    def __init__(self, handler: Handler, *, max_streams: int) -> None:
+        self.handler = handler
+        self.max_streams = max_streams
+        self.transport: asyncio.Transport | None = None
+        self.streams: dict[int, Stream] = {}
+        self.out: list[bytes] = []
+        self.writable = True
+        self._waiters: list[asyncio.Future[None]] = []
+        self._buf = bytearray()
+        self._preface = False
+        self._settings_seen = False
+        self._encoder = hpack.Encoder()
+        self._decoder = hpack.Decoder()
+        self._decoder.max_header_list_size = MAX_HEADER_LIST
+        #: a header block whose CONTINUATION frames are still to come: stream, flags, bytes
+        self._block: tuple[int, int, bytearray] | None = None
+        self.last_stream = 0
+        self.send_window = DEFAULT_WINDOW
+        self.peer_initial_window = DEFAULT_WINDOW
+        self.peer_frame = DEFAULT_FRAME
+        #: bytes read on the connection and not yet given back to the client's window
+        self.unacked = 0
+        self.closed = False
+        self._goaway_received = False
+        self._dispatch = {
+            DATA: self._on_data,
+            HEADERS: self._on_headers,
+            PRIORITY: _ignore,
+            RST_STREAM: self._on_rst_stream,
+            SETTINGS: self._on_settings,
+            PUSH_PROMISE: self._on_push_promise,
+            PING: self._on_ping,
+            GOAWAY: self._on_goaway,
+            WINDOW_UPDATE: self._on_window_update,
+            CONTINUATION: self._on_continuation,
+        }
+
+    # -- asyncio's protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses: no isinstance here
+        self.transport = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        settings = b"".join(
+            SETTING.pack(k, v)
+            for k, v in (
+                (S_ENABLE_PUSH, 0),
+                (S_MAX_CONCURRENT_STREAMS, self.max_streams),
+                (S_INITIAL_WINDOW_SIZE, RECEIVE_WINDOW),
+                (S_MAX_HEADER_LIST_SIZE, MAX_HEADER_LIST),
+            )
+        )
+        self.out.append(frame(SETTINGS, 0, 0, settings))
+        self.out.append(frame(WINDOW_UPDATE, 0, 0, U32.pack(RECEIVE_WINDOW - DEFAULT_WINDOW)))
+        self.flush()
+
+    def data_received(self, data: bytes) -> None:
+        if self.closed:
+            return
+        buf = self._buf
+        buf += data
+        try:
+            pos = 0 if self._preface else self._read_preface(buf)
+            n = len(buf)
+            head, dispatch = HEAD, self._dispatch
+            while n - pos >= 9:
+                hi, lo, ftype, flags, stream_id = head.unpack_from(buf, pos)
+                length = hi << 16 | lo
+                if length > DEFAULT_FRAME:
+                    raise ConnectionFault(FRAME_SIZE_ERROR, f"a frame of {length} bytes")
+                end = pos + 9 + length
+                if end > n:
+                    break
+                payload = bytes(buf[pos + 9 : end])
+                pos = end
+                if self._block is not None and ftype != CONTINUATION:
+                    raise ConnectionFault(PROTOCOL_ERROR, "a header block left unfinished")
+                if not self._settings_seen and ftype != SETTINGS:
+                    raise ConnectionFault(PROTOCOL_ERROR, "the first frame is not SETTINGS")
+                handle = dispatch.get(ftype)
+                if handle is not None:  # unknown frame types are ignored (section 5.5)
+                    try:
+                        handle(flags, stream_id & 0x7FFFFFFF, payload)
+                    except StreamFault as exc:
+                        self._reset(exc.stream_id, exc.code)
+            del buf[:pos]
+        except ConnectionFault as exc:
+            log.debug("HTTP/2 connection error %d: %s", exc.code, exc)
+            self.close(str(exc), exc.code)
+            return
+        except Exception:  # a fault of this module's own: the connection cannot go on
+            log.exception("HTTP/2 connection failed")
+            self.close("internal error", INTERNAL_ERROR)
+            return
+        self.flush()
+
+    def pause_writing(self) -> None:
+        self.writable = False
+
+    def resume_writing(self) -> None:
+        self.writable = True
+        self._wake_writers()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._end("the connection was lost")
+
+    # -- writing
+
+    def write(self, data: bytes) -> None:
+        """``data`` after whatever control frames wait, in one write."""
+        t = self.transport
+        if t is None or t.is_closing():
+            return
+        if self.out:
+            self.out.append(data)
+            data = b"".join(self.out)
+            self.out.clear()
+        t.write(data)
+
+    def flush(self) -> None:
+        if self.out:
+            t = self.transport
+            if t is not None and not t.is_closing():
+                t.write(b"".join(self.out))
+            self.out.clear()
+
+    def give_back(self) -> None:
+        """Open the client's connection window by what was read since last time."""
+        if self.unacked:
+            self.out.append(frame(WINDOW_UPDATE, 0, 0, U32.pack(self.unacked)))
+            self.unacked = 0
+
+    def header_frames(self, stream_id: int, headers: Headers, end_stream: bool) -> bytes:
+        """A header block as HEADERS and, past the peer's frame size, CONTINUATION frames."""
+        block = self._encoder.encode(headers)
+        flags = END_STREAM if end_stream else 0
+        size = self.peer_frame
+        if len(block) <= size:
+            return frame(HEADERS, flags | END_HEADERS, stream_id, block)
+        parts = [frame(HEADERS, flags, stream_id, block[:size])]
+        for i in range(size, len(block), size):
+            last = i + size >= len(block)
+            parts.append(
+                frame(CONTINUATION, END_HEADERS if last else 0, stream_id, block[i : i + size])
+            )
+        return b"".join(parts)
+
+    async def until_writable(self) -> None:
+        """Wait until the transport takes writes again or a window opens (whichever a
+        writer waits for, it looks again), or the connection ends."""
+        if self.closed:
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        await fut
+
+    def _wake_writers(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    # -- the end
+
+    def going_away(self) -> None:
+        """The first GOAWAY of a graceful shutdown (RFC 9113 section 6.8): the client
+        opens no new streams here (its library goes to a new connection), and the streams
+        it has open, or opened before it read this, go on. :meth:`close` sends the last."""
+        if self.transport is not None and not self.closed:
+            self.out.append(frame(GOAWAY, 0, 0, U32.pack(MAX_WINDOW) + U32.pack(NO_ERROR)))
+            self.flush()
+
+    def close(self, reason: str, code: int = NO_ERROR) -> None:
+        """GOAWAY with ``code``, then the connection closed and its calls cancelled."""
+        if self.transport is not None and not self.closed:
+            self.out.append(frame(GOAWAY, 0, 0, U32.pack(self.last_stream) + U32.pack(code)))
+            self.flush()
+            self.transport.close()
+        self._end(reason)
+
+    def _end(self, reason: str) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.transport = None
+        for stream in list(self.streams.values()):
+            stream._lose(reason)
+            self.handler.cancel(stream)
+        self._wake_writers()
+
+    def _reset(self, stream_id: int, code: int) -> None:
+        stream = self.streams.get(stream_id)
+        self.out.append(frame(RST_STREAM, 0, stream_id, U32.pack(code)))
+        if stream is not None:
+            stream.local_closed = True
+            stream._lose(f"reset by the server (error {code})")
+            self.handler.cancel(stream)
+
+    # -- reading
+
+    def _read_preface(self, buf: bytearray) -> int:
+        have = bytes(buf[: len(PREFACE)])
+        if not PREFACE.startswith(have):
+            raise ConnectionFault(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
+        if len(have) < len(PREFACE):
+            return len(buf)  # wait for the rest, reading nothing past it
+        self._preface = True
+        return len(PREFACE)
+
+    def _on_settings(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if stream_id:
+            raise ConnectionFault(PROTOCOL_ERROR, "SETTINGS on a stream")
+        if flags & ACK:
+            if payload:
+                raise ConnectionFault(FRAME_SIZE_ERROR, "a SETTINGS acknowledgement with a body")
+            return
+        if len(payload) % 6:
+            raise ConnectionFault(FRAME_SIZE_ERROR, "SETTINGS of a length not a multiple of 6")
+        self._settings_seen = True
+        for i in range(0, len(payload), 6):
+            key, value = SETTING.unpack_from(payload, i)
+            if key == S_INITIAL_WINDOW_SIZE:
+                if value > MAX_WINDOW:
+                    raise ConnectionFault(FLOW_CONTROL_ERROR, "an initial window over 2^31-1")
+                delta = value - self.peer_initial_window
+                self.peer_initial_window = value
+                for stream in self.streams.values():
+                    stream.send_window += delta
+                    if stream.send_window > MAX_WINDOW:
+                        raise ConnectionFault(FLOW_CONTROL_ERROR, "a window over 2^31-1")
+                self._wake_writers()
+            elif key == S_MAX_FRAME_SIZE:
+                if not DEFAULT_FRAME <= value <= MAX_FRAME:
+                    raise ConnectionFault(PROTOCOL_ERROR, f"a frame size of {value}")
+                self.peer_frame = value
+            elif key == S_HEADER_TABLE_SIZE:
+                self._encoder.header_table_size = value
+            elif key == S_ENABLE_PUSH and value > 1:
+                raise ConnectionFault(PROTOCOL_ERROR, f"ENABLE_PUSH {value}")
+        self.out.append(frame(SETTINGS, ACK, 0))
+
+    def _on_ping(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if stream_id:
+            raise ConnectionFault(PROTOCOL_ERROR, "PING on a stream")
+        if len(payload) != 8:
+            raise ConnectionFault(FRAME_SIZE_ERROR, "a PING not of 8 bytes")
+        if not flags & ACK:
+            self.out.append(frame(PING, ACK, 0, payload))
+
+    def _on_goaway(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if stream_id:
+            raise ConnectionFault(PROTOCOL_ERROR, "GOAWAY on a stream")
+        self._goaway_received = True  # the client opens no more streams; those open go on
+
+    def _on_window_update(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if len(payload) != 4:
+            raise ConnectionFault(FRAME_SIZE_ERROR, "a WINDOW_UPDATE not of 4 bytes")
+        inc = U32.unpack(payload)[0] & 0x7FFFFFFF
+        if stream_id == 0:
+            if inc == 0:
+                raise ConnectionFault(PROTOCOL_ERROR, "a WINDOW_UPDATE of 0")
+            self.send_window += inc
+            if self.send_window > MAX_WINDOW:
+                raise ConnectionFault(FLOW_CONTROL_ERROR, "a window over 2^31-1")
+        else:
+            self._idle_check(stream_id)
+            stream = self.streams.get(stream_id)
+            if stream is None:
+                return  # a stream already closed: allowed for a while (section 6.9)
+            if inc == 0:
+                raise StreamFault(stream_id, PROTOCOL_ERROR)
+            stream.send_window += inc
+            if stream.send_window > MAX_WINDOW:
+                raise StreamFault(stream_id, FLOW_CONTROL_ERROR)
+        if self._waiters:
+            self._wake_writers()
+
+    def _on_rst_stream(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if len(payload) != 4:
+            raise ConnectionFault(FRAME_SIZE_ERROR, "an RST_STREAM not of 4 bytes")
+        if stream_id == 0:
+            raise ConnectionFault(PROTOCOL_ERROR, "RST_STREAM on stream 0")
+        self._idle_check(stream_id)
+        stream = self.streams.get(stream_id)
+        if stream is not None:
+            stream.local_closed = True
+            stream._lose(f"reset by the client (error {U32.unpack(payload)[0]})")
+            self.handler.cancel(stream)
+
+    def _on_push_promise(self, flags: int, stream_id: int, payload: bytes) -> None:
+        raise ConnectionFault(PROTOCOL_ERROR, "PUSH_PROMISE from a client")
+
+    def _idle_check(self, stream_id: int) -> None:
+        if stream_id > self.last_stream:
+            raise ConnectionFault(PROTOCOL_ERROR, f"a frame on idle stream {stream_id}")
+
+    def _on_data(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if stream_id == 0:
+            raise ConnectionFault(PROTOCOL_ERROR, "DATA on stream 0")
+        self._idle_check(stream_id)
+        size = len(payload)  # all of it counts against the windows, padding too
+        data = unpad(flags, payload) if flags & PADDED else payload
+        stream = self.streams.get(stream_id)
+        if stream is None or stream.remote_closed or stream.gone is not None:
+            # a stream this side has done with: its bytes go back to the window at once
+            self.unacked += size
+            self.give_back()
+            if stream is not None and stream.remote_closed and stream.gone is None:
+                raise StreamFault(stream_id, STREAM_CLOSED)
+            return
+        if size > stream.recv_window:
+            raise ConnectionFault(FLOW_CONTROL_ERROR, f"stream {stream_id} overran its window")
+        stream.recv_window -= size
+        if size > len(data):  # the padding is never read: give it back now
+            self.unacked += size - len(data)
+            stream._unacked += size - len(data)
+        if data:
+            stream._data(data)
+        if flags & END_STREAM:
+            stream._end()
+
+    def _on_headers(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if stream_id == 0 or not stream_id & 1:
+            raise ConnectionFault(PROTOCOL_ERROR, f"HEADERS on stream {stream_id}")
+        block = unpad(flags, payload) if flags & PADDED else payload
+        if flags & PRIORITY_FLAG:
+            if len(block) < 5:
+                raise ConnectionFault(FRAME_SIZE_ERROR, "HEADERS too short for its priority")
+            block = block[5:]
+        if flags & END_HEADERS:
+            self._headers(stream_id, flags, block)
+        else:
+            self._block = (stream_id, flags, bytearray(block))
+
+    def _on_continuation(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if self._block is None or self._block[0] != stream_id:
+            raise ConnectionFault(PROTOCOL_ERROR, "CONTINUATION out of place")
+        sid, first_flags, block = self._block
+        block += payload
+        if len(block) > MAX_HEADER_BLOCK:
+            raise ConnectionFault(ENHANCE_YOUR_CALM, "a header block too large")
+        if flags & END_HEADERS:
+            self._block = None
+            self._headers(sid, first_flags, bytes(block))
+
+    def _headers(self, stream_id: int, flags: int, block: bytes) -> None:
+        # decoded whatever becomes of the stream: HPACK's table is the connection's
+        try:
+            # a list of (str, str) tuples (hpack decodes UTF-8)
+            headers: Headers | None = cast(Headers, self._decoder.decode(block))
+        except hpack.OversizedHeaderListError:
+            headers = None  # the table is intact: only this request is refused
+        except (hpack.HPACKError, UnicodeDecodeError, ValueError) as exc:
+            raise ConnectionFault(COMPRESSION_ERROR, f"a header block: {exc}") from None
+        stream = self.streams.get(stream_id)
+        if stream_id <= self.last_stream:
+            if stream is None:
+                return  # trailers of a stream this side has done with
+            if stream.remote_closed or not flags & END_STREAM:
+                raise StreamFault(stream_id, PROTOCOL_ERROR)
+            stream._end()  # the request's trailers: gRPC has none to read
+            return
+        self.last_stream = stream_id
+        if headers is None:
+            raise StreamFault(stream_id, PROTOCOL_ERROR)
+        if len(self.streams) >= self.max_streams or self._goaway_received or self.closed:
+            raise StreamFault(stream_id, REFUSED_STREAM)
+        stream = Stream(self, stream_id, self.peer_initial_window)
+        self.streams[stream_id] = stream
+        if flags & END_STREAM:
+            stream.remote_closed = True
+        self.handler.accept(stream, headers)
+
+
+def _ignore(flags: int, stream_id: int, payload: bytes) -> None:
+    pass
