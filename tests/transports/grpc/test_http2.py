@@ -288,6 +288,30 @@ async def test_padded_frames_and_header_blocks_in_continuations_are_read(server:
     assert list((await server.runtime.load(sid)).tokens) == [7, 8]
 
 
+async def test_a_client_writing_a_byte_at_a_time_is_understood(server: Served) -> None:
+    """The preface, the frame headers and the payloads cut at every byte: one request."""
+    port = server.transport.port
+    assert port is not None
+    sid = await kakeya_session(server)
+    raw = await connect(port, preface=False)
+    body = grpc_frame(kpb.AppendTokensRequest(session_id=sid, token_ids=[6]).SerializeToString())
+    data = PREFACE + fr(SETTINGS, 0, 0) + raw.headers(1, port) + fr(DATA, END_STREAM, 1, body)
+    for i in range(len(data)):
+        raw.send(data[i : i + 1])
+        await raw.writer.drain()
+        await asyncio.sleep(0)
+    decoder = hpack.Decoder()
+    status = None
+    async for f in raw.frames():
+        if f.type == HEADERS:
+            status = dict(decoder.decode(f.payload)).get("grpc-status", status)
+            if f.flags & END_STREAM:
+                break
+    raw.writer.close()
+    assert status == "0"
+    assert list((await server.runtime.load(sid)).tokens) == [6]
+
+
 async def test_a_request_wider_than_the_windows_arrives_whole(serve: Serve) -> None:
     """A 6 MiB request (the stream's and the connection's receive windows are 4 MiB): the
     endpoint opens the windows as the bytes come, before the message is whole."""

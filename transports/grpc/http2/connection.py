@@ -138,20 +138,28 @@ class Connection(asyncio.Protocol):
         if self.closed:
             return
         buf = self._buf
-        buf += data
+        if buf:  # the rest of a frame that came before: one copy, then frames are slices
+            buf += data
+            data = bytes(buf)
+            buf.clear()
         try:
-            pos = 0 if self._preface else self._read_preface(buf)
-            n = len(buf)
+            pos = 0
+            if not self._preface:
+                pos = self._read_preface(data)
+                if not pos:  # not all of it yet
+                    buf += data
+                    return
+            n = len(data)
             head, dispatch = HEAD, self._dispatch
             while n - pos >= 9:
-                hi, lo, ftype, flags, stream_id = head.unpack_from(buf, pos)
+                hi, lo, ftype, flags, stream_id = head.unpack_from(data, pos)
                 length = hi << 16 | lo
                 if length > DEFAULT_FRAME:
                     raise ConnectionFault(FRAME_SIZE_ERROR, f"a frame of {length} bytes")
                 end = pos + 9 + length
                 if end > n:
                     break
-                payload = bytes(buf[pos + 9 : end])
+                payload = data[pos + 9 : end]
                 pos = end
                 if self._block is not None and ftype != CONTINUATION:
                     raise ConnectionFault(PROTOCOL_ERROR, "a header block left unfinished")
@@ -163,7 +171,8 @@ class Connection(asyncio.Protocol):
                         handle(flags, stream_id & 0x7FFFFFFF, payload)
                     except StreamFault as exc:
                         self._reset(exc.stream_id, exc.code)
-            del buf[:pos]
+            if pos < n:
+                buf += data[pos:]
         except ConnectionFault as exc:
             log.debug("HTTP/2 connection error %d: %s", exc.code, exc)
             self.close(str(exc), exc.code)
@@ -278,12 +287,12 @@ class Connection(asyncio.Protocol):
 
     # -- reading
 
-    def _read_preface(self, buf: bytearray) -> int:
-        have = bytes(buf[: len(PREFACE)])
-        if not PREFACE.startswith(have):
+    def _read_preface(self, data: bytes) -> int:
+        """The preface's length once it came whole, 0 while it is still coming."""
+        if not data.startswith(PREFACE):
+            if PREFACE.startswith(data):
+                return 0
             raise ConnectionFault(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
-        if len(have) < len(PREFACE):
-            return len(buf)  # wait for the rest, reading nothing past it
         self._preface = True
         return len(PREFACE)
 
