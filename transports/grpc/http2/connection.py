@@ -83,6 +83,9 @@ class Connection(asyncio.Protocol):
         self.streams: dict[int, Stream] = {}
         self.out: list[bytes] = []
         self.writable = True
+        #: whether a write of ``out`` is due at the end of this loop pass
+        self._flush_soon = False
+        self._loop = asyncio.get_running_loop()  # protocols are made in the loop
         self._waiters: list[asyncio.Future[None]] = []
         self._buf = bytearray()
         self._preface = False
@@ -196,17 +199,22 @@ class Connection(asyncio.Protocol):
     # -- writing
 
     def write(self, data: bytes) -> None:
-        """``data`` after whatever control frames wait, in one write."""
-        t = self.transport
-        if t is None or t.is_closing():
+        """``data`` after whatever frames wait, written once the loop's ready callbacks
+        have run: the writes of one loop pass (a call's last messages and its trailers,
+        the runs of several calls) go in one ``send``."""
+        if self.transport is None:
             return
-        if self.out:
-            self.out.append(data)
-            data = b"".join(self.out)
-            self.out.clear()
-        t.write(data)
+        self.out.append(data)
+        if not self._flush_soon:
+            self._flush_soon = True
+            self._loop.call_soon(self._flush_now)
+
+    def _flush_now(self) -> None:
+        self._flush_soon = False
+        self.flush()
 
     def flush(self) -> None:
+        """Whatever frames wait, written now."""
         if self.out:
             t = self.transport
             if t is not None and not t.is_closing():
