@@ -6,6 +6,7 @@ and leaves the log and the server's other connections as they were."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import struct
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ DATA, HEADERS, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY = 0, 1, 3, 4, 5,
 WINDOW_UPDATE, CONTINUATION = 8, 9
 END_STREAM, END_HEADERS, PADDED = 0x1, 0x4, 0x8
 PROTOCOL_ERROR, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR = 0x1, 0x3, 0x6
-REFUSED_STREAM, COMPRESSION_ERROR = 0x7, 0x9
+REFUSED_STREAM, COMPRESSION_ERROR, ENHANCE_YOUR_CALM = 0x7, 0x9, 0xB
 
 
 def fr(ftype: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
@@ -187,8 +188,8 @@ async def test_a_protocol_error_ends_the_connection_with_its_goaway_code(
     await still_serves(server)
 
 
-@pytest.fixture
-async def idle() -> AsyncIterator[int]:
+@contextlib.asynccontextmanager
+async def idle_endpoint(max_streams: int = 10) -> AsyncIterator[int]:
     """An endpoint whose one method never reads its requests (its stream's bytes stay
     unread), on a free port."""
 
@@ -196,9 +197,17 @@ async def idle() -> AsyncIterator[int]:
         await asyncio.sleep(30)
 
     method = calls.Method(IDLE, True, False, wait, bytes, bytes)
-    listener = Listener({IDLE: method}, max_message_bytes=1 << 20, max_streams=10)
-    yield await listener.start("127.0.0.1", 0)
-    await listener.stop(0.1)
+    listener = Listener({IDLE: method}, max_message_bytes=1 << 20, max_streams=max_streams)
+    try:
+        yield await listener.start("127.0.0.1", 0)
+    finally:
+        await listener.stop(0.1)
+
+
+@pytest.fixture
+async def idle() -> AsyncIterator[int]:
+    async with idle_endpoint() as port:
+        yield port
 
 
 async def test_data_past_the_stream_window_is_a_flow_control_error(idle: int) -> None:
@@ -410,3 +419,54 @@ def test_the_endpoint_runs_on_uvloops_transports() -> None:
         return pong, refused
 
     assert uvloop.run(main()) == (b"uvloop!!", 3)
+
+
+async def test_a_rapid_reset_flood_ends_the_connection() -> None:
+    """Streams opened and reset at once (CVE-2023-44487's "rapid reset": each a call
+    started and cancelled), past a thousand in a second: GOAWAY ENHANCE_YOUR_CALM. Three
+    hundred in a row are a client's right (test_calls: the connection goes on)."""
+    async with idle_endpoint(max_streams=5_000) as port:
+        raw = await connect(port)
+        frames = []
+        for i in range(1_100):
+            sid = 1 + 2 * i
+            frames += [raw.headers(sid, port, IDLE), fr(RST_STREAM, 0, sid, struct.pack(">I", 8))]
+        raw.send(*frames)
+        assert await raw.goaway() == ENHANCE_YOUR_CALM
+
+
+async def test_a_header_list_over_64_kib_is_a_compression_error(server: Served) -> None:
+    port = server.transport.port
+    assert port is not None
+    raw = await connect(port)
+    headers = request_headers(port, APPEND, extra=tuple((f"x-{i}", "v" * 1000) for i in range(70)))
+    block = raw.encoder.encode(headers)
+    chunks = [block[i : i + 16_384] for i in range(0, len(block), 16_384)]
+    raw.send(fr(HEADERS, 0, 1, chunks[0]), *(fr(CONTINUATION, 0, 1, c) for c in chunks[1:-1]))
+    raw.send(fr(CONTINUATION, END_HEADERS, 1, chunks[-1]))
+    assert await raw.goaway() == COMPRESSION_ERROR
+    await still_serves(server)
+
+
+async def test_a_client_that_does_not_read_is_not_read(idle: int) -> None:
+    """PINGs sent by a client that reads none of their answers: once the answers fill
+    the socket, the server stops reading the client (its writes stall) rather than
+    queue answers without bound; once the client reads, the server answers again."""
+    raw = await connect(idle)
+    ping = fr(PING, 0, 0, b"12345678") * 4096  # 68 KiB a write
+    stalled = False
+    for _ in range(2_000):  # at most 136 MiB
+        raw.writer.write(ping)
+        try:
+            await asyncio.wait_for(raw.writer.drain(), 0.5)
+        except TimeoutError:
+            stalled = True
+            break
+    assert stalled, "the server read everything and queued every answer"
+    raw.send(fr(PING, 0, 0, b"the last"))
+    async for f in raw.frames():  # reading now: every answer comes, the last one too
+        if f.type == PING and f.payload == b"the last":
+            break
+    else:
+        pytest.fail("the server did not go back to reading")
+    raw.writer.close()

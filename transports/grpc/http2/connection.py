@@ -28,6 +28,7 @@ from sessiontape.transports.grpc.http2.frames import (
     MAX_FRAME,
     MAX_HEADER_BLOCK,
     MAX_HEADER_LIST,
+    MAX_RESETS_PER_S,
     MAX_WINDOW,
     NO_ERROR,
     PADDED,
@@ -103,6 +104,9 @@ class Connection(asyncio.Protocol):
         self.unacked = 0
         self.closed = False
         self._goaway_received = False
+        #: running streams the client reset in the second since ``_resets_since``
+        self._resets = 0
+        self._resets_since = 0.0
         self._dispatch = {
             DATA: self._on_data,
             HEADERS: self._on_headers,
@@ -187,10 +191,16 @@ class Connection(asyncio.Protocol):
         self.flush()
 
     def pause_writing(self) -> None:
+        # a client that does not read what it is sent is not read either: its PINGs and
+        # SETTINGS would otherwise queue their answers without bound
         self.writable = False
+        if self.transport is not None:
+            self.transport.pause_reading()
 
     def resume_writing(self) -> None:
         self.writable = True
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
         self._wake_writers()
 
     def connection_lost(self, exc: BaseException | None) -> None:
@@ -380,9 +390,21 @@ class Connection(asyncio.Protocol):
         self._idle_check(stream_id)
         stream = self.streams.get(stream_id)
         if stream is not None:
+            self._count_reset()
             stream.local_closed = True
             stream._lose(f"reset by the client (error {U32.unpack(payload)[0]})")
             self.handler.cancel(stream)
+
+    def _count_reset(self) -> None:
+        """A client that opens and resets streams faster than :data:`MAX_RESETS_PER_S`
+        (the "rapid reset" attack: each stream a call started and cancelled, none
+        counted against ``max_streams``) loses its connection."""
+        now = self._loop.time()
+        if now - self._resets_since >= 1.0:
+            self._resets_since, self._resets = now, 0
+        self._resets += 1
+        if self._resets > MAX_RESETS_PER_S:
+            raise ConnectionFault(ENHANCE_YOUR_CALM, "too many streams reset by the client")
 
     def _on_push_promise(self, flags: int, stream_id: int, payload: bytes) -> None:
         raise ConnectionFault(PROTOCOL_ERROR, "PUSH_PROMISE from a client")
@@ -444,10 +466,10 @@ class Connection(asyncio.Protocol):
         # decoded whatever becomes of the stream: HPACK's table is the connection's
         try:
             # a list of (str, str) tuples (hpack decodes UTF-8)
-            headers: Headers | None = cast(Headers, self._decoder.decode(block))
-        except hpack.OversizedHeaderListError:
-            headers = None  # the table is intact: only this request is refused
+            headers = cast(Headers, self._decoder.decode(block))
         except (hpack.HPACKError, UnicodeDecodeError, ValueError) as exc:
+            # an oversized list too: hpack stops inside the block, so the table may not
+            # be the client's any more
             raise ConnectionFault(COMPRESSION_ERROR, f"a header block: {exc}") from None
         stream = self.streams.get(stream_id)
         if stream_id <= self.last_stream:
@@ -458,8 +480,6 @@ class Connection(asyncio.Protocol):
             stream._end()  # the request's trailers: gRPC has none to read
             return
         self.last_stream = stream_id
-        if headers is None:
-            raise StreamFault(stream_id, PROTOCOL_ERROR)
         if len(self.streams) >= self.max_streams or self._goaway_received or self.closed:
             raise StreamFault(stream_id, REFUSED_STREAM)
         stream = Stream(self, stream_id, self.peer_initial_window)

@@ -31,6 +31,8 @@ MAX_FRAME = 2**24 - 1
 RECEIVE_WINDOW = 4 * 1024 * 1024
 #: the largest header list this side takes (advertised in its settings)
 MAX_HEADER_LIST = 64 * 1024
+#: running streams a client may reset in one second before its connection is ended
+MAX_RESETS_PER_S = 1_000
 #: a header block larger than this, across its CONTINUATION frames, ends the connection
 MAX_HEADER_BLOCK = 2 * MAX_HEADER_LIST
 
