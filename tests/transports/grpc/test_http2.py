@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from sessiontape.engines.reference import ReferenceEngine
 from sessiontape.transports.grpc import calls
 from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2 as kpb
 from sessiontape.transports.grpc.listener import Listener
@@ -489,3 +490,56 @@ async def test_a_client_that_does_not_read_is_not_read(idle: int) -> None:
     else:
         pytest.fail("the server did not go back to reading")
     raw.writer.close()
+
+
+async def test_grpclibs_client_on_the_endpoint(server: Served) -> None:
+    """A second gRPC client library, with an HTTP/2 of its own (h2): unary calls one
+    after another on one connection, then a server-streaming call of 3,000 tokens whose
+    every token is the one the log holds."""
+    from grpclib.client import Channel
+    from grpclib.const import Cardinality
+
+    port = server.transport.port
+    assert port is not None
+    engine = server.runtime.engine
+    assert isinstance(engine, ReferenceEngine)
+    engine.eos_bias = -1000.0
+    channel = Channel("127.0.0.1", port)
+    try:
+        async with channel.request(
+            "/kakeya.v1.RuntimeService/CreateSession",
+            Cardinality.UNARY_UNARY,
+            kpb.CreateSessionRequest,
+            kpb.CreateSessionResponse,
+        ) as call:
+            await call.send_message(kpb.CreateSessionRequest(), end=True)
+            sid = (await call.recv_message()).session_id
+
+        async def append(tokens: list[int]) -> int:
+            async with channel.request(
+                APPEND, Cardinality.UNARY_UNARY, kpb.AppendTokensRequest, kpb.AppendTokensResponse
+            ) as call:
+                await call.send_message(
+                    kpb.AppendTokensRequest(session_id=sid, token_ids=tokens), end=True
+                )
+                reply = await call.recv_message()
+                assert reply is not None
+                return int(reply.history_length)
+
+        lengths = [await append([i]) for i in range(1, 6)]
+        assert lengths == [1, 2, 3, 4, 5]
+        async with channel.request(
+            "/kakeya.v1.RuntimeService/Generate",
+            Cardinality.UNARY_STREAM,
+            kpb.GenerateRequest,
+            kpb.GenerateResponse,
+        ) as call:
+            await call.send_message(
+                kpb.GenerateRequest(session_id=sid, max_tokens=3000, seed=1), end=True
+            )
+            replies = [m async for m in call]
+    finally:
+        channel.close()
+    tokens = [m.token_id for m in replies if m.WhichOneof("payload") == "token_id"]
+    assert len(tokens) == 3000 and replies[-1].done.generated_token_count == 3000
+    assert list((await server.runtime.load(sid)).tokens)[5:] == tokens
