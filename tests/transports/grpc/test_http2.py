@@ -543,3 +543,59 @@ async def test_grpclibs_client_on_the_endpoint(server: Served) -> None:
     tokens = [m.token_id for m in replies if m.WhichOneof("payload") == "token_id"]
     assert len(tokens) == 3000 and replies[-1].done.generated_token_count == 3000
     assert list((await server.runtime.load(sid)).tokens)[5:] == tokens
+
+
+def _two_methods() -> Listener:
+    def named(name: bytes) -> calls.Method:
+        async def answer(request: bytes, ctx: object) -> bytes:
+            return name + request
+
+        return calls.Method(f"/t.T/{name.decode()}", False, False, answer, bytes, bytes)
+
+    methods = {m.path: m for m in (named(b"A"), named(b"B"))}
+    return Listener(methods, max_message_bytes=1 << 20, max_streams=10)
+
+
+async def test_a_repeated_header_block_is_read_against_the_table_as_it_is_now() -> None:
+    """A block of only indexed fields means what the table holds now: the same bytes
+    that named method A name B once B's request changed the table (a decoded block
+    kept from before would route it to A)."""
+    listener = _two_methods()
+    port = await listener.start("127.0.0.1", 0)
+    enc = hpack.Encoder()
+
+    def block(path: str) -> bytes:
+        return enc.encode(
+            [
+                (":method", "POST"),
+                (":scheme", "http"),
+                (":authority", "x"),
+                ("content-type", "application/grpc"),
+                ("te", "trailers"),
+                (":path", path),
+            ]
+        )
+
+    first_a, again_a, first_b = block("/t.T/A"), block("/t.T/A"), block("/t.T/B")
+    assert max(again_a) < 0xFF and min(again_a) > 0x80  # only one-byte indexed fields
+    # the client's own view of what again_a now means: its last :path is B's
+    shadow = hpack.Decoder()
+    for b in (first_a, again_a, first_b):
+        shadow.decode(b)
+    assert dict(shadow.decode(again_a))[":path"] == "/t.T/B"
+    raw = await connect(port)
+    answers: dict[int, bytes] = {}
+    try:
+        for sid, b in ((1, first_a), (3, again_a), (5, first_b), (7, again_a)):
+            raw.send(
+                fr(HEADERS, END_HEADERS, sid, b), fr(DATA, END_STREAM, sid, grpc_frame(b"%d" % sid))
+            )
+        async for f in raw.frames():
+            if f.type == DATA:
+                answers[f.stream] = f.payload[5:]
+            if len(answers) == 4:
+                break
+    finally:
+        raw.writer.close()
+        await listener.stop(0.1)
+    assert answers == {1: b"A1", 3: b"A3", 5: b"B5", 7: b"B7"}

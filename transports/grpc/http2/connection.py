@@ -62,6 +62,14 @@ from sessiontape.transports.grpc.http2.stream import Stream
 
 log = logging.getLogger(__name__)
 
+#: the bytes of HPACK's one-byte indexed fields (RFC 7541 section 6.1: indices 1-126).
+#: A block of only these reads the table without changing it, so while no other block
+#: changed the table it decodes as it did before: a client's repeated requests (grpcio
+#: sends the same block for every call of a method without a deadline) are looked up.
+_ONE_BYTE_INDEXED = bytes(range(0x81, 0xFF))
+#: how many such blocks a connection keeps decoded
+DECODED_BLOCKS = 64
+
 
 class Handler(Protocol):
     """What a connection tells about its streams."""
@@ -94,6 +102,8 @@ class Connection(asyncio.Protocol):
         self._encoder = hpack.Encoder()
         self._decoder = hpack.Decoder()
         self._decoder.max_header_list_size = MAX_HEADER_LIST
+        #: header blocks of only indexed fields, decoded, while the table is unchanged
+        self._decoded: dict[bytes, Headers] = {}
         #: a header block whose CONTINUATION frames are still to come: stream, flags, bytes
         self._block: tuple[int, int, bytearray] | None = None
         self.last_stream = 0
@@ -464,13 +474,21 @@ class Connection(asyncio.Protocol):
 
     def _headers(self, stream_id: int, flags: int, block: bytes) -> None:
         # decoded whatever becomes of the stream: HPACK's table is the connection's
-        try:
-            # a list of (str, str) tuples (hpack decodes UTF-8)
-            headers = cast(Headers, self._decoder.decode(block))
-        except (hpack.HPACKError, UnicodeDecodeError, ValueError) as exc:
-            # an oversized list too: hpack stops inside the block, so the table may not
-            # be the client's any more
-            raise ConnectionFault(COMPRESSION_ERROR, f"a header block: {exc}") from None
+        headers = self._decoded.get(block)
+        if headers is None:
+            try:
+                # (str, str) tuples (hpack decodes UTF-8)
+                headers = tuple(cast(Headers, self._decoder.decode(block)))
+            except (hpack.HPACKError, UnicodeDecodeError, ValueError) as exc:
+                # an oversized list too: hpack stops inside the block, so the table may
+                # not be the client's any more
+                raise ConnectionFault(COMPRESSION_ERROR, f"a header block: {exc}") from None
+            if block.translate(None, _ONE_BYTE_INDEXED):
+                self._decoded.clear()  # the block may have changed the table
+            else:
+                if len(self._decoded) >= DECODED_BLOCKS:
+                    self._decoded.clear()
+                self._decoded[block] = headers
         stream = self.streams.get(stream_id)
         if stream_id <= self.last_stream:
             if stream is None:
