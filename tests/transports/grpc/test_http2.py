@@ -163,6 +163,21 @@ def _violations(port: int, enc: hpack.Encoder) -> dict[str, tuple[bytes, int]]:
             PREFACE + fr(SETTINGS, 0, 0, struct.pack(">HI", 5, 100)),
             PROTOCOL_ERROR,
         ),
+        "priority-on-stream-0": (
+            PREFACE + fr(SETTINGS, 0, 0) + fr(2, 0, 0, b"\0" * 5),
+            PROTOCOL_ERROR,
+        ),
+        "goaway-of-4-bytes": (
+            PREFACE + fr(SETTINGS, 0, 0) + fr(GOAWAY, 0, 0, b"\0" * 4),
+            FRAME_SIZE_ERROR,
+        ),
+        "headers-reusing-a-closed-stream": (
+            PREFACE
+            + fr(SETTINGS, 0, 0)
+            + fr(HEADERS, END_HEADERS | END_STREAM, 3, head)
+            + fr(HEADERS, END_HEADERS, 1, head),
+            PROTOCOL_ERROR,
+        ),
         "ping-of-7-bytes": (
             PREFACE + fr(SETTINGS, 0, 0) + fr(PING, 0, 0, b"1234567"),
             FRAME_SIZE_ERROR,
@@ -211,36 +226,147 @@ async def idle() -> AsyncIterator[int]:
         yield port
 
 
-async def test_data_past_the_stream_window_is_a_flow_control_error(idle: int) -> None:
+async def test_data_past_the_stream_window_resets_that_stream_alone(idle: int) -> None:
+    """A stream's 1 MiB window taken by a call that does not read, then a byte more:
+    RST_STREAM FLOW_CONTROL_ERROR on that stream; the connection goes on."""
     raw = await connect(idle)
     raw.send(raw.headers(1, idle, IDLE))
     chunk = b"\0" * 16_384
-    raw.send(*(fr(DATA, 0, 1, chunk) for _ in range(4 * 64)))  # the window's 4 MiB: taken
-    raw.send(fr(DATA, 0, 1, b"\0"))  # one byte past it
-    assert await raw.goaway() == FLOW_CONTROL_ERROR
-
-
-async def test_bytes_of_a_stream_reset_before_it_read_go_back_to_the_window(idle: int) -> None:
-    """4 MiB sent on a stream whose call never reads, then the stream reset: the bytes
-    come back to the connection's window, and a second stream's 4 MiB go through."""
-    raw = await connect(idle)
-    chunk = b"\0" * 16_384
-    raw.send(raw.headers(1, idle, IDLE), *(fr(DATA, 0, 1, chunk) for _ in range(4 * 64)))
-    raw.send(fr(RST_STREAM, 0, 1, struct.pack(">I", 8)))
-    returned = 0
-    async for f in raw.frames():
-        if f.type == WINDOW_UPDATE and f.stream == 0:
-            returned += struct.unpack(">I", f.payload)[0]
-            if returned >= 4 * 1024 * 1024:
-                break
-    assert returned >= 4 * 1024 * 1024
-    raw.send(raw.headers(3, idle, IDLE), *(fr(DATA, 0, 3, chunk) for _ in range(4 * 64)))
-    raw.send(fr(PING, 0, 0, b"12345678"))
+    raw.send(*(fr(DATA, 0, 1, chunk) for _ in range(64)))  # the stream's 1 MiB: taken
+    raw.send(fr(DATA, 0, 1, b"\0"), fr(PING, 0, 0, b"12345678"))  # one byte past it
+    reset = None
     async for f in raw.frames():
         assert f.type != GOAWAY, f
+        if f.type == RST_STREAM:
+            reset = (f.stream, struct.unpack(">I", f.payload)[0])
         if f.type == PING:
             break
     raw.writer.close()
+    assert reset == (1, FLOW_CONTROL_ERROR)
+
+
+async def test_the_connection_window_comes_back_as_bytes_arrive(idle: int) -> None:
+    """Bytes on streams whose calls never read go back to the connection's window as
+    they come: 8 MiB over eight such streams, twice the connection's window, all taken
+    without an error, and answered by WINDOW_UPDATEs on stream 0 worth about as much."""
+    raw = await connect(idle)
+    chunk = b"\0" * 16_384
+    for sid in range(1, 17, 2):
+        raw.send(raw.headers(sid, idle, IDLE), *(fr(DATA, 0, sid, chunk) for _ in range(64)))
+    raw.send(fr(PING, 0, 0, b"12345678"))
+    returned = 0
+    async for f in raw.frames():
+        assert f.type not in (GOAWAY, RST_STREAM), f
+        if f.type == WINDOW_UPDATE and f.stream == 0:
+            returned += struct.unpack(">I", f.payload)[0]
+        if f.type == PING:
+            break
+    raw.writer.close()
+    assert returned >= 8 * 1024 * 1024 - 1024 * 1024  # all but the last quarter-window
+
+
+async def test_a_stream_that_is_not_read_holds_up_no_other_call() -> None:
+    """grpcio puts a channel's calls on one connection. A client-streaming call whose
+    servicer does not read yet, its client uploading 4 MiB, leaves the channel's other
+    calls answered."""
+
+    async def later(requests: object, ctx: object) -> bytes:
+        await asyncio.sleep(30)
+        return b""
+
+    async def echo(request: bytes, ctx: object) -> bytes:
+        return request
+
+    methods = {
+        "/t.T/Later": calls.Method("/t.T/Later", True, False, later, bytes, bytes),
+        "/t.T/Echo": calls.Method("/t.T/Echo", False, False, echo, bytes, bytes),
+    }
+    listener = Listener(methods, max_message_bytes=8 << 20, max_streams=10)
+    port = await listener.start("127.0.0.1", 0)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            upload = ch.stream_unary(
+                "/t.T/Later", request_serializer=bytes, response_deserializer=bytes
+            )
+
+            async def chunks() -> AsyncIterator[bytes]:
+                for _ in range(64):
+                    yield b"u" * 65_536
+
+            held = upload(chunks())
+            await asyncio.sleep(0.5)  # the upload fills what windows it may
+            echo_stub = ch.unary_unary(
+                "/t.T/Echo", request_serializer=bytes, response_deserializer=bytes
+            )
+            assert await echo_stub(b"still here", timeout=5) == b"still here"
+            held.cancel()
+    finally:
+        await listener.stop(0.1)
+
+
+async def test_padding_goes_back_to_the_windows() -> None:
+    """4 MiB of padding (four times a stream's window) before a small message on one
+    stream: the padding is given back as it comes, and the call is answered."""
+
+    async def echo(request: bytes, ctx: object) -> bytes:
+        return request
+
+    method = calls.Method("/t.T/Echo", False, False, echo, bytes, bytes)
+    listener = Listener({method.path: method}, max_message_bytes=1 << 20, max_streams=10)
+    port = await listener.start("127.0.0.1", 0)
+    raw = await connect(port)
+    try:
+        raw.send(raw.headers(1, port, "/t.T/Echo"))
+        padded = fr(DATA, PADDED, 1, bytes([255]) + b"\0" * 255)
+        raw.send(padded * (4 * 1024 * 1024 // 256))
+        raw.send(fr(DATA, END_STREAM, 1, grpc_frame(b"padded")))
+        answer = b""
+        async for f in raw.frames():
+            assert f.type not in (GOAWAY, RST_STREAM), f
+            if f.type == DATA:
+                answer = f.payload[5:]
+                break
+    finally:
+        raw.writer.close()
+        await listener.stop(0.1)
+    assert answer == b"padded"
+
+
+async def test_a_client_that_makes_the_server_reset_its_streams_is_bounded() -> None:
+    """Streams the server resets because of what the client sent (here a WINDOW_UPDATE
+    of 0 on each, CVE-2025-8671's "MadeYouReset") count as the client's own resets."""
+    async with idle_endpoint(max_streams=5_000) as port:
+        raw = await connect(port)
+        frames = []
+        for i in range(1_100):
+            sid = 1 + 2 * i
+            frames += [raw.headers(sid, port, IDLE), fr(WINDOW_UPDATE, 0, sid, b"\0\0\0\0")]
+        raw.send(*frames)
+        assert await raw.goaway() == ENHANCE_YOUR_CALM
+
+
+async def test_the_encoder_keeps_4_kib_of_table_whatever_the_client_allows() -> None:
+    """A client may allow a header table of 4 GiB; the server's encoder keeps 4 KiB (a
+    larger one would be memory, and a linear search for every header it sends)."""
+
+    async def echo(request: bytes, ctx: object) -> bytes:
+        return request
+
+    method = calls.Method("/t.T/Echo", False, False, echo, bytes, bytes)
+    listener = Listener({method.path: method}, max_message_bytes=1 << 20, max_streams=10)
+    port = await listener.start("127.0.0.1", 0)
+    raw = await connect(port, preface=False)
+    try:
+        big = struct.pack(">HI", 1, 2**32 - 1)
+        raw.send(PREFACE, fr(SETTINGS, 0, 0, big), fr(PING, 0, 0, b"12345678"))
+        async for f in raw.frames():
+            if f.type == PING:
+                break
+        sizes = [c._encoder.header_table_size for c in listener.connections]
+    finally:
+        raw.writer.close()
+        await listener.stop(0.1)
+    assert sizes == [4096]
 
 
 async def test_streams_past_the_limit_are_refused_and_the_rest_answered(serve: Serve) -> None:

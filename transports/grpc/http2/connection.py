@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 from typing import Protocol, cast
@@ -12,10 +13,12 @@ import hpack
 from sessiontape.transports.grpc.http2.frames import (
     ACK,
     COMPRESSION_ERROR,
+    CONNECTION_WINDOW,
     CONTINUATION,
     DATA,
     DEFAULT_FRAME,
     DEFAULT_WINDOW,
+    ENCODER_TABLE,
     END_HEADERS,
     END_STREAM,
     ENHANCE_YOUR_CALM,
@@ -38,7 +41,6 @@ from sessiontape.transports.grpc.http2.frames import (
     PRIORITY_FLAG,
     PROTOCOL_ERROR,
     PUSH_PROMISE,
-    RECEIVE_WINDOW,
     REFUSED_STREAM,
     RST_STREAM,
     S_ENABLE_PUSH,
@@ -50,6 +52,7 @@ from sessiontape.transports.grpc.http2.frames import (
     SETTING,
     SETTINGS,
     STREAM_CLOSED,
+    STREAM_WINDOW,
     U32,
     WINDOW_UPDATE,
     ConnectionFault,
@@ -69,6 +72,8 @@ log = logging.getLogger(__name__)
 _ONE_BYTE_INDEXED = bytes(range(0x81, 0xFF))
 #: how many such blocks a connection keeps decoded
 DECODED_BLOCKS = 64
+#: how long a closed connection may take to hand its last bytes to the client
+CLOSE_TIMEOUT_S = 5.0
 
 
 class Handler(Protocol):
@@ -110,7 +115,9 @@ class Connection(asyncio.Protocol):
         self.send_window = DEFAULT_WINDOW
         self.peer_initial_window = DEFAULT_WINDOW
         self.peer_frame = DEFAULT_FRAME
-        #: bytes read on the connection and not yet given back to the client's window
+        #: what the client may still send on the connection, as this side counts it
+        self.recv_window = CONNECTION_WINDOW
+        #: bytes received and not yet given back to the client's connection window
         self.unacked = 0
         self.closed = False
         self._goaway_received = False
@@ -120,7 +127,7 @@ class Connection(asyncio.Protocol):
         self._dispatch = {
             DATA: self._on_data,
             HEADERS: self._on_headers,
-            PRIORITY: _ignore,
+            PRIORITY: self._on_priority,
             RST_STREAM: self._on_rst_stream,
             SETTINGS: self._on_settings,
             PUSH_PROMISE: self._on_push_promise,
@@ -143,12 +150,12 @@ class Connection(asyncio.Protocol):
             for k, v in (
                 (S_ENABLE_PUSH, 0),
                 (S_MAX_CONCURRENT_STREAMS, self.max_streams),
-                (S_INITIAL_WINDOW_SIZE, RECEIVE_WINDOW),
+                (S_INITIAL_WINDOW_SIZE, STREAM_WINDOW),
                 (S_MAX_HEADER_LIST_SIZE, MAX_HEADER_LIST),
             )
         )
         self.out.append(frame(SETTINGS, 0, 0, settings))
-        self.out.append(frame(WINDOW_UPDATE, 0, 0, U32.pack(RECEIVE_WINDOW - DEFAULT_WINDOW)))
+        self.out.append(frame(WINDOW_UPDATE, 0, 0, U32.pack(CONNECTION_WINDOW - DEFAULT_WINDOW)))
         self.flush()
 
     def data_received(self, data: bytes) -> None:
@@ -242,9 +249,10 @@ class Connection(asyncio.Protocol):
             self.out.clear()
 
     def give_back(self) -> None:
-        """Open the client's connection window by what was read since last time."""
+        """Open the client's connection window by what came since last time."""
         if self.unacked:
             self.out.append(frame(WINDOW_UPDATE, 0, 0, U32.pack(self.unacked)))
+            self.recv_window += self.unacked
             self.unacked = 0
 
     def header_frames(self, stream_id: int, headers: Headers, end_stream: bool) -> bytes:
@@ -289,10 +297,12 @@ class Connection(asyncio.Protocol):
 
     def close(self, reason: str, code: int = NO_ERROR) -> None:
         """GOAWAY with ``code``, then the connection closed and its calls cancelled."""
-        if self.transport is not None and not self.closed:
+        t = self.transport
+        if t is not None and not self.closed:
             self.out.append(frame(GOAWAY, 0, 0, U32.pack(self.last_stream) + U32.pack(code)))
             self.flush()
-            self.transport.close()
+            t.close()  # once what is buffered went out; a client that reads none of it:
+            self._loop.call_later(CLOSE_TIMEOUT_S, _abort, t)
         self._end(reason)
 
     def _end(self, reason: str) -> None:
@@ -309,6 +319,9 @@ class Connection(asyncio.Protocol):
         stream = self.streams.get(stream_id)
         self.out.append(frame(RST_STREAM, 0, stream_id, U32.pack(code)))
         if stream is not None:
+            # a client can make this side reset its streams as fast as it could reset
+            # them itself ("MadeYouReset", CVE-2025-8671): they count alike
+            self._count_reset()
             stream.local_closed = True
             stream._lose(f"reset by the server (error {code})")
             self.handler.cancel(stream)
@@ -351,7 +364,9 @@ class Connection(asyncio.Protocol):
                     raise ConnectionFault(PROTOCOL_ERROR, f"a frame size of {value}")
                 self.peer_frame = value
             elif key == S_HEADER_TABLE_SIZE:
-                self._encoder.header_table_size = value
+                # the encoder may keep less than the client allows (RFC 7541 section 4.2):
+                # a larger table is memory here and a linear search per header sent
+                self._encoder.header_table_size = min(value, ENCODER_TABLE)
             elif key == S_ENABLE_PUSH and value > 1:
                 raise ConnectionFault(PROTOCOL_ERROR, f"ENABLE_PUSH {value}")
         self.out.append(frame(SETTINGS, ACK, 0))
@@ -367,6 +382,8 @@ class Connection(asyncio.Protocol):
     def _on_goaway(self, flags: int, stream_id: int, payload: bytes) -> None:
         if stream_id:
             raise ConnectionFault(PROTOCOL_ERROR, "GOAWAY on a stream")
+        if len(payload) < 8:
+            raise ConnectionFault(FRAME_SIZE_ERROR, "a GOAWAY shorter than 8 bytes")
         self._goaway_received = True  # the client opens no more streams; those open go on
 
     def _on_window_update(self, flags: int, stream_id: int, payload: bytes) -> None:
@@ -416,6 +433,12 @@ class Connection(asyncio.Protocol):
         if self._resets > MAX_RESETS_PER_S:
             raise ConnectionFault(ENHANCE_YOUR_CALM, "too many streams reset by the client")
 
+    def _on_priority(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if stream_id == 0:
+            raise ConnectionFault(PROTOCOL_ERROR, "PRIORITY on stream 0")
+        if len(payload) != 5:
+            raise StreamFault(stream_id, FRAME_SIZE_ERROR)  # read, and otherwise ignored
+
     def _on_push_promise(self, flags: int, stream_id: int, payload: bytes) -> None:
         raise ConnectionFault(PROTOCOL_ERROR, "PUSH_PROMISE from a client")
 
@@ -428,21 +451,25 @@ class Connection(asyncio.Protocol):
             raise ConnectionFault(PROTOCOL_ERROR, "DATA on stream 0")
         self._idle_check(stream_id)
         size = len(payload)  # all of it counts against the windows, padding too
+        self.recv_window -= size
+        if self.recv_window < 0:
+            raise ConnectionFault(FLOW_CONTROL_ERROR, "the client overran the connection's window")
+        # the connection's window takes the bytes back as they come: a stream's unread
+        # bytes are bounded by its own window, and must not hold up the other streams
+        self.unacked += size
+        if self.unacked >= CONNECTION_WINDOW // 4:
+            self.give_back()
         data = unpad(flags, payload) if flags & PADDED else payload
         stream = self.streams.get(stream_id)
-        if stream is None or stream.remote_closed or stream.gone is not None:
-            # a stream this side has done with: its bytes go back to the window at once
-            self.unacked += size
-            self.give_back()
-            if stream is not None and stream.remote_closed and stream.gone is None:
-                raise StreamFault(stream_id, STREAM_CLOSED)
-            return
+        if stream is None or stream.gone is not None:
+            return  # a stream this side has done with
+        if stream.remote_closed:
+            raise StreamFault(stream_id, STREAM_CLOSED)
         if size > stream.recv_window:
-            raise ConnectionFault(FLOW_CONTROL_ERROR, f"stream {stream_id} overran its window")
+            raise StreamFault(stream_id, FLOW_CONTROL_ERROR)
         stream.recv_window -= size
-        if size > len(data):  # the padding is never read: give it back now
-            self.unacked += size - len(data)
-            stream._unacked += size - len(data)
+        if size > len(data):  # the padding is never read: it goes back now
+            stream._give_back(size - len(data))
         if data:
             stream._data(data)
         if flags & END_STREAM:
@@ -492,8 +519,12 @@ class Connection(asyncio.Protocol):
         stream = self.streams.get(stream_id)
         if stream_id <= self.last_stream:
             if stream is None:
-                return  # trailers of a stream this side has done with
-            if stream.remote_closed or not flags & END_STREAM:
+                if flags & END_STREAM:
+                    return  # the trailers of a stream this side has done with
+                raise ConnectionFault(PROTOCOL_ERROR, f"HEADERS reusing stream {stream_id}")
+            if stream.remote_closed:
+                raise StreamFault(stream_id, STREAM_CLOSED)
+            if not flags & END_STREAM:
                 raise StreamFault(stream_id, PROTOCOL_ERROR)
             stream._end()  # the request's trailers: gRPC has none to read
             return
@@ -507,5 +538,7 @@ class Connection(asyncio.Protocol):
         self.handler.accept(stream, headers)
 
 
-def _ignore(flags: int, stream_id: int, payload: bytes) -> None:
-    pass
+def _abort(transport: asyncio.Transport) -> None:
+    """Drop a closed connection whose client never read what was left to send."""
+    with contextlib.suppress(RuntimeError):  # uvloop's, already gone
+        transport.abort()

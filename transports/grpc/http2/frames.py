@@ -27,8 +27,14 @@ DEFAULT_WINDOW = 65_535
 DEFAULT_FRAME = 16_384
 MAX_WINDOW = 2**31 - 1
 MAX_FRAME = 2**24 - 1
-#: the receive windows this side gives each stream and the connection (grpclib's: 4 MiB)
-RECEIVE_WINDOW = 4 * 1024 * 1024
+#: the receive window this side gives each stream: what one call may have sent and not
+#: yet read (so a connection's unread bytes are at most ``max_streams`` of these)
+STREAM_WINDOW = 1024 * 1024
+#: the connection's receive window: bytes in flight before this side takes them (they
+#: go back to it as they arrive, so one stream's unread bytes never hold up another's)
+CONNECTION_WINDOW = 4 * 1024 * 1024
+#: the largest header table this side's encoder keeps, whatever the client allows
+ENCODER_TABLE = 4096
 #: the largest header list this side takes (advertised in its settings)
 MAX_HEADER_LIST = 64 * 1024
 #: running streams a client may reset in one second before its connection is ended

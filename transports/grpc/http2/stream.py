@@ -9,8 +9,8 @@ from sessiontape.transports.grpc.http2.frames import (
     DATA,
     END_STREAM,
     INTERNAL_ERROR,
-    RECEIVE_WINDOW,
     RST_STREAM,
+    STREAM_WINDOW,
     U32,
     WINDOW_UPDATE,
     Headers,
@@ -27,15 +27,12 @@ class Link(Protocol):
     streams: dict[int, Stream]
     #: control frames waiting for the next write
     out: list[bytes]
-    #: bytes read and not yet given back to the client's connection window
-    unacked: int
     writable: bool
     send_window: int
     peer_frame: int
 
     def write(self, data: bytes) -> None: ...
     def flush(self) -> None: ...
-    def give_back(self) -> None: ...
     def header_frames(self, stream_id: int, headers: Headers, end_stream: bool) -> bytes: ...
     async def until_writable(self) -> None: ...
 
@@ -61,7 +58,7 @@ class Stream:
         self.conn = conn
         self.id = stream_id
         self.send_window = send_window
-        self.recv_window = RECEIVE_WINDOW
+        self.recv_window = STREAM_WINDOW
         self._chunks = bytearray()
         #: the newest of the bytes in ``_chunks`` not yet counted to be given back
         self._held = 0
@@ -131,19 +128,18 @@ class Stream:
         return out
 
     def _give_back(self, n: int) -> None:
-        """Count ``n`` bytes read to be given back to the client's windows; send the
-        WINDOW_UPDATE frames once a quarter of a window is due (not one per message)."""
-        conn = self.conn
-        conn.unacked += n
-        if not self.remote_closed:
-            self._unacked += n
-            if self._unacked >= RECEIVE_WINDOW // 4:
-                conn.out.append(frame(WINDOW_UPDATE, 0, self.id, U32.pack(self._unacked)))
-                self.recv_window += self._unacked
-                self._unacked = 0
-        if conn.unacked >= RECEIVE_WINDOW // 4:
-            conn.give_back()
-        conn.flush()
+        """Count ``n`` bytes read (or padding) to be given back to the client's stream
+        window; send the WINDOW_UPDATE once a quarter of the window is due (not one per
+        message). The connection's window took them back as they came."""
+        if self.remote_closed or self.gone is not None:
+            return  # the client sends nothing more on this stream
+        self._unacked += n
+        if self._unacked >= STREAM_WINDOW // 4:
+            conn = self.conn
+            conn.out.append(frame(WINDOW_UPDATE, 0, self.id, U32.pack(self._unacked)))
+            self.recv_window += self._unacked
+            self._unacked = 0
+            conn.flush()
 
     def _check(self) -> None:
         if self.gone is not None:
@@ -203,6 +199,7 @@ class Stream:
             if not conn.writable or (room <= 0 and len(view)):
                 await conn.until_writable()
                 continue
+            room = max(room, 0)  # nothing to send (b""): a window below 0 stays as it is
             chunk = bytes(view[:room])
             view = view[room:]
             self.send_window -= room
@@ -220,10 +217,8 @@ class Stream:
         conn = self.conn
         if conn.streams.pop(self.id, None) is None:
             return
-        if self._held:  # the rest of the bytes that came were counted as they were read
-            conn.unacked += self._held
-            conn.give_back()
         self._chunks = bytearray()
+        self._held = 0
         if not self.local_closed and self.gone is None and conn.transport is not None:
             self.local_closed = True
             conn.out.append(frame(RST_STREAM, 0, self.id, U32.pack(INTERNAL_ERROR)))
