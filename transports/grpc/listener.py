@@ -23,6 +23,7 @@ from grpclib.metadata import Deadline
 from sessiontape.core.errors import ConfigError, Unauthenticated
 from sessiontape.transports.grpc import calls
 from sessiontape.transports.grpc.http2 import Connection, Stream
+from sessiontape.transports.grpc.http2.connection import KEEPALIVE_S, KEEPALIVE_TIMEOUT_S
 from sessiontape.transports.grpc.status import message_for
 
 _GONE = calls.CLIENT_GONE
@@ -87,7 +88,12 @@ class _Connection(Connection):
     """An HTTP/2 connection of this endpoint, tracked for shutdown."""
 
     def __init__(self, server: Listener) -> None:
-        super().__init__(_Calls(server), max_streams=server.max_streams)
+        super().__init__(
+            _Calls(server),
+            max_streams=server.max_streams,
+            keepalive_s=server.keepalive_s,
+            keepalive_timeout_s=server.keepalive_timeout_s,
+        )
         self.server = server
 
     def connection_made(self, transport: Any) -> None:
@@ -104,7 +110,9 @@ class Listener:
 
     ``token``: the bearer token every call needs but those whose path starts with one
     of ``open_prefixes`` (empty: no token). ``max_message_bytes`` caps each message
-    both ways; ``max_streams`` the streams one connection may have open at once.
+    both ways; ``max_streams`` the streams one connection may have open at once;
+    ``keepalive_s`` the silence after which a connection is pinged, closed if the
+    answer takes over ``keepalive_timeout_s``.
     """
 
     def __init__(
@@ -115,8 +123,11 @@ class Listener:
         max_streams: int,
         token: str = "",
         open_prefixes: tuple[str, ...] = (),
+        keepalive_s: float = KEEPALIVE_S,
+        keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S,
     ) -> None:
         self.methods = dict(methods)
+        self.keepalive_s, self.keepalive_timeout_s = keepalive_s, keepalive_timeout_s
         self.max_message_bytes = max_message_bytes
         self.max_streams = max_streams
         self.open_prefixes = open_prefixes

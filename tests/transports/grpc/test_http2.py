@@ -725,3 +725,49 @@ async def test_a_repeated_header_block_is_read_against_the_table_as_it_is_now() 
         raw.writer.close()
         await listener.stop(0.1)
     assert answers == {1: b"A1", 3: b"A3", 5: b"B5", 7: b"B7"}
+
+
+@pytest.mark.parametrize("answers", [True, False], ids=["answering", "silent"])
+async def test_a_silent_client_is_pinged_and_one_that_never_answers_is_closed(
+    answers: bool,
+) -> None:
+    """After ``keepalive_s`` of silence the server PINGs; a client that answers keeps its
+    connection, one that does not (gone without a FIN) loses it, its calls cancelled."""
+    started: list[asyncio.Task[object]] = []
+
+    async def wait(requests: object, ctx: object) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        started.append(task)
+        await asyncio.sleep(30)
+
+    method = calls.Method(IDLE, True, False, wait, bytes, bytes)
+    listener = Listener(
+        {IDLE: method},
+        max_message_bytes=1 << 20,
+        max_streams=10,
+        keepalive_s=0.2,
+        keepalive_timeout_s=0.3,
+    )
+    port = await listener.start("127.0.0.1", 0)
+    raw = await connect(port)
+    raw.send(raw.headers(1, port, IDLE))
+    pings, goaway = 0, False
+    try:
+        async with asyncio.timeout(1.5):
+            async for f in raw.frames():
+                if f.type == PING and not f.flags & 1:
+                    pings += 1
+                    if answers:
+                        raw.send(fr(PING, 1, 0, f.payload))
+                goaway = goaway or f.type == GOAWAY
+    except TimeoutError:
+        pass
+    finally:
+        raw.writer.close()
+        await listener.stop(0.1)
+    if answers:
+        assert pings >= 3 and not goaway
+    else:
+        assert pings == 1 and goaway
+        assert started and started[0].cancelled()

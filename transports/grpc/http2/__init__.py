@@ -3,11 +3,11 @@
 What it does: the client's preface and settings, HEADERS and CONTINUATION (HPACK
 through the ``hpack`` package), DATA with both flow-control windows each way, PING,
 RST_STREAM, WINDOW_UPDATE, GOAWAY; a stream per request, handed to a :class:`Handler`
-that starts a call on it. What it leaves out, as a gRPC server may: server push,
-priorities (read and ignored), pings of its own and an idle timeout (a connection
-lasts until its client or the server closes it), and the optional RST_STREAM
-(NO_ERROR) after a complete answer to a client still sending (its bytes are taken
-and dropped).
+that starts a call on it; a keepalive PING after two hours of silence (gRPC's
+server default), the connection closed if it goes unanswered. What it leaves out, as
+a gRPC server may: server push, priorities (read and ignored), and the optional
+RST_STREAM (NO_ERROR) after a complete answer to a client still sending (its bytes
+are taken and dropped).
 
 Flow control: the connection's window takes bytes back as they arrive, a stream's
 (1 MiB) as its call reads them, so what a connection holds unread is bounded by its

@@ -74,6 +74,10 @@ _ONE_BYTE_INDEXED = bytes(range(0x81, 0xFF))
 DECODED_BLOCKS = 64
 #: how long a closed connection may take to hand its last bytes to the client
 CLOSE_TIMEOUT_S = 5.0
+#: silence after which a connection is pinged, and how long its answer may take
+KEEPALIVE_S = 7200.0
+KEEPALIVE_TIMEOUT_S = 20.0
+_KEEPALIVE = b"st-alive"
 
 
 class Handler(Protocol):
@@ -90,9 +94,21 @@ class Handler(Protocol):
 class Connection(asyncio.Protocol):
     """One client connection: frames in, frames out, a :class:`Stream` per request."""
 
-    def __init__(self, handler: Handler, *, max_streams: int) -> None:
+    def __init__(
+        self,
+        handler: Handler,
+        *,
+        max_streams: int,
+        keepalive_s: float = KEEPALIVE_S,
+        keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S,
+    ) -> None:
         self.handler = handler
         self.max_streams = max_streams
+        self.keepalive_s, self.keepalive_timeout_s = keepalive_s, keepalive_timeout_s
+        #: the loop's time of the last read, and the keepalive's timers
+        self._last_read = 0.0
+        self._keepalive: asyncio.TimerHandle | None = None
+        self._unanswered: asyncio.TimerHandle | None = None
         self.transport: asyncio.Transport | None = None
         self.streams: dict[int, Stream] = {}
         self.out: list[bytes] = []
@@ -142,6 +158,8 @@ class Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses: no isinstance here
         self.transport = cast(asyncio.Transport, transport)
+        self._last_read = self._loop.time()
+        self._keepalive = self._loop.call_later(self.keepalive_s, self._check_alive)
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -161,6 +179,7 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closed:
             return
+        self._last_read = self._loop.time()
         buf = self._buf
         if buf:  # the rest of a frame that came before: one copy, then frames are slices
             buf += data
@@ -310,6 +329,9 @@ class Connection(asyncio.Protocol):
             return
         self.closed = True
         self.transport = None
+        for timer in (self._keepalive, self._unanswered):
+            if timer is not None:
+                timer.cancel()
         for stream in list(self.streams.values()):
             stream._lose(reason)
             self.handler.cancel(stream)
@@ -378,6 +400,28 @@ class Connection(asyncio.Protocol):
             raise ConnectionFault(FRAME_SIZE_ERROR, "a PING not of 8 bytes")
         if not flags & ACK:
             self.out.append(frame(PING, ACK, 0, payload))
+        elif payload == _KEEPALIVE and self._unanswered is not None:
+            self._unanswered.cancel()
+            self._unanswered = None
+
+    def _check_alive(self) -> None:
+        """Keepalive (gRPC's server default: every 2 hours of silence): a PING to a
+        client that sent nothing for ``keepalive_s``, and the connection closed if its
+        answer does not come within ``keepalive_timeout_s`` (a client gone without a
+        FIN would otherwise keep its calls, an Evergreen session's among them)."""
+        if self.closed:
+            return
+        idle = self._loop.time() - self._last_read
+        if idle < self.keepalive_s:  # it spoke since: look again when it will have been silent
+            self._keepalive = self._loop.call_later(self.keepalive_s - idle, self._check_alive)
+            return
+        if self._unanswered is None:
+            self.out.append(frame(PING, 0, 0, _KEEPALIVE))
+            self.flush()
+            self._unanswered = self._loop.call_later(
+                self.keepalive_timeout_s, self.close, "the client did not answer a keepalive PING"
+            )
+        self._keepalive = self._loop.call_later(self.keepalive_s, self._check_alive)
 
     def _on_goaway(self, flags: int, stream_id: int, payload: bytes) -> None:
         if stream_id:
