@@ -10,6 +10,7 @@ import contextlib
 import struct
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import hpack
@@ -204,20 +205,37 @@ async def test_a_protocol_error_ends_the_connection_with_its_goaway_code(
     await still_serves(server)
 
 
+async def _wait(requests: object, ctx: object) -> None:
+    await asyncio.sleep(30)
+
+
+async def _echo(request: bytes, ctx: object) -> bytes:
+    return request
+
+
+#: a method that never reads its requests (its stream's bytes stay unread)
+IDLE_METHOD = calls.Method(IDLE, True, False, _wait, bytes, bytes)
+ECHO = calls.Method("/t.T/Echo", False, False, _echo, bytes, bytes)
+
+
 @contextlib.asynccontextmanager
-async def idle_endpoint(max_streams: int = 10) -> AsyncIterator[int]:
-    """An endpoint whose one method never reads its requests (its stream's bytes stay
-    unread), on a free port."""
-
-    async def wait(requests: object, ctx: object) -> None:
-        await asyncio.sleep(30)
-
-    method = calls.Method(IDLE, True, False, wait, bytes, bytes)
-    listener = Listener({IDLE: method}, max_message_bytes=1 << 20, max_streams=max_streams)
+async def serving(*methods: calls.Method, **options: Any) -> AsyncIterator[Listener]:
+    """An endpoint serving ``methods`` on a free port (``listener.port``), stopped after."""
+    options = {"max_message_bytes": 1 << 20, "max_streams": 10, **options}
+    listener = Listener({m.path: m for m in methods}, **options)
+    await listener.start("127.0.0.1", 0)
     try:
-        yield await listener.start("127.0.0.1", 0)
+        yield listener
     finally:
         await listener.stop(0.1)
+
+
+@contextlib.asynccontextmanager
+async def idle_endpoint(max_streams: int = 10) -> AsyncIterator[int]:
+    """An endpoint whose one method never reads its requests, on a free port."""
+    async with serving(IDLE_METHOD, max_streams=max_streams) as listener:
+        assert listener.port is not None
+        yield listener.port
 
 
 @pytest.fixture
@@ -270,65 +288,48 @@ async def test_a_stream_that_is_not_read_holds_up_no_other_call() -> None:
     servicer does not read yet, its client uploading 4 MiB, leaves the channel's other
     calls answered."""
 
-    async def later(requests: object, ctx: object) -> bytes:
-        await asyncio.sleep(30)
-        return b""
+    later = calls.Method("/t.T/Later", True, False, _wait, bytes, bytes)
+    async with (
+        serving(later, ECHO, max_message_bytes=8 << 20) as listener,
+        grpc.aio.insecure_channel(f"127.0.0.1:{listener.port}") as ch,
+    ):
+        upload = ch.stream_unary(
+            "/t.T/Later", request_serializer=bytes, response_deserializer=bytes
+        )
 
-    async def echo(request: bytes, ctx: object) -> bytes:
-        return request
+        async def chunks() -> AsyncIterator[bytes]:
+            for _ in range(64):
+                yield b"u" * 65_536
 
-    methods = {
-        "/t.T/Later": calls.Method("/t.T/Later", True, False, later, bytes, bytes),
-        "/t.T/Echo": calls.Method("/t.T/Echo", False, False, echo, bytes, bytes),
-    }
-    listener = Listener(methods, max_message_bytes=8 << 20, max_streams=10)
-    port = await listener.start("127.0.0.1", 0)
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-            upload = ch.stream_unary(
-                "/t.T/Later", request_serializer=bytes, response_deserializer=bytes
-            )
-
-            async def chunks() -> AsyncIterator[bytes]:
-                for _ in range(64):
-                    yield b"u" * 65_536
-
-            held = upload(chunks())
-            await asyncio.sleep(0.5)  # the upload fills what windows it may
-            echo_stub = ch.unary_unary(
-                "/t.T/Echo", request_serializer=bytes, response_deserializer=bytes
-            )
-            assert await echo_stub(b"still here", timeout=5) == b"still here"
-            held.cancel()
-    finally:
-        await listener.stop(0.1)
+        held = upload(chunks())
+        await asyncio.sleep(0.5)  # the upload fills what windows it may
+        echo_stub = ch.unary_unary(
+            "/t.T/Echo", request_serializer=bytes, response_deserializer=bytes
+        )
+        assert await echo_stub(b"still here", timeout=5) == b"still here"
+        held.cancel()
 
 
 async def test_padding_goes_back_to_the_windows() -> None:
     """4 MiB of padding (four times a stream's window) before a small message on one
     stream: the padding is given back as it comes, and the call is answered."""
-
-    async def echo(request: bytes, ctx: object) -> bytes:
-        return request
-
-    method = calls.Method("/t.T/Echo", False, False, echo, bytes, bytes)
-    listener = Listener({method.path: method}, max_message_bytes=1 << 20, max_streams=10)
-    port = await listener.start("127.0.0.1", 0)
-    raw = await connect(port)
-    try:
-        raw.send(raw.headers(1, port, "/t.T/Echo"))
-        padded = fr(DATA, PADDED, 1, bytes([255]) + b"\0" * 255)
-        raw.send(padded * (4 * 1024 * 1024 // 256))
-        raw.send(fr(DATA, END_STREAM, 1, grpc_frame(b"padded")))
-        answer = b""
-        async for f in raw.frames():
-            assert f.type not in (GOAWAY, RST_STREAM), f
-            if f.type == DATA:
-                answer = f.payload[5:]
-                break
-    finally:
-        raw.writer.close()
-        await listener.stop(0.1)
+    async with serving(ECHO) as listener:
+        port = listener.port
+        assert port is not None
+        raw = await connect(port)
+        try:
+            raw.send(raw.headers(1, port, "/t.T/Echo"))
+            padded = fr(DATA, PADDED, 1, bytes([255]) + b"\0" * 255)
+            raw.send(padded * (4 * 1024 * 1024 // 256))
+            raw.send(fr(DATA, END_STREAM, 1, grpc_frame(b"padded")))
+            answer = b""
+            async for f in raw.frames():
+                assert f.type not in (GOAWAY, RST_STREAM), f
+                if f.type == DATA:
+                    answer = f.payload[5:]
+                    break
+        finally:
+            raw.writer.close()
     assert answer == b"padded"
 
 
@@ -348,24 +349,18 @@ async def test_a_client_that_makes_the_server_reset_its_streams_is_bounded() -> 
 async def test_the_encoder_keeps_4_kib_of_table_whatever_the_client_allows() -> None:
     """A client may allow a header table of 4 GiB; the server's encoder keeps 4 KiB (a
     larger one would be memory, and a linear search for every header it sends)."""
-
-    async def echo(request: bytes, ctx: object) -> bytes:
-        return request
-
-    method = calls.Method("/t.T/Echo", False, False, echo, bytes, bytes)
-    listener = Listener({method.path: method}, max_message_bytes=1 << 20, max_streams=10)
-    port = await listener.start("127.0.0.1", 0)
-    raw = await connect(port, preface=False)
-    try:
-        big = struct.pack(">HI", 1, 2**32 - 1)
-        raw.send(PREFACE, fr(SETTINGS, 0, 0, big), fr(PING, 0, 0, b"12345678"))
-        async for f in raw.frames():
-            if f.type == PING:
-                break
-        sizes = [c._encoder.header_table_size for c in listener.connections]
-    finally:
-        raw.writer.close()
-        await listener.stop(0.1)
+    async with serving(ECHO) as listener:
+        assert listener.port is not None
+        raw = await connect(listener.port, preface=False)
+        try:
+            big = struct.pack(">HI", 1, 2**32 - 1)
+            raw.send(PREFACE, fr(SETTINGS, 0, 0, big), fr(PING, 0, 0, b"12345678"))
+            async for f in raw.frames():
+                if f.type == PING:
+                    break
+            sizes = [c._encoder.header_table_size for c in listener.connections]
+        finally:
+            raw.writer.close()
     assert sizes == [4096]
 
 
@@ -543,25 +538,19 @@ def test_the_endpoint_runs_on_uvloops_transports() -> None:
     classes: a connection there answers a PING and refuses a stream past its limit."""
     uvloop = pytest.importorskip("uvloop")
 
-    async def wait(requests: object, ctx: object) -> None:
-        await asyncio.sleep(30)
-
     async def main() -> tuple[bytes, int]:
-        method = calls.Method(IDLE, True, False, wait, bytes, bytes)
-        listener = Listener({IDLE: method}, max_message_bytes=1 << 20, max_streams=1)
-        port = await listener.start("127.0.0.1", 0)
-        raw = await connect(port)
-        raw.send(raw.headers(1, port, IDLE), raw.headers(3, port, IDLE))
-        raw.send(fr(PING, 0, 0, b"uvloop!!"))
-        pong, refused = b"", -1
-        async for f in raw.frames():
-            if f.type == RST_STREAM:
-                refused = f.stream
-            if f.type == PING:
-                pong = f.payload
-                break
-        raw.writer.close()
-        await listener.stop(0.1)
+        async with idle_endpoint(max_streams=1) as port:
+            raw = await connect(port)
+            raw.send(raw.headers(1, port, IDLE), raw.headers(3, port, IDLE))
+            raw.send(fr(PING, 0, 0, b"uvloop!!"))
+            pong, refused = b"", -1
+            async for f in raw.frames():
+                if f.type == RST_STREAM:
+                    refused = f.stream
+                if f.type == PING:
+                    pong = f.payload
+                    break
+            raw.writer.close()
         return pong, refused
 
     assert uvloop.run(main()) == (b"uvloop!!", 3)
@@ -671,59 +660,58 @@ async def test_grpclibs_client_on_the_endpoint(server: Served) -> None:
     assert list((await server.runtime.load(sid)).tokens)[5:] == tokens
 
 
-def _two_methods() -> Listener:
-    def named(name: bytes) -> calls.Method:
-        async def answer(request: bytes, ctx: object) -> bytes:
-            return name + request
+def _named(name: bytes) -> calls.Method:
+    """A unary method that answers its request after its own name."""
 
-        return calls.Method(f"/t.T/{name.decode()}", False, False, answer, bytes, bytes)
+    async def answer(request: bytes, ctx: object) -> bytes:
+        return name + request
 
-    methods = {m.path: m for m in (named(b"A"), named(b"B"))}
-    return Listener(methods, max_message_bytes=1 << 20, max_streams=10)
+    return calls.Method(f"/t.T/{name.decode()}", False, False, answer, bytes, bytes)
 
 
 async def test_a_repeated_header_block_is_read_against_the_table_as_it_is_now() -> None:
     """A block of only indexed fields means what the table holds now: the same bytes
     that named method A name B once B's request changed the table (a decoded block
     kept from before would route it to A)."""
-    listener = _two_methods()
-    port = await listener.start("127.0.0.1", 0)
-    enc = hpack.Encoder()
+    async with serving(_named(b"A"), _named(b"B")) as listener:
+        port = listener.port
+        assert port is not None
+        enc = hpack.Encoder()
 
-    def block(path: str) -> bytes:
-        return enc.encode(
-            [
-                (":method", "POST"),
-                (":scheme", "http"),
-                (":authority", "x"),
-                ("content-type", "application/grpc"),
-                ("te", "trailers"),
-                (":path", path),
-            ]
-        )
-
-    first_a, again_a, first_b = block("/t.T/A"), block("/t.T/A"), block("/t.T/B")
-    assert max(again_a) < 0xFF and min(again_a) > 0x80  # only one-byte indexed fields
-    # the client's own view of what again_a now means: its last :path is B's
-    shadow = hpack.Decoder()
-    for b in (first_a, again_a, first_b):
-        shadow.decode(b)
-    assert dict(shadow.decode(again_a))[":path"] == "/t.T/B"
-    raw = await connect(port)
-    answers: dict[int, bytes] = {}
-    try:
-        for sid, b in ((1, first_a), (3, again_a), (5, first_b), (7, again_a)):
-            raw.send(
-                fr(HEADERS, END_HEADERS, sid, b), fr(DATA, END_STREAM, sid, grpc_frame(b"%d" % sid))
+        def block(path: str) -> bytes:
+            return enc.encode(
+                [
+                    (":method", "POST"),
+                    (":scheme", "http"),
+                    (":authority", "x"),
+                    ("content-type", "application/grpc"),
+                    ("te", "trailers"),
+                    (":path", path),
+                ]
             )
-        async for f in raw.frames():
-            if f.type == DATA:
-                answers[f.stream] = f.payload[5:]
-            if len(answers) == 4:
-                break
-    finally:
-        raw.writer.close()
-        await listener.stop(0.1)
+
+        first_a, again_a, first_b = block("/t.T/A"), block("/t.T/A"), block("/t.T/B")
+        assert max(again_a) < 0xFF and min(again_a) > 0x80  # only one-byte indexed fields
+        # the client's own view of what again_a now means: its last :path is B's
+        shadow = hpack.Decoder()
+        for b in (first_a, again_a, first_b):
+            shadow.decode(b)
+        assert dict(shadow.decode(again_a))[":path"] == "/t.T/B"
+        raw = await connect(port)
+        answers: dict[int, bytes] = {}
+        try:
+            for sid, b in ((1, first_a), (3, again_a), (5, first_b), (7, again_a)):
+                raw.send(
+                    fr(HEADERS, END_HEADERS, sid, b),
+                    fr(DATA, END_STREAM, sid, grpc_frame(b"%d" % sid)),
+                )
+            async for f in raw.frames():
+                if f.type == DATA:
+                    answers[f.stream] = f.payload[5:]
+                if len(answers) == 4:
+                    break
+        finally:
+            raw.writer.close()
     assert answers == {1: b"A1", 3: b"A3", 5: b"B5", 7: b"B7"}
 
 
@@ -742,30 +730,23 @@ async def test_a_silent_client_is_pinged_and_one_that_never_answers_is_closed(
         await asyncio.sleep(30)
 
     method = calls.Method(IDLE, True, False, wait, bytes, bytes)
-    listener = Listener(
-        {IDLE: method},
-        max_message_bytes=1 << 20,
-        max_streams=10,
-        keepalive_s=0.2,
-        keepalive_timeout_s=0.3,
-    )
-    port = await listener.start("127.0.0.1", 0)
-    raw = await connect(port)
-    raw.send(raw.headers(1, port, IDLE))
     pings, goaway = 0, False
-    try:
-        async with asyncio.timeout(1.5):
-            async for f in raw.frames():
-                if f.type == PING and not f.flags & 1:
-                    pings += 1
-                    if answers:
-                        raw.send(fr(PING, 1, 0, f.payload))
-                goaway = goaway or f.type == GOAWAY
-    except TimeoutError:
-        pass
-    finally:
-        raw.writer.close()
-        await listener.stop(0.1)
+    async with serving(method, keepalive_s=0.2, keepalive_timeout_s=0.3) as listener:
+        assert listener.port is not None
+        raw = await connect(listener.port)
+        raw.send(raw.headers(1, listener.port, IDLE))
+        try:
+            async with asyncio.timeout(1.5):
+                async for f in raw.frames():
+                    if f.type == PING and not f.flags & 1:
+                        pings += 1
+                        if answers:
+                            raw.send(fr(PING, 1, 0, f.payload))
+                    goaway = goaway or f.type == GOAWAY
+        except TimeoutError:
+            pass
+        finally:
+            raw.writer.close()
     if answers:
         assert pings >= 3 and not goaway
     else:

@@ -212,8 +212,9 @@ class Stream:
                 return
 
     def release(self) -> None:
-        """The call is done with the stream (its task ended): forget it, give its unread
-        bytes back to the connection's window, and reset it if its answer never ended."""
+        """The call is done with the stream (its task ended): forget it and its unread
+        bytes (the connection's window took them back as they came), and reset it if
+        its answer never ended."""
         conn = self.conn
         if conn.streams.pop(self.id, None) is None:
             return
