@@ -199,6 +199,7 @@ async def reexecute_generation(
         top_k=g.params.top_k,
         seed=g.params.seed,
         stop_token_ids=tuple(sorted(eos | set(g.params.stop_token_ids))),
+        constraint=g.params.constraint,
     )
     key = f"audit:{session_id}:{g.generation_id}"
     got: list[dict[str, Any]] = []

@@ -17,6 +17,7 @@ each; ``code`` is the stable machine-readable name they all share.
     │   ├── InvalidRange
     │   ├── InvalidImage             wrong pad run, or engine takes no images
     │   ├── InvalidParameters        bad sampling parameters
+    │   ├── InvalidConstraint        a JSON Schema, regex or grammar llguidance refuses
     │   ├── InvalidValue             a value JSON cannot store exactly (NaN, >64-bit int, lone surrogate)
     │   └── InvalidPatch             a malformed or failing JSON Patch+ document
     ├── FailedPrecondition
@@ -111,6 +112,14 @@ class InvalidImage(InvalidArgument):
 
 class InvalidParameters(InvalidArgument):
     code = "invalid_parameters"
+
+
+class InvalidConstraint(InvalidArgument):
+    """A generation's constraint (JSON Schema, regex, grammar) that cannot be applied:
+    malformed, outside what llguidance supports, or not matched by the history it is
+    asked to continue."""
+
+    code = "invalid_constraint"
 
 
 class InvalidValue(InvalidArgument):

@@ -29,6 +29,7 @@ from sessiontape.core.engine import (
 )
 from sessiontape.core.errors import ConfigError, ContextOverflow
 from sessiontape.core.settings import load_section, option
+from sessiontape.engines.constrained import TokenMasks, byte_tokenizer, masked
 from sessiontape.engines.models.sampling import SamplingOptions
 from sessiontape.engines.sampling import log_softmax, sample, top_logprobs
 from sessiontape.engines.tokenizer import ByteTokenizer
@@ -76,6 +77,7 @@ class ReferenceEngine(Engine):
             runtime_version="1",
             sampling=opts.chosen(),
         )
+        self._masks = TokenMasks(lambda: byte_tokenizer(VOCAB, (EOS,)))
 
     @property
     def info(self) -> EngineInfo:
@@ -136,6 +138,7 @@ class ReferenceEngine(Engine):
                 readout=self.readout(hist, p) if want_ro else None,
             )
         stops = set(params.stop_token_ids)
+        guide = self._masks.start(params.constraint, hist) if params.max_tokens else None
         for i in range(params.max_tokens):
             if self.step_delay_s:
                 await asyncio.sleep(self.step_delay_s)
@@ -143,7 +146,11 @@ class ReferenceEngine(Engine):
                 await asyncio.sleep(0)
             p = n + i
             logits = self.logits(hist, p)
-            tok, tok_lp = sample(logits, params, p)
+            allowed = None if guide is None else guide.allowed()
+            tok, tok_lp = sample(logits, params, p, allowed)
+            if guide is not None and allowed is not None:
+                guide.advance(tok)
+                logits = masked(logits, allowed) if options.logprob_top_k else logits
             hist.append(tok)
             want_ro = options.wants_readout(p)
             yield Step(
@@ -154,7 +161,7 @@ class ReferenceEngine(Engine):
                 top_logprobs=top_logprobs(log_softmax(logits), options.logprob_top_k),
                 readout=self.readout(hist, p) if want_ro else None,
             )
-            if tok in stops:
+            if tok in stops or (guide is not None and guide.finished):
                 return
 
     def cached_length(self, session_key: str) -> int | None:

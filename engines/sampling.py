@@ -17,6 +17,7 @@ from sessiontape.core.engine import SamplingParams
 
 F32 = npt.NDArray[np.float32]
 F64 = npt.NDArray[np.float64]
+IDS = npt.NDArray[np.intp]
 
 
 def log_softmax(logits: F32) -> F64:
@@ -33,12 +34,14 @@ def uniform(seed: int | None, position: int) -> float:
 
 
 def top_logprobs(logp: F64, k: int) -> tuple[tuple[int, float], ...]:
+    """The ``k`` most likely ids and their log-probabilities; ids a constraint masked
+    out (-inf) are never among them."""
     if k <= 0:
         return ()
     k = min(k, logp.shape[0])
     idx = np.argpartition(-logp, k - 1)[:k]
     idx = idx[np.lexsort((idx, -logp[idx]))]
-    return tuple((int(i), float(logp[i])) for i in idx)
+    return tuple((int(i), float(logp[i])) for i in idx if logp[i] != -np.inf)
 
 
 #: temperatures by which dividing float32 scores, as float64, keeps their order and
@@ -47,8 +50,18 @@ def top_logprobs(logp: F64, k: int) -> tuple[tuple[int, float], ...]:
 _ORDER_KEPT = (1e-250, 1e250)
 
 
-def sample(logits: F32, params: SamplingParams, position: int) -> tuple[int, float]:
-    """Pick the token at ``position``; returns (token, its log-probability under the model)."""
+def sample(
+    logits: F32, params: SamplingParams, position: int, allowed: IDS | None = None
+) -> tuple[int, float]:
+    """Pick the token at ``position``; returns (token, its log-probability under the model).
+
+    ``allowed`` (increasing ids, from a constraint's mask): the draw is the one over
+    ``logits`` with every other id at -inf, made among the allowed ids alone (their
+    order, ties by lowest id, is the same), and the log-probability is under that
+    masked distribution."""
+    if allowed is not None:
+        tok, lp = sample(logits[allowed], params, position)
+        return int(allowed[tok]), lp
     logp = log_softmax(logits)
     if params.temperature == 0 or (params.seed is None and params.temperature == 0):
         tok = int(np.argmax(logp))

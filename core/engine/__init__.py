@@ -17,7 +17,10 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from sessiontape.core.constraint import Constraint
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,9 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    #: what the output must match (JSON Schema, regex, grammar), applied as a token mask
+    #: while sampling; recorded with the parameters, so re-execution reapplies it
+    constraint: Constraint | None = None
     #: fields of :data:`MODEL_SAMPLED` the request left unset: the served model's
     #: recommendation replaces their value when the generation begins
     #: (:meth:`for_model`); never recorded, the resolved values are
@@ -135,7 +141,7 @@ class SamplingParams:
         return replace(self, from_model=frozenset(), **chosen)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -144,6 +150,10 @@ class SamplingParams:
             "seed": None if self.seed is None else str(self.seed),
             "stop_token_ids": list(self.stop_token_ids),
         }
+        if self.constraint is not None:
+            # only when there is one: unconstrained generations record what they always did
+            out["constraint"] = self.constraint.to_json()
+        return out
 
     def check(self) -> None:
         """Raise InvalidParameters unless every field is in its range.
@@ -183,7 +193,10 @@ class SamplingParams:
     @classmethod
     def from_json(cls, params: Mapping[str, Any]) -> SamplingParams:
         """From the JSON form :meth:`to_json` writes (a ``generation.started``'s ``params``)."""
+        from sessiontape.core.constraint import Constraint
+
         seed = params.get("seed")
+        constraint = params.get("constraint")
         return cls(
             max_tokens=int(params.get("max_tokens", 16)),
             temperature=float(params.get("temperature", 1.0)),
@@ -191,6 +204,7 @@ class SamplingParams:
             top_k=int(params.get("top_k", 0)),
             seed=None if seed is None else int(seed),
             stop_token_ids=tuple(int(t) for t in params.get("stop_token_ids", ())),
+            constraint=None if constraint is None else Constraint.from_json(constraint),
         )
 
 

@@ -44,7 +44,8 @@ from sessiontape.core.settings import load_section
 from sessiontape.engines.onnx.batch import BatchScheduler, Member, Stats
 from sessiontape.engines.onnx.kvcache import KV, KVCache, common_prefix
 from sessiontape.engines.onnx.loading import load_model
-from sessiontape.engines.onnx.model import Concepts, GraphSpec
+from sessiontape.engines.constrained import TokenMasks
+from sessiontape.engines.onnx.model import Concepts, GraphSpec, constraint_tokenizer
 from sessiontape.engines.onnx.options import OnnxOptions
 from sessiontape.engines.onnx.run import HOP_END, Guess, Run, Stored
 from sessiontape.engines.onnx.session import PassResult, Runner
@@ -86,6 +87,11 @@ class OnnxEngine(Engine):
         self.passes = 0
         self.model_dir = loaded.folder
         self._info = loaded.info
+        self._masks = TokenMasks(
+            lambda: constraint_tokenizer(
+                self._tok, self._info.vocab_size, self._info.eos_token_ids
+            )
+        )
         log.info(
             "onnx engine: %s on %s (onnxruntime %s, io_binding=%s)",
             self._info.model_id,
@@ -337,6 +343,8 @@ class OnnxEngine(Engine):
         member: Member | None = None
         try:
             r = self._run_from_cache(entry, hist, want.first_row)
+            if params.max_tokens:
+                r.guide = self._masks.start(params.constraint, hist)
             self.cache.truncate(entry, r.base_len, keep_buffer=self.runner.static)
             prompt = await self._prefill(r, entry, options, want)
             for step in _prompt_steps(hist, want, prompt, options):

@@ -23,7 +23,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -31,6 +31,9 @@ import numpy.typing as npt
 from sessiontape.core.engine import ChatFormat, ModelSampling, ReadoutManifest
 from sessiontape.core.errors import ConfigError, EngineError
 from sessiontape.engines.models.sampling import checked_sampling
+
+if TYPE_CHECKING:
+    from llguidance import LLTokenizer
 
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 _HIDDEN = re.compile(r"^hidden_states\.(\d+)$")
@@ -295,8 +298,21 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return [int(i) for i in self._tok.encode(text, add_special_tokens=False).ids]
 
+    def to_json(self) -> str:
+        """The ``tokenizer.json`` text (what llguidance builds its own view from)."""
+        return str(self._tok.to_str())
+
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))
+
+
+def constraint_tokenizer(tok: Tokenizer, vocab_size: int, eos: Sequence[int]) -> LLTokenizer:
+    """llguidance's tokenizer for the model's (constrained decoding's token masks)."""
+    from sessiontape.engines.constrained import byte_tokenizer, json_tokenizer
+
+    if isinstance(tok, HFTokenizer):
+        return json_tokenizer(tok.to_json(), vocab_size, eos)
+    return byte_tokenizer(vocab_size, eos)
 
 
 def load_tokenizer(folder: Path, vocab_size: int) -> Tokenizer:

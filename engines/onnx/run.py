@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sessiontape.core.engine import OutputOptions, SamplingParams, Step
+from sessiontape.engines.constrained import Guide, masked
 from sessiontape.engines.onnx.kvcache import KV
 from sessiontape.engines.onnx.session import PassResult
 from sessiontape.engines.sampling import log_softmax, sample, top_logprobs
@@ -50,6 +51,8 @@ class Run:
     #: what followed each token pair (and each token) most recently in the history
     follow: dict[tuple[int, int], int] | None = None
     follow1: dict[int, int] = field(default_factory=dict)
+    #: the generation's constraint, when it has one: the mask each token is sampled under
+    guide: Guide | None = None
 
     def index(self) -> None:
         h = self.hist[-LOOKAHEAD_WINDOW:]
@@ -61,12 +64,14 @@ class Run:
         the generation goes on after it, and whether its readout is wanted (which needs
         the pass that runs it). Nothing is appended."""
         p = len(self.hist)
-        tok, tok_lp = sample(self.last, params, p)
-        top = (
-            top_logprobs(log_softmax(self.last), options.logprob_top_k)
-            if options.logprob_top_k
-            else ()
-        )
+        logits, guide = self.last, self.guide
+        allowed = None if guide is None else guide.allowed()
+        tok, tok_lp = sample(logits, params, p, allowed)
+        if guide is not None and allowed is not None:
+            guide.advance(tok)
+            if options.logprob_top_k:
+                logits = masked(logits, allowed)
+        top = top_logprobs(log_softmax(logits), options.logprob_top_k) if options.logprob_top_k else ()
         step = Step(
             token_id=tok,
             position=p,
@@ -75,6 +80,8 @@ class Run:
             top_logprobs=top,
         )
         more = p - self.n + 1 < params.max_tokens and tok not in params.stop_token_ids
+        if guide is not None and guide.finished:
+            more = False
         return step, more, options.wants_readout(p)
 
     def append(self, tok: int) -> None:
