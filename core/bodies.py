@@ -169,6 +169,15 @@ class TokensTruncated(TypedDict):
 # -- generation ------------------------------------------------------------
 
 
+class RecordedConstraint(TypedDict):
+    kind: ReadOnly[Literal["json_schema", "json_object", "regex", "grammar"]]
+    #: the canonical text: a schema's canonical JSON, the regex, the Lark grammar
+    text: ReadOnly[str]
+    sha256: ReadOnly[str]
+    #: the absolute position the constrained text begins at (null: the generation's start)
+    start: ReadOnly[int | None]
+
+
 class RecordedParams(TypedDict):
     max_tokens: ReadOnly[int]
     temperature: ReadOnly[float]
@@ -177,6 +186,8 @@ class RecordedParams(TypedDict):
     #: a decimal string: seeds may exceed 2**53
     seed: ReadOnly[str | None]
     stop_token_ids: ReadOnly[list[int]]
+    #: the constraint the output was generated under (core/constraint.py), when any
+    constraint: NotRequired[ReadOnly[RecordedConstraint]]
 
 
 class RecordedOptions(TypedDict):
@@ -219,6 +230,34 @@ class GenerationFinished(TypedDict):
     prefill_s: ReadOnly[float | None]
     total_s: ReadOnly[float | None]
     ttft_s: ReadOnly[float | None]
+    #: true when the generation ended (``length``) before its constraint was complete
+    constraint_incomplete: NotRequired[ReadOnly[bool]]
+
+
+# -- tools -------------------------------------------------------------------
+
+
+class ToolCalled(TypedDict):
+    """A function call: one the model made (``supplied_by: "model"``, with the
+    generation and the token span ``[start, end)`` its JSON came from), or one a
+    client's request brought in its history (``"client"``, no generation)."""
+
+    call_id: ReadOnly[str]
+    name: ReadOnly[str]
+    #: the arguments as JSON text, as generated (or as the client sent them)
+    arguments: ReadOnly[str]
+    generation_id: ReadOnly[str | None]
+    span: ReadOnly[list[int] | None]
+    supplied_by: ReadOnly[Literal["model", "client"]]
+
+
+class ToolResult(TypedDict):
+    """What a call returned, as whoever ran it supplied it (``supplied_by``)."""
+
+    call_id: ReadOnly[str]
+    name: ReadOnly[str | None]
+    content: ReadOnly[str]
+    supplied_by: ReadOnly[str]
 
 
 # -- other -----------------------------------------------------------------
@@ -273,6 +312,8 @@ BODIES: Mapping[str, type] = {
     T.GENERATION_STARTED: GenerationStarted,
     T.GENERATION_TOKEN: GenerationToken,
     T.GENERATION_FINISHED: GenerationFinished,
+    T.TOOL_CALLED: ToolCalled,
+    T.TOOL_RESULT: ToolResult,
     T.FEEDBACK: FeedbackRecorded,
     T.ERROR: ErrorRecorded,
     T.WIRE: WireMessage,

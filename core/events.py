@@ -49,6 +49,8 @@ class T:
     GENERATION_STARTED = "generation.started"
     GENERATION_TOKEN = "generation.token"
     GENERATION_FINISHED = "generation.finished"
+    TOOL_CALLED = "tool.called"
+    TOOL_RESULT = "tool.result"
     FEEDBACK = "feedback.recorded"
     ERROR = "error.recorded"
     WIRE = "wire.message"

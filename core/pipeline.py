@@ -548,6 +548,8 @@ class TokenPipeline:
                 self.prefill_s,
                 total,
                 None if self.ttft is None else round(self.ttft, 6),
+                # a constrained output cut by max_tokens is not a complete match: say so
+                constraint_incomplete=reason == "length" and self.params.constraint is not None,
             )
         )
         return new
@@ -574,6 +576,8 @@ def finished(
     prefill_s: float | None,
     total_s: float | None,
     ttft_s: float | None,
+    *,
+    constraint_incomplete: bool = False,
 ) -> NewEvent:
     """The one place a ``generation.finished`` event is built."""
     b: GenerationFinished = {
@@ -585,4 +589,6 @@ def finished(
         "total_s": total_s,
         "ttft_s": ttft_s,
     }
+    if constraint_incomplete:
+        b = {**b, "constraint_incomplete": True}
     return NewEvent(T.GENERATION_FINISHED, b)

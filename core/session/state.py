@@ -40,6 +40,8 @@ from sessiontape.core.bodies import (
     SessionPurged,
     TokensAppended,
     TokensTruncated,
+    ToolCalled,
+    ToolResult,
     WireMessage,
     body_as,
 )
@@ -457,6 +459,16 @@ def _wire(state: SessionState, e: Event, b: WireMessage) -> None:
 @_on(T.IMAGE_ATTACHED, ImageAttached)
 def _image(state: SessionState, e: Event, b: ImageAttached) -> None:
     _require_open(state, e)  # the bytes; tokens.appended places the block
+
+
+@_on(T.TOOL_CALLED, ToolCalled)
+def _tool_called(state: SessionState, e: Event, b: ToolCalled) -> None:
+    _require_open(state, e)
+
+
+@_on(T.TOOL_RESULT, ToolResult)
+def _tool_result(state: SessionState, e: Event, b: ToolResult) -> None:
+    _require_open(state, e)
 
 
 @_on(T.NOTE, NoteRecorded)

@@ -38,6 +38,7 @@ from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue
 from pydantic_core import CoreSchema, ErrorDetails, PydanticCustomError, core_schema
 from pydantic_core.core_schema import ErrorType
 
+from sessiontape.core.constraint import Constraint
 from sessiontape.core.engine import MAX_TOKENS_LIMIT, OutputOptions, SamplingParams, left_to_model
 from sessiontape.core.errors import InvalidArgument, InvalidParameters
 
@@ -164,6 +165,15 @@ class Generate(Body):
     tokens: Annotated[list[Int64] | None, NotNull()] = None
     stream: bool | None = True
     background: bool | None = False
+    constraint: dict[str, Any] | None = Field(
+        None,
+        description=(
+            "what the output must match, applied as a token mask while sampling: exactly one"
+            ' of {"json_schema": {...}}, {"json_object": true}, {"regex": "..."},'
+            ' {"grammar": "<Lark>"}, optionally with "start" (the absolute position the'
+            " constrained text begins at; default: where the generation begins)"
+        ),
+    )
 
     @model_validator(mode="after")
     def _text_or_tokens(self) -> Generate:
@@ -181,6 +191,7 @@ class Generate(Body):
             top_k=d.top_k if self.top_k is None else self.top_k,
             seed=self.seed,
             stop_token_ids=tuple(self.stop_token_ids),
+            constraint=None if self.constraint is None else Constraint.from_wire(self.constraint),
             from_model=left_to_model(
                 temperature=self.temperature, top_p=self.top_p, top_k=self.top_k
             ),
