@@ -34,6 +34,28 @@ ANY_OBJECT = '{"type":"object"}'
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "lenient": False}
 
 
+#: the integers a schema's unbounded ``integer`` is generated within: the ones every JSON
+#: reader holds exactly (an IEEE double), so a model repeating a digit ends its number
+SAFE_INTEGER = 2**53 - 1
+
+
+def bounded_integers(node: Any) -> Any:
+    """``node`` (a JSON Schema, or part of one) with every ``integer`` that lacks a bound
+    given :data:`SAFE_INTEGER`'s; everything else as it is."""
+    if isinstance(node, list):
+        return [bounded_integers(v) for v in node]
+    if not isinstance(node, Mapping):
+        return node
+    out = {k: bounded_integers(v) for k, v in node.items()}
+    kind = node.get("type")
+    if kind == "integer" or (isinstance(kind, list) and "integer" in kind):
+        if "minimum" not in node and "exclusiveMinimum" not in node:
+            out["minimum"] = -SAFE_INTEGER
+        if "maximum" not in node and "exclusiveMaximum" not in node:
+            out["maximum"] = SAFE_INTEGER
+    return out
+
+
 def canonical_schema(schema: Mapping[str, Any]) -> str:
     """A JSON Schema as canonical JSON (compact, UTF-8): what is hashed. Keys keep their
     order: a schema's ``properties`` order is the order the output writes them in."""
@@ -114,7 +136,8 @@ class Constraint:
 
         if self.kind in ("json_schema", "json_object"):
             try:
-                return LLMatcher.grammar_from_json_schema(self.text, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+                schema = bounded_integers(json.loads(self.text))
+                return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
             except ValueError as exc:
                 raise InvalidConstraint(f"bad JSON Schema: {exc}") from None
         if self.kind == "regex":

@@ -213,12 +213,19 @@ class JinjaChatTemplate:
         except jinja2.TemplateSyntaxError as exc:
             raise ConfigError(f"chat template: line {exc.lineno}: {exc.message}") from exc
 
-    def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool) -> str:
-        """The conversation as the model reads it, with its generation prompt if asked."""
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        """The conversation as the model reads it, with its generation prompt if asked
+        (``tools``: OpenAI-style function tools, for a template that takes them)."""
         context: dict[str, Any] = {
             "messages": [_message(m) for m in messages],
             "add_generation_prompt": add_generation_prompt,
-            "tools": None,
+            "tools": None if tools is None else _plain(list(tools)),
             "documents": None,
         }
         if self.bos_token is not None:
@@ -244,19 +251,20 @@ def continuation(
     at_start: bool,
     after_generation: bool,
     eos_text: str | None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> str:
     """The text one request's ``messages`` add to a session (see the module docstring)."""
     if at_start:
-        return tpl.render(messages, add_generation_prompt=True)
+        return tpl.render(messages, add_generation_prompt=True, tools=tools)
     if not messages:
         raise InvalidParameters("no messages to add to the conversation")
     try:
-        before = tpl.render(_DUMMY, add_generation_prompt=False)
+        before = tpl.render(_DUMMY, add_generation_prompt=False, tools=tools)
     except InvalidParameters as exc:
         raise InvalidParameters(
             f"the chat template cannot continue a conversation: {exc.message}"
         ) from exc
-    after = tpl.render([*_DUMMY, *messages], add_generation_prompt=True)
+    after = tpl.render([*_DUMMY, *messages], add_generation_prompt=True, tools=tools)
     if not after.startswith(before):
         raise InvalidParameters(
             "the chat template cannot continue a conversation: it renders earlier turns"

@@ -12,6 +12,7 @@ before them).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -28,6 +29,7 @@ from sessiontape.core.events import Event, T
 from sessiontape.transports.http.json_encoding import JSONResponse
 from sessiontape.transports.http.openai import Api, Models, error_event, json_body
 from sessiontape.transports.http.openai_bodies import ChatCompletionRequest, check_fields, parse
+from sessiontape.transports.http.tools import CallFormat, ToolCall
 from sessiontape.transports.http.turns import Turn, Turns, load_turn, logprob_entry
 
 API = "chat.completions"
@@ -56,11 +58,18 @@ class ChatCompletions:
         messages = r.turn()
         max_tokens = r.max_tokens if r.max_completion_tokens is None else r.max_completion_tokens
         params = r.sampling(max_tokens).for_model(self.runtime.engine.info.sampling)
+        use = self.turns.tool_use(r.tool_list(), r.choice(), r.parallel_tool_calls is not False)
+        constraint = use.constraint() if use is not None else None
+        if constraint is None and r.response_format is not None:
+            constraint = r.response_format.constraint()
+        if constraint is not None:
+            constraint.check()
+            params = dataclasses.replace(params, constraint=constraint)
         top = r.top_logprobs
         sid = r.session_id
         req = {
             "model": model,
-            "messages": [{"role": role, "content": c} for role, c in messages],
+            "messages": messages,
             "stop": r.stops(),
             "max_tokens": max_tokens,
             "temperature": params.temperature,
@@ -73,6 +82,8 @@ class ChatCompletions:
             "include_usage": bool(r.stream_options and r.stream_options.include_usage),
             "session_id": sid,
         }
+        if r.response_format is not None and r.response_format.type != "text":
+            req["response_format"] = r.response_format.model_dump(by_alias=True)
         if sid is None:
             st = await self.runtime.open_session(
                 "openai",
@@ -90,6 +101,7 @@ class ChatCompletions:
             params,
             OutputOptions(logprob_top_k=top or 0),
             live=bool(r.stream),
+            use=use,
         )
         if r.stream:
             return self._sse(turn)
@@ -126,15 +138,21 @@ class ChatCompletions:
         logprobs = None
         if turn.request.get("logprobs"):
             logprobs = {"content": [self._logprob(e) for e in turn.token_events], "refusal": None}
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        finish = _finish(turn.finish_reason, stopped)
+        calls = turn_calls(turn, text)
+        if calls:
+            message = {**message, "content": None, "tool_calls": [_call_json(c) for c in calls]}
+            finish = "tool_calls" if finish == "stop" else finish
         return {
             **self._header(turn),
             "object": "chat.completion",
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": text, "refusal": None},
+                    "message": message,
                     "logprobs": logprobs,
-                    "finish_reason": _finish(turn.finish_reason, stopped),
+                    "finish_reason": finish,
                 }
             ],
             "usage": self._usage(turn, len(turn.tokens)),
@@ -173,6 +191,12 @@ class ChatCompletions:
         ts = TextStream(self._detok(), turn.stops())
         reason = None
         generated = 0  # every token the generation made (past a stop string too), as the log
+        # a reply that may be a call is held until its first character says which it is
+        # (the grammar lets text begin with neither "{" nor "<"); a call's deltas follow
+        # its finish, once its tool.called events are committed
+        calls_possible = bool(_tool_use(turn))
+        mode = "text" if not calls_possible else None
+        held: list[str] = []
         # one chunk per committed run: the tokens that are ready when the stream gets
         # to them share a delta (one token each while the reader keeps up), so a
         # reader slower than the engine gets fewer, longer chunks instead of a backlog
@@ -193,6 +217,16 @@ class ChatCompletions:
                 if logprobs:
                     lps.append(self._logprob(e))
             delta = "".join(parts)
+            if mode != "text":
+                held.append(delta)
+                start = "".join(held).lstrip()
+                if start and mode is None:
+                    mode = "call" if start[0] in "{<" else "text"
+                if mode != "text":
+                    if reason is not None:
+                        break
+                    continue
+                delta, held = "".join(held), []
             if lps:
                 yield chunk({"content": delta}, lp={"content": lps, "refusal": None})
             elif delta:
@@ -200,12 +234,45 @@ class ChatCompletions:
             if reason is not None:
                 break
         tail = ts.finish()
-        if tail:
+        finish = _finish(reason, ts.stopped)
+        calls = turn_calls(turn, ts.text) if mode == "call" else []
+        if calls:
+            for i, c in enumerate(calls):
+                opening = _call_json(dataclasses.replace(c, arguments=""), i)
+                yield chunk({"tool_calls": [opening]})
+                yield chunk({"tool_calls": [{"index": i, "function": {"arguments": c.arguments}}]})
+            finish = "tool_calls" if finish == "stop" else finish
+        elif mode != "text" and (held or tail):
+            yield chunk({"content": "".join(held) + tail})
+        elif tail:
             yield chunk({"content": tail})
-        yield chunk({}, _finish(reason, ts.stopped))
+        yield chunk({}, finish)
         if turn.request.get("include_usage"):
             # the stream saw every generated token: no need to read the turn back
             yield {**head, "choices": [], "usage": self._usage(turn, generated)}
+
+
+def _tool_use(turn: Turn) -> dict[str, Any] | None:
+    use = turn.request.get("tool_use")
+    return use if use and use.get("tool_choice") != "none" else None
+
+
+def turn_calls(turn: Turn, text: str) -> list[ToolCall]:
+    """The calls a turn's reply made (none when its request had no tools to call)."""
+    use = _tool_use(turn)
+    if use is None:
+        return []
+    fmt = CallFormat(**use.get("call_format", {}))
+    return fmt.parse(text, turn.generation_id)
+
+
+def _call_json(c: ToolCall, index: int | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "id": c.id,
+        "type": "function",
+        "function": {"name": c.name, "arguments": c.arguments},
+    }
+    return out if index is None else {"index": index, **out}
 
 
 def _finish(reason: str | None, stopped: bool) -> str:

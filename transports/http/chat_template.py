@@ -42,6 +42,10 @@ from sessiontape.core.errors import ConfigError, InvalidParameters
 
 ROLES = ("system", "developer", "user", "assistant")
 
+#: a message as a template renders it: ``role`` and ``content`` (text), and for a template
+#: that takes tools, ``tool_calls`` / ``tool_call_id`` as OpenAI's API writes them
+Message = Mapping[str, Any]
+
 
 @dataclass(frozen=True)
 class ChatTemplate:
@@ -87,7 +91,7 @@ class ChatTemplate:
         }
 
     def render(
-        self, messages: Sequence[tuple[str, str]], *, at_start: bool, after_generation: bool
+        self, messages: Sequence[Message], *, at_start: bool, after_generation: bool
     ) -> str:
         """The text of one request's messages, ending with the generation prompt.
 
@@ -96,8 +100,8 @@ class ChatTemplate:
         closed first.
         """
         parts = [self.prefix if at_start else "", self.after_generation if after_generation else ""]
-        for role, content in messages:
-            parts.append(self.message.format(role=role, content=content))
+        for m in messages:
+            parts.append(self.message.format(role=m["role"], content=m.get("content") or ""))
         parts.append(self.generation_prompt)
         return "".join(parts)
 
@@ -120,27 +124,34 @@ class ModelTemplate:
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "format": "jinja", "sha256": self.jinja.sha256}
 
+    @property
+    def source(self) -> str:
+        return self.jinja.source
+
     def render(
         self,
-        messages: Sequence[tuple[str, str]],
+        messages: Sequence[Message],
         *,
         at_start: bool,
         after_generation: bool,
         ended_with_eos: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         """The text of one request's messages, ending with the generation prompt.
 
         ``ended_with_eos``: the generated turn that ends the session stopped at
-        the model's EOS (else its whole closing text is added).
+        the model's EOS (else its whole closing text is added); ``tools``: the
+        request's functions, for a template that takes them.
         """
         from sessiontape.engines.models.chat_template import continuation
 
         return continuation(
             self.jinja,
-            [{"role": role, "content": content} for role, content in messages],
+            [dict(m) for m in messages],
             at_start=at_start,
             after_generation=after_generation,
             eos_text=self.eos_text if ended_with_eos else None,
+            tools=tools,
         )
 
 

@@ -30,9 +30,11 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from sessiontape.core.constraint import Constraint
 from sessiontape.core.engine import SamplingParams, left_to_model
 from sessiontape.transports.http.openai import DEFAULT_MAX_TOKENS, BadParam
 from sessiontape.transports.http.request_bodies import describe
+from sessiontape.transports.http.tools import Tool, tool
 
 #: the roles a message may have (chat_template.ROLES)
 Role = Literal["system", "developer", "user", "assistant"]
@@ -210,19 +212,89 @@ class ResponseCreateRequest(Request):
 # -- /v1/chat/completions -----------------------------------------------------------------
 
 
-class ChatMessage(Part):
-    """A message; one with tool calls is refused (this server has no tools)."""
+class CalledFunction(Part):
+    name: str
+    arguments: str
 
-    role: Role
-    content: Content
+
+class ToolCallIn(Part):
+    """A call in an assistant message of the history (as the model, or the client, made it)."""
+
+    id: Annotated[str, Field(min_length=1)]
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class ChatMessage(Part):
+    """A message: ``tool_calls`` on an assistant message (content may then be null), and a
+    ``tool`` message answering one of them by ``tool_call_id``."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Content | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
 
     @model_validator(mode="before")
     @classmethod
-    def _no_tool_calls(cls, value: Any) -> Any:
-        if isinstance(value, dict) and (value.get("tool_calls") or value.get("function_call")):
-            raise PydanticCustomError("tool_calls", "holds tool calls: no tools on this server")
+    def _no_function_call(cls, value: Any) -> Any:
+        if isinstance(value, dict) and value.get("function_call"):
+            raise PydanticCustomError(
+                "function_call", "function_call is deprecated: send tool_calls instead"
+            )
         return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise PydanticCustomError("tool_calls", "only an assistant message has tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise PydanticCustomError("tool_call_id", "a tool message needs its tool_call_id")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise PydanticCustomError("content", "content is required")
+        return self
+
+    def to_json(self) -> dict[str, Any]:
+        """The message as the request records it (content as text)."""
+        out: dict[str, Any] = {
+            "role": self.role,
+            "content": None if self.content is None else text_of(self.content),
+        }
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class FunctionDef(Part):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(Part):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(Part):
+    name: str
+
+
+class ChatToolChoice(Part):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(Part):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
 
 
 def _one(value: Any) -> Any:
@@ -239,32 +311,42 @@ def _text_only(value: Any) -> Any:
     return value
 
 
-def _format_text(value: Any) -> Any:
-    if not isinstance(value, dict) or value.get("type") != "text":
-        raise PydanticCustomError("response_format", 'must be {"type": "text"}')
-    return value
-
-
 class StreamOptions(Part):
     include_usage: bool | None = None
 
 
 class ResponseFormat(Part):
-    type: Literal["text"]
+    """``text``, ``json_object`` (any JSON object) or ``json_schema`` (the schema, by
+    constrained decoding: strict or not, the output is generated to match it)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise PydanticCustomError("json_schema", "json_schema needs its json_schema object")
+        return self
+
+    def constraint(self) -> Constraint | None:
+        if self.type == "json_object":
+            return Constraint.json_object()
+        if self.type == "json_schema":
+            assert self.json_schema is not None
+            return Constraint.json_schema(self.json_schema.schema_)
+        return None
 
 
 _Stop = Annotated[str, Field(min_length=1)]
 
 
 class ChatCompletionRequest(Request):
-    """tools, functions, tool calls, logit_bias, audio, prediction, reasoning_effort and non-zero
+    """functions, function_call, logit_bias, audio, prediction, reasoning_effort and non-zero
     penalties are refused (400), not ignored; so is any field not listed here and not null
-    (unknown_field), except user, service_tier, safety_identifier, prompt_cache_key,
-    prompt_cache_retention and parallel_tool_calls, which change nothing."""
+    (unknown_field), except user, service_tier, safety_identifier, prompt_cache_key and
+    prompt_cache_retention, which change nothing."""
 
     unsupported = (
-        "tools",
-        "tool_choice",
         "functions",
         "function_call",
         "logit_bias",
@@ -301,7 +383,23 @@ class ChatCompletionRequest(Request):
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
     stream_options: StreamOptions | None = None
-    response_format: Annotated[ResponseFormat, BeforeValidator(_format_text)] | None = None
+    response_format: ResponseFormat | None = None
+    tools: Annotated[list[ChatTool], Field(max_length=128)] | None = None
+    tool_choice: (
+        Annotated[
+            Union[  # noqa: UP007
+                Annotated[Literal["auto", "none", "required"], Tag("@mode")],
+                Annotated[ChatToolChoice, Tag("@named")],
+            ],
+            Discriminator(
+                _kind((str, "@mode"), (dict, "@named")),
+                custom_error_type="tool_choice",
+                custom_error_message='must be "auto", "none", "required" or a named function',
+            ),
+        ]
+        | None
+    ) = None
+    parallel_tool_calls: bool | None = None
     session_id: str | None = Field(
         None, description="extension: continue this session without resending history"
     )
@@ -321,9 +419,23 @@ class ChatCompletionRequest(Request):
             raise _refuse("top_logprobs", "top_logprobs needs logprobs=true")
         return self
 
-    def turn(self) -> list[tuple[str, str]]:
-        """The messages as (role, text)."""
-        return [(m.role, text_of(m.content)) for m in self.messages]
+    def turn(self) -> list[dict[str, Any]]:
+        """The messages as the request records them."""
+        return [m.to_json() for m in self.messages]
+
+    def tool_list(self) -> list[Tool]:
+        return [
+            tool(t.function.name, t.function.description, t.function.parameters, t.function.strict)
+            for t in self.tools or ()
+        ]
+
+    def choice(self) -> str:
+        """``tool_choice`` as "auto", "none", "required" or a function's name (default:
+        "auto" with tools, "none" without)."""
+        c = self.tool_choice
+        if c is None:
+            return "auto" if self.tools else "none"
+        return c if isinstance(c, str) else c.function.name
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
@@ -345,7 +457,8 @@ class UnknownParam(BadParam):
 
 
 #: OpenAI request fields that change nothing here, taken and dropped: an end-user id, a service
-#: tier, caching and safety hints (a session caches by itself), parallel tool calls (no tools)
+#: tier, caching and safety hints (a session caches by itself); parallel_tool_calls (a field of
+#: the routes that take tools, dropped by those that do not)
 NO_OPS = frozenset(
     {
         "user",

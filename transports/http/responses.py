@@ -98,8 +98,8 @@ class Responses:
         sid, forked_from = await self._session(prev)
         if forked_from is not None:
             req["forked_from"] = forked_from
-        messages = ([("system", instructions)] if instructions else []) + [
-            (m["role"], m["content"]) for m in items
+        messages = ([{"role": "system", "content": instructions}] if instructions else []) + [
+            {"role": m["role"], "content": m["content"]} for m in items
         ]
         turn = await self.turns.start(
             sid,

@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sessiontape.core.constraint import Constraint
+from sessiontape.core.constraint import Constraint, bounded_integers
 from sessiontape.core.errors import InvalidParameters
 from sessiontape.core.events import NewEvent, T
 
@@ -122,7 +122,7 @@ class CallFormat:
         rules = []
         alts = []
         for i, t in enumerate(tools):
-            schema = {**t.parameters, "x-guidance": ARGUMENT_OPTIONS}
+            schema = {**bounded_integers(t.parameters), "x-guidance": ARGUMENT_OPTIONS}
             rules.append(
                 f"call_{i}: {_lark_string(self.head(t.name))} args_{i} "
                 f"{_lark_string('}' + self.close)}"

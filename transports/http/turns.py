@@ -30,9 +30,18 @@ from sessiontape.core.bodies import (
 from sessiontape.core.document.text import TextStream
 from sessiontape.core.engine import OutputOptions, SamplingParams
 from sessiontape.core.errors import NotFound, SessiontapeError
-from sessiontape.core.events import Event, T
+from sessiontape.core.events import Event, NewEvent, T
 from sessiontape.core.runtime import Runtime
-from sessiontape.transports.http.chat_template import AnyTemplate, ModelTemplate
+from sessiontape.transports.http.chat_template import AnyTemplate, Message, ModelTemplate
+from sessiontape.transports.http.tools import (
+    CallFormat,
+    Tool,
+    ToolUse,
+    called_events,
+    prompt_messages,
+    supplied_events,
+    use_of,
+)
 
 WIRE = "openai"
 
@@ -250,6 +259,32 @@ def logprob_entry(detokenize: Any, e: Event) -> dict[str, Any]:
     return {**entry(int(b["token"]), 0.0 if lp is None else float(lp)), "top_logprobs": top}
 
 
+class _CallRecorder:
+    """A turn's run hook (:data:`~sessiontape.core.generate_request.RunHook`): the calls its
+    reply makes, as ``tool.called`` events in the commit that carries the finish."""
+
+    def __init__(self, detokenize: Any, use: ToolUse | None) -> None:
+        self.detokenize = detokenize
+        self.use = use
+        self.wanted = use is not None and use.choice != "none"
+        self.tokens: list[int] = []
+        self.generation_id = ""
+        self.prompt_length = 0
+
+    def started(self, b: GenerationStarted) -> None:
+        self.generation_id = str(b["generation_id"])
+        self.prompt_length = int(b["prompt_length"])
+
+    def __call__(self, _: Any, tokens: list[int], last: bool) -> list[NewEvent]:
+        self.tokens.extend(tokens)
+        if not last or self.use is None:
+            return []
+        calls = self.use.format.parse(self.detokenize(self.tokens), self.generation_id)
+        return called_events(
+            calls, self.generation_id, self.prompt_length, self.tokens, self.detokenize
+        )
+
+
 def _retrieve(task: asyncio.Task[None]) -> None:
     # the failure is in the log (error.recorded); a waiting request re-raises it
     if not task.cancelled():
@@ -302,36 +337,62 @@ class Turns:
 
     def render(
         self,
-        messages: Sequence[tuple[str, str]],
+        messages: Sequence[Message],
         length: int,
         after_generation: bool,
         last_token: int | None = None,
+        use: ToolUse | None = None,
     ) -> list[int]:
         at_start, after = length == 0, after_generation and length > 0
+        messages = prompt_messages(messages, use, self.call_format, at_start)
         if isinstance(self.template, ModelTemplate):
             eos = last_token in self.runtime.engine.info.eos_token_ids
             text = self.template.render(
-                messages, at_start=at_start, after_generation=after, ended_with_eos=eos
+                messages,
+                at_start=at_start,
+                after_generation=after,
+                ended_with_eos=eos,
+                tools=None if use is None else use.template_tools(),
             )
         else:
             text = self.template.render(messages, at_start=at_start, after_generation=after)
         return self.runtime.engine.tokenize(text)
 
+    @property
+    def template_source(self) -> str | None:
+        """The served model's Jinja template source (None for a role-marker template)."""
+        return self.template.source if isinstance(self.template, ModelTemplate) else None
+
+    @property
+    def call_format(self) -> CallFormat:
+        return CallFormat.for_template(self.template_source)
+
+    def tool_use(self, tools: Sequence[Tool], choice: str, parallel: bool) -> ToolUse | None:
+        """How a request with ``tools`` lets the model call them (None without tools)."""
+        if not tools and choice == "none":
+            return None
+        return use_of(tools, choice, parallel, self.template_source)
+
     async def start(
         self,
         session_id: str,
         api: str,
-        messages: Sequence[tuple[str, str]],
+        messages: Sequence[Message],
         request: dict[str, Any],
         params: SamplingParams,
         options: OutputOptions,
         *,
         close_after: bool = False,
         live: bool = False,
+        use: ToolUse | None = None,
     ) -> Turn:
         """Render, append and start generating; returns once ``generation.started`` and the
         request's ``wire.message`` are committed. The generation runs on in a task; with
-        ``live``, its runs are handed to the caller's stream (:meth:`runs`) as they commit."""
+        ``live``, its runs are handed to the caller's stream (:meth:`runs`) as they commit.
+
+        ``use``: the request's tools; the calls and results its messages bring are recorded
+        first (``supplied_by: "client"``), and the calls the model makes commit with its
+        generation's finish (:mod:`sessiontape.transports.http.tools`)."""
         lock = self._locks.setdefault(session_id, asyncio.Lock())
         try:
             async with lock:
@@ -342,20 +403,32 @@ class Turns:
                     g.prompt_length + len(g.tokens) == st.length for g in st.generations.values()
                 )
                 last = int(st.tokens[-1]) if st.length else None
-                tokens = self.render(messages, st.length, after, last)
+                tokens = self.render(messages, st.length, after, last, use)
+                supplied = supplied_events(messages)
+                if supplied:
+                    await self.runtime.record(session_id, supplied)
+                calls = _CallRecorder(self.runtime.engine.detokenize, use)
                 # started apart: the request's wire.message follows generation.started
                 runs = self.runtime.generate_runs(
-                    session_id, params, options, append=tokens, start_apart=True
+                    session_id,
+                    params,
+                    options,
+                    append=tokens,
+                    start_apart=True,
+                    with_run=calls if calls.wanted else None,
                 )
                 try:
                     # the first run: any truncation and generation.started
                     first = await anext(aiter(runs))
                     [started] = [e for e in first if e.type == T.GENERATION_STARTED]
+                    calls.started(body(started, GenerationStarted))
                     request = {
                         **request,
                         "stop": [*self.template.stop, *request.get("stop", [])],
                         "template": self.template.to_json(),
                     }
+                    if use is not None:
+                        request["tool_use"] = use.to_json()
                     payload = {
                         "api": api,
                         "generation_id": body(started, GenerationStarted)["generation_id"],
