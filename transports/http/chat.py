@@ -29,8 +29,15 @@ from sessiontape.core.events import Event, T
 from sessiontape.transports.http.json_encoding import JSONResponse
 from sessiontape.transports.http.openai import Api, Models, error_event, json_body
 from sessiontape.transports.http.openai_bodies import ChatCompletionRequest, check_fields, parse
-from sessiontape.transports.http.tools import CallFormat, ToolCall
-from sessiontape.transports.http.turns import Turn, Turns, load_turn, logprob_entry
+from sessiontape.transports.http.tools import ToolCall
+from sessiontape.transports.http.turns import (
+    Turn,
+    Turns,
+    load_turn,
+    logprob_entry,
+    tool_use_of,
+    turn_calls,
+)
 
 API = "chat.completions"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -194,7 +201,7 @@ class ChatCompletions:
         # a reply that may be a call is held until its first character says which it is
         # (the grammar lets text begin with neither "{" nor "<"); a call's deltas follow
         # its finish, once its tool.called events are committed
-        calls_possible = bool(_tool_use(turn))
+        calls_possible = bool(tool_use_of(turn))
         mode = "text" if not calls_possible else None
         held: list[str] = []
         # one chunk per committed run: the tokens that are ready when the stream gets
@@ -250,20 +257,6 @@ class ChatCompletions:
         if turn.request.get("include_usage"):
             # the stream saw every generated token: no need to read the turn back
             yield {**head, "choices": [], "usage": self._usage(turn, generated)}
-
-
-def _tool_use(turn: Turn) -> dict[str, Any] | None:
-    use = turn.request.get("tool_use")
-    return use if use and use.get("tool_choice") != "none" else None
-
-
-def turn_calls(turn: Turn, text: str) -> list[ToolCall]:
-    """The calls a turn's reply made (none when its request had no tools to call)."""
-    use = _tool_use(turn)
-    if use is None:
-        return []
-    fmt = CallFormat(**use.get("call_format", {}))
-    return fmt.parse(text, turn.generation_id)
 
 
 def _call_json(c: ToolCall, index: int | None = None) -> dict[str, Any]:

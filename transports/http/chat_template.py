@@ -43,8 +43,16 @@ from sessiontape.core.errors import ConfigError, InvalidParameters
 ROLES = ("system", "developer", "user", "assistant")
 
 #: a message as a template renders it: ``role`` and ``content`` (text), and for a template
-#: that takes tools, ``tool_calls`` / ``tool_call_id`` as OpenAI's API writes them
-Message = Mapping[str, Any]
+#: that takes tools, ``tool_calls`` / ``tool_call_id`` as OpenAI's API writes them; or a
+#: ``(role, content)`` pair
+Message = Mapping[str, Any] | tuple[str, str]
+
+
+def as_dict(m: Message) -> dict[str, Any]:
+    """A message as a mapping (a ``(role, content)`` pair becomes one)."""
+    if isinstance(m, tuple):
+        return {"role": m[0], "content": m[1]}
+    return dict(m)
 
 
 @dataclass(frozen=True)
@@ -100,7 +108,7 @@ class ChatTemplate:
         closed first.
         """
         parts = [self.prefix if at_start else "", self.after_generation if after_generation else ""]
-        for m in messages:
+        for m in map(as_dict, messages):
             parts.append(self.message.format(role=m["role"], content=m.get("content") or ""))
         parts.append(self.generation_prompt)
         return "".join(parts)
@@ -147,7 +155,7 @@ class ModelTemplate:
 
         return continuation(
             self.jinja,
-            [dict(m) for m in messages],
+            [as_dict(m) for m in messages],
             at_start=at_start,
             after_generation=after_generation,
             eos_text=self.eos_text if ended_with_eos else None,

@@ -145,35 +145,107 @@ class InputMessage(Part):
     content: Content
 
 
-def _text_format(value: Any) -> Any:
-    if value is not None and (not isinstance(value, dict) or value.get("type") != "text"):
-        raise PydanticCustomError(
-            "text_format", 'must be {"type": "text"}: only text output is supported'
-        )
+class FunctionCallItem(Part):
+    """A call the model made earlier (an output item sent back as input)."""
+
+    type: Literal["function_call"]
+    call_id: Annotated[str, Field(min_length=1)]
+    name: str
+    arguments: str
+
+
+class FunctionCallOutput(Part):
+    """What a call returned, from the client that ran it."""
+
+    type: Literal["function_call_output"]
+    call_id: Annotated[str, Field(min_length=1)]
+    output: str
+
+
+def _item_kind(value: Any) -> str | None:
+    if not isinstance(value, dict):
+        return None
+    return {"function_call": "@call", "function_call_output": "@output"}.get(
+        value.get("type", "message"), "@message"
+    )
+
+
+_INPUT_ITEM = Annotated[
+    Union[  # noqa: UP007
+        Annotated[InputMessage, Tag("@message")],
+        Annotated[FunctionCallItem, Tag("@call")],
+        Annotated[FunctionCallOutput, Tag("@output")],
+    ],
+    Discriminator(
+        _item_kind,
+        custom_error_type="input_item",
+        custom_error_message="must be a message, a function_call or a function_call_output",
+    ),
+]
+
+
+def _function_tools(value: Any) -> Any:
+    if isinstance(value, list):
+        for t in value:
+            if not isinstance(t, dict) or t.get("type") != "function":
+                kind = t.get("type") if isinstance(t, dict) else type(t).__name__
+                raise _refuse("tools", f"tools of type {kind!r} are not supported (function only)")
     return value
 
 
+class ResponseTool(Part):
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseToolChoice(Part):
+    type: Literal["function"]
+    name: str
+
+
 class TextFormat(Part):
-    type: Literal["text"]
+    """``text``, ``json_object``, or ``json_schema`` (generated to match the schema)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> TextFormat:
+        if self.type == "json_schema" and self.schema_ is None:
+            raise PydanticCustomError("schema", "a json_schema format needs its schema")
+        return self
+
+    def constraint(self) -> Constraint | None:
+        if self.type == "json_object":
+            return Constraint.json_object()
+        if self.type == "json_schema":
+            assert self.schema_ is not None
+            return Constraint.json_schema(self.schema_)
+        return None
 
 
 class TextConfig(Part):
-    format: Annotated[TextFormat | None, BeforeValidator(_text_format)] = None
+    format: TextFormat | None = None
 
 
 class ResponseCreateRequest(Request):
-    """tools, conversation, prompt, a tool_choice or reasoning that asks for something, a truncation
-    other than disabled and a text.format other than text are refused (400), not ignored; so is
-    any non-null field not listed here (unknown_field), except user, service_tier,
-    safety_identifier, prompt_cache_key, prompt_cache_retention and parallel_tool_calls, which
-    change nothing."""
+    """Tools other than functions, conversation, prompt, a reasoning that asks for something
+    and a truncation other than disabled are refused (400), not ignored; so is any non-null
+    field not listed here (unknown_field), except user, service_tier, safety_identifier,
+    prompt_cache_key and prompt_cache_retention, which change nothing."""
 
-    unsupported = ("tools", "tool_choice", "conversation", "prompt", "reasoning")
+    unsupported = ("conversation", "prompt", "reasoning")
 
     input: Annotated[
         Union[  # noqa: UP007
             Annotated[str, Tag("@text")],
-            Annotated[list[InputMessage], Field(min_length=1), Tag("@messages")],
+            Annotated[list[_INPUT_ITEM], Field(min_length=1), Tag("@messages")],
         ],
         Discriminator(
             _kind((str, "@text"), (list, "@messages")),
@@ -195,6 +267,25 @@ class ResponseCreateRequest(Request):
     top_logprobs: TopLogprobs | None = None
     text: TextConfig | None = None
     truncation: Literal["disabled"] | None = None
+    tools: (
+        Annotated[list[ResponseTool], Field(max_length=128), BeforeValidator(_function_tools)]
+        | None
+    ) = None
+    tool_choice: (
+        Annotated[
+            Union[  # noqa: UP007
+                Annotated[Literal["auto", "none", "required"], Tag("@mode")],
+                Annotated[ResponseToolChoice, Tag("@named")],
+            ],
+            Discriminator(
+                _kind((str, "@mode"), (dict, "@named")),
+                custom_error_type="tool_choice",
+                custom_error_message='must be "auto", "none", "required" or a named function',
+            ),
+        ]
+        | None
+    ) = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _background_is_stored(self) -> ResponseCreateRequest:
@@ -202,11 +293,42 @@ class ResponseCreateRequest(Request):
             raise _refuse("background", "background responses need store=true")
         return self
 
-    def messages(self) -> list[dict[str, str]]:
-        """The input as ``{"role", "content"}`` messages (a string is one user message)."""
+    def messages(self) -> list[dict[str, Any]]:
+        """The input as chat messages (a string is one user message; consecutive function
+        calls are one assistant message's ``tool_calls``, an output a ``tool`` message)."""
         if isinstance(self.input, str):
             return [{"role": "user", "content": self.input}]
-        return [{"role": m.role, "content": text_of(m.content)} for m in self.input]
+        out: list[dict[str, Any]] = []
+        for m in self.input:
+            if isinstance(m, InputMessage):
+                out.append({"role": m.role, "content": text_of(m.content)})
+            elif isinstance(m, FunctionCallItem):
+                call = {
+                    "id": m.call_id,
+                    "type": "function",
+                    "function": {"name": m.name, "arguments": m.arguments},
+                }
+                if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
+                    out[-1]["tool_calls"].append(call)
+                else:
+                    out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            else:
+                out.append({"role": "tool", "tool_call_id": m.call_id, "content": m.output})
+        return out
+
+    def tool_list(self) -> list[Tool]:
+        return [tool(t.name, t.description, t.parameters, t.strict) for t in self.tools or ()]
+
+    def choice(self) -> str:
+        """``tool_choice`` as "auto", "none", "required" or a function's name."""
+        c = self.tool_choice
+        if c is None:
+            return "auto" if self.tools else "none"
+        return c if isinstance(c, str) else c.name
+
+    def format_constraint(self) -> Constraint | None:
+        f = self.text.format if self.text is not None else None
+        return None if f is None else f.constraint()
 
 
 # -- /v1/chat/completions -----------------------------------------------------------------

@@ -14,6 +14,7 @@ sequence numbers.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -38,7 +39,14 @@ from sessiontape.transports.http.openai import (
     split_id,
 )
 from sessiontape.transports.http.openai_bodies import ResponseCreateRequest, check_fields, parse
-from sessiontape.transports.http.turns import Turn, Turns, load_turn, logprob_entry
+from sessiontape.transports.http.turns import (
+    Turn,
+    Turns,
+    load_turn,
+    logprob_entry,
+    tool_use_of,
+    turn_calls,
+)
 
 API = "responses"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -78,6 +86,13 @@ class Responses:
         store, background = r.store is not False, bool(r.background)
         # the values used, as the response echoes them
         params = r.sampling(r.max_output_tokens).for_model(self.runtime.engine.info.sampling)
+        use = self.turns.tool_use(r.tool_list(), r.choice(), r.parallel_tool_calls is not False)
+        constraint = use.constraint() if use is not None else None
+        if constraint is None:
+            constraint = r.format_constraint()
+        if constraint is not None:
+            constraint.check()
+            params = dataclasses.replace(params, constraint=constraint)
         top = r.top_logprobs
         req = {
             "model": model,
@@ -95,12 +110,12 @@ class Responses:
             "logprobs": bool(r.include),
             "top_logprobs": top or 0,
         }
+        if r.text is not None and r.text.format is not None:
+            req["text_format"] = r.text.format.model_dump(by_alias=True, exclude_none=True)
         sid, forked_from = await self._session(prev)
         if forked_from is not None:
             req["forked_from"] = forked_from
-        messages = ([{"role": "system", "content": instructions}] if instructions else []) + [
-            {"role": m["role"], "content": m["content"]} for m in items
-        ]
+        messages = ([{"role": "system", "content": instructions}] if instructions else []) + items
         turn = await self.turns.start(
             sid,
             API,
@@ -110,6 +125,7 @@ class Responses:
             OutputOptions(logprob_top_k=top or 0),
             close_after=not store,
             live=bool(r.stream),
+            use=use,
         )
         if r.stream:
             return self._sse(turn, -1, cancel_on_disconnect=not background)
@@ -216,19 +232,9 @@ class Responses:
             raise BadParam("order", "order must be 'asc' or 'desc'")
         rid = response_id(turn)
         items = [
-            {
-                "id": f"msg_{rid[5:]}_{i}",
-                "type": "message",
-                "role": m["role"],
-                "status": "completed",
-                "content": [
-                    {
-                        "type": "output_text" if m["role"] == "assistant" else "input_text",
-                        "text": m["content"],
-                    }
-                ],
-            }
+            item
             for i, m in enumerate(turn.request.get("input", []))
+            for item in _input_items(f"{rid[5:]}_{i}", m)
         ]
         if order == "desc":
             items.reverse()
@@ -267,7 +273,8 @@ class Responses:
         item_status = {"completed": "completed", "in_progress": "in_progress"}.get(
             status, "incomplete"
         )
-        output = (
+        calls = [] if snapshot else turn_calls(turn, text)
+        output: list[dict[str, Any]] = (
             []
             if snapshot
             else [
@@ -287,6 +294,19 @@ class Responses:
                 }
             ]
         )
+        if calls:
+            output = [
+                {
+                    "type": "function_call",
+                    "id": f"fc_{rid[5:]}_{i}",
+                    "call_id": c.id,
+                    "name": c.name,
+                    "arguments": c.arguments,
+                    "status": "completed",
+                }
+                for i, c in enumerate(calls)
+            ]
+        use = r.get("tool_use") or {}
         usage = None
         if not snapshot and turn.finished is not None:
             cached = max(0, turn.prompt_tokens - turn.appended)
@@ -309,14 +329,14 @@ class Responses:
             "max_output_tokens": r.get("max_output_tokens"),
             "model": r.get("model"),
             "output": output,
-            "parallel_tool_calls": False,
+            "parallel_tool_calls": bool(use.get("parallel_tool_calls", False)),
             "previous_response_id": r.get("previous_response_id"),
             "reasoning": {"effort": None, "summary": None},
             "store": bool(r.get("store", True)),
             "temperature": r.get("temperature"),
-            "text": {"format": {"type": "text"}},
-            "tool_choice": "none",
-            "tools": [],
+            "text": {"format": r.get("text_format") or {"type": "text"}},
+            "tool_choice": _choice_json(use.get("tool_choice", "none")),
+            "tools": [_tool_json(t) for t in use.get("tools", [])],
             "top_p": r.get("top_p"),
             "top_logprobs": r.get("top_logprobs", 0),
             "truncation": "disabled",
@@ -369,12 +389,79 @@ class Responses:
         together: a committed run's deltas); the events are a function of the log
         alone, how they are grouped is not."""
         out = _Events("msg_" + response_id(turn)[5:], TextStream(self._detok(), turn.stops()))
+        if tool_use_of(turn) is not None:
+            # a reply that may be calls is told from text only once it is whole
+            async for ready in self._held(turn, out):
+                yield ready
+            return
         yield self._opening(turn, out)
         async for run in self.turns.runs(turn):
             ready = self._deltas(turn, out, run)
             if ready:
                 yield ready
         yield await self._closing(turn, out)
+
+    async def _held(
+        self, turn: Turn, out: _Events
+    ) -> AsyncIterator[list[tuple[int, dict[str, Any]]]]:
+        """The stream of a response that may call tools: created and in progress at once,
+        then, once the generation ended, each output item (a message, or function calls
+        with their arguments) and the response's end."""
+        snap = self.render(turn, snapshot=True)
+        yield [
+            out.event("response.created", response=snap),
+            out.event("response.in_progress", response=snap),
+        ]
+        async for _ in self.turns.runs(turn):
+            pass
+        final = await self._json(turn)
+        ready = []
+        for i, item in enumerate(final["output"]):
+            if item["type"] == "function_call":
+                ready += [
+                    out.event(
+                        "response.output_item.added",
+                        output_index=i,
+                        item={**item, "arguments": "", "status": "in_progress"},
+                    ),
+                    out.event(
+                        "response.function_call_arguments.delta",
+                        item_id=item["id"],
+                        output_index=i,
+                        delta=item["arguments"],
+                    ),
+                    out.event(
+                        "response.function_call_arguments.done",
+                        item_id=item["id"],
+                        output_index=i,
+                        arguments=item["arguments"],
+                    ),
+                ]
+            else:
+                part = item["content"][0]
+                ready += [
+                    out.event(
+                        "response.output_item.added",
+                        output_index=i,
+                        item={**item, "status": "in_progress", "content": []},
+                    ),
+                    out.part_event(
+                        "response.content_part.added", part={**part, "text": "", "logprobs": []}
+                    ),
+                    out.part_event(
+                        "response.output_text.delta", delta=part["text"], logprobs=part["logprobs"]
+                    ),
+                    out.part_event(
+                        "response.output_text.done", text=part["text"], logprobs=part["logprobs"]
+                    ),
+                    out.part_event("response.content_part.done", part=part),
+                ]
+            ready.append(out.event("response.output_item.done", output_index=i, item=item))
+        terminal = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(
+            final["status"], "response.failed"
+        )
+        ready.append(out.event(terminal, response=final))
+        yield ready
 
     def _opening(self, turn: Turn, out: _Events) -> list[tuple[int, dict[str, Any]]]:
         """The events before any text: the response created and in progress, its message
@@ -458,6 +545,56 @@ class _Events:
     def part_event(self, type_: str, **fields: Any) -> tuple[int, dict[str, Any]]:
         """The next event about the text part of the response's one message item."""
         return self.event(type_, item_id=self.item_id, output_index=0, content_index=0, **fields)
+
+
+def _choice_json(choice: str) -> Any:
+    return choice if choice in ("auto", "none", "required") else {"type": "function", "name": choice}
+
+
+def _tool_json(t: dict[str, Any]) -> dict[str, Any]:
+    """A recorded tool (chat's shape) in the Responses API's flat shape."""
+    f = t["function"]
+    return {"type": "function", **f}
+
+
+def _input_items(key: str, m: dict[str, Any]) -> list[dict[str, Any]]:
+    """A recorded input message as the input items it came from."""
+    if m.get("role") == "tool":
+        return [
+            {
+                "id": f"fco_{key}",
+                "type": "function_call_output",
+                "call_id": m.get("tool_call_id"),
+                "output": m.get("content"),
+                "status": "completed",
+            }
+        ]
+    if m.get("tool_calls"):
+        return [
+            {
+                "id": f"fc_{key}_{j}",
+                "type": "function_call",
+                "call_id": c["id"],
+                "name": c["function"]["name"],
+                "arguments": c["function"]["arguments"],
+                "status": "completed",
+            }
+            for j, c in enumerate(m["tool_calls"])
+        ]
+    return [
+        {
+            "id": f"msg_{key}",
+            "type": "message",
+            "role": m["role"],
+            "status": "completed",
+            "content": [
+                {
+                    "type": "output_text" if m["role"] == "assistant" else "input_text",
+                    "text": m["content"],
+                }
+            ],
+        }
+    ]
 
 
 class _NoResponse(E.NotFound):

@@ -32,10 +32,16 @@ from sessiontape.core.engine import OutputOptions, SamplingParams
 from sessiontape.core.errors import NotFound, SessiontapeError
 from sessiontape.core.events import Event, NewEvent, T
 from sessiontape.core.runtime import Runtime
-from sessiontape.transports.http.chat_template import AnyTemplate, Message, ModelTemplate
+from sessiontape.transports.http.chat_template import (
+    AnyTemplate,
+    Message,
+    ModelTemplate,
+    as_dict,
+)
 from sessiontape.transports.http.tools import (
     CallFormat,
     Tool,
+    ToolCall,
     ToolUse,
     called_events,
     prompt_messages,
@@ -259,6 +265,21 @@ def logprob_entry(detokenize: Any, e: Event) -> dict[str, Any]:
     return {**entry(int(b["token"]), 0.0 if lp is None else float(lp)), "top_logprobs": top}
 
 
+def tool_use_of(turn: Turn) -> dict[str, Any] | None:
+    """The tools a turn's request let the model call (None: none, or ``tool_choice`` none)."""
+    use = turn.request.get("tool_use")
+    return use if use and use.get("tool_choice") != "none" else None
+
+
+def turn_calls(turn: Turn, text: str) -> list[ToolCall]:
+    """The calls a turn's reply made (none when its request had no tools to call)."""
+    use = tool_use_of(turn)
+    if use is None:
+        return []
+    fmt = CallFormat(**use.get("call_format", {}))
+    return fmt.parse(text, turn.generation_id)
+
+
 class _CallRecorder:
     """A turn's run hook (:data:`~sessiontape.core.generate_request.RunHook`): the calls its
     reply makes, as ``tool.called`` events in the commit that carries the finish."""
@@ -344,7 +365,7 @@ class Turns:
         use: ToolUse | None = None,
     ) -> list[int]:
         at_start, after = length == 0, after_generation and length > 0
-        messages = prompt_messages(messages, use, self.call_format, at_start)
+        messages = prompt_messages([as_dict(m) for m in messages], use, self.call_format, at_start)
         if isinstance(self.template, ModelTemplate):
             eos = last_token in self.runtime.engine.info.eos_token_ids
             text = self.template.render(
@@ -393,6 +414,7 @@ class Turns:
         ``use``: the request's tools; the calls and results its messages bring are recorded
         first (``supplied_by: "client"``), and the calls the model makes commit with its
         generation's finish (:mod:`sessiontape.transports.http.tools`)."""
+        messages = [as_dict(m) for m in messages]
         lock = self._locks.setdefault(session_id, asyncio.Lock())
         try:
             async with lock:
