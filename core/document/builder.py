@@ -15,6 +15,7 @@ from sessiontape.core.bodies import (
     NodeFragment,
     TokensAppended,
     TokensTruncated,
+    ToolCalled,
     action_id_of,
     body,
     fork_point,
@@ -463,6 +464,9 @@ class DocumentBuilder:
         reply = None if i is None else doc["generations"][i]["text"]
         self._ops.extend(self.chat.request(payload, reply))
 
+    def _tool_called(self, doc: Doc, e: Event, _: int) -> None:
+        self._ops.extend(self.chat.tool_called(body(e, ToolCalled)))
+
     def _feedback(self, doc: Doc, e: Event, _: int) -> None:
         self._push(
             doc["feedback"],
@@ -497,6 +501,7 @@ _HANDLERS: dict[str, _Handler] = {
     T.FEEDBACK: DocumentBuilder._feedback,
     T.ERROR: DocumentBuilder._error,
     T.WIRE: DocumentBuilder._wire,
+    T.TOOL_CALLED: DocumentBuilder._tool_called,
 }
 
 

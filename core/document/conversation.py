@@ -28,6 +28,7 @@ from sessiontape.core.bodies import (
     GenerationStarted,
     GenerationToken,
     TokensTruncated,
+    ToolCalled,
     WireMessage,
     body,
     fork_point,
@@ -45,9 +46,17 @@ Turn = dict[str, Any]
 
 
 def request_messages(request: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """The messages a recorded request put in the history, in the order the template did:
-    a chat completion's ``messages``; a response's ``instructions`` (as a system message)
-    then its ``input``."""
+    """The messages a recorded request put in the history, as (role, text), in the order the
+    template did (:func:`request_items` without what its tool turns carry)."""
+    return [(str(t["role"]), str(t["text"])) for t in request_items(request)]
+
+
+def request_items(request: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The turns a recorded request put in the history, in the order the template did: a
+    chat completion's ``messages``; a response's ``instructions`` (as a system message)
+    then its ``input``. Each is ``{"role", "text"}``; an assistant message's tool calls are
+    turns of their own (role ``tool_call``, with ``call``: id, name, arguments, supplied by
+    the client) and a ``tool`` message's turn names the call it answers (``call_id``)."""
     if isinstance(raw := request.get("messages"), list):
         items: list[Any] = raw
     else:
@@ -58,9 +67,30 @@ def request_messages(request: Mapping[str, Any]) -> list[tuple[str, str]]:
             items.append({"role": "user", "content": raw_input})
         elif isinstance(raw_input, list):
             items.extend(raw_input)
-    return [
-        (str(m.get("role", "")), _content(m.get("content"))) for m in items if isinstance(m, dict)
-    ]
+    out: list[dict[str, Any]] = []
+    for m in items:
+        if not isinstance(m, dict):
+            continue
+        calls = m.get("tool_calls")
+        if m.get("content") is not None or not calls:
+            turn = {"role": str(m.get("role", "")), "text": _content(m.get("content"))}
+            if m.get("role") == "tool":
+                turn["call_id"] = m.get("tool_call_id")
+            out.append(turn)
+        for c in calls if isinstance(calls, list) else ():
+            f = c.get("function") or {}
+            out.append(
+                {
+                    "role": "tool_call",
+                    "text": str(f.get("arguments", "")),
+                    "call": _call(c.get("id"), f.get("name"), f.get("arguments"), "client"),
+                }
+            )
+    return out
+
+
+def _call(call_id: Any, name: Any, arguments: Any, supplied_by: str) -> dict[str, Any]:
+    return {"id": call_id, "name": name, "arguments": arguments, "supplied_by": supplied_by}
 
 
 def _content(content: Any) -> str:
@@ -136,7 +166,7 @@ class Conversation:
         c = Conversation(detokenize)
         for turn, stops in zip(self.turns, self._stops, strict=True):
             t = {**turn, "inherited": True}
-            if t["generation_id"] is not None:
+            if t["generation_id"] is not None and t["role"] == "assistant":
                 span = ids[t["start"] : t["end"]]
                 t["text"] = None if detokenize is None else decode_reply(detokenize, span, stops)
             c.turns.append(t)
@@ -167,8 +197,8 @@ class Conversation:
         end = g.prompt_length
         start = max(0, end - int(payload.get("appended", 0)))
         ops = [
-            self._push(_turn(role, text, None, start, end))
-            for role, text in request_messages(request)
+            self._push({**_turn(str(t.pop("role")), t.pop("text"), None, start, end), **t})
+            for t in request_items(request)
         ]
         stops = tuple(str(s) for s in request.get("stop") or () if isinstance(s, str))
         text = None
@@ -181,6 +211,17 @@ class Conversation:
         if g.finished:
             del self._gens[gid]
         return ops
+
+    def tool_called(self, b: ToolCalled) -> list[Op]:
+        """A call the model made (a ``tool.called`` event): a turn of its own, after its
+        reply, spanning the tokens its JSON came from. A call a client supplied is a turn
+        already: its request's."""
+        span = b.get("span")
+        if b.get("supplied_by") != "model" or not span:
+            return []
+        turn = _turn("tool_call", str(b["arguments"]), b.get("generation_id"), *span)
+        turn["call"] = _call(b["call_id"], b["name"], b["arguments"], "model")
+        return [self._push(turn)]
 
     def token(self, generation_id: str, piece: str | None, position: int) -> list[Op]:
         """A generated token at ``position``, which added ``piece`` to its generation's text."""
@@ -230,7 +271,7 @@ class Conversation:
                 continue
             cut = rewind and span[1] - span[0] < t["end"] - t["start"]
             t = {**t, "start": span[0], "end": span[1]}
-            reply = t["generation_id"] is not None and t["text"] is not None
+            reply = t["role"] == "assistant" and t["generation_id"] is not None and t["text"] is not None
             if cut and reply and self.detokenize is not None and ids is not None:
                 t["text"] = decode_reply(self.detokenize, ids[span[0] : span[1]], s)
             moved[i] = len(turns)
@@ -268,6 +309,8 @@ class Conversation:
             self.finished(str(body(e, GenerationFinished)["generation_id"]), None)
         elif e.type == T.WIRE and (payload := openai_request(e)) is not None:
             self.request(payload)
+        elif e.type == T.TOOL_CALLED:
+            self.tool_called(body(e, ToolCalled))
         elif e.type == T.TOKENS_TRUNCATED:
             self.truncated([(int(a), int(b)) for a, b in body(e, TokensTruncated)["keep"]], None)
         elif e.type == T.SESSION_PURGED:
