@@ -8,6 +8,25 @@ function bubble(cls, attrs, label, text) {
   return h("div", { class: `bubble ${cls}`, ...attrs }, h("span", { class: "who" }, label), h("div", { class: "bubble-text" }, text));
 }
 
+function pretty(json) {
+  try { return JSON.stringify(JSON.parse(json), null, 2); } catch { return json ?? ""; }
+}
+
+// A tool call (a `tool_call` turn) as a collapsible bubble: the function and its call id, the
+// arguments beneath, and the result the `tool` turn answering it brought, when there is one.
+function toolCall(t, i, result) {
+  const c = t.call || {};
+  const who = c.supplied_by === "client" ? "tool call · sent by the client" : "tool call";
+  return h("details", { class: `bubble tool_call${t.inherited ? " inherited" : ""}`, open: "", "data-turn": i,
+    "data-role": "tool_call", "data-call": c.id, "data-gen": t.generation_id, "data-start": t.start, "data-end": t.end,
+    title: `tokens ${t.start}–${t.end}` },
+  h("summary", {}, h("span", { class: "who" }, who), h("code", { class: "call-name" }, `${c.name}()`), " ",
+    h("span", { class: "call-id" }, c.id ?? "")),
+  h("pre", { class: "call-arguments" }, pretty(c.arguments)),
+  result ? h("div", { class: "tool-result", "data-turn": result.i }, h("span", { class: "who" }, "result"),
+    h("pre", {}, result.turn.text ?? "")) : h("div", { class: "tool-result pending" }, "no result yet"));
+}
+
 // The bubbles, each reply followed by its generation's summary (`summary(g)`, as the token view shows
 // it). A generation no chat request asked for (a re-run from this page, a plain generate call) is
 // shown where it sits in the history, as the model's raw text.
@@ -18,8 +37,14 @@ export function chatView(doc, summary) {
   // (one with no tokens yet is left out: a chat request's generation starts a commit before its request)
   for (const g of doc.generations) if (!replied.has(g.id) && g.tokens.length) items.push({ start: g.prompt_length, gen: g });
   items.sort((a, b) => a.start - b.start);  // stable: turns keep their order
+  // a call's result is shown beneath its call, not on its own
+  const calls = new Set(doc.conversation.filter((t) => t.role === "tool_call").map((t) => t.call?.id));
+  const results = new Map();
+  doc.conversation.forEach((t, i) => { if (t.role === "tool" && calls.has(t.call_id)) results.set(t.call_id, { turn: t, i }); });
   const out = [];
   for (const { turn: t, i, gen } of items) {
+    if (t?.role === "tool_call") { out.push(toolCall(t, i, results.get(t.call?.id))); continue; }
+    if (t?.role === "tool" && results.get(t.call_id)?.i === i) continue;
     const g = gen || (t.generation_id ? gens.get(t.generation_id) : null);
     const streaming = g?.status === "running" ? " streaming" : "";
     if (gen) {
