@@ -29,10 +29,6 @@ KINDS: tuple[str, ...] = get_args(ConstraintKind)
 #: what ``json_object`` allows: any JSON object
 ANY_OBJECT = '{"type":"object"}'
 
-#: llguidance's JSON compiler options for schemas: compact JSON (no free whitespace a
-#: small model could fill a turn with), keywords it does not know refused, not ignored
-JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "lenient": False}
-
 
 #: the integers a schema's unbounded ``integer`` is generated within: the ones every JSON
 #: reader holds exactly (an IEEE double), so a model repeating a digit ends its number
@@ -137,12 +133,18 @@ class Constraint:
         if self.kind in ("json_schema", "json_object"):
             try:
                 schema = bounded_integers(json.loads(self.text))
-                return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+                # compact JSON (no free whitespace a small model could fill a turn with);
+                # keywords llguidance does not know are refused, not ignored
+                return str(
+                    LLMatcher.grammar_from_json_schema(
+                        schema, defaults={"whitespace_flexible": False, "lenient": False}
+                    )
+                )
             except ValueError as exc:
                 raise InvalidConstraint(f"bad JSON Schema: {exc}") from None
         if self.kind == "regex":
-            return LLMatcher.grammar_from_regex(self.text)
-        return LLMatcher.grammar_from_lark(self.text)
+            return str(LLMatcher.grammar_from_regex(self.text))
+        return str(LLMatcher.grammar_from_lark(self.text))
 
     def check(self) -> None:
         """Raise InvalidConstraint unless llguidance accepts the grammar."""

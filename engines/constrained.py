@@ -100,7 +100,9 @@ class Guide:
         self._vocab = int(tokenizer.vocab_size)
         self._matcher: LLMatcher = LLMatcher(tokenizer, constraint.grammar, log_level=0)
         if self._matcher.is_error():
-            raise InvalidConstraint(f"bad {constraint.kind} constraint: {self._matcher.get_error()}")
+            raise InvalidConstraint(
+                f"bad {constraint.kind} constraint: {self._matcher.get_error()}"
+            )
         if prefix and not self._matcher.consume_tokens(prefix):
             raise InvalidConstraint(
                 f"the {len(prefix)} tokens since the constraint's start do not match it"

@@ -73,7 +73,10 @@ def request_items(request: Mapping[str, Any]) -> list[dict[str, Any]]:
             continue
         calls = m.get("tool_calls")
         if m.get("content") is not None or not calls:
-            turn = {"role": str(m.get("role", "")), "text": _content(m.get("content"))}
+            turn: dict[str, Any] = {
+                "role": str(m.get("role", "")),
+                "text": _content(m.get("content")),
+            }
             if m.get("role") == "tool":
                 turn["call_id"] = m.get("tool_call_id")
             out.append(turn)
@@ -271,7 +274,11 @@ class Conversation:
                 continue
             cut = rewind and span[1] - span[0] < t["end"] - t["start"]
             t = {**t, "start": span[0], "end": span[1]}
-            reply = t["role"] == "assistant" and t["generation_id"] is not None and t["text"] is not None
+            reply = (
+                t["role"] == "assistant"
+                and t["generation_id"] is not None
+                and t["text"] is not None
+            )
             if cut and reply and self.detokenize is not None and ids is not None:
                 t["text"] = decode_reply(self.detokenize, ids[span[0] : span[1]], s)
             moved[i] = len(turns)

@@ -41,10 +41,10 @@ from sessiontape.core.engine import (
 )
 from sessiontape.core.errors import ConfigError, ContextOverflow, InvalidParameters
 from sessiontape.core.settings import load_section
+from sessiontape.engines.constrained import TokenMasks
 from sessiontape.engines.onnx.batch import BatchScheduler, Member, Stats
 from sessiontape.engines.onnx.kvcache import KV, KVCache, common_prefix
 from sessiontape.engines.onnx.loading import load_model
-from sessiontape.engines.constrained import TokenMasks
 from sessiontape.engines.onnx.model import Concepts, GraphSpec, constraint_tokenizer
 from sessiontape.engines.onnx.options import OnnxOptions
 from sessiontape.engines.onnx.run import HOP_END, Guess, Run, Stored
@@ -88,9 +88,7 @@ class OnnxEngine(Engine):
         self.model_dir = loaded.folder
         self._info = loaded.info
         self._masks = TokenMasks(
-            lambda: constraint_tokenizer(
-                self._tok, self._info.vocab_size, self._info.eos_token_ids
-            )
+            lambda: constraint_tokenizer(self._tok, self._info.vocab_size, self._info.eos_token_ids)
         )
         log.info(
             "onnx engine: %s on %s (onnxruntime %s, io_binding=%s)",

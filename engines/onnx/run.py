@@ -71,7 +71,11 @@ class Run:
             guide.advance(tok)
             if options.logprob_top_k:
                 logits = masked(logits, allowed)
-        top = top_logprobs(log_softmax(logits), options.logprob_top_k) if options.logprob_top_k else ()
+        top = (
+            top_logprobs(log_softmax(logits), options.logprob_top_k)
+            if options.logprob_top_k
+            else ()
+        )
         step = Step(
             token_id=tok,
             position=p,

@@ -98,9 +98,7 @@ class ChatTemplate:
             "stop": list(self.stop),
         }
 
-    def render(
-        self, messages: Sequence[Message], *, at_start: bool, after_generation: bool
-    ) -> str:
+    def render(self, messages: Sequence[Message], *, at_start: bool, after_generation: bool) -> str:
         """The text of one request's messages, ending with the generation prompt.
 
         ``at_start``: the session holds no tokens yet (the prefix goes first);

@@ -206,6 +206,25 @@ class ResponseToolChoice(Part):
     name: str
 
 
+#: ``tool_choice``: a mode, or a function by name (in each API's shape)
+_MODE = Annotated[Literal["auto", "none", "required"], Tag("@mode")]
+_CHOICE = Discriminator(
+    _kind((str, "@mode"), (dict, "@named")),
+    custom_error_type="tool_choice",
+    custom_error_message='must be "auto", "none", "required" or a named function',
+)
+ResponseChoice = Annotated[Union[_MODE, Annotated[ResponseToolChoice, Tag("@named")]], _CHOICE]  # noqa: UP007
+
+
+def format_constraint(kind: str, schema: dict[str, Any] | None) -> Constraint | None:
+    """An output format's constraint (None for text)."""
+    if kind == "json_object":
+        return Constraint.json_object()
+    if kind == "json_schema":
+        return Constraint.json_schema(schema or {})
+    return None
+
+
 class TextFormat(Part):
     """``text``, ``json_object``, or ``json_schema`` (generated to match the schema)."""
 
@@ -222,12 +241,7 @@ class TextFormat(Part):
         return self
 
     def constraint(self) -> Constraint | None:
-        if self.type == "json_object":
-            return Constraint.json_object()
-        if self.type == "json_schema":
-            assert self.schema_ is not None
-            return Constraint.json_schema(self.schema_)
-        return None
+        return format_constraint(self.type, self.schema_)
 
 
 class TextConfig(Part):
@@ -271,20 +285,7 @@ class ResponseCreateRequest(Request):
         Annotated[list[ResponseTool], Field(max_length=128), BeforeValidator(_function_tools)]
         | None
     ) = None
-    tool_choice: (
-        Annotated[
-            Union[  # noqa: UP007
-                Annotated[Literal["auto", "none", "required"], Tag("@mode")],
-                Annotated[ResponseToolChoice, Tag("@named")],
-            ],
-            Discriminator(
-                _kind((str, "@mode"), (dict, "@named")),
-                custom_error_type="tool_choice",
-                custom_error_message='must be "auto", "none", "required" or a named function',
-            ),
-        ]
-        | None
-    ) = None
+    tool_choice: ResponseChoice | None = None
     parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
@@ -378,17 +379,9 @@ class ChatMessage(Part):
 
     def to_json(self) -> dict[str, Any]:
         """The message as the request records it (content as text)."""
-        out: dict[str, Any] = {
-            "role": self.role,
-            "content": None if self.content is None else text_of(self.content),
-        }
-        if self.tool_calls:
-            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        if self.name is not None:
-            out["name"] = self.name
-        return out
+        keys = {"role", "name", "tool_calls", "tool_call_id"}
+        out = self.model_dump(include=keys, exclude_none=True)
+        return {**out, "content": None if self.content is None else text_of(self.content)}
 
 
 class FunctionDef(Part):
@@ -410,6 +403,9 @@ class NamedFunction(Part):
 class ChatToolChoice(Part):
     type: Literal["function"]
     function: NamedFunction
+
+
+ChatChoice = Annotated[Union[_MODE, Annotated[ChatToolChoice, Tag("@named")]], _CHOICE]  # noqa: UP007
 
 
 class JsonSchemaFormat(Part):
@@ -451,12 +447,8 @@ class ResponseFormat(Part):
         return self
 
     def constraint(self) -> Constraint | None:
-        if self.type == "json_object":
-            return Constraint.json_object()
-        if self.type == "json_schema":
-            assert self.json_schema is not None
-            return Constraint.json_schema(self.json_schema.schema_)
-        return None
+        schema = None if self.json_schema is None else self.json_schema.schema_
+        return format_constraint(self.type, schema)
 
 
 _Stop = Annotated[str, Field(min_length=1)]
@@ -507,20 +499,7 @@ class ChatCompletionRequest(Request):
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     tools: Annotated[list[ChatTool], Field(max_length=128)] | None = None
-    tool_choice: (
-        Annotated[
-            Union[  # noqa: UP007
-                Annotated[Literal["auto", "none", "required"], Tag("@mode")],
-                Annotated[ChatToolChoice, Tag("@named")],
-            ],
-            Discriminator(
-                _kind((str, "@mode"), (dict, "@named")),
-                custom_error_type="tool_choice",
-                custom_error_message='must be "auto", "none", "required" or a named function',
-            ),
-        ]
-        | None
-    ) = None
+    tool_choice: ChatChoice | None = None
     parallel_tool_calls: bool | None = None
     session_id: str | None = Field(
         None, description="extension: continue this session without resending history"

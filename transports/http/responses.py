@@ -39,6 +39,13 @@ from sessiontape.transports.http.openai import (
     split_id,
 )
 from sessiontape.transports.http.openai_bodies import ResponseCreateRequest, check_fields, parse
+from sessiontape.transports.http.response_items import (
+    call_items,
+    choice_json,
+    input_items,
+    message_item,
+    tool_json,
+)
 from sessiontape.transports.http.turns import (
     Turn,
     Turns,
@@ -234,7 +241,7 @@ class Responses:
         items = [
             item
             for i, m in enumerate(turn.request.get("input", []))
-            for item in _input_items(f"{rid[5:]}_{i}", m)
+            for item in input_items(f"{rid[5:]}_{i}", m)
         ]
         if order == "desc":
             items.reverse()
@@ -273,38 +280,12 @@ class Responses:
         item_status = {"completed": "completed", "in_progress": "in_progress"}.get(
             status, "incomplete"
         )
-        calls = [] if snapshot else turn_calls(turn, text)
-        output: list[dict[str, Any]] = (
-            []
-            if snapshot
-            else [
-                {
-                    "type": "message",
-                    "id": "msg_" + rid[5:],
-                    "status": item_status,
-                    "role": "assistant",
-                    "content": [
-                        {
-                            "type": "output_text",
-                            "text": text,
-                            "annotations": [],
-                            "logprobs": self._logprobs(turn, turn.token_events),
-                        }
-                    ],
-                }
-            ]
-        )
-        if calls:
-            output = [
-                {
-                    "type": "function_call",
-                    "id": f"fc_{rid[5:]}_{i}",
-                    "call_id": c.id,
-                    "name": c.name,
-                    "arguments": c.arguments,
-                    "status": "completed",
-                }
-                for i, c in enumerate(calls)
+        output: list[dict[str, Any]] = []
+        if not snapshot:
+            calls = turn_calls(turn, text)
+            logprobs = self._logprobs(turn, turn.token_events)
+            output = call_items(rid[5:], calls) or [
+                message_item(rid[5:], item_status, text, logprobs)
             ]
         use = r.get("tool_use") or {}
         usage = None
@@ -335,8 +316,8 @@ class Responses:
             "store": bool(r.get("store", True)),
             "temperature": r.get("temperature"),
             "text": {"format": r.get("text_format") or {"type": "text"}},
-            "tool_choice": _choice_json(use.get("tool_choice", "none")),
-            "tools": [_tool_json(t) for t in use.get("tools", [])],
+            "tool_choice": choice_json(use.get("tool_choice", "none")),
+            "tools": [tool_json(t) for t in use.get("tools", [])],
             "top_p": r.get("top_p"),
             "top_logprobs": r.get("top_logprobs", 0),
             "truncation": "disabled",
@@ -545,56 +526,6 @@ class _Events:
     def part_event(self, type_: str, **fields: Any) -> tuple[int, dict[str, Any]]:
         """The next event about the text part of the response's one message item."""
         return self.event(type_, item_id=self.item_id, output_index=0, content_index=0, **fields)
-
-
-def _choice_json(choice: str) -> Any:
-    return choice if choice in ("auto", "none", "required") else {"type": "function", "name": choice}
-
-
-def _tool_json(t: dict[str, Any]) -> dict[str, Any]:
-    """A recorded tool (chat's shape) in the Responses API's flat shape."""
-    f = t["function"]
-    return {"type": "function", **f}
-
-
-def _input_items(key: str, m: dict[str, Any]) -> list[dict[str, Any]]:
-    """A recorded input message as the input items it came from."""
-    if m.get("role") == "tool":
-        return [
-            {
-                "id": f"fco_{key}",
-                "type": "function_call_output",
-                "call_id": m.get("tool_call_id"),
-                "output": m.get("content"),
-                "status": "completed",
-            }
-        ]
-    if m.get("tool_calls"):
-        return [
-            {
-                "id": f"fc_{key}_{j}",
-                "type": "function_call",
-                "call_id": c["id"],
-                "name": c["function"]["name"],
-                "arguments": c["function"]["arguments"],
-                "status": "completed",
-            }
-            for j, c in enumerate(m["tool_calls"])
-        ]
-    return [
-        {
-            "id": f"msg_{key}",
-            "type": "message",
-            "role": m["role"],
-            "status": "completed",
-            "content": [
-                {
-                    "type": "output_text" if m["role"] == "assistant" else "input_text",
-                    "text": m["content"],
-                }
-            ],
-        }
-    ]
 
 
 class _NoResponse(E.NotFound):

@@ -113,9 +113,7 @@ class CallFormat:
     def head(self, name: str) -> str:
         return f'{self.open}{{"name": "{name}", "arguments": '
 
-    def grammar(
-        self, tools: Sequence[Tool], *, text_allowed: bool, parallel: bool
-    ) -> Constraint:
+    def grammar(self, tools: Sequence[Tool], *, text_allowed: bool, parallel: bool) -> Constraint:
         """The Lark grammar of a reply: calls (one, or several a line each with
         ``parallel``), or with ``text_allowed`` free text instead (which may not begin
         with ``{``, ``<`` or a space, so the first token decides)."""
@@ -157,10 +155,12 @@ class CallFormat:
             except ValueError:
                 return calls
             end = args_end + 1 + len(self.close)
-            if text[args_end : end] != "}" + self.close:
+            if text[args_end:end] != "}" + self.close:
                 return calls
             calls.append(
-                ToolCall(call_id(generation_id, len(calls)), name, text[args_at:args_end], start, end)
+                ToolCall(
+                    call_id(generation_id, len(calls)), name, text[args_at:args_end], start, end
+                )
             )
             at = end
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -414,7 +414,7 @@ class Turns:
         ``use``: the request's tools; the calls and results its messages bring are recorded
         first (``supplied_by: "client"``), and the calls the model makes commit with its
         generation's finish (:mod:`sessiontape.transports.http.tools`)."""
-        messages = [as_dict(m) for m in messages]
+        given = [as_dict(m) for m in messages]
         lock = self._locks.setdefault(session_id, asyncio.Lock())
         try:
             async with lock:
@@ -425,10 +425,7 @@ class Turns:
                     g.prompt_length + len(g.tokens) == st.length for g in st.generations.values()
                 )
                 last = int(st.tokens[-1]) if st.length else None
-                tokens = self.render(messages, st.length, after, last, use)
-                supplied = supplied_events(messages)
-                if supplied:
-                    await self.runtime.record(session_id, supplied)
+                tokens = self.render(given, st.length, after, last, use)
                 calls = _CallRecorder(self.runtime.engine.detokenize, use)
                 # started apart: the request's wire.message follows generation.started
                 runs = self.runtime.generate_runs(
@@ -444,21 +441,9 @@ class Turns:
                     first = await anext(aiter(runs))
                     [started] = [e for e in first if e.type == T.GENERATION_STARTED]
                     calls.started(body(started, GenerationStarted))
-                    request = {
-                        **request,
-                        "stop": [*self.template.stop, *request.get("stop", [])],
-                        "template": self.template.to_json(),
-                    }
-                    if use is not None:
-                        request["tool_use"] = use.to_json()
-                    payload = {
-                        "api": api,
-                        "generation_id": body(started, GenerationStarted)["generation_id"],
-                        "version": started.version,
-                        "appended": len(tokens),
-                        "request": request,
-                    }
-                    wire = await self.runtime.record_wire(session_id, WIRE, "in", payload)
+                    request, wire = await self._record_request(
+                        started, api, request, len(tokens), given, use
+                    )
                 except BaseException:
                     await runs.aclose()  # type: ignore[attr-defined]
                     raise
@@ -477,6 +462,35 @@ class Turns:
         task.add_done_callback(lambda _: self.running.pop(key, None))
         task.add_done_callback(_retrieve)
         return turn
+
+    async def _record_request(
+        self,
+        started: Event,
+        api: str,
+        request: dict[str, Any],
+        appended: int,
+        messages: Sequence[Mapping[str, Any]],
+        use: ToolUse | None,
+    ) -> tuple[dict[str, Any], Event]:
+        """Record the request (``wire.message``) after its generation's start, with the tool
+        calls and results its messages bring, in one commit; the request as recorded."""
+        request = {
+            **request,
+            "stop": [*self.template.stop, *request.get("stop", [])],
+            "template": self.template.to_json(),
+        }
+        if use is not None:
+            request["tool_use"] = use.to_json()
+        payload = {
+            "api": api,
+            "generation_id": body(started, GenerationStarted)["generation_id"],
+            "version": started.version,
+            "appended": appended,
+            "request": request,
+        }
+        wire = NewEvent(T.WIRE, {"transport": WIRE, "direction": "in", "payload": payload})
+        evs = await self.runtime.record(started.session_id, [*supplied_events(messages), wire])
+        return request, evs[-1]
 
     async def _drive(
         self, runs: AsyncIterator[list[Event]], turn: Turn, api: str, close_after: bool

@@ -537,9 +537,19 @@ async def test_errors_have_openai_shape(live: Served) -> None:
         assert r.json()["error"]["param"] == "temperature"
         r = await h.post(
             "/v1/responses",
-            json={"model": MODEL, "input": "x", "text": {"format": {"type": "json_object"}}},
+            json={"model": MODEL, "input": "x", "text": {"format": {"type": "xml"}}},
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "text.format.type"
+        r = await h.post(
+            "/v1/responses",
+            json={"model": MODEL, "input": "x", "text": {"format": {"type": "json_schema"}}},
         )
         assert r.status_code == 400 and r.json()["error"]["param"] == "text.format"
+        bad_schema = {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}
+        r = await h.post(
+            "/v1/responses", json={"model": MODEL, "input": "x", "text": {"format": bad_schema}}
+        )
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_constraint"
         r = await h.post(
             "/v1/responses", json={"model": MODEL, "input": "x", "tools": [{"type": "web_search"}]}
         )

@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
 
@@ -122,7 +122,12 @@ def test_a_two_tool_loop_recorded_call_by_call(
         )
     assert called[1] == "get_time"
     final = client.chat.completions.create(
-        model=MODEL, messages=messages, tools=TOOLS, tool_choice="none", temperature=0, max_tokens=40
+        model=MODEL,
+        messages=messages,
+        tools=TOOLS,
+        tool_choice="none",
+        temperature=0,
+        max_tokens=40,
     )
     assert final.choices[0].finish_reason in ("stop", "length")
     assert final.choices[0].message.tool_calls is None and final.choices[0].message.content
@@ -211,7 +216,7 @@ def test_tool_choice_required_and_auto_and_streamed_deltas(client: openai.OpenAI
         assert m.content
 
 
-class Kind(str, Enum):
+class Kind(StrEnum):
     capital = "capital"
     town = "town"
 

@@ -139,7 +139,7 @@ def test_a_refusal_names_the_field_and_what_it_must_be(
         (openai_bodies.ChatCompletionRequest, {"functions": [{"name": "f"}]}, "functions", "functions is not supported by this server"),
         (openai_bodies.ChatCompletionRequest, {"messages": [{"role": "tool", "content": "x"}]}, "messages[0]", "messages[0] a tool message needs its tool_call_id"),
         (openai_bodies.ResponseCreateRequest, {"input": 5}, "input", "input must be a string or a non-empty array of messages"),
-        (openai_bodies.ResponseCreateRequest, {"text": {"format": {"type": "json_object"}}}, "text.format", 'text.format must be {"type": "text"}: only text output is supported'),
+        (openai_bodies.ResponseCreateRequest, {"text": {"format": {"type": "json_schema"}}}, "text.format", "text.format a json_schema format needs its schema"),
         (openai_bodies.ResponseCreateRequest, {"background": True, "store": False}, "background", "background responses need store=true"),
     ],
 )  # fmt: skip
