@@ -11,12 +11,19 @@ deterministic as any other: the mask depends only on the tokens since the start.
 
 Once the grammar is complete it allows only the end-of-sequence ids, so the
 generation ends with EOS; one cut by ``max_tokens`` before that ends with ``length``.
+
+The mask of the next position depends only on the tokens taken, so :meth:`Guide.advance`
+starts computing it at once on the engine's mask thread (llguidance releases the GIL while
+it computes), while the engine runs the model's pass for the token just taken; the next
+:meth:`Guide.allowed` only waits for what is left of it.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -69,6 +76,14 @@ class TokenMasks:
         self._make = make
         self._tokenizer: LLTokenizer | None = None
         self._lock = threading.Lock()
+        self._thread: ThreadPoolExecutor | None = None
+
+    def _mask_thread(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._thread is None:
+                workers = min(4, os.cpu_count() or 1)
+                self._thread = ThreadPoolExecutor(workers, thread_name_prefix="token-masks")
+            return self._thread
 
     @property
     def tokenizer(self) -> LLTokenizer:
@@ -88,13 +103,20 @@ class TokenMasks:
             raise InvalidConstraint(
                 f"the constraint starts at {start}, past the history's {len(history)} tokens"
             )
-        return Guide(self.tokenizer, constraint, [int(t) for t in history[start:]])
+        prefix = [int(t) for t in history[start:]]
+        return Guide(self.tokenizer, constraint, prefix, self._mask_thread())
 
 
 class Guide:
     """One generation's matcher and mask buffer (see the module docstring)."""
 
-    def __init__(self, tokenizer: LLTokenizer, constraint: Constraint, prefix: list[int]) -> None:
+    def __init__(
+        self,
+        tokenizer: LLTokenizer,
+        constraint: Constraint,
+        prefix: list[int],
+        thread: ThreadPoolExecutor | None = None,
+    ) -> None:
         from llguidance import LLMatcher
 
         self._vocab = int(tokenizer.vocab_size)
@@ -109,14 +131,29 @@ class Guide:
             )
         self._mask: npt.NDArray[np.int32] = np.zeros((self._vocab + 31) // 32, np.int32)
         self._eos = frozenset(int(t) for t in tokenizer.eos_tokens)
+        self._thread = thread
+        self._next: Future[None] | None = None
         self.finished = False
         """the grammar took an end-of-sequence id: nothing may follow"""
+        self._start_mask()
+
+    def _compute(self) -> None:
+        m = self._mask
+        self._matcher.unsafe_compute_mask_ptr(m.ctypes.data, m.nbytes)
+
+    def _start_mask(self) -> None:
+        """Compute the next mask, on the mask thread when there is one."""
+        if self._thread is None:
+            self._compute()
+        else:
+            self._next = self._thread.submit(self._compute)
 
     def allowed(self) -> Ids:
         """The ids the grammar allows next, in increasing order (never empty)."""
-        m = self._mask
-        self._matcher.unsafe_compute_mask_ptr(m.ctypes.data, m.nbytes)
-        bits = np.unpackbits(m.view(np.uint8), bitorder="little")[: self._vocab]
+        if self._next is not None:
+            self._next.result()
+            self._next = None
+        bits = np.unpackbits(self._mask.view(np.uint8), bitorder="little")[: self._vocab]
         ids: Ids = np.flatnonzero(bits)
         if ids.shape[0] == 0:
             raise EngineError(f"the constraint allows no token: {self._matcher.get_error()}")
@@ -127,6 +164,8 @@ class Guide:
         if not self._matcher.consume_token(int(token)):
             raise EngineError(f"the constraint refused token {token}: {self._matcher.get_error()}")
         self.finished = int(token) in self._eos
+        if not self.finished:
+            self._start_mask()
 
 
 def masked(logits: Any, allowed: Ids) -> Any:
