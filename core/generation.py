@@ -50,7 +50,7 @@ from sessiontape.core.generate_request import FirstAppend, GenerateRequest
 from sessiontape.core.pipeline import GenerationHost, TokenPipeline, finished, shown
 from sessiontape.core.session.cache import STALE_RETRIES
 from sessiontape.core.session.state import SessionState
-from sessiontape.core.tokens import check_ranges, length_after, sink_window_keep
+from sessiontape.core.tokens import check_ranges, fold_tokens, length_after, sink_window_keep
 
 
 def generate_runs(
@@ -247,6 +247,7 @@ async def _begin(
         for ne in new:
             length = length_after(length, ne.type, dict(ne.body))
         length = _sink_window(new, length, request.sink_window)
+        _check_constraint(rt, st, new, request)
         limit = length + request.params.max_tokens
         check_ranges(request.options.logprob_ranges, limit, "logprobs")
         check_ranges(request.options.readout_ranges, limit, "readout")
@@ -257,6 +258,20 @@ async def _begin(
             first = FirstAppend(pending=new, length=length)
         rt.generating.begin(session_id)
     return st, first
+
+
+def _check_constraint(
+    rt: GenerationHost, st: SessionState, new: list[NewEvent], request: GenerateRequest
+) -> None:
+    """A constraint that continues a text already in the history (``start`` given): the
+    engine checks that text against it before anything commits (InvalidConstraint)."""
+    c = request.params.constraint
+    if c is None or c.start is None:
+        return
+    history = list(st.tokens)
+    for ne in new:
+        fold_tokens(history, ne.type, ne.body)
+    rt.engine.check_constraint(c, history)
 
 
 def _interrupted(st: SessionState) -> list[NewEvent]:

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from sessiontape.core.constraint import Constraint
 from sessiontape.core.engine import (
     DEFAULT_OUTPUT,
     Engine,
@@ -82,6 +83,9 @@ class ReferenceEngine(Engine):
     @property
     def info(self) -> EngineInfo:
         return self._info
+
+    def check_constraint(self, constraint: Constraint, history: Sequence[int]) -> None:
+        self._masks.start(constraint, history)
 
     def text_codec(self) -> TextCodec:
         return self._tok

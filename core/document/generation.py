@@ -75,13 +75,17 @@ def token_entry(b: GenerationToken, at: float, detokenize: Detokenize | None) ->
 
 
 def finished_fields(b: GenerationFinished, finished_at: float) -> dict[str, Any]:
-    """What ``generation.finished`` sets in the entry."""
-    return {
+    """What ``generation.finished`` sets in the entry (``constraint_incomplete`` only when
+    a constrained output was cut before its grammar was complete)."""
+    out = {
         "status": "finished",
         "finish_reason": b.get("finish_reason"),
         "finished_at": finished_at,
         "timing": {k: b.get(k) for k in _TIMING},
     }
+    if b.get("constraint_incomplete"):
+        out["constraint_incomplete"] = True
+    return out
 
 
 def generation_view(

@@ -292,6 +292,11 @@ class Engine(ABC):
         on engine failure.
         """
 
+    def check_constraint(self, constraint: Constraint, history: Sequence[int]) -> None:  # noqa: B027
+        """Raise :class:`sessiontape.core.errors.InvalidConstraint` unless ``history`` from the
+        constraint's ``start`` on matches it (checked before a generation commits anything;
+        an engine that cannot check here finds out when it generates)."""
+
     def failure(self) -> str | None:
         """Why the engine can serve nothing more (a worker process that died), or None.
         ``/healthz`` reports it."""

@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from sessiontape.core.constraint import Constraint
 from sessiontape.core.engine import (
     Engine,
     EngineInfo,
@@ -101,6 +102,9 @@ class OnnxEngine(Engine):
     @property
     def info(self) -> EngineInfo:
         return self._info
+
+    def check_constraint(self, constraint: Constraint, history: Sequence[int]) -> None:
+        self._masks.start(constraint, history)
 
     def text_codec(self) -> TextCodec:
         return self._tok
