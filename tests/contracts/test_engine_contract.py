@@ -14,6 +14,7 @@ tokens, positions, logprobs and top-k, bit for bit (Kakeya INV-3).
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, cast
@@ -246,3 +247,34 @@ async def test_rewind_then_generate_equals_cold(make_engine: Factory, keep: int)
     assert cached is None or cached <= keep
     again = whole[:keep] + history(10, 3)
     assert await run(eng, "r", again) == await cold(make_engine, again)
+
+
+async def test_a_constrained_generation_matches_and_a_fork_inside_it_continues_it(
+    make_engine: Factory,
+) -> None:
+    """Every engine applies a constraint's mask in sampling: the output matches it, and a
+    fork inside the constrained text, given the constraint's start, continues it bit for bit."""
+    from sessiontape.core.constraint import Constraint
+
+    eng = make_engine()
+    regex = r"[a-c]{2,6}=[0-9]{1,3};"
+    eos = eng.info.eos_token_ids
+    params = SamplingParams(
+        max_tokens=20,
+        temperature=1.0,
+        seed=77,
+        stop_token_ids=eos,
+        constraint=Constraint.regex(regex),
+    )
+    hist = history(9, 12)
+    steps = await run(eng, "c", hist, params)
+    ids = generated(steps)
+    assert ids[-1] in eos
+    assert re.fullmatch(regex, eng.detokenize(ids[:-1]))
+    assert steps == await cold(make_engine, hist, params)
+    at = len(hist) + 3
+    eng.fork("c", "c2", at)
+    rest = SamplingParams(
+        **{**params.__dict__, "max_tokens": 17, "constraint": Constraint("regex", regex, len(hist))}
+    )
+    assert generated(await run(eng, "c2", hist + ids[:3], rest, OutputOptions())) == ids[3:]
