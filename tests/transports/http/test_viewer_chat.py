@@ -165,3 +165,49 @@ async def test_a_chat_session_shows_its_conversation(server: Served, page: Any) 
             "#conversation .bubble.inherited", "els => els.map((e) => e.dataset.role)"
         ) == ["system", "user"]
         assert sid not in page.url
+
+
+TOOL_CALLS = """() => [...document.querySelectorAll('#conversation details.bubble.tool_call')].map((b) =>
+  [b.querySelector('.call-name').textContent, b.dataset.call,
+   JSON.parse(b.querySelector('.call-arguments').textContent),
+   b.querySelector('.tool-result pre')?.textContent ?? null, b.open])"""
+
+
+async def test_a_tool_call_shows_its_arguments_and_its_result_beneath(
+    server: Served,
+    page: Any,  # noqa: F811
+) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"q": {"type": "string", "maxLength": 5}},
+        "required": ["q"],
+        "additionalProperties": False,
+    }
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": schema}}
+    ask = [{"role": "user", "content": "look it up"}]
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as c:
+        base = {"model": MODEL, "tools": [tool], "seed": 2, "parallel_tool_calls": False}
+        r = await c.post(
+            "/v1/chat/completions",
+            json={**base, "messages": ask, "tool_choice": "required", "max_tokens": 60},
+        )
+        message = r.json()["choices"][0]["message"]
+        [call] = message["tool_calls"]
+        args = json.loads(call["function"]["arguments"])
+        # the model's call, not answered yet
+        await page.goto(f"{server.url}/#/s/{r.json()['session_id']}")
+        await page.wait_for_selector("#conversation details.bubble.tool_call")
+        assert await page.evaluate(TOOL_CALLS) == [["lookup()", call["id"], args, None, True]]
+        assert await page.is_visible("#conversation .tool-result.pending")
+        # answered: the next request's session shows the call with its result beneath
+        answered = [*ask, message, {"role": "tool", "tool_call_id": call["id"], "content": "42"}]
+        r = await c.post(
+            "/v1/chat/completions",
+            json={**base, "messages": answered, "tool_choice": "none", "max_tokens": 4},
+        )
+        await page.goto(f"{server.url}/#/s/{r.json()['session_id']}")
+        await page.wait_for_selector("#conversation details.bubble.tool_call .tool-result pre")
+        assert await page.evaluate(TOOL_CALLS) == [["lookup()", call["id"], args, "42", True]]
+        assert await page.query_selector("#conversation .bubble.tool") is None  # not on its own
+        await page.click("#conversation details.bubble.tool_call summary")  # collapsible
+        assert await page.evaluate(TOOL_CALLS) == [["lookup()", call["id"], args, "42", False]]

@@ -12,12 +12,17 @@ function pretty(json) {
   try { return JSON.stringify(JSON.parse(json), null, 2); } catch { return json ?? ""; }
 }
 
+// the calls the reader collapsed: a live session redraws on every event, and they stay collapsed
+const collapsed = new Set();
+
 // A tool call (a `tool_call` turn) as a collapsible bubble: the function and its call id, the
 // arguments beneath, and the result the `tool` turn answering it brought, when there is one.
 function toolCall(t, i, result) {
   const c = t.call || {};
   const who = c.supplied_by === "client" ? "tool call · sent by the client" : "tool call";
-  return h("details", { class: `bubble tool_call${t.inherited ? " inherited" : ""}`, open: "", "data-turn": i,
+  const ontoggle = (ev) => { if (ev.target.open) collapsed.delete(c.id); else collapsed.add(c.id); };
+  return h("details", { class: `bubble tool_call${t.inherited ? " inherited" : ""}`,
+    open: collapsed.has(c.id) ? null : "", ontoggle, "data-turn": i,
     "data-role": "tool_call", "data-call": c.id, "data-gen": t.generation_id, "data-start": t.start, "data-end": t.end,
     title: `tokens ${t.start}–${t.end}` },
   h("summary", {}, h("span", { class: "who" }, who), h("code", { class: "call-name" }, `${c.name}()`), " ",
