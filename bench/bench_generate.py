@@ -794,15 +794,15 @@ async def generated_ids(engine: Engine, tokens: int) -> AsyncIterator[int]:
 
 
 async def _bare_kakeya(tokens: int, engine: Engine | None = None, pipelined: bool = False) -> _Bare:
-    """sessiontape's gRPC endpoint (no runtime behind it) whose Kakeya Generate streams
+    """A grpc.aio server (no runtime behind it) whose Kakeya Generate streams
     ``tokens`` ready-made messages,
     or, given ``engine``, one message per step of ``engine`` as it generates (no log);
     ``pipelined``: the engine generates in a task of its own, ahead of the writes."""
-    from sessiontape.transports.grpc.calls import MethodTable
+    import grpc
+
     from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2 as kpb
     from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2_grpc as kgrpc
-    from sessiontape.transports.grpc.guard import guarded_methods
-    from sessiontape.transports.grpc.listener import Listener
+    from sessiontape.transports.grpc.guard import GuardInterceptor
 
     class Bare(kgrpc.RuntimeServiceServicer):  # type: ignore[misc]
         async def CreateSession(self, request: Any, context: Any) -> Any:
@@ -833,11 +833,10 @@ async def _bare_kakeya(tokens: int, engine: Engine | None = None, pipelined: boo
                 await producer
             yield kpb.GenerateResponse(done=kpb.GenerateDone())
 
-    table = MethodTable()
-    kgrpc.add_RuntimeServiceServicer_to_server(Bare(), table)
-    methods = guarded_methods(table)
-    server = Listener(methods, max_message_bytes=4 << 20, max_streams=100)
-    port = await server.start("127.0.0.1", 0)
+    server = grpc.aio.server(interceptors=[GuardInterceptor()])
+    kgrpc.add_RuntimeServiceServicer_to_server(Bare(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
     return _Bare(server, port)
 
 

@@ -358,6 +358,7 @@ class Runtime(NodeWrites, LogReads):
     ) -> list[NewEvent]:
         """Check an append against ``st`` and build its events (no mutation)."""
         info = self.engine.info
+        check_length(len(tokens), info.max_length)  # before any work that grows with it
         tokens = [int(t) for t in tokens]
         check_vocab(tokens, info.vocab_size)
         cut = rewind_point(st, offset, truncating)

@@ -53,7 +53,12 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_serve(args: argparse.Namespace) -> int:
     cfg = load_config(args, serve_overrides(args))
     check_database_url(cfg.db_url, must_exist=False)
-    with asyncio.Runner(loop_factory=loop_factory(cfg.server.event_loop)) as runner:
+    from sessiontape.core.log.serving_lock import serving
+
+    with (
+        serving(cfg.db_url),
+        asyncio.Runner(loop_factory=loop_factory(cfg.server.event_loop)) as runner,
+    ):
         return runner.run(serve(cfg))
 
 

@@ -45,6 +45,7 @@ from sessiontape.core.errors import (
     ProtocolViolation,
     SessiontapeError,
     TargetNotFound,
+    shown,
 )
 from sessiontape.core.events import Event, NewEvent, T
 from sessiontape.core.nodes import FragmentIn, flatten, missing
@@ -375,11 +376,13 @@ class _Stream:
             blocked = [n for n in waiting if n in self.output_ids]
             if blocked:
                 raise ProtocolViolation(
-                    f"action {act.id} reads {blocked}, the output of a later action (it would never run)"
+                    f"action {act.id} reads {_ids(blocked)}, the output of a later action"
+                    " (it would never run)"
                 )
             if self.input_done:
                 raise ProtocolViolation(
-                    f"action {act.id} waits for incomplete nodes {waiting} but the client ended its stream"
+                    f"action {act.id} waits for incomplete nodes {_ids(waiting)}"
+                    " but the client ended its stream"
                 )
             await self.changed.wait()
 
@@ -594,3 +597,8 @@ class EvergreenServicer(evergreen_pb2_grpc.EvergreenServiceServicer, GrpcService
             await asyncio.shield(stream.end(cancelled=not ended))
         if stream.error is not None:
             await context.abort(code_for(stream.error), message_for(stream.error))
+
+
+def _ids(node_ids: list[str]) -> str:
+    """Node ids as an error message lists them, each bounded (core.errors.shown)."""
+    return "[" + ", ".join(shown(n, "node id") for n in node_ids) + "]"

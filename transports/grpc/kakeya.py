@@ -40,6 +40,7 @@ from sessiontape.transports.grpc.tokensessions import (
     closing,
     grpc_errors,
     live_session,
+    token_ids,
 )
 
 __all__ = ["KakeyaService"]
@@ -101,7 +102,9 @@ class KakeyaService(pb_grpc.RuntimeServiceServicer, GrpcService):
         # Runtime.append_tokens refuses a closed/expired/unknown session itself;
         # grpc_errors turns its SessionClosed into this protocol's NOT_FOUND.
         async with grpc_errors(context, request.session_id):
-            length = await self.runtime.append_tokens(request.session_id, list(request.token_ids))
+            length = await self.runtime.append_tokens(
+                request.session_id, token_ids(self.runtime, request.token_ids)
+            )
         return pb.AppendTokensResponse(history_length=length)
 
     async def CloseSession(
@@ -131,11 +134,10 @@ class KakeyaService(pb_grpc.RuntimeServiceServicer, GrpcService):
             idle_seconds=self.runtime.idle_seconds(sid),
         )
 
-    # the server also takes a handler that writes with its context (the stubs type an iterator)
+    # grpc.aio also takes a handler that writes with context.write (the stubs type an iterator)
     async def Generate(self, request: pb.GenerateRequest, context: Any) -> None:  # type: ignore[override]
-        """Written with ``context.write_many`` run by run (one message per token is the
-        protocol's; a committed run's messages go out in one write, and taking the runtime's
-        runs directly spares two generator hops a token)."""
+        """Written with ``context.write`` run by run (one message per token is the
+        protocol's; taking the runtime's runs directly spares two generator hops a token)."""
         sid = request.session_id
         async with grpc_errors(context, sid):
             has_t, has_p, has_k = (request.HasField(f) for f in ("temperature", "top_p", "top_k"))
@@ -152,14 +154,13 @@ class KakeyaService(pb_grpc.RuntimeServiceServicer, GrpcService):
             )
             self.generations.track()
             runs = self.runtime.generate_runs(sid, params, sink_window=self.sink_window)
-            write_many = context.write_many
+            write = context.write
             try:
                 async with closing(runs):
                     async for run in runs:
-                        # a committed run's messages go out in one write (calls.ServicerContext)
-                        await write_many(
-                            [m for ev in run if (m := _message(ev, params.max_tokens)) is not None]
-                        )
+                        for ev in run:
+                            if (m := _message(ev, params.max_tokens)) is not None:
+                                await write(m)
             except CacheInvariantViolation as exc:
                 # ADR 0008 section 2.8: the session is failed and its slab freed
                 await self.runtime.abort(sid, exc.code, exc.message)

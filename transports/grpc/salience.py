@@ -42,6 +42,7 @@ from sessiontape.transports.grpc.tokensessions import (
     covered,
     grpc_errors,
     live_session,
+    token_ids,
 )
 
 __all__ = ["SalienceService"]
@@ -119,10 +120,9 @@ class SalienceService(pb_grpc.SalienceServicer, GrpcService):
             st = await live_session(self.runtime, request.session_id)
         return pb.DumpSessionResponse(tokens=list(st.tokens))
 
-    # the server also takes a handler that writes with its context (the stubs type an iterator)
+    # grpc.aio also takes a handler that writes with context.write (the stubs type an iterator)
     async def Generate(self, request: pb.GenerateRequest, context: Any) -> None:  # type: ignore[override]
-        """Written with ``context.write_many`` run by run (as Kakeya's: one message per token,
-        a run's messages in one write)."""
+        """Written with ``context.write`` run by run (as Kakeya's: one message per token)."""
         sid = request.session_id
         async with grpc_errors(context, sid):
             # Anything but a no-op is Runtime.generate's to refuse (closed,
@@ -162,18 +162,19 @@ class SalienceService(pb_grpc.SalienceServicer, GrpcService):
                 sid,
                 params,
                 options,
-                append=list(request.append_tokens),
+                append=token_ids(self.runtime, request.append_tokens),
                 offset=request.offset,
                 truncating=request.truncating,
                 images=images,
                 priority=request.priority,
             )
             wire = _WireEvents(request)
-            write_many = context.write_many
+            write = context.write
             async with closing(runs):
                 async for run in runs:
-                    # a committed run's messages go out in one write (calls.ServicerContext)
-                    await write_many([out for ev in run if (out := wire.event(ev)) is not None])
+                    for ev in run:
+                        if (out := wire.event(ev)) is not None:
+                            await write(out)
 
 
 def _is_noop(r: pb.GenerateRequest) -> bool:

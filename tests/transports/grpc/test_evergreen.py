@@ -403,11 +403,7 @@ async def test_defaults_and_first_wins_duplicates(client: EvergreenClient, serve
             id="self-child",
         ),
         pytest.param(
-            # the 33rd fragment passes the default depth limit of 32 ([limits]
-            # max_nesting_depth): the last message, so the client has written every message
-            # before the call ends (a write after the end fails in the client, which then
-            # reports INTERNAL instead of the status the server sent)
-            [fragment(f"d{i}", child_ids=[f"d{i + 1}"]) for i in range(33)],
+            [fragment(f"d{i}", child_ids=[f"d{i + 1}"]) for i in range(40)],
             grpc.StatusCode.FAILED_PRECONDITION,
             "nesting depth",
             id="too-deep",
