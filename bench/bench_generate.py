@@ -53,6 +53,7 @@ from sessiontape.core.config import Config
 from sessiontape.core.document.text import TextStream
 from sessiontape.core.engine import Engine, SamplingParams
 from sessiontape.core.events import T
+from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.registry import ENGINES, TRANSPORTS, load
 from sessiontape.core.runtime import Runtime
 
@@ -107,7 +108,7 @@ async def through_log(rt: Runtime, sessions: int, tokens: int) -> float:
 
     async def one(sid: str) -> int:
         n = 0
-        async for e in rt.generate(sid, params(tokens)):
+        async for e in rt.generate(sid, GenerateRequest(params(tokens))):
             n += e.type == T.GENERATION_TOKEN and not e.body["is_prefill"]
         return n
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.log import EventLog
 from sessiontape.core.log.store import verify_chain
 
@@ -30,7 +31,7 @@ WRITER = textwrap.dedent(
         rt = await Runtime.create(make_config(sys.argv[1]), engine=ReferenceEngine())
 
         async def watch():
-            async for e in rt.subscribe(0):
+            async for e in rt.reads.subscribe(0):
                 print(json.dumps([e.session_id, e.version, e.hash]), flush=True)
 
         async def work(i):
@@ -236,9 +237,11 @@ async def test_generation_left_open_by_a_crash_is_closed_as_interrupted(sqlite_u
         await rt.aclose()
     rt = await Runtime.create(make_config(sqlite_url), engine=ReferenceEngine())
     try:
-        evs = [e async for e in rt.generate(sid, SamplingParams(max_tokens=2, seed=1))]
+        evs = [
+            e async for e in rt.generate(sid, GenerateRequest(SamplingParams(max_tokens=2, seed=1)))
+        ]
         assert evs[-1].body["finish_reason"] == "length"
-        gens = (await rt.load(sid)).generations
+        gens = (await rt.sessions.load(sid)).generations
         assert gens["g_dead"].finish_reason == "interrupted"
     finally:
         await rt.aclose()

@@ -143,7 +143,7 @@ async def test_compressed_requests_are_inflated(
         stub = kgrpc.RuntimeServiceStub(ch)
         resp = await stub.AppendTokens(kpb.AppendTokensRequest(session_id=sid, token_ids=[7] * 500))
     assert resp.history_length == 500
-    st = await server.runtime.load(sid)
+    st = await server.runtime.sessions.load(sid)
     assert list(st.tokens) == [7] * 500
 
 
@@ -323,7 +323,7 @@ async def test_calls_reset_as_they_start_leave_the_connection_usable(server: Ser
     finally:
         writer.close()
     assert trailers[b"grpc-status"] == b"0"
-    assert list((await server.runtime.load(sid)).tokens) == [9]
+    assert list((await server.runtime.sessions.load(sid)).tokens) == [9]
 
 
 async def test_a_streaming_call_ended_before_it_read_keeps_its_status(server: Served) -> None:

@@ -386,7 +386,7 @@ async def test_streams_past_the_limit_are_refused_and_the_rest_answered(serve: S
             if ended == {1, 3}:
                 break
     raw.writer.close()
-    assert list((await served.runtime.load(sid)).tokens) == [4, 4]
+    assert list((await served.runtime.sessions.load(sid)).tokens) == [4, 4]
 
 
 async def test_padded_frames_and_header_blocks_in_continuations_are_read(server: Served) -> None:
@@ -416,7 +416,7 @@ async def test_padded_frames_and_header_blocks_in_continuations_are_read(server:
             decoder.decode(f.payload)
     raw.writer.close()
     assert status == "0"
-    assert list((await server.runtime.load(sid)).tokens) == [7, 8]
+    assert list((await server.runtime.sessions.load(sid)).tokens) == [7, 8]
 
 
 async def test_a_client_writing_a_byte_at_a_time_is_understood(server: Served) -> None:
@@ -440,7 +440,7 @@ async def test_a_client_writing_a_byte_at_a_time_is_understood(server: Served) -
                 break
     raw.writer.close()
     assert status == "0"
-    assert list((await server.runtime.load(sid)).tokens) == [6]
+    assert list((await server.runtime.sessions.load(sid)).tokens) == [6]
 
 
 async def test_a_request_wider_than_the_windows_arrives_whole(serve: Serve) -> None:
@@ -657,7 +657,7 @@ async def test_grpclibs_client_on_the_endpoint(server: Served) -> None:
         channel.close()
     tokens = [m.token_id for m in replies if m.WhichOneof("payload") == "token_id"]
     assert len(tokens) == 3000 and replies[-1].done.generated_token_count == 3000
-    assert list((await server.runtime.load(sid)).tokens)[5:] == tokens
+    assert list((await server.runtime.sessions.load(sid)).tokens)[5:] == tokens
 
 
 def _named(name: bytes) -> calls.Method:
