@@ -873,10 +873,10 @@ async def main() -> None:
         "runs in this process",
     )
     ap.add_argument(
-        "--pace-s",
+        "--linger-s",
         type=float,
         default=None,
-        help="with --wires: the server's [generation] pace_s (the default: the config's)",
+        help="with --wires: the server's [generation] linger_s (the default: the config's)",
     )
     ap.add_argument(
         "--client-cpu",
@@ -912,7 +912,7 @@ async def main() -> None:
     if unknown:
         ap.error(f"--wire-rows: no such row {', '.join(sorted(unknown))}")
     if not args.default_gc:
-        gctune.tune_for_serving()  # as `sessiontape serve` runs
+        gctune.tune_for_serving()  # as `sessiontape serve` runs with [server] tune_interpreter
     if args.relay:
         await run_relay()
         return
@@ -992,7 +992,7 @@ async def main() -> None:
                     args.tokens,
                     args.rounds,
                     frozenset(args.wire_rows.split(",")),
-                    {} if args.pace_s is None else {"pace_s": args.pace_s},
+                    {} if args.linger_s is None else {"linger_s": args.linger_s},
                     args.nostr_relay,
                 )
 

@@ -94,7 +94,7 @@ def _worker(args: argparse.Namespace) -> None:
     from sessiontape.core import gctune
     from sessiontape.core.commands.serve import loop_factory
 
-    gctune.tune_for_serving()  # as `sessiontape serve` runs
+    gctune.tune_for_serving()  # as `sessiontape serve` runs with [server] tune_interpreter
     with tempfile.TemporaryDirectory() as tmp:
         if args.side == "alone":
             work = _engine_alone(args.turns, args.tokens, args.append)

@@ -1,6 +1,6 @@
 """Admission: at most ``limit`` generations run at once, the others in priority then
 arrival order; a generation gives its place up when it ends or after ``hold_s``
-(core/scheduler.py; docs/architecture.md, "Admission")."""
+(core/generation/scheduler.py; docs/architecture.md, "Admission")."""
 
 from __future__ import annotations
 

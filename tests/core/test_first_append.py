@@ -1,6 +1,6 @@
 """A generation's first append (the request's tokens, any truncation,
 ``generation.started``) commits with its first run of tokens, and with its end
-when it ends before one commits (core/generation.py)."""
+when it ends before one commits (core/generation/lifecycle.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The pipelined token path (core/pipeline.py, core/generation.py): stops at any step, back-pressure,
+"""The pipelined token path (core/generation/pipeline.py, core/generation/lifecycle.py): stops at any step, back-pressure,
 failures, and the log, the finished event and the engine cache agreeing afterwards."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Short turns (append a few tokens, generate a few): few commits, no timer waits.
 
 A short turn's cost is mostly fixed cost: its commits and their hand-offs. The
-generation loop (core/generation.py) commits ``generation.finished`` with the
+generation loop (core/generation/lifecycle.py) commits ``generation.finished`` with the
 run that carries the last tokens when the engine ended on its own, and never
 lingers for more steps once the engine has made its last one.
 """
