@@ -112,7 +112,7 @@ class TokenPipeline:
         #: committed runs the caller has not taken yet may be at most one: the next run
         #: commits while the caller handles this one, never further ahead (a slow client
         #: leaves steps uncommitted, where the run-ahead bound holds the engine back);
-        #: none for a paced caller (:meth:`_paced_run`), whose next run commits on demand
+        #: none for a paced caller (:meth:`RunPolicy.paced_run`), whose next run commits on demand
         self._credit = asyncio.Semaphore(1)
         #: moving average of the time the caller spends per event of a run (None before
         #: the second run): runs are cut so one takes the caller about ``pace_s``
@@ -278,19 +278,17 @@ class TokenPipeline:
         max_run, min_run = self.policy.run_bounds(
             self.consume_per_event, self._engine_done, self._first_run
         )
-        wait = 0.0
-        if (
-            min_run > 1
-            and not isinstance(first, _End)
-            and interval is not None
-            and q.qsize() + 1 < min_run
-            and not self._off_gate
-            and not self._engine_done
-        ):
-            missing = min_run - 1 - q.qsize()
-            wait = self.policy.linger(
-                interval, missing, self._short, self.rt.gate.waiting(), time.perf_counter()
-            )
+        # more steps come soon unless the engine ended or the producer handed the gate over
+        soon = not (isinstance(first, _End) or self._off_gate or self._engine_done)
+        wait = self.policy.commit_wait(
+            ready=q.qsize() + 1,
+            min_run=min_run,
+            interval=interval,
+            more_soon=soon,
+            short=self._short,
+            others_waiting=self.rt.gate.waiting(),
+            now=time.perf_counter(),
+        )
         if wait > 0:
             # a fast engine: let a few more steps arrive (woken early when enough did)
             enough = self._enough = asyncio.Event()

@@ -186,6 +186,25 @@ class RunPolicy:
             max_run = min(max_run, first_run)
         return max_run, min(min_run, max_run)
 
+    def commit_wait(
+        self,
+        *,
+        ready: int,
+        min_run: int,
+        interval: float | None,
+        more_soon: bool,
+        short: ShortHold | None,
+        others_waiting: bool,
+        now: float,
+    ) -> float:
+        """How long a committer holding ``ready`` steps waits for ``min_run`` (0: commit
+        now): not when enough are ready, the engine's pace is unknown (one step so far),
+        or no more step comes soon (the engine ended, or handed the gate over); else
+        :meth:`linger`."""
+        if min_run <= 1 or ready >= min_run or interval is None or not more_soon:
+            return 0.0
+        return self.linger(interval, min_run - ready, short, others_waiting, now)
+
     def linger(
         self,
         interval: float,

@@ -83,7 +83,8 @@ async def test_a_generation_on_a_state_another_replica_moved_on_begins_again(
         await a._follower
     a._follower = None
     spy = SpyEngine(eos_bias=-1000.0)
-    a.engine = spy
+    # the engine every part of A uses (generations decode on it)
+    a.engine = a.sessions.engine = a.generations.engine = spy
     sid = (await a.open_session("http", eos_token_ids=[])).session_id
     await a.append_tokens(sid, [65])  # A caches the state
     before = metrics.STALE_RETRIES._value.get()

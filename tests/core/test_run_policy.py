@@ -106,3 +106,15 @@ def test_a_moving_average_starts_at_its_first_sample() -> None:
     assert moving_average(None, 3.0, 0.2) == 3.0
     assert moving_average(1.0, 3.0, 0.2) == pytest.approx(1.4)
     assert moving_average(1.0, 3.0, 1.0) == 3.0
+
+
+def test_a_committer_commits_at_once_when_enough_are_ready_or_no_more_come_soon() -> None:
+    p = RunPolicy(min_run=64)
+    fast = {"interval": 0.0001, "short": None, "others_waiting": False, "now": 0.0}
+    assert p.commit_wait(ready=10, min_run=64, more_soon=True, **fast) == pytest.approx(0.005)
+    assert p.commit_wait(ready=60, min_run=64, more_soon=True, **fast) == pytest.approx(0.0008)
+    assert p.commit_wait(ready=64, min_run=64, more_soon=True, **fast) == 0.0
+    assert p.commit_wait(ready=10, min_run=64, more_soon=False, **fast) == 0.0
+    assert p.commit_wait(ready=1, min_run=1, more_soon=True, **fast) == 0.0
+    unknown = {**fast, "interval": None}
+    assert p.commit_wait(ready=1, min_run=64, more_soon=True, **unknown) == 0.0
