@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_generate.py [--engine reference|onnx] [--size small]
         [--tokens 400] [--sessions 1,8] [--rounds 5] [--pg URL | --no-pg] [--wires]
         [--wire-rows sse,kakeya,salience,evergreen,openai,nostr,ceilings]
-        [--engine-process inline|worker] [--client-cpu last|none|N] [--pace-s S]
+        [--engine-process inline|worker] [--client-cpu last|none|N] [--linger-s S]
         [--nostr-relay nostr-relay|nostr-sdk]
 
 Every row is measured in interleaved rounds in one run: a round generates the

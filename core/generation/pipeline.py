@@ -373,9 +373,8 @@ class TokenPipeline:
             new.extend(finish)
             # Alone, a run commits on the spot when the writer is idle (a slow engine's
             # steps each pay no hand-offs). Beside other generations it goes through
-            # the write loop, whose hand-offs let more steps gather per run: eight
-            # fast generations committing at once made runs of a step or two and
-            # ran 5-10% slower.
+            # the write loop, whose hand-offs let more steps gather per run (committed
+            # on the spot, fast generations side by side make runs of a step or two).
             evs = await rt.sessions.commit(
                 self.st, new, length=length, at_once=len(rt.running) <= 1
             )

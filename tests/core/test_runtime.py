@@ -389,3 +389,21 @@ async def test_a_resume_cursor_exists_from_memory_or_from_the_log(sqlite_url: st
         assert not await again.reads.position_exists(end + 1)
     finally:
         await again.aclose()
+
+
+async def test_the_runtime_is_made_of_named_parts_sharing_one_state(runtime: Runtime) -> None:
+    """No mixin chain: the runtime holds its parts, and they share the one cache of
+    states and the one set of running generations."""
+    assert Runtime.__bases__ == (object,)
+    rt = runtime
+    sid = (await rt.open_session("test")).session_id
+    await rt.append_text(sid, "Hi")
+    assert await rt.get(sid) is await rt.sessions.get(sid)
+    assert rt.nodes.sessions is rt.sessions and rt.generations.sessions is rt.sessions
+    assert rt.sessions.running is rt.generations.running
+    runs = rt.generate_runs(sid, GenerateRequest(SamplingParams(max_tokens=40, seed=1)))
+    first = await anext(runs)  # type: ignore[call-overload]
+    assert first and rt.generations.is_running(sid)
+    await runs.aclose()  # type: ignore[attr-defined]
+    assert not rt.generations.is_running(sid)
+    assert [e.version for e in await rt.reads.read_events(sid)][-1] == (await rt.get(sid)).version
