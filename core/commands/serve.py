@@ -89,7 +89,7 @@ async def serve(cfg: Config) -> int:
 
     runtime = await Runtime.create(cfg)
     log.info("log: %s", redact(cfg.db_url))
-    runtime.start_sweeper()
+    runtime.sessions.start_sweeper()
     started: list[Transport] = []
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -97,7 +97,7 @@ async def serve(cfg: Config) -> int:
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
     # before any transport accepts a connection: what exists now lives as long as the process
-    gctune.tune_for_serving()
+    gctune.apply(cfg.server)
     try:
         for name in cfg.enabled_transports():
             cls = load(TRANSPORTS, name)

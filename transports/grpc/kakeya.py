@@ -29,6 +29,7 @@ from sessiontape.core.config import Config
 from sessiontape.core.engine import SamplingParams, left_to_model
 from sessiontape.core.errors import CacheInvariantViolation
 from sessiontape.core.events import Event, T
+from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.runtime import Runtime
 from sessiontape.core.session.state import ABORTED
 from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2 as pb
@@ -125,13 +126,13 @@ class KakeyaService(pb_grpc.RuntimeServiceServicer, GrpcService):
             # a session failed by an invariant violation still reports its counters
             if st.status != ABORTED:
                 st = await live_session(self.runtime, sid)
-        inv1, inv2 = self.runtime.invariant_violations.get(sid, (0, 0))
+        inv1, inv2 = self.runtime.generations.invariant_violations.get(sid, (0, 0))
         return pb.GetSessionInfoResponse(
             history_length=st.length,
             kv_live_bytes=self.runtime.engine.kv_live_bytes(sid),
             cache_invariant_inv1_violations=inv1,
             cache_invariant_inv2_violations=inv2,
-            idle_seconds=self.runtime.idle_seconds(sid),
+            idle_seconds=self.runtime.sessions.idle_seconds(sid),
         )
 
     # grpc.aio also takes a handler that writes with context.write (the stubs type an iterator)
@@ -153,7 +154,9 @@ class KakeyaService(pb_grpc.RuntimeServiceServicer, GrpcService):
                 ),
             )
             self.generations.track()
-            runs = self.runtime.generate_runs(sid, params, sink_window=self.sink_window)
+            runs = self.runtime.generate_runs(
+                sid, GenerateRequest(params, sink_window=self.sink_window)
+            )
             write = context.write
             try:
                 async with closing(runs):

@@ -30,6 +30,7 @@ from sessiontape.core.bodies import GenerationFinished, GenerationToken, body
 from sessiontape.core.engine import OutputOptions, SamplingParams, left_to_model
 from sessiontape.core.errors import ModelMismatch
 from sessiontape.core.events import Event, T
+from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.runtime import Runtime
 from sessiontape.core.tokens import ImageIn
 from sessiontape.transports.grpc.gen.salience.v1 import salience_pb2 as pb
@@ -130,7 +131,7 @@ class SalienceService(pb_grpc.SalienceServicer, GrpcService):
             if _is_noop(request):
                 st = await live_session(self.runtime, sid)
                 if request.offset == st.length:
-                    await self.runtime.touch(sid)
+                    await self.runtime.sessions.touch(sid)
                     await context.write(_done(st.length, 0, "length"))
                     return
             params = SamplingParams(
@@ -160,13 +161,15 @@ class SalienceService(pb_grpc.SalienceServicer, GrpcService):
             self.generations.track()
             runs = self.runtime.generate_runs(
                 sid,
-                params,
-                options,
-                append=token_ids(self.runtime, request.append_tokens),
-                offset=request.offset,
-                truncating=request.truncating,
-                images=images,
-                priority=request.priority,
+                GenerateRequest(
+                    params,
+                    options,
+                    append=token_ids(self.runtime, request.append_tokens),
+                    offset=request.offset,
+                    truncating=request.truncating,
+                    images=images,
+                    priority=request.priority,
+                ),
             )
             wire = _WireEvents(request)
             write = context.write

@@ -110,7 +110,7 @@ async def test_message_size_limit(serve: Serve) -> None:
         sid = await s.session_id()
         await s.send(fragments=text_fragments("small", "fits"))
         for _ in range(300):  # committed before the oversized message ends the call
-            if "small" in (await rt.load(sid)).nodes:
+            if "small" in (await rt.sessions.load(sid)).nodes:
                 break
             await asyncio.sleep(0.01)
         await s.send(fragments=text_fragments("big", "x" * 4096))
@@ -118,7 +118,7 @@ async def test_message_size_limit(serve: Serve) -> None:
             await s.collect()
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     for _ in range(300):
-        st = await rt.load(sid)
+        st = await rt.sessions.load(sid)
         if st.status != "open":
             break
         await asyncio.sleep(0.01)
@@ -187,7 +187,7 @@ async def test_shutdown_cancels_a_generation_still_running_at_the_deadline(serve
         with pytest.raises(grpc.aio.AioRpcError):
             await s.collect()
     # stop() returned only after the cancellation was recorded.
-    st = await served.runtime.load(sid)
+    st = await served.runtime.sessions.load(sid)
     evs = await served.runtime.log.read(sid, 1, None)
     [fin] = [e for e in evs if e.type == T.GENERATION_FINISHED]
     assert fin.body["finish_reason"] == "cancelled"
