@@ -49,7 +49,7 @@ from sessiontape.core.bodies import (
     session_opened,
 )
 from sessiontape.core.config import Config
-from sessiontape.core.engine import Engine
+from sessiontape.core.engine import Engine, check_stop_ids
 from sessiontape.core.errors import (
     InvalidParameters,
     SessionBusy,
@@ -223,6 +223,8 @@ class Runtime:
         check_labels(protocol, label, session_id)
         sid = session_id or new_session_id()
         info = self.engine.info
+        if eos_token_ids is not None:
+            check_stop_ids(eos_token_ids, "eos_token_ids")
         eos = list(info.eos_token_ids if eos_token_ids is None else eos_token_ids)
         # opaque ids the application supplies (kakeya.v1): an id the model never
         # emits never matches; only the history's tokens are range-checked

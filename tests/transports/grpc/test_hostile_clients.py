@@ -256,6 +256,38 @@ def test_a_megabyte_node_id_in_an_evergreen_action_is_described_not_echoed(
     assert window["grpc"] < CANARY_LIMIT_S and window["http"] < CANARY_LIMIT_S, window
 
 
+def test_a_million_ids_in_a_repeated_field_are_refused_before_any_work(case: Server) -> None:
+    """Lengths are checked before the ids are: the model's context for tokens, at most
+    1,024 stop or end-of-sequence ids."""
+    million = [1] * 1_000_000
+    with grpc.insecure_channel(case.target) as ch:
+        kakeya = kgrpc.RuntimeServiceStub(ch)
+        salience = sgrpc.SalienceStub(ch)
+        calls = {
+            "eos_token_ids": lambda: kakeya.CreateSession(
+                kpb.CreateSessionRequest(eos_token_ids=million), timeout=10
+            ),
+            "token_ids": lambda: kakeya.AppendTokens(
+                kpb.AppendTokensRequest(session_id="none", token_ids=million), timeout=10
+            ),
+            "stop_token_ids": lambda: list(
+                salience.Generate(
+                    spb.GenerateRequest(session_id="none", stop_token_ids=million), timeout=10
+                )
+            ),
+        }
+        for name, call in calls.items():
+            with pytest.raises(grpc.RpcError) as refused:
+                call()
+            code = refused.value.code()  # type: ignore[attr-defined]
+            assert code in (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                grpc.StatusCode.NOT_FOUND,
+            ), (name, code)
+            _details_bounded(refused.value)
+
+
 # -- floods ----------------------------------------------------------------------
 
 
