@@ -19,6 +19,7 @@ from sessiontape.core.constraint import Constraint
 from sessiontape.core.engine import SamplingParams
 from sessiontape.core.errors import InvalidConstraint
 from sessiontape.core.events import Event, T
+from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
 from tests.conftest import make_config
@@ -29,7 +30,7 @@ PROMPT = list(b"Answer in JSON: ")
 async def _generate(
     rt: Runtime, sid: str, params: SamplingParams
 ) -> tuple[list[int], GenerationStarted, GenerationFinished]:
-    evs: list[Event] = [e async for e in rt.generate(sid, params)]
+    evs: list[Event] = [e async for e in rt.generate(sid, GenerateRequest(params))]
     started = next(body(e, GenerationStarted) for e in evs if e.type == T.GENERATION_STARTED)
     finished = next(body(e, GenerationFinished) for e in evs if e.type == T.GENERATION_FINISHED)
     ids = [int(e.body["token"]) for e in evs if e.type == T.GENERATION_TOKEN]
