@@ -22,6 +22,7 @@ and results a request brings are recorded as ``tool.called``/``tool.result`` eve
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import re
@@ -318,13 +319,14 @@ def called_events(
 def token_span(
     tokens: Sequence[int], detokenize: Callable[[Sequence[int]], str], start: int, end: int
 ) -> tuple[int, int]:
-    """The tokens ``[first, last)`` whose text covers characters ``[start, end)``."""
-    first, last = len(tokens), len(tokens)
-    for i in range(len(tokens) + 1):
-        n = len(detokenize(tokens[:i]))
-        if n > start and first == len(tokens):
-            first = max(0, i - 1)
-        if n >= end:
-            last = i
-            break
+    """The tokens ``[first, last)`` whose text covers characters ``[start, end)``: ``first``
+    the token whose text holds character ``start``, ``last`` the fewest tokens whose text
+    reaches ``end`` (a prefix's text grows with it: found by bisection)."""
+    n = len(tokens)
+
+    def chars(i: int) -> int:
+        return len(detokenize(tokens[:i]))
+
+    first = max(0, bisect.bisect_right(range(n + 1), start, key=chars) - 1)
+    last = min(n, bisect.bisect_left(range(n + 1), end, key=chars))
     return min(first, last), last
