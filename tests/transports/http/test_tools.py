@@ -1,0 +1,129 @@
+"""transports/http/tools.py on its own: how calls are written, read back and constrained, and
+how a request's tools reach a template with and without tool support."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sessiontape.core.engine import ChatFormat
+from sessiontape.core.errors import InvalidParameters
+from sessiontape.engines.constrained import byte_tokenizer
+from sessiontape.transports.http.chat_template import ModelTemplate
+from sessiontape.transports.http.tools import (
+    CallFormat,
+    call_id,
+    prompt_messages,
+    supplied_events,
+    tool,
+    use_of,
+)
+
+ARGS = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+WEATHER = tool("weather", "the forecast", ARGS, True)
+CLOCK = tool("clock", "", None, False)
+
+HERMES = (
+    "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>{% endif %}"
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content or '' }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>\n{{ c.function.name }}\n</tool_call>{% endfor %}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def _matches(constraint_grammar: str, text: str) -> bool:
+    from llguidance import LLMatcher
+
+    m = LLMatcher(byte_tokenizer(259, (257,)), constraint_grammar, log_level=0)
+    return bool(m.consume_tokens(list(text.encode())) and m.is_accepting())
+
+
+def test_calls_are_written_read_back_and_constrained() -> None:
+    fmt = CallFormat()
+    one = fmt.head("weather") + '{"city":"Oslo","days":3}}'
+    two = one + "\n" + fmt.head("clock") + "{}}"
+    calls = fmt.parse(two, "g_1")
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("weather", {"city": "Oslo", "days": 3}),
+        ("clock", {}),
+    ]
+    assert [c.id for c in calls] == [call_id("g_1", 0), call_id("g_1", 1)]
+    assert two[calls[1].start : calls[1].end] == fmt.head("clock") + "{}}"
+    assert fmt.parse("Sunny today.", "g_1") == []
+    assert fmt.parse(fmt.head("weather") + '{"city":"Os', "g_1") == []  # cut short
+    required = use_of([WEATHER, CLOCK], "required", True, None).constraint()
+    auto = use_of([WEATHER, CLOCK], "auto", False, None).constraint()
+    named = use_of([WEATHER, CLOCK], "clock", True, None).constraint()
+    assert required is not None and auto is not None and named is not None
+    assert _matches(required.grammar, two)
+    assert not _matches(required.grammar, "Sunny today.")
+    assert _matches(auto.grammar, "Sunny today.") and _matches(auto.grammar, one)
+    assert not _matches(auto.grammar, two)  # parallel_tool_calls false: one call
+    assert not _matches(auto.grammar, fmt.head("weather") + '{"city":"Oslo"}}')  # days missing
+    assert _matches(named.grammar, fmt.head("clock") + "{}}")
+    assert not _matches(named.grammar, one)
+    assert use_of([WEATHER], "none", True, None).constraint() is None
+
+
+def test_bad_tools_and_choices_are_refused() -> None:
+    with pytest.raises(InvalidParameters):
+        tool("no spaces allowed", "", None, False)
+    with pytest.raises(InvalidParameters):
+        use_of([WEATHER], "clock", True, None)
+    with pytest.raises(InvalidParameters):
+        use_of([WEATHER, WEATHER], "auto", True, None)
+
+
+def test_the_fallback_describes_tools_and_writes_calls_as_the_model_does() -> None:
+    use = use_of([WEATHER], "auto", True, None)
+    assert not use.native
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": "forecast?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "rain"},
+    ]
+    out = prompt_messages(messages, use, use.format, at_start=True)
+    assert out[0]["role"] == "system" and '"name": "weather"' in out[0]["content"]
+    assert out[2] == {"role": "assistant", "content": use.format.head("weather") + "{}}"}
+    assert out[3] == {"role": "tool", "content": "rain"}
+    # not at the session's start: the tools were described when it began
+    assert prompt_messages(messages, use, use.format, at_start=False)[0]["role"] == "user"
+    events = supplied_events(messages)
+    assert [(e.type, e.body["call_id"], e.body["supplied_by"]) for e in events] == [
+        ("tool.called", "c1", "client"),
+        ("tool.result", "c1", "client"),
+    ]
+
+
+def test_a_template_that_takes_tools_gets_them_and_its_call_tags() -> None:
+    use = use_of([WEATHER, CLOCK], "auto", True, HERMES)
+    assert use.native and use.format == CallFormat("<tool_call>\n", "\n</tool_call>")
+    template = ModelTemplate(ChatFormat(HERMES))
+    call = {"id": "c1", "type": "function", "function": {"name": "clock", "arguments": "{}"}}
+    messages = prompt_messages(
+        [
+            {"role": "user", "content": "time?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+        ],
+        use,
+        use.format,
+        at_start=True,
+    )
+    text = template.render(
+        messages, at_start=True, after_generation=False, tools=use.template_tools()
+    )
+    assert text.startswith("<tools>weather;clock;</tools>")
+    assert "<tool_call>\nclock\n</tool_call>" in text
+    written = use.format.head("clock") + "{}}" + use.format.close
+    assert written.startswith("<tool_call>\n{") and written.endswith("}\n</tool_call>")
+    [parsed] = use.format.parse(written, "g")
+    assert parsed.name == "clock" and parsed.arguments == "{}"
+    grammar = use.constraint()
+    assert grammar is not None and _matches(grammar.grammar, written)
