@@ -47,6 +47,7 @@ _CALLS = frozenset(
         "scheduler_stats",
         "cached_length",
         "image_block_length",
+        "check_constraint",
     }
 )
 

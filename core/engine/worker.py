@@ -77,6 +77,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from sessiontape.core.config import GenerationSettings
+from sessiontape.core.constraint import Constraint
 from sessiontape.core.engine import (
     DEFAULT_OUTPUT,
     Engine,
@@ -446,6 +447,9 @@ class WorkerEngine(Engine):
 
     def image_block_length(self, image: bytes, mime: str) -> int:
         return int(self._call("image_block_length", image, mime))
+
+    def check_constraint(self, constraint: Constraint, history: Sequence[int]) -> None:
+        self._call("check_constraint", constraint, list(history))
 
     async def aclose(self) -> None:
         if self._loop is not None:

@@ -278,3 +278,16 @@ async def test_a_constrained_generation_matches_and_a_fork_inside_it_continues_i
         **{**params.__dict__, "max_tokens": 17, "constraint": Constraint("regex", regex, len(hist))}
     )
     assert generated(await run(eng, "c2", hist + ids[:3], rest, OutputOptions())) == ids[3:]
+
+
+async def test_a_history_that_does_not_match_a_constraint_is_refused(
+    make_engine: Factory,
+) -> None:
+    from sessiontape.core.constraint import Constraint
+    from sessiontape.core.errors import InvalidConstraint
+
+    eng = make_engine()
+    hist = history(3, 8)  # printable ASCII, no digit run from position 0
+    eng.check_constraint(Constraint("regex", "[a-z]+", len(hist)), hist)  # nothing to check
+    with pytest.raises(InvalidConstraint):
+        eng.check_constraint(Constraint("regex", "[0-9]{100}", 0), hist)
