@@ -35,6 +35,10 @@ ANY_OBJECT = '{"type":"object"}'
 SAFE_INTEGER = 2**53 - 1
 
 
+#: keywords whose values are data, not schemas: left as they are
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
 def bounded_integers(node: Any) -> Any:
     """``node`` (a JSON Schema, or part of one) with every ``integer`` that lacks a bound
     given :data:`SAFE_INTEGER`'s; everything else as it is."""
@@ -42,7 +46,7 @@ def bounded_integers(node: Any) -> Any:
         return [bounded_integers(v) for v in node]
     if not isinstance(node, Mapping):
         return node
-    out = {k: bounded_integers(v) for k, v in node.items()}
+    out = {k: v if k in _DATA_KEYWORDS else bounded_integers(v) for k, v in node.items()}
     kind = node.get("type")
     if kind == "integer" or (isinstance(kind, list) and "integer" in kind):
         if "minimum" not in node and "exclusiveMinimum" not in node:

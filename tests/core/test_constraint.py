@@ -228,3 +228,34 @@ def test_random_strict_schemas_validate_replay_and_fork_bit_exact(
             await rt.aclose()
 
     asyncio.run(check())
+
+
+def test_unbounded_integers_are_generated_within_the_safe_range() -> None:
+    from sessiontape.core.constraint import SAFE_INTEGER, bounded_integers
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "integer"},
+            "b": {"type": ["integer", "null"], "minimum": 3},
+            "c": {"const": {"type": "integer"}},
+        },
+    }
+    bounded = bounded_integers(schema)
+    props = bounded["properties"]
+    assert props["a"] == {"type": "integer", "minimum": -SAFE_INTEGER, "maximum": SAFE_INTEGER}
+    assert props["b"]["minimum"] == 3 and props["b"]["maximum"] == SAFE_INTEGER
+    assert props["c"] == {"const": {"type": "integer"}}  # data, not a schema
+    assert schema["properties"]["a"] == {"type": "integer"}  # the recorded schema is as given
+
+
+async def test_an_unbounded_integer_ends(runtime: Runtime) -> None:
+    sid = await _session(runtime)
+    # the reference engine's digits: without a bound, a long run of them could go on
+    c = Constraint.json_schema({"type": "integer"})
+    for s in range(5):
+        ids, _, finished = await _generate(
+            runtime, sid, SamplingParams(max_tokens=40, seed=s, constraint=c)
+        )
+        assert finished["finish_reason"] == "eos"
+        assert abs(int(_text(ids))) <= 2**53 - 1
