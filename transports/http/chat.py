@@ -204,6 +204,7 @@ class ChatCompletions:
         calls_possible = bool(tool_use_of(turn))
         mode = "text" if not calls_possible else None
         held: list[str] = []
+        held_lps: list[dict[str, Any]] = []
         # one chunk per committed run: the tokens that are ready when the stream gets
         # to them share a delta (one token each while the reader keeps up), so a
         # reader slower than the engine gets fewer, longer chunks instead of a backlog
@@ -226,6 +227,7 @@ class ChatCompletions:
             delta = "".join(parts)
             if mode != "text":
                 held.append(delta)
+                held_lps.extend(lps)
                 start = "".join(held).lstrip()
                 if start and mode is None:
                     mode = "call" if start[0] in "{<" else "text"
@@ -233,7 +235,7 @@ class ChatCompletions:
                     if reason is not None:
                         break
                     continue
-                delta, held = "".join(held), []
+                delta, lps, held, held_lps = "".join(held), held_lps, [], []
             if lps:
                 yield chunk({"content": delta}, lp={"content": lps, "refusal": None})
             elif delta:
@@ -250,7 +252,9 @@ class ChatCompletions:
                 yield chunk({"tool_calls": [{"index": i, "function": {"arguments": c.arguments}}]})
             finish = "tool_calls" if finish == "stop" else finish
         elif mode != "text" and (held or tail):
-            yield chunk({"content": "".join(held) + tail})
+            # not a call after all (cut short): the text, as an unstreamed reply shows it
+            lp = {"content": held_lps, "refusal": None} if held_lps else None
+            yield chunk({"content": "".join(held) + tail}, lp=lp)
         elif tail:
             yield chunk({"content": tail})
         yield chunk({}, finish)

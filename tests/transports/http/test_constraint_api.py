@@ -169,3 +169,50 @@ async def test_tool_calls_are_recorded_exported_imported_and_forked_from(
     assert fork.status_code == 201, fork.text
     child = fork.json()
     assert [t["role"] for t in child["conversation"]] == roles[:-1]
+
+
+async def _stream(c: httpx.AsyncClient, body: dict[str, Any]) -> list[dict[str, Any]]:
+    chunks = []
+    async with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    return chunks
+
+
+async def test_streamed_replies_with_tools_equal_the_unstreamed_ones(
+    client: httpx.AsyncClient,
+) -> None:
+    for choice, seed in (("required", 5), ("auto", 1), ("auto", 2), ("auto", 3)):
+        body = {
+            "model": "reference",
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [TOOL],
+            "tool_choice": choice,
+            "max_tokens": 40,
+            "seed": seed,
+            "logprobs": True,
+        }
+        whole = (await client.post("/v1/chat/completions", json=body)).json()["choices"][0]
+        chunks = await _stream(client, body)
+        deltas = [ch["choices"][0] for ch in chunks if ch["choices"]]
+        text = "".join(d["delta"].get("content") or "" for d in deltas)
+        calls: dict[int, dict[str, Any]] = {}
+        for d in deltas:
+            for tc in d["delta"].get("tool_calls") or ():
+                got = calls.setdefault(tc["index"], {"arguments": ""})
+                got.update({k: v for k, v in tc.items() if k in ("id", "type")})
+                fn = tc.get("function") or {}
+                got["name"] = fn.get("name") or got.get("name")
+                got["arguments"] += fn.get("arguments") or ""
+        assert deltas[-1]["finish_reason"] == whole["finish_reason"]
+        if whole["message"].get("tool_calls"):
+            assert whole["finish_reason"] == "tool_calls" and text == ""
+            assert [
+                {"id": c["id"], "type": "function", **c["function"]}
+                for c in whole["message"]["tool_calls"]
+            ] == [calls[i] for i in sorted(calls)]
+        else:
+            assert text == whole["message"]["content"] and not calls
+            streamed_lps = [e for d in deltas for e in (d.get("logprobs") or {}).get("content", [])]
+            assert streamed_lps == whole["logprobs"]["content"]
