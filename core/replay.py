@@ -27,6 +27,8 @@ from sessiontape.core.bodies import (
     SessionOpened,
     TokensAppended,
     TokensTruncated,
+    ToolCalled,
+    ToolResult,
     action_id_of,
     body,
     generated_token,
@@ -143,6 +145,12 @@ def _render_other(e: Event) -> str | None:
     if e.type in (T.ACTION_COMPLETED, T.ACTION_FAILED):
         message = body(e, ActionFailed).get("message", "") if e.type == T.ACTION_FAILED else ""
         return f"\n[action {action_id_of(e)} {e.type.split('.')[1]}] {message}".rstrip()
+    if e.type == T.TOOL_CALLED:
+        tc = body(e, ToolCalled)
+        return f"\n[tool call {tc['call_id']} by {tc['supplied_by']}] {tc['name']}({escape_controls(tc['arguments'])})"
+    if e.type == T.TOOL_RESULT:
+        tr = body(e, ToolResult)
+        return f"\n[tool result {tr['call_id']}] {escape_controls(tr['content'])}"
     if e.type == T.FEEDBACK:
         return f"\n[feedback] {_body_text(e.body)}"
     if e.type == T.ERROR:

@@ -304,3 +304,25 @@ def test_version_and_help_on_every_flag() -> None:
         return missing
 
     assert walk(build_parser(), "sessiontape") == []
+
+
+def test_tool_calls_and_results_render_as_lines_of_their_own() -> None:
+    from sessiontape.core.events import Event
+    from sessiontape.core.replay import render_event
+
+    def event(type_: str, body: dict[str, object]) -> Event:
+        return Event(1, "s", 1, type_, body, None, 0.0, "", "")
+
+    called = {
+        "call_id": "call_1",
+        "name": "lookup",
+        "arguments": '{"q":"\x1b[2J"}',
+        "generation_id": "g_1",
+        "span": [3, 9],
+        "supplied_by": "model",
+    }
+    result = {"call_id": "call_1", "name": None, "content": "found", "supplied_by": "client"}
+    assert render_event(event("tool.called", called)) == (
+        '\n[tool call call_1 by model] lookup({"q":"\\x1b[2J"})'
+    )
+    assert render_event(event("tool.result", result)) == "\n[tool result call_1] found"
