@@ -9,11 +9,14 @@ from typing import Any
 
 import httpx
 import jsonschema
+from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import strategies as st
 
 from sessiontape.core.document.builder import build_document
 from sessiontape.core.events import Event
 from sessiontape.core.log.store import EventLog
 from sessiontape.core.runtime import Runtime
+from tests.core.test_constraint import STRICT_SCHEMAS
 
 SCHEMA = {
     "type": "object",
@@ -183,14 +186,14 @@ async def _stream(c: httpx.AsyncClient, body: dict[str, Any]) -> list[dict[str, 
 async def test_streamed_replies_with_tools_equal_the_unstreamed_ones(
     client: httpx.AsyncClient,
 ) -> None:
-    for choice, seed in (("required", 5), ("auto", 1), ("auto", 2), ("auto", 3)):
+    for choice, gen_seed in (("required", 5), ("auto", 1), ("auto", 2), ("auto", 3)):
         body = {
             "model": "reference",
             "messages": [{"role": "user", "content": "hi"}],
             "tools": [TOOL],
             "tool_choice": choice,
             "max_tokens": 40,
-            "seed": seed,
+            "seed": gen_seed,
             "logprobs": True,
         }
         whole = (await client.post("/v1/chat/completions", json=body)).json()["choices"][0]
@@ -216,3 +219,42 @@ async def test_streamed_replies_with_tools_equal_the_unstreamed_ones(
             assert text == whole["message"]["content"] and not calls
             streamed_lps = [e for d in deltas for e in (d.get("logprobs") or {}).get("content", [])]
             assert streamed_lps == whole["logprobs"]["content"]
+
+
+@seed(51)
+@settings(
+    max_examples=15,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(schema=STRICT_SCHEMAS, gen_seed=st.integers(0, 2**32), parallel=st.booleans())
+async def test_every_call_s_arguments_validate_against_its_schema(
+    client: httpx.AsyncClient, schema: dict[str, Any], gen_seed: int, parallel: bool
+) -> None:
+    tools = [
+        {"type": "function", "function": {"name": "first", "parameters": schema, "strict": True}},
+        {"type": "function", "function": {"name": "second", "parameters": SCHEMA}},
+    ]
+    r = await client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "reference",
+            "messages": [{"role": "user", "content": "call"}],
+            "tools": tools,
+            "tool_choice": "required",
+            "parallel_tool_calls": parallel,
+            "temperature": 0.8,
+            "max_tokens": 600,
+            "seed": gen_seed,
+        },
+    )
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    calls = choice["message"]["tool_calls"]
+    assert calls and (parallel or len(calls) == 1)
+    for call in calls:
+        fn = call["function"]
+        jsonschema.validate(
+            json.loads(fn["arguments"]), schema if fn["name"] == "first" else SCHEMA
+        )
