@@ -100,19 +100,25 @@ def _lark_string(text: str) -> str:
 
 @dataclass(frozen=True)
 class CallFormat:
-    """How the model writes a call: the JSON line, in tags when its template uses them."""
+    """How the model writes a call: the JSON line, in tags when its template uses them
+    (Hermes, Qwen2.5), its arguments under ``parameters`` when its template asks for that
+    (Llama 3.1+), else under ``arguments``."""
 
     open: str = ""
     close: str = ""
+    key: str = "arguments"
 
     @classmethod
     def for_template(cls, source: str | None) -> CallFormat:
-        if source is not None and "<tool_call>" in source:
-            return cls("<tool_call>\n", "\n</tool_call>")
-        return cls()
+        if source is None:
+            return cls()
+        key = "parameters" if '"parameters": dictionary of argument' in source else "arguments"
+        if "<tool_call>" in source:
+            return cls("<tool_call>\n", "\n</tool_call>", key)
+        return cls(key=key)
 
     def head(self, name: str) -> str:
-        return f'{self.open}{{"name": "{name}", "arguments": '
+        return f'{self.open}{{"name": "{name}", "{self.key}": '
 
     def grammar(self, tools: Sequence[Tool], *, text_allowed: bool, parallel: bool) -> Constraint:
         """The Lark grammar of a reply: calls (one, or several a line each with
@@ -179,11 +185,12 @@ class ToolUse:
     native: bool
 
     def to_json(self) -> dict[str, Any]:
+        fmt = self.format
         return {
             "tools": [t.to_json() for t in self.tools],
             "tool_choice": self.choice,
             "parallel_tool_calls": self.parallel,
-            "call_format": {"open": self.format.open, "close": self.format.close},
+            "call_format": {"open": fmt.open, "close": fmt.close, "key": fmt.key},
             "native": self.native,
         }
 
@@ -233,7 +240,7 @@ def prompt_messages(
     model writes them, results as ``tool`` turns, and (at a session's start) the tools
     described in a system turn; for a template that takes tools, as given."""
     if use is not None and use.native:
-        return [dict(m) for m in messages]
+        return [_for_template(m) for m in messages]
     out: list[dict[str, Any]] = []
     for m in messages:
         role = str(m.get("role"))
@@ -252,6 +259,28 @@ def prompt_messages(
         else:
             out.insert(0, {"role": "system", "content": use.system_text()})
     return out
+
+
+def _for_template(m: Mapping[str, Any]) -> dict[str, Any]:
+    """A message as transformers hands it to a template that takes tools: a call's
+    ``arguments`` as an object (the templates write it with ``tojson``), not JSON text."""
+    out = dict(m)
+    calls = m.get("tool_calls")
+    if calls:
+        out["tool_calls"] = [
+            {**c, "function": {**c["function"], "arguments": _object(c["function"]["arguments"])}}
+            for c in calls
+        ]
+    return out
+
+
+def _object(arguments: Any) -> Any:
+    if not isinstance(arguments, str):
+        return arguments
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
 
 
 def supplied_events(messages: Sequence[Mapping[str, Any]]) -> list[NewEvent]:

@@ -127,3 +127,32 @@ def test_a_template_that_takes_tools_gets_them_and_its_call_tags() -> None:
     assert parsed.name == "clock" and parsed.arguments == "{}"
     grammar = use.constraint()
     assert grammar is not None and _matches(grammar.grammar, written)
+
+
+LLAMA = (
+    '{% if tools %}Respond in the format {"name": function name, "parameters": dictionary of '
+    "argument name and its value}.{% endif %}"
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content or '' }}"
+    "{% for c in m.tool_calls or [] %}{{ c.function.arguments | tojson }}{% endfor %}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_a_template_that_asks_for_parameters_gets_calls_written_so() -> None:
+    use = use_of([WEATHER], "required", False, LLAMA)
+    assert use.native and use.format == CallFormat(key="parameters")
+    written = use.format.head("weather") + '{"city":"Rome","days":1}}'
+    assert written.startswith('{"name": "weather", "parameters": {')
+    [parsed] = use.format.parse(written, "g")
+    assert json.loads(parsed.arguments) == {"city": "Rome", "days": 1}
+    grammar = use.constraint()
+    assert grammar is not None and _matches(grammar.grammar, written)
+    # the history's calls reach the template with their arguments as an object
+    call = {"id": "c", "type": "function", "function": {"name": "weather", "arguments": '{"a":1}'}}
+    messages = prompt_messages(
+        [{"role": "assistant", "content": None, "tool_calls": [call]}], use, use.format, True
+    )
+    text = ModelTemplate(ChatFormat(LLAMA)).render(
+        messages, at_start=True, after_generation=False, tools=use.template_tools()
+    )
+    assert '{"a": 1}' in text and '"{' not in text
