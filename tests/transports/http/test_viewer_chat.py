@@ -209,5 +209,15 @@ async def test_a_tool_call_shows_its_arguments_and_its_result_beneath(
         await page.wait_for_selector("#conversation details.bubble.tool_call .tool-result pre")
         assert await page.evaluate(TOOL_CALLS) == [["lookup()", call["id"], args, "42", True]]
         assert await page.query_selector("#conversation .bubble.tool") is None  # not on its own
+        # a fork right after the call and its result keeps both, as turns of its own
+        sid = r.json()["session_id"]
+        await page.click("#conversation details.bubble.tool_call .fork-call")
+        await page.wait_for_function(f"!location.hash.includes('{sid}')")
+        child = page.url.split("#/s/")[1].split("?")[0]
+        doc = (await c.get(f"/v1/sessions/{child}")).json()
+        assert doc["parent"]["session_id"] == sid
+        assert [t["role"] for t in doc["conversation"]] == ["user", "tool_call", "tool"]
+        await page.wait_for_selector("#conversation details.bubble.tool_call.inherited")
+        assert await page.evaluate(TOOL_CALLS) == [["lookup()", call["id"], args, "42", True]]
         await page.click("#conversation details.bubble.tool_call summary")  # collapsible
         assert await page.evaluate(TOOL_CALLS) == [["lookup()", call["id"], args, "42", False]]

@@ -463,7 +463,7 @@ function sessionPage(id, query) {
     toggle.textContent = chat ? "show tokens" : "show chat";
     convo.classList.toggle("chat", chat);
     const actions = Array.isArray(d.actions) ? d.actions : Object.values(d.actions || {});
-    morph(convo, chat ? chatView(d, (g) => genSummary(d, g, actions)) : conversation(d));
+    morph(convo, chat ? chatView(d, (g) => genSummary(d, g, actions), (pos) => forkAt(d.id, { at_position: pos })) : conversation(d));
     morph(nodes, [...(d.roots.length ? [h("h3", {}, "Nodes"), h("ul", { class: "nodes" }, d.roots.map((r) => nodeTree(d, r, new Set(), versions)))] : []), ...actionsList(d)]);
   };
   let pending = null;

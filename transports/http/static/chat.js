@@ -17,7 +17,7 @@ const collapsed = new Set();
 
 // A tool call (a `tool_call` turn) as a collapsible bubble: the function and its call id, the
 // arguments beneath, and the result the `tool` turn answering it brought, when there is one.
-function toolCall(t, i, result) {
+function toolCall(t, i, result, forkAfter) {
   const c = t.call || {};
   const who = c.supplied_by === "client" ? "tool call · sent by the client" : "tool call";
   const ontoggle = (ev) => { if (ev.target.open) collapsed.delete(c.id); else collapsed.add(c.id); };
@@ -29,13 +29,15 @@ function toolCall(t, i, result) {
     h("span", { class: "call-id" }, c.id ?? "")),
   h("pre", { class: "call-arguments" }, pretty(c.arguments)),
   result ? h("div", { class: "tool-result", "data-turn": result.i }, h("span", { class: "who" }, "result"),
-    h("pre", {}, result.turn.text ?? "")) : h("div", { class: "tool-result pending" }, "no result yet"));
+    h("pre", {}, result.turn.text ?? "")) : h("div", { class: "tool-result pending" }, "no result yet"),
+  forkAfter ? h("button", { class: "fork-call", title: "fork the session right after this call (and its result)",
+    onclick: () => forkAfter(result ? result.turn.end : t.end) }, "fork after") : null);
 }
 
 // The bubbles, each reply followed by its generation's summary (`summary(g)`, as the token view shows
-// it). A generation no chat request asked for (a re-run from this page, a plain generate call) is
+// it); a tool call's bubble offers `forkAfter(position)` right after the call and its result. A generation no chat request asked for (a re-run from this page, a plain generate call) is
 // shown where it sits in the history, as the model's raw text.
-export function chatView(doc, summary) {
+export function chatView(doc, summary, forkAfter) {
   const gens = new Map(doc.generations.map((g) => [g.id, g]));
   const items = doc.conversation.map((t, i) => ({ start: t.start, turn: t, i }));
   const replied = new Set(doc.conversation.map((t) => t.generation_id).filter(Boolean));
@@ -48,7 +50,7 @@ export function chatView(doc, summary) {
   doc.conversation.forEach((t, i) => { if (t.role === "tool" && calls.has(t.call_id)) results.set(t.call_id, { turn: t, i }); });
   const out = [];
   for (const { turn: t, i, gen } of items) {
-    if (t?.role === "tool_call") { out.push(toolCall(t, i, results.get(t.call?.id))); continue; }
+    if (t?.role === "tool_call") { out.push(toolCall(t, i, results.get(t.call?.id), forkAfter)); continue; }
     if (t?.role === "tool" && results.get(t.call_id)?.i === i) continue;
     const g = gen || (t.generation_id ? gens.get(t.generation_id) : null);
     const streaming = g?.status === "running" ? " streaming" : "";
