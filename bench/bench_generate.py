@@ -51,9 +51,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sessiontape.core import gctune
 from sessiontape.core.config import Config
 from sessiontape.core.document.text import TextStream
-from sessiontape.core.engine import Engine, SamplingParams
+from sessiontape.core.engine.interface import Engine, SamplingParams
 from sessiontape.core.events import T
-from sessiontape.core.registry import ENGINES, TRANSPORTS, load
+from sessiontape.core.plugins import ENGINES, TRANSPORTS, load
 from sessiontape.core.runtime import Runtime
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 2
@@ -238,7 +238,7 @@ async def wire_client(
     import grpc
     import httpx
 
-    from sessiontape.engines.tokenizer import ByteTokenizer
+    from sessiontape.engines.byte_tokenizer import ByteTokenizer
     from sessiontape.transports.grpc.client import (
         EvergreenClient,
         action,

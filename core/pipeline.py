@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from sessiontape.core import metrics
 from sessiontape.core.bodies import FinishReason, GenerationFinished
 from sessiontape.core.config import GenerationSettings
-from sessiontape.core.engine import Step
+from sessiontape.core.engine.interface import Step
 from sessiontape.core.errors import CacheInvariantViolation, SessiontapeError
 from sessiontape.core.events import Event, NewEvent, T
 from sessiontape.core.generate_request import FirstAppend, GenerateRequest
@@ -53,7 +53,7 @@ from sessiontape.core.session.state import SessionState
 from sessiontape.core.tokens import ImageIn, fold_tokens
 
 if TYPE_CHECKING:
-    from sessiontape.core.engine import Engine
+    from sessiontape.core.engine.interface import Engine
     from sessiontape.core.log import EventLog
     from sessiontape.core.scheduler import Admission, PriorityGate
 

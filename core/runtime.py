@@ -36,7 +36,7 @@ from sessiontape.core.bodies import (
     tokens_truncated,
 )
 from sessiontape.core.config import Config
-from sessiontape.core.engine import DEFAULT_OUTPUT, Engine, OutputOptions, SamplingParams
+from sessiontape.core.engine.interface import DEFAULT_OUTPUT, Engine, OutputOptions, SamplingParams
 from sessiontape.core.errors import (
     InvalidParameters,
     SessionBusy,
@@ -111,7 +111,7 @@ class Runtime(NodeWrites, LogReads):
         cls, config: Config, *, engine: Engine | None = None, clock: Clock = time.time
     ) -> Runtime:
         """Open the log (migrating a fresh database) and load the configured engine."""
-        from sessiontape.core.registry import ENGINES, load
+        from sessiontape.core.plugins import ENGINES, load
 
         if engine is None and config.engine_process == "worker":
             from sessiontape.core.engine.worker import WorkerEngine

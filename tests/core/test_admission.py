@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from sessiontape.core import metrics
-from sessiontape.core.engine import SamplingParams
+from sessiontape.core.engine.interface import SamplingParams
 from sessiontape.core.events import T
 from sessiontape.core.runtime import Runtime
 from sessiontape.core.scheduler import Admission

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sessiontape.core.engine import OutputOptions, SamplingParams
+from sessiontape.core.engine.interface import OutputOptions, SamplingParams
 from sessiontape.core.nodes import FragmentIn
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine

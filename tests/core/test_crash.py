@@ -21,7 +21,7 @@ from sessiontape.core.log.store import verify_chain
 WRITER = textwrap.dedent(
     """
     import asyncio, json, sys
-    from sessiontape.core.engine import SamplingParams
+    from sessiontape.core.engine.interface import SamplingParams
     from sessiontape.core.runtime import Runtime
     from sessiontape.engines.reference import ReferenceEngine
     from tests.conftest import make_config
@@ -53,7 +53,7 @@ WRITER = textwrap.dedent(
 GENERATOR = textwrap.dedent(
     """
     import asyncio, json, sys
-    from sessiontape.core.engine import SamplingParams
+    from sessiontape.core.engine.interface import SamplingParams
     from sessiontape.core.runtime import Runtime
     from sessiontape.engines.reference import ReferenceEngine
     from tests.conftest import make_config
@@ -89,7 +89,7 @@ GENERATOR = textwrap.dedent(
 SHORT_TURNS = textwrap.dedent(
     """
     import asyncio, json, sys
-    from sessiontape.core.engine import SamplingParams
+    from sessiontape.core.engine.interface import SamplingParams
     from sessiontape.core.runtime import Runtime
     from sessiontape.engines.reference import ReferenceEngine
     from tests.conftest import make_config
@@ -216,7 +216,7 @@ def _kill_and_check(
 
 
 async def test_generation_left_open_by_a_crash_is_closed_as_interrupted(sqlite_url: str) -> None:
-    from sessiontape.core.engine import SamplingParams
+    from sessiontape.core.engine.interface import SamplingParams
     from sessiontape.core.events import NewEvent, T
     from sessiontape.core.runtime import Runtime
     from sessiontape.engines.reference import ReferenceEngine

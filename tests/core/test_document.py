@@ -22,7 +22,7 @@ from sessiontape.core.document import (
     build_document,
     fork_base,
 )
-from sessiontape.core.engine import OutputOptions, SamplingParams
+from sessiontape.core.engine.interface import OutputOptions, SamplingParams
 from sessiontape.core.errors import InvalidEvent, SessiontapeError
 from sessiontape.core.events import Event
 from sessiontape.core.nodes import FragmentIn

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sessiontape.core.config import Config
-from sessiontape.core.engine import Engine, OutputOptions, SamplingParams, Step
+from sessiontape.core.engine.interface import Engine, OutputOptions, SamplingParams, Step
 from sessiontape.core.engine.worker import WorkerEngine
 from sessiontape.core.errors import (
     ConfigError,
@@ -255,7 +255,7 @@ async def test_healthz_answers_503_once_the_worker_is_gone(sqlite_url: str) -> N
     """A worker that dies while idle (nothing reading its pipe) is noticed by the probe."""
     import httpx
 
-    from sessiontape.transports.http.app import create_app
+    from sessiontape.transports.http.server.app import create_app
 
     cfg = make_config(sqlite_url, engine={"name": "reference", "process": "worker"})
     rt = await Runtime.create(cfg)

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sessiontape.core.engine import DEFAULT_OUTPUT, OutputOptions, SamplingParams, Step
+from sessiontape.core.engine.interface import DEFAULT_OUTPUT, OutputOptions, SamplingParams, Step
 from sessiontape.core.errors import EngineError
 from sessiontape.core.events import Event, T
 from sessiontape.core.runtime import Runtime

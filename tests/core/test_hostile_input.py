@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from sessiontape.core.audit import audit_session
-from sessiontape.core.engine import SamplingParams
+from sessiontape.core.engine.interface import SamplingParams
 from sessiontape.core.errors import InvalidParameters, InvalidValue
 from sessiontape.core.events import NewEvent, T, check_body
 from sessiontape.core.runtime import Runtime

@@ -2,7 +2,7 @@
 
 tests/data/json_patch_cases.json holds the RFC 6902 Appendix A examples, the JSON Patch+
 ``append`` cases and the edges of every op; tests/transports/http/test_patch_js.py runs the same
-file against transports/http/static/patch.js. ``load_cases`` and ``json_same`` serve both.
+file against transports/http/viewer/static/patch.js. ``load_cases`` and ``json_same`` serve both.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sessiontape.core import pacing
-from sessiontape.core.engine import DEFAULT_OUTPUT, OutputOptions, SamplingParams, Step
+from sessiontape.core.engine.interface import DEFAULT_OUTPUT, OutputOptions, SamplingParams, Step
 from sessiontape.core.errors import EngineError, InvalidArgument
 from sessiontape.core.events import Event, NewEvent, T
 from sessiontape.core.pacing import FIRST_RUN, SHORT_GENERATION

@@ -10,7 +10,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sessiontape.core.engine import SamplingParams
+from sessiontape.core.engine.interface import SamplingParams
 from sessiontape.core.errors import SessiontapeError
 from sessiontape.core.log.store import verify_chain
 from sessiontape.core.runtime import Runtime
@@ -124,7 +124,7 @@ bad_ops = st.one_of(
 def test_invalid_inputs_leave_the_log_unchanged(
     tmp_path: Path, prefix: list[int], bad: list[tuple[Any, ...]]
 ) -> None:
-    from sessiontape.core.engine import OutputOptions
+    from sessiontape.core.engine.interface import OutputOptions
     from sessiontape.core.nodes import FragmentIn
 
     async def main() -> None:

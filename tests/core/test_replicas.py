@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from sessiontape.core import metrics
-from sessiontape.core.engine import SamplingParams
+from sessiontape.core.engine.interface import SamplingParams
 from sessiontape.core.errors import LogUnavailable, OffsetMismatch, SessionBusy
 from sessiontape.core.events import T
 from sessiontape.core.log.postgres import PostgresDialect

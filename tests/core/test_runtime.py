@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from sessiontape.core.engine import OutputOptions, SamplingParams
+from sessiontape.core.engine.interface import OutputOptions, SamplingParams
 from sessiontape.core.errors import (
     AppendOnlyViolation,
     ContextOverflow,

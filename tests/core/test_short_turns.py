@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from sessiontape.core.engine import SamplingParams
+from sessiontape.core.engine.interface import SamplingParams
 from sessiontape.core.events import Event, NewEvent, T
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import EOS, ReferenceEngine

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sessiontape.core.engine import SamplingParams
+from sessiontape.core.engine.interface import SamplingParams
 from sessiontape.engines.onnx import OnnxEngine
 from sessiontape.engines.onnx.demo import build_demo
 

@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
-from sessiontape.transports.http.openapi import spec
 from sessiontape.transports.http.plugin import HttpTransport
+from sessiontape.transports.http.server.openapi import spec
 from tests.conftest import make_config
 from tests.fuzz.conftest import LONG, QUICK, fuzz_settings
 from tests.fuzz.strategies import HOSTILE_TEXT, body_for

@@ -73,7 +73,7 @@ def test_the_curl_examples_name_documented_routes_and_valid_json() -> None:
     is a JSON object."""
     import json
 
-    from sessiontape.transports.http.openapi import spec
+    from sessiontape.transports.http.server.openapi import spec
 
     doc = spec()
     text = "\n".join(re.findall(r"```sh\n(.*?)```", DOC.read_text(), flags=re.S))

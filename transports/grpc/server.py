@@ -34,7 +34,7 @@ from typing import Any
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from sessiontape.core import registry
+from sessiontape.core import plugins
 from sessiontape.core.config import parse_listen
 from sessiontape.core.errors import ConfigError
 from sessiontape.core.runtime import Runtime
@@ -85,14 +85,14 @@ class GrpcServer:
         return ctx
 
     def _load_services(self, table: calls.MethodTable) -> None:
-        names = registry.available(GROUP)
+        names = plugins.available(GROUP)
         if not names:
             raise ConfigError(
                 f"transports.grpc: no services registered under {GROUP!r}"
                 " (is the package installed? pip install -e .)"
             )
         for name in names:
-            factory = registry.load(GROUP, name)
+            factory = plugins.load(GROUP, name)
             if not (isinstance(factory, type) and issubclass(factory, GrpcService)):
                 raise ConfigError(f"transports.grpc: service {name!r} is not a GrpcService")
             service = factory.create(self.runtime, self.settings)

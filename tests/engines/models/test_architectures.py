@@ -44,7 +44,7 @@ from tokenizers import Tokenizer
 
 from sessiontape.core.errors import ConfigError, UnsupportedModel
 from sessiontape.engines.models import quant
-from sessiontape.engines.models.importer import import_model
+from sessiontape.engines.onnx.importer import import_model
 from tests.engines.models import checkpoints as ck
 from tests.engines.models.checkpoints import F64, LLAMA, MISTRAL, QWEN2, Arch, Weights
 

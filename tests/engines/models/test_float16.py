@@ -36,9 +36,9 @@ import numpy as np
 import onnx
 import pytest
 
-from sessiontape.core.engine import OutputOptions, SamplingParams, Step
-from sessiontape.engines.models.importer import import_model
+from sessiontape.core.engine.interface import OutputOptions, SamplingParams, Step
 from sessiontape.engines.onnx.engine import OnnxEngine
+from sessiontape.engines.onnx.importer import import_model
 from tests.engines.models import checkpoints as ck
 from tests.engines.models.checkpoints import F64, Weights
 from tests.engines.models.test_architectures import ARCHS, IDS, op_counts, weights
@@ -239,7 +239,7 @@ def test_float16_on_cuda_is_bit_exact_and_agrees_with_float32(
     attention: str, tiny: Import, engines: Callable[..., OnnxEngine]
 ) -> None:
     """What float16 is for: the CUDA provider (its fixed pass shape, CUDA graphs, device KV)."""
-    from sessiontape.engines.onnx.session import CUDA, cuda_loads, quiet_ort
+    from sessiontape.engines.onnx.runner import CUDA, cuda_loads, quiet_ort
 
     if CUDA not in quiet_ort().get_available_providers() or not cuda_loads():
         pytest.skip("no CUDA provider here (onnxruntime-gpu, a GPU and CUDA libraries)")

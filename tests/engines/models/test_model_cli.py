@@ -97,7 +97,7 @@ def test_an_unsupported_source_is_one_line_and_writes_nothing(tmp_path: Path) ->
 def test_the_cache_imports_once_per_source_dtype_and_attention(
     tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from sessiontape.engines.models.importer import ensure_imported, import_dtype, source_sha256
+    from sessiontape.engines.onnx.importer import ensure_imported, import_dtype, source_sha256
 
     monkeypatch.setenv("SESSIONTAPE_CACHE", str(tmp_path))
     first = ensure_imported(str(tiny_gguf))

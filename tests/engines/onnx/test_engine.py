@@ -13,12 +13,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sessiontape.core.engine import OutputOptions, SamplingParams, Step
+from sessiontape.core.engine.interface import OutputOptions, SamplingParams, Step
 from sessiontape.core.errors import ConfigError, ContextOverflow, EngineError, InvalidParameters
 from sessiontape.engines.onnx import OnnxEngine
 from sessiontape.engines.onnx.demo import EOS, SIZES, build_demo
 from sessiontape.engines.onnx.model import infer_graph
-from sessiontape.engines.onnx.session import quiet_ort
+from sessiontape.engines.onnx.runner import quiet_ort
 from sessiontape.engines.sampling import log_softmax
 from tests.engines.conftest import alone_only, failing_once
 

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from sessiontape.core.engine import Engine
+from sessiontape.core.engine.interface import Engine
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
-from sessiontape.transports.http.app import create_app
 from sessiontape.transports.http.plugin import HttpTransport
+from sessiontape.transports.http.server.app import create_app
 from tests.conftest import make_config
 
 

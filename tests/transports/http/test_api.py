@@ -15,8 +15,8 @@ from sessiontape.core.patch import apply_patch
 from sessiontape.core.runtime import Runtime
 from sessiontape.core.tokens import ImageIn
 from sessiontape.engines.reference import IMAGE_PAD, ReferenceEngine
-from sessiontape.transports.http.app import create_app
-from sessiontape.transports.http.errors import (
+from sessiontape.transports.http.server.app import create_app
+from sessiontape.transports.http.server.errors import (
     ClientGone,
     PayloadTooLarge,
     RequestTimeout,

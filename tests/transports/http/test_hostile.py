@@ -22,9 +22,9 @@ from starlette.routing import Route
 
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
-from sessiontape.transports.http.app import create_app
-from sessiontape.transports.http.inputs import Limits
 from sessiontape.transports.http.plugin import HttpTransport
+from sessiontape.transports.http.server.app import create_app
+from sessiontape.transports.http.server.inputs import Limits
 from tests.conftest import make_config
 from tests.transports.http.conftest import Served
 
@@ -458,7 +458,7 @@ async def test_audit_route_reports_a_poisoned_session(
     client: httpx.AsyncClient, runtime: Runtime
 ) -> None:
     """What an older server stored for ``temperature: NaN`` (null): the audit answers, reporting the failure."""
-    from sessiontape.core.engine import SamplingParams
+    from sessiontape.core.engine.interface import SamplingParams
     from tests.core.test_hostile_input import _poison
 
     sid = await _open(client)

@@ -1,5 +1,5 @@
 """The HTTP routes leave the sampling a request does not name to the served model's
-recommendation (engines/models/sampling.py): the native generate and the OpenAI routes,
+recommendation (engines/models/sampling_defaults.py): the native generate and the OpenAI routes,
 driven by the official ``openai`` package; the model card says what a request gets."""
 
 from __future__ import annotations

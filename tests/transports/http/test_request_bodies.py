@@ -17,10 +17,10 @@ from openapi_schema_validator import OAS31Validator
 from pydantic import BaseModel
 
 from sessiontape.core.errors import SessiontapeError
-from sessiontape.transports.http import openai_bodies
-from sessiontape.transports.http import request_bodies as rb
-from sessiontape.transports.http.chat_template import ROLES
-from sessiontape.transports.http.openapi import BODIES, spec
+from sessiontape.transports.http.native import bodies as rb
+from sessiontape.transports.http.openai import bodies as openai_bodies
+from sessiontape.transports.http.openai.chat_template import ROLES
+from sessiontape.transports.http.server.openapi import BODIES, spec
 from tests.fuzz.conftest import fuzz_settings
 from tests.fuzz.test_http_fuzz import Fuzzed, _stored, fuzzed  # noqa: F401 - the fixture
 

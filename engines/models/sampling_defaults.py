@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sessiontape.core.engine import ModelSampling
+from sessiontape.core.engine.interface import ModelSampling
 from sessiontape.core.errors import UnsupportedModel
-from sessiontape.core.settings import option
+from sessiontape.core.settings_framework import option
 
 #: the highest temperature and top_k a model or an operator may recommend
 MAX_TEMPERATURE = 100.0

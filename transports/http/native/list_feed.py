@@ -11,8 +11,8 @@ from sessiontape.core.document import SessionListBuilder
 from sessiontape.core.events import Event, T
 from sessiontape.core.patch import diff, to_rfc6902
 from sessiontape.core.runtime import Runtime
-from sessiontape.transports.http.feeds import frame
-from sessiontape.transports.http.json_encoding import dump_bytes, dumps
+from sessiontape.transports.http.native.feeds import frame
+from sessiontape.transports.http.server.json_encoding import dump_bytes, dumps
 
 log = logging.getLogger("sessiontape.http.feeds")
 

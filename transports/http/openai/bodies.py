@@ -30,9 +30,9 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from sessiontape.core.engine import SamplingParams, left_to_model
-from sessiontape.transports.http.openai import DEFAULT_MAX_TOKENS, BadParam
-from sessiontape.transports.http.request_bodies import describe
+from sessiontape.core.engine.interface import SamplingParams, left_to_model
+from sessiontape.transports.http.native.bodies import describe
+from sessiontape.transports.http.openai.shared import DEFAULT_MAX_TOKENS, BadParam
 
 #: the roles a message may have (chat_template.ROLES)
 Role = Literal["system", "developer", "user", "assistant"]

@@ -32,7 +32,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from sessiontape.core.errors import InvalidArgument, InvalidParameters
 from sessiontape.core.events import check_body
-from sessiontape.transports.http.errors import ClientGone, PayloadTooLarge, RequestTimeout
+from sessiontape.transports.http.server.errors import ClientGone, PayloadTooLarge, RequestTimeout
 
 INT64 = (-(2**63), 2**63 - 1)
 _DIGITS = re.compile(r"-?[0-9]{1,19}")

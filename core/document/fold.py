@@ -25,7 +25,7 @@ from sessiontape.core.document.conversation import (
     fork_conversation,
     openai_request,
 )
-from sessiontape.core.document.generation import (
+from sessiontape.core.document.generation_view import (
     finished_fields,
     generation_entry,
     token_entry,

@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sessiontape.core import errors as E
 from sessiontape.core import metrics
-from sessiontape.transports.http.json_encoding import JSONResponse
+from sessiontape.transports.http.server.json_encoding import JSONResponse
 
 log = logging.getLogger("sessiontape.http")
 REQUEST_ID = "sessiontape.request_id"

@@ -1,6 +1,6 @@
 """A generation's entry in the session document (``/generations/N``), from its events.
 
-The document builder (:mod:`sessiontape.core.document.builder`) makes every
+The document builder (:mod:`sessiontape.core.document.fold`) makes every
 entry with these functions as it folds the log; :func:`generation_view` makes
 the same entry from the generation's own events alone, for an answer that
 needs only that (the HTTP API's ``mode: "json"`` generate): no read or fold of

@@ -13,7 +13,7 @@ from collections import Counter
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from sessiontape.transports.http import errors
+from sessiontape.transports.http.server import errors
 
 
 class PerClientLimit:

@@ -56,7 +56,7 @@ import jinja2.utils
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from sessiontape.core.engine import ChatFormat
+from sessiontape.core.engine.interface import ChatFormat
 from sessiontape.core.errors import ConfigError, InvalidParameters, SessiontapeError
 
 # Caps on what one template operation may build (the sandbox already caps range()).

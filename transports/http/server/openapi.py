@@ -12,8 +12,9 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from sessiontape.transports.http import openai_bodies, openai_schema
-from sessiontape.transports.http import request_bodies as rb
+from sessiontape.transports.http.native import bodies as rb
+from sessiontape.transports.http.openai import bodies as openai_bodies
+from sessiontape.transports.http.openai import schema as openai_schema
 
 #: the body each route takes, by (path, method): the document's schema for it is the model's
 BODIES: dict[tuple[str, str], type[BaseModel]] = {

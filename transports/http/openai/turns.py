@@ -28,11 +28,11 @@ from sessiontape.core.bodies import (
     generation_id_of,
 )
 from sessiontape.core.document.text import TextStream
-from sessiontape.core.engine import OutputOptions, SamplingParams
+from sessiontape.core.engine.interface import OutputOptions, SamplingParams
 from sessiontape.core.errors import NotFound, SessiontapeError
 from sessiontape.core.events import Event, T
 from sessiontape.core.runtime import Runtime
-from sessiontape.transports.http.chat_template import AnyTemplate, ModelTemplate
+from sessiontape.transports.http.openai.chat_template import AnyTemplate, ModelTemplate
 
 WIRE = "openai"
 

@@ -1,6 +1,6 @@
 """``/v1/responses``: OpenAI's Responses API over sessions.
 
-Each response is a turn (:mod:`sessiontape.transports.http.turns`) in a session; its id
+Each response is a turn (:mod:`sessiontape.transports.http.openai.turns`) in a session; its id
 is ``resp_<session id>_<version of generation.started>``. Without
 ``previous_response_id`` a response opens a session; with one, it continues
 that response's session when the response is the session's latest (the
@@ -25,11 +25,11 @@ from starlette.responses import Response, StreamingResponse
 from sessiontape.core import errors as E
 from sessiontape.core.bodies import generated_token
 from sessiontape.core.document.text import TextStream
-from sessiontape.core.engine import OutputOptions
+from sessiontape.core.engine.interface import OutputOptions
 from sessiontape.core.events import Event
 from sessiontape.core.session.state import OPEN, SessionState
-from sessiontape.transports.http.json_encoding import JSONResponse
-from sessiontape.transports.http.openai import (
+from sessiontape.transports.http.openai.bodies import ResponseCreateRequest, check_fields, parse
+from sessiontape.transports.http.openai.shared import (
     Api,
     BadParam,
     Models,
@@ -37,8 +37,8 @@ from sessiontape.transports.http.openai import (
     json_body,
     split_id,
 )
-from sessiontape.transports.http.openai_bodies import ResponseCreateRequest, check_fields, parse
-from sessiontape.transports.http.turns import Turn, Turns, load_turn, logprob_entry
+from sessiontape.transports.http.openai.turns import Turn, Turns, load_turn, logprob_entry
+from sessiontape.transports.http.server.json_encoding import JSONResponse
 
 API = "responses"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -1,15 +1,15 @@
-"""The OpenAI-compatible route table (handlers in :mod:`~sessiontape.transports.http.responses`,
-:mod:`~sessiontape.transports.http.chat`; shared parts in :mod:`~sessiontape.transports.http.openai`)."""
+"""The OpenAI-compatible route table (handlers in :mod:`~sessiontape.transports.http.openai.responses`,
+:mod:`~sessiontape.transports.http.openai.chat`; shared parts in :mod:`~sessiontape.transports.http.openai.shared`)."""
 
 from __future__ import annotations
 
 from starlette.routing import BaseRoute, Route
 
-from sessiontape.transports.http.chat import ChatCompletions
-from sessiontape.transports.http.chat_template import load_template
-from sessiontape.transports.http.openai import Api, Handler, Models, openai_errors
-from sessiontape.transports.http.responses import Responses
-from sessiontape.transports.http.turns import Turns
+from sessiontape.transports.http.openai.chat import ChatCompletions
+from sessiontape.transports.http.openai.chat_template import load_template
+from sessiontape.transports.http.openai.responses import Responses
+from sessiontape.transports.http.openai.shared import Api, Handler, Models, openai_errors
+from sessiontape.transports.http.openai.turns import Turns
 
 
 def routes(api: Api) -> list[BaseRoute]:

@@ -26,7 +26,7 @@ from sessiontape.core.events import Event
 from sessiontape.core.handback import handing_back
 from sessiontape.core.patch import to_rfc6902
 from sessiontape.core.runtime import Runtime
-from sessiontape.transports.http.json_encoding import dump_bytes, dumps
+from sessiontape.transports.http.server.json_encoding import dump_bytes, dumps
 
 log = logging.getLogger("sessiontape.http.feeds")
 
@@ -558,7 +558,7 @@ class _Stream:
 
 def _failed(exc: BaseException) -> bytes:
     """The error frame of the generation a stream was following to its end."""
-    from sessiontape.transports.http.errors import error_body
+    from sessiontape.transports.http.server.errors import error_body
 
     code = getattr(exc, "code", "internal")
     message = getattr(exc, "message", "generation failed")

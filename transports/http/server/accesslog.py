@@ -17,7 +17,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from sessiontape.transports.http.errors import REQUEST_ID
+from sessiontape.transports.http.server.errors import REQUEST_ID
 
 log = logging.getLogger("sessiontape.access")
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")

@@ -1,6 +1,6 @@
 """``/v1/chat/completions``: OpenAI's Chat Completions API over sessions.
 
-Each call is a turn (:mod:`sessiontape.transports.http.turns`) in a new session, so it
+Each call is a turn (:mod:`sessiontape.transports.http.openai.turns`) in a new session, so it
 can be audited, replayed and exported; its id is
 ``chatcmpl-<session id>_<version of generation.started>``, and every reply
 carries the session's id as the extension field ``session_id``. A request
@@ -23,12 +23,12 @@ from sessiontape.core import errors as E
 from sessiontape.core.bodies import GenerationFinished, generated_token
 from sessiontape.core.bodies import body as typed_body
 from sessiontape.core.document.text import TextStream
-from sessiontape.core.engine import OutputOptions
+from sessiontape.core.engine.interface import OutputOptions
 from sessiontape.core.events import Event, T
-from sessiontape.transports.http.json_encoding import JSONResponse
-from sessiontape.transports.http.openai import Api, Models, error_event, json_body
-from sessiontape.transports.http.openai_bodies import ChatCompletionRequest, check_fields, parse
-from sessiontape.transports.http.turns import Turn, Turns, load_turn, logprob_entry
+from sessiontape.transports.http.openai.bodies import ChatCompletionRequest, check_fields, parse
+from sessiontape.transports.http.openai.shared import Api, Models, error_event, json_body
+from sessiontape.transports.http.openai.turns import Turn, Turns, load_turn, logprob_entry
+from sessiontape.transports.http.server.json_encoding import JSONResponse
 
 API = "chat.completions"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

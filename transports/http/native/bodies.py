@@ -38,7 +38,12 @@ from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue
 from pydantic_core import CoreSchema, ErrorDetails, PydanticCustomError, core_schema
 from pydantic_core.core_schema import ErrorType
 
-from sessiontape.core.engine import MAX_TOKENS_LIMIT, OutputOptions, SamplingParams, left_to_model
+from sessiontape.core.engine.interface import (
+    MAX_TOKENS_LIMIT,
+    OutputOptions,
+    SamplingParams,
+    left_to_model,
+)
 from sessiontape.core.errors import InvalidArgument, InvalidParameters
 
 INT64 = (-(2**63), 2**63 - 1)

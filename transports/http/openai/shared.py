@@ -1,6 +1,6 @@
 """The OpenAI-compatible routes' shared parts (``/v1/responses``, ``/v1/chat/completions``,
 ``/v1/models``): error shapes, request fields, the model card. The route table is
-:mod:`sessiontape.transports.http.openai_routes`.
+:mod:`sessiontape.transports.http.openai.routes`.
 
 They are views of the log like every other transport: a response or a chat
 completion is one generation in a session, its id names the session and the
@@ -11,7 +11,7 @@ its session. docs/protocols/openai.md describes the mapping.
 
 Errors on these routes have OpenAI's shape,
 ``{"error": {"message", "type", "param", "code"}}``, with the status of the
-native API (:mod:`sessiontape.transports.http.errors`) and the core error's code.
+native API (:mod:`sessiontape.transports.http.server.errors`) and the core error's code.
 """
 
 from __future__ import annotations
@@ -29,14 +29,14 @@ from sessiontape.core import errors as E
 from sessiontape.core import metrics
 from sessiontape.core.errors import InvalidParameters, NotFound, SessiontapeError
 from sessiontape.core.runtime import Runtime
-from sessiontape.transports.http import errors, inputs
-from sessiontape.transports.http.json_encoding import JSONResponse
+from sessiontape.transports.http.server import errors, inputs
+from sessiontape.transports.http.server.json_encoding import JSONResponse
 
 log = logging.getLogger("sessiontape.http.openai")
 
 
 class Api(Protocol):
-    """What these routes use of the native API (:class:`sessiontape.transports.http.app.Api`)."""
+    """What these routes use of the native API (:class:`sessiontape.transports.http.server.app.Api`)."""
 
     runtime: Runtime
     limits: inputs.Limits
@@ -130,7 +130,7 @@ def openai_errors(fn: Handler) -> Handler:
 
 async def json_body(request: Request, limits: inputs.Limits) -> dict[str, Any]:
     """The JSON object body, read within the native API's size, time and depth limits (its fields
-    are its model's to check: :mod:`sessiontape.transports.http.openai_bodies`)."""
+    are its model's to check: :mod:`sessiontape.transports.http.openai.bodies`)."""
     value = await inputs.body(request, limits)
     if not value:
         raise E.InvalidArgument("request body must be a non-empty JSON object")

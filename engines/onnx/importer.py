@@ -4,7 +4,7 @@
 
 writes, beside each other::
 
-    model.onnx, model.onnx.data   the graph (engines/onnx/builder.py) and its weights
+    model.onnx, model.onnx.data   the graph (engines/onnx/decoder.py) and its weights
     tokenizer.json                the source's tokenizer (rebuilt from GGUF metadata)
     chat_template.jinja           the source's chat template, when it has one
     config.json                   shape, special ids, dtype, and provenance: the source's
@@ -36,7 +36,7 @@ from typing import Any
 from sessiontape.core.errors import UnsupportedModel
 from sessiontape.engines.models.registry import REGISTRY, resolve
 from sessiontape.engines.models.sources import GgufSource, Source, gguf_parameters, open_source
-from sessiontape.engines.onnx.builder import write_model
+from sessiontape.engines.onnx.decoder import write_model
 from sessiontape.engines.onnx.model import hash_file
 
 log = logging.getLogger("sessiontape.engines.models")
@@ -182,7 +182,7 @@ def import_model(
     An existing ``out`` is replaced, or with ``replace=False`` kept (another
     process finished the same import first) and this import's files dropped.
     ``name`` is the served model id (default: the file's stem or the folder's name);
-    ``attention`` the graph's attention (``gqa`` or ``masked``, engines/onnx/builder.py).
+    ``attention`` the graph's attention (``gqa`` or ``masked``, engines/onnx/decoder.py).
     """
     if attention not in ATTENTIONS:
         raise UnsupportedModel(

@@ -53,7 +53,7 @@ def load(group: str, name: str) -> Any:
 
 def options_class(group: str, name: str) -> type[Any] | None:
     """The options class a plugin declares (its ``options_class`` attribute: a frozen
-    dataclass of :mod:`sessiontape.core.settings`), or None when it declares none.
+    dataclass of :mod:`sessiontape.core.settings_framework`), or None when it declares none.
 
     Loads the plugin (raises PluginNotFound like :func:`load`); the configuration
     validates the plugin's table with the class before anything is built.

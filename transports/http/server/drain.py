@@ -26,7 +26,7 @@ import contextlib
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from sessiontape.transports.http.errors import error_response
+from sessiontape.transports.http.server.errors import error_response
 
 
 class Inflight:

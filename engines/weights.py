@@ -1,6 +1,6 @@
 """Weights as the graph builder takes them: float32 ``[in, out]`` matrices or 4/8-bit blocks.
 
-A :class:`QuantMatrix` holds ``MatMulNBits``' layout (engines/onnx/builder.py
+A :class:`QuantMatrix` holds ``MatMulNBits``' layout (engines/onnx/decoder.py
 runs it); :func:`concat_out` and :func:`scale_out` fuse and scale matrices
 along their outputs without leaving the blocks (q, k, v -> qkv; gate, up).
 """

@@ -19,7 +19,7 @@ the engine's model folder (``[engine.options] model_dir``), then
 
 A model's template renders whole conversations; a session grows one
 request at a time, so :class:`ModelTemplate` renders the text one request's
-messages add (:func:`sessiontape.engines.models.chat_template.continuation`),
+messages add (:func:`sessiontape.engines.models.jinja_template.continuation`),
 and the session's tokens stay equal to the template's render of the whole
 conversation. Generation ends at the model's end-of-turn token (its EOS ids).
 
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from sessiontape.core.config import Config
-from sessiontape.core.engine import ChatFormat
+from sessiontape.core.engine.interface import ChatFormat
 from sessiontape.core.errors import ConfigError, InvalidParameters
 
 ROLES = ("system", "developer", "user", "assistant")
@@ -112,7 +112,7 @@ class ModelTemplate:
     stop: tuple[str, ...] = ()
 
     def __init__(self, chat: ChatFormat) -> None:
-        from sessiontape.engines.models.chat_template import JinjaChatTemplate
+        from sessiontape.engines.models.jinja_template import JinjaChatTemplate
 
         self.jinja = JinjaChatTemplate(chat.template, chat.bos_token, chat.eos_token)
         self.eos_text = chat.eos_token
@@ -133,7 +133,7 @@ class ModelTemplate:
         ``ended_with_eos``: the generated turn that ends the session stopped at
         the model's EOS (else its whole closing text is added).
         """
-        from sessiontape.engines.models.chat_template import continuation
+        from sessiontape.engines.models.jinja_template import continuation
 
         return continuation(
             self.jinja,

@@ -1,60 +1,37 @@
-"""The Starlette app: JSON API, SSE patch streams, the replay viewer, /metrics.
+"""The native API's handlers: sessions, their documents and SSE patch streams, export, audit, replay.
 
 Routes and error codes are described in docs/protocols/http.md and served
-as OpenAPI at ``/openapi.json``. Every handler calls the runtime; every
-core error becomes an HTTP status in :mod:`sessiontape.transports.http.errors`.
+as OpenAPI at ``/openapi.json`` (:mod:`sessiontape.transports.http.server.openapi`). Every
+handler calls the runtime; every core error becomes an HTTP status in
+:mod:`sessiontape.transports.http.server.errors`. The app that routes to them is
+:func:`sessiontape.transports.http.server.app.create_app`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import FileResponse, Response, StreamingResponse
-from starlette.routing import Mount, Route
-from starlette.staticfiles import StaticFiles
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import BaseRoute, Route
 
 from sessiontape.core.audit import audit_session
 from sessiontape.core.bodies import ImageAttached, body, fork_point, generation_id_of
 from sessiontape.core.document import DocumentBuilder
-from sessiontape.core.document.generation import generation_view
+from sessiontape.core.document.generation_view import generation_view
 from sessiontape.core.errors import (
     InvalidParameters,
     NodeNotFound,
     NotFound,
-    SessiontapeError,
-    Unauthenticated,
 )
 from sessiontape.core.events import T
 from sessiontape.core.handback import handing_back
 from sessiontape.core.runtime import Runtime
-from sessiontape.transports.http import errors, inputs
-from sessiontape.transports.http.accesslog import AccessLog
-from sessiontape.transports.http.drain import Drain, Inflight
-from sessiontape.transports.http.feeds import (
-    Feeds,
-    events_after,
-    load_builder,
-    session_stream,
-)
-from sessiontape.transports.http.json_encoding import JSONResponse, dumps
-from sessiontape.transports.http.limits import PerClientLimit
-from sessiontape.transports.http.list_feed import list_stream
-from sessiontape.transports.http.openai import PREFIXES as OPENAI_PREFIXES
-from sessiontape.transports.http.openai import error_response as openai_error
-from sessiontape.transports.http.openai_routes import routes as openai_routes
-from sessiontape.transports.http.openapi import spec
-from sessiontape.transports.http.request_bodies import (
+from sessiontape.transports.http.native.bodies import (
     Append,
     Close,
     CreateSession,
@@ -64,8 +41,16 @@ from sessiontape.transports.http.request_bodies import (
     M,
     validate,
 )
+from sessiontape.transports.http.native.feeds import (
+    Feeds,
+    events_after,
+    load_builder,
+    session_stream,
+)
+from sessiontape.transports.http.native.list_feed import list_stream
+from sessiontape.transports.http.server import inputs
+from sessiontape.transports.http.server.json_encoding import JSONResponse, dumps
 
-STATIC = Path(__file__).parent / "static"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -420,27 +405,6 @@ class Api:
         mime = str((node.metadata or {}).get("mimetype") or "application/octet-stream")
         return Response(node.data(), media_type=mime)
 
-    # service
-
-    async def healthz(self, _: Request) -> Response:
-        engine = self.runtime.engine
-        failure = engine.failure()
-        if failure is not None:  # the engine can serve nothing more: restart the server
-            return JSONResponse(
-                {"status": "unavailable", "engine": engine.info.name, "error": failure},
-                status_code=503,
-            )
-        return JSONResponse({"status": "ok", "engine": engine.info.name})
-
-    async def metrics(self, _: Request) -> Response:
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
-
-    async def openapi(self, _: Request) -> Response:
-        return JSONResponse(spec())
-
-    async def index(self, _: Request) -> Response:
-        return FileResponse(STATIC / "index.html", media_type="text/html")
-
 
 def _settle(fut: asyncio.Future[int], task: asyncio.Task[int]) -> None:
     if fut.done():
@@ -453,66 +417,10 @@ def _settle(fut: asyncio.Future[int], task: asyncio.Task[int]) -> None:
         fut.set_result(task.result())
 
 
-class BearerAuth:
-    """401 with a JSON error unless the request carries the configured bearer token.
-
-    EventSource cannot set headers, so ``?access_token=`` is accepted too.
-    Health, metrics, the OpenAPI description and the viewer's static files are open.
-    """
-
-    OPEN = ("/healthz", "/metrics", "/openapi.json", "/static/")
-
-    def __init__(self, app: ASGIApp, token: str) -> None:
-        self.app = app
-        self.token = token.encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.token:
-            await self.app(scope, receive, send)
-            return
-        path = scope["path"]
-        if path == "/" or path.startswith(self.OPEN):
-            await self.app(scope, receive, send)
-            return
-        request = Request(scope)
-        auth = request.headers.get("authorization", "")
-        given = (
-            auth[7:].strip()
-            if auth.lower().startswith("bearer ")
-            else request.query_params.get("access_token", "")
-        )
-        if not hmac.compare_digest(given.encode(), self.token):
-            exc = Unauthenticated("missing or wrong bearer token")
-            shape = openai_error if path.startswith(OPENAI_PREFIXES) else errors.to_response
-            await shape(exc)(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
-
-
-def create_app(
-    runtime: Runtime,
-    *,
-    auth_token: str = "",
-    heartbeat_s: float = 15.0,
-    ring: int = 4096,
-    ring_bytes: int = 65536,
-    linger_s: float = 30.0,
-    limits: inputs.Limits | None = None,
-) -> Starlette:
-    api = Api(
-        runtime,
-        heartbeat_s=heartbeat_s,
-        ring=ring,
-        ring_bytes=ring_bytes,
-        linger_s=linger_s,
-        limits=limits,
-    )
+def routes(api: Api) -> list[BaseRoute]:
+    """The native API's route table."""
     sid = "/v1/sessions/{sid}"
-    routes = [
-        Route("/", api.index),
-        Route("/healthz", api.healthz),
-        Route("/metrics", api.metrics),
-        Route("/openapi.json", api.openapi),
+    return [
         Route("/v1/sessions", api.create, methods=["POST"]),
         Route("/v1/sessions", api.list, methods=["GET"]),
         Route("/v1/sessions/events", api.list_events),
@@ -528,32 +436,4 @@ def create_app(
         Route(sid + "/replay", api.replay),
         Route(sid + "/images/{sha}", api.image),
         Route(sid + "/nodes/{nid}/content", api.node_content),
-        *openai_routes(api),
-        Mount("/static", StaticFiles(directory=STATIC), name="static"),
     ]
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_: Starlette) -> AsyncIterator[None]:
-        yield
-        await api.aclose()
-
-    app = Starlette(
-        routes=routes,
-        exception_handlers={
-            SessiontapeError: errors.handle_core,
-            HTTPException: errors.handle_http,
-        },
-        lifespan=lifespan,
-    )
-    app.state.api = api
-    if auth_token:
-        app.add_middleware(BearerAuth, token=auth_token)
-    app.add_middleware(PerClientLimit, max_requests=api.limits.max_requests_per_client)
-    # outermost of ours: whatever escapes a handler or the auth check is one logged 500 without its text
-    app.add_middleware(errors.LastResort)
-    # requests in flight, ended quietly when the server stops (HttpTransport.stop)
-    app.state.inflight = Inflight()
-    app.add_middleware(Drain, inflight=app.state.inflight)
-    # outermost: one access-log record per request, with the request id LastResort assigned
-    app.add_middleware(AccessLog)
-    return app
