@@ -15,7 +15,7 @@ from sessiontape.core.events import T
 from sessiontape.core.runtime import Runtime
 from sessiontape.core.scheduler import Admission
 from sessiontape.engines.reference import ReferenceEngine
-from tests.conftest import make_config
+from tests.helpers.config import make_config
 
 
 async def settle() -> None:

@@ -20,7 +20,7 @@ from sessiontape.core.events import T
 from sessiontape.core.log import EventLog
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
-from tests.conftest import make_config
+from tests.helpers.config import make_config
 
 
 async def test_append_racing_close_never_lands_after_close(runtime: Runtime) -> None:

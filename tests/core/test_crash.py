@@ -24,7 +24,7 @@ WRITER = textwrap.dedent(
     from sessiontape.core.engine.interface import SamplingParams
     from sessiontape.core.runtime import Runtime
     from sessiontape.engines.reference import ReferenceEngine
-    from tests.conftest import make_config
+    from tests.helpers.config import make_config
 
     async def main():
         rt = await Runtime.create(make_config(sys.argv[1]), engine=ReferenceEngine())
@@ -56,7 +56,7 @@ GENERATOR = textwrap.dedent(
     from sessiontape.core.engine.interface import SamplingParams
     from sessiontape.core.runtime import Runtime
     from sessiontape.engines.reference import ReferenceEngine
-    from tests.conftest import make_config
+    from tests.helpers.config import make_config
 
     async def main():
         if sys.argv[2] == "worker":
@@ -92,7 +92,7 @@ SHORT_TURNS = textwrap.dedent(
     from sessiontape.core.engine.interface import SamplingParams
     from sessiontape.core.runtime import Runtime
     from sessiontape.engines.reference import ReferenceEngine
-    from tests.conftest import make_config
+    from tests.helpers.config import make_config
 
     async def main():
         options = {"eos_bias": -1000.0, "max_length": 1 << 20}
@@ -220,7 +220,7 @@ async def test_generation_left_open_by_a_crash_is_closed_as_interrupted(sqlite_u
     from sessiontape.core.events import NewEvent, T
     from sessiontape.core.runtime import Runtime
     from sessiontape.engines.reference import ReferenceEngine
-    from tests.conftest import make_config
+    from tests.helpers.config import make_config
 
     rt = await Runtime.create(make_config(sqlite_url), engine=ReferenceEngine())
     try:

@@ -30,7 +30,7 @@ from sessiontape.core.patch import apply_patch, diff, to_rfc6902
 from sessiontape.core.runtime import Runtime
 from sessiontape.core.tokens import ImageIn
 from sessiontape.engines.reference import IMAGE_PAD, ReferenceEngine
-from tests.conftest import make_config
+from tests.helpers.config import make_config
 
 
 def _bytes_text(ids: Sequence[int]) -> str:

@@ -27,7 +27,7 @@ from sessiontape.core.errors import (
 from sessiontape.core.events import T
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
-from tests.conftest import make_config
+from tests.helpers.config import make_config
 
 HISTORY = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
 

@@ -20,7 +20,7 @@ from sessiontape.core.events import Event, NewEvent, T
 from sessiontape.core.pacing import FIRST_RUN, SHORT_GENERATION
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
-from tests.conftest import make_config
+from tests.helpers.config import make_config
 
 
 def generated(evs: Sequence[Event], gid: str | None = None) -> list[int]:

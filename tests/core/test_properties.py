@@ -15,7 +15,7 @@ from sessiontape.core.errors import SessiontapeError
 from sessiontape.core.log.store import verify_chain
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
-from tests.conftest import make_config
+from tests.helpers.config import make_config
 
 token = st.integers(min_value=0, max_value=258)
 bad_token = st.one_of(st.integers(max_value=-1), st.integers(min_value=259, max_value=10**6))

@@ -21,8 +21,8 @@ from sessiontape.core.log.postgres import PostgresDialect
 from sessiontape.core.log.store import verify_chain
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
-from tests.conftest import make_config
-from tests.core.test_first_append import SpyEngine
+from tests.helpers.config import make_config
+from tests.helpers.runtime import SpyEngine
 
 pytestmark = pytest.mark.postgres
 

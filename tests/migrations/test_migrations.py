@@ -19,7 +19,7 @@ from sessiontape.core.log.store import verify_chain
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
 from sessiontape.migrations.runner import alembic_config, current_revision
-from tests.conftest import make_config
+from tests.helpers.config import make_config
 
 
 async def test_models_and_migrations_agree(db_url: str) -> None:

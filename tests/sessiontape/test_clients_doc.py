@@ -15,8 +15,8 @@ import pytest
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
 from sessiontape.transports.http.plugin import HttpTransport
-from tests.conftest import make_config
-from tests.transports.http.conftest import Served
+from tests.helpers.config import make_config
+from tests.helpers.http import Served
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "clients.md"
 

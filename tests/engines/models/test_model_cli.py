@@ -1,7 +1,7 @@
 """``sessiontape model import | readouts | list`` and the import cache, as a user runs them.
 
 Real subprocesses on a small Llama checkpoint written as a GGUF in the test
-(tests/engines/models/checkpoints.py).
+(tests/helpers/checkpoints.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import gguf
 import pytest
 
-from tests.engines.models import checkpoints as ck
+from tests.helpers import checkpoints as ck
 
 EXE = [sys.executable, "-m", "sessiontape.core.cli"]
 

@@ -22,8 +22,8 @@ from sessiontape.engines.models.sources import GgufSource
 from sessiontape.engines.onnx.importer import import_model
 from sessiontape.engines.onnx.loading import served_sampling
 from sessiontape.engines.onnx.options import OnnxOptions
-from tests.engines.models import checkpoints as ck
-from tests.engines.models.checkpoints import LLAMA
+from tests.helpers import checkpoints as ck
+from tests.helpers.checkpoints import LLAMA
 
 
 def test_params_take_the_models_values_only_for_fields_left_to_it() -> None:

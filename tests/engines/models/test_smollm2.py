@@ -290,7 +290,7 @@ async def test_audit_reexecutes_a_real_model_session(default_dir: Path, sqlite_u
     """A chat turn on the real model replays and re-executes to the same tokens."""
     from sessiontape.core.audit import audit_session
     from sessiontape.core.runtime import Runtime
-    from tests.conftest import make_config
+    from tests.helpers.config import make_config
 
     eng = engine(default_dir)
     rt = await Runtime.create(make_config(sqlite_url, engine={"name": "onnx"}), engine=eng)

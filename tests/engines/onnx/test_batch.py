@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from sessiontape.core.engine.interface import OutputOptions, SamplingParams, Step
 from sessiontape.core.errors import EngineBusy, EngineError
 from sessiontape.engines.onnx.engine import OnnxEngine
-from tests.engines.conftest import failing_once
+from tests.helpers.engines import failing_once
 
 
 def history(seed_: int, n: int) -> list[int]:

@@ -14,7 +14,7 @@ import pytest
 from sessiontape.core.engine.interface import OutputOptions, SamplingParams
 from sessiontape.engines.onnx import OnnxEngine
 from sessiontape.engines.onnx.runner import CUDA, cuda_loads, quiet_ort
-from tests.engines.onnx.test_engine import collect, history
+from tests.helpers.onnx import collect, history
 
 pytestmark = pytest.mark.cuda
 

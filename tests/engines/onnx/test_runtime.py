@@ -15,7 +15,7 @@ from sessiontape.core.events import T
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.onnx import OnnxEngine
 from sessiontape.engines.reference import ReferenceEngine
-from tests.conftest import make_config
+from tests.helpers.config import make_config
 
 
 @pytest.fixture
@@ -109,7 +109,7 @@ async def test_kv_bytes_gauge_follows_the_engine_caches(tmp_path) -> None:  # ty
     from sessiontape.core.engine.interface import SamplingParams
     from sessiontape.core.runtime import Runtime
     from sessiontape.engines.onnx import OnnxEngine
-    from tests.conftest import make_config
+    from tests.helpers.config import make_config
 
     engine = OnnxEngine(size="tiny")
     rt = await Runtime.create(

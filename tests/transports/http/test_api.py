@@ -22,8 +22,8 @@ from sessiontape.transports.http.server.errors import (
     RequestTimeout,
     status_for,
 )
-from tests.conftest import make_config
-from tests.transports.http.conftest import Served
+from tests.helpers.config import make_config
+from tests.helpers.http import Served
 
 
 async def _open(c: httpx.AsyncClient, **body: Any) -> str:

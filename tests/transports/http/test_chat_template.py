@@ -18,7 +18,7 @@ from sessiontape.transports.http.openai.chat_template import (
     load_template,
     message_text,
 )
-from tests.conftest import make_config
+from tests.helpers.config import make_config
 
 CUSTOM = {
     "name": "brackets",

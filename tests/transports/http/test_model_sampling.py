@@ -14,8 +14,7 @@ import pytest
 from sessiontape.core.events import T
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
-
-from .conftest import Served, serving
+from tests.helpers.http import Served, serving
 
 MODEL = "reference-bigram-v1"
 RECOMMENDED = {"temperature": 0.25, "top_p": 0.5, "top_k": 7}

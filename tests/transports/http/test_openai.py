@@ -22,9 +22,8 @@ from sessiontape.engines.reference import ReferenceEngine
 from sessiontape.transports.http.openai.chat_template import ROLE_MARKERS
 from sessiontape.transports.http.openai.turns import load_turn
 from sessiontape.transports.http.plugin import HttpTransport
-from tests.conftest import make_config
-
-from .conftest import Served
+from tests.helpers.config import make_config
+from tests.helpers.http import Served
 
 TOKEN = "sekret"
 MODEL = "reference-bigram-v1"

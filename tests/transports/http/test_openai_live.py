@@ -17,7 +17,7 @@ from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
 from sessiontape.transports.http.openai.chat_template import ROLE_MARKERS
 from sessiontape.transports.http.openai.turns import LiveRuns, Turns
-from tests.conftest import make_config
+from tests.helpers.config import make_config
 
 
 def _run(n: int) -> list[Any]:

@@ -28,8 +28,8 @@ from sessiontape.transports.http.openai import schema as openai_schema
 from sessiontape.transports.http.plugin import HttpTransport
 from sessiontape.transports.http.server.app import create_app
 from sessiontape.transports.http.server.openapi import spec
-from tests.conftest import make_config
-from tests.transports.http.conftest import Served
+from tests.helpers.config import make_config
+from tests.helpers.http import Served
 
 _CONVERTER = re.compile(r"\{(\w+)(?::\w+)?\}")
 

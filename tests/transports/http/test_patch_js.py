@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from sessiontape.transports.http.viewer import STATIC
-from tests.core.test_patch_cases import CASES, CASES_FILE, json_same
+from tests.helpers.patch_cases import CASES, CASES_FILE, json_same
 
 NODE = shutil.which("node")
 RUNNER = Path(__file__).with_name("patch_cases.mjs")

@@ -16,8 +16,8 @@ from sessiontape.core.engine.interface import SamplingParams
 from sessiontape.core.patch import apply_patch
 from sessiontape.core.runtime import Runtime
 from sessiontape.transports.http.native.list_feed import list_stream
-from tests.transports.http.conftest import Served, serving
-from tests.transports.http.sse_client import SseEvent, events
+from tests.helpers.http import Served, serving
+from tests.helpers.sse_client import SseEvent, events
 
 
 async def _session(c: httpx.AsyncClient, text: str = "Once upon a time") -> str:

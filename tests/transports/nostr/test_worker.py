@@ -15,7 +15,7 @@ import websockets
 
 from sessiontape.core.events import T
 from sessiontape.core.runtime import Runtime
-from tests.transports.nostr.conftest import (
+from tests.helpers.nostr import (
     Caller,
     LocalRelay,
     WorkerFactory,

@@ -22,7 +22,7 @@ def test_a_missing_browser_fails_when_required(required: str, outcome: str) -> N
         "SESSIONTAPE_CHROMIUM": "/nonexistent/chromium",
         "SESSIONTAPE_REQUIRE_BROWSER": required,
     }
-    root = Path(__file__).resolve().parents[3]
+    root = Path(__file__).resolve().parents[4]
     proc = subprocess.run(
         [
             sys.executable,
@@ -33,7 +33,7 @@ def test_a_missing_browser_fails_when_required(required: str, outcome: str) -> N
             "no:cacheprovider",
             "-p",
             "no:randomly",
-            "tests/transports/http/test_viewer.py::test_list_live_session_and_scrubber",
+            "tests/transports/http/viewer/test_viewer.py::test_list_live_session_and_scrubber",
         ],
         cwd=root,
         env=env,

@@ -1,4 +1,5 @@
-"""Loopback relays (nostr-sdk LocalRelay in process, nostr-relay as a subprocess) and a D4 client."""
+"""Nostr in tests: loopback relays (nostr-sdk LocalRelay in process, nostr-relay as a subprocess),
+a D4 client, and their fixtures (a plugin: tests/conftest.py loads it for the nostr and fuzz tests)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
 from sessiontape.transports.nostr.settings import Settings
 from sessiontape.transports.nostr.worker import D4Worker
-from tests.conftest import free_port, make_config
-from tests.transports.nostr.relay_config import nostr_relay_config
+from tests.helpers.config import free_port, make_config
+from tests.helpers.nostr_relay_config import nostr_relay_config
 
 WAIT_S = 20.0
 

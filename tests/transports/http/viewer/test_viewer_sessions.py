@@ -16,54 +16,10 @@ import httpx
 import pytest
 
 from sessiontape.core.nodes import FragmentIn
-from tests.transports.http.conftest import Served
-from tests.transports.http.test_viewer import ARTIFACTS, CHROMIUM, REQUIRED, _browser_present, page  # noqa: F401
-from tests.transports.http.test_viewer import pytestmark as viewer_marks
+from tests.helpers.http import Served
+from tests.helpers.viewer import ARTIFACTS, LAYOUT_CHECK, MARKS
 
-pytestmark = viewer_marks
-_ = (CHROMIUM, REQUIRED)
-
-#: every visible element: nothing sticks out of the window or is cut off by its box, no text boxes overlap
-LAYOUT_CHECK = """() => {
-  const problems = [];
-  const vw = document.documentElement.clientWidth;
-  if (document.documentElement.scrollWidth > vw + 1)
-    problems.push(`the page scrolls sideways: ${document.documentElement.scrollWidth} > ${vw}`);
-  const name = (el) => el.tagName.toLowerCase() + (el.id ? "#" + el.id : "")
-    + (typeof el.className === "string" && el.className.trim() ? "." + el.className.trim().split(/\\s+/).join(".") : "");
-  const visible = [...document.querySelectorAll("body *")].filter((el) => {
-    const r = el.getBoundingClientRect();
-    const cs = getComputedStyle(el);
-    return r.width > 0 && r.height > 0 && cs.visibility !== "hidden" && cs.display !== "none";
-  });
-  for (const el of visible) {
-    const cs = getComputedStyle(el);
-    if (!["INPUT", "SELECT"].includes(el.tagName) && cs.overflowX !== "visible" && el.scrollWidth > el.clientWidth + 1)
-      problems.push(`cut off: ${name(el)} ${el.scrollWidth} > ${el.clientWidth}`);
-    const r = el.getBoundingClientRect();
-    if (r.right > vw + 1 || r.left < -1) problems.push(`outside the window: ${name(el)} [${r.left}, ${r.right}] of ${vw}`);
-  }
-  const own = (el) => [...el.childNodes].some((n) => n.nodeType === 3 && n.nodeValue.trim());
-  const boxes = visible.filter((el) => !el.classList.contains("tok") && (own(el) || ["INPUT", "SELECT", "BUTTON", "IMG"].includes(el.tagName)));
-  // Text inside a scrolled box that is scrolled out of sight overlaps nothing a reader sees.
-  const shown = boxes.filter((el) => {
-    const box = el.closest("#conversation");
-    if (!box || el === box) return true;
-    const r = el.getBoundingClientRect(), b = box.getBoundingClientRect();
-    return r.bottom > b.top && r.top < b.bottom;
-  });
-  for (let i = 0; i < shown.length; i++) {
-    for (let j = i + 1; j < shown.length; j++) {
-      const a = shown[i], b = shown[j];
-      if (a.contains(b) || b.contains(a)) continue;
-      const p = a.getBoundingClientRect(), q = b.getBoundingClientRect();
-      const w = Math.min(p.right, q.right) - Math.max(p.left, q.left);
-      const h = Math.min(p.bottom, q.bottom) - Math.max(p.top, q.top);
-      if (w > 1 && h > 1) problems.push(`overlap: ${name(a)} "${a.textContent.slice(0, 30)}" and ${name(b)} "${b.textContent.slice(0, 30)}"`);
-    }
-  }
-  return problems;
-}"""
+pytestmark = MARKS
 
 
 async def _gen(c: httpx.AsyncClient, sid: str, **params: Any) -> dict[str, Any]:
@@ -86,7 +42,7 @@ async def _two_turns(
     return sid, [g1, g2]
 
 
-async def test_generation_summaries_sit_where_they_happened(server: Served, page: Any) -> None:  # noqa: F811
+async def test_generation_summaries_sit_where_they_happened(server: Served, page: Any) -> None:
     async with httpx.AsyncClient(base_url=server.url, timeout=20) as c:
         sid, (g1, g2) = await _two_turns(server, c, "inline")
         ev = (await server.runtime.open_session("evergreen", label="actions")).session_id
@@ -145,7 +101,7 @@ async def test_generation_summaries_sit_where_they_happened(server: Served, page
         assert words in action, (words, action)
 
 
-async def test_runs_list_search_and_filters(server: Served, page: Any) -> None:  # noqa: F811
+async def test_runs_list_search_and_filters(server: Served, page: Any) -> None:
     async with httpx.AsyncClient(base_url=server.url, timeout=20) as c:
         ids = {}
         for label in ("alpha run", "beta run", "gamma"):
@@ -184,7 +140,7 @@ async def test_runs_list_search_and_filters(server: Served, page: Any) -> None: 
     assert await page.input_value("#filter-q") == "alpha" and await shown() == {ids["alpha run"]}
 
 
-async def test_open_at_a_log_position_and_find_in_the_session(server: Served, page: Any) -> None:  # noqa: F811
+async def test_open_at_a_log_position_and_find_in_the_session(server: Served, page: Any) -> None:
     async with httpx.AsyncClient(base_url=server.url, timeout=20) as c:
         sid, (g1, g2) = await _two_turns(server, c, "positions")
     evs = await server.runtime.log.read(sid)
@@ -232,7 +188,7 @@ async def test_open_at_a_log_position_and_find_in_the_session(server: Served, pa
     assert text in hit
 
 
-async def test_fork_and_rerun_from_the_page(server: Served, page: Any) -> None:  # noqa: F811
+async def test_fork_and_rerun_from_the_page(server: Served, page: Any) -> None:
     async with httpx.AsyncClient(base_url=server.url, timeout=20) as c:
         sid = (await c.post("/v1/sessions", json={"label": "source"})).json()["id"]
         await c.post(f"/v1/sessions/{sid}/append", json={"text": "Hello viewer"})
@@ -299,7 +255,7 @@ async def test_fork_and_rerun_from_the_page(server: Served, page: Any) -> None: 
         assert at_v2["parent"]["version"] == 2 and at_v2["history"]["text"] == "Hello viewer"
 
 
-async def test_fork_after_a_node(server: Served, page: Any) -> None:  # noqa: F811
+async def test_fork_after_a_node(server: Served, page: Any) -> None:
     rt = server.runtime
     sid = (await rt.open_session("evergreen", label="nodes")).session_id
     await rt.append_fragments(
@@ -341,7 +297,7 @@ async def test_fork_after_a_node(server: Served, page: Any) -> None:  # noqa: F8
 @pytest.mark.parametrize(("width", "height"), [(1280, 800), (390, 844)])
 async def test_long_and_forked_sessions_lay_out_cleanly(
     server: Served,
-    page: Any,  # noqa: F811
+    page: Any,
     width: int,
     height: int,
 ) -> None:
@@ -416,7 +372,7 @@ def _frag(nid: str, text: str) -> list[FragmentIn]:
 
 async def test_fork_after_any_node_of_a_long_live_session_and_of_a_fork(
     server: Served,
-    page: Any,  # noqa: F811
+    page: Any,
 ) -> None:
     """Every node offers "fork after": those that arrive while the page follows the session live
     (late in a long session: past the replay it loaded), and those a fork inherited."""
@@ -470,7 +426,7 @@ async def test_fork_after_any_node_of_a_long_live_session_and_of_a_fork(
     assert edoc["parent"]["version"] == first.version and set(edoc["nodes"]) == {"n0"}
 
 
-async def test_rerun_keeps_a_seed_above_2_53_exact(server: Served, page: Any) -> None:  # noqa: F811
+async def test_rerun_keeps_a_seed_above_2_53_exact(server: Served, page: Any) -> None:
     """The document shows seeds as JSON integers; the page keeps the digits of one a JavaScript
     number would round, shows them, and re-runs with the very same seed."""
     seed = 2**64 - 1
@@ -511,7 +467,7 @@ async def _press(pg: Any, selector: str) -> None:
     await pg.mouse.up()
 
 
-async def test_fork_and_rerun_while_the_session_generates(server: Served, page: Any) -> None:  # noqa: F811
+async def test_fork_and_rerun_while_the_session_generates(server: Served, page: Any) -> None:
     """On a live session the page redraws on every committed token: a click on a re-run button or a
     token of an earlier generation still lands, and the fork it makes (while the parent generates)
     renders and re-runs with the same parameters."""

@@ -14,13 +14,10 @@ from typing import Any
 
 import httpx
 
-from tests.transports.http.conftest import Served
-from tests.transports.http.test_viewer import ARTIFACTS, CHROMIUM, REQUIRED, _browser_present, page  # noqa: F401
-from tests.transports.http.test_viewer import pytestmark as viewer_marks
-from tests.transports.http.test_viewer_sessions import LAYOUT_CHECK
+from tests.helpers.http import Served
+from tests.helpers.viewer import ARTIFACTS, LAYOUT_CHECK, MARKS
 
-pytestmark = viewer_marks
-_ = (CHROMIUM, REQUIRED)
+pytestmark = MARKS
 
 MODEL = "reference-bigram-v1"
 QUESTION = "What is the capital of France?"
@@ -52,7 +49,7 @@ async def _bubbles(pg: Any) -> list[list[Any]]:
     return list(await pg.evaluate(BUBBLES))
 
 
-async def test_a_chat_session_shows_its_conversation(server: Served, page: Any) -> None:  # noqa: F811
+async def test_a_chat_session_shows_its_conversation(server: Served, page: Any) -> None:
     async with httpx.AsyncClient(base_url=server.url, timeout=30) as c:
         messages = [
             {"role": "system", "content": "Be brief."},
