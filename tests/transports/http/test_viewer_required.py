@@ -22,7 +22,7 @@ def test_a_missing_browser_fails_when_required(required: str, outcome: str) -> N
         "SESSIONTAPE_CHROMIUM": "/nonexistent/chromium",
         "SESSIONTAPE_REQUIRE_BROWSER": required,
     }
-    root = Path(__file__).resolve().parents[4]
+    root = Path(__file__).resolve().parents[3]
     proc = subprocess.run(
         [
             sys.executable,
