@@ -484,7 +484,7 @@ async def start_relay(kind: str, workdir: Path) -> tuple[asyncio.subprocess.Proc
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = int(sock.getsockname()[1])
-    from tests.transports.nostr.relay_config import nostr_relay_config
+    from tests.helpers.nostr_relay_config import nostr_relay_config
 
     config = workdir / "relay.json"
     config.write_text(json.dumps(nostr_relay_config(workdir, port)))

@@ -51,11 +51,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from sessiontape.engines.model_spec import SLOT_BLOCK, ModelSpec, RopeScaling
+from sessiontape.engines.model_spec import SLOT_BLOCK, ModelSpec
 from sessiontape.engines.onnx.graph import MS, Graph
 from sessiontape.engines.weights import (
-    F32,
-    U8,
     QuantMatrix,
     Tensor,
     Weights,
@@ -63,19 +61,7 @@ from sessiontape.engines.weights import (
     scale_out,
 )
 
-__all__ = [
-    "F32",
-    "SLOT_BLOCK",
-    "U8",
-    "Graph",
-    "ModelSpec",
-    "QuantMatrix",
-    "RopeScaling",
-    "Tensor",
-    "Weights",
-    "build_static",
-    "write_model",
-]
+__all__ = ["build_static", "graph_io", "rope_rows", "write_model"]
 
 
 def rope_rows(max_length: int) -> int:

@@ -42,7 +42,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from sessiontape.engines.onnx.decoder import Graph, ModelSpec, build_static, graph_io, rope_rows
+from sessiontape.engines.model_spec import ModelSpec
+from sessiontape.engines.onnx.decoder import build_static, graph_io, rope_rows
+from sessiontape.engines.onnx.graph import Graph
 
 #: byte tokenizer specials (the same ids as the reference engine)
 BOS, EOS, PAD = 256, 257, 258

@@ -112,7 +112,7 @@ def _config(src: Source, specials: Any, dtype: str, sha: str, tok: str, tpl: str
         "source": {"kind": src.kind, "name": src.path.name, "sha256": sha},
         "tokenizer_sha256": _sha(tok),
         "chat_template_sha256": None if tpl is None else _sha(tpl),
-        #: what the source recommends for requests that name no sampling (sampling.py)
+        #: what the source recommends for requests that name no sampling (sampling_defaults.py)
         "sampling": src.sampling.to_json(),
     }
 

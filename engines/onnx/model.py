@@ -207,7 +207,7 @@ def model_facts(folder: Path) -> dict[str, Any]:
     pad = cfg.get("pad_token_id")
     return {
         #: ``gqa`` when the graph's attention is one GroupQueryAttention per layer, which places
-        #: a pass's rows at consecutive positions (builder.py)
+        #: a pass's rows at consecutive positions (decoder.py)
         "attention": str(cfg.get("attention") or "masked"),
         #: the id padding rows carry (any valid id: their results are dropped)
         "pad_token_id": int(pad) if isinstance(pad, int) else None,

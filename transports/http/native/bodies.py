@@ -1,5 +1,5 @@
 """The native routes' request bodies, declared once: each is a strict pydantic model, from which both
-the route's validation and its schema in the OpenAPI document (:mod:`.openapi`) come.
+the route's validation and its schema in the OpenAPI document (:mod:`..server.openapi`) come.
 
 Strict means: a JSON integer is a JSON integer (``"1"``,
 ``true`` and ``1.0`` are refused, not converted), a number is finite, a string is a string, and a
@@ -9,7 +9,7 @@ default; one typed ``X | None`` takes ``null`` as "left out" too, while ``null``
 
 A refusal is a core error (:func:`validate`): ``UnknownFields`` for unknown names, else
 ``InvalidParameters`` whose message names the field's path and what it must be. The OpenAI routes'
-bodies (:mod:`.openai_bodies`) are models too, refused with the same messages and OpenAI's ``param``.
+bodies (:mod:`..openai.bodies`) are models too, refused with the same messages and OpenAI's ``param``.
 
 Usage in a handler::
 

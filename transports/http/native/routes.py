@@ -117,7 +117,7 @@ class Api:
     # sessions
 
     async def _body(self, request: Request, model: type[M]) -> M:
-        """The route's body as its model (request_bodies.py), or the typed error."""
+        """The route's body as its model (bodies.py), or the typed error."""
         return validate(model, await inputs.body(request, self.limits))
 
     async def create(self, request: Request) -> Response:

@@ -1,5 +1,5 @@
 """The OpenAI-compatible routes' request bodies, declared once (as the native ones are, in
-:mod:`.request_bodies`): strict pydantic models from which both validation and the
+:mod:`..native.bodies`): strict pydantic models from which both validation and the
 ``ResponseCreateRequest`` and ``ChatCompletionRequest`` schemas of the OpenAPI document come.
 
 OpenAI's API is wider than what this server does, so a body is read in steps, each a typed 400

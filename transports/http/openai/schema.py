@@ -1,6 +1,6 @@
 """The OpenAPI description of the OpenAI-compatible routes: their paths, and response and
 stream-event schemas as components (docs/protocols/openai.md is the prose). Their request bodies'
-schemas are their models' (:mod:`.openai_bodies`), added by :mod:`.openapi`.
+schemas are their models' (:mod:`.bodies`), added by :mod:`..server.openapi`.
 
 Only what this server answers is described: the extension fields every reply carries
 (``session_id``, ``seed``) are in the response schemas. The event streams' ``data:`` payloads are
@@ -335,7 +335,7 @@ def _op(
     *,
     params: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """An OpenAI route (its request body, if it takes one, is added by :mod:`.openapi`)."""
+    """An OpenAI route (its request body, if it takes one, is added by :mod:`..server.openapi`)."""
     responses = {**ok, **{k: _ERR[k] for k in ERRORS_OF[(path, method)]}}
     op: dict[str, Any] = {"summary": summary, "tags": ["openai"], "responses": responses}
     if params:

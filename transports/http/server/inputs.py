@@ -11,8 +11,8 @@ reaches the runtime, so no bad input is stored and no parser error is a 500:
   valid Unicode (no lone surrogates), nesting at most ``limits.max_json_depth``;
 - numbers in query strings and headers are ASCII digits only, in range.
 
-What a route's body must hold is its model's to say (:mod:`.request_bodies`,
-:mod:`.openai_bodies`). Usage in a handler::
+What a route's body must hold is its model's to say (:mod:`sessiontape.transports.http.native.bodies`,
+:mod:`sessiontape.transports.http.openai.bodies`). Usage in a handler::
 
     b = validate(Fork, await inputs.body(request, limits))
     version = inputs.integer(request.query_params.get("version"), "version", lo=1)

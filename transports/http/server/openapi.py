@@ -1,7 +1,7 @@
 """The OpenAPI description of the HTTP API (docs/protocols/http.md is the prose).
 
 Request bodies are not written here: each route's schema is its model's (:data:`BODIES`, from
-:mod:`.request_bodies` and :mod:`.openai_bodies`, which also validate them), so the document and
+:mod:`..native.bodies` and :mod:`..openai.bodies`, which also validate them), so the document and
 the validation cannot drift apart. Paths, parameters and responses are written by hand.
 """
 
