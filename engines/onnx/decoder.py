@@ -1,10 +1,10 @@
 """The decoder graph builder: a Llama-style model in the engine's I/O convention, from any weights.
 
 Two callers: the demo model (:mod:`sessiontape.engines.onnx.demo`, random
-weights from a fixed seed) and the importer (:mod:`sessiontape.engines.models`,
+weights from a fixed seed) and the importer (:mod:`sessiontape.engines.onnx.importer`,
 the weights of a GGUF file or a Hugging Face checkpoint). Both describe the
-model as a :class:`ModelSpec` and hand over its weights by name
-(:data:`Weights`); this module writes the ``static`` layout graph::
+model as a :class:`~sessiontape.engines.model_spec.ModelSpec` and hand over its
+weights by name (:data:`~sessiontape.engines.weights.Weights`); this module writes the ``static`` layout graph::
 
     input_ids [b, s] int64, attention_mask [b, t] int64, position_ids [b, s] int64,
     past_key_values.N.key|value [b, kv_heads, capacity, head_dim] float32 (or float16)

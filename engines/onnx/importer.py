@@ -9,7 +9,7 @@ writes, beside each other::
     chat_template.jinja           the source's chat template, when it has one
     config.json                   shape, special ids, dtype, and provenance: the source's
                                   sha256, the tokenizer's and the template's sha256
-    readout_concepts.json         concept directions for Salience readouts (readouts.py)
+    readout_concepts.json         concept directions for Salience readouts (engines/models/readouts.py)
 
 A model named on the command line or in the config (``--model SOURCE``) is
 imported on first use into the model cache (``$SESSIONTAPE_CACHE/models``),
