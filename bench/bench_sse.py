@@ -42,7 +42,7 @@ def rss_kib() -> int:
 async def client(url: str, n: int) -> None:
     import httpx
 
-    from tests.transports.http.sse_client import events
+    from tests.helpers.sse_client import events
 
     ready = 0
     all_ready = asyncio.Event()
