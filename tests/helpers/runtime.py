@@ -13,20 +13,6 @@ from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
 
 
-def spy_commits(rt: Runtime) -> list[list[str]]:
-    """The event types of each commit the runtime makes from now on."""
-    commits: list[list[str]] = []
-    commit = rt.commit
-
-    async def spied(st: Any, new: Sequence[NewEvent], **kw: Any) -> list[Event]:
-        evs = await commit(st, new, **kw)
-        commits.append([e.type for e in evs])
-        return evs
-
-    rt.commit = spied  # type: ignore[method-assign]
-    return commits
-
-
 class SpyEngine(ReferenceEngine):
     """The reference engine, noting the history each generation starts on; its first
     step can be held back (``hold``) or fail (``fail``)."""
@@ -51,3 +37,17 @@ class SpyEngine(ReferenceEngine):
             raise EngineError("the device fell over")
         async for step in super().generate(session_key, history, params, options):
             yield step
+
+
+def spy_commits(rt: Runtime) -> list[list[str]]:
+    """The event types of each commit the runtime makes from now on."""
+    commits: list[list[str]] = []
+    commit = rt.sessions.commit
+
+    async def spied(st: Any, new: Sequence[NewEvent], **kw: Any) -> list[Event]:
+        evs = await commit(st, new, **kw)
+        commits.append([e.type for e in evs])
+        return evs
+
+    rt.sessions.commit = spied  # type: ignore[method-assign]
+    return commits

@@ -31,7 +31,7 @@ from sessiontape.transports.http.server import errors, inputs
 from sessiontape.transports.http.server.accesslog import AccessLog
 from sessiontape.transports.http.server.drain import Drain, Inflight
 from sessiontape.transports.http.server.json_encoding import JSONResponse
-from sessiontape.transports.http.server.limits import PerClientLimit
+from sessiontape.transports.http.server.limits import HeadLimit, PerClientLimit
 from sessiontape.transports.http.server.openapi import spec
 
 
@@ -139,6 +139,7 @@ def create_app(
     if auth_token:
         app.add_middleware(BearerAuth, token=auth_token)
     app.add_middleware(PerClientLimit, max_requests=api.limits.max_requests_per_client)
+    app.add_middleware(HeadLimit, max_header_bytes=api.limits.max_header_bytes)
     # outermost of ours: whatever escapes a handler or the auth check is one logged 500 without its text
     app.add_middleware(errors.LastResort)
     # requests in flight, ended quietly when the server stops (HttpTransport.stop)
