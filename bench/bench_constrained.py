@@ -32,7 +32,7 @@ import time
 from typing import Any
 
 from sessiontape.core.constraint import Constraint
-from sessiontape.core.engine import SamplingParams
+from sessiontape.core.engine.interface import SamplingParams
 from sessiontape.engines.models.importer import ensure_imported
 from sessiontape.engines.models.registry import DEFAULT_MODEL
 from sessiontape.engines.onnx.engine import OnnxEngine

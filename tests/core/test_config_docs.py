@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from sessiontape.core.config import GenerationSettings, LimitsSettings
-from sessiontape.core.settings import markdown_table
+from sessiontape.core.settings_framework import markdown_table
 from sessiontape.engines.onnx.options import OnnxOptions
 from sessiontape.transports.grpc.settings import GrpcSettings
 

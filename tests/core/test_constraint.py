@@ -16,13 +16,14 @@ from hypothesis import strategies as st
 from sessiontape.core.audit import audit_session
 from sessiontape.core.bodies import GenerationFinished, GenerationStarted, body
 from sessiontape.core.constraint import Constraint
-from sessiontape.core.engine import SamplingParams
+from sessiontape.core.engine.interface import SamplingParams
 from sessiontape.core.errors import InvalidConstraint
 from sessiontape.core.events import Event, T
 from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
-from tests.conftest import make_config
+from tests.helpers.config import make_config
+from tests.helpers.schemas import STRICT_SCHEMAS
 
 PROMPT = list(b"Answer in JSON: ")
 
@@ -143,47 +144,6 @@ async def test_a_history_that_does_not_match_the_constraint_is_refused(runtime: 
     c = Constraint("regex", "[0-9]+", start=0)  # the prompt is not digits
     with pytest.raises(InvalidConstraint):
         await _generate(runtime, sid, SamplingParams(max_tokens=3, seed=1, constraint=c))
-
-
-# -- random schemas from OpenAI's strict subset -----------------------------------------
-
-_NAMES = st.from_regex(r"[a-z]{1,6}", fullmatch=True)
-
-
-def _leaf() -> st.SearchStrategy[dict[str, Any]]:
-    return st.one_of(
-        st.just({"type": "string", "maxLength": 8}),
-        st.just({"type": "integer"}),
-        st.just({"type": "number"}),
-        st.just({"type": "boolean"}),
-        st.lists(_NAMES, min_size=1, max_size=4, unique=True).map(
-            lambda xs: {"type": "string", "enum": xs}
-        ),
-        st.just({"type": ["string", "null"], "maxLength": 5}),
-    )
-
-
-def _object(children: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[dict[str, Any]]:
-    return st.dictionaries(_NAMES, children, min_size=1, max_size=4).map(
-        lambda props: {
-            "type": "object",
-            "properties": props,
-            "required": list(props),
-            "additionalProperties": False,
-        }
-    )
-
-
-STRICT_SCHEMAS = _object(
-    st.recursive(
-        _leaf(),
-        lambda inner: st.one_of(
-            _object(inner),
-            inner.map(lambda items: {"type": "array", "items": items, "maxItems": 3}),
-        ),
-        max_leaves=6,
-    )
-)
 
 
 @seed(51)

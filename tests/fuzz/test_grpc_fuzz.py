@@ -30,7 +30,7 @@ from sessiontape.transports.grpc.gen.salience.v1 import salience_pb2
 from sessiontape.transports.grpc.plugin import GrpcTransport
 from tests.conftest import make_config
 from tests.fuzz.conftest import LONG, QUICK, LoggedErrors, fuzz_settings
-from tests.fuzz.strategies import message
+from tests.helpers.strategies import message
 from tests.transports.grpc.test_hostile import raw_call
 
 FORBIDDEN = {

@@ -12,19 +12,22 @@ static layout; where the fixed CUDA shape is chosen these tests skip).
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
+import jsonschema
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from sessiontape.core.engine import OutputOptions, SamplingParams, Step
+from sessiontape.core.constraint import Constraint
+from sessiontape.core.engine.interface import OutputOptions, SamplingParams, Step
 from sessiontape.core.errors import EngineBusy, EngineError
 from sessiontape.engines.onnx.engine import OnnxEngine
-from tests.engines.conftest import failing_once
+from tests.helpers.engines import failing_once
 
 
 def history(seed_: int, n: int) -> list[int]:
@@ -318,7 +321,7 @@ def test_every_wire_answers_engine_busy_as_retryable_resource_exhaustion() -> No
     import grpc
 
     from sessiontape.transports.grpc.status import code_for
-    from sessiontape.transports.http.errors import to_response
+    from sessiontape.transports.http.server.errors import to_response
 
     exc = EngineBusy("all 8 KV slots are held by generating sessions (waited 30 s)")
     resp = to_response(exc)
@@ -343,3 +346,61 @@ async def test_a_fault_in_the_scheduler_ends_its_sessions_with_an_error_not_a_ha
     assert any(isinstance(r, EngineError) for r in results)
     s, m, p = SESSIONS[0]
     assert len(await run(eng, "after", history(s, m), p)) == 20
+
+
+# -- constrained decoding: the mask is part of sampling, batched or not ------------------
+
+CONSTRAINED = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tag": {"type": "string", "enum": ["alpha", "beta"]},
+        "bits": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2},
+    },
+    "required": ["id", "tag", "bits"],
+    "additionalProperties": False,
+}
+
+
+async def test_a_constrained_session_decodes_the_same_bits_batched_and_alone(
+    tiny_dir: Path,
+) -> None:
+    solo = batching_engine(tiny_dir, batch_slots=0)
+    eos = solo.info.eos_token_ids
+    params = SamplingParams(
+        max_tokens=80,
+        temperature=0.9,
+        seed=5,
+        stop_token_ids=eos,
+        constraint=Constraint.json_schema(CONSTRAINED),
+    )
+    hist = history(3, 17)
+    options = OutputOptions(logprob_top_k=3)
+    ref = await run(solo, "c", hist, params, options)
+    assert ref[-1].token_id in eos
+    text = solo.detokenize([s.token_id for s in ref])
+    jsonschema.validate(json.loads(text), CONSTRAINED)
+    # top logprobs are those of the masked distribution: only ids the grammar allowed
+    assert all(len(s.top_logprobs) <= 3 for s in ref)
+    eng = batching_engine(tiny_dir, batch_slots=4)
+    others = [run(eng, f"n{i}", history(s, m), p) for i, (s, m, p) in enumerate(SESSIONS[1:4])]
+    got, *_ = await asyncio.gather(run(eng, "c", hist, params, options), *others)
+    assert got == ref
+    assert eng.scheduler_stats()["shared_passes"] > 0
+    await solo.aclose()
+    await eng.aclose()
+
+
+async def test_a_regex_constraint_on_the_onnx_engine(tiny_dir: Path) -> None:
+    eng = batching_engine(tiny_dir, batch_slots=0)
+    params = SamplingParams(
+        max_tokens=30,
+        temperature=1.0,
+        seed=9,
+        stop_token_ids=eng.info.eos_token_ids,
+        constraint=Constraint.regex(r"(yes|no), [a-z]{3}"),
+    )
+    steps = await run(eng, "r", history(4, 9), params)
+    text = eng.detokenize([s.token_id for s in steps])
+    assert text.startswith(("yes, ", "no, ")) and len(text.split(", ")[1]) == 3
+    await eng.aclose()

@@ -12,11 +12,11 @@ import jsonschema
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from sessiontape.core.document.builder import build_document
+from sessiontape.core.document.fold import build_document
 from sessiontape.core.events import Event
 from sessiontape.core.log.store import EventLog
 from sessiontape.core.runtime import Runtime
-from tests.core.test_constraint import STRICT_SCHEMAS
+from tests.helpers.schemas import STRICT_SCHEMAS
 
 SCHEMA = {
     "type": "object",

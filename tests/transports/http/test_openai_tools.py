@@ -1,6 +1,6 @@
 """Function calling and structured outputs through the official ``openai`` package, end to end
 against ``sessiontape serve`` on the default model (SmolLM2-135M-Instruct, whose template has no
-tool support: the fallback of transports/http/tools.py), and the records they leave in the log."""
+tool support: the fallback of transports/http/openai/tools.py), and the records they leave in the log."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.conftest import free_port
-from tests.test_serve import start, stop
+from tests.helpers.config import free_port
+from tests.helpers.serve import start, stop
 
 MODEL = "smollm2-135m-instruct"
 

@@ -1,4 +1,4 @@
-"""transports/http/tools.py on its own: how calls are written, read back and constrained, and
+"""transports/http/openai/tools.py on its own: how calls are written, read back and constrained, and
 how a request's tools reach a template with and without tool support."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from sessiontape.core.engine import ChatFormat
+from sessiontape.core.engine.interface import ChatFormat
 from sessiontape.core.errors import InvalidParameters
 from sessiontape.engines.constrained import byte_tokenizer
-from sessiontape.transports.http.chat_template import ModelTemplate
-from sessiontape.transports.http.tools import (
+from sessiontape.transports.http.openai.chat_template import ModelTemplate
+from sessiontape.transports.http.openai.tools import (
     CallFormat,
     call_id,
     prompt_messages,
