@@ -214,8 +214,8 @@ class LimitsSettings:
 
     max_body_bytes: int = option(
         16 * 1024 * 1024,
-        "an HTTP body (413 while it streams in) and the gRPC message size "
-        "(`[transports.grpc] max_message_bytes` wins there)",
+        "an HTTP body (413 while it streams in; gRPC messages have "
+        "`[transports.grpc] max_message_bytes`)",
         ge=1,
     )
     max_json_depth: int = option(64, "nesting of a JSON request body", ge=1)

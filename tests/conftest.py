@@ -36,7 +36,7 @@ os.environ.setdefault("SESSIONTAPE_DEFAULT_MODEL", "demo")
 
 #: fixtures that tests in more than one folder use (the nostr relays and workers: the nostr
 #: tests, the D4 fuzz, the conformance suite; the HTTP fuzz's served runtime)
-pytest_plugins = ["tests.helpers.nostr", "tests.helpers.http_fuzz"]
+pytest_plugins = ["tests.helpers.nostr", "tests.helpers.http_fuzz", "tests.helpers.grpc_fuzz"]
 
 
 @pytest.fixture

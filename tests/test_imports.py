@@ -313,13 +313,4 @@ def test_a_test_module_imports_no_other_test_module() -> None:
         for path in files
         for line in _imports_of_test_modules(path, tests)
     }
-    assert found == TEST_IMPORTS_LEFT_TO_THE_GRPC_REWRITE
-
-
-#: the gRPC tests that still import one another, left to the owner of tests/transports/grpc to
-#: move into tests/helpers/ (a ratchet: a new import fails, and so does a listed one that is gone)
-TEST_IMPORTS_LEFT_TO_THE_GRPC_REWRITE = {
-    "tests/fuzz/test_grpc_frames_fuzz.py: tests.fuzz.test_grpc_fuzz",
-    "tests/fuzz/test_grpc_fuzz.py: tests.transports.grpc.test_hostile",
-    "tests/transports/grpc/test_hostile.py: tests.transports.grpc.test_evergreen",
-}
+    assert not found, sorted(found)
