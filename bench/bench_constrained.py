@@ -33,9 +33,9 @@ from typing import Any
 
 from sessiontape.core.constraint import Constraint
 from sessiontape.core.engine.interface import SamplingParams
-from sessiontape.engines.models.importer import ensure_imported
 from sessiontape.engines.models.registry import DEFAULT_MODEL
 from sessiontape.engines.onnx.engine import OnnxEngine
+from sessiontape.engines.onnx.importer import ensure_imported
 
 SCHEMA = {
     "type": "object",
@@ -91,7 +91,7 @@ def main() -> None:
     eng = OnnxEngine(model_dir=folder, intra_op_threads=args.threads, lookahead=False)
     chat = eng.info.chat
     assert chat is not None
-    from sessiontape.engines.models.chat_template import prompt_text
+    from sessiontape.engines.models.jinja_template import prompt_text
 
     hist = eng.tokenize(prompt_text(chat, QUESTION))
     constraint = Constraint.json_schema(SCHEMA)
