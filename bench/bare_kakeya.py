@@ -9,7 +9,7 @@ log, no engine: what a turn costs on the wire alone. ``--server sessiontape`` (t
 default) serves it on sessiontape's own gRPC endpoint
 (``transports/grpc/listener.py``), the messages in one ``write_many`` as the real
 servicer sends a committed run; ``--server grpcio`` on a grpc.aio server, each
-message an awaited ``context.write`` (what the real server was until 2026-11-28).
+message an awaited ``context.write``, as the real servicers write.
 bench/bench_load.py's turns mode runs the same client against it, in the same run as
 the real server, so the table can say how much of a turn is the wire's. Prints
 ``ready`` once it listens.

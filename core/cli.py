@@ -37,7 +37,7 @@ from sessiontape.core.commands.transfer import cmd_export, cmd_import
 from sessiontape.core.config import LoggingSettings
 from sessiontape.core.errors import ConfigError, SessiontapeError
 
-#: importable from here as before the commands moved to core/commands/
+#: the command functions, importable from here too (they live in core/commands/)
 __all__ = [
     "audit_reason",
     "build_parser",

@@ -4,16 +4,15 @@ turn of the priority gate (docs/architecture.md, "Pacing").
 A fast engine's committer lingers a little for more steps, so one append carries many:
 twice the engine's pace for the steps still missing, at most ``[generation] linger_s``
 (the loop's other work stretches its steps, and a timer that ran out a few steps short
-split a turn in two). A slower engine's steps commit as they come.
+would split a turn in two). A slower engine's steps commit as they come.
 
 Generations of equal priority take turns at the gate (``core/scheduler.PriorityGate``),
 each turn ending after ``[generation] burst_s`` once another waits. Under load the
 event loop's other work (other calls, commits, messages) runs between every two engine
 steps, so a fast engine's 16 steps take longer than ``burst_s``. Handed over part-way,
-such a generation committed what it had, and the rest waited behind every other
-generation's turn for a second run and a second commit: in the load benchmark's fleet
-of 100 a quarter of the generations took two to four runs, and the time after a first
-run was 9 ms at the median but 197 ms at the 99th percentile (2026-11-28).
+such a generation would commit what it had, and the rest would wait behind every other
+generation's turn for a second run and a second commit: a turn's latency would then
+depend on how many others are queued, and the fleet's tail would grow with it.
 
 A short generation (at most :data:`SHORT_GENERATION` tokens) keeps the gate
 to its end instead, and its first run waits for that end, while its engine's own pace

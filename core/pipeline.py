@@ -328,9 +328,9 @@ class TokenPipeline:
             min_run = min(min_run, max_run)
         elif self.consume_per_event is None and not self._engine_done:
             # the first run, before the caller's pace is known: a short one, so a slow
-            # caller's first tokens do not wait behind a full run (a Kakeya client's
-            # first messages took 150-200 us each: the 64th of a first run of 64
-            # arrived 11 ms after its commit); an engine that is done already (a short
+            # caller's first tokens do not wait behind a full run (a new stream's first
+            # messages are its slowest, so the last of a long first run would arrive
+            # long after its commit); an engine that is done already (a short
             # answer) commits all it made at once, and a short generation is one run
             max_run = min(max_run, self._first_run)
             min_run = min(min_run, max_run)
@@ -429,9 +429,8 @@ class TokenPipeline:
             new.extend(finish)
             # Alone, a run commits on the spot when the writer is idle (a slow engine's
             # steps each pay no hand-offs). Beside other generations it goes through
-            # the write loop, whose hand-offs let more steps gather per run: eight
-            # fast generations committing at once made runs of a step or two and
-            # ran 5-10% slower.
+            # the write loop, whose hand-offs let more steps gather per run: fast
+            # generations committing at once would make runs of a step or two.
             evs = await rt.commit(self.st, new, length=length, at_once=len(rt.generating) <= 1)
         self.finish_committed = bool(finish)
         evs = shown(evs, len(first))
@@ -495,8 +494,8 @@ class TokenPipeline:
                 per = (time.perf_counter() - given) / max(1, len(item))
                 c = self.consume_per_event
                 # weighted to the latest run: a caller's first messages are slow (a new
-                # stream), and an average that forgot them slowly kept the runs after a
-                # short first run small for a dozen runs (Kakeya 8% slower)
+                # stream), and an average that forgot them slowly would keep the runs
+                # after a short first run small for a dozen runs
                 self.consume_per_event = per if c is None else 0.3 * c + 0.7 * per
                 if paced:
                     self._credit.release()  # the caller asks for the next run: commit it now

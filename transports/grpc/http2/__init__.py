@@ -17,8 +17,7 @@ Why not h2 and grpclib's protocol layer, which it replaces: a served Kakeya turn
 unary-request calls) spent about a quarter of the event loop's time in them
 (``H2Connection.receive_data`` alone 21% of the loop's samples, 2.6 points of it
 formatting each received frame for a trace log nobody reads), and grpclib made three
-``asyncio.Event`` objects and a queue for every stream (docs/performance/load.md,
-"10:40-11:20 UTC: the endpoint's own HTTP/2").
+``asyncio.Event`` objects and a queue for every stream.
 
 Errors: a connection error (RFC 9113 section 5.4.1) sends GOAWAY with its code and closes
 the connection, cancelling its calls; a stream error sends RST_STREAM and cancels that
