@@ -7,6 +7,11 @@ this session", "a second session"), so the patterns below name the work-history
 forms only: ordinal work sessions from the third on, "what changed this
 session", "the previous session", "sessions ago", "this session's runs", and
 issue numbers.
+
+Nor a day's measurement: times of day, commit hashes and dated run logs are refused in
+the documents (outside code) and in the source's comments and docstrings; figures go in
+docs/performance.md's tables, dated, and that file stays short enough to read. The
+README's layout names folders that exist.
 """
 
 from __future__ import annotations
