@@ -63,10 +63,15 @@ def row(name: str, alone: str, through: str, ratio: str, extra: str = "") -> Non
     print(f"| {name:44} | {alone:>14} | {through:>14} | {ratio:>7} | {extra:>26} |", flush=True)
 
 
+#: ``--model``: the onnx engine's model source (a registry name, a GGUF file, a folder)
+MODEL: str | None = None
+
+
 def make_engine(name: str, size: str, process: str = "inline", **extra: Any) -> Engine:
     """The engine ``name`` in this process, or (``process="worker"``) served from a worker
     process as ``[engine] process = "worker"`` serves it."""
-    opts: dict[str, Any] = {"size": size} if name == "onnx" else {"max_length": 8192}
+    source = {"model": MODEL} if MODEL else {"size": size}
+    opts: dict[str, Any] = source if name == "onnx" else {"max_length": 8192}
     opts.update(extra)
     if process == "worker":
         from sessiontape.core.engine.worker import WorkerEngine
@@ -844,6 +849,12 @@ async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine", default="reference", choices=["reference", "onnx"])
     ap.add_argument("--size", default="small", help="demo model size for --engine onnx")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="--engine onnx: a model source instead of a demo size"
+        " (smollm2-135m-instruct, a .gguf file, a folder)",
+    )
     ap.add_argument("--tokens", type=int, default=400, help="tokens per generation")
     ap.add_argument("--sessions", default="1,8", help="comma-separated concurrent session counts")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per row (median)")
@@ -906,6 +917,8 @@ async def main() -> None:
         help="keep CPython's collector defaults instead of the server's (core/gctune.py)",
     )
     args = ap.parse_args()
+    global MODEL
+    MODEL = args.model
     unknown = set(args.wire_rows.split(",")) - set(WIRES)
     if unknown:
         ap.error(f"--wire-rows: no such row {', '.join(sorted(unknown))}")

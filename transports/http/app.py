@@ -49,7 +49,7 @@ from sessiontape.transports.http.feeds import (
     session_stream,
 )
 from sessiontape.transports.http.json_encoding import JSONResponse, dumps
-from sessiontape.transports.http.limits import PerClientLimit
+from sessiontape.transports.http.limits import HeadLimit, PerClientLimit
 from sessiontape.transports.http.list_feed import list_stream
 from sessiontape.transports.http.openai import PREFIXES as OPENAI_PREFIXES
 from sessiontape.transports.http.openai import error_response as openai_error
@@ -550,6 +550,7 @@ def create_app(
     if auth_token:
         app.add_middleware(BearerAuth, token=auth_token)
     app.add_middleware(PerClientLimit, max_requests=api.limits.max_requests_per_client)
+    app.add_middleware(HeadLimit, max_header_bytes=api.limits.max_header_bytes)
     # outermost of ours: whatever escapes a handler or the auth check is one logged 500 without its text
     app.add_middleware(errors.LastResort)
     # requests in flight, ended quietly when the server stops (HttpTransport.stop)

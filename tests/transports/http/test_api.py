@@ -102,6 +102,7 @@ def test_every_core_error_has_a_status() -> None:
         E.InvalidEvent: 500,
         E.LogClosed: 503,
         E.LogUnavailable: 503,
+        E.DatabaseInUse: 503,
         E.ConfigError: 500,
         E.EngineError: 502,
         PayloadTooLarge: 413,
