@@ -300,26 +300,52 @@ def test_performance_is_a_reference_of_bounded_length() -> None:
 
 
 def _layout_dirs(readme: str) -> list[str]:
-    """The folders the README's layout block names: each line's first, and the ones inside it."""
+    """The folders the README's layout block names: each line's first, and the ones inside it,
+    relative to that folder (or to the folder a parenthesis follows: ``http/ (native/)``),
+    unless spelled from the root; an indented line goes on the line above."""
     section = readme.split("## Layout", 1)[1]
     block = section.split("```", 2)[1]
-    named = []
+    named: list[str] = []
+    stack: list[str] = []
+    last = ""
     for line in block.splitlines()[1:]:
         m = re.match(r"([\w.-]+)/\s", line + " ")
-        if not m:
+        if m:
+            stack, last = [m.group(1)], ""
+            named.append(m.group(1))
+            rest = line[m.end() :]
+        elif stack and line.startswith(" "):
+            rest = line
+        else:
             continue
-        top = m.group(1)
-        named.append(top)
-        rest = line[m.end() :]
-        named += [
-            f"{top}/{sub}" for sub in re.findall(r"(?<![\w./])([\w-]+(?:/[\w-]+)*)/(?!\w)", rest)
-        ]
+        for tok in re.findall(r"(?<![\w./])[\w-]+(?:/[\w-]+)*/(?!\w)|[(),]", rest):
+            if tok == "(":
+                stack.append(last or stack[-1])
+            elif tok == ")":
+                stack, last = stack[:-1] or stack, ""
+            elif tok == ",":
+                last = ""
+            else:
+                sub = tok.rstrip("/")
+                last = sub if sub.split("/")[0] == stack[0] else f"{stack[-1]}/{sub}"
+                named.append(last)
     return named
 
 
 def test_the_layout_check_can_fail() -> None:
-    sample = "## Layout\n\n```\ncore/   the core\ntransports/  grpc/ (gRPC), sse/ (HTTP)\n```\n"
-    assert _layout_dirs(sample) == ["core", "transports", "transports/grpc", "transports/sse"]
+    sample = (
+        "## Layout\n\n```\ncore/   the core\ntransports/  grpc/ (gRPC), sse/ (HTTP,\n"
+        "             viewer/)\ntests/  helpers in tests/helpers/\n```\n"
+    )
+    assert _layout_dirs(sample) == [
+        "core",
+        "transports",
+        "transports/grpc",
+        "transports/sse",
+        "transports/sse/viewer",
+        "tests",
+        "tests/helpers",
+    ]
 
 
 def test_the_readme_layout_names_folders_that_exist() -> None:
