@@ -162,9 +162,7 @@ class PostgresDialect(Dialect):
     async def alembic(self, work: Migration[R]) -> R:
         async with self.engine.begin() as conn:
             # several servers starting on a fresh database migrate one at a time
-            await conn.execute(
-                sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": PG_MIGRATE_KEY}
-            )
+            await conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": PG_MIGRATE_KEY})
             return await conn.run_sync(work)
 
     async def reset_pool(self) -> None:
