@@ -98,8 +98,8 @@ class Dialect(ABC):
 
         Raises :class:`NotNow` (nothing run) when that cannot be done without
         waiting: the dialect has no such path (PostgreSQL's driver is async), the
-        writer's connection is not open yet, or another connection holds the
-        write lock.
+        writer's connection is not open yet or has work on the writer thread, or
+        another connection holds the write lock.
         """
         raise NotNow
 

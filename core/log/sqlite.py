@@ -202,10 +202,11 @@ class SQLiteDialect(Dialect):
         if small and before_commit is None and self._writer_idle():
             # One request alone: a WAL commit without fsync takes less than handing
             # it to the writer thread and back (two GIL hand-offs and several loop
-            # turns), so try it right here, unless another connection holds the
-            # write lock, which the writer thread then waits for instead (the loop
-            # never waits on it). Larger batches go to the thread, where SQLite's
-            # work overlaps the loop's.
+            # turns), so try it right here when the writer thread has nothing of
+            # this connection's (a snapshot, a read of an in-memory database), unless
+            # another connection holds the write lock, which the writer thread then
+            # waits for instead (the loop never waits on it). Larger batches go to
+            # the thread, where SQLite's work overlaps the loop's.
             try:
                 return self._transaction(loop, work, None, wait=False)
             except NotNow:
