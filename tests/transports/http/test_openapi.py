@@ -399,6 +399,59 @@ async def test_openai_answers_match_their_schemas(openai_server: Served) -> None
         check(await c.get(f"/v1/responses/{r['id']}"))
         check(await c.get(f"/v1/responses/{r['id']}?stream=true&starting_after=2"))
         check(await c.get(f"/v1/responses/{r['id']}/input_items?order=asc&limit=1"))
+        # function calls and structured output, plain and streamed, on both routes
+        params = {
+            "type": "object",
+            "properties": {"q": {"type": "string", "maxLength": 4}},
+            "required": ["q"],
+            "additionalProperties": False,
+        }
+        fn = {"name": "f", "parameters": params}
+        for stream in (False, True):
+            called = check(
+                await c.post(
+                    "/v1/responses",
+                    json={
+                        "model": MODEL,
+                        "input": "x",
+                        "tools": [{"type": "function", **fn}],
+                        "tool_choice": "required",
+                        "parallel_tool_calls": False,
+                        "stream": stream,
+                        "seed": 1,
+                    },
+                )
+            )
+            final = called[-1]["response"] if stream else called
+            assert final["output"][0]["type"] == "function_call", final
+            chat = check(
+                await c.post(
+                    "/v1/chat/completions",
+                    json={
+                        "model": MODEL,
+                        "messages": [{"role": "user", "content": "x"}],
+                        "tools": [{"type": "function", "function": fn}],
+                        "tool_choice": "required",
+                        "parallel_tool_calls": False,
+                        "stream": stream,
+                        "seed": 1,
+                    },
+                )
+            )
+            last = chat[-1]["choices"][0] if stream else chat["choices"][0]
+            assert last["finish_reason"] == "tool_calls"
+            check(
+                await c.post(
+                    "/v1/responses",
+                    json={
+                        "model": MODEL,
+                        "input": "x",
+                        "text": {"format": {"type": "json_schema", "name": "s", "schema": params}},
+                        "stream": stream,
+                        "seed": 1,
+                    },
+                )
+            )
         # a background response: continuing it while it runs is 409; cancel it
         bg = check(
             await c.post(
