@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +58,62 @@ async def test_sessions_record_the_binding_and_reexecute_bit_identically(
         report = await audit_session(rt, sid, reexecute=True)
         assert report.ok, report.to_json()
         assert report.generations >= 1
+
+
+@pytest.fixture(params=["reference", "onnx"])
+async def any_runtime(
+    request: pytest.FixtureRequest, sqlite_url: str, tiny_dir: Path
+) -> AsyncIterator[Runtime]:
+    eng: Engine = (
+        ReferenceEngine()
+        if request.param == "reference"
+        else OnnxEngine(model_dir=tiny_dir, intra_op_threads=1)
+    )
+    rt = await Runtime.create(make_config(sqlite_url), engine=eng)
+    try:
+        yield rt
+    finally:
+        await rt.aclose()
+
+
+PENALIZED = SamplingParams(
+    max_tokens=24,
+    temperature=0.0,
+    repetition_penalty=1.5,
+    frequency_penalty=0.4,
+    presence_penalty=0.2,
+    penalty_last_n=16,
+)
+
+
+async def _tokens(rt: Runtime, sid: str, params: SamplingParams) -> list[int]:
+    return [e.body["token"] async for e in rt.generate(sid, params) if e.type == T.GENERATION_TOKEN]
+
+
+async def test_penalties_are_recorded_and_reexecute_bit_identically(any_runtime: Runtime) -> None:
+    """The penalties read only the session's recorded history: recorded in
+    ``generation.started``, the generation re-executes to the same bits, and a fork
+    continues as the parent did, on both engines."""
+    rt = any_runtime
+    s = await rt.open_session("kakeya")
+    await rt.append_tokens(s.session_id, [5, 6, 7, 5, 6, 7, 5, 6])
+    start = (await rt.get(s.session_id)).length
+    penalized = await _tokens(rt, s.session_id, PENALIZED)
+    started = [e for e in await rt.log.read(s.session_id) if e.type == T.GENERATION_STARTED]
+    recorded = started[-1].body["params"]
+    assert (recorded["repetition_penalty"], recorded["penalty_last_n"]) == (1.5, 16)
+    assert (recorded["frequency_penalty"], recorded["presence_penalty"]) == (0.4, 0.2)
+    report = await audit_session(rt, s.session_id, reexecute=True)
+    assert report.reexecuted and report.ok, report.to_json()
+    # a fork inside the answer continues with the same tokens
+    child = await rt.fork(s.session_id, at_position=start + 10)
+    again = await _tokens(rt, child.session_id, replace(PENALIZED, max_tokens=14))
+    assert again == penalized[10:]
+    # and without the penalties the answer is another one (they act)
+    plain = await rt.fork(s.session_id, at_position=start)
+    assert await _tokens(rt, plain.session_id, SamplingParams(max_tokens=24, temperature=0.0)) != (
+        penalized
+    )
 
 
 async def test_images_are_rejected_for_the_text_only_model(onnx_runtime: Runtime) -> None:
