@@ -5,6 +5,7 @@ to the model's recommendation when unset (1.1 on the chat routes when it has non
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -140,7 +141,7 @@ async def test_openai_routes_refuse_penalties_out_of_range(
 
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/responses"])
 async def test_a_nan_penalty_is_refused(live: Served, route: str) -> None:
-    body = '{"model": "%s", "input": "hi", "messages": [{"role": "user", "content": "x"}],' % MODEL
+    body = json.dumps({"model": MODEL, "input": "hi", "messages": MSG})[:-1] + ","
     async with httpx.AsyncClient(base_url=live.url) as h:
         for field in ("frequency_penalty", "min_p", "repetition_penalty"):
             r = await h.post(route, content=f'{body} "{field}": NaN}}'.encode())
