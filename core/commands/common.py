@@ -4,10 +4,12 @@ a log opened without an engine for commands that read or edit a database."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from typing import Any
 
 from sessiontape.core.config import Config
-from sessiontape.core.errors import ConfigError
+from sessiontape.core.engine import TextCodec
+from sessiontape.core.errors import ConfigError, PluginNotFound
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
@@ -90,3 +92,25 @@ def redact(url: str) -> str:
     from sqlalchemy.engine import make_url
 
     return make_url(url).render_as_string(hide_password=True)
+
+
+def recorded_codec(binding: Mapping[str, Any] | None) -> TextCodec | None:
+    """The text codec of the session whose ``session.opened`` recorded ``binding``: its
+    engine plugin's (:meth:`Engine.recorded_codec`), found by the plugin's registered
+    name only (a ``module:attr`` path in a log is never imported); None when the engine
+    is not installed or does not have the session's tokenizer at hand."""
+    from sessiontape.core.engine import Engine
+    from sessiontape.core.registry import ENGINES, load
+
+    if not isinstance(binding, Mapping):
+        return None
+    name = binding.get("engine")
+    if not isinstance(name, str) or not name or ":" in name:
+        return None
+    try:
+        cls = load(ENGINES, name)
+    except PluginNotFound:
+        return None
+    if not (isinstance(cls, type) and issubclass(cls, Engine)):
+        return None
+    return cls.recorded_codec(binding)

@@ -343,6 +343,13 @@ class Engine(ABC):
         ``/healthz`` reports it."""
         return None
 
+    @classmethod
+    def recorded_codec(cls, binding: Mapping[str, Any]) -> TextCodec | None:
+        """The text codec of a session this engine served (``binding``: the engine entry
+        its ``session.opened`` recorded), found without loading a model, so that the
+        terminal commands show the session's text; None when it is not at hand here."""
+        return None
+
     def text_codec(self) -> TextCodec | None:
         """The engine's :meth:`tokenize`/:meth:`detokenize` as a picklable object, when it has
         one: an engine served from another process (``core/engine/worker.py``) runs it on the
