@@ -171,7 +171,9 @@ def main() -> None:
             proc.wait(timeout=60)
     n = len(PROMPTS)
     print(f"{n} prompts, greedy, max_tokens={args.max_tokens}, SmolLM2-135M-Instruct")
-    print(f"{'repetition_penalty':>20} {'ran to limit':>13} {'repeating':>10} {'words':>7} {'s':>6}")
+    print(
+        f"{'repetition_penalty':>20} {'ran to limit':>13} {'repeating':>10} {'words':>7} {'s':>6}"
+    )
     for r in rows:
         print(
             f"{r.setting:>20} {r.limit:>9}/{n:<3} {r.repeating:>6}/{n:<3} "

@@ -161,7 +161,7 @@ def _min_p_count(scaled: F64, params: SamplingParams) -> int:
     """How many candidates ``min_p`` keeps: those at least ``min_p`` times as probable
     as the most probable one (the same count whatever the other filters kept, as they
     all keep the most probable one); the count of all without ``min_p``."""
-    n = scaled.shape[0]
+    n = int(scaled.shape[0])
     if params.min_p <= 0 or np.isnan(scaled).any():
         return n
     top = float(scaled.max())
