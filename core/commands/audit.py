@@ -9,7 +9,13 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from sessiontape.core.commands.common import add_common, load_config, log_only, recorded_codec
+from sessiontape.core.commands.common import (
+    add_common,
+    load_config,
+    log_only,
+    opened_binding,
+    recorded_codec,
+)
 from sessiontape.core.engine import TextCodec
 from sessiontape.core.errors import SessiontapeError
 
@@ -55,7 +61,7 @@ async def cmd_audit(args: argparse.Namespace) -> int:
             engine_of[sid] = dict(used)
             if report.divergences and not args.tokens:
                 opened = await log_.read(sid, 1, 1)
-                codecs[sid] = recorded_codec(opened[0].body.get("engine") if opened else None)
+                codecs[sid] = recorded_codec(opened_binding(opened))
             if len(ids) > 1 and not args.json:
                 _progress(i, len(ids))
     finally:

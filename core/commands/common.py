@@ -4,12 +4,13 @@ a log opened without an engine for commands that read or edit a database."""
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sessiontape.core.config import Config
 from sessiontape.core.engine import TextCodec
 from sessiontape.core.errors import ConfigError, PluginNotFound
+from sessiontape.core.events import Event
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
@@ -92,6 +93,16 @@ def redact(url: str) -> str:
     from sqlalchemy.engine import make_url
 
     return make_url(url).render_as_string(hide_password=True)
+
+
+def opened_binding(events: Sequence[Event]) -> Mapping[str, Any] | None:
+    """The engine binding the session's ``session.opened`` (its first event) recorded."""
+    from sessiontape.core.bodies import SessionOpened, body
+    from sessiontape.core.events import T
+
+    if not events or events[0].type != T.SESSION_OPENED:
+        return None
+    return body(events[0], SessionOpened).get("engine")
 
 
 def recorded_codec(binding: Mapping[str, Any] | None) -> TextCodec | None:

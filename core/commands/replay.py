@@ -6,7 +6,12 @@ import argparse
 import sys
 from typing import Any
 
-from sessiontape.core.commands.common import add_common, log_only, recorded_codec
+from sessiontape.core.commands.common import (
+    add_common,
+    log_only,
+    opened_binding,
+    recorded_codec,
+)
 
 
 async def cmd_replay(args: argparse.Namespace) -> int:
@@ -16,7 +21,7 @@ async def cmd_replay(args: argparse.Namespace) -> int:
     try:
         await log_.get_session(args.id)
         evs = await log_.read(args.id)
-        codec = None if args.tokens else recorded_codec(evs[0].body.get("engine") if evs else None)
+        codec = None if args.tokens else recorded_codec(opened_binding(evs))
         detokenize = None if codec is None else codec.decode
         await replay(
             evs,
