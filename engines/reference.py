@@ -143,7 +143,7 @@ class ReferenceEngine(Engine):
                 await asyncio.sleep(0)
             p = n + i
             logits = self.logits(hist, p)
-            tok, tok_lp = sample(logits, params, p, hist)
+            tok, tok_lp = sample(logits, params, p, hist, n)
             hist.append(tok)
             want_ro = options.wants_readout(p)
             yield Step(

@@ -5,10 +5,10 @@ The random draw for the token at absolute position ``p`` depends only on
 seed and parameters give the same tokens however the history was built up
 (Kakeya INV-3), and a fork continues exactly as the parent would have.
 
-The steps, in order (docs/engines.md, Sampling): the penalties, over the last
-``penalty_last_n`` tokens of the history the engine was given (the session's own
-recorded tokens, prompt and generated alike); then temperature, top-k, top-p and
-min-p, as transformers and llama.cpp order them. The log-probability reported for a
+The steps, in order (docs/models.md, Penalties against loops): the penalties, over
+the last ``penalty_last_n`` tokens this generation produced (the prompt is not
+penalized: a question's own words are what a short answer repeats); then
+temperature, top-k, top-p and min-p, as transformers and llama.cpp order them. The log-probability reported for a
 token is always the model's own, before any of them.
 """
 
@@ -55,18 +55,20 @@ def top_logprobs(logp: F64, k: int) -> tuple[tuple[int, float], ...]:
 _ORDER_KEPT = (1e-250, 1e250)
 
 
-def penalized(logits: F32, params: SamplingParams, history: Sequence[int]) -> F32:
+def penalized(
+    logits: F32, params: SamplingParams, history: Sequence[int], start: int = 0
+) -> F32:
     """``logits`` with the penalties applied (``logits`` itself when none acts).
 
-    Every token among the last ``penalty_last_n`` of ``history`` (all of it for -1),
-    except the generation's stop tokens (an end of turn in the prompt must not keep
-    the answer from ending): a positive score divided by ``repetition_penalty``, any
-    other multiplied by it (llama.cpp, transformers); then ``count * frequency_penalty
-    + presence_penalty`` subtracted (OpenAI's definition). In float32, as numpy does it
-    on every machine."""
-    if not params.penalized or not history:
+    Every token among the last ``penalty_last_n`` of ``history[start:]`` (the tokens
+    the generation produced; all of them for -1), except the generation's stop tokens:
+    a positive score divided by ``repetition_penalty``, any other multiplied by it
+    (llama.cpp, transformers); then ``count * frequency_penalty + presence_penalty``
+    subtracted (OpenAI's definition). In float32, as numpy does it on every machine."""
+    if not params.penalized or len(history) <= start:
         return logits
-    window = history if params.penalty_last_n < 0 else history[-params.penalty_last_n :]
+    last = params.penalty_last_n
+    window = history[start:] if last < 0 else history[max(start, len(history) - last) :]
     ids, counts = np.unique(np.asarray(window, np.int64), return_counts=True)
     keep = (ids < logits.shape[0]) & ~np.isin(ids, np.asarray(params.stop_token_ids, np.int64))
     ids, counts = ids[keep], counts[keep]
@@ -85,12 +87,17 @@ def penalized(logits: F32, params: SamplingParams, history: Sequence[int]) -> F3
 
 
 def sample(
-    logits: F32, params: SamplingParams, position: int, history: Sequence[int] = ()
+    logits: F32,
+    params: SamplingParams,
+    position: int,
+    history: Sequence[int] = (),
+    start: int | None = None,
 ) -> tuple[int, float]:
-    """Pick the token at ``position`` after ``history`` (the whole history before it,
-    which the penalties read); returns (token, its log-probability under the model)."""
+    """Pick the token at ``position`` after ``history`` (the whole history before it),
+    whose tokens from ``start`` on are the ones this generation produced (the penalties
+    read those; ``None``: none); returns (token, its log-probability under the model)."""
     logp = log_softmax(logits)
-    scores = penalized(logits, params, history)
+    scores = logits if start is None else penalized(logits, params, history, start)
     if params.temperature == 0:
         tok = int(np.argmax(logp if scores is logits else log_softmax(scores)))
         return tok, float(logp[tok])

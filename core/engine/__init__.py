@@ -61,8 +61,8 @@ class ModelSampling:
 MODEL_SAMPLED = ("temperature", "top_p", "top_k", "repetition_penalty", "min_p", "penalty_last_n")
 #: the bound of OpenAI's ``frequency_penalty`` and ``presence_penalty``: [-2, 2]
 MAX_ADDITIVE_PENALTY = 2.0
-#: the history positions the penalties look back over when nothing says otherwise
-#: (llama.cpp's ``repeat_last_n``)
+#: how many of a generation's last tokens the penalties look back over when nothing
+#: says otherwise (llama.cpp's ``repeat_last_n``)
 PENALTY_LAST_N = 64
 
 
@@ -129,7 +129,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     #: divides a positive score, multiplies a negative one, of every token among the
-    #: last ``penalty_last_n`` of the history (llama.cpp's and transformers' penalty)
+    #: last ``penalty_last_n`` the generation produced (llama.cpp's and transformers')
     repetition_penalty: float = 1.0
     #: OpenAI's: subtracted from a token's score once per occurrence in that window
     frequency_penalty: float = 0.0
@@ -137,8 +137,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     #: tokens less probable than ``min_p`` times the most probable one are not drawn
     min_p: float = 0.0
-    #: how far back the penalties look: the last this many positions of the history
-    #: (prompt and generated alike), 0 none, -1 all of it (docs/engines.md, Sampling)
+    #: how far back the penalties look: the last this many tokens the generation
+    #: produced (never its prompt), 0 none, -1 all of them (docs/models.md, Penalties)
     penalty_last_n: int = PENALTY_LAST_N
     #: fields of :data:`MODEL_SAMPLED` the request left unset: the served model's
     #: recommendation replaces their value when the generation begins

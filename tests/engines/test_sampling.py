@@ -122,7 +122,7 @@ def _penalty(**kw: object) -> SamplingParams:
 
 def test_the_repetition_penalty_divides_positive_scores_and_multiplies_the_others() -> None:
     x = np.array([2.0, -2.0, 0.0, 4.0, 1.0], dtype=np.float32)
-    out = penalized(x, _penalty(repetition_penalty=2.0), [0, 1, 2, 0, 0])
+    out = penalized(x, _penalty(repetition_penalty=2.0), [0, 1, 2, 0, 0], 0)
     # tokens 0, 1, 2 were seen (once or three times: the same); 3 and 4 were not
     assert out.tolist() == [1.0, -4.0, 0.0, 4.0, 1.0]
     assert x.tolist() == [2.0, -2.0, 0.0, 4.0, 1.0]  # the model's scores are left as they were
@@ -131,33 +131,37 @@ def test_the_repetition_penalty_divides_positive_scores_and_multiplies_the_other
 def test_frequency_and_presence_penalties_are_openais() -> None:
     x = np.zeros(4, dtype=np.float32)
     params = _penalty(frequency_penalty=0.5, presence_penalty=0.25)
-    out = penalized(x, params, [1, 1, 1, 2])
+    out = penalized(x, params, [1, 1, 1, 2], 0)
     assert out.tolist() == [0.0, -(3 * 0.5 + 0.25), -(1 * 0.5 + 0.25), 0.0]
     # negative penalties favour what was said
-    assert penalized(x, _penalty(presence_penalty=-1.0), [3]).tolist() == [0, 0, 0, 1.0]
+    assert penalized(x, _penalty(presence_penalty=-1.0), [3], 0).tolist() == [0, 0, 0, 1.0]
 
 
-def test_the_penalties_look_back_penalty_last_n_tokens_and_spare_the_stop_tokens() -> None:
+def test_the_penalties_read_the_last_penalty_last_n_generated_tokens_sparing_stops() -> None:
     x = np.ones(6, dtype=np.float32)
-    history = [5, 1, 2, 3, 4]
-    last2 = penalized(x, _penalty(presence_penalty=1.0, penalty_last_n=2), history)
+    history = [5, 1, 2, 3, 4]  # the prompt is [5]: the generation produced 1, 2, 3, 4
+    last2 = penalized(x, _penalty(presence_penalty=1.0, penalty_last_n=2), history, 1)
     assert last2.tolist() == [1, 1, 1, 0, 0, 1]
-    every = penalized(x, _penalty(presence_penalty=1.0, penalty_last_n=-1), history)
-    assert every.tolist() == [1, 0, 0, 0, 0, 0]
-    assert penalized(x, _penalty(presence_penalty=1.0, penalty_last_n=0), history) is x
-    spared = _penalty(presence_penalty=1.0, penalty_last_n=-1, stop_token_ids=(5,))
-    assert penalized(x, spared, history).tolist() == [1, 0, 0, 0, 0, 1]
+    every = penalized(x, _penalty(presence_penalty=1.0, penalty_last_n=-1), history, 1)
+    assert every.tolist() == [1, 0, 0, 0, 0, 1]
+    # the prompt is never penalized, however far back the window reaches
+    assert penalized(x, _penalty(presence_penalty=1.0, penalty_last_n=64), history, 1)[5] == 1
+    assert penalized(x, _penalty(presence_penalty=1.0, penalty_last_n=0), history, 1) is x
+    assert penalized(x, _penalty(presence_penalty=1.0), history, 5) is x  # nothing generated
+    spared = _penalty(presence_penalty=1.0, penalty_last_n=-1, stop_token_ids=(3,))
+    assert penalized(x, spared, history, 1).tolist() == [1, 0, 0, 1, 0, 1]
 
 
 def test_a_penalty_changes_the_choice_and_not_the_reported_logprob() -> None:
     x = np.array([3.0, 2.9, -1.0], dtype=np.float32)
-    plain = sample(x, _penalty(), 5, [0, 0])
+    plain = sample(x, _penalty(), 5, [2, 0, 0], 1)
     assert plain[0] == 0
-    tok, lp = sample(x, _penalty(repetition_penalty=1.1), 5, [0, 0])
+    tok, lp = sample(x, _penalty(repetition_penalty=1.1), 5, [2, 0, 0], 1)
     assert tok == 1
     assert lp == float(log_softmax(x)[1])  # the model's own log-probability
-    # without a history (nothing recorded) nothing is penalized
-    assert sample(x, _penalty(repetition_penalty=1.1), 0, [])[0] == 0
+    # a prompt of 0s, nothing generated yet: nothing is penalized
+    assert sample(x, _penalty(repetition_penalty=1.1), 3, [0, 0, 0], 3)[0] == 0
+    assert sample(x, _penalty(repetition_penalty=1.1), 3, [0, 0, 0])[0] == 0
 
 
 @settings(max_examples=300, derandomize=True, deadline=None)

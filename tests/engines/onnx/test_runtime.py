@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -77,12 +76,12 @@ async def any_runtime(
 
 
 PENALIZED = SamplingParams(
-    max_tokens=24,
+    max_tokens=64,
     temperature=0.0,
     repetition_penalty=1.5,
     frequency_penalty=0.4,
     presence_penalty=0.2,
-    penalty_last_n=16,
+    penalty_last_n=48,
 )
 
 
@@ -91,9 +90,9 @@ async def _tokens(rt: Runtime, sid: str, params: SamplingParams) -> list[int]:
 
 
 async def test_penalties_are_recorded_and_reexecute_bit_identically(any_runtime: Runtime) -> None:
-    """The penalties read only the session's recorded history: recorded in
+    """The penalties read only the tokens the generation produced: recorded in
     ``generation.started``, the generation re-executes to the same bits, and a fork
-    continues as the parent did, on both engines."""
+    at its start generates it again, on both engines; the prompt is not penalized."""
     rt = any_runtime
     s = await rt.open_session("kakeya")
     await rt.append_tokens(s.session_id, [5, 6, 7, 5, 6, 7, 5, 6])
@@ -101,19 +100,19 @@ async def test_penalties_are_recorded_and_reexecute_bit_identically(any_runtime:
     penalized = await _tokens(rt, s.session_id, PENALIZED)
     started = [e for e in await rt.log.read(s.session_id) if e.type == T.GENERATION_STARTED]
     recorded = started[-1].body["params"]
-    assert (recorded["repetition_penalty"], recorded["penalty_last_n"]) == (1.5, 16)
+    assert (recorded["repetition_penalty"], recorded["penalty_last_n"]) == (1.5, 48)
     assert (recorded["frequency_penalty"], recorded["presence_penalty"]) == (0.4, 0.2)
     report = await audit_session(rt, s.session_id, reexecute=True)
     assert report.reexecuted and report.ok, report.to_json()
-    # a fork inside the answer continues with the same tokens
-    child = await rt.fork(s.session_id, at_position=start + 10)
-    again = await _tokens(rt, child.session_id, replace(PENALIZED, max_tokens=14))
-    assert again == penalized[10:]
-    # and without the penalties the answer is another one (they act)
+    # a fork at the answer's start answers the same
+    child = await rt.fork(s.session_id, at_position=start)
+    assert await _tokens(rt, child.session_id, PENALIZED) == penalized
     plain = await rt.fork(s.session_id, at_position=start)
-    assert await _tokens(rt, plain.session_id, SamplingParams(max_tokens=24, temperature=0.0)) != (
-        penalized
-    )
+    unpenalized = await _tokens(rt, plain.session_id, SamplingParams(max_tokens=64, temperature=0))
+    # the first token sees no generated token: the prompt's repeats change nothing
+    assert unpenalized[0] == penalized[0]
+    # then the penalties act
+    assert unpenalized != penalized
 
 
 async def test_images_are_rejected_for_the_text_only_model(onnx_runtime: Runtime) -> None:
