@@ -55,9 +55,7 @@ def top_logprobs(logp: F64, k: int) -> tuple[tuple[int, float], ...]:
 _ORDER_KEPT = (1e-250, 1e250)
 
 
-def penalized(
-    logits: F32, params: SamplingParams, history: Sequence[int], start: int = 0
-) -> F32:
+def penalized(logits: F32, params: SamplingParams, history: Sequence[int], start: int = 0) -> F32:
     """``logits`` with the penalties applied (``logits`` itself when none acts).
 
     Every token among the last ``penalty_last_n`` of ``history[start:]`` (the tokens
