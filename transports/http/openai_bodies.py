@@ -95,8 +95,8 @@ TopP = Annotated[float, Field(gt=0, le=1)]
 TopLogprobs = Annotated[int, Field(ge=0, le=20)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 #: the repetition penalty of a chat request that names none, when the model recommends
-#: none: llama.cpp's default (1.1 over the last 64 tokens), which stops the small chat
-#: models' loops (docs/models.md, Penalties)
+#: none: llama.cpp's default (1.1 over the last 64 tokens, here the answer's), which stops
+#: the small chat models' loops (docs/models.md, Penalties against loops)
 CHAT_REPETITION_PENALTY = 1.1
 Seed = Annotated[
     int,
@@ -123,16 +123,17 @@ class Request(BaseModel):
     metadata: Metadata | None = None
     stream: bool | None = False
     frequency_penalty: Penalty | None = Field(
-        None, description="subtracted from a token's score per occurrence in the last 64 tokens"
+        None,
+        description="subtracted from a token's score per occurrence in the answer's last 64 tokens",
     )
     presence_penalty: Penalty | None = Field(
-        None, description="subtracted from the score of a token among the last 64"
+        None, description="subtracted from the score of a token among the answer's last 64"
     )
     repetition_penalty: Annotated[float, Field(gt=0, le=10)] | None = Field(
         None,
         description=(
-            "extension: divides (multiplies if negative) the score of a token among the last"
-            f" 64; unset: the model's recommendation, else {CHAT_REPETITION_PENALTY}"
+            "extension: divides (multiplies if negative) the score of a token among the"
+            f" answer's last 64; unset: the model's recommendation, else {CHAT_REPETITION_PENALTY}"
         ),
     )
     min_p: Annotated[float, Field(ge=0, le=1)] | None = Field(
