@@ -31,7 +31,7 @@ LIST_EVENTS = frozenset(
 async def _preview(runtime: Runtime, row: SessionRow) -> str:
     """The session's preview from its first events; its input is decoded only where the
     served model is the one it recorded."""
-    evs = await runtime.read_events(row.id, 1, PREVIEW_EVENTS)
+    evs = await runtime.reads.read_events(row.id, 1, PREVIEW_EVENTS)
     same = row.model_id == runtime.engine.info.model_id
     return preview_of(evs, runtime.engine.detokenize if same else None)
 
@@ -50,11 +50,11 @@ async def list_stream(
     a fold from genesis), so a client more than ``queue_max`` list changes
     behind is not buffered for: its stream ends and it reconnects.
     """
-    position = await runtime.last_position()
+    position = await runtime.reads.last_position()
     rows = []
-    for r in await runtime.list_sessions(limit=limit):
+    for r in await runtime.reads.list_sessions(limit=limit):
         row = r.to_json()
-        row["generating"] = runtime.is_generating(r.id)
+        row["generating"] = runtime.generations.is_running(r.id)
         row["preview"] = await _preview(runtime, r)
         rows.append(row)
     builder = SessionListBuilder(rows, runtime.engine.detokenize)
@@ -63,7 +63,7 @@ async def list_stream(
 
     async def pump() -> None:
         try:
-            async for e in runtime.subscribe(position, None):
+            async for e in runtime.reads.subscribe(position, None):
                 if e.type not in LIST_EVENTS:
                     continue
                 try:
