@@ -4,6 +4,7 @@ a log opened without an engine for commands that read or edit a database."""
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -103,6 +104,18 @@ def opened_binding(events: Sequence[Event]) -> Mapping[str, Any] | None:
     if not events or events[0].type != T.SESSION_OPENED:
         return None
     return body(events[0], SessionOpened).get("engine")
+
+
+def codec_or_note(binding: Mapping[str, Any] | None) -> TextCodec | None:
+    """:func:`recorded_codec`, saying on stderr when there is none (the ids are shown)."""
+    codec = recorded_codec(binding)
+    if codec is None:
+        model = (binding or {}).get("model_id", "?")
+        print(
+            f"note: the tokenizer of {model} is not at hand here: token ids shown",
+            file=sys.stderr,
+        )
+    return codec
 
 
 def recorded_codec(binding: Mapping[str, Any] | None) -> TextCodec | None:

@@ -8,9 +8,9 @@ from typing import Any
 
 from sessiontape.core.commands.common import (
     add_common,
+    codec_or_note,
     log_only,
     opened_binding,
-    recorded_codec,
 )
 
 
@@ -21,7 +21,7 @@ async def cmd_replay(args: argparse.Namespace) -> int:
     try:
         await log_.get_session(args.id)
         evs = await log_.read(args.id)
-        codec = None if args.tokens else recorded_codec(opened_binding(evs))
+        codec = None if args.tokens else codec_or_note(opened_binding(evs))
         detokenize = None if codec is None else codec.decode
         await replay(
             evs,

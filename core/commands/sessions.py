@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from sessiontape.core.commands.common import add_common, log_only, recorded_codec
+from sessiontape.core.commands.common import add_common, codec_or_note, log_only
 
 
 async def cmd_sessions_ls(args: argparse.Namespace) -> int:
@@ -39,7 +39,7 @@ async def cmd_sessions_show(args: argparse.Namespace) -> int:
     try:
         row = await log_.get_session(args.id)
         st = await load_state(log_, args.id)
-        codec = None if args.tokens else recorded_codec(st.engine)
+        codec = None if args.tokens else codec_or_note(st.engine)
         turns: list[dict[str, Any]] = []
         if codec is not None:
             evs = await log_.read(args.id)

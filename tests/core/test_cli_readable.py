@@ -28,11 +28,15 @@ EXE = [sys.executable, "-m", "sessiontape.core.cli"]
 QUESTION = "What is the capital of France?"
 
 
-def cli(*args: str, db: str, cache: Path) -> str:
+def run(*args: str, db: str, cache: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "SESSIONTAPE_DB": db, "SESSIONTAPE_CACHE": str(cache)}
     proc = subprocess.run([*EXE, *args], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    return proc.stdout
+    return proc
+
+
+def cli(*args: str, db: str, cache: Path) -> str:
+    return run(*args, db=db, cache=cache).stdout
 
 
 @pytest.fixture(scope="module")
@@ -126,5 +130,7 @@ def test_replay_prints_the_turns_by_role_and_tokens_keeps_the_ids(
     shown = cli("sessions", "show", facts["native"], "--tokens", db=url, cache=real_model_cache)
     assert generated in shown and "[model]" not in shown
     # without the model cache there is no text to show: ids (and bytes below 256)
-    bare = cli("replay", facts["native"], "--instant", db=url, cache=real_model_cache / "none")
-    assert facts["native_text"] not in bare and f"<{facts['native_ids'][-1]['id']}>" in bare
+    bare = run("replay", facts["native"], "--instant", db=url, cache=real_model_cache / "none")
+    assert facts["native_text"] not in bare.stdout
+    assert f"<{facts['native_ids'][-1]['id']}>" in bare.stdout
+    assert "tokenizer of smollm2-135m-instruct is not at hand" in bare.stderr
