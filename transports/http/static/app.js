@@ -335,13 +335,17 @@ async function forkAt(sid, where) {
   } catch (err) { notice(`fork failed: ${err.message}`, true); return null; }
 }
 
+const NO_PENALTY = { repetition_penalty: 1, frequency_penalty: 0, presence_penalty: 0, min_p: 0 };
+
 // Fork at `position` (inside or at the start of generation g) and generate again with g's parameters.
 async function rerun(doc, g, position) {
   const child = await forkAt(doc.id, { at_position: position });
   if (!child) return;
   const p = g.params || {};
   const body = { background: true, logprob_top_k: g.options?.logprob_top_k || 0 };
-  for (const k of ["temperature", "top_p", "top_k", "seed", "stop_token_ids"]) if (p[k] != null) body[k] = p[k];
+  for (const k of ["temperature", "top_p", "top_k", "seed", "stop_token_ids", "penalty_last_n"]) if (p[k] != null) body[k] = p[k];
+  // recorded only where they act: absent means none (not the model's recommendation)
+  for (const [k, none] of Object.entries(NO_PENALTY)) body[k] = p[k] ?? none;
   const done = position - g.prompt_length;
   if (p.max_tokens != null) body.max_tokens = Math.max(1, p.max_tokens - Math.max(0, done));
   try { await postJSON(`/v1/sessions/${child.id}/generate`, body); }
