@@ -48,7 +48,8 @@ def input_preview(e: Event, detokenize: Detokenize | None) -> str | None:
     """The text of the input ``e`` appended (None without ``detokenize`` or text)."""
     if e.type != T.TOKENS_APPENDED or detokenize is None:
         return None
-    text = preview_text(detokenize([int(t) for t in body(e, TokensAppended)["tokens"]]))
+    head = body(e, TokensAppended)["tokens"][: 2 * PREVIEW_CHARS]  # more than a preview shows
+    text = preview_text(detokenize([int(t) for t in head]).rstrip("\ufffd"))
     return text or None
 
 
