@@ -582,7 +582,9 @@ async def test_d4_results_and_feedback_read_the_same_over_sse_and_http(
         toks = [e.body["token"] for e in generated(logged)]
         completion = json.loads(final["body"]["result"])
         assert completion["usage"]["completion_tokens"] == len(toks)
-        assert completion["choices"][0]["message"]["content"] == st.runtime.engine.detokenize(toks)
+        # the text of the tokens, less a character they end in the middle of
+        text = st.runtime.engine.detokenize(toks).removesuffix("\ufffd")
+        assert completion["choices"][0]["message"]["content"] == text
         # the recorded prompt and parameters, driven over HTTP, generate the same tokens
         [appended] = [e for e in logged if e.type == "tokens.appended"]
         hsid = (await st.http.post("/v1/sessions", json={})).json()["id"]
