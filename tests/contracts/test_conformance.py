@@ -129,6 +129,10 @@ async def doc_positions(st: Stack, sid: str) -> list[int]:
     return sorted(own + children)
 
 
+#: the penalties a generation.started records where one acts
+PENALTIES = ("repetition_penalty", "frequency_penalty", "presence_penalty", "penalty_last_n")
+
+
 def generated(evs: Sequence[Event], generation_id: str | None = None) -> list[Event]:
     return [
         e
@@ -599,6 +603,8 @@ async def test_d4_results_and_feedback_read_the_same_over_sse_and_http(
                 "top_k": p["top_k"],
                 "seed": int(p["seed"]),
                 "stop_token_ids": p["stop_token_ids"],
+                # the call's min_p (and penalties, where it names them) are recorded too
+                **{k: p[k] for k in (*PENALTIES, "min_p") if k in p},
                 "stream": False,
             },
         )
