@@ -16,7 +16,7 @@ from sessiontape.core.commands.common import (
     opened_binding,
     recorded_codec,
 )
-from sessiontape.core.engine import TextCodec
+from sessiontape.core.engine.interface import TextCodec
 from sessiontape.core.errors import SessiontapeError
 
 Decode = Callable[[Sequence[int]], str]
@@ -24,8 +24,8 @@ Decode = Callable[[Sequence[int]], str]
 
 async def cmd_audit(args: argparse.Namespace) -> int:
     from sessiontape.core.audit import AuditReport, audit_session
-    from sessiontape.core.engine import Engine
-    from sessiontape.core.registry import ENGINES, load
+    from sessiontape.core.engine.interface import Engine
+    from sessiontape.core.plugins import ENGINES, load
 
     cfg = load_config(args)
     log_ = await log_only(args)

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sessiontape.core.config import Config
-from sessiontape.core.engine import TextCodec
+from sessiontape.core.engine.interface import TextCodec
 from sessiontape.core.errors import ConfigError, PluginNotFound
 from sessiontape.core.events import Event
 
@@ -123,8 +123,8 @@ def recorded_codec(binding: Mapping[str, Any] | None) -> TextCodec | None:
     engine plugin's (:meth:`Engine.recorded_codec`), found by the plugin's registered
     name only (a ``module:attr`` path in a log is never imported); None when the engine
     is not installed or does not have the session's tokenizer at hand."""
-    from sessiontape.core.engine import Engine
-    from sessiontape.core.registry import ENGINES, load
+    from sessiontape.core.engine.interface import Engine
+    from sessiontape.core.plugins import ENGINES, load
 
     if not isinstance(binding, Mapping):
         return None

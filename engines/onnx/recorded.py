@@ -16,9 +16,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from sessiontape.engines.byte_tokenizer import ByteTokenizer
 from sessiontape.engines.onnx.demo import cache_root
 from sessiontape.engines.onnx.model import HFTokenizer, Tokenizer
-from sessiontape.engines.tokenizer import ByteTokenizer
 
 #: the model ids of the built-in demo models (byte-level tokenizers)
 DEMO_PREFIX = "sessiontape-demo-"

@@ -22,7 +22,7 @@ import pytest
 
 from sessiontape.engines.onnx import OnnxEngine
 from sessiontape.engines.onnx.recorded import recorded_tokenizer
-from tests.transports.http.conftest import serving
+from tests.helpers.http import serving
 
 EXE = [sys.executable, "-m", "sessiontape.core.cli"]
 QUESTION = "What is the capital of France?"
@@ -50,7 +50,7 @@ def recorded(
     [folder] = (real_model_cache / "models" / "imported").iterdir()
 
     async def build() -> dict[str, Any]:
-        from tests.conftest import free_port
+        from tests.helpers.config import free_port
 
         engine = OnnxEngine(model_dir=folder, intra_op_threads=2)
         async with serving(url, free_port(), engine=engine) as s:

@@ -33,7 +33,7 @@ from sessiontape.core.events import Event, T
 from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.runtime import Runtime
 from sessiontape.core.session.state import SessionState
-from sessiontape.engines.models.chat_template import prompt_text
+from sessiontape.engines.models.jinja_template import prompt_text
 from sessiontape.transports.nostr import d4
 from sessiontape.transports.nostr.settings import Settings
 

@@ -16,9 +16,8 @@ import pytest
 from sessiontape.core.events import T
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
-from sessiontape.transports.http.openai_bodies import CHAT_REPETITION_PENALTY
-
-from .conftest import Served, serving
+from sessiontape.transports.http.openai.bodies import CHAT_REPETITION_PENALTY
+from tests.helpers.http import Served, serving
 
 MODEL = "reference-bigram-v1"
 PENALTIES = ("repetition_penalty", "frequency_penalty", "presence_penalty", "min_p")

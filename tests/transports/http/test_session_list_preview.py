@@ -14,8 +14,8 @@ import pytest
 from sessiontape.core.document.sessionlist import PREVIEW_CHARS, preview_text
 from sessiontape.core.patch import apply_patch
 from sessiontape.engines.reference import ReferenceEngine
-from tests.transports.http.conftest import Served, serving
-from tests.transports.http.sse_client import events
+from tests.helpers.http import Served, serving
+from tests.helpers.sse_client import events
 
 MODEL = "reference-bigram-v1"
 QUESTION = "Which  river runs\nthrough Paris?"

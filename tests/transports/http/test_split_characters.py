@@ -15,8 +15,7 @@ import openai
 import pytest
 
 from sessiontape.engines.reference import ReferenceEngine
-
-from .conftest import Served, serving
+from tests.helpers.http import Served, serving
 
 MODEL = "reference-bigram-v1"
 #: seeds looked at; a few of their answers end mid-character
