@@ -188,6 +188,13 @@ class RecordedParams(TypedDict):
     stop_token_ids: ReadOnly[list[int]]
     #: the constraint the output was generated under (core/constraint.py), when any
     constraint: NotRequired[ReadOnly[RecordedConstraint]]
+    #: the penalties, recorded (all four) where they act
+    repetition_penalty: NotRequired[ReadOnly[float]]
+    frequency_penalty: NotRequired[ReadOnly[float]]
+    presence_penalty: NotRequired[ReadOnly[float]]
+    penalty_last_n: NotRequired[ReadOnly[int]]
+    #: recorded where it is above 0
+    min_p: NotRequired[ReadOnly[float]]
 
 
 class RecordedOptions(TypedDict):

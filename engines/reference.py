@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,7 +151,7 @@ class ReferenceEngine(Engine):
             p = n + i
             logits = self.logits(hist, p)
             allowed = None if guide is None else guide.allowed()
-            tok, tok_lp = sample(logits, params, p, allowed)
+            tok, tok_lp = sample(logits, params, p, hist, n, allowed)
             if guide is not None and allowed is not None:
                 guide.advance(tok)
                 logits = masked(logits, allowed) if options.logprob_top_k else logits
@@ -170,6 +170,10 @@ class ReferenceEngine(Engine):
 
     def cached_length(self, session_key: str) -> int | None:
         return None
+
+    @classmethod
+    def recorded_codec(cls, binding: Mapping[str, Any]) -> ByteTokenizer:
+        return ByteTokenizer(int(binding.get("vocab_size") or VOCAB))
 
 
 def _prompt_positions(options: OutputOptions, n: int) -> list[int]:

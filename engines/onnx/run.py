@@ -66,7 +66,7 @@ class Run:
         p = len(self.hist)
         logits, guide = self.last, self.guide
         allowed = None if guide is None else guide.allowed()
-        tok, tok_lp = sample(logits, params, p, allowed)
+        tok, tok_lp = sample(logits, params, p, self.hist, self.n, allowed)
         if guide is not None and allowed is not None:
             guide.advance(tok)
             if options.logprob_top_k:
