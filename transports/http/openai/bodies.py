@@ -454,7 +454,7 @@ class JsonSchemaFormat(Part):
 
 
 def _one(value: Any) -> Any:
-    if value != 1 or isinstance(value, bool):
+    if type(value) is not int or value != 1:  # 1.0 and True are not the integer 1
         raise PydanticCustomError(
             "n", "must be 1 (one session per choice: send one request per choice)"
         )
