@@ -15,8 +15,26 @@ model as a :class:`ModelSpec` and hand over its weights by name
 Weight names (matrices are ``[in, out]`` float32 arrays or :class:`QuantMatrix`)::
 
     embed [vocab, hidden] (float32, or an 8-bit QuantMatrix with n = vocab),
-    l{i}.attn_norm, l{i}.wq, l{i}.wk, l{i}.wv, [l{i}.bq, l{i}.bk, l{i}.bv], l{i}.wo,
-    l{i}.mlp_norm, l{i}.wg, l{i}.wu, l{i}.wd, final_norm, lm_head [hidden, vocab]
+    l{i}.attn_norm, l{i}.wq, l{i}.wk, l{i}.wv, [l{i}.bq, l{i}.bk, l{i}.bv],
+    [l{i}.q_norm, l{i}.k_norm], l{i}.wo, [l{i}.post_attn_norm], l{i}.mlp_norm,
+    l{i}.wg, l{i}.wu, l{i}.wd, [l{i}.post_mlp_norm], final_norm, lm_head [hidden, vocab]
+
+(bracketed names only where the spec has the feature: ``qkv_bias``, ``qk_norm``,
+``post_norms``). Norm weights are the factors the normalized values are multiplied
+by: a Gemma norm's ``1 + w`` is added by the source, not here.
+
+Beside the Llama block, the spec switches on what Qwen3, Gemma 2/3, Phi-3 and
+Mistral add (:class:`ModelSpec`): per-head RMSNorm of q and k before the
+rotary (``qk_norm``), norms after the attention and the MLP (``post_norms``),
+the embedding scaled by a constant (``embed_scale``), a GELU-tanh gated MLP
+(``activation``), a query scale other than ``head_dim ** -0.5``
+(``query_scale``), soft-capped attention scores and logits (``cap * tanh(x /
+cap)``), sliding-window layers (``sliding_window``, ``local_layers``: a query at
+position p sees keys at p - window < j <= p) with their own rotary base
+(``local_rope_theta``), and a factor on the rotary tables (``rope_attention_factor``,
+Phi-3's long-rope scaling). The key/value buffers hold every position on every
+layer, so a window is a mask over positions and stays exact however long the
+sequence grows.
 
 A quantized matrix runs as com.microsoft ``MatMulNBits`` (4 or 8 bits, blocks
 along the input dimension, computed with int8 activations at
@@ -115,6 +133,32 @@ class ModelSpec:
     rope_freq_factors: tuple[float, ...] | None = None
     #: q, k and v projections have biases (Qwen2)
     qkv_bias: bool = False
+    #: q and k are RMS-normalized per head (weights ``l{i}.q_norm``, ``l{i}.k_norm`` of
+    #: head_dim) before the rotary (Qwen3, Gemma 3)
+    qk_norm: bool = False
+    #: the attention's and the MLP's outputs are RMS-normalized before their residual adds
+    #: (``l{i}.post_attn_norm``, ``l{i}.post_mlp_norm``; Gemma 2 and 3)
+    post_norms: bool = False
+    #: the embedding's rows are multiplied by this (Gemma: sqrt(hidden), rounded to the
+    #: graph's float type as transformers rounds it to the embedding's)
+    embed_scale: float | None = None
+    #: the gated MLP's activation: ``silu`` or ``gelu_tanh`` (GELU, tanh approximation)
+    activation: str = "silu"
+    #: the attention scores' scale (None: head_dim ** -0.5; Gemma: query_pre_attn_scalar ** -0.5)
+    query_scale: float | None = None
+    #: attention scores become ``cap * tanh(scores / cap)`` before the softmax (Gemma 2)
+    attn_softcap: float | None = None
+    #: logits become ``cap * tanh(logits / cap)`` (Gemma 2)
+    final_softcap: float | None = None
+    #: keys visible to the query at position p on a local layer: p - window < j <= p (0: none)
+    sliding_window: int = 0
+    #: the layers that attend over the window (the others attend over every position)
+    local_layers: tuple[int, ...] = ()
+    #: the rotary base of the local layers, which take no rope scaling (Gemma 3); None:
+    #: the same rotary as the global layers
+    local_rope_theta: float | None = None
+    #: cos and sin multiplied by this (Phi-3's long-rope attention factor)
+    rope_attention_factor: float = 1.0
     #: MatMulNBits' accuracy_level (4: int8 activations, the CPU's fast path)
     accuracy_level: int = 4
     #: attention as separate operators over a mask by position (``masked``), or one fused
@@ -137,9 +181,12 @@ def rope_rows(max_length: int) -> int:
     return -(-(max_length + 1) // SLOT_BLOCK) * SLOT_BLOCK
 
 
-def inv_frequencies(spec: ModelSpec) -> npt.NDArray[np.float64]:
-    """The rotary inverse frequencies, with the spec's scaling applied."""
+def inv_frequencies(spec: ModelSpec, local: bool = False) -> npt.NDArray[np.float64]:
+    """The rotary inverse frequencies, with the spec's scaling applied (``local``: the
+    sliding-window layers' own base, unscaled, when the spec has one)."""
     hd = spec.head_dim
+    if local and spec.local_rope_theta is not None:
+        return 1.0 / (spec.local_rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
     inv = 1.0 / (spec.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
     if spec.rope_freq_factors is not None:
         factors = np.asarray(spec.rope_freq_factors, dtype=np.float64)
@@ -167,15 +214,30 @@ def _scaled(spec: ModelSpec, inv: npt.NDArray[np.float64]) -> npt.NDArray[np.flo
     raise ValueError(f"unsupported rope scaling {sc.kind!r}")
 
 
-def rope_tables(spec: ModelSpec) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
+def rope_tables(spec: ModelSpec, local: bool = False) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
     """cos and sin [rope_rows, head_dim / 2], in the graph's float type (rounded once, from
-    float64)."""
-    ang = np.outer(np.arange(rope_rows(spec.max_length), dtype=np.float64), inv_frequencies(spec))
-    return np.cos(ang).astype(spec.np_float), np.sin(ang).astype(spec.np_float)
+    float64); ``local``: the sliding-window layers' tables (:func:`inv_frequencies`)."""
+    rows = np.arange(rope_rows(spec.max_length), dtype=np.float64)
+    ang = np.outer(rows, inv_frequencies(spec, local))
+    factor = 1.0 if local and spec.local_rope_theta is not None else spec.rope_attention_factor
+    cos, sin = np.cos(ang) * factor, np.sin(ang) * factor
+    return cos.astype(spec.np_float), sin.astype(spec.np_float)
 
 
-def _slot_mask(g: Graph, group: int) -> str:
-    """[b, 1, group * s, t]: key slot j visible to the query at position q iff j <= q.
+def _rope_names(spec: ModelSpec, i: int) -> tuple[str, str]:
+    """Layer ``i``'s cos and sin tables."""
+    if spec.local_rope_theta is not None and _is_local(spec, i):
+        return "rope_cos_local", "rope_sin_local"
+    return "rope_cos", "rope_sin"
+
+
+def _is_local(spec: ModelSpec, i: int) -> bool:
+    return spec.sliding_window > 0 and i in spec.local_layers
+
+
+def _slot_mask(g: Graph, group: int, window: int = 0) -> tuple[str, str]:
+    """[b, 1, group * s, t]: key slot j visible to the query at position q iff j <= q; and
+    with ``window`` the local layers' mask, iff q - window < j <= q (else the first again).
 
     Slot j of the buffer holds position j. attention_mask is accepted for the
     convention but not read (a one-sequence pass has no left padding, and
@@ -204,12 +266,13 @@ def _slot_mask(g: Graph, group: int) -> str:
         ],
     )
     rows_pos = g.op("Tile", ["position_ids", g.i64("c_tile_group", 1, group)])
-    return str(
-        g.op(
-            "Unsqueeze",
-            [g.op("LessOrEqual", [slots, g.op("Unsqueeze", [rows_pos, "c_axis_neg1"])]), "c_axis1"],
-        )
-    )
+    at = g.op("Unsqueeze", [rows_pos, "c_axis_neg1"])
+    causal = g.op("LessOrEqual", [slots, at])
+    mask = str(g.op("Unsqueeze", [causal, "c_axis1"]))
+    if not window:
+        return mask, mask
+    near = g.op("Greater", [g.op("Add", [slots, g.i64("c_window", window)]), at])
+    return mask, str(g.op("Unsqueeze", [g.op("And", [causal, near]), "c_axis1"]))
 
 
 def _constants(g: Graph, spec: ModelSpec) -> None:
@@ -228,6 +291,7 @@ def _constants(g: Graph, spec: ModelSpec) -> None:
     g.i64("c_shape_q", 0, 0, nh, hd)
     g.i64("c_shape_kv", 0, 0, nkv, hd)
     g.i64("c_shape_h", 0, 0, nh * hd)
+    g.i64("c_shape_kvh", 0, 0, nkv * hd)
     g.i64("c_gq", 0, nkv, -1, hd)
     g.i64("c_att", 0, nh, -1, hd)
     g.i64("c_prob_blocks", 0, 0, 0, -1, SLOT_BLOCK)
@@ -236,10 +300,23 @@ def _constants(g: Graph, spec: ModelSpec) -> None:
     cos, sin = rope_tables(spec)
     g.const("rope_cos", cos)
     g.const("rope_sin", sin)
+    if spec.local_rope_theta is not None and spec.sliding_window and spec.local_layers:
+        cos, sin = rope_tables(spec, local=True)
+        g.const("rope_cos_local", cos)
+        g.const("rope_sin_local", sin)
 
 
 def _embedding(g: Graph, spec: ModelSpec, w: Tensor) -> str:
+    """The rows of ``input_ids`` (``hidden_states.0``), times ``embed_scale`` when set."""
     out = _inner(spec, "hidden_states.0")
+    if spec.embed_scale is None:
+        return _gather(g, spec, w, out)
+    rows = _gather(g, spec, w, None)
+    scale = g.const("embed_scale", np.array(spec.embed_scale, spec.np_float))
+    return str(g.op("Mul", [rows, scale], name=out))
+
+
+def _gather(g: Graph, spec: ModelSpec, w: Tensor, out: str | None) -> str:
     if isinstance(w, QuantMatrix):
         if w.bits != 8 or w.offsets is not None or spec.float_type != "float32":
             w = w.dequantize()
@@ -280,28 +357,69 @@ def _to_outputs(g: Graph, spec: ModelSpec) -> None:
         g.op("Cast", [_inner(spec, name)], to=TensorProto.FLOAT, name=name)
 
 
-def _attention(g: Graph, spec: ModelSpec, i: int, xn: str, weights: Weights, mask: str) -> str:
-    """Layer ``i``'s attention output (before its output projection's residual add)."""
+def _attention(
+    g: Graph, spec: ModelSpec, i: int, xn: str, weights: Weights, masks: tuple[str, str]
+) -> str:
+    """Layer ``i``'s attention output (before its output projection's residual add).
+
+    The attention scale is folded into q's weights and bias, or with q/k norms (which
+    would undo it) into q's norm weights."""
     hd = spec.head_dim
     p = f"l{i}."
-    scale = hd**-0.5
-    wqkv = concat_out([scale_out(weights(p + "wq"), scale), weights(p + "wk"), weights(p + "wv")])
+    scale = spec.query_scale if spec.query_scale is not None else hd**-0.5
+    fold = 1.0 if spec.qk_norm else scale
+    wq = weights(p + "wq")
+    wqkv = concat_out([scale_out(wq, fold) if fold != 1.0 else wq, weights(p + "wk"), weights(p + "wv")])
     qkv = g.linear(xn, p + "wqkv", wqkv, spec.accuracy_level, dtype=spec.np_float)
     if spec.qkv_bias:
         bias = np.concatenate(
             [
-                np.asarray(weights(p + "bq"), np.float32) * np.float32(scale),
+                np.asarray(weights(p + "bq"), np.float32) * np.float32(fold),
                 np.asarray(weights(p + "bk"), np.float32),
                 np.asarray(weights(p + "bv"), np.float32),
             ]
         ).astype(spec.np_float)
         qkv = g.op("Add", [qkv, g.const(p + "bqkv", bias)])
-    att = _gqa(g, spec, i, qkv) if spec.attention == "gqa" else _masked(g, spec, i, qkv, mask)
-    return g.linear(att, p + "wo", weights(p + "wo"), spec.accuracy_level, dtype=spec.np_float)
+    parts: str | tuple[str, str, str] = qkv
+    if spec.qk_norm:
+        q, k, v = g.op("Split", [qkv, "c_split_qkv"], outputs=3, axis=-1)
+        q_w = np.asarray(_vector(spec, weights(p + "q_norm")), np.float32) * np.float32(scale)
+        q = _head_norm(g, spec, q, g.const(p + "q_norm", q_w.astype(spec.np_float)), "q")
+        k_w = _vector(spec, weights(p + "k_norm"))
+        k = _head_norm(g, spec, k, g.const(p + "k_norm", k_w), "kv")
+        parts = (q, k, v)
+    if spec.attention == "gqa":
+        att = _gqa(g, spec, i, parts)
+    else:
+        att = _masked(g, spec, i, parts, masks[1] if _is_local(spec, i) else masks[0])
+    out = g.linear(att, p + "wo", weights(p + "wo"), spec.accuracy_level, dtype=spec.np_float)
+    if spec.post_norms:
+        out = _rms(g, spec, out, weights, p + "post_attn_norm")
+    return out
 
 
-def _gqa(g: Graph, spec: ModelSpec, i: int, qkv: str) -> str:
-    """Layer ``i``'s attention as one com.microsoft GroupQueryAttention over packed q, k, v.
+def _head_norm(g: Graph, spec: ModelSpec, x: str, weight: str, kind: str) -> str:
+    """RMSNorm of each head of ``x`` [b, s, heads * head_dim] (``kind`` q or kv)."""
+    heads = g.op("Reshape", [x, f"c_shape_{kind}"])
+    normed = g.op("SimplifiedLayerNormalization", [heads, weight], axis=-1, epsilon=spec.eps)
+    return str(g.op("Reshape", [normed, "c_shape_h" if kind == "q" else "c_shape_kvh"]))
+
+
+def _rms(g: Graph, spec: ModelSpec, x: str, weights: Weights, name: str) -> str:
+    """RMSNorm of ``x`` over the hidden size with the weight ``name``."""
+    w = g.const(name, _vector(spec, weights(name)))
+    return str(g.op("SimplifiedLayerNormalization", [x, w], axis=-1, epsilon=spec.eps))
+
+
+def _softcap(g: Graph, spec: ModelSpec, x: str, cap: float, name: str, out: str | None = None) -> str:
+    """``cap * tanh(x / cap)``."""
+    c = g.const(name, np.array(cap, spec.np_float))
+    return str(g.op("Mul", [g.op("Tanh", [g.op("Div", [x, c])]), c], name=out))
+
+
+def _gqa(g: Graph, spec: ModelSpec, i: int, qkv: str | tuple[str, str, str]) -> str:
+    """Layer ``i``'s attention as one com.microsoft GroupQueryAttention over packed q, k, v
+    (or q, k and v apart, after q/k norms).
 
     It applies the rotary embedding (rotate-half, from the same cos/sin
     tables), writes the pass's keys and values into the layer's buffer
@@ -311,19 +429,29 @@ def _gqa(g: Graph, spec: ModelSpec, i: int, qkv: str) -> str:
     rows of a pass must be consecutive positions, which the runners keep
     (their padding rows follow the real ones; a fixed-shape runner's context
     is capped so they never clamp). The attention scale is folded into q.
+    A local layer's window is the operator's ``local_window_size``, which
+    counts the keys before the query's own (window - 1); soft-capping is its
+    ``softcap``, applied to the scaled scores.
     """
+    q, k, v = (qkv, "", "") if isinstance(qkv, str) else qkv
+    cos, sin = _rope_names(spec, i)
+    extra: dict[str, Any] = {}
+    if _is_local(spec, i):
+        extra["local_window_size"] = spec.sliding_window - 1
+    if spec.attn_softcap:
+        extra["softcap"] = float(spec.attn_softcap)
     att, _, _ = g.op(
         "GroupQueryAttention",
         [
-            qkv,
-            "",
-            "",
+            q,
+            k,
+            v,
             f"past_key_values.{i}.key",
             f"past_key_values.{i}.value",
             "c_seqlens_k",
             "c_total_len",
-            "rope_cos",
-            "rope_sin",
+            cos,
+            sin,
         ],
         outputs=3,
         domain=MS,
@@ -332,23 +460,27 @@ def _gqa(g: Graph, spec: ModelSpec, i: int, qkv: str) -> str:
         do_rotary=1,
         rotary_interleaved=0,
         scale=1.0,
+        **extra,
     )
     g.nodes[-1].output[1] = f"present.{i}.key"
     g.nodes[-1].output[2] = f"present.{i}.value"
     return str(att)
 
 
-def _masked(g: Graph, spec: ModelSpec, i: int, qkv: str, mask: str) -> str:
+def _masked(
+    g: Graph, spec: ModelSpec, i: int, qkv: str | tuple[str, str, str], mask: str
+) -> str:
     """Layer ``i``'s attention as separate operators: rotary, a scatter into the buffer at
-    ``position_ids``, scores masked by position, softmax, and the weighted sum of values."""
+    ``position_ids``, scores masked by position (``mask``: causal, or the window's),
+    soft-capped when the spec says so, softmax, and the weighted sum of values."""
     nh, nkv = spec.heads, spec.kv_heads
-    q, k, v = g.op("Split", [qkv, "c_split_qkv"], outputs=3, axis=-1)
-    q = g.op(
-        "RotaryEmbedding", [q, "position_ids", "rope_cos", "rope_sin"], domain=MS, num_heads=nh
-    )
-    k = g.op(
-        "RotaryEmbedding", [k, "position_ids", "rope_cos", "rope_sin"], domain=MS, num_heads=nkv
-    )
+    if isinstance(qkv, str):
+        q, k, v = g.op("Split", [qkv, "c_split_qkv"], outputs=3, axis=-1)
+    else:
+        q, k, v = qkv
+    cos, sin = _rope_names(spec, i)
+    q = g.op("RotaryEmbedding", [q, "position_ids", cos, sin], domain=MS, num_heads=nh)
+    k = g.op("RotaryEmbedding", [k, "position_ids", cos, sin], domain=MS, num_heads=nkv)
 
     def heads(x: str, shape: str) -> str:
         return str(g.op("Transpose", [g.op("Reshape", [x, shape])], perm=[0, 2, 1, 3]))
@@ -369,6 +501,8 @@ def _masked(g: Graph, spec: ModelSpec, i: int, qkv: str, mask: str) -> str:
     )
     qg = g.op("Reshape", [heads(q, "c_shape_q"), "c_gq"])
     scores = g.op("MatMul", [qg, g.op("Transpose", [pk], perm=[0, 1, 3, 2])])
+    if spec.attn_softcap:
+        scores = _softcap(g, spec, scores, spec.attn_softcap, "c_attn_softcap")
     probs = g.op("Softmax", [g.op("Where", [mask, scores, "c_neginf"])], axis=-1)
     # probs . V over blocks of SLOT_BLOCK slots, then a sum over the blocks: one GEMM over all
     # slots gets a handful of thread blocks (M = N = 64); this split has one per block
@@ -390,8 +524,14 @@ def _mlp(g: Graph, spec: ModelSpec, i: int, xn: str, weights: Weights) -> str:
         # float: two MatMuls (one over both, then a Split, ran 8% slower on the demo)
         gate = g.linear(xn, p + "wg", wg, spec.accuracy_level, dtype=dt)
         up = g.linear(xn, p + "wu", wu, spec.accuracy_level, dtype=dt)
-    act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
-    return g.linear(act, p + "wd", weights(p + "wd"), spec.accuracy_level, dtype=dt)
+    if spec.activation == "gelu_tanh":
+        act = g.op("Mul", [g.op("FastGelu", [gate], domain=MS), up])
+    else:
+        act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
+    out = g.linear(act, p + "wd", weights(p + "wd"), spec.accuracy_level, dtype=dt)
+    if spec.post_norms:
+        out = _rms(g, spec, out, weights, p + "post_mlp_norm")
+    return out
 
 
 def _vector(spec: ModelSpec, w: Tensor) -> npt.NDArray[Any]:
@@ -458,10 +598,12 @@ def build_static(spec: ModelSpec, weights: Weights, graph: Graph | None = None) 
     from onnx import helper
 
     g = graph or Graph()
+    _check_features(spec)
     _constants(g, spec)
-    mask = ""
+    masks = ("", "")
     if spec.attention == "masked":
-        mask = _slot_mask(g, spec.heads // spec.kv_heads)
+        window = spec.sliding_window if spec.local_layers else 0
+        masks = _slot_mask(g, spec.heads // spec.kv_heads, window)
         g.op(
             "Expand",
             [
@@ -489,7 +631,7 @@ def build_static(spec: ModelSpec, weights: Weights, graph: Graph | None = None) 
     )
     for i in range(spec.layers):
         p = f"l{i}."
-        att = _attention(g, spec, i, xn, weights, mask)
+        att = _attention(g, spec, i, xn, weights, masks)
         mlp_norm = g.const(p + "mlp_norm", _vector(spec, weights(p + "mlp_norm")))
         xn, x = _norm(g, x, att, mlp_norm, eps, f"h{i}.mid")
         mlp = _mlp(g, spec, i, xn, weights)
@@ -505,7 +647,11 @@ def build_static(spec: ModelSpec, weights: Weights, graph: Graph | None = None) 
     # a float16 graph's head runs in float16 too: a float32 head (a cast of the final norm's
     # output, a float32 matrix) measured no closer to the float32 path on SmolLM2-135M
     logits = _inner(spec, "logits")
-    g.linear(xn, "lm_head", weights("lm_head"), spec.accuracy_level, logits, spec.np_float)
+    if spec.final_softcap:
+        raw = g.linear(xn, "lm_head", weights("lm_head"), spec.accuracy_level, None, spec.np_float)
+        _softcap(g, spec, raw, spec.final_softcap, "c_final_softcap", logits)
+    else:
+        g.linear(xn, "lm_head", weights("lm_head"), spec.accuracy_level, logits, spec.np_float)
     _to_outputs(g, spec)
     inputs, outs = graph_io(spec)
     graph_proto = helper.make_graph(g.nodes, f"sessiontape-{spec.name}", inputs, outs, g.inits)
@@ -516,6 +662,20 @@ def build_static(spec: ModelSpec, weights: Weights, graph: Graph | None = None) 
     )
     model.ir_version = 8
     return model
+
+
+#: the MLP activations the graph computes
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def _check_features(spec: ModelSpec) -> None:
+    if spec.activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}")
+    if spec.sliding_window < 0 or any(not 0 <= i < spec.layers for i in spec.local_layers):
+        raise ValueError("a sliding window needs a positive size and layers of the model")
+    for cap in (spec.attn_softcap, spec.final_softcap):
+        if cap is not None and not cap > 0:
+            raise ValueError(f"a soft cap must be positive, not {cap}")
 
 
 def write_model(
@@ -552,6 +712,13 @@ def iter_layer_names(spec: ModelSpec) -> Iterator[str]:
         yield from (p + "wq", p + "wk", p + "wv")
         if spec.qkv_bias:
             yield from (p + "bq", p + "bk", p + "bv")
-        yield from (p + "wo", p + "mlp_norm", p + "wg", p + "wu", p + "wd")
+        if spec.qk_norm:
+            yield from (p + "q_norm", p + "k_norm")
+        yield p + "wo"
+        if spec.post_norms:
+            yield p + "post_attn_norm"
+        yield from (p + "mlp_norm", p + "wg", p + "wu", p + "wd")
+        if spec.post_norms:
+            yield p + "post_mlp_norm"
         yield "final_norm" if i + 1 == spec.layers else f"l{i + 1}.attn_norm"
     yield "lm_head"
