@@ -291,7 +291,9 @@ def _constants(g: Graph, spec: ModelSpec) -> None:
     g.i64("c_shape_q", 0, 0, nh, hd)
     g.i64("c_shape_kv", 0, 0, nkv, hd)
     g.i64("c_shape_h", 0, 0, nh * hd)
-    g.i64("c_shape_kvh", 0, 0, nkv * hd)
+    g.i64("c_shape_kvh", 0, -1, nkv * hd)
+    g.i64("c_shape_qh", 0, -1, nh * hd)
+    g.i64("c_shape_rows", 0, -1, hd)
     g.i64("c_gq", 0, nkv, -1, hd)
     g.i64("c_att", 0, nh, -1, hd)
     g.i64("c_prob_blocks", 0, 0, 0, -1, SLOT_BLOCK)
@@ -300,6 +302,8 @@ def _constants(g: Graph, spec: ModelSpec) -> None:
     cos, sin = rope_tables(spec)
     g.const("rope_cos", cos)
     g.const("rope_sin", sin)
+    if spec.attn_softcap and spec.attention == "masked":
+        g.const("c_attn_softcap", np.array(spec.attn_softcap, spec.np_float))
     if spec.local_rope_theta is not None and spec.sliding_window and spec.local_layers:
         cos, sin = rope_tables(spec, local=True)
         g.const("rope_cos_local", cos)
@@ -400,21 +404,31 @@ def _attention(
 
 def _head_norm(g: Graph, spec: ModelSpec, x: str, weight: str, kind: str) -> str:
     """RMSNorm of each head of ``x`` [b, s, heads * head_dim] (``kind`` q or kv)."""
-    heads = g.op("Reshape", [x, f"c_shape_{kind}"])
-    normed = g.op("SimplifiedLayerNormalization", [heads, weight], axis=-1, epsilon=spec.eps)
-    return str(g.op("Reshape", [normed, "c_shape_h" if kind == "q" else "c_shape_kvh"]))
+    heads = g.op("Reshape", [x, "c_shape_rows"])  # [b, s * heads, head_dim]
+    return str(g.op("Reshape", [_plain_norm(g, spec, heads, weight), f"c_shape_{kind}h"]))
 
 
 def _rms(g: Graph, spec: ModelSpec, x: str, weights: Weights, name: str) -> str:
     """RMSNorm of ``x`` over the hidden size with the weight ``name``."""
-    w = g.const(name, _vector(spec, weights(name)))
-    return str(g.op("SimplifiedLayerNormalization", [x, w], axis=-1, epsilon=spec.eps))
+    return _plain_norm(g, spec, x, g.const(name, _vector(spec, weights(name))))
 
 
-def _softcap(g: Graph, spec: ModelSpec, x: str, cap: float, name: str, out: str | None = None) -> str:
-    """``cap * tanh(x / cap)``."""
-    c = g.const(name, np.array(cap, spec.np_float))
-    return str(g.op("Mul", [g.op("Tanh", [g.op("Div", [x, c])]), c], name=out))
+def _plain_norm(g: Graph, spec: ModelSpec, x: str, weight: str) -> str:
+    """RMSNorm over the last axis of a 3-d ``x``: the fused skip-norm over a zero skip (ONNX
+    opset 18 has no RMSNorm of its own)."""
+    xn, _, _, _ = g.op(
+        "SkipSimplifiedLayerNormalization",
+        [x, g.op("Mul", [x, "c_zero_f"]), weight],
+        outputs=4,
+        domain=MS,
+        epsilon=spec.eps,
+    )
+    return str(xn)
+
+
+def _softcap(g: Graph, x: str, cap: str, out: str | None = None) -> str:
+    """``cap * tanh(x / cap)`` (``cap``: the name of a scalar constant)."""
+    return str(g.op("Mul", [g.op("Tanh", [g.op("Div", [x, cap])]), cap], name=out))
 
 
 def _gqa(g: Graph, spec: ModelSpec, i: int, qkv: str | tuple[str, str, str]) -> str:
@@ -437,7 +451,7 @@ def _gqa(g: Graph, spec: ModelSpec, i: int, qkv: str | tuple[str, str, str]) -> 
     cos, sin = _rope_names(spec, i)
     extra: dict[str, Any] = {}
     if _is_local(spec, i):
-        extra["local_window_size"] = spec.sliding_window - 1
+        extra["local_window_size"] = spec.sliding_window
     if spec.attn_softcap:
         extra["softcap"] = float(spec.attn_softcap)
     att, _, _ = g.op(
@@ -502,7 +516,7 @@ def _masked(
     qg = g.op("Reshape", [heads(q, "c_shape_q"), "c_gq"])
     scores = g.op("MatMul", [qg, g.op("Transpose", [pk], perm=[0, 1, 3, 2])])
     if spec.attn_softcap:
-        scores = _softcap(g, spec, scores, spec.attn_softcap, "c_attn_softcap")
+        scores = _softcap(g, scores, "c_attn_softcap")
     probs = g.op("Softmax", [g.op("Where", [mask, scores, "c_neginf"])], axis=-1)
     # probs . V over blocks of SLOT_BLOCK slots, then a sum over the blocks: one GEMM over all
     # slots gets a handful of thread blocks (M = N = 64); this split has one per block
@@ -649,7 +663,8 @@ def build_static(spec: ModelSpec, weights: Weights, graph: Graph | None = None) 
     logits = _inner(spec, "logits")
     if spec.final_softcap:
         raw = g.linear(xn, "lm_head", weights("lm_head"), spec.accuracy_level, None, spec.np_float)
-        _softcap(g, spec, raw, spec.final_softcap, "c_final_softcap", logits)
+        cap = g.const("c_final_softcap", np.array(spec.final_softcap, spec.np_float))
+        _softcap(g, raw, cap, logits)
     else:
         g.linear(xn, "lm_head", weights("lm_head"), spec.accuracy_level, logits, spec.np_float)
     _to_outputs(g, spec)
