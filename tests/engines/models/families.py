@@ -259,13 +259,31 @@ def llama3_rope_factors(m: Model) -> F32:
     return np.asarray(out, np.float32)
 
 
-def write_gguf(path: Path, m: Model, weights: Weights, gguf_arch: str | None = None) -> Path:
-    """An F32 GGUF file as llama.cpp's converter writes this model (``gguf_arch``: another
-    ``general.architecture`` to write it under)."""
+def quantized(weights: Weights, qtype: gguf.GGMLQuantizationType) -> Weights:
+    """The weights as a GGUF file of ``qtype`` matrices holds them (vectors stay F32)."""
+    return {
+        k: v
+        if v.ndim == 1
+        else np.asarray(gguf.quants.dequantize(gguf.quants.quantize(v, qtype), qtype), np.float32)
+        for k, v in weights.items()
+    }
+
+
+def write_gguf(
+    path: Path,
+    m: Model,
+    weights: Weights,
+    gguf_arch: str | None = None,
+    qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+) -> Path:
+    """A GGUF file as llama.cpp's converter writes this model, matrices in ``qtype`` (F32, or
+    blocks: :func:`quantized` gives the values they hold); ``gguf_arch``: another
+    ``general.architecture`` to write it under."""
     arch = gguf_arch or GGUF_ARCH[m.kind]
     w = gguf.GGUFWriter(str(path), arch=arch)
     w.add_name(f"tiny-{m.kind}")
-    w.add_file_type(int(gguf.LlamaFileType.ALL_F32))
+    file_type = "ALL_F32" if qtype == gguf.GGMLQuantizationType.F32 else f"MOSTLY_{qtype.name}"
+    w.add_file_type(int(gguf.LlamaFileType[file_type]))
     meta: dict[str, int | float | str] = {
         "context_length": m.context,
         "embedding_length": m.hidden,
@@ -327,7 +345,11 @@ def write_gguf(path: Path, m: Model, weights: Weights, gguf_arch: str | None = N
             arr = arr + np.float32(1.0)  # llama.cpp's converter stores Gemma's 1 + w
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             arr = ck.llama_permute(arr, m.heads if "q_proj" in hf_name else m.kv_heads)
-        w.add_tensor(gguf_tensor_name(m, hf_name), np.ascontiguousarray(arr, np.float32))
+        arr = np.ascontiguousarray(arr, np.float32)
+        if arr.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(gguf_tensor_name(m, hf_name), gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gguf_tensor_name(m, hf_name), arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

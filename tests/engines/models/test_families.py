@@ -19,6 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import pytest
 
@@ -30,6 +31,7 @@ from tests.engines.models import families as fm
 from tests.engines.models.families import F64, Model
 
 ATOL = 1e-4
+QT = gguf.GGMLQuantizationType
 IDS = [ck.BOS_ID, *(int(i) for i in np.random.default_rng(5).integers(0, ck.VOCAB, 23))]
 CHUNKS = [7, 1, 1, 1, 10, 1, 3]
 
@@ -129,6 +131,17 @@ def test_logits_match_numpy(name: str, fmt: str, attention: str, tmp_path: Path)
     if m.sliding_window is not None and m.sliding_window < len(IDS):
         # prefill, steps and a chunk across the window's edge, KV buffers carried over
         assert_logits(ck.run_imported(out, IDS, chunks=CHUNKS), ref)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("name", ["phi3-window", "gemma3", "llama3"])
+def test_gguf_blocks_dequantized(name: str, qtype: QT, tmp_path: Path) -> None:
+    """Block matrices (Phi-3's fused ones sliced by rows as blocks) dequantized on import:
+    the logits of the values the file holds."""
+    m = MODELS[name]
+    src = fm.write_gguf(tmp_path / "m.gguf", m, weights(m), qtype=qtype)
+    out = imported(src, tmp_path / "out", "masked")
+    assert_logits(ck.run_imported(out, IDS), fm.forward(m, fm.quantized(weights(m), qtype), IDS))
 
 
 def test_spec_facts(tmp_path: Path) -> None:
@@ -274,3 +287,17 @@ def test_gguf_refusals(arch: str, message: str, tmp_path: Path) -> None:
     with pytest.raises(UnsupportedModel, match=message):
         imported(path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("attention", ["gqa", "masked"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "qwen3", "phi3-longrope"])
+def test_float16_graph(name: str, attention: str, tmp_path: Path) -> None:
+    """The float16 graph (meant for CUDA; the CPU runs it too): every operator the new
+    features add runs in float16, and the logits stay near the float64 reference (float16
+    rounding of weights, activations and KV: measured 0.1% to 0.6% of the logits' range)."""
+    m = MODELS[name]
+    src = fm.write_gguf(tmp_path / "m.gguf", m, weights(m))
+    got = ck.run_imported(imported(src, tmp_path / "out", attention, "float16"), IDS)
+    ref = fm.forward(m, weights(m), IDS)
+    assert np.abs(got - ref).max() < 0.02 * np.abs(ref).max()
+    assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
