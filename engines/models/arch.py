@@ -209,7 +209,7 @@ def _every_other(layers: int, period: int) -> list[int]:
 def _gemma_query_scale(layers: int, big: int, hidden: int, heads: int, head_dim: int) -> float:
     """llama.cpp's Gemma 2/3 query scale from a GGUF (which has no query_pre_attn_scalar):
     hidden / heads for the 27B models (``big`` layers), else head_dim."""
-    return (hidden // heads if layers == big else head_dim) ** -0.5
+    return 1.0 / math.sqrt(hidden // heads if layers == big else head_dim)
 
 
 def spec_from_gguf(meta: Mapping[str, Any], name: str) -> tuple[ModelSpec, Family]:
@@ -277,6 +277,16 @@ def spec_from_gguf(meta: Mapping[str, Any], name: str) -> tuple[ModelSpec, Famil
         attn_softcap=_cap(meta.get(f"{arch}.attn_logit_softcapping")),
         final_softcap=_cap(meta.get(f"{arch}.final_logit_softcapping")),
     )
+    return _check(_gguf_window(meta, arch, spec)), family
+
+
+def _gguf_window(meta: Mapping[str, Any], arch: str, spec: ModelSpec) -> ModelSpec:
+    """``spec`` with a GGUF's sliding window: on every layer (Mistral, Phi-3), every other
+    (Gemma 2) or five of six (Gemma 3, whose local layers have their own rotary base), as
+    llama.cpp lays them out unless the file lists them (``sliding_window_pattern``)."""
+    from dataclasses import replace
+
+    layers = spec.layers
     window = int(meta.get(f"{arch}.attention.sliding_window") or 0)
     local = list(range(layers))
     if arch == "gemma2":
@@ -285,8 +295,6 @@ def spec_from_gguf(meta: Mapping[str, Any], name: str) -> tuple[ModelSpec, Famil
     elif arch == "gemma3":
         local = _every_other(layers, 6)
         if window:
-            from dataclasses import replace
-
             base = meta.get(f"{arch}.rope.freq_base_swa", 10000.0)
             spec = replace(spec, local_rope_theta=float(base))
     pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
@@ -294,7 +302,7 @@ def spec_from_gguf(meta: Mapping[str, Any], name: str) -> tuple[ModelSpec, Famil
         local = [i for i, is_local in enumerate(pattern) if is_local]
     elif isinstance(pattern, int) and pattern > 0:
         local = _every_other(layers, pattern) if pattern > 1 else []
-    return _check(_windowed(spec, window, local)), family
+    return _windowed(spec, window, local)
 
 
 def _cap(value: Any) -> float | None:
@@ -319,15 +327,7 @@ def spec_from_hf(config: Mapping[str, Any], name: str) -> tuple[ModelSpec, Famil
         config = {**config["text_config"], "model_type": "gemma3_text"}
     fam = family.name
     gemma = fam in ("gemma2", "gemma3")
-    act = config.get("hidden_activation") or config.get("hidden_act", "silu")
-    want = "gelu_tanh" if gemma else "silu"
-    if (act in _GELU_TANH and want == "gelu_tanh") or act == want == "silu":
-        pass
-    else:
-        raise UnsupportedModel(
-            f"activation {act!r} is not supported for {mtype} (served: "
-            f"{'gelu_pytorch_tanh' if gemma else 'silu'})"
-        )
+    want = _hf_activation(config, mtype, gemma)
     if config.get("mlp_bias") or (fam != "qwen2" and config.get("attention_bias")):
         raise UnsupportedModel("attention or MLP biases are not supported for this architecture")
     if config.get("num_local_experts") or config.get("num_experts"):
@@ -386,6 +386,17 @@ def spec_from_hf(config: Mapping[str, Any], name: str) -> tuple[ModelSpec, Famil
     tied_default = gemma
     tied = bool(outer.get("tie_word_embeddings", config.get("tie_word_embeddings", tied_default)))
     return _check(_windowed(spec, window, local)), family, tied
+
+
+def _hf_activation(config: Mapping[str, Any], mtype: str, gemma: bool) -> str:
+    """The MLP's activation (Gemma: GELU-tanh, the others SiLU), or UnsupportedModel."""
+    act = config.get("hidden_activation") or config.get("hidden_act", "silu")
+    if gemma and act in _GELU_TANH:
+        return "gelu_tanh"
+    if not gemma and act == "silu":
+        return "silu"
+    served = "gelu_pytorch_tanh" if gemma else "silu"
+    raise UnsupportedModel(f"activation {act!r} is not supported for {mtype} (served: {served})")
 
 
 def _hf_rope(config: Mapping[str, Any], fam: str) -> tuple[float, Mapping[str, Any]]:

@@ -32,7 +32,12 @@ import numpy as np
 
 from sessiontape.core.errors import UnsupportedModel
 from sessiontape.engines.models import quant
-from sessiontape.engines.models.arch import VECTORS, longrope_from_gguf, spec_from_gguf, spec_from_hf
+from sessiontape.engines.models.arch import (
+    VECTORS,
+    longrope_from_gguf,
+    spec_from_gguf,
+    spec_from_hf,
+)
 from sessiontape.engines.models.sampling import gguf_sampling, hf_sampling
 from sessiontape.engines.onnx.builder import F32, QuantMatrix, Tensor
 

@@ -347,7 +347,9 @@ def write_gguf(
             arr = ck.llama_permute(arr, m.heads if "q_proj" in hf_name else m.kv_heads)
         arr = np.ascontiguousarray(arr, np.float32)
         if arr.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            w.add_tensor(gguf_tensor_name(m, hf_name), gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+            w.add_tensor(
+                gguf_tensor_name(m, hf_name), gguf.quants.quantize(arr, qtype), raw_dtype=qtype
+            )
         else:
             w.add_tensor(gguf_tensor_name(m, hf_name), arr)
     w.write_header_to_file()
