@@ -217,9 +217,10 @@ def test_gemma3_multimodal_checkpoint_reads_its_language_model(tmp_path: Path) -
 
 
 def test_engine_generates_past_the_window(tmp_path: Path) -> None:
-    """Through the engine (greedy, the masked graph batching two sessions, and the GQA
-    graph alone): the tokens after a prompt longer than Gemma 3's window are the numpy
-    reference's argmax continuation."""
+    """Through the engine, greedy: the tokens after a prompt longer than Gemma 3's window are
+    the numpy reference's argmax continuation, with the masked graph batching two sessions,
+    the GQA graph alone, and either graph in fixed-shape passes (the static layout's fixed
+    capacity and row count, as on CUDA)."""
     from sessiontape.engines.onnx.engine import OnnxEngine
 
     m = GEMMA3
@@ -230,9 +231,15 @@ def test_engine_generates_past_the_window(tmp_path: Path) -> None:
     want = ids[len(prompt) :]
     src = fm.write_gguf(tmp_path / "g3.gguf", m, weights(m))
     greedy = SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=())
-    for attention in ("masked", "gqa"):
-        folder = imported(src, tmp_path / attention, attention)
-        eng = OnnxEngine(model_dir=folder, intra_op_threads=1)
+    folders = {a: imported(src, tmp_path / a, a) for a in ("masked", "gqa")}
+    runs: list[tuple[str, dict[str, Any]]] = [
+        ("masked", {}),
+        ("gqa", {}),
+        ("masked", {"pass_rows": 4, "kv_capacity": 64}),
+        ("gqa", {"pass_rows": 4, "kv_capacity": 64}),
+    ]
+    for attention, options in runs:
+        eng = OnnxEngine(model_dir=folders[attention], intra_op_threads=1, **options)
 
         async def go(key: str, eng: OnnxEngine = eng) -> list[int]:
             steps = eng.generate(key, list(prompt), greedy, OutputOptions())
@@ -245,7 +252,29 @@ def test_engine_generates_past_the_window(tmp_path: Path) -> None:
             got = asyncio.run(both())
         finally:
             asyncio.run(eng.aclose())
-        assert got == [want, want], attention
+        assert got == [want, want], (attention, options)
+
+
+def test_rope_parameters_of_newer_configs(tmp_path: Path) -> None:
+    """transformers' newer config spelling (``rope_parameters``, per layer type for Gemma 3)
+    reads as the older one (``rope_theta``, ``rope_scaling``, ``rope_local_base_freq``)."""
+    for m, params in (
+        (LLAMA3, {**dict(LLAMA3.rope_scaling or {}), "rope_theta": LLAMA3.rope_theta}),
+        (
+            GEMMA3,
+            {
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        ),
+    ):
+        src = fm.write_hf(tmp_path / f"hf{m.seed}", m, weights(m))
+        cfg = fm.hf_config(m)
+        for key in ("rope_theta", "rope_scaling", "rope_local_base_freq"):
+            cfg.pop(key, None)
+        (src / "config.json").write_text(json.dumps(cfg | {"rope_parameters": params}))
+        out = imported(src, tmp_path / f"out{m.seed}")
+        assert_logits(ck.run_imported(out, IDS), fm.forward(m, weights(m), IDS))
 
 
 # -- refusals: by name, from the header or config alone ---------------------------------------
