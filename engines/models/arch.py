@@ -149,6 +149,34 @@ HF_TYPES = {
     "phi3": "phi3",
 }
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
+_GEMMA_DEFAULTS = {
+    "vocab_size": 256000,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-6,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "final_logit_softcapping": 30.0,
+    "attn_logit_softcapping": 50.0,
+}
+#: what transformers' Gemma2Config and Gemma3TextConfig take for a key a config leaves out
+#: (a multimodal Gemma 3's text_config lists only what differs); an explicit null stays null
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma2": _GEMMA_DEFAULTS,
+    "gemma3": _GEMMA_DEFAULTS
+    | {
+        "vocab_size": 262208,
+        "max_position_embeddings": 131072,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+    },
+}
 
 
 def _need(meta: Mapping[str, Any], key: str) -> Any:
@@ -326,6 +354,7 @@ def spec_from_hf(config: Mapping[str, Any], name: str) -> tuple[ModelSpec, Famil
     if mtype == "gemma3" and isinstance(config.get("text_config"), Mapping):
         config = {**config["text_config"], "model_type": "gemma3_text"}
     fam = family.name
+    config = {**HF_DEFAULTS.get(fam, {}), **config}
     gemma = fam in ("gemma2", "gemma3")
     want = _hf_activation(config, mtype, gemma)
     if config.get("mlp_bias") or (fam != "qwen2" and config.get("attention_bias")):
@@ -372,9 +401,7 @@ def spec_from_hf(config: Mapping[str, Any], name: str) -> tuple[ModelSpec, Famil
         post_norms=gemma,
         embed_scale=math.sqrt(hidden) if gemma else None,
         activation=want,
-        query_scale=float(config.get("query_pre_attn_scalar") or head_dim) ** -0.5
-        if gemma
-        else None,
+        query_scale=float(config["query_pre_attn_scalar"]) ** -0.5 if gemma else None,
         attn_softcap=_cap(config.get("attn_logit_softcapping")) if gemma else None,
         final_softcap=_cap(config.get("final_logit_softcapping")) if gemma else None,
     )

@@ -202,6 +202,22 @@ def test_gemma2_query_pre_attn_scalar_from_hf(tmp_path: Path) -> None:
     assert_logits(ck.run_imported(out, IDS), fm.forward(m, weights(m), IDS))
 
 
+def test_gemma_config_defaults(tmp_path: Path) -> None:
+    """Keys a Gemma config leaves out take transformers' defaults (Gemma 2: soft caps 50 and
+    30; both: query_pre_attn_scalar 256), not "none"."""
+    m = replace(GEMMA2, attn_softcap=50.0, final_softcap=30.0, query_pre_attn_scalar=256.0)
+    src = fm.write_hf(tmp_path / "hf", m, weights(GEMMA2))
+    cfg = fm.hf_config(m)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+        del cfg[key]
+    (src / "config.json").write_text(json.dumps(cfg))
+    out = imported(src, tmp_path / "out")
+    assert_logits(ck.run_imported(out, IDS), fm.forward(m, weights(GEMMA2), IDS))
+    facts = json.loads((out / "config.json").read_text())
+    assert (facts["attn_softcap"], facts["final_softcap"]) == (50.0, 30.0)
+    assert facts["query_scale"] == pytest.approx(1 / 16)
+
+
 def test_gemma3_multimodal_checkpoint_reads_its_language_model(tmp_path: Path) -> None:
     """Gemma3ForConditionalGeneration: the text model's config under text_config, its
     tensors under language_model.model.*; the vision tower's are not read."""
