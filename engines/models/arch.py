@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sessiontape.core.errors import UnsupportedModel
-from sessiontape.engines.onnx.builder import ModelSpec, RopeScaling
+from sessiontape.engines.model_spec import ModelSpec, RopeScaling
 
 _LLAMA_GGUF = {
     "attn_norm": "attn_norm.weight",

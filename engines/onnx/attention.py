@@ -13,9 +13,16 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from sessiontape.engines.onnx.decoder_spec import SLOT_BLOCK, ModelSpec, is_local, rope_names
+from sessiontape.engines.model_spec import SLOT_BLOCK, ModelSpec, is_local
 from sessiontape.engines.onnx.graph import MS, Graph
 from sessiontape.engines.onnx.weights import QuantMatrix, Tensor, Weights, concat_out, scale_out
+
+
+def rope_names(spec: ModelSpec, i: int) -> tuple[str, str]:
+    """Layer ``i``'s cos and sin tables."""
+    if spec.local_rope_theta is not None and is_local(spec, i):
+        return "rope_cos_local", "rope_sin_local"
+    return "rope_cos", "rope_sin"
 
 
 def slot_mask(g: Graph, group: int, window: int = 0) -> tuple[str, str]:

@@ -24,7 +24,7 @@ Weight names (matrices are ``[in, out]`` float32 arrays or :class:`QuantMatrix`)
 by: a Gemma norm's ``1 + w`` is added by the source, not here.
 
 The features of the families beyond Llama are :class:`ModelSpec`'s
-(:mod:`sessiontape.engines.onnx.decoder_spec`); their attention is built by
+(:mod:`sessiontape.engines.model_spec`); their attention is built by
 :mod:`sessiontape.engines.onnx.attention`.
 
 A quantized matrix runs as com.microsoft ``MatMulNBits`` (4 or 8 bits, blocks
@@ -52,23 +52,22 @@ memory is about one layer's weights, whatever the model's size.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
-from sessiontape.engines.onnx.attention import attention, rms, slot_mask, softcap, vector
-from sessiontape.engines.onnx.decoder_spec import (
+from sessiontape.engines.model_spec import (
     FLOAT_TYPES,
     SLOT_BLOCK,
     ModelSpec,
     RopeScaling,
     check_features,
-    inv_frequencies,
-    rope_rows,
-    rope_tables,
 )
+from sessiontape.engines.onnx.attention import attention, rms, slot_mask, softcap, vector
 from sessiontape.engines.onnx.graph import MS, Graph
 from sessiontape.engines.onnx.weights import F32, U8, QuantMatrix, Tensor, Weights, concat_out
 
@@ -89,6 +88,54 @@ __all__ = [
     "rope_tables",
     "write_model",
 ]
+
+
+def rope_rows(max_length: int) -> int:
+    """Positions the rotary tables cover: max_length + 1, rounded up to a multiple of SLOT_BLOCK."""
+    return -(-(max_length + 1) // SLOT_BLOCK) * SLOT_BLOCK
+
+
+def inv_frequencies(spec: ModelSpec, local: bool = False) -> npt.NDArray[np.float64]:
+    """The rotary inverse frequencies, with the spec's scaling applied (``local``: the
+    sliding-window layers' own base, unscaled, when the spec has one)."""
+    hd = spec.head_dim
+    if local and spec.local_rope_theta is not None:
+        return 1.0 / (spec.local_rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+    inv = 1.0 / (spec.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+    if spec.rope_freq_factors is not None:
+        factors = np.asarray(spec.rope_freq_factors, dtype=np.float64)
+        if factors.shape != inv.shape or not np.all(factors > 0):
+            raise ValueError(f"rope frequency factors must be {inv.shape[0]} positive numbers")
+        return _scaled(spec, inv) / factors
+    return _scaled(spec, inv)
+
+
+def _scaled(spec: ModelSpec, inv: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+    sc = spec.rope_scaling
+    if sc is None:
+        return inv
+    if sc.kind == "linear":
+        return inv / sc.factor
+    if sc.kind == "llama3":
+        low_wl = sc.original_max_position / sc.low_freq_factor
+        high_wl = sc.original_max_position / sc.high_freq_factor
+        wl = 2 * math.pi / inv
+        smooth = (sc.original_max_position / wl - sc.low_freq_factor) / (
+            sc.high_freq_factor - sc.low_freq_factor
+        )
+        mid = (1 - smooth) * inv / sc.factor + smooth * inv
+        return np.where(wl > low_wl, inv / sc.factor, np.where(wl < high_wl, inv, mid))
+    raise ValueError(f"unsupported rope scaling {sc.kind!r}")
+
+
+def rope_tables(spec: ModelSpec, local: bool = False) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
+    """cos and sin [rope_rows, head_dim / 2], in the graph's float type (rounded once, from
+    float64); ``local``: the sliding-window layers' tables (:func:`inv_frequencies`)."""
+    rows = np.arange(rope_rows(spec.max_length), dtype=np.float64)
+    ang = np.outer(rows, inv_frequencies(spec, local))
+    factor = 1.0 if local and spec.local_rope_theta is not None else spec.rope_attention_factor
+    cos, sin = np.cos(ang) * factor, np.sin(ang) * factor
+    return cos.astype(spec.np_float), sin.astype(spec.np_float)
 
 
 def _constants(g: Graph, spec: ModelSpec) -> None:

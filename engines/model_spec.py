@@ -1,4 +1,8 @@
-"""The shape of a decoder the graph builder writes: :class:`ModelSpec`, and its rotary tables.
+"""The shape of a model as the importer reads it and the graph builder writes it.
+
+:class:`ModelSpec` is what both sides of an import agree on: the importer
+(:mod:`sessiontape.engines.models.arch`) describes a GGUF file or a Hugging Face
+checkpoint as one, and the decoder graph builder writes the ONNX graph from it.
 
 Beside the Llama block, the spec switches on what Qwen3, Gemma 2/3, Phi-3 and
 Mistral add (:class:`ModelSpec`): per-head RMSNorm of q and k before the
@@ -16,12 +20,10 @@ sequence grows.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 #: the static layout's buffer capacity is a multiple of this (slot indices are built in blocks)
 SLOT_BLOCK = 64
@@ -103,61 +105,6 @@ class ModelSpec:
         if self.float_type not in FLOAT_TYPES:
             raise ValueError(f"float_type must be one of {', '.join(FLOAT_TYPES)}")
         return FLOAT_TYPES[self.float_type]
-
-
-def rope_rows(max_length: int) -> int:
-    """Positions the rotary tables cover: max_length + 1, rounded up to a multiple of SLOT_BLOCK."""
-    return -(-(max_length + 1) // SLOT_BLOCK) * SLOT_BLOCK
-
-
-def inv_frequencies(spec: ModelSpec, local: bool = False) -> npt.NDArray[np.float64]:
-    """The rotary inverse frequencies, with the spec's scaling applied (``local``: the
-    sliding-window layers' own base, unscaled, when the spec has one)."""
-    hd = spec.head_dim
-    if local and spec.local_rope_theta is not None:
-        return 1.0 / (spec.local_rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
-    inv = 1.0 / (spec.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
-    if spec.rope_freq_factors is not None:
-        factors = np.asarray(spec.rope_freq_factors, dtype=np.float64)
-        if factors.shape != inv.shape or not np.all(factors > 0):
-            raise ValueError(f"rope frequency factors must be {inv.shape[0]} positive numbers")
-        return _scaled(spec, inv) / factors
-    return _scaled(spec, inv)
-
-
-def _scaled(spec: ModelSpec, inv: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
-    sc = spec.rope_scaling
-    if sc is None:
-        return inv
-    if sc.kind == "linear":
-        return inv / sc.factor
-    if sc.kind == "llama3":
-        low_wl = sc.original_max_position / sc.low_freq_factor
-        high_wl = sc.original_max_position / sc.high_freq_factor
-        wl = 2 * math.pi / inv
-        smooth = (sc.original_max_position / wl - sc.low_freq_factor) / (
-            sc.high_freq_factor - sc.low_freq_factor
-        )
-        mid = (1 - smooth) * inv / sc.factor + smooth * inv
-        return np.where(wl > low_wl, inv / sc.factor, np.where(wl < high_wl, inv, mid))
-    raise ValueError(f"unsupported rope scaling {sc.kind!r}")
-
-
-def rope_tables(spec: ModelSpec, local: bool = False) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
-    """cos and sin [rope_rows, head_dim / 2], in the graph's float type (rounded once, from
-    float64); ``local``: the sliding-window layers' tables (:func:`inv_frequencies`)."""
-    rows = np.arange(rope_rows(spec.max_length), dtype=np.float64)
-    ang = np.outer(rows, inv_frequencies(spec, local))
-    factor = 1.0 if local and spec.local_rope_theta is not None else spec.rope_attention_factor
-    cos, sin = np.cos(ang) * factor, np.sin(ang) * factor
-    return cos.astype(spec.np_float), sin.astype(spec.np_float)
-
-
-def rope_names(spec: ModelSpec, i: int) -> tuple[str, str]:
-    """Layer ``i``'s cos and sin tables."""
-    if spec.local_rope_theta is not None and is_local(spec, i):
-        return "rope_cos_local", "rope_sin_local"
-    return "rope_cos", "rope_sin"
 
 
 def is_local(spec: ModelSpec, i: int) -> bool:
