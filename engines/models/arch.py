@@ -207,6 +207,9 @@ def _rope_scaling(kind: str | None, factor: Any, extra: Mapping[str, Any]) -> Ro
 
 
 def _check(spec: ModelSpec) -> ModelSpec:
+    for what in ("hidden", "layers", "heads", "kv_heads", "intermediate", "head_dim", "max_length"):
+        if getattr(spec, what) <= 0:
+            raise UnsupportedModel(f"the model's {what} is {getattr(spec, what)}, not positive")
     if spec.heads % spec.kv_heads:
         raise UnsupportedModel(
             f"{spec.heads} attention heads do not split into {spec.kv_heads} KV groups"
@@ -241,7 +244,17 @@ def _gemma_query_scale(layers: int, big: int, hidden: int, heads: int, head_dim:
 
 
 def spec_from_gguf(meta: Mapping[str, Any], name: str) -> tuple[ModelSpec, Family]:
-    """The spec of a GGUF file from its metadata, and how its tensors are named and stored."""
+    """The spec of a GGUF file from its metadata, and how its tensors are named and stored.
+
+    A value of the wrong type is refused (UnsupportedModel, with the conversion's message),
+    as is a size that is not positive."""
+    try:
+        return _spec_from_gguf(meta, name)
+    except (TypeError, ValueError, ArithmeticError) as exc:
+        raise UnsupportedModel(f"the GGUF metadata is malformed: {exc}") from exc
+
+
+def _spec_from_gguf(meta: Mapping[str, Any], name: str) -> tuple[ModelSpec, Family]:
     arch = str(_need(meta, "general.architecture"))
     if arch not in FAMILIES:
         raise UnsupportedModel(
@@ -343,7 +356,15 @@ def _cap(value: Any) -> float | None:
 
 def spec_from_hf(config: Mapping[str, Any], name: str) -> tuple[ModelSpec, Family, bool]:
     """The spec of a Hugging Face checkpoint from its ``config.json``, its family, and
-    whether its output head is the embedding (tied)."""
+    whether its output head is the embedding (tied); a malformed value is refused
+    (UnsupportedModel)."""
+    try:
+        return _spec_from_hf(config, name)
+    except (TypeError, ValueError, ArithmeticError, AttributeError) as exc:
+        raise UnsupportedModel(f"config.json is malformed: {exc}") from exc
+
+
+def _spec_from_hf(config: Mapping[str, Any], name: str) -> tuple[ModelSpec, Family, bool]:
     mtype = str(config.get("model_type", ""))
     if mtype not in HF_TYPES:
         raise UnsupportedModel(

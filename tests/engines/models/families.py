@@ -269,21 +269,10 @@ def quantized(weights: Weights, qtype: gguf.GGMLQuantizationType) -> Weights:
     }
 
 
-def write_gguf(
-    path: Path,
-    m: Model,
-    weights: Weights,
-    gguf_arch: str | None = None,
-    qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
-) -> Path:
-    """A GGUF file as llama.cpp's converter writes this model, matrices in ``qtype`` (F32, or
-    blocks: :func:`quantized` gives the values they hold); ``gguf_arch``: another
-    ``general.architecture`` to write it under."""
-    arch = gguf_arch or GGUF_ARCH[m.kind]
-    w = gguf.GGUFWriter(str(path), arch=arch)
-    w.add_name(f"tiny-{m.kind}")
-    file_type = "ALL_F32" if qtype == gguf.GGMLQuantizationType.F32 else f"MOSTLY_{qtype.name}"
-    w.add_file_type(int(gguf.LlamaFileType[file_type]))
+def gguf_meta(m: Model, arch: str | None = None) -> dict[str, int | float | str]:
+    """The ``{arch}.`` keys llama.cpp's converter writes for this model (under their full
+    names), typed as it types them when written: int as uint32, float as float32."""
+    arch = arch or GGUF_ARCH[m.kind]
     meta: dict[str, int | float | str] = {
         "context_length": m.context,
         "embedding_length": m.hidden,
@@ -309,9 +298,6 @@ def write_gguf(
     if kind == "linear":
         meta["rope.scaling.type"] = "linear"
         meta["rope.scaling.factor"] = float(rs["factor"])
-    extra_tensors: dict[str, F32] = {}
-    if kind == "llama3":
-        extra_tensors["rope_freqs.weight"] = llama3_rope_factors(m)
     if kind == "longrope":
         assert m.original_context is not None
         scale = m.context / m.original_context
@@ -319,15 +305,39 @@ def write_gguf(
             1 + math.log(scale) / math.log(m.original_context)
         )
         meta["rope.scaling.original_context_length"] = m.original_context
+    return {f"{arch}.{key}": value for key, value in meta.items()}
+
+
+def write_gguf(
+    path: Path,
+    m: Model,
+    weights: Weights,
+    gguf_arch: str | None = None,
+    qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+) -> Path:
+    """A GGUF file as llama.cpp's converter writes this model, matrices in ``qtype`` (F32, or
+    blocks: :func:`quantized` gives the values they hold); ``gguf_arch``: another
+    ``general.architecture`` to write it under."""
+    arch = gguf_arch or GGUF_ARCH[m.kind]
+    w = gguf.GGUFWriter(str(path), arch=arch)
+    w.add_name(f"tiny-{m.kind}")
+    file_type = "ALL_F32" if qtype == gguf.GGMLQuantizationType.F32 else f"MOSTLY_{qtype.name}"
+    w.add_file_type(int(gguf.LlamaFileType[file_type]))
+    for key, value in gguf_meta(m, arch).items():
+        if isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        else:
+            w.add_float32(key, value)
+    rs = dict(m.rope_scaling or {})
+    kind = rs.get("rope_type", rs.get("type"))
+    extra_tensors: dict[str, F32] = {}
+    if kind == "llama3":
+        extra_tensors["rope_freqs.weight"] = llama3_rope_factors(m)
+    if kind == "longrope":
         extra_tensors["rope_factors_long.weight"] = np.asarray(rs["long_factor"], np.float32)
         extra_tensors["rope_factors_short.weight"] = np.asarray(rs["short_factor"], np.float32)
-    for key, value in meta.items():
-        if isinstance(value, str):
-            w.add_string(f"{arch}.{key}", value)
-        elif isinstance(value, int):
-            w.add_uint32(f"{arch}.{key}", value)
-        else:
-            w.add_float32(f"{arch}.{key}", value)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt2")
     w.add_token_list(ck.TOKENS)

@@ -22,9 +22,12 @@ from typing import Any
 import gguf
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sessiontape.core.engine import OutputOptions, SamplingParams
 from sessiontape.core.errors import UnsupportedModel
+from sessiontape.engines.models.arch import spec_from_gguf, spec_from_hf
 from sessiontape.engines.models.importer import import_model
 from tests.engines.models import checkpoints as ck
 from tests.engines.models import families as fm
@@ -346,3 +349,38 @@ def test_float16_graph(name: str, attention: str, tmp_path: Path) -> None:
     ref = fm.forward(m, weights(m), IDS)
     assert np.abs(got - ref).max() < 0.02 * np.abs(ref).max()
     assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+
+
+# -- malformed headers and configs: refused by name, never another exception ----------------
+
+JUNK = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**40), 2**40),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=8),
+    st.lists(st.integers(-3, 3), max_size=4),
+    st.dictionaries(st.sampled_from(["type", "factor", "rope_type"]), st.integers(-2, 2)),
+)
+
+
+@settings(derandomize=True, max_examples=300, deadline=None)
+@given(
+    st.sampled_from(["llama3", "qwen3", "gemma2", "gemma3", "phi3-longrope", "mistral"]),
+    st.data(),
+)
+def test_malformed_values_are_refused_clearly(name: str, data: st.DataObject) -> None:
+    """A config.json or GGUF header with values of any type or sign in its keys: the spec
+    is read, or refused with UnsupportedModel; never another exception."""
+    m = MODELS[name]
+    config = fm.hf_config(m)
+    meta: dict[str, Any] = {"general.architecture": fm.GGUF_ARCH[m.kind], **fm.gguf_meta(m)}
+    for doc in (config, meta):
+        for key in data.draw(st.lists(st.sampled_from(sorted(doc)), min_size=1, max_size=3)):
+            doc[key] = data.draw(JUNK)
+    for read in (lambda: spec_from_hf(config, "x"), lambda: spec_from_gguf(meta, "x")):
+        try:
+            spec = read()[0]
+        except UnsupportedModel:
+            continue
+        assert spec.layers > 0 and spec.heads % spec.kv_heads == 0
