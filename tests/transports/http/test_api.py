@@ -417,7 +417,7 @@ async def test_a_fork_made_while_its_parent_generates_renders(server: Served) ->
         async with c.stream("GET", f"/v1/sessions/{child}/events") as r:
             text = (await r.aread()).decode()
         assert "event: snapshot" in text and "event: end" in text and "event: error" not in text
-    assert server.runtime.is_generating(sid)  # the parent's generation ran on
+    assert server.runtime.generations.is_running(sid)  # the parent's generation ran on
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])

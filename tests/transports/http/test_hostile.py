@@ -20,6 +20,7 @@ import pytest
 from prometheus_client import generate_latest
 from starlette.routing import Route
 
+from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
 from sessiontape.transports.http.app import create_app
@@ -462,7 +463,9 @@ async def test_audit_route_reports_a_poisoned_session(
     from tests.core.test_hostile_input import _poison
 
     sid = await _open(client)
-    async for _ in runtime.generate(sid, SamplingParams(max_tokens=2, seed=1), append=[1, 2]):
+    async for _ in runtime.generate(
+        sid, GenerateRequest(SamplingParams(max_tokens=2, seed=1), append=[1, 2])
+    ):
         pass
     await _poison(str(runtime.log.engine.url), sid)
     r = await client.get(f"/v1/sessions/{sid}/audit")
