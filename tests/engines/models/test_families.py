@@ -21,6 +21,7 @@ from typing import Any
 
 import gguf
 import numpy as np
+import onnx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -138,13 +139,25 @@ def test_logits_match_numpy(name: str, fmt: str, attention: str, tmp_path: Path)
 
 @pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_0], ids=lambda q: q.name)
 @pytest.mark.parametrize("name", ["phi3-window", "gemma3", "llama3"])
-def test_gguf_blocks_dequantized(name: str, qtype: QT, tmp_path: Path) -> None:
-    """Block matrices (Phi-3's fused ones sliced by rows as blocks) dequantized on import:
-    the logits of the values the file holds."""
+def test_gguf_blocks(name: str, qtype: QT, tmp_path: Path) -> None:
+    """Block matrices (Phi-3's fused ones sliced by rows as blocks): dequantized on import
+    (float32), and kept as blocks (auto: MatMulNBits, the embedding read as 8-bit blocks
+    and then scaled for Gemma), computed with float activations (accuracy_level 1, as
+    test_architectures.py checks the repacking): the logits of the values the file holds."""
     m = MODELS[name]
     src = fm.write_gguf(tmp_path / "m.gguf", m, weights(m), qtype=qtype)
-    out = imported(src, tmp_path / "out", "masked")
-    assert_logits(ck.run_imported(out, IDS), fm.forward(m, fm.quantized(weights(m), qtype), IDS))
+    ref = fm.forward(m, fm.quantized(weights(m), qtype), IDS)
+    assert_logits(ck.run_imported(imported(src, tmp_path / "f32", "masked"), IDS), ref)
+    kept = imported(src, tmp_path / "auto", "gqa", "auto")
+    model = onnx.load(str(kept / "model.onnx"), load_external_data=False)
+    ops = {n.op_type for n in model.graph.node}
+    assert {"MatMulNBits", "GatherBlockQuantized"} <= ops
+    for node in model.graph.node:
+        for attr in node.attribute:
+            if attr.name == "accuracy_level":
+                attr.i = 1
+    onnx.save(model, str(kept / "float_activations.onnx"))
+    assert_logits(ck.run_imported(kept, IDS, model="float_activations.onnx"), ref)
 
 
 def test_spec_facts(tmp_path: Path) -> None:
