@@ -51,10 +51,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sessiontape.core import gctune
 from sessiontape.core.config import Config
 from sessiontape.core.document.text import TextStream
-from sessiontape.core.engine import Engine, SamplingParams
+from sessiontape.core.engine.interface import Engine, SamplingParams
 from sessiontape.core.events import T
 from sessiontape.core.generation.request import GenerateRequest
-from sessiontape.core.registry import ENGINES, TRANSPORTS, load
+from sessiontape.core.plugins import ENGINES, TRANSPORTS, load
 from sessiontape.core.runtime import Runtime
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 2
@@ -64,10 +64,15 @@ def row(name: str, alone: str, through: str, ratio: str, extra: str = "") -> Non
     print(f"| {name:44} | {alone:>14} | {through:>14} | {ratio:>7} | {extra:>26} |", flush=True)
 
 
+#: ``--model``: the onnx engine's model source (a registry name, a GGUF file, a folder)
+MODEL: str | None = None
+
+
 def make_engine(name: str, size: str, process: str = "inline", **extra: Any) -> Engine:
     """The engine ``name`` in this process, or (``process="worker"``) served from a worker
     process as ``[engine] process = "worker"`` serves it."""
-    opts: dict[str, Any] = {"size": size} if name == "onnx" else {"max_length": 8192}
+    source = {"model": MODEL} if MODEL else {"size": size}
+    opts: dict[str, Any] = source if name == "onnx" else {"max_length": 8192}
     opts.update(extra)
     if process == "worker":
         from sessiontape.core.engine.worker import WorkerEngine
@@ -239,7 +244,7 @@ async def wire_client(
     import grpc
     import httpx
 
-    from sessiontape.engines.tokenizer import ByteTokenizer
+    from sessiontape.engines.byte_tokenizer import ByteTokenizer
     from sessiontape.transports.grpc.client import (
         EvergreenClient,
         action,
@@ -485,7 +490,7 @@ async def start_relay(kind: str, workdir: Path) -> tuple[asyncio.subprocess.Proc
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = int(sock.getsockname()[1])
-    from tests.transports.nostr.relay_config import nostr_relay_config
+    from tests.helpers.nostr_relay_config import nostr_relay_config
 
     config = workdir / "relay.json"
     config.write_text(json.dumps(nostr_relay_config(workdir, port)))
@@ -845,6 +850,12 @@ async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine", default="reference", choices=["reference", "onnx"])
     ap.add_argument("--size", default="small", help="demo model size for --engine onnx")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="--engine onnx: a model source instead of a demo size"
+        " (smollm2-135m-instruct, a .gguf file, a folder)",
+    )
     ap.add_argument("--tokens", type=int, default=400, help="tokens per generation")
     ap.add_argument("--sessions", default="1,8", help="comma-separated concurrent session counts")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per row (median)")
@@ -907,6 +918,8 @@ async def main() -> None:
         help="keep CPython's collector defaults instead of the server's (core/gctune.py)",
     )
     args = ap.parse_args()
+    global MODEL
+    MODEL = args.model
     unknown = set(args.wire_rows.split(",")) - set(WIRES)
     if unknown:
         ap.error(f"--wire-rows: no such row {', '.join(sorted(unknown))}")

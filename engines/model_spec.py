@@ -2,7 +2,9 @@
 
 :class:`ModelSpec` is what both sides of an import agree on: the importer
 (:mod:`sessiontape.engines.models.arch`) describes a GGUF file or a Hugging Face
-checkpoint as one, and the decoder graph builder writes the ONNX graph from it.
+checkpoint as one, and the decoder graph builder
+(:mod:`sessiontape.engines.onnx.decoder`) writes the ONNX graph from it. The weights
+travel as :mod:`sessiontape.engines.weights`' types. Neither side imports the other.
 
 Beside the Llama block, the spec switches on what Qwen3, Gemma 2/3, Phi-3 and
 Mistral add (:class:`ModelSpec`): per-head RMSNorm of q and k before the

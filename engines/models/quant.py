@@ -12,7 +12,7 @@ another nibble order (values 2j and 2j + 1 share byte j) and a default zero
 point of 2 ** (bits - 1), so the codes are repacked and nothing is rounded:
 Q4_0 maps exactly; Q8_0's signed codes shift by 128; Q4_1's ``d * q + m``
 becomes ``d * (q - 8) + (m + 8d)``, the offset kept beside the matrix (see
-:mod:`sessiontape.engines.onnx.builder`).
+:mod:`sessiontape.engines.weights`).
 
 :func:`dequantize` turns raw blocks into float32 exactly as the ``gguf``
 package's own ``dequantize`` does (the float32 import path and the tests
@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from sessiontape.core.errors import UnsupportedModel
-from sessiontape.engines.onnx.builder import F32, U8, QuantMatrix
+from sessiontape.engines.weights import F32, U8, QuantMatrix
 
 BLOCK = 32
 #: GGML type ids and block sizes in bytes of the formats kept as blocks

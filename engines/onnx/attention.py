@@ -3,7 +3,7 @@ RMSNorms beside it (q/k norms, post-norms).
 
 The attention's inputs are the layer's normalized hidden states; its output is the
 output projection's (post-normalized where the spec says so), ready for the residual
-add. See :mod:`sessiontape.engines.onnx.builder` for the graph's I/O convention.
+add. See :mod:`sessiontape.engines.onnx.decoder` for the graph's I/O convention.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy.typing as npt
 
 from sessiontape.engines.model_spec import SLOT_BLOCK, ModelSpec, is_local
 from sessiontape.engines.onnx.graph import MS, Graph
-from sessiontape.engines.onnx.weights import QuantMatrix, Tensor, Weights, concat_out, scale_out
+from sessiontape.engines.weights import QuantMatrix, Tensor, Weights, concat_out, scale_out
 
 
 def rope_names(spec: ModelSpec, i: int) -> tuple[str, str]:

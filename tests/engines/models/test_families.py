@@ -1,6 +1,6 @@
 """Llama 3, Qwen3, Gemma 2, Gemma 3, Phi-3 and Mistral against an independent numpy forward pass.
 
-Each model (tests/engines/models/families.py) is a tiny random checkpoint written here as a
+Each model (tests/helpers/families.py) is a tiny random checkpoint written here as a
 Hugging Face folder and as an F32 GGUF file as llama.cpp's converter writes it, imported
 with :func:`import_model` in both attention variants (``gqa``, ``masked``) and run through
 onnxruntime; its logits at every position must be those of the numpy forward pass within
@@ -26,13 +26,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sessiontape.core.engine import OutputOptions, SamplingParams
+from sessiontape.core.engine.interface import OutputOptions, SamplingParams
 from sessiontape.core.errors import UnsupportedModel
 from sessiontape.engines.models.arch import spec_from_gguf, spec_from_hf
-from sessiontape.engines.models.importer import import_model
-from tests.engines.models import checkpoints as ck
-from tests.engines.models import families as fm
-from tests.engines.models.families import F64, Model
+from sessiontape.engines.onnx.importer import import_model
+from tests.helpers import checkpoints as ck
+from tests.helpers import families as fm
+from tests.helpers.families import F64, Model
 
 ATOL = 1e-4
 QT = gguf.GGMLQuantizationType
