@@ -90,6 +90,20 @@ def test_reexecute_on_another_engine_reports_divergence(
     proc = cli("audit", a, "--reexecute", "--json", "--config", str(cfg), db=url, check=False)
     [r] = json.loads(proc.stdout)
     assert proc.returncode == 1 and r["divergences"] and r["divergences"][0]["index"] == 0
+    # the plain report names each diverging token by id and by its text (the session's
+    # tokenizer: bytes, for the reference engine); --tokens by id only
+    rec, got = r["divergences"][0]["recorded"]["token"], r["divergences"][0]["reexecuted"]["token"]
+    plain = cli("audit", a, "--reexecute", "--config", str(cfg), db=url, check=False).stdout
+
+    def shown(tok: int) -> str:
+        return json.dumps(
+            bytes([tok]).decode("utf-8", "replace") if tok < 256 else "", ensure_ascii=False
+        )
+
+    assert f"recorded token {rec} {shown(rec)} (logprob" in plain, plain
+    assert f"re-executed token {got} {shown(got)}" in plain, plain
+    ids = cli("audit", a, "--reexecute", "--tokens", "--config", str(cfg), db=url, check=False)
+    assert f"recorded token {rec} (logprob" in ids.stdout
 
 
 def test_reexecute_compares_engines(populated: tuple[str, list[str]]) -> None:
