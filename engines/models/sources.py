@@ -32,7 +32,12 @@ import numpy as np
 
 from sessiontape.core.errors import UnsupportedModel
 from sessiontape.engines.models import quant
-from sessiontape.engines.models.arch import spec_from_gguf, spec_from_hf
+from sessiontape.engines.models.arch import (
+    VECTORS,
+    longrope_from_gguf,
+    spec_from_gguf,
+    spec_from_hf,
+)
 from sessiontape.engines.models.sampling_defaults import gguf_sampling, hf_sampling
 from sessiontape.engines.weights import F32, QuantMatrix, Tensor
 
@@ -95,20 +100,6 @@ class GgufSource:
     """A ``.gguf`` file (llama.cpp's format), memory-mapped through the ``gguf`` package."""
 
     kind = "gguf"
-    _NAMES = {
-        "attn_norm": "attn_norm.weight",
-        "wq": "attn_q.weight",
-        "wk": "attn_k.weight",
-        "wv": "attn_v.weight",
-        "bq": "attn_q.bias",
-        "bk": "attn_k.bias",
-        "bv": "attn_v.bias",
-        "wo": "attn_output.weight",
-        "mlp_norm": "ffn_norm.weight",
-        "wg": "ffn_gate.weight",
-        "wu": "ffn_up.weight",
-        "wd": "ffn_down.weight",
-    }
 
     def __init__(self, path: Path, dtype: str = "auto") -> None:
         from gguf import GGUFReader
@@ -121,10 +112,14 @@ class GgufSource:
         self.meta = gguf_metadata(self._reader)
         self._tensors = {t.name: t for t in self._reader.tensors}
         name = str(self.meta.get("general.name") or path.stem)
-        self.spec, self._permute = spec_from_gguf(self.meta, name)
+        self.spec, self.family = spec_from_gguf(self.meta, name)
+        self._permute = self.family.gguf_permute_qk
         self.sampling = gguf_sampling(self.meta, path.name)
         if "rope_freqs.weight" in self._tensors:  # Llama 3.1's rope scaling, as llama.cpp keeps it
             self.spec = replace(self.spec, rope_freq_factors=self._rope_factors())
+        if "rope_factors_short.weight" in self._tensors:  # Phi-3's long-rope scaling
+            short = self._vector("rope_factors_short.weight")
+            self.spec = longrope_from_gguf(self.meta, self.spec, [float(x) for x in short])
         self.policy = WeightPolicy(dtype)
         self.spec = replace(self.spec, float_type=float_type(dtype))
         self._embed: Tensor | None = None
@@ -184,12 +179,21 @@ class GgufSource:
                 self._embed if self._embed is not None else self.weight("embed")
             )
         m = _LAYER.match(name)
-        if m is None or m.group(2) not in self._NAMES:
+        names = self.family.gguf
+        if m is None or m.group(2) not in names:
             raise UnsupportedModel(f"no GGUF tensor for weight {name!r}")
         i, part = int(m.group(1)), m.group(2)
-        gname = f"blk.{i}.{self._NAMES[part]}"
-        if part in ("attn_norm", "mlp_norm", "bq", "bk", "bv"):
+        gname = f"blk.{i}.{names[part]}"
+        if part in VECTORS:
             return self._vector(gname)
+        fused = self.family.fused_rows(self.spec, part)
+        if fused is not None and f"blk.{i}.{names[fused[0]]}" in self._tensors:
+            whole, start, end, total = fused
+            fname = f"blk.{i}.{names[whole]}"
+            have = int(np.asarray(self._raw(fname).data).shape[0])
+            if have != total:
+                raise UnsupportedModel(f"{fname} has {have} rows, not {total}")
+            return self._matrix(fname, np.arange(start, end, dtype=np.int64))
         rows = None
         if self._permute and part in ("wq", "wk"):
             rows = self._qk_order(self.spec.heads if part == "wq" else self.spec.kv_heads)
@@ -296,20 +300,6 @@ class HfSource:
     """A Hugging Face checkpoint folder: ``config.json`` and ``*.safetensors``."""
 
     kind = "hf"
-    _NAMES = {
-        "attn_norm": "input_layernorm.weight",
-        "wq": "self_attn.q_proj.weight",
-        "wk": "self_attn.k_proj.weight",
-        "wv": "self_attn.v_proj.weight",
-        "bq": "self_attn.q_proj.bias",
-        "bk": "self_attn.k_proj.bias",
-        "bv": "self_attn.v_proj.bias",
-        "wo": "self_attn.o_proj.weight",
-        "mlp_norm": "post_attention_layernorm.weight",
-        "wg": "mlp.gate_proj.weight",
-        "wu": "mlp.up_proj.weight",
-        "wd": "mlp.down_proj.weight",
-    }
 
     def __init__(self, folder: Path, dtype: str = "auto") -> None:
         cfg_path = folder / "config.json"
@@ -326,7 +316,12 @@ class HfSource:
             st = SafetensorsFile(f)
             for name in st.entries:
                 self._where[name] = st
-        self.spec, self._tied = spec_from_hf(self.config, folder.name)
+        self.spec, self.family, self._tied = spec_from_hf(self.config, folder.name)
+        # the language model's tensors: model.*, or a multimodal checkpoint's language_model.*
+        embeds = [n for n in self._where if n.endswith("embed_tokens.weight")]
+        self._prefix = min(embeds, key=len)[: -len("embed_tokens.weight")] if embeds else "model."
+        heads = [n for n in self._where if n.endswith("lm_head.weight")]
+        self._head = min(heads, key=len) if heads else "lm_head.weight"
         self.sampling = hf_sampling(folder)
         self.policy = WeightPolicy("float32" if dtype == "auto" else dtype)
         self.spec = replace(self.spec, float_type=float_type(dtype))
@@ -337,23 +332,42 @@ class HfSource:
             raise UnsupportedModel(f"{self.path.name} has no tensor {name!r}")
         return st.tensor(name)
 
+    def _norm(self, name: str) -> F32:
+        """A norm weight as the graph multiplies by it (Gemma's ``1 + w``, in float32)."""
+        w = self._rows(name).reshape(-1)
+        shift = self.family.hf_norm_shift
+        return w + np.float32(shift) if shift else w
+
     def weight(self, name: str) -> Tensor:
+        p = self._prefix
         if name == "embed":
-            return self.policy.embedding(
-                None, None, lambda: self._rows("model.embed_tokens.weight")
-            )
+            return self.policy.embedding(None, None, lambda: self._rows(p + "embed_tokens.weight"))
         if name == "final_norm":
-            return self._rows("model.norm.weight").reshape(-1)
+            return self._norm(p + "norm.weight")
         if name == "lm_head":
-            if self._tied or "lm_head.weight" not in self._where:
+            if self._tied or self._head not in self._where:
                 return lm_head_from_embedding(self.weight("embed"))
-            return self.policy.matrix(None, None, lambda: self._rows("lm_head.weight"))
+            return self.policy.matrix(None, None, lambda: self._rows(self._head))
         m = _LAYER.match(name)
-        if m is None or m.group(2) not in self._NAMES:
+        names = self.family.hf
+        if m is None or m.group(2) not in names:
             raise UnsupportedModel(f"no checkpoint tensor for weight {name!r}")
-        hname = f"model.layers.{m.group(1)}.{self._NAMES[m.group(2)]}"
-        if m.group(2) in ("attn_norm", "mlp_norm", "bq", "bk", "bv"):
-            return self._rows(hname).reshape(-1)
+        layer, part = m.group(1), m.group(2)
+        hname = f"{p}layers.{layer}.{names[part]}"
+        if part in VECTORS:
+            return self._norm(hname) if part.endswith("norm") else self._rows(hname).reshape(-1)
+        fused = self.family.fused_rows(self.spec, part)
+        if fused is not None and f"{p}layers.{layer}.{names[fused[0]]}" in self._where:
+            whole, start, end, total = fused
+            fname = f"{p}layers.{layer}.{names[whole]}"
+
+            def rows() -> F32:
+                full = self._rows(fname)
+                if full.shape[0] != total:
+                    raise UnsupportedModel(f"{fname} has {full.shape[0]} rows, not {total}")
+                return np.ascontiguousarray(full[start:end])
+
+            return self.policy.matrix(None, None, rows)
         return self.policy.matrix(None, None, lambda: self._rows(hname))
 
 

@@ -15,8 +15,17 @@ weights by name (:data:`~sessiontape.engines.weights.Weights`); this module writ
 Weight names (matrices are ``[in, out]`` float32 arrays or :class:`QuantMatrix`)::
 
     embed [vocab, hidden] (float32, or an 8-bit QuantMatrix with n = vocab),
-    l{i}.attn_norm, l{i}.wq, l{i}.wk, l{i}.wv, [l{i}.bq, l{i}.bk, l{i}.bv], l{i}.wo,
-    l{i}.mlp_norm, l{i}.wg, l{i}.wu, l{i}.wd, final_norm, lm_head [hidden, vocab]
+    l{i}.attn_norm, l{i}.wq, l{i}.wk, l{i}.wv, [l{i}.bq, l{i}.bk, l{i}.bv],
+    [l{i}.q_norm, l{i}.k_norm], l{i}.wo, [l{i}.post_attn_norm], l{i}.mlp_norm,
+    l{i}.wg, l{i}.wu, l{i}.wd, [l{i}.post_mlp_norm], final_norm, lm_head [hidden, vocab]
+
+(bracketed names only where the spec has the feature: ``qkv_bias``, ``qk_norm``,
+``post_norms``). Norm weights are the factors the normalized values are multiplied
+by: a Gemma norm's ``1 + w`` is added by the source, not here.
+
+The features of the families beyond Llama are :class:`ModelSpec`'s
+(:mod:`sessiontape.engines.model_spec`); their attention is built by
+:mod:`sessiontape.engines.onnx.attention`.
 
 A quantized matrix runs as com.microsoft ``MatMulNBits`` (4 or 8 bits, blocks
 along the input dimension, computed with int8 activations at
@@ -51,17 +60,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from sessiontape.engines.model_spec import SLOT_BLOCK, ModelSpec
+from sessiontape.engines.model_spec import SLOT_BLOCK, ModelSpec, check_features
+from sessiontape.engines.onnx.attention import attention, rms, slot_mask, softcap, vector
 from sessiontape.engines.onnx.graph import MS, Graph
-from sessiontape.engines.weights import (
-    QuantMatrix,
-    Tensor,
-    Weights,
-    concat_out,
-    scale_out,
-)
+from sessiontape.engines.weights import QuantMatrix, Tensor, Weights, concat_out
 
-__all__ = ["build_static", "graph_io", "rope_rows", "write_model"]
+__all__ = ["build_static", "graph_io", "inv_frequencies", "rope_rows", "rope_tables", "write_model"]
 
 
 def rope_rows(max_length: int) -> int:
@@ -69,9 +73,12 @@ def rope_rows(max_length: int) -> int:
     return -(-(max_length + 1) // SLOT_BLOCK) * SLOT_BLOCK
 
 
-def inv_frequencies(spec: ModelSpec) -> npt.NDArray[np.float64]:
-    """The rotary inverse frequencies, with the spec's scaling applied."""
+def inv_frequencies(spec: ModelSpec, local: bool = False) -> npt.NDArray[np.float64]:
+    """The rotary inverse frequencies, with the spec's scaling applied (``local``: the
+    sliding-window layers' own base, unscaled, when the spec has one)."""
     hd = spec.head_dim
+    if local and spec.local_rope_theta is not None:
+        return 1.0 / (spec.local_rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
     inv = 1.0 / (spec.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
     if spec.rope_freq_factors is not None:
         factors = np.asarray(spec.rope_freq_factors, dtype=np.float64)
@@ -99,49 +106,14 @@ def _scaled(spec: ModelSpec, inv: npt.NDArray[np.float64]) -> npt.NDArray[np.flo
     raise ValueError(f"unsupported rope scaling {sc.kind!r}")
 
 
-def rope_tables(spec: ModelSpec) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
+def rope_tables(spec: ModelSpec, local: bool = False) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
     """cos and sin [rope_rows, head_dim / 2], in the graph's float type (rounded once, from
-    float64)."""
-    ang = np.outer(np.arange(rope_rows(spec.max_length), dtype=np.float64), inv_frequencies(spec))
-    return np.cos(ang).astype(spec.np_float), np.sin(ang).astype(spec.np_float)
-
-
-def _slot_mask(g: Graph, group: int) -> str:
-    """[b, 1, group * s, t]: key slot j visible to the query at position q iff j <= q.
-
-    Slot j of the buffer holds position j. attention_mask is accepted for the
-    convention but not read (a one-sequence pass has no left padding, and
-    onnxruntime-genai passes it shorter than the buffer). Slot indices come
-    from the buffer's own length without shape arithmetic, as cumulative sums
-    over blocks of SLOT_BLOCK (ONNX Runtime's CUDA CumSum costs O(n) per
-    element); the positions are tiled before the compare (CUDA has no Tile
-    for bool).
-    """
-    from onnx import TensorProto
-
-    first = g.op("Gather", ["past_key_values.0.key", "c_zero_s"], axis=0)
-    col = g.op("Gather", [g.op("Gather", [first, "c_zero_s"], axis=0), "c_zero_s"], axis=1)
-    ones = g.op(
-        "Add", [g.op("Mul", [g.op("Cast", [col], to=TensorProto.INT64), "c_zero"]), "c_one"]
-    )
-    blocks = g.op("Reshape", [ones, g.i64("c_blocks", -1, SLOT_BLOCK)])
-    within = g.op("CumSum", [blocks, "c_axis1"])
-    firsts = g.op("CumSum", [g.op("Gather", [blocks, "c_zero_s"], axis=1), "c_zero_s"])
-    base = g.op("Mul", [g.op("Sub", [firsts, "c_one"]), "c_block"])
-    slots = g.op(
-        "Reshape",
-        [
-            g.op("Sub", [g.op("Add", [within, g.op("Unsqueeze", [base, "c_axis1"])]), "c_one"]),
-            "c_axis_neg1",
-        ],
-    )
-    rows_pos = g.op("Tile", ["position_ids", g.i64("c_tile_group", 1, group)])
-    return str(
-        g.op(
-            "Unsqueeze",
-            [g.op("LessOrEqual", [slots, g.op("Unsqueeze", [rows_pos, "c_axis_neg1"])]), "c_axis1"],
-        )
-    )
+    float64); ``local``: the sliding-window layers' tables (:func:`inv_frequencies`)."""
+    rows = np.arange(rope_rows(spec.max_length), dtype=np.float64)
+    ang = np.outer(rows, inv_frequencies(spec, local))
+    factor = 1.0 if local and spec.local_rope_theta is not None else spec.rope_attention_factor
+    cos, sin = np.cos(ang) * factor, np.sin(ang) * factor
+    return cos.astype(spec.np_float), sin.astype(spec.np_float)
 
 
 def _constants(g: Graph, spec: ModelSpec) -> None:
@@ -160,6 +132,9 @@ def _constants(g: Graph, spec: ModelSpec) -> None:
     g.i64("c_shape_q", 0, 0, nh, hd)
     g.i64("c_shape_kv", 0, 0, nkv, hd)
     g.i64("c_shape_h", 0, 0, nh * hd)
+    g.i64("c_shape_kvh", 0, -1, nkv * hd)
+    g.i64("c_shape_qh", 0, -1, nh * hd)
+    g.i64("c_shape_rows", 0, -1, hd)
     g.i64("c_gq", 0, nkv, -1, hd)
     g.i64("c_att", 0, nh, -1, hd)
     g.i64("c_prob_blocks", 0, 0, 0, -1, SLOT_BLOCK)
@@ -168,10 +143,25 @@ def _constants(g: Graph, spec: ModelSpec) -> None:
     cos, sin = rope_tables(spec)
     g.const("rope_cos", cos)
     g.const("rope_sin", sin)
+    if spec.attn_softcap and spec.attention == "masked":
+        g.const("c_attn_softcap", np.array(spec.attn_softcap, spec.np_float))
+    if spec.local_rope_theta is not None and spec.sliding_window and spec.local_layers:
+        cos, sin = rope_tables(spec, local=True)
+        g.const("rope_cos_local", cos)
+        g.const("rope_sin_local", sin)
 
 
 def _embedding(g: Graph, spec: ModelSpec, w: Tensor) -> str:
+    """The rows of ``input_ids`` (``hidden_states.0``), times ``embed_scale`` when set."""
     out = _inner(spec, "hidden_states.0")
+    if spec.embed_scale is None:
+        return _gather(g, spec, w, out)
+    rows = _gather(g, spec, w, None)
+    scale = g.const("embed_scale", np.array(spec.embed_scale, spec.np_float))
+    return str(g.op("Mul", [rows, scale], name=out))
+
+
+def _gather(g: Graph, spec: ModelSpec, w: Tensor, out: str | None) -> str:
     if isinstance(w, QuantMatrix):
         if w.bits != 8 or w.offsets is not None or spec.float_type != "float32":
             w = w.dequantize()
@@ -212,104 +202,6 @@ def _to_outputs(g: Graph, spec: ModelSpec) -> None:
         g.op("Cast", [_inner(spec, name)], to=TensorProto.FLOAT, name=name)
 
 
-def _attention(g: Graph, spec: ModelSpec, i: int, xn: str, weights: Weights, mask: str) -> str:
-    """Layer ``i``'s attention output (before its output projection's residual add)."""
-    hd = spec.head_dim
-    p = f"l{i}."
-    scale = hd**-0.5
-    wqkv = concat_out([scale_out(weights(p + "wq"), scale), weights(p + "wk"), weights(p + "wv")])
-    qkv = g.linear(xn, p + "wqkv", wqkv, spec.accuracy_level, dtype=spec.np_float)
-    if spec.qkv_bias:
-        bias = np.concatenate(
-            [
-                np.asarray(weights(p + "bq"), np.float32) * np.float32(scale),
-                np.asarray(weights(p + "bk"), np.float32),
-                np.asarray(weights(p + "bv"), np.float32),
-            ]
-        ).astype(spec.np_float)
-        qkv = g.op("Add", [qkv, g.const(p + "bqkv", bias)])
-    att = _gqa(g, spec, i, qkv) if spec.attention == "gqa" else _masked(g, spec, i, qkv, mask)
-    return g.linear(att, p + "wo", weights(p + "wo"), spec.accuracy_level, dtype=spec.np_float)
-
-
-def _gqa(g: Graph, spec: ModelSpec, i: int, qkv: str) -> str:
-    """Layer ``i``'s attention as one com.microsoft GroupQueryAttention over packed q, k, v.
-
-    It applies the rotary embedding (rotate-half, from the same cos/sin
-    tables), writes the pass's keys and values into the layer's buffer
-    (present bound to past: in place, nothing copied) and attends causally.
-    It places a pass's rows at the last positions of the sequence:
-    ``seqlens_k`` is the batch row's last position (``c_seqlens_k``), so the
-    rows of a pass must be consecutive positions, which the runners keep
-    (their padding rows follow the real ones; a fixed-shape runner's context
-    is capped so they never clamp). The attention scale is folded into q.
-    """
-    att, _, _ = g.op(
-        "GroupQueryAttention",
-        [
-            qkv,
-            "",
-            "",
-            f"past_key_values.{i}.key",
-            f"past_key_values.{i}.value",
-            "c_seqlens_k",
-            "c_total_len",
-            "rope_cos",
-            "rope_sin",
-        ],
-        outputs=3,
-        domain=MS,
-        num_heads=spec.heads,
-        kv_num_heads=spec.kv_heads,
-        do_rotary=1,
-        rotary_interleaved=0,
-        scale=1.0,
-    )
-    g.nodes[-1].output[1] = f"present.{i}.key"
-    g.nodes[-1].output[2] = f"present.{i}.value"
-    return str(att)
-
-
-def _masked(g: Graph, spec: ModelSpec, i: int, qkv: str, mask: str) -> str:
-    """Layer ``i``'s attention as separate operators: rotary, a scatter into the buffer at
-    ``position_ids``, scores masked by position, softmax, and the weighted sum of values."""
-    nh, nkv = spec.heads, spec.kv_heads
-    q, k, v = g.op("Split", [qkv, "c_split_qkv"], outputs=3, axis=-1)
-    q = g.op(
-        "RotaryEmbedding", [q, "position_ids", "rope_cos", "rope_sin"], domain=MS, num_heads=nh
-    )
-    k = g.op(
-        "RotaryEmbedding", [k, "position_ids", "rope_cos", "rope_sin"], domain=MS, num_heads=nkv
-    )
-
-    def heads(x: str, shape: str) -> str:
-        return str(g.op("Transpose", [g.op("Reshape", [x, shape])], perm=[0, 2, 1, 3]))
-
-    scatter_at = "c_scatter_at"
-    # written at their positions into the buffer (in place when present is bound to past)
-    pk = g.op(
-        "ScatterElements",
-        [f"past_key_values.{i}.key", scatter_at, heads(k, "c_shape_kv")],
-        axis=2,
-        name=f"present.{i}.key",
-    )
-    pv = g.op(
-        "ScatterElements",
-        [f"past_key_values.{i}.value", scatter_at, heads(v, "c_shape_kv")],
-        axis=2,
-        name=f"present.{i}.value",
-    )
-    qg = g.op("Reshape", [heads(q, "c_shape_q"), "c_gq"])
-    scores = g.op("MatMul", [qg, g.op("Transpose", [pk], perm=[0, 1, 3, 2])])
-    probs = g.op("Softmax", [g.op("Where", [mask, scores, "c_neginf"])], axis=-1)
-    # probs . V over blocks of SLOT_BLOCK slots, then a sum over the blocks: one GEMM over all
-    # slots gets a handful of thread blocks (M = N = 64); this split has one per block
-    pb = g.op("Transpose", [g.op("Reshape", [probs, "c_prob_blocks"])], perm=[0, 1, 3, 2, 4])
-    part = g.op("MatMul", [pb, g.op("Reshape", [pv, "c_v_blocks"])])
-    att = g.op("Reshape", [g.op("ReduceSum", [part, "c_axis2"], keepdims=0), "c_att"])
-    return str(g.op("Reshape", [g.op("Transpose", [att], perm=[0, 2, 1, 3]), "c_shape_h"]))
-
-
 def _mlp(g: Graph, spec: ModelSpec, i: int, xn: str, weights: Weights) -> str:
     p = f"l{i}."
     dt = spec.np_float
@@ -322,14 +214,14 @@ def _mlp(g: Graph, spec: ModelSpec, i: int, xn: str, weights: Weights) -> str:
         # float: two MatMuls (one over both, then a Split, is slower for float weights)
         gate = g.linear(xn, p + "wg", wg, spec.accuracy_level, dtype=dt)
         up = g.linear(xn, p + "wu", wu, spec.accuracy_level, dtype=dt)
-    act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
-    return g.linear(act, p + "wd", weights(p + "wd"), spec.accuracy_level, dtype=dt)
-
-
-def _vector(spec: ModelSpec, w: Tensor) -> npt.NDArray[Any]:
-    if isinstance(w, QuantMatrix):
-        raise ValueError("a norm weight must be a float vector, not a quantized matrix")
-    return np.asarray(w).astype(spec.np_float, copy=False)
+    if spec.activation == "gelu_tanh":
+        act = g.op("Mul", [g.op("FastGelu", [gate], domain=MS), up])
+    else:
+        act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
+    out = g.linear(act, p + "wd", weights(p + "wd"), spec.accuracy_level, dtype=dt)
+    if spec.post_norms:
+        out = rms(g, spec, out, weights, p + "post_mlp_norm")
+    return out
 
 
 def _norm(g: Graph, x: str, delta: str, weight: str, eps: float, out: str) -> tuple[str, str]:
@@ -390,10 +282,12 @@ def build_static(spec: ModelSpec, weights: Weights, graph: Graph | None = None) 
     from onnx import helper
 
     g = graph or Graph()
+    check_features(spec)
     _constants(g, spec)
-    mask = ""
+    masks = ("", "")
     if spec.attention == "masked":
-        mask = _slot_mask(g, spec.heads // spec.kv_heads)
+        window = spec.sliding_window if spec.local_layers else 0
+        masks = slot_mask(g, spec.heads // spec.kv_heads, window)
         g.op(
             "Expand",
             [
@@ -415,14 +309,14 @@ def build_static(spec: ModelSpec, weights: Weights, graph: Graph | None = None) 
         g,
         x,
         g.op("Mul", [x, "c_zero_f"]),
-        g.const("l0.attn_norm", _vector(spec, weights("l0.attn_norm"))),
+        g.const("l0.attn_norm", vector(spec, weights("l0.attn_norm"))),
         eps,
         "h_in",
     )
     for i in range(spec.layers):
         p = f"l{i}."
-        att = _attention(g, spec, i, xn, weights, mask)
-        mlp_norm = g.const(p + "mlp_norm", _vector(spec, weights(p + "mlp_norm")))
+        att = attention(g, spec, i, xn, weights, masks)
+        mlp_norm = g.const(p + "mlp_norm", vector(spec, weights(p + "mlp_norm")))
         xn, x = _norm(g, x, att, mlp_norm, eps, f"h{i}.mid")
         mlp = _mlp(g, spec, i, xn, weights)
         norm = "final_norm" if i + 1 == spec.layers else f"l{i + 1}.attn_norm"
@@ -430,14 +324,19 @@ def build_static(spec: ModelSpec, weights: Weights, graph: Graph | None = None) 
             g,
             x,
             mlp,
-            g.const(norm, _vector(spec, weights(norm))),
+            g.const(norm, vector(spec, weights(norm))),
             eps,
             _inner(spec, f"hidden_states.{i + 1}"),
         )
     # a float16 graph's head runs in float16 too: a float32 head (a cast of the final norm's
     # output, a float32 matrix) comes no closer to the float32 path on SmolLM2-135M
     logits = _inner(spec, "logits")
-    g.linear(xn, "lm_head", weights("lm_head"), spec.accuracy_level, logits, spec.np_float)
+    if spec.final_softcap:
+        raw = g.linear(xn, "lm_head", weights("lm_head"), spec.accuracy_level, None, spec.np_float)
+        cap = g.const("c_final_softcap", np.array(spec.final_softcap, spec.np_float))
+        softcap(g, raw, cap, logits)
+    else:
+        g.linear(xn, "lm_head", weights("lm_head"), spec.accuracy_level, logits, spec.np_float)
     _to_outputs(g, spec)
     inputs, outs = graph_io(spec)
     graph_proto = helper.make_graph(g.nodes, f"sessiontape-{spec.name}", inputs, outs, g.inits)
@@ -484,6 +383,13 @@ def iter_layer_names(spec: ModelSpec) -> Iterator[str]:
         yield from (p + "wq", p + "wk", p + "wv")
         if spec.qkv_bias:
             yield from (p + "bq", p + "bk", p + "bv")
-        yield from (p + "wo", p + "mlp_norm", p + "wg", p + "wu", p + "wd")
+        if spec.qk_norm:
+            yield from (p + "q_norm", p + "k_norm")
+        yield p + "wo"
+        if spec.post_norms:
+            yield p + "post_attn_norm"
+        yield from (p + "mlp_norm", p + "wg", p + "wu", p + "wd")
+        if spec.post_norms:
+            yield p + "post_mlp_norm"
         yield "final_norm" if i + 1 == spec.layers else f"l{i + 1}.attn_norm"
     yield "lm_head"

@@ -78,9 +78,13 @@ def test_hf_float32_checkpoint_matches_numpy(name: str, tmp_path: Path) -> None:
     out = imported(src, tmp_path / "out")
     assert_logits(ck.run_imported(out, IDS), ck.forward(arch, weights(arch), IDS))
     cfg = json.loads((out / "config.json").read_text())
-    # Mistral's window (256) is shorter than its 1024 positions: served, capped at the window.
-    # Qwen2's window is switched off (use_sliding_window false): the context stays.
-    assert cfg["max_length"] == {"mistral": 256}.get(name, arch.context)
+    # Mistral's window (256) is shorter than its 1024 positions: served over all of them,
+    # every layer attending over the window. Qwen2's window is switched off
+    # (use_sliding_window false).
+    assert cfg["max_length"] == arch.context
+    assert (cfg["sliding_window"], cfg["local_layers"]) == (
+        (256, [0, 1]) if name == "mistral" else (0, [])
+    )
     assert cfg["qkv_bias"] is (name == "qwen2")
     assert (cfg["heads"], cfg["kv_heads"], cfg["head_dim"]) == (4, 2, 16)
     assert (cfg["vocab_size"], cfg["eos_token_id"], cfg["bos_token_id"]) == (
