@@ -1,0 +1,339 @@
+"""GGUF's block formats (engines/models/quant.py) against the ``gguf`` package's own decoder.
+
+Blocks are random bytes: every bit pattern of codes, sub-block scales and mins is a valid
+block, so only the float16 fields (d, dmin, m) are set apart: either left random (NaN and
+inf included: "bytes") or finite, of a random magnitude ("finite"). Each format must:
+
+* dequantize bit for bit as ``gguf.quants.dequantize`` does;
+* as a :class:`QuantMatrix` (the graph's MatMulNBits layout) hold the same values: bit for
+  bit where the module's table says "exact", within a few float32 roundings of the block's
+  magnitude for Q4_1 and Q4_K (whose offsets are computed);
+* multiply through ONNX Runtime's MatMulNBits (float activations) as the dequantized
+  matrix does through numpy, within float32 accumulation error.
+
+A small Qwen2-shaped model whose matrices mix the formats per tensor, as llama.cpp's
+``_K_M`` presets do, imports with its blocks kept and computes the numpy reference's logits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import onnx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sessiontape.core.errors import UnsupportedModel
+from sessiontape.engines.models import quant
+from sessiontape.engines.models.importer import import_model
+from sessiontape.engines.onnx.graph import MS, Graph
+from sessiontape.engines.onnx.weights import QuantMatrix, concat_out, relayout
+from tests.engines.models import checkpoints as ck
+
+QT = gguf.GGMLQuantizationType
+KINDS = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K]
+KINDS += [QT.Q6_K, QT.IQ4_NL]
+#: byte offsets of each format's float16 fields (d, and dmin or m)
+HALF_FIELDS = {
+    QT.Q4_0: (0,),
+    QT.Q4_1: (0, 2),
+    QT.Q5_0: (0,),
+    QT.Q5_1: (0, 2),
+    QT.Q8_0: (0,),
+    QT.Q2_K: (80, 82),
+    QT.Q3_K: (108,),
+    QT.Q4_K: (0, 2),
+    QT.Q5_K: (0, 2),
+    QT.Q6_K: (208,),
+    QT.IQ4_NL: (0,),
+}
+#: formats whose QuantMatrix computes its offsets (one float32 rounding)
+ROUNDED = (QT.Q4_1, QT.Q4_K)
+EPS = float(np.finfo(np.float32).eps)
+
+
+def random_blocks(
+    qtype: QT, rows: int, cols: int, rng: np.random.Generator, kind: str = "finite"
+) -> Any:
+    """Raw blocks [rows, bytes] of ``rows`` x ``cols`` weights."""
+    values, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, cols // values * size), dtype=np.uint8)
+    if kind == "finite":
+        blocks = raw.reshape(-1, size)
+        for at in HALF_FIELDS[qtype]:
+            half = rng.standard_normal(len(blocks)) * 10.0 ** rng.uniform(-5, 2)
+            blocks[:, at : at + 2] = half.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return raw
+
+
+def scaled_blocks(qtype: QT, rows: int, cols: int, rng: np.random.Generator, std: float) -> Any:
+    """Random blocks whose weights have about ``std``: every float16 field set to one value c
+    (w is linear in d and dmin together), c chosen from the spread at c = 1."""
+    raw = random_blocks(qtype, rows, cols, rng, "bytes")
+    values, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = raw.reshape(-1, size)
+
+    def fill(c: float) -> None:
+        for at in HALF_FIELDS[qtype]:
+            blocks[:, at : at + 2] = np.array([c], np.float16).view(np.uint8)
+
+    fill(1.0)
+    spread = float(np.asarray(gguf.quants.dequantize(raw, qtype)).std()) or 1.0
+    fill(std / spread)
+    return raw
+
+
+def gguf_dequantized(raw: Any, qtype: QT) -> Any:
+    return np.asarray(gguf.quants.dequantize(raw, qtype), np.float32)
+
+
+cases = st.tuples(
+    st.sampled_from(KINDS),
+    st.integers(1, 3),
+    st.integers(1, 3),
+    st.integers(0, 2**32 - 1),
+    st.sampled_from(["bytes", "finite"]),
+)
+
+
+@settings(derandomize=True, max_examples=200, deadline=None)
+@given(cases)
+def test_dequantize_is_bit_exact(case: tuple[QT, int, int, int, str]) -> None:
+    qtype, rows, blocks, seed, kind = case
+    values = gguf.GGML_QUANT_SIZES[qtype][0]
+    raw = random_blocks(qtype, rows, blocks * values, np.random.default_rng(seed), kind)
+    with np.errstate(all="ignore"):  # inf * 0 in a block of random bytes
+        ours = quant.dequantize(raw, int(qtype))
+        theirs = gguf_dequantized(raw, qtype)
+    assert ours.dtype == np.float32 and ours.shape == theirs.shape == (rows, blocks * values)
+    assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", [QT.F32, QT.F16, QT.BF16], ids=lambda q: q.name)
+def test_float_tensors_are_bit_exact(qtype: QT) -> None:
+    rng = np.random.default_rng(5)
+    raw = rng.integers(0, 256, (3, 64 * gguf.GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
+    with np.errstate(all="ignore"):
+        ours = quant.dequantize(raw, int(qtype))
+        theirs = gguf_dequantized(raw, qtype)
+    assert ours.shape == (3, 64)
+    assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
+
+
+@settings(derandomize=True, max_examples=150, deadline=None)
+@given(cases)
+def test_kept_blocks_hold_the_same_values(case: tuple[QT, int, int, int, str]) -> None:
+    qtype, rows, blocks, seed, _ = case
+    values = gguf.GGML_QUANT_SIZES[qtype][0]
+    raw = random_blocks(qtype, rows, blocks * values, np.random.default_rng(seed))
+    theirs = gguf_dequantized(raw, qtype)
+    m = quant.to_matrix(raw, int(qtype))
+    fmt = quant.FORMATS[int(qtype)]
+    assert (m.n, m.k, m.bits) == (rows, blocks * values, fmt.bits)
+    ours = m.dequantize()
+    if qtype not in ROUNDED:
+        assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
+        return
+    dec = fmt.decode(raw.reshape(-1, fmt.size))
+    assert dec.bias is not None
+    bound = 4 * EPS * (24 * np.abs(dec.scale) + np.abs(dec.bias))
+    err = np.abs(ours - theirs).reshape(-1, m.block)
+    assert (err <= bound[:, None]).all()
+
+
+def matmul_nbits(m: QuantMatrix, x: Any) -> Any:
+    """x @ m.T through ONNX Runtime (the graph builder's linear, float activations)."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    g = Graph()
+    g.linear("x", "w", m, accuracy_level=0, out="y")
+    graph = helper.make_graph(
+        g.nodes,
+        "linear",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, m.k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, m.n])],
+        g.inits,
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(MS, 1)]
+    )
+    model.ir_version = 8
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return np.asarray(sess.run(["y"], {"x": x})[0], np.float64)
+
+
+@pytest.mark.parametrize("qtype", KINDS, ids=lambda q: q.name)
+def test_matmul_nbits_computes_the_dequantized_product(qtype: QT) -> None:
+    rng = np.random.default_rng(int(qtype))
+    values = gguf.GGML_QUANT_SIZES[qtype][0]
+    raw = scaled_blocks(qtype, 48, 2 * max(values, 128), rng, 0.05)
+    x = rng.standard_normal((5, raw.shape[1] // gguf.GGML_QUANT_SIZES[qtype][1] * values))
+    x = x.astype(np.float32)
+    w = gguf_dequantized(raw, qtype).astype(np.float64)
+    want = x.astype(np.float64) @ w.T
+    got = matmul_nbits(quant.to_matrix(raw, int(qtype)), x)
+    # float32 sums of k products: a few ulp of sum |x||w| per output
+    bound = 64 * EPS * (np.abs(x).astype(np.float64) @ np.abs(w).T)
+    assert (np.abs(got - want) <= bound).all(), float(np.abs(got - want).max())
+
+
+def test_mixed_formats_fuse_exactly() -> None:
+    """q (Q4_K), k (Q6_K), v (Q5_0): one matrix of 8-bit blocks of 16, the same values."""
+    rng = np.random.default_rng(9)
+    parts = [
+        quant.to_matrix(random_blocks(t, rows, 256, rng), int(t))
+        for t, rows in ((QT.Q4_K, 8), (QT.Q6_K, 4), (QT.Q5_0, 4))
+    ]
+    fused = concat_out(list(parts))
+    assert isinstance(fused, QuantMatrix)
+    assert (fused.bits, fused.block, fused.n, fused.k) == (8, 16, 16, 256)
+    want = np.concatenate([p.dequantize() for p in parts])
+    # equal values (a zero offset added to the parts that had none turns -0.0 into 0.0)
+    assert np.array_equal(fused.dequantize(), want)
+    with pytest.raises(ValueError, match="do not fit"):
+        relayout(parts[1], 4, 16)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q3_K, QT.Q6_K, QT.IQ4_NL], ids=lambda q: q.name)
+def test_widened_blocks_hold_the_same_values(qtype: QT) -> None:
+    """Embeddings without offsets go to GatherBlockQuantized as 8-bit blocks, unchanged."""
+    raw = random_blocks(qtype, 6, 256, np.random.default_rng(4))
+    m = quant.to_matrix(raw, int(qtype))
+    wide = quant.widen(m)
+    assert wide.bits == 8 and wide.offsets is None
+    assert np.array_equal(wide.dequantize().view(np.uint32), m.dequantize().view(np.uint32))
+
+
+# -- a model that mixes formats per tensor --------------------------------------------------
+
+MIXED = ck.Arch(
+    "qwen2", seed=21, rope_theta=1e6, eps=1e-6, bias=True, hidden=256, heads=4, kv_heads=2,
+    intermediate=512,
+)  # fmt: skip
+#: per layer: the format of each matrix (llama.cpp's Q4_K_M picks per tensor like this)
+LAYER_TYPES = [
+    {"q": QT.Q4_K, "k": QT.Q4_K, "v": QT.Q6_K, "o": QT.Q5_K, "g": QT.Q4_K, "u": QT.Q4_K},
+    {"q": QT.Q5_0, "k": QT.Q8_0, "v": QT.Q5_1, "o": QT.Q3_K, "g": QT.Q2_K, "u": QT.Q2_K},
+]
+DOWN_TYPES = [QT.Q6_K, QT.IQ4_NL]
+_HF = {
+    "q": "self_attn.q_proj",
+    "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj",
+    "o": "self_attn.o_proj",
+    "g": "mlp.gate_proj",
+    "u": "mlp.up_proj",
+}
+
+
+def write_mixed(path: Path) -> dict[str, Any]:
+    """The mixed model as a GGUF file; returns its weights dequantized, by transformers' names."""
+    a = MIXED
+    rng = np.random.default_rng(a.seed)
+    hd = a.head_dim
+    rows = {"q": a.heads * hd, "k": a.kv_heads * hd, "v": a.kv_heads * hd, "o": a.hidden}
+    rows |= {"g": a.intermediate, "u": a.intermediate}
+    held: dict[str, Any] = {}
+    tensors: list[tuple[str, Any, QT | None]] = []
+
+    def matrix(hf: str, gname: str, qtype: QT, n_out: int, n_in: int, gain: float = 1.0) -> None:
+        raw = scaled_blocks(qtype, n_out, n_in, rng, gain / np.sqrt(n_in))
+        held[hf] = gguf_dequantized(raw, qtype)
+        tensors.append((gname, raw, qtype))
+
+    def vector(hf: str, gname: str, values: Any) -> None:
+        held[hf] = values.astype(np.float32)
+        tensors.append((gname, held[hf], None))
+
+    matrix("model.embed_tokens.weight", "token_embd.weight", QT.Q6_K, ck.VOCAB, a.hidden, 8.0)
+    for i, types in enumerate(LAYER_TYPES):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        vector(p + "input_layernorm.weight", b + "attn_norm.weight", 1 + 0.2 * rng.random(a.hidden))
+        for part, qtype in types.items():
+            n_in = a.heads * hd if part == "o" else a.hidden
+            gain = 1.5 if part in "qk" else 1.0
+            gname = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output"}.get(part)
+            gname = gname or {"g": "ffn_gate", "u": "ffn_up"}[part]
+            matrix(p + _HF[part] + ".weight", b + gname + ".weight", qtype, rows[part], n_in, gain)
+            if part in "qkv":
+                bias = 0.5 * rng.standard_normal(rows[part])
+                vector(p + _HF[part] + ".bias", b + f"attn_{part}.bias", bias)
+        down = (p + "mlp.down_proj.weight", b + "ffn_down.weight")
+        matrix(*down, DOWN_TYPES[i], a.hidden, a.intermediate)
+        vector(p + "post_attention_layernorm.weight", b + "ffn_norm.weight", 1 + rng.random(a.hidden))
+    vector("model.norm.weight", "output_norm.weight", 1 + 0.2 * rng.random(a.hidden))
+    matrix("lm_head.weight", "output.weight", QT.Q4_1, ck.VOCAB, a.hidden, 2.0)
+
+    w = gguf.GGUFWriter(str(path), arch="qwen2")
+    meta = {
+        "context_length": a.context,
+        "embedding_length": a.hidden,
+        "block_count": a.layers,
+        "feed_forward_length": a.intermediate,
+        "attention.head_count": a.heads,
+        "attention.head_count_kv": a.kv_heads,
+    }
+    for key, value in meta.items():
+        w.add_uint32(f"qwen2.{key}", value)
+    w.add_float32("qwen2.rope.freq_base", a.rope_theta)
+    w.add_float32("qwen2.attention.layer_norm_rms_epsilon", a.eps)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    w.add_token_list(ck.TOKENS)
+    w.add_token_types([ck.CONTROL if t in ck.SPECIALS else ck.NORMAL for t in ck.TOKENS])
+    w.add_token_merges([f"{x} {y}" for x, y in ck.MERGES])
+    w.add_eos_token_id(ck.EOS_ID)
+    for name, arr, qtype in tensors:
+        if qtype is None:
+            w.add_tensor(name, arr)
+        else:
+            w.add_tensor(name, arr, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return held
+
+
+def test_a_model_mixing_formats_keeps_its_blocks(tmp_path: Path) -> None:
+    held = write_mixed(tmp_path / "mixed.gguf")
+    ids = [int(i) for i in np.random.default_rng(3).integers(0, ck.VOCAB, 20)]
+    ref = ck.forward(MIXED, held, ids)
+    out = import_model(tmp_path / "mixed.gguf", tmp_path / "out", "auto", concepts=False).folder
+    model = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("MatMulNBits") == 4 * MIXED.layers + 1  # qkv, o, gate|up, down; the head
+    assert ops.count("GatherBlockQuantized") == 1  # the Q6_K embedding, widened
+    for node in model.graph.node:  # float activations: the kept blocks' values exactly
+        for attr in node.attribute:
+            if attr.name == "accuracy_level":
+                attr.i = 1
+    onnx.save(model, str(out / "float_activations.onnx"))
+    got = ck.run_imported(out, ids, model="float_activations.onnx")
+    scale = float(np.abs(ref).max())
+    assert float(np.abs(got - ref).max()) <= 1e-4 * max(scale, 1.0)
+    floats = import_model(tmp_path / "mixed.gguf", tmp_path / "f32", "float32", concepts=False)
+    got32 = ck.run_imported(floats.folder, ids)
+    assert float(np.abs(got32 - ref).max()) <= 1e-4 * max(scale, 1.0)
+
+
+def test_unsupported_block_types_are_refused_by_name(tmp_path: Path) -> None:
+    a = ck.LLAMA
+    src = ck.write_gguf(tmp_path / "x.gguf", a, ck.random_weights(a), QT.Q8_0)
+    data = bytearray(src.path.read_bytes())
+    reader = gguf.GGUFReader(str(src.path))
+    t = next(t for t in reader.tensors if t.name == "blk.0.attn_q.weight")
+    # the type field sits right before the tensor's u64 offset in its info
+    info = bytes(t.name, "utf-8")
+    at = data.index(info) + len(info) + 4 + 8 * len(t.shape)
+    assert int.from_bytes(data[at : at + 4], "little") == int(QT.Q8_0)
+    data[at : at + 4] = int(QT.MXFP4).to_bytes(4, "little")  # 17 bytes per 32 weights
+    (tmp_path / "y.gguf").write_bytes(bytes(data))
+    with pytest.raises(UnsupportedModel, match=r"MXFP4.*blk\.0\.attn_q\.weight.*served: F32"):
+        import_model(tmp_path / "y.gguf", tmp_path / "out", concepts=False)
+    assert not (tmp_path / "out").exists()
