@@ -30,8 +30,8 @@ choice is noted where it is made.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -100,6 +100,26 @@ class Specials:
     bos_token: str | None
     eos_token: str | None
     add_bos: bool  # a fresh prompt starts with BOS
+
+
+#: the tokens that end a turn in the chat templates of the families served
+TURN_ENDS = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|end|>")
+
+
+def with_turn_ends(
+    specials: Specials, template: str | None, token_id: Callable[[str], int | None]
+) -> Specials:
+    """``specials`` with the end-of-turn tokens that ``template`` writes (:data:`TURN_ENDS`)
+    first among the EOS ids, so they stop generation, and the first as the EOS text (what a
+    generated turn ends with, which continuing the conversation must not write again)."""
+    if not template:
+        return specials
+    ends = [i for t in TURN_ENDS if t in template and (i := token_id(t)) is not None]
+    if not ends:
+        return specials
+    ids = tuple(dict.fromkeys([*ends, *specials.eos_ids]))
+    first = next(t for t in TURN_ENDS if t in template and token_id(t) == ids[0])
+    return replace(specials, eos_ids=ids, eos_token=first)
 
 
 # -- GGUF ----------------------------------------------------------------------------------
