@@ -54,10 +54,10 @@ _SCALARS: dict[int, np.dtype[Any]] = {
 }
 BOOL, STRING, ARRAY = 7, 8, 9
 #: numpy dtypes of the float tensor types, as the ``gguf`` package's reader gives them
-_FLOAT_TENSORS = {
-    GGMLQuantizationType.F32: np.dtype("<f4"),
-    GGMLQuantizationType.F16: np.dtype("<f2"),
-    GGMLQuantizationType.F64: np.dtype("<f8"),
+_FLOAT_TENSORS: dict[int, np.dtype[Any]] = {
+    int(GGMLQuantizationType.F32): np.dtype("<f4"),
+    int(GGMLQuantizationType.F16): np.dtype("<f2"),
+    int(GGMLQuantizationType.F64): np.dtype("<f8"),
 }
 
 
@@ -96,7 +96,7 @@ class GgufTensor:
     @property
     def data(self) -> npt.NDArray[Any]:
         raw = self._file.bytes_at(self.offset, self.nbytes)
-        dt = _FLOAT_TENSORS.get(self.tensor_type)
+        dt = _FLOAT_TENSORS.get(self.type_id)
         if dt is not None:
             return raw.view(dt).reshape(self.shape)
         rows = self.shape[:-1] or (1,)

@@ -12,8 +12,9 @@ import's dtype asks (:class:`WeightPolicy`):
 - ``float16``: every weight dequantized as for ``float32``, then held as float16, and the
   graph computes in float16 (:attr:`ModelSpec.float_type`; the KV cache float16 too,
   logits and hidden states cast to float32 at the outputs). For CUDA; the CPU runs it.
-- ``q8`` / ``q4``: matrices in 8-bit / 4-bit blocks (GGUF blocks kept at that
-  width kept, others quantized); the embedding in 8-bit blocks.
+- ``q8`` / ``q4``: matrices in 8-bit / 4-bit blocks (a GGUF format that :mod:`quant`
+  keeps at that width stays as it is, others are quantized); the embedding in 8-bit
+  blocks.
 
 Both formats are memory-mapped, so reading a model costs what one tensor
 costs; a GGUF's header is read by :mod:`gguf_file` without touching its tensors.
