@@ -284,7 +284,8 @@ def to_matrix(raw: npt.NDArray[np.generic], ggml_type: int) -> QuantMatrix:
     rows, blocks = _blocks(raw, fmt)
     dec = fmt.decode(blocks)
     g = dec.v.shape[-1]
-    codes = (dec.v.astype(np.int16) + fmt.shift).astype(np.uint8).reshape(rows, -1, g)
+    # v + shift lies in 0 .. 2 ** bits - 1: in uint8 arithmetic (mod 256) it is exact
+    codes = (dec.v.view(np.uint8) + np.uint8(fmt.shift)).reshape(rows, -1, g)
     scales = dec.scale.reshape(rows, -1)
     half = 1 << (fmt.bits - 1)
     offsets = None
