@@ -26,6 +26,7 @@ import os
 import tempfile
 import time
 from collections import Counter
+from functools import partial
 from pathlib import Path
 
 
@@ -85,7 +86,8 @@ def main() -> None:
         for t in header:
             raw = t.data
             if t.type_id in quant.FORMATS and raw.ndim == 2:
-                policy.matrix(raw, t.type_id, lambda: quant.dequantize(raw, t.type_id))
+                floats = partial(quant.dequantize, raw, t.type_id)
+                policy.matrix(raw, t.type_id, floats)
             else:
                 quant.dequantize(raw, t.type_id)
 

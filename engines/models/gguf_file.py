@@ -125,7 +125,9 @@ class _Cursor:
         self.buf, self.pos, self.end, self.what = buf, 0, len(buf), what
 
     def fail(self, why: str) -> UnsupportedModel:
-        return UnsupportedModel(f"{self.what} is not a readable GGUF file: {why} at byte {self.pos}")
+        return UnsupportedModel(
+            f"{self.what} is not a readable GGUF file: {why} at byte {self.pos}"
+        )
 
     def take(self, n: int) -> int:
         at = self.pos

@@ -223,9 +223,7 @@ def check_types(types: Iterable[tuple[str, int, str]], what: str) -> None:
     if missing:
         served = ", ".join(NAMES[t] for t in SUPPORTED)
         found = ", ".join(f"{n} (e.g. {t!r})" for n, t in missing.items())
-        raise UnsupportedModel(
-            f"{what}: tensor type {found} is not supported (served: {served})"
-        )
+        raise UnsupportedModel(f"{what}: tensor type {found} is not supported (served: {served})")
 
 
 def _blocks(raw: npt.NDArray[np.generic], fmt: Format) -> tuple[int, U8]:
@@ -235,9 +233,7 @@ def _blocks(raw: npt.NDArray[np.generic], fmt: Format) -> tuple[int, U8]:
         raw8 = raw8[None, :]
     raw8 = raw8.reshape(-1, raw8.shape[-1])
     if raw8.shape[1] % fmt.size:
-        raise UnsupportedModel(
-            f"a {fmt.name} tensor of byte shape {raw.shape} is not whole blocks"
-        )
+        raise UnsupportedModel(f"a {fmt.name} tensor of byte shape {raw.shape} is not whole blocks")
     return raw8.shape[0], raw8.reshape(-1, fmt.size)
 
 

@@ -90,7 +90,9 @@ def relayout(m: QuantMatrix, bits: int, block: int) -> QuantMatrix:
     dividing ``m.block``): codes recentred on the wider zero point, scales and offsets
     repeated per smaller block. Exact."""
     if bits < m.bits or m.block % block:
-        raise ValueError(f"{m.bits}-bit blocks of {m.block} do not fit {bits}-bit blocks of {block}")
+        raise ValueError(
+            f"{m.bits}-bit blocks of {m.block} do not fit {bits}-bit blocks of {block}"
+        )
     if (bits, block) == (m.bits, m.block):
         return m
     shift = (1 << (bits - 1)) - (1 << (m.bits - 1))

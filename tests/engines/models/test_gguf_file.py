@@ -131,7 +131,9 @@ def test_opening_reads_no_tensor_data(tmp_path: Path, written: tuple[Path, dict[
 
 
 @pytest.mark.parametrize("cut", [0, 3, 10, 30, 100, 5000, -20])
-def test_a_cut_file_is_refused(cut: int, written: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+def test_a_cut_file_is_refused(
+    cut: int, written: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
     path, _ = written
     data = path.read_bytes()
     (tmp_path / "cut.gguf").write_bytes(data[:cut])
