@@ -272,6 +272,8 @@ def ensure_imported(model: str, dtype: str = "auto", attention: str = "gqa") -> 
         return path
     if not path.exists():
         raise UnsupportedModel(f"model {model!r}: {path} does not exist")
+    # refuse what cannot be served from the header alone, before hashing the whole file
+    open_source(path, dtype)
     sha = source_sha256(path)
     dtype = import_dtype(dtype, path)
     folder = cache_folder(dtype, sha, attention)

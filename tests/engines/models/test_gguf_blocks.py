@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from sessiontape.core.errors import UnsupportedModel
 from sessiontape.engines.models import quant
-from sessiontape.engines.models.importer import import_model
+from sessiontape.engines.models.importer import ensure_imported, import_model
 from sessiontape.engines.onnx.graph import MS, Graph
 from sessiontape.engines.onnx.weights import QuantMatrix, concat_out, relayout
 from tests.engines.models import checkpoints as ck
@@ -192,7 +192,9 @@ def test_a_model_mixing_formats_keeps_its_blocks(tmp_path: Path) -> None:
     assert float(np.abs(got32 - ref).max()) <= 1e-4 * max(scale, 1.0)
 
 
-def test_unsupported_block_types_are_refused_by_name(tmp_path: Path) -> None:
+def test_unsupported_block_types_are_refused_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     a = ck.LLAMA
     src = ck.write_gguf(tmp_path / "x.gguf", a, ck.random_weights(a), QT.Q8_0)
     data = bytearray(src.path.read_bytes())
@@ -204,6 +206,11 @@ def test_unsupported_block_types_are_refused_by_name(tmp_path: Path) -> None:
     assert int.from_bytes(data[at : at + 4], "little") == int(QT.Q8_0)
     data[at : at + 4] = int(QT.MXFP4).to_bytes(4, "little")  # 17 bytes per 32 weights
     (tmp_path / "y.gguf").write_bytes(bytes(data))
-    with pytest.raises(UnsupportedModel, match=r"MXFP4.*blk\.0\.attn_q\.weight.*served: F32"):
+    refusal = r"MXFP4.*blk\.0\.attn_q\.weight.*served: F32"
+    with pytest.raises(UnsupportedModel, match=refusal):
         import_model(tmp_path / "y.gguf", tmp_path / "out", concepts=False)
     assert not (tmp_path / "out").exists()
+    monkeypatch.setenv("SESSIONTAPE_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(UnsupportedModel, match=refusal):  # serve --model: before any hashing
+        ensure_imported(str(tmp_path / "y.gguf"))
+    assert not (tmp_path / "cache").exists()
