@@ -17,6 +17,7 @@ package's ``dequantize`` uses, so :func:`dequantize` equals it bit for bit::
     Q5_K    176          q (5 bits)   32  d * sc         - dmin * m   8, 32  exact
     Q6_K    210          q - 32       16  d * sc (int8)  -            8, 16  exact
     IQ4_NL  144          table[q]     32  d              -            8, 32  exact
+    IQ4_XS  136          table[q]     32  d * (sc - 32)  -            8, 32  exact
 
 (d, dmin, m: float16 fields of a block; sc and m in the K formats: 4- or 6-bit sub-block
 scales and mins; ``table``: IQ4_NL's 16 non-linear levels, -127..113.)
@@ -28,7 +29,7 @@ and ``offsets = bias``: the weights the graph holds are exactly those of :func:`
 Q4_1 and Q4_K hold unsigned 4-bit values with a subtracted min; they are kept as 4 bits
 with ``code = v`` and ``offsets = bias + 8 * scale``, one float32 rounding per block
 (a few ulp of the block's magnitude; the Q4_1 bound is in the tests). The 5- and 6-bit
-formats and IQ4_NL's table (int8 levels) take 8-bit codes, exactly; Q2_K and Q3_K fit 4
+formats and the IQ4 formats' table (int8 levels) take 8-bit codes, exactly; Q2_K and Q3_K fit 4
 bits. F32, F16 and BF16 are float tensors. Any other type is refused by name
 (:func:`check_types`).
 
@@ -55,7 +56,7 @@ I8 = npt.NDArray[np.int8]
 F32_, F16_, BF16_ = int(T.F32), int(T.F16), int(T.BF16)
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = int(T.Q4_0), int(T.Q4_1), int(T.Q5_0), int(T.Q5_1), int(T.Q8_0)
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = int(T.Q2_K), int(T.Q3_K), int(T.Q4_K), int(T.Q5_K), int(T.Q6_K)
-IQ4_NL = int(T.IQ4_NL)
+IQ4_NL, IQ4_XS = int(T.IQ4_NL), int(T.IQ4_XS)
 FLOATS = (F32_, F16_, BF16_)
 IQ4_NL_LEVELS = np.array(
     [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8
@@ -194,6 +195,16 @@ def _iq4_nl(b: U8) -> Decoded:
     return Decoded(_sub(q, 32), _f16(b, 0), None, False)
 
 
+def _iq4_xs(b: U8) -> Decoded:
+    lo = b[:, 4:8]  # sub-block 2j: low nibble of byte j, 2j + 1: its high nibble
+    low = np.stack([lo & np.uint8(0x0F), lo >> np.uint8(4)], axis=-1).reshape(-1, 8)
+    high = np.ascontiguousarray(b[:, 2:4]).view(np.uint16)  # [n, 1]: 2 bits per sub-block
+    high = (high >> np.arange(0, 16, 2, dtype=np.uint16)[None, :]).astype(np.uint8) & np.uint8(3)
+    sc = ((low | (high << np.uint8(4))).astype(np.int8) - np.int8(32)).astype(np.float32)
+    q = IQ4_NL_LEVELS[_low_high(b[:, 8:136].reshape(-1, 8, 16))]  # [n, 8, 32]
+    return Decoded(_sub(q, 32), (_f16(b, 0)[:, None] * sc).reshape(-1), None, False)
+
+
 FORMATS: dict[int, Format] = {
     Q4_0: Format("Q4_0", 32, 18, _q4_0, 4, 8),
     Q4_1: Format("Q4_1", 32, 20, _q4_1, 4, 0),
@@ -206,6 +217,7 @@ FORMATS: dict[int, Format] = {
     Q5_K: Format("Q5_K", 256, 176, _q5_k, 8, 128),
     Q6_K: Format("Q6_K", 256, 210, _q6_k, 8, 128),
     IQ4_NL: Format("IQ4_NL", 32, 18, _iq4_nl, 8, 128),
+    IQ4_XS: Format("IQ4_XS", 256, 136, _iq4_xs, 8, 128),
 }
 #: bytes per block of each block format (kept for callers that size raw tensors)
 BLOCK_BYTES = {t: f.size for t, f in FORMATS.items()}

@@ -26,6 +26,7 @@ HALF_FIELDS = {
     QT.Q5_K: (0, 2),
     QT.Q6_K: (208,),
     QT.IQ4_NL: (0,),
+    QT.IQ4_XS: (0,),
 }
 
 
@@ -75,7 +76,7 @@ LAYER_TYPES = [
     {"q": QT.Q4_K, "k": QT.Q4_K, "v": QT.Q6_K, "o": QT.Q5_K, "g": QT.Q4_K, "u": QT.Q4_K},
     {"q": QT.Q5_0, "k": QT.Q8_0, "v": QT.Q5_1, "o": QT.Q3_K, "g": QT.Q2_K, "u": QT.Q2_K},
 ]
-DOWN_TYPES = [QT.Q6_K, QT.IQ4_NL]
+DOWN_TYPES = [QT.Q6_K, QT.IQ4_XS]
 _HF = {
     "q": "self_attn.q_proj",
     "k": "self_attn.k_proj",

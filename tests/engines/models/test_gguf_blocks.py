@@ -43,7 +43,7 @@ from tests.engines.models.mixed_gguf import (
 
 QT = gguf.GGMLQuantizationType
 KINDS = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K]
-KINDS += [QT.Q6_K, QT.IQ4_NL]
+KINDS += [QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS]
 #: formats whose QuantMatrix computes its offsets (one float32 rounding)
 ROUNDED = (QT.Q4_1, QT.Q4_K)
 EPS = float(np.finfo(np.float32).eps)
