@@ -45,7 +45,7 @@ GEMMA = Family(
     "{%- set ns = namespace(prefix='') -%}\n"
     "{%- for message in messages -%}\n"
     "{%- if message['role'] == 'system' -%}\n"
-    "{%- set ns.prefix = ns.prefix + (message['content'] | trim) + '\\n\\n' -%}\n"
+    "{%- set ns.prefix = ns.prefix + message['content'] + '\\n\\n' -%}\n"
     "{%- else -%}\n"
     "{{- '<start_of_turn>' + ('model' if message['role'] == 'assistant' else 'user') + '\\n'"
     " + ns.prefix + (message['content'] | trim) + '<end_of_turn>\\n' -}}\n"
