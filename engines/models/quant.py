@@ -48,7 +48,6 @@ from gguf import GGMLQuantizationType as T
 
 from sessiontape.core.errors import UnsupportedModel
 from sessiontape.engines.onnx.builder import F32, U8, QuantMatrix
-from sessiontape.engines.onnx.weights import relayout
 
 BLOCK = 32
 I8 = npt.NDArray[np.int8]
@@ -285,38 +284,38 @@ def _pack4(codes: U8) -> U8:
     return (codes[..., 0::2] | (codes[..., 1::2] << np.uint8(4))).astype(np.uint8)
 
 
-def to_matrix(raw: npt.NDArray[np.generic], ggml_type: int) -> QuantMatrix:
+def to_matrix(raw: npt.NDArray[np.generic], ggml_type: int, bits: int | None = None) -> QuantMatrix:
     """Raw GGUF blocks [rows, bytes] as a :class:`QuantMatrix` (n = rows), as the table in
-    the module's docstring says: exact, or (Q4_1, Q4_K) one float32 rounding of the offsets."""
+    the module's docstring says: exact, or (Q4_1, Q4_K) one float32 rounding of the offsets.
+
+    ``bits=8`` holds a 4-bit format in 8-bit codes ``v + 128`` instead, its offsets the
+    bias itself: exact for every format (an embedding, read by GatherBlockQuantized)."""
     fmt = _format(ggml_type)
+    bits = bits or fmt.bits
+    if bits < fmt.bits or bits not in (4, 8):
+        raise ValueError(f"{fmt.name} does not fit {bits}-bit codes")
     rows, blocks = _blocks(raw, fmt)
     dec = fmt.decode(blocks)
     g = dec.v.shape[-1]
+    half = 1 << (bits - 1)
+    shift = fmt.shift if bits == fmt.bits else half
     # v + shift lies in 0 .. 2 ** bits - 1: in uint8 arithmetic (mod 256) it is exact
-    codes = (dec.v.view(np.uint8) + np.uint8(fmt.shift)).reshape(rows, -1, g)
+    codes = (dec.v.view(np.uint8) + np.uint8(shift)).reshape(rows, -1, g)
     scales = dec.scale.reshape(rows, -1)
-    half = 1 << (fmt.bits - 1)
     offsets = None
     if dec.bias is not None:
         offsets = -dec.bias if dec.subtract else dec.bias.copy()
-    if fmt.shift != half:
-        extra = dec.scale * np.float32(half - fmt.shift)
+    if shift != half:
+        extra = dec.scale * np.float32(half - shift)
         offsets = extra if offsets is None else offsets + extra
-    data = _pack4(codes) if fmt.bits == 4 else codes
+    data = _pack4(codes) if bits == 4 else codes
     return QuantMatrix(
-        fmt.bits,
+        bits,
         g,
         np.ascontiguousarray(data),
         np.ascontiguousarray(scales, dtype=np.float32),
         None if offsets is None else offsets.reshape(rows, -1).astype(np.float32),
     )
-
-
-def widen(m: QuantMatrix) -> QuantMatrix:
-    """A matrix without offsets as the same values in 8-bit blocks (for GatherBlockQuantized)."""
-    if m.offsets is not None:
-        raise ValueError("only a matrix without offsets widens exactly")
-    return relayout(m, 8, m.block)
 
 
 def _reciprocal(d: F32) -> F32:

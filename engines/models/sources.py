@@ -65,14 +65,14 @@ class WeightPolicy:
         return quant.quantize(rows_float(), bits)
 
     def embedding(self, raw: Any, ggml_type: int | None, rows_float: Callable[[], F32]) -> Tensor:
-        """The token embedding [vocab, hidden]: 8-bit blocks where exact (a GGUF format
-        without offsets, widened to 8 bits for GatherBlockQuantized) or asked, else float32."""
+        """The token embedding [vocab, hidden]: a GGUF block format as 8-bit blocks, exactly
+        (its offsets, where it has them, beside them: the builder gathers 8-bit blocks
+        without offsets as they are, and dequantizes the others for its table, while a tied
+        head keeps them); otherwise 8-bit blocks if asked, else float32."""
         if self.dtype in FLOAT_DTYPES:
             return rows_float()
         if ggml_type in quant.FORMATS:
-            m = quant.to_matrix(np.asarray(raw), int(ggml_type or 0))
-            if m.offsets is None:
-                return quant.widen(m)
+            return quant.to_matrix(np.asarray(raw), int(ggml_type or 0), bits=8)
         if self.dtype in ("q8", "q4"):
             return quant.quantize(rows_float(), 8)
         return rows_float()

@@ -157,14 +157,21 @@ def test_mixed_formats_fuse_exactly() -> None:
         relayout(parts[1], 4, 16)
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q3_K, QT.Q6_K, QT.IQ4_NL], ids=lambda q: q.name)
-def test_widened_blocks_hold_the_same_values(qtype: QT) -> None:
-    """Embeddings without offsets go to GatherBlockQuantized as 8-bit blocks, unchanged."""
+@pytest.mark.parametrize("qtype", KINDS, ids=lambda q: q.name)
+def test_eight_bit_blocks_hold_every_format_exactly(qtype: QT) -> None:
+    """Embeddings: every format as 8-bit codes ``v + 128`` with its bias as the offsets,
+    bit for bit gguf's values (GatherBlockQuantized reads those without offsets as is)."""
     raw = random_blocks(qtype, 6, 256, np.random.default_rng(4))
-    m = quant.to_matrix(raw, int(qtype))
-    wide = quant.widen(m)
-    assert wide.bits == 8 and wide.offsets is None
-    assert np.array_equal(wide.dequantize().view(np.uint32), m.dequantize().view(np.uint32))
+    m = quant.to_matrix(raw, int(qtype), bits=8)
+    assert m.bits == 8
+    assert (m.offsets is None) == (
+        qtype in (QT.Q4_0, QT.Q5_0, QT.Q8_0, QT.Q3_K, QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS)
+    )
+    assert np.array_equal(
+        m.dequantize().view(np.uint32), gguf_dequantized(raw, qtype).view(np.uint32)
+    )
+    with pytest.raises(ValueError, match="does not fit"):
+        quant.to_matrix(raw, int(qtype), bits=2)
 
 
 # -- a model that mixes formats per tensor --------------------------------------------------
@@ -178,7 +185,7 @@ def test_a_model_mixing_formats_keeps_its_blocks(tmp_path: Path) -> None:
     model = onnx.load(str(out / "model.onnx"), load_external_data=False)
     ops = [n.op_type for n in model.graph.node]
     assert ops.count("MatMulNBits") == 4 * MIXED.layers + 1  # qkv, o, gate|up, down; the head
-    assert ops.count("GatherBlockQuantized") == 1  # the Q6_K embedding, widened
+    assert ops.count("GatherBlockQuantized") == 1  # the Q6_K embedding, in 8-bit codes
     for node in model.graph.node:  # float activations: the kept blocks' values exactly
         for attr in node.attribute:
             if attr.name == "accuracy_level":
