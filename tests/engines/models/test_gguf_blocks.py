@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from sessiontape.core.errors import UnsupportedModel
 from sessiontape.engines.models import quant
 from sessiontape.engines.models.importer import ensure_imported, import_model
-from sessiontape.engines.onnx.graph import MS, Graph
+from sessiontape.engines.onnx.graph import INDICATOR_MAX_K, MS, Graph
 from sessiontape.engines.onnx.weights import QuantMatrix, concat_out, relayout
 from tests.engines.models import checkpoints as ck
 from tests.engines.models.mixed_gguf import (
@@ -103,18 +103,21 @@ def test_kept_blocks_hold_the_same_values(case: tuple[QT, int, int, int, str]) -
     assert (err <= bound[:, None]).all()
 
 
-def matmul_nbits(m: QuantMatrix, x: Any) -> Any:
-    """x @ m.T through ONNX Runtime (the graph builder's linear, float activations)."""
+def matmul_nbits(m: QuantMatrix, x: Any, ops: list[str] | None = None) -> Any:
+    """x @ m.T through ONNX Runtime (the graph builder's linear, float activations); the
+    graph's operators go to ``ops``."""
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
     g = Graph()
     g.linear("x", "w", m, accuracy_level=0, out="y")
+    if ops is not None:
+        ops.extend(n.op_type for n in g.nodes)
     graph = helper.make_graph(
         g.nodes,
         "linear",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, m.k])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, m.n])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, None, m.k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, None, m.n])],
         g.inits,
     )
     model = helper.make_model(
@@ -122,7 +125,7 @@ def matmul_nbits(m: QuantMatrix, x: Any) -> Any:
     )
     model.ir_version = 8
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return np.asarray(sess.run(["y"], {"x": x})[0], np.float64)
+    return np.asarray(sess.run(["y"], {"x": x[None]})[0][0], np.float64)
 
 
 @pytest.mark.parametrize("qtype", KINDS, ids=lambda q: q.name)
@@ -138,6 +141,21 @@ def test_matmul_nbits_computes_the_dequantized_product(qtype: QT) -> None:
     # float32 sums of k products: a few ulp of sum |x||w| per output
     bound = 64 * EPS * (np.abs(x).astype(np.float64) @ np.abs(w).T)
     assert (np.abs(got - want) <= bound).all(), float(np.abs(got - want).max())
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q4_K, QT.Q5_K], ids=lambda q: q.name)
+def test_long_rows_sum_their_blocks_for_the_offsets(qtype: QT) -> None:
+    """Past INDICATOR_MAX_K inputs the offsets' block sums are a ReduceSum: same product."""
+    rng = np.random.default_rng(int(qtype) + 100)
+    k = 2 * INDICATOR_MAX_K
+    raw = scaled_blocks(qtype, 16, k, rng, 0.05)
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    w = gguf_dequantized(raw, qtype).astype(np.float64)
+    ops: list[str] = []
+    got = matmul_nbits(quant.to_matrix(raw, int(qtype)), x, ops)
+    assert "ReduceSum" in ops
+    bound = 64 * EPS * (np.abs(x).astype(np.float64) @ np.abs(w).T)
+    assert (np.abs(got - x.astype(np.float64) @ w.T) <= bound).all()
 
 
 def test_mixed_formats_fuse_exactly() -> None:
