@@ -22,6 +22,7 @@ naming what and where.
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from collections.abc import Iterator
@@ -53,6 +54,8 @@ _SCALARS: dict[int, np.dtype[Any]] = {
     12: np.dtype("<f8"),
 }
 BOOL, STRING, ARRAY = 7, 8, 9
+#: arrays of arrays nest at most this deep (llama.cpp writes one level)
+MAX_NESTING = 4
 #: numpy dtypes of the float tensor types, as the ``gguf`` package's reader gives them
 _FLOAT_TENSORS: dict[int, np.dtype[Any]] = {
     int(GGMLQuantizationType.F32): np.dtype("<f4"),
@@ -91,7 +94,7 @@ class GgufTensor:
 
     @property
     def n_elements(self) -> int:
-        return int(np.prod(self.dims, dtype=np.int64))
+        return math.prod(self.dims)
 
     @property
     def data(self) -> npt.NDArray[Any]:
@@ -115,7 +118,7 @@ def tensor_bytes(dims: tuple[int, ...], type_id: int) -> int:
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType(type_id)]
     if not dims or dims[0] % block:
         raise ValueError(f"rows of {dims[0] if dims else 0} values are not whole blocks of {block}")
-    return int(np.prod(dims, dtype=np.int64)) // block * size
+    return math.prod(dims) // block * size
 
 
 class _Cursor:
@@ -154,21 +157,23 @@ class _Cursor:
         if kind == STRING:
             return self.string()
         if kind == ARRAY:
-            return self.array()
+            return self.array(1)
         dt = _SCALARS.get(kind)
         if dt is None:
             raise self.fail(f"unknown value type {kind}")
         v = np.frombuffer(self.buf, dt, 1, self.take(dt.itemsize))[0].item()
         return bool(v) if kind == BOOL else v
 
-    def array(self) -> list[Any]:
+    def array(self, depth: int) -> list[Any]:
         kind, count = self.u32(), self.u64()
         if count > self.end - self.pos:  # every item takes at least a byte
             raise self.fail(f"an array of {count} items longer than the file")
         if kind == STRING:
             return self._strings(count)
         if kind == ARRAY:
-            return [self.array() for _ in range(count)]
+            if depth >= MAX_NESTING:
+                raise self.fail(f"arrays nested more than {MAX_NESTING} deep")
+            return [self.array(depth + 1) for _ in range(count)]
         dt = _SCALARS.get(kind)
         if dt is None:
             raise self.fail(f"unknown array item type {kind}")

@@ -15,6 +15,8 @@ from typing import Any
 import gguf
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sessiontape.core.errors import UnsupportedModel
 from sessiontape.engines.models.gguf_file import GgufFile
@@ -172,3 +174,45 @@ def test_invalid_utf8_is_refused(tmp_path: Path) -> None:
     (tmp_path / "x.gguf").write_bytes(data)
     with pytest.raises(UnsupportedModel, match="not UTF-8"):
         GgufFile(tmp_path / "x.gguf")
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    """A small file with nested arrays, strings and tensors: the fuzz test's seed."""
+    path = tmp_path_factory.mktemp("small") / "small.gguf"
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_array("t.nested", [["a", "bc"], ["d"]])
+    w.add_array("t.ints", [1, 2, 3])
+    w.add_string("t.str", "xyz")
+    w.add_token_list(vocabulary(50))
+    w.add_tensor("f32", np.ones((2, 4), np.float32))
+    w.add_tensor("q8", np.zeros((2, 68), np.uint8), raw_dtype=QT.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path.read_bytes()
+
+
+@settings(derandomize=True, max_examples=300, deadline=None)
+@given(st.data())
+def test_a_damaged_header_reads_or_is_refused(small: bytes, data: st.DataObject) -> None:
+    """Bytes of the header overwritten, or the file cut: read, or UnsupportedModel; never
+    another exception (nor a hang or a huge allocation)."""
+    import tempfile
+
+    blob = bytearray(small)
+    for _ in range(data.draw(st.integers(1, 4))):
+        at = data.draw(st.integers(4, len(blob) - 1))
+        blob[at] = data.draw(st.integers(0, 255))
+    if data.draw(st.booleans()):
+        blob = blob[: data.draw(st.integers(0, len(blob)))]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "fuzz.gguf"
+        path.write_bytes(bytes(blob))
+        try:
+            f = GgufFile(path)
+        except UnsupportedModel:
+            return
+        for t in f:  # a file that reads has tensors inside it
+            assert t.offset + t.nbytes <= len(blob)
