@@ -1,16 +1,11 @@
 """A Kakeya server with nothing behind it: the gRPC floor of a short turn.
 
     .venv/bin/python bench/bare_kakeya.py PORT [--event-loop auto|uvloop|asyncio]
-        [--server sessiontape|grpcio]
 
 ``CreateSession`` and ``AppendTokens`` answer at once; ``Generate`` sends
 ``max_tokens`` token messages (ids 0, 1, ...) and the done message. No runtime, no
-log, no engine: what a turn costs on the wire alone. ``--server sessiontape`` (the
-default) serves it on sessiontape's own gRPC endpoint
-(``transports/grpc/listener.py``), the messages in one ``write_many`` as the real
-servicer sends a committed run; ``--server grpcio`` on a grpc.aio server, each
-message an awaited ``context.write`` (what the real server was until 2026-11-28).
-bench/bench_load.py's turns mode runs the same client against it, in the same run as
+log, no engine: what a turn costs on the wire alone, on a ``grpc.aio`` server as the
+real one, each message an awaited ``context.write``. bench/bench_load.py's turns mode runs the same client against it, in the same run as
 the real server, so the table can say how much of a turn is the wire's. Prints
 ``ready`` once it listens.
 """
@@ -28,11 +23,8 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sessiontape.core.commands.serve import loop_factory
-from sessiontape.transports.grpc.calls import MethodTable
 from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2 as pb
 from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2_grpc as pbg
-from sessiontape.transports.grpc.guard import guarded_methods
-from sessiontape.transports.grpc.listener import Listener
 
 
 class BareKakeya(pbg.RuntimeServiceServicer):
@@ -58,15 +50,11 @@ class BareKakeya(pbg.RuntimeServiceServicer):
         )
         messages = [pb.GenerateResponse(token_id=i) for i in range(request.max_tokens)]
         messages.append(pb.GenerateResponse(done=done))
-        write_many = getattr(context, "write_many", None)
-        if write_many is not None:
-            await write_many(messages)
-            return
         for m in messages:
             await context.write(m)
 
 
-async def serve_grpcio(port: int) -> None:
+async def serve(port: int) -> None:
     server = grpc.aio.server()
     pbg.add_RuntimeServiceServicer_to_server(BareKakeya(), server)
     server.add_insecure_port(f"127.0.0.1:{port}")
@@ -75,24 +63,13 @@ async def serve_grpcio(port: int) -> None:
     await server.wait_for_termination()
 
 
-async def serve(port: int) -> None:
-    table = MethodTable()
-    pbg.add_RuntimeServiceServicer_to_server(BareKakeya(), table)
-    methods = guarded_methods(table)
-    listener = Listener(methods, max_message_bytes=4 << 20, max_streams=100)
-    await listener.start("127.0.0.1", port)
-    print("ready", flush=True)
-    await asyncio.Event().wait()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("port", type=int)
     ap.add_argument("--event-loop", default="auto", choices=("auto", "uvloop", "asyncio"))
-    ap.add_argument("--server", default="sessiontape", choices=("sessiontape", "grpcio"))
     args = ap.parse_args()
     with asyncio.Runner(loop_factory=loop_factory(args.event_loop)) as runner:
-        runner.run((serve if args.server == "sessiontape" else serve_grpcio)(args.port))
+        runner.run(serve(args.port))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ per value, the median over its windows of the CPU a turn and of the median turn.
 
 Settings (set on the live objects, as the config would have made them):
 
-- ``max_active``: ``[generation] max_active`` (``core/scheduler.Admission.limit``; with
+- ``max_active``: ``[generation] max_active`` (``core/generation/scheduler.Admission.limit``; with
   one client, a check that the harness itself sees no difference).
 
 It was written for ``[transports.grpc] spin_s`` (how long the loop polled while a
@@ -49,7 +49,7 @@ from bench_load import Server  # noqa: E402  (the server as bench_load.py starts
 
 #: where each setting lives: the class whose instances carry it, and the attribute
 SETTINGS = {
-    "max_active": ("sessiontape.core.scheduler", "Admission", "limit"),
+    "max_active": ("sessiontape.core.generation.scheduler", "Admission", "limit"),
 }
 
 #: the environment variable that sets each setting at the server's start

@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_generate.py [--engine reference|onnx] [--size small]
         [--tokens 400] [--sessions 1,8] [--rounds 5] [--pg URL | --no-pg] [--wires]
         [--wire-rows sse,kakeya,salience,evergreen,openai,nostr,ceilings]
-        [--engine-process inline|worker] [--client-cpu last|none|N] [--pace-s S]
+        [--engine-process inline|worker] [--client-cpu last|none|N] [--linger-s S]
         [--nostr-relay nostr-relay|nostr-sdk]
 
 Every row is measured in interleaved rounds in one run: a round generates the
@@ -53,6 +53,7 @@ from sessiontape.core.config import Config
 from sessiontape.core.document.text import TextStream
 from sessiontape.core.engine import Engine, SamplingParams
 from sessiontape.core.events import T
+from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.registry import ENGINES, TRANSPORTS, load
 from sessiontape.core.runtime import Runtime
 
@@ -63,10 +64,15 @@ def row(name: str, alone: str, through: str, ratio: str, extra: str = "") -> Non
     print(f"| {name:44} | {alone:>14} | {through:>14} | {ratio:>7} | {extra:>26} |", flush=True)
 
 
+#: ``--model``: the onnx engine's model source (a registry name, a GGUF file, a folder)
+MODEL: str | None = None
+
+
 def make_engine(name: str, size: str, process: str = "inline", **extra: Any) -> Engine:
     """The engine ``name`` in this process, or (``process="worker"``) served from a worker
     process as ``[engine] process = "worker"`` serves it."""
-    opts: dict[str, Any] = {"size": size} if name == "onnx" else {"max_length": 8192}
+    source = {"model": MODEL} if MODEL else {"size": size}
+    opts: dict[str, Any] = source if name == "onnx" else {"max_length": 8192}
     opts.update(extra)
     if process == "worker":
         from sessiontape.core.engine.worker import WorkerEngine
@@ -107,7 +113,7 @@ async def through_log(rt: Runtime, sessions: int, tokens: int) -> float:
 
     async def one(sid: str) -> int:
         n = 0
-        async for e in rt.generate(sid, params(tokens)):
+        async for e in rt.generate(sid, GenerateRequest(params(tokens))):
             n += e.type == T.GENERATION_TOKEN and not e.body["is_prefill"]
         return n
 
@@ -794,15 +800,15 @@ async def generated_ids(engine: Engine, tokens: int) -> AsyncIterator[int]:
 
 
 async def _bare_kakeya(tokens: int, engine: Engine | None = None, pipelined: bool = False) -> _Bare:
-    """sessiontape's gRPC endpoint (no runtime behind it) whose Kakeya Generate streams
+    """A grpc.aio server (no runtime behind it) whose Kakeya Generate streams
     ``tokens`` ready-made messages,
     or, given ``engine``, one message per step of ``engine`` as it generates (no log);
     ``pipelined``: the engine generates in a task of its own, ahead of the writes."""
-    from sessiontape.transports.grpc.calls import MethodTable
+    import grpc
+
     from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2 as kpb
     from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2_grpc as kgrpc
-    from sessiontape.transports.grpc.guard import guarded_methods
-    from sessiontape.transports.grpc.listener import Listener
+    from sessiontape.transports.grpc.guard import GuardInterceptor
 
     class Bare(kgrpc.RuntimeServiceServicer):  # type: ignore[misc]
         async def CreateSession(self, request: Any, context: Any) -> Any:
@@ -833,11 +839,10 @@ async def _bare_kakeya(tokens: int, engine: Engine | None = None, pipelined: boo
                 await producer
             yield kpb.GenerateResponse(done=kpb.GenerateDone())
 
-    table = MethodTable()
-    kgrpc.add_RuntimeServiceServicer_to_server(Bare(), table)
-    methods = guarded_methods(table)
-    server = Listener(methods, max_message_bytes=4 << 20, max_streams=100)
-    port = await server.start("127.0.0.1", 0)
+    server = grpc.aio.server(interceptors=[GuardInterceptor()])
+    kgrpc.add_RuntimeServiceServicer_to_server(Bare(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
     return _Bare(server, port)
 
 
@@ -845,6 +850,12 @@ async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine", default="reference", choices=["reference", "onnx"])
     ap.add_argument("--size", default="small", help="demo model size for --engine onnx")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="--engine onnx: a model source instead of a demo size"
+        " (smollm2-135m-instruct, a .gguf file, a folder)",
+    )
     ap.add_argument("--tokens", type=int, default=400, help="tokens per generation")
     ap.add_argument("--sessions", default="1,8", help="comma-separated concurrent session counts")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per row (median)")
@@ -872,10 +883,10 @@ async def main() -> None:
         "runs in this process",
     )
     ap.add_argument(
-        "--pace-s",
+        "--linger-s",
         type=float,
         default=None,
-        help="with --wires: the server's [generation] pace_s (the default: the config's)",
+        help="with --wires: the server's [generation] linger_s (the default: the config's)",
     )
     ap.add_argument(
         "--client-cpu",
@@ -907,11 +918,13 @@ async def main() -> None:
         help="keep CPython's collector defaults instead of the server's (core/gctune.py)",
     )
     args = ap.parse_args()
+    global MODEL
+    MODEL = args.model
     unknown = set(args.wire_rows.split(",")) - set(WIRES)
     if unknown:
         ap.error(f"--wire-rows: no such row {', '.join(sorted(unknown))}")
     if not args.default_gc:
-        gctune.tune_for_serving()  # as `sessiontape serve` runs
+        gctune.tune_for_serving()  # as `sessiontape serve` runs with [server] tune_interpreter
     if args.relay:
         await run_relay()
         return
@@ -991,7 +1004,7 @@ async def main() -> None:
                     args.tokens,
                     args.rounds,
                     frozenset(args.wire_rows.split(",")),
-                    {} if args.pace_s is None else {"pace_s": args.pace_s},
+                    {} if args.linger_s is None else {"linger_s": args.linger_s},
                     args.nostr_relay,
                 )
 

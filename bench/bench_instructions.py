@@ -40,6 +40,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from sessiontape.core.generation.request import GenerateRequest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 WARM_UP = 10
@@ -81,7 +83,7 @@ async def _runtime_turns(turns: int, tokens: int, append: int, db: str) -> None:
                 length = 0
             length += append + tokens
             await rt.append_tokens(sid, [97 + (j % 26) for j in range(append)])
-            async for _run in rt.generate_runs(sid, params):
+            async for _run in rt.generate_runs(sid, GenerateRequest(params)):
                 pass
     finally:
         await rt.aclose()
@@ -92,7 +94,7 @@ def _worker(args: argparse.Namespace) -> None:
     from sessiontape.core import gctune
     from sessiontape.core.commands.serve import loop_factory
 
-    gctune.tune_for_serving()  # as `sessiontape serve` runs
+    gctune.tune_for_serving()  # as `sessiontape serve` runs with [server] tune_interpreter
     with tempfile.TemporaryDirectory() as tmp:
         if args.side == "alone":
             work = _engine_alone(args.turns, args.tokens, args.append)

@@ -291,7 +291,7 @@ async def main() -> None:
     )
     args = ap.parse_args()
     if not args.default_gc:
-        gctune.tune_for_serving()  # as `sessiontape serve` runs
+        gctune.tune_for_serving()  # as `sessiontape serve` runs with [server] tune_interpreter
     if args.append_worker:
         url, *nums = args.append_worker
         await append_worker(url, *(int(n) for n in nums))

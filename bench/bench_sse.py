@@ -25,6 +25,8 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from sessiontape.core.generation.request import GenerateRequest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -160,7 +162,9 @@ async def run(tokens: int, repeats: int, counts: list[int]) -> None:
         s = await rt.open_session("bench")
         await rt.append_text(s.session_id, "bench")
         t0 = time.perf_counter()
-        async for _e in rt.generate(s.session_id, SamplingParams(max_tokens=tokens, seed=1)):
+        async for _e in rt.generate(
+            s.session_id, GenerateRequest(SamplingParams(max_tokens=tokens, seed=1))
+        ):
             pass
         gen_only.append(tokens / (time.perf_counter() - t0))
         await rt.close(s.session_id)
@@ -171,7 +175,9 @@ async def run(tokens: int, repeats: int, counts: list[int]) -> None:
             before = rss_kib()
             proc = await spawn_client(f"{base}/v1/sessions/{sid}/events", n)
             mem.setdefault(("sessiontape", n), []).append((rss_kib() - before) / n)
-            async for _e in rt.generate(sid, SamplingParams(max_tokens=tokens, seed=1)):
+            async for _e in rt.generate(
+                sid, GenerateRequest(SamplingParams(max_tokens=tokens, seed=1))
+            ):
                 pass
             await rt.close(sid)
             r = await finish_client(proc)
@@ -258,7 +264,9 @@ async def fold(histories: list[int], tokens: int, repeats: int) -> None:
     for n in histories:
         s = await rt.open_session("bench")
         await rt.append_tokens(s.session_id, list(text[:n]))
-        async for _e in rt.generate(s.session_id, SamplingParams(max_tokens=tokens, seed=1)):
+        async for _e in rt.generate(
+            s.session_id, GenerateRequest(SamplingParams(max_tokens=tokens, seed=1))
+        ):
             pass
         evs = await rt.log.read(s.session_id)
         first = next(i for i, e in enumerate(evs) if e.type == "generation.token")

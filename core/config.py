@@ -164,45 +164,39 @@ class LogSettings:
 
 @dataclass(frozen=True)
 class GenerationSettings:
-    """``[generation]``: the pipelined token path (docs/architecture.md, Generation)."""
+    """``[generation]``: the pipelined token path (docs/architecture.md, Generation). The
+    run policy derives the rest from these (:mod:`sessiontape.core.generation.policy`)."""
 
-    run_ahead: int = option(
-        256, "decoded steps that may wait uncommitted; a full queue pauses the engine", ge=1
-    )
-    max_run: int = option(256, "most steps committed in one append", ge=1)
-    min_run: int = option(
-        64,
-        "while the engine produces steps on the event loop, gather up to this many per append ...",
+    max_run: int = option(
+        256,
+        "most steps committed in one append (also: decoded steps that may wait uncommitted, "
+        "and a quarter of it is what a fast engine's steps are gathered to per append) ...",
         ge=1,
     )
-    linger_s: float = option(0.005, "... waiting at most this long for them", gt=0)
-    burst: int = option(
-        64,
-        "engine steps a generation takes in one turn of the priority gate (keep it at "
-        "least `min_run`) ...",
-        ge=1,
-    )
-    burst_s: float = option(
+    linger_s: float = option(
         0.005,
-        "... ending past this many seconds while another generation waits (a short "
-        "generation of a fast engine keeps it to its end: docs/architecture.md, Pacing)",
-        gt=0,
-    )
-    pace_s: float = option(
-        0.004,
-        "a caller slower than the engine gets runs it handles in about this long, each "
-        "committed when it asks for it",
+        "... waiting at most this long for them (also: a turn of the priority gate ends "
+        "past this while another generation waits)",
         gt=0,
     )
     max_active: int = option(
         16,
         "generations that run at once; the others wait their turn, in priority then "
-        "arrival order (0: no limit) ...",
+        "arrival order (0: no limit)",
         ge=0,
     )
-    active_hold_s: float = option(
-        0.25, "... a generation gives its place to the next after this long, and runs on", gt=0
-    )
+
+
+#: ``[generation]`` options that were settings and are now derived or constant: each
+#: given one is refused with where its value comes from now
+REMOVED_GENERATION = {
+    "run_ahead": "it equals `max_run`",
+    "min_run": "it is a quarter of `max_run`",
+    "burst": "it is a quarter of `max_run`",
+    "burst_s": "it equals `linger_s`",
+    "pace_s": "it is a constant (core/generation/policy.py PACE_S)",
+    "active_hold_s": "it is a constant (core/generation/scheduler.py ACTIVE_HOLD_S)",
+}
 
 
 @dataclass(frozen=True)
@@ -258,6 +252,12 @@ class ServerSettings:
         "`uvloop`, `asyncio` (the standard library's), or `auto`: uvloop where it is "
         "installed (measured: docs/performance.md, Load)",
         choices=("auto", "uvloop", "asyncio"),
+    )
+    tune_interpreter: bool = option(
+        False,
+        "once started, freeze the startup heap, collect the youngest generation less "
+        "often and hand the GIL between threads sooner, for the whole process "
+        "(core/gctune.py); off: CPython's defaults",
     )
 
 
@@ -386,6 +386,7 @@ class Config:
         cls, data: Mapping[str, Any], *, texts: Mapping[str, str] | None = None
     ) -> Config:
         """The configuration a merged TOML tree describes, or ConfigError."""
+        _refuse_removed(data.get("generation"))
         for name in data:
             if name not in SECTIONS and name != "transports":
                 known = [*SECTIONS, "transports"]
@@ -436,6 +437,17 @@ class Config:
         if isinstance(ttls, float):
             return ttls
         return ttls.get(protocol, ttls.get("default", IDLE_TTL_S))
+
+
+def _refuse_removed(generation: Any) -> None:
+    """A ConfigError naming a removed ``[generation]`` option given in the file, the
+    environment or a flag (a silent default would change what the user asked for)."""
+    if not isinstance(generation, Mapping):
+        return
+    for key in generation:
+        why = REMOVED_GENERATION.get(str(key))
+        if why is not None:
+            raise ConfigError(f"[generation] {key} is no longer an option: {why}")
 
 
 def _enabled(settings: Any) -> bool:

@@ -38,6 +38,7 @@ each; ``code`` is the stable machine-readable name they all share.
     ├── InvalidEvent                 a stored event the fold cannot apply (a corrupt log)
     ├── LogClosed                    the event log is shutting down
     ├── LogUnavailable               the database went away or stays locked
+    ├── DatabaseInUse                another server serves this SQLite file
     ├── ConfigError
     │   ├── PluginNotFound           no engine/transport of that name
     │   └── UnsupportedModel         a model source the importer cannot serve faithfully
@@ -46,13 +47,45 @@ each; ``code`` is the stable machine-readable name they all share.
 
 from __future__ import annotations
 
+#: The most bytes (UTF-8) of an error's message: every wire echoes it (a gRPC
+#: ``grpc-message`` header, an HTTP JSON body, a D4 ``err``), so a client's oversized
+#: value can never make an answer large or slow to encode.
+MAX_MESSAGE_BYTES = 1024
+#: A client's value longer than this is described (``session_id of 1,000,000
+#: characters``), not quoted, in a message.
+MAX_QUOTED_CHARS = 80
+
+
+def shown(value: object, name: str = "value") -> str:
+    """``value`` as an error message quotes it: its ``repr`` when short, else what it is
+    and how long (``session_id of 1,000,000 characters``), never the whole of it."""
+    if isinstance(value, str | bytes | bytearray) and len(value) > MAX_QUOTED_CHARS:
+        unit = "characters" if isinstance(value, str) else "bytes"
+        return f"{name} of {len(value):,} {unit}"
+    text = repr(value)
+    if len(text) > MAX_QUOTED_CHARS:
+        return f"{name} ({type(value).__name__}, {len(text):,} characters as text)"
+    return text
+
+
+def bounded(message: str, limit: int = MAX_MESSAGE_BYTES) -> str:
+    """``message`` cut to at most ``limit`` UTF-8 bytes, saying how much was left out."""
+    data = message.encode("utf-8", "surrogatepass")
+    if len(data) <= limit:
+        return message
+    head = data[: limit - 48].decode("utf-8", "ignore")
+    kept = len(head.encode("utf-8", "surrogatepass"))
+    return f"{head}... ({len(data) - kept:,} bytes elided)"
+
 
 class SessiontapeError(Exception):
-    """Root of every error sessiontape raises on purpose."""
+    """Root of every error sessiontape raises on purpose. Its message is bounded
+    (:data:`MAX_MESSAGE_BYTES`), whatever a client's values made it."""
 
     code: str = "internal"
 
     def __init__(self, message: str) -> None:
+        message = bounded(message)
         super().__init__(message)
         self.message = message
 
@@ -65,7 +98,7 @@ class SessionNotFound(NotFound):
     code = "session_not_found"
 
     def __init__(self, session_id: str) -> None:
-        super().__init__(f"session {session_id!r} not found")
+        super().__init__(f"session {shown(session_id, 'session_id')} not found")
         self.session_id = session_id
 
 
@@ -73,7 +106,9 @@ class SessionExpired(NotFound):
     code = "session_expired"
 
     def __init__(self, session_id: str) -> None:
-        SessiontapeError.__init__(self, f"session {session_id!r} expired (idle TTL)")
+        SessiontapeError.__init__(
+            self, f"session {shown(session_id, 'session_id')} expired (idle TTL)"
+        )
         self.session_id = session_id
 
 
@@ -188,7 +223,9 @@ class SessionBusy(Aborted):
     code = "session_busy"
 
     def __init__(self, session_id: str) -> None:
-        super().__init__(f"session {session_id!r} is busy (one writer at a time)")
+        super().__init__(
+            f"session {shown(session_id, 'session_id')} is busy (one writer at a time)"
+        )
         self.session_id = session_id
 
 
@@ -216,6 +253,12 @@ class LogUnavailable(SessiontapeError):
     code = "log_unavailable"
     #: seconds a client should wait before retrying (HTTP ``Retry-After``)
     retry_after_s = 1
+
+
+class DatabaseInUse(SessiontapeError):
+    """Another ``sessiontape serve`` holds this SQLite file (one server per file)."""
+
+    code = "database_in_use"
 
 
 class ConfigError(SessiontapeError):

@@ -18,12 +18,18 @@ wait up to the switch interval (5 ms by default) before the running thread
 gives it up: several waits per batch kept SQLite's work from overlapping the
 loop's. At 1 ms the writer thread gets the GIL back sooner
 (docs/architecture.md, "Group commit"; measured: docs/performance.md, "Event log").
+
+Both change the whole process, the embedding application's code included, so
+``sessiontape serve`` applies them only when ``[server] tune_interpreter`` asks
+(:func:`apply`); off by default.
 """
 
 from __future__ import annotations
 
 import gc
 import sys
+
+from sessiontape.core.config import ServerSettings
 
 #: allocations between collections of the youngest generation (CPython's default: 700)
 YOUNG_THRESHOLD = 50_000
@@ -41,3 +47,12 @@ def tune_for_serving() -> None:
     _, older, oldest = gc.get_threshold()
     gc.set_threshold(YOUNG_THRESHOLD, max(older, 20), max(oldest, 100))
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+
+
+def apply(server: ServerSettings) -> bool:
+    """:func:`tune_for_serving` when ``[server] tune_interpreter`` asks for it; whether
+    it did."""
+    if not server.tune_interpreter:
+        return False
+    tune_for_serving()
+    return True

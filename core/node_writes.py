@@ -1,6 +1,6 @@
 """Evergreen's node DAG: fragments of node messages and actions, written to a session.
 
-:class:`NodeWrites` is the part of the runtime that records them (the fold's
+:class:`NodeWrites` is the part of the runtime that records them (``runtime.nodes``) (the fold's
 rules for them are in core/nodes.py and core/session/state.py): a message's
 fragments all or nothing, an action whose outputs are new nodes, an action's
 end. Each command is one commit, run again on a reloaded state when another
@@ -19,12 +19,14 @@ from sessiontape.core.session.cache import SessionStates, stale_retry
 from sessiontape.core.session.state import SessionState, overlay, overlay_apply
 
 
-class NodeWrites(SessionStates):
+class NodeWrites:
     """Evergreen's writes to a session's node DAG (see the module docstring)."""
 
-    #: the deepest a node may nest, and the most nodes a session may hold
-    max_depth: int
-    max_nodes: int
+    def __init__(self, sessions: SessionStates, max_depth: int, max_nodes: int) -> None:
+        self.sessions = sessions
+        #: the deepest a node may nest, and the most nodes a session may hold
+        self.max_depth = max_depth
+        self.max_nodes = max_nodes
 
     @stale_retry
     async def append_fragments(
@@ -34,11 +36,11 @@ class NodeWrites(SessionStates):
 
         All-or-nothing: if any fragment breaks a rule nothing is recorded.
         """
-        async with self.lock(session_id):
-            st = await self.open_locked(session_id)
+        async with self.sessions.lock(session_id):
+            st = await self.sessions.open_locked(session_id)
             new, kept = self.fragment_events(st, fragments, direction)
             if new:
-                await self.commit(st, new)
+                await self.sessions.commit(st, new)
             return kept
 
     def fragment_events(
@@ -81,8 +83,8 @@ class NodeWrites(SessionStates):
         action_id: str | None = None,
     ) -> Event:
         """Record an action; output ids must be new node ids."""
-        async with self.lock(session_id):
-            st = await self.open_locked(session_id)
+        async with self.sessions.lock(session_id):
+            st = await self.sessions.open_locked(session_id)
             if not name:
                 raise InvalidAction("action without a name")
             seen: set[str] = set()
@@ -99,18 +101,18 @@ class NodeWrites(SessionStates):
                 "target": target,
                 "configs": list(configs),
             }
-            return (await self.commit(st, [NewEvent(T.ACTION_SUBMITTED, body)]))[0]
+            return (await self.sessions.commit(st, [NewEvent(T.ACTION_SUBMITTED, body)]))[0]
 
     @stale_retry
     async def finish_action(
         self, session_id: str, action_id: str, error: tuple[str, str] | None = None
     ) -> Event:
-        async with self.lock(session_id):
-            st = await self.get(session_id)
+        async with self.sessions.lock(session_id):
+            st = await self.sessions.get(session_id)
             if error is None:
                 ne = NewEvent(T.ACTION_COMPLETED, {"action_id": action_id})
             else:
                 ne = NewEvent(
                     T.ACTION_FAILED, {"action_id": action_id, "code": error[0], "message": error[1]}
                 )
-            return (await self.commit(st, [ne]))[0]
+            return (await self.sessions.commit(st, [ne]))[0]

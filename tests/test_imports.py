@@ -177,8 +177,7 @@ def test_no_import_cycle_between_modules() -> None:
 
 
 #: cycles closed only by annotation imports, left to untangle (a ratchet: the test fails on a new
-#: one, and on a listed one that is gone, so the list only shrinks). sessiontape.core.generation names the
-#: Runtime it is handed; a Protocol of what it uses would end it.
+#: one, and on a listed one that is gone, so the list only shrinks).
 ANNOTATION_CYCLES_LEFT: list[list[str]] = []
 
 

@@ -251,3 +251,39 @@ def test_event_loop_choice_without_uvloop(monkeypatch: pytest.MonkeyPatch) -> No
     assert loop_factory("auto") is None
     with pytest.raises(ConfigError, match="uvloop is not installed"):
         loop_factory("uvloop")
+
+
+def test_a_second_server_on_one_sqlite_file_exits_at_once(tmp_path: Path) -> None:
+    """One server per SQLite file: the second finds the file's lock held and says so; the
+    first goes on serving, and readers (``sessions ls``) take no lock."""
+    h = free_port()
+    first, _ = start(tmp_path, "--engine", "reference", "--no-grpc", "--http", f"127.0.0.1:{h}")
+    try:
+        db = f"sqlite+aiosqlite:///{tmp_path / 'st.db'}"
+        t0 = time.monotonic()
+        second = subprocess.run(
+            [
+                *(sys.executable, "-m", "sessiontape.core.cli", "serve", "--db", db),
+                *("--engine", "reference", "--no-grpc", "--http", f"127.0.0.1:{free_port()}"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=tmp_path,
+        )
+        assert second.returncode == 1, second.stderr
+        assert "another sessiontape server is serving" in second.stderr
+        assert str(tmp_path / "st.db") in second.stderr
+        assert time.monotonic() - t0 < 30
+        assert httpx.get(f"http://127.0.0.1:{h}/healthz", timeout=10).status_code == 200
+        listed = subprocess.run(
+            [sys.executable, "-m", "sessiontape.core.cli", "sessions", "ls", "--db", db],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=tmp_path,
+        )
+        assert listed.returncode == 0, listed.stderr
+    finally:
+        code, _ = stop(first)
+    assert code == 0

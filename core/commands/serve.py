@@ -53,7 +53,12 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_serve(args: argparse.Namespace) -> int:
     cfg = load_config(args, serve_overrides(args))
     check_database_url(cfg.db_url, must_exist=False)
-    with asyncio.Runner(loop_factory=loop_factory(cfg.server.event_loop)) as runner:
+    from sessiontape.core.log.serving_lock import serving
+
+    with (
+        serving(cfg.db_url),
+        asyncio.Runner(loop_factory=loop_factory(cfg.server.event_loop)) as runner,
+    ):
         return runner.run(serve(cfg))
 
 
@@ -84,7 +89,7 @@ async def serve(cfg: Config) -> int:
 
     runtime = await Runtime.create(cfg)
     log.info("log: %s", redact(cfg.db_url))
-    runtime.start_sweeper()
+    runtime.sessions.start_sweeper()
     started: list[Transport] = []
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -92,7 +97,7 @@ async def serve(cfg: Config) -> int:
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
     # before any transport accepts a connection: what exists now lives as long as the process
-    gctune.tune_for_serving()
+    gctune.apply(cfg.server)
     try:
         for name in cfg.enabled_transports():
             cls = load(TRANSPORTS, name)

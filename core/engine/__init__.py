@@ -110,6 +110,20 @@ class EngineInfo:
 MAX_TOKENS_LIMIT = 2**31
 
 
+#: The most stop (or end-of-sequence) ids a request may name: a handful is what clients
+#: send; the bound keeps a request's checks and its stored record small.
+MAX_STOP_IDS = 1024
+
+
+def check_stop_ids(ids: Sequence[int], name: str) -> None:
+    """InvalidParameters when ``ids`` has more than :data:`MAX_STOP_IDS` entries, checked
+    before any work on them."""
+    if len(ids) > MAX_STOP_IDS:
+        from sessiontape.core.errors import InvalidParameters
+
+        raise InvalidParameters(f"{name} of {len(ids):,} ids (at most {MAX_STOP_IDS:,})")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling parameters, already defaulted (temperature 0 means greedy)."""
@@ -177,6 +191,7 @@ class SamplingParams:
             )
         if self.seed is not None and (not integer(self.seed) or not 0 <= self.seed < 2**64):
             raise InvalidParameters(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+        check_stop_ids(self.stop_token_ids, "stop_token_ids")
         if any(not integer(t) or not 0 <= t < 2**63 for t in self.stop_token_ids):
             raise InvalidParameters("stop_token_ids must be integers >= 0")
 

@@ -28,7 +28,7 @@ from sessiontape.core.engine.worker import (
     wire,
 )
 from sessiontape.core.errors import EngineError
-from sessiontape.core.pacing import SHORT_GENERATION
+from sessiontape.core.generation.policy import SHORT_GENERATION
 
 log = logging.getLogger(__name__)
 

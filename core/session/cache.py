@@ -7,9 +7,8 @@ clocks behind the TTL sweeper, and the snapshot cadence. Every mutation
 goes through :meth:`SessionStates.commit`: append after the state's
 version, then fold the committed events into it; a commit a cancel lands in
 settles before the cancel goes on, so the cached state always matches the
-log. It also keeps the running generations (:class:`RunningGenerations`) and
-is the port the generation loop uses (:class:`SessionPort`: lock, open,
-commit, drop). :class:`sessiontape.core.runtime.Runtime` is built on it.
+log. It is the runtime's ``sessions`` part, and the port a generation uses
+(:class:`sessiontape.core.generation.host.SessionPort`: lock, open, commit, drop).
 """
 
 from __future__ import annotations
@@ -20,13 +19,14 @@ import functools
 import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 from sessiontape.core import metrics
 from sessiontape.core.config import Config
 from sessiontape.core.engine import Engine
 from sessiontape.core.errors import ConcurrencyError, SessionClosed, SessionExpired, SessionNotFound
 from sessiontape.core.events import Event, NewEvent, T
+from sessiontape.core.generation.running import RunningGenerations
 from sessiontape.core.log import EventLog
 from sessiontape.core.session.loader import load_state
 from sessiontape.core.session.snapshot import state_to_json
@@ -84,68 +84,16 @@ def stale_retry(fn: _Cmd) -> _Cmd:
     return cast(_Cmd, run)
 
 
-class SessionPort(Protocol):
-    """What the generation loop (core/generation.py) needs of the session cache: the
-    session's lock, its open state, a commit that folds what it appends, and dropping a
-    state another process moved on."""
-
-    def lock(self, sid: str) -> asyncio.Lock: ...
-
-    async def open_locked(self, session_id: str) -> SessionState: ...
-
-    async def commit(
-        self,
-        st: SessionState,
-        new: Sequence[NewEvent],
-        *,
-        length: int | None = None,
-        at_once: bool = True,
-    ) -> list[Event]: ...
-
-    def drop(self, st: SessionState) -> None: ...
-
-
-class RunningGenerations:
-    """Which sessions generate now (one generation a session), the stops asked of them,
-    and their ends, which an abort waits for."""
-
-    def __init__(self) -> None:
-        #: generating sessions -> set when their generation ends
-        self._ended: dict[str, asyncio.Event] = {}
-        self._stop: set[str] = set()
-
-    def __contains__(self, session_id: object) -> bool:
-        return session_id in self._ended
-
-    def __len__(self) -> int:
-        return len(self._ended)
-
-    def begin(self, session_id: str) -> None:
-        self._ended[session_id] = asyncio.Event()
-
-    def end(self, session_id: str) -> None:
-        self._stop.discard(session_id)
-        ended = self._ended.pop(session_id, None)
-        if ended is not None:
-            ended.set()
-
-    def stop_requested(self, session_id: str) -> bool:
-        return session_id in self._stop
-
-    async def stop(self, session_id: str) -> None:
-        """Ask the session's generation to stop (finished as ``aborted``) and wait for its
-        end; nothing to do when none runs."""
-        ended = self._ended.get(session_id)
-        if ended is not None:
-            self._stop.add(session_id)
-            await ended.wait()
-
-
 class SessionStates:
-    """The session-state half of the runtime (see the module docstring)."""
+    """The runtime's session states (see the module docstring)."""
 
     def __init__(
-        self, log_: EventLog, engine: Engine, config: Config, clock: Callable[[], float]
+        self,
+        log_: EventLog,
+        engine: Engine,
+        config: Config,
+        clock: Callable[[], float],
+        running: RunningGenerations,
     ) -> None:
         self.log = log_
         self.engine = engine
@@ -153,7 +101,8 @@ class SessionStates:
         self.clock = clock
         self._states: OrderedDict[str, SessionState] = OrderedDict()
         self._locks: dict[str, asyncio.Lock] = {}
-        self.generating = RunningGenerations()
+        #: the running generations (a generating state is never evicted or expired)
+        self.running = running
         self._last_active: dict[str, float] = {}
         self._snapshotted: dict[str, int] = {}
         self._sweeper: asyncio.Task[None] | None = None
@@ -188,10 +137,11 @@ class SessionStates:
         st = self._states.get(session_id)
         if st is None:
             st = loaded
-            self._cache(st)
+            self.keep(st)
         return st
 
-    def _cache(self, st: SessionState) -> None:
+    def keep(self, st: SessionState) -> None:
+        """Cache ``st`` as its session's one state object (evicting idle ones past the size)."""
         self._states[st.session_id] = st
         self._states.move_to_end(st.session_id)
         if len(self._states) <= self.cache_size:
@@ -202,11 +152,7 @@ class SessionStates:
             if len(self._states) <= self.cache_size:
                 break
             lock = self._locks.get(sid)
-            if (
-                sid in self.generating
-                or (lock is not None and lock.locked())
-                or sid == st.session_id
-            ):
+            if sid in self.running or (lock is not None and lock.locked()) or sid == st.session_id:
                 continue
             del self._states[sid]
             self._locks.pop(sid, None)
@@ -230,7 +176,7 @@ class SessionStates:
         ttl = st.ttl_s
         last = self._last_active.get(session_id, st.updated_at)
         idle = self.clock() - last
-        if ttl is not None and idle > ttl and session_id not in self.generating:
+        if ttl is not None and idle > ttl and session_id not in self.running:
             await self._expire_locked(st, idle)
             raise SessionExpired(session_id)
         return st
@@ -320,7 +266,7 @@ class SessionStates:
     # -- expiry --------------------------------------------------------------
 
     async def _expire_locked(self, st: SessionState, idle_s: float) -> None:
-        if st.status == OPEN and st.session_id not in self.generating:
+        if st.status == OPEN and st.session_id not in self.running:
             await self.commit(st, [NewEvent(T.SESSION_EXPIRED, {"idle_s": round(idle_s, 3)})])
             metrics.SESSIONS_OPEN.dec()
             self.engine.forget(st.session_id)
@@ -346,14 +292,14 @@ class SessionStates:
         default = self.config.idle_ttl("default")
         expired = []
         for row in await self.log.idle_sessions(now, default):
-            if row.id in self.generating:
+            if row.id in self.running:
                 continue
             last = max(self._last_active.get(row.id, row.last_active_at), row.last_active_at)
             if now - last <= (row.ttl_s if row.ttl_s is not None else default):
                 continue
             async with self.lock(row.id):
                 st = await self.get(row.id)
-                if st.status != OPEN or row.id in self.generating:
+                if st.status != OPEN or row.id in self.running:
                     continue
                 try:
                     await self._expire_locked(st, now - last)
@@ -363,6 +309,33 @@ class SessionStates:
                     continue
             expired.append(row.id)
         return expired
+
+    def moved_on(self, session_id: str, version: int) -> None:
+        """Another process committed ``version`` of the session: drop a cached state it
+        is past, unless the state is under its lock or generating (its commit finds out
+        and runs again: :func:`stale_retry`)."""
+        st = self._states.get(session_id)
+        if st is None or version <= st.version or session_id in self.running:
+            return
+        lock = self._locks.get(session_id)
+        if lock is None or not lock.locked():
+            self.drop(st)
+
+    def idle_seconds(self, session_id: str) -> float:
+        """Seconds since the session's last activity (its TTL's clock)."""
+        st = self._states.get(session_id)
+        last = self._last_active.get(session_id, st.updated_at if st else self.clock())
+        return max(0.0, self.clock() - last)
+
+    async def aclose(self) -> None:
+        """Stop the TTL sweeper and wait for the snapshots under way."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        for t in list(self._background):
+            with contextlib.suppress(Exception):
+                await t
 
     def start_sweeper(self) -> None:
         interval = self.config.sessions.sweep_interval_s

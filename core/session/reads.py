@@ -1,6 +1,6 @@
 """The runtime's read API: what transports ask of the log (they never touch it directly).
 
-:class:`LogReads` is a part of :class:`sessiontape.core.runtime.Runtime`: every
+:class:`LogReads` is a part of :class:`sessiontape.core.runtime.Runtime` (``runtime.reads``): every
 method reads committed events, the sessions index or blobs through the
 runtime's :class:`~sessiontape.core.log.EventLog`.
 """
@@ -16,9 +16,10 @@ from sessiontape.core.session.state import SessionState
 
 
 class LogReads:
-    """Reads of the log, for transports (a base of the runtime, which owns ``log``)."""
+    """Reads of the log, for transports (the runtime's ``reads``)."""
 
-    log: EventLog
+    def __init__(self, log_: EventLog) -> None:
+        self.log = log_
 
     def subscribe(
         self, from_position: int = 0, session_id: str | None = None, *, with_forks: bool = False

@@ -451,7 +451,7 @@ async def test_evergreen_fragments_and_dag_read_the_same_over_sse_and_http(
         watch = asyncio.create_task(read_sse(st, sid, started=listening))
         await asyncio.wait_for(listening.wait(), 10)
         async with asyncio.timeout(10):
-            async for e in st.runtime.subscribe(0, session_id=sid):
+            async for e in st.runtime.reads.subscribe(0, session_id=sid):
                 if e.type == "action.completed":
                     break
         # fork mid-response and feedback over HTTP while the Evergreen stream is open; close by half-closing

@@ -1,6 +1,6 @@
 """Admission: at most ``limit`` generations run at once, the others in priority then
 arrival order; a generation gives its place up when it ends or after ``hold_s``
-(core/scheduler.py; docs/architecture.md, "Admission")."""
+(core/generation/scheduler.py; docs/architecture.md, "Admission")."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import pytest
 from sessiontape.core import metrics
 from sessiontape.core.engine import SamplingParams
 from sessiontape.core.events import T
+from sessiontape.core.generation.request import GenerateRequest
+from sessiontape.core.generation.scheduler import Admission
 from sessiontape.core.runtime import Runtime
-from sessiontape.core.scheduler import Admission
 from sessiontape.engines.reference import ReferenceEngine
 from tests.conftest import make_config
 
@@ -142,14 +143,15 @@ async def three_generations_at_once(
     """A runtime admitting one generation at a time and three sessions generating at
     once: the runtime, the sessions, and the generations' starts and finishes in log
     order."""
-    cfg = make_config(sqlite_url, generation={"max_active": 1, "active_hold_s": 60})
+    cfg = make_config(sqlite_url, generation={"max_active": 1})
     rt = await Runtime.create(cfg, engine=engine)
+    rt.generations.admission.hold_s = 60  # no hand-over by time in this test
     sids = [(await rt.open_session("t", eos_token_ids=[])).session_id for _ in range(3)]
     for sid in sids:
         await rt.append_text(sid, "abc")
 
     async def gen(sid: str) -> None:
-        async for _ in rt.generate(sid, SamplingParams(max_tokens=12, seed=1)):
+        async for _ in rt.generate(sid, GenerateRequest(SamplingParams(max_tokens=12, seed=1))):
             pass
 
     await asyncio.gather(*(gen(s) for s in sids))
@@ -168,7 +170,7 @@ async def test_the_runtime_admits_generations_one_at_a_time_with_a_limit_of_one(
         assert marks == [
             (s, t) for s in sids for t in (T.GENERATION_STARTED, T.GENERATION_FINISHED)
         ]
-        assert rt.admission.active == 0
+        assert rt.generations.admission.active == 0
     finally:
         await rt.aclose()
 
@@ -187,6 +189,6 @@ async def test_an_engine_that_batches_is_not_queued(sqlite_url: str) -> None:
     try:
         # all three started before the first one finished
         assert [t for _, t in marks[:3]] == [T.GENERATION_STARTED] * 3
-        assert rt.admission.active == 0
+        assert rt.generations.admission.active == 0
     finally:
         await rt.aclose()

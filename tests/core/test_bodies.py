@@ -12,6 +12,7 @@ import pytest
 from sessiontape.core.bodies import BODIES, GenerationToken, SessionClosed, body
 from sessiontape.core.engine import OutputOptions, SamplingParams
 from sessiontape.core.events import T
+from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.runtime import Runtime
 from sessiontape.core.tokens import ImageIn
 from sessiontape.engines.reference import IMAGE_PAD
@@ -69,11 +70,13 @@ async def test_what_the_runtime_writes_has_the_declared_shape(runtime: Runtime) 
         e
         async for e in rt.generate(
             sid,
-            SamplingParams(max_tokens=4, seed=1),
-            OutputOptions(logprob_top_k=2, logprob_ranges=((1, 3),), readout_ranges=((0, 10),)),
-            append=[33],
-            offset=12,
-            truncating=True,
+            GenerateRequest(
+                SamplingParams(max_tokens=4, seed=1),
+                OutputOptions(logprob_top_k=2, logprob_ranges=((1, 3),), readout_ranges=((0, 10),)),
+                append=[33],
+                offset=12,
+                truncating=True,
+            ),
         )
     ]
     assert evs[-1].type == T.GENERATION_FINISHED

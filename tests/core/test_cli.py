@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from sessiontape.core.engine import OutputOptions, SamplingParams
+from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.nodes import FragmentIn
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
@@ -38,15 +39,20 @@ def populated(tmp_path: Path) -> tuple[str, list[str]]:
             a = (await rt.open_session("http", label="demo")).session_id
             await rt.append_text(a, "Hi there")
             async for _ in rt.generate(
-                a, SamplingParams(max_tokens=6, seed=7), OutputOptions(logprob_top_k=2)
+                a,
+                GenerateRequest(
+                    SamplingParams(max_tokens=6, seed=7), OutputOptions(logprob_top_k=2)
+                ),
             ):
                 pass
             await rt.record_feedback(a, {"score": 8, "source": "test"})
             b = (await rt.fork(a, at_position=4)).session_id
-            async for _ in rt.generate(b, SamplingParams(max_tokens=3, temperature=0)):
+            async for _ in rt.generate(
+                b, GenerateRequest(SamplingParams(max_tokens=3, temperature=0))
+            ):
                 pass
             c = (await rt.open_session("evergreen")).session_id
-            await rt.append_fragments(
+            await rt.nodes.append_fragments(
                 c,
                 [
                     FragmentIn(

@@ -17,6 +17,7 @@ from sessiontape.core.errors import (
     SessionNotFound,
 )
 from sessiontape.core.events import T
+from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.log import EventLog
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
@@ -33,19 +34,19 @@ async def test_append_racing_close_never_lands_after_close(runtime: Runtime) -> 
             r is None or not isinstance(r, BaseException) or isinstance(r, SessionClosed)
             for r in res
         ), res
-        st = await runtime.load(sid)  # still loads: nothing was appended after the close
+        st = await runtime.sessions.load(sid)  # still loads: nothing was appended after the close
         assert st.status == "closed"
 
 
 async def test_concurrent_cold_loads_share_one_state(runtime: Runtime) -> None:
     sid = (await runtime.open_session("t")).session_id
-    runtime._states.clear()
+    runtime.sessions._states.clear()
     await asyncio.gather(
         runtime.append_tokens(sid, [1]), runtime.record_feedback(sid, {"score": 1})
     )
     for i in range(5):
         await runtime.append_tokens(sid, [i])
-    st = await runtime.load(sid)
+    st = await runtime.sessions.load(sid)
     assert list(st.tokens) == [1, 0, 1, 2, 3, 4] and len(st.feedback) == 1
 
 
@@ -62,7 +63,7 @@ async def test_tiny_state_cache_under_concurrency(sqlite_url: str) -> None:
 
         await asyncio.gather(*(work(s) for s in sids))
         for sid in sids:
-            assert list((await rt.load(sid)).tokens) == list(range(10))
+            assert list((await rt.sessions.load(sid)).tokens) == list(range(10))
     finally:
         await rt.aclose()
 
@@ -84,7 +85,9 @@ async def test_cancel_in_the_commit_window_is_recorded_as_cancelled(runtime: Run
             await release.wait()
 
     async def consume() -> None:
-        async for _ in runtime.generate(sid, SamplingParams(max_tokens=50, seed=1)):
+        async for _ in runtime.generate(
+            sid, GenerateRequest(SamplingParams(max_tokens=50, seed=1))
+        ):
             pass
 
     runtime.log.before_commit = hold
@@ -95,7 +98,7 @@ async def test_cancel_in_the_commit_window_is_recorded_as_cancelled(runtime: Run
     release.set()
     with pytest.raises(asyncio.CancelledError):
         await task
-    st = await runtime.load(sid)
+    st = await runtime.sessions.load(sid)
     [g] = st.generations.values()
     # the run whose commit was parked is in the log though nobody saw it, and
     # generation.finished counts exactly those tokens (never 0); when the engine had
@@ -105,7 +108,7 @@ async def test_cancel_in_the_commit_window_is_recorded_as_cancelled(runtime: Run
     assert len(g.tokens) == in_window[0] >= 1
     fin = [e for e in await runtime.log.read(sid) if e.type == T.GENERATION_FINISHED]
     assert fin[-1].body["completion_tokens"] == len(g.tokens)
-    assert not runtime.is_generating(sid)
+    assert not runtime.generations.is_running(sid)
 
 
 async def test_abort_stops_a_running_generation_first(sqlite_url: str) -> None:
@@ -115,7 +118,9 @@ async def test_abort_stops_a_running_generation_first(sqlite_url: str) -> None:
         seen = asyncio.Event()
 
         async def consume() -> None:
-            async for e in rt.generate(sid, SamplingParams(max_tokens=500, seed=2)):
+            async for e in rt.generate(
+                sid, GenerateRequest(SamplingParams(max_tokens=500, seed=2))
+            ):
                 if e.type == T.GENERATION_TOKEN:
                     seen.set()
 
@@ -158,13 +163,13 @@ async def test_engine_failure_is_recorded_as_error(sqlite_url: str) -> None:
     try:
         sid = (await rt.open_session("t")).session_id
         with pytest.raises(RuntimeError):
-            async for _ in rt.generate(sid, SamplingParams(max_tokens=5, seed=1)):
+            async for _ in rt.generate(sid, GenerateRequest(SamplingParams(max_tokens=5, seed=1))):
                 pass
-        st = await rt.load(sid)
+        st = await rt.sessions.load(sid)
         [g] = st.generations.values()
         assert g.finish_reason == "error"
         assert st.errors[-1]["message"] == "engine fell over"
-        async for _ in rt.generate(sid, SamplingParams(max_tokens=0)):
+        async for _ in rt.generate(sid, GenerateRequest(SamplingParams(max_tokens=0))):
             pass  # the session is usable again
     finally:
         await rt.aclose()
@@ -188,12 +193,14 @@ async def test_checks_before_anything_is_committed(sqlite_url: str) -> None:
         with pytest.raises(InvalidRange, match="no readouts"):
             async for _ in rt.generate(
                 sid,
-                SamplingParams(max_tokens=1),
-                OutputOptions(readout_ranges=((0, 1),)),
-                append=[5],
+                GenerateRequest(
+                    SamplingParams(max_tokens=1),
+                    OutputOptions(readout_ranges=((0, 1),)),
+                    append=[5],
+                ),
             ):
                 pass
-        assert (await rt.load(sid)).version == before
+        assert (await rt.sessions.load(sid)).version == before
     finally:
         await rt.aclose()
 
@@ -204,7 +211,10 @@ async def test_unseeded_sampling_draws_and_records_a_seed(runtime: Runtime) -> N
         sid = (await runtime.open_session("t")).session_id
         await runtime.append_text(sid, "Hello")
         evs = [
-            e async for e in runtime.generate(sid, SamplingParams(max_tokens=8, temperature=1.0))
+            e
+            async for e in runtime.generate(
+                sid, GenerateRequest(SamplingParams(max_tokens=8, temperature=1.0))
+            )
         ]
         seed = evs[0].body["params"]["seed"]
         assert seed is not None and int(seed) >= 0
@@ -216,7 +226,7 @@ async def test_purged_sessions_are_not_found_for_live_calls(runtime: Runtime) ->
     sid = (await runtime.open_session("t")).session_id
     await runtime.close(sid)
     await runtime.log.purge(sid)
-    runtime._states.clear()
+    runtime.sessions._states.clear()
     assert (await runtime.get(sid)).status == "purged"
     with pytest.raises(SessionNotFound):
         await runtime.append_tokens(sid, [1])
@@ -228,7 +238,7 @@ async def test_close_is_busy_while_generating(sqlite_url: str) -> None:
     rt = await Runtime.create(make_config(sqlite_url), engine=ReferenceEngine(step_delay_s=0.01))
     try:
         sid = (await rt.open_session("t")).session_id
-        gen = rt.generate(sid, SamplingParams(max_tokens=100, seed=1))
+        gen = rt.generate(sid, GenerateRequest(SamplingParams(max_tokens=100, seed=1)))
         await anext(gen)
         with pytest.raises(SessionBusy):
             await rt.close(sid)

@@ -166,7 +166,7 @@ def test_env_overrides_reach_every_kind_of_section() -> None:
             "SESSIONTAPE_TRANSPORTS__NOSTR__ENABLED": "true",
             "SESSIONTAPE_TRANSPORTS__NOSTR__RELAYS": "ws://127.0.0.1:7777",  # one: as a string
             "SESSIONTAPE_SESSIONS__IDLE_TTL_S__SALIENCE": "60",
-            "SESSIONTAPE_GENERATION__PACE_S": "0.01",
+            "SESSIONTAPE_GENERATION__LINGER_S": "0.01",
             "SESSIONTAPE_LIMITS__MAX_JSON_DEPTH": "8",
         }
     )
@@ -179,7 +179,7 @@ def test_env_overrides_reach_every_kind_of_section() -> None:
         1800.0,
         1800.0,
     )
-    assert cfg.generation.pace_s == 0.01 and cfg.limits.max_json_depth == 8
+    assert cfg.generation.linger_s == 0.01 and cfg.limits.max_json_depth == 8
 
 
 def test_a_string_option_keeps_the_variables_text() -> None:
@@ -235,8 +235,8 @@ def test_the_example_file_loads_clean() -> None:
             r"unknown transport \[transports.htp\]; did you mean \[transports.http\]\?",
         ),
         (
-            "[generation]\nrun_ahaed = 8\n",
-            r"unknown key `run_ahaed` in \[generation\]; did you mean `run_ahead`\?",
+            "[generation]\nmax_rnu = 8\n",
+            r"unknown key `max_rnu` in \[generation\]; did you mean `max_run`\?",
         ),
         (
             '[engine]\nname = "reference"\n[engine.options]\neos_bais = 1.0\n',
@@ -464,3 +464,22 @@ def test_server_event_loop_takes_only_its_choices(tmp_path: Path, value: str) ->
     path.write_text(f"[server]\nevent_loop = {value}\n")
     with pytest.raises(ConfigError, match=r"server\.event_loop"):
         Config.load(path)
+
+
+@pytest.mark.parametrize(
+    "key", ["run_ahead", "min_run", "burst", "burst_s", "pace_s", "active_hold_s"]
+)
+def test_a_removed_generation_option_is_refused_naming_it_and_its_source(
+    key: str, tmp_path: Path
+) -> None:
+    """The six ``[generation]`` options the run policy now derives or fixes: given in a
+    file or the environment, a ConfigError names the option and where its value comes
+    from now, instead of a silent default or a misleading "did you mean"."""
+    path = tmp_path / "old.toml"
+    path.write_text(f"[generation]\n{key} = 8\n")
+    with pytest.raises(ConfigError, match=rf"\[generation\] {key} is no longer an option: it "):
+        Config.load(path, environ={})
+    env = {f"SESSIONTAPE_GENERATION__{key.upper()}": "8"}
+    with pytest.raises(ConfigError, match=rf"\[generation\] {key} is no longer an option"):
+        Config.load(environ=env)
+    assert len(GenerationSettings.__dataclass_fields__) <= 3

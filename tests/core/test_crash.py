@@ -22,6 +22,7 @@ WRITER = textwrap.dedent(
     """
     import asyncio, json, sys
     from sessiontape.core.engine import SamplingParams
+    from sessiontape.core.generation.request import GenerateRequest
     from sessiontape.core.runtime import Runtime
     from sessiontape.engines.reference import ReferenceEngine
     from tests.conftest import make_config
@@ -30,14 +31,14 @@ WRITER = textwrap.dedent(
         rt = await Runtime.create(make_config(sys.argv[1]), engine=ReferenceEngine())
 
         async def watch():
-            async for e in rt.subscribe(0):
+            async for e in rt.reads.subscribe(0):
                 print(json.dumps([e.session_id, e.version, e.hash]), flush=True)
 
         async def work(i):
             sid = (await rt.open_session("crash")).session_id
             while True:
                 await rt.append_tokens(sid, [i % 250, 1, 2])
-                async for _ in rt.generate(sid, SamplingParams(max_tokens=3, seed=i)):
+                async for _ in rt.generate(sid, GenerateRequest(SamplingParams(max_tokens=3, seed=i))):
                     pass
 
         asyncio.create_task(watch())
@@ -54,6 +55,7 @@ GENERATOR = textwrap.dedent(
     """
     import asyncio, json, sys
     from sessiontape.core.engine import SamplingParams
+    from sessiontape.core.generation.request import GenerateRequest
     from sessiontape.core.runtime import Runtime
     from sessiontape.engines.reference import ReferenceEngine
     from tests.conftest import make_config
@@ -72,7 +74,7 @@ GENERATOR = textwrap.dedent(
             sid = (await rt.open_session("crash")).session_id
             await rt.append_tokens(sid, [i % 250, 1, 2])
             while True:
-                async for e in rt.generate(sid, SamplingParams(max_tokens=2000, seed=i)):
+                async for e in rt.generate(sid, GenerateRequest(SamplingParams(max_tokens=2000, seed=i))):
                     print(json.dumps([e.session_id, e.version, e.hash]), flush=True)
 
         await asyncio.gather(*(work(i) for i in range(4)))
@@ -90,6 +92,7 @@ SHORT_TURNS = textwrap.dedent(
     """
     import asyncio, json, sys
     from sessiontape.core.engine import SamplingParams
+    from sessiontape.core.generation.request import GenerateRequest
     from sessiontape.core.runtime import Runtime
     from sessiontape.engines.reference import ReferenceEngine
     from tests.conftest import make_config
@@ -114,12 +117,12 @@ SHORT_TURNS = textwrap.dedent(
                 append = [i % 250, n % 250, 2]
                 if n % 2:
                     # the append in the request: it commits with the first run
-                    gen = rt.generate(sid, params, append=append)
+                    gen = rt.generate(sid, GenerateRequest(params, append=append))
                 else:
                     await rt.append_tokens(sid, append)
                     st = await rt.get(sid)
                     print(json.dumps([sid, st.version, st.head_hash]), flush=True)
-                    gen = rt.generate(sid, params)
+                    gen = rt.generate(sid, GenerateRequest(params))
                 async for e in gen:
                     print(json.dumps([e.session_id, e.version, e.hash]), flush=True)
 
@@ -218,6 +221,7 @@ def _kill_and_check(
 async def test_generation_left_open_by_a_crash_is_closed_as_interrupted(sqlite_url: str) -> None:
     from sessiontape.core.engine import SamplingParams
     from sessiontape.core.events import NewEvent, T
+    from sessiontape.core.generation.request import GenerateRequest
     from sessiontape.core.runtime import Runtime
     from sessiontape.engines.reference import ReferenceEngine
     from tests.conftest import make_config
@@ -236,9 +240,11 @@ async def test_generation_left_open_by_a_crash_is_closed_as_interrupted(sqlite_u
         await rt.aclose()
     rt = await Runtime.create(make_config(sqlite_url), engine=ReferenceEngine())
     try:
-        evs = [e async for e in rt.generate(sid, SamplingParams(max_tokens=2, seed=1))]
+        evs = [
+            e async for e in rt.generate(sid, GenerateRequest(SamplingParams(max_tokens=2, seed=1)))
+        ]
         assert evs[-1].body["finish_reason"] == "length"
-        gens = (await rt.load(sid)).generations
+        gens = (await rt.sessions.load(sid)).generations
         assert gens["g_dead"].finish_reason == "interrupted"
     finally:
         await rt.aclose()

@@ -25,6 +25,7 @@ from sessiontape.core.document import (
 from sessiontape.core.engine import OutputOptions, SamplingParams
 from sessiontape.core.errors import InvalidEvent, SessiontapeError
 from sessiontape.core.events import Event
+from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.nodes import FragmentIn
 from sessiontape.core.patch import apply_patch, diff, to_rfc6902
 from sessiontape.core.runtime import Runtime
@@ -46,7 +47,8 @@ async def _session(rt: Runtime) -> str:
     s = await rt.open_session("http", label="doc")
     await rt.append_text(s.session_id, "Hello")
     async for _ in rt.generate(
-        s.session_id, SamplingParams(max_tokens=6, seed=7), OutputOptions(logprob_top_k=2)
+        s.session_id,
+        GenerateRequest(SamplingParams(max_tokens=6, seed=7), OutputOptions(logprob_top_k=2)),
     ):
         pass
     await rt.record_feedback(s.session_id, {"score": 1})
@@ -64,9 +66,9 @@ async def _everything(rt: Runtime) -> tuple[str, str]:
     await rt.append_tokens(
         sid, list(b"rewound"), offset=8, truncating=True
     )  # a rewind: tokens.truncated, then the append
-    async for _ in rt.generate(sid, SamplingParams(max_tokens=5, seed=3)):
+    async for _ in rt.generate(sid, GenerateRequest(SamplingParams(max_tokens=5, seed=3))):
         pass
-    await rt.append_fragments(
+    await rt.nodes.append_fragments(
         sid,
         [
             FragmentIn("root", child_ids=("a",)),
@@ -75,8 +77,8 @@ async def _everything(rt: Runtime) -> tuple[str, str]:
             ),
         ],
     )
-    act = await rt.submit_action(sid, "GENERATE", [("prompt", "a")], [("out", "o1")])
-    await rt.finish_action(sid, str(act.body["action_id"]))
+    act = await rt.nodes.submit_action(sid, "GENERATE", [("prompt", "a")], [("out", "o1")])
+    await rt.nodes.finish_action(sid, str(act.body["action_id"]))
     await rt.record_error(sid, "oops", "a recorded error")
     child = await rt.fork(sid, at_position=4)
     await rt.close(sid)
@@ -172,7 +174,7 @@ async def test_per_token_work_does_not_grow_with_the_history(sqlite_url: str) ->
                 s.session_id, list(text[-n:])
             )  # greedy on the same last tokens: the same generation
             async for _ in rt.generate(
-                s.session_id, SamplingParams(max_tokens=80, temperature=0.0)
+                s.session_id, GenerateRequest(SamplingParams(max_tokens=80, temperature=0.0))
             ):
                 pass
             decoded: list[int] = []
@@ -289,7 +291,7 @@ async def test_forks_inherit_and_are_listed_as_children(runtime: Runtime) -> Non
 
 async def test_nodes_are_rendered_as_a_tree(runtime: Runtime) -> None:
     s = await runtime.open_session("evergreen")
-    await runtime.append_fragments(
+    await runtime.nodes.append_fragments(
         s.session_id,
         [
             FragmentIn("root", child_ids=("a", "img")),
@@ -396,7 +398,7 @@ def test_roots_are_the_nodes_nobody_names_as_a_child_in_arrival_order(
                 )
                 # a fragment the model refuses changes nothing
                 with contextlib.suppress(SessiontapeError):
-                    await rt.append_fragments(sid, [fragment])
+                    await rt.nodes.append_fragments(sid, [fragment])
             b = DocumentBuilder(sid)
             watched = copy.deepcopy(b.doc)
             for e in await rt.log.read(sid):

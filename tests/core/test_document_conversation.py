@@ -11,6 +11,7 @@ from typing import Any
 from sessiontape.core.document import DocumentBuilder, build_document, fork_base
 from sessiontape.core.document.conversation import Conversation, remap, request_messages
 from sessiontape.core.engine import OutputOptions, SamplingParams
+from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.patch import apply_patch
 from sessiontape.core.runtime import Runtime
 from sessiontape.transports.http.chat_template import ROLE_MARKERS, ChatTemplate
@@ -152,7 +153,9 @@ async def test_a_fork_keeps_the_conversation_up_to_the_fork_point(runtime: Runti
 async def test_sessions_without_chat_requests_have_no_conversation(runtime: Runtime) -> None:
     s = await runtime.open_session("http", label="raw")
     await runtime.append_text(s.session_id, "<|user|>\nHello\n<|assistant|>\n")
-    async for _ in runtime.generate(s.session_id, SamplingParams(max_tokens=6, seed=7)):
+    async for _ in runtime.generate(
+        s.session_id, GenerateRequest(SamplingParams(max_tokens=6, seed=7))
+    ):
         pass
     await runtime.record_wire(s.session_id, "nostr", "in", {"kind": 1})
     doc = build_document(s.session_id, await runtime.log.read(s.session_id))

@@ -25,6 +25,7 @@ from sessiontape.core.errors import (
     PluginNotFound,
 )
 from sessiontape.core.events import T
+from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
 from tests.conftest import make_config
@@ -84,7 +85,7 @@ async def test_a_runtime_configured_with_a_worker_logs_what_the_inline_engine_lo
             sid = (await rt.open_session("t")).session_id
             await rt.append_text(sid, "the worker")
             params = SamplingParams(max_tokens=500, temperature=0.7, seed=11)
-            evs = [e async for e in rt.generate(sid, params)]
+            evs = [e async for e in rt.generate(sid, GenerateRequest(params))]
             logged[process] = [
                 e.body["token"] for e in await rt.log.read(sid) if e.type == T.GENERATION_TOKEN
             ]
@@ -236,7 +237,9 @@ async def test_a_worker_that_dies_fails_its_generation_and_every_later_call(
         await rt.append_text(sid, "abc")
         seen = []
         with pytest.raises(EngineError, match="engine worker process exited"):
-            async for e in rt.generate(sid, SamplingParams(max_tokens=500, temperature=0.0)):
+            async for e in rt.generate(
+                sid, GenerateRequest(SamplingParams(max_tokens=500, temperature=0.0))
+            ):
                 seen.append(e)
                 if sum(x.type == T.GENERATION_TOKEN for x in seen) == 3:
                     os.kill(rt.engine._proc.pid, signal.SIGKILL)

@@ -38,7 +38,7 @@ async def new(rt: Runtime) -> str:
 
 async def assert_unchanged(rt: Runtime, sid: str, version: int) -> None:
     assert (await rt.get(sid)).version == version
-    assert (await rt.load(sid)).version == version
+    assert (await rt.sessions.load(sid)).version == version
     assert (await rt.log.get_session(sid)).version == version
 
 
@@ -46,20 +46,20 @@ async def test_leaf_bytes_concatenate_in_seq_order_and_duplicates_first_win(
     runtime: Runtime,
 ) -> None:
     sid = await new(runtime)
-    kept = await runtime.append_fragments(
+    kept = await runtime.nodes.append_fragments(
         sid, [leaf("a", 1, b" world", continued=True), leaf("a", 0, b"Hello", continued=True)]
     )
     assert kept == [True, True]
     assert not is_complete(await runtime.get(sid), "a")
-    assert await runtime.append_fragments(sid, [leaf("a", 0, b"IGNORED", continued=True)]) == [
-        False
-    ]
-    await runtime.append_fragments(sid, [leaf("a", 2, b"!")])
+    assert await runtime.nodes.append_fragments(
+        sid, [leaf("a", 0, b"IGNORED", continued=True)]
+    ) == [False]
+    await runtime.nodes.append_fragments(sid, [leaf("a", 2, b"!")])
     st = await runtime.get(sid)
     assert is_complete(st, "a")
     [chunk] = flatten(st, "a")
     assert chunk.data == b"Hello world!" and chunk.mimetype == "text/plain"
-    assert flatten(await runtime.load(sid), "a") == [chunk]
+    assert flatten(await runtime.sessions.load(sid), "a") == [chunk]
 
 
 @pytest.mark.parametrize(
@@ -90,11 +90,11 @@ async def test_fragment_rules(
     sid = await new(runtime)
     before = (await runtime.get(sid)).version
     if error is None:
-        await runtime.append_fragments(sid, frags)
+        await runtime.nodes.append_fragments(sid, frags)
         return
     with pytest.raises(error):
         for f in frags:
-            await runtime.append_fragments(sid, [f])
+            await runtime.nodes.append_fragments(sid, [f])
     # the failing fragment changed nothing (earlier valid ones may have been recorded)
     st = await runtime.get(sid)
     assert st.version <= before + len(frags) - 1
@@ -104,21 +104,21 @@ async def test_fragment_rules(
 async def test_batch_is_all_or_nothing(runtime: Runtime) -> None:
     sid = await new(runtime)
     with pytest.raises(ProtocolViolation):
-        await runtime.append_fragments(sid, [leaf("a", 0), leaf("a", 1)])
+        await runtime.nodes.append_fragments(sid, [leaf("a", 0), leaf("a", 1)])
     await assert_unchanged(runtime, sid, 1)
     assert (await runtime.get(sid)).nodes == {}
 
 
 async def test_children_may_arrive_later_and_flatten_in_order(runtime: Runtime) -> None:
     sid = await new(runtime)
-    await runtime.append_fragments(sid, [parent("root", ("p1", "c3"))])
+    await runtime.nodes.append_fragments(sid, [parent("root", ("p1", "c3"))])
     st = await runtime.get(sid)
     assert missing(st, "root") == ["c3", "p1"]
-    await runtime.append_fragments(
+    await runtime.nodes.append_fragments(
         sid, [parent("p1", ("c1", "c2")), leaf("c2", data=b"2"), leaf("c1", data=b"1")]
     )
     assert not is_complete(await runtime.get(sid), "root")
-    await runtime.append_fragments(
+    await runtime.nodes.append_fragments(
         sid,
         [
             FragmentIn(
@@ -143,16 +143,16 @@ async def test_children_may_arrive_later_and_flatten_in_order(runtime: Runtime) 
 
 async def test_cycles_and_depth_abort(runtime: Runtime) -> None:
     sid = await new(runtime)
-    await runtime.append_fragments(sid, [parent("a", ("b",)), parent("b", ("c",))])
+    await runtime.nodes.append_fragments(sid, [parent("a", ("b",)), parent("b", ("c",))])
     with pytest.raises(ProtocolViolation, match="cycle"):
-        await runtime.append_fragments(sid, [parent("c", ("a",))])
+        await runtime.nodes.append_fragments(sid, [parent("c", ("a",))])
     with pytest.raises(ProtocolViolation, match="cycle"):
-        await runtime.append_fragments(sid, [parent("x", ("x",))])
+        await runtime.nodes.append_fragments(sid, [parent("x", ("x",))])
     await assert_unchanged(runtime, sid, 3)
-    runtime.max_depth = 4
-    await runtime.append_fragments(sid, [parent("c", ("d",))])  # a > b > c > d: depth 4
+    runtime.nodes.max_depth = 4
+    await runtime.nodes.append_fragments(sid, [parent("c", ("d",))])  # a > b > c > d: depth 4
     with pytest.raises(ProtocolViolation, match="depth"):
-        await runtime.append_fragments(sid, [parent("d", ("e",))])
+        await runtime.nodes.append_fragments(sid, [parent("d", ("e",))])
 
 
 async def test_action_outputs_stay_taken_in_a_state_loaded_from_a_snapshot(
@@ -165,10 +165,10 @@ async def test_action_outputs_stay_taken_in_a_state_loaded_from_a_snapshot(
     rt = await runtime_on_file()
     try:
         sid = await new(rt)
-        await rt.append_fragments(sid, [leaf("in")])
+        await rt.nodes.append_fragments(sid, [leaf("in")])
         for k in range(5):
-            await rt.submit_action(sid, "GENERATE", [("prompt", "in")], [("out", f"o{k}")])
-        for task in list(rt._background):  # the snapshots, saved in the background
+            await rt.nodes.submit_action(sid, "GENERATE", [("prompt", "in")], [("out", f"o{k}")])
+        for task in list(rt.sessions._background):  # the snapshots, saved in the background
             await task
         snapshot = await rt.log.load_snapshot(sid)
         assert snapshot is not None and snapshot[0] >= 3
@@ -177,10 +177,10 @@ async def test_action_outputs_stay_taken_in_a_state_loaded_from_a_snapshot(
         await rt.aclose()
     rt = await runtime_on_file()  # a new process: the state comes from the snapshot
     try:
-        loaded = await rt.load(sid)
+        loaded = await rt.sessions.load(sid)
         assert loaded.action_outputs == live.action_outputs == {f"o{k}" for k in range(5)}
         with pytest.raises(InvalidAction):
-            await rt.submit_action(sid, "GENERATE", [("prompt", "in")], [("out", "o1")])
+            await rt.nodes.submit_action(sid, "GENERATE", [("prompt", "in")], [("out", "o1")])
         await assert_unchanged(rt, sid, live.version)
     finally:
         await rt.aclose()
@@ -188,9 +188,9 @@ async def test_action_outputs_stay_taken_in_a_state_loaded_from_a_snapshot(
 
 async def test_action_outputs_must_be_new(runtime: Runtime) -> None:
     sid = await new(runtime)
-    await runtime.append_fragments(sid, [leaf("in")])
-    await runtime.submit_action(sid, "GENERATE", [("prompt", "in")], [("out", "o1")])
+    await runtime.nodes.append_fragments(sid, [leaf("in")])
+    await runtime.nodes.submit_action(sid, "GENERATE", [("prompt", "in")], [("out", "o1")])
     for outputs in ([("out", "in")], [("out", "o1")], [("a", "n"), ("b", "n")]):
         with pytest.raises(InvalidAction):
-            await runtime.submit_action(sid, "GENERATE", [("prompt", "in")], outputs)
+            await runtime.nodes.submit_action(sid, "GENERATE", [("prompt", "in")], outputs)
     await assert_unchanged(runtime, sid, 3)

@@ -1,6 +1,6 @@
 """A generation's first append (the request's tokens, any truncation,
 ``generation.started``) commits with its first run of tokens, and with its end
-when it ends before one commits (core/generation.py)."""
+when it ends before one commits (core/generation/lifecycle.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from sessiontape.core.engine import DEFAULT_OUTPUT, OutputOptions, SamplingParams, Step
 from sessiontape.core.errors import EngineError
 from sessiontape.core.events import Event, T
+from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
 from tests.conftest import make_config
@@ -59,7 +60,7 @@ async def test_a_short_turn_is_one_commit_and_the_caller_sees_no_append(
     await rt.append_text(sid, "abc")
     commits = spy_commits(rt)
     params = SamplingParams(max_tokens=16, seed=3)
-    seen = [e async for e in rt.generate(sid, params, append=[65, 66, 67])]
+    seen = [e async for e in rt.generate(sid, GenerateRequest(params, append=[65, 66, 67]))]
     assert seen[0].type == T.GENERATION_STARTED
     assert [e.type for e in seen[1:-1]] == [T.GENERATION_TOKEN] * 16
     assert seen[-1].type == T.GENERATION_FINISHED
@@ -72,7 +73,7 @@ async def test_a_short_turn_is_one_commit_and_the_caller_sees_no_append(
     appended = [e for e in evs if e.type == T.TOKENS_APPENDED]
     assert appended[-1].body["tokens"] == [65, 66, 67]
     assert appended[-1].position < seen[0].position
-    state = await rt.load(sid)
+    state = await rt.sessions.load(sid)
     assert state.tokens[: len(state.tokens) - 16][-3:].tolist() == [65, 66, 67]
     assert seen[0].body["prompt_length"] == state.length - 16
 
@@ -82,7 +83,7 @@ async def test_start_apart_commits_the_first_append_before_any_token(runtime: Ru
     sid = (await rt.open_session("t", eos_token_ids=[])).session_id
     commits = spy_commits(rt)
     runs = rt.generate_runs(
-        sid, SamplingParams(max_tokens=4, seed=1), append=[70], start_apart=True
+        sid, GenerateRequest(SamplingParams(max_tokens=4, seed=1), append=[70], start_apart=True)
     )
     async with contextlib.aclosing(runs):
         first = await anext(runs)
@@ -95,11 +96,11 @@ async def test_start_apart_commits_the_first_append_before_any_token(runtime: Ru
 
 async def _settled(rt: Runtime, sid: str) -> tuple[list[Event], Any]:
     for _ in range(200):
-        if not rt.is_generating(sid):
+        if not rt.generations.is_running(sid):
             break
         await asyncio.sleep(0.01)
-    assert not rt.is_generating(sid)
-    return await rt.log.read(sid), await rt.load(sid)
+    assert not rt.generations.is_running(sid)
+    return await rt.log.read(sid), await rt.sessions.load(sid)
 
 
 @pytest.mark.parametrize("how", ["cancelled", "error"])
@@ -119,7 +120,7 @@ async def test_a_generation_ended_before_its_first_run_commits_its_append_with_t
             engine.hold = asyncio.Event()
 
             async def caller() -> None:
-                async for _ in rt.generate(sid, params, append=[80, 81]):
+                async for _ in rt.generate(sid, GenerateRequest(params, append=[80, 81])):
                     raise AssertionError("no run commits while the engine is held")
 
             task = asyncio.create_task(caller())
@@ -134,7 +135,7 @@ async def test_a_generation_ended_before_its_first_run_commits_its_append_with_t
         else:
             engine.fail = True
             with pytest.raises(EngineError):
-                async for _ in rt.generate(sid, params, append=[80, 81]):
+                async for _ in rt.generate(sid, GenerateRequest(params, append=[80, 81])):
                     raise AssertionError("nothing is shown before the first run commits")
         evs, state = await _settled(rt, sid)
         types = [e.type for e in evs]
@@ -149,7 +150,9 @@ async def test_a_generation_ended_before_its_first_run_commits_its_append_with_t
         cached = rt.engine.cached_length(sid)
         assert cached is None or cached <= state.length
         engine.fail, engine.hold = False, None
-        after = [e async for e in rt.generate(sid, SamplingParams(max_tokens=4, seed=2))]
+        after = [
+            e async for e in rt.generate(sid, GenerateRequest(SamplingParams(max_tokens=4, seed=2)))
+        ]
         assert after[-1].body["finish_reason"] == "length"
         assert engine.histories[-1] == state.tokens.tolist()
     finally:
@@ -190,14 +193,12 @@ async def test_property_the_engine_starts_on_the_history_the_first_append_makes(
             e
             async for e in rt.generate(
                 sid,
-                params,
-                append=append,
-                offset=offset,
-                truncating=True,
-                sink_window=sink_window,
+                GenerateRequest(
+                    params, append=append, offset=offset, truncating=True, sink_window=sink_window
+                ),
             )
         ]
-        state = await rt.load(sid)
+        state = await rt.sessions.load(sid)
         prompt = seen[[e.type for e in seen].index(T.GENERATION_STARTED)].body["prompt_length"]
         assert engine.histories == [state.tokens.tolist()[:prompt]]
         assert state.length == prompt + 2

@@ -21,6 +21,7 @@ from sessiontape.core import audit as audit_mod
 from sessiontape.core.audit import audit_session
 from sessiontape.core.document import DocumentBuilder
 from sessiontape.core.engine import SamplingParams
+from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.handback import HANDBACK_EVERY, handing_back
 from sessiontape.core.log import store as store_mod
 from sessiontape.core.runtime import Runtime
@@ -96,9 +97,9 @@ async def long_session(runtime: Runtime) -> str:
     sid = (await runtime.open_session("t", eos_token_ids=[])).session_id
     await runtime.append_text(sid, "a history long enough to hand the loop back")
     params = SamplingParams(max_tokens=3 * HANDBACK_EVERY, seed=5)
-    async for _ in runtime.generate_runs(sid, params):
+    async for _ in runtime.generate_runs(sid, GenerateRequest(params)):
         pass
-    assert len(await runtime.read_events(sid)) > 3 * HANDBACK_EVERY
+    assert len(await runtime.reads.read_events(sid)) > 3 * HANDBACK_EVERY
     return sid
 
 
@@ -138,7 +139,7 @@ async def test_a_history_loop_hands_the_loop_back_and_computes_the_same(
     run, owner, name = CASES[case]
     # in one go first, for the result to compare with (the spy is not installed yet)
     expected = await run(runtime, long_session)
-    events = len(await runtime.read_events(long_session))
+    events = len(await runtime.reads.read_events(long_session))
     async with ticking() as t:
         monkeypatch.setattr(owner, name, spied(t, getattr(owner, name)))
         got = await run(runtime, long_session)
@@ -151,9 +152,9 @@ async def test_the_document_built_handing_back_is_the_one_built_in_one_go(
     runtime: Runtime, long_session: str
 ) -> None:
     builder = DocumentBuilder(long_session, detokenize=runtime.engine.detokenize)
-    for e in await runtime.read_events(long_session):
+    for e in await runtime.reads.read_events(long_session):
         builder.apply(e)
     assert (await _document(runtime, long_session)) == builder.doc
     st = await load_state(runtime.log, long_session)
-    folded = await runtime.load(long_session)
+    folded = await runtime.sessions.load(long_session)
     assert (st.version, st.tokens) == (folded.version, folded.tokens)

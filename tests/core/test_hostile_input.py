@@ -18,6 +18,7 @@ from sessiontape.core.audit import audit_session
 from sessiontape.core.engine import SamplingParams
 from sessiontape.core.errors import InvalidParameters, InvalidValue
 from sessiontape.core.events import NewEvent, T, check_body
+from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.runtime import Runtime
 
 
@@ -73,7 +74,7 @@ async def test_generate_refuses_out_of_range_params_before_anything_is_stored(
     await runtime.append_tokens(sid, [1, 2])
     before = [e.to_json() for e in await runtime.log.read(sid)]
     with pytest.raises(InvalidParameters):
-        async for _ in runtime.generate(sid, params, append=[3]):
+        async for _ in runtime.generate(sid, GenerateRequest(params, append=[3])):
             pass
     assert [e.to_json() for e in await runtime.log.read(sid)] == before
 
@@ -138,7 +139,9 @@ async def test_audit_reports_unusable_recorded_params_and_goes_on(
     good = (await runtime.open_session("http")).session_id
     bad = (await runtime.open_session("http")).session_id
     for sid in (good, bad):
-        async for _ in runtime.generate(sid, SamplingParams(max_tokens=3, seed=1), append=[1, 2]):
+        async for _ in runtime.generate(
+            sid, GenerateRequest(SamplingParams(max_tokens=3, seed=1), append=[1, 2])
+        ):
             pass
     url = str(runtime.log.engine.url)
     await _poison(url, bad)

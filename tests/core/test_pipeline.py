@@ -1,4 +1,4 @@
-"""The pipelined token path (core/pipeline.py, core/generation.py): stops at any step, back-pressure,
+"""The pipelined token path (core/generation/pipeline.py, core/generation/lifecycle.py): stops at any step, back-pressure,
 failures, and the log, the finished event and the engine cache agreeing afterwards."""
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sessiontape.core import pacing
 from sessiontape.core.engine import DEFAULT_OUTPUT, OutputOptions, SamplingParams, Step
 from sessiontape.core.errors import EngineError, InvalidArgument
 from sessiontape.core.events import Event, NewEvent, T
-from sessiontape.core.pacing import FIRST_RUN, SHORT_GENERATION
+from sessiontape.core.generation import policy as run_policy
+from sessiontape.core.generation.policy import FIRST_RUN, SHORT_GENERATION, RunPolicy
+from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
 from tests.conftest import make_config
@@ -39,7 +40,7 @@ async def stop_after(
     """Generate, taking ``k`` generated tokens, then stop iterating (the client went away);
     ``pause`` seconds per event make a slow caller (paced: runs committed on demand)."""
     seen: list[Event] = []
-    agen = rt.generate(sid, params)
+    agen = rt.generate(sid, GenerateRequest(params))
     try:
         async for e in agen:
             seen.append(e)
@@ -62,11 +63,11 @@ async def check_agrees(rt: Runtime, sid: str, seen: Sequence[Event]) -> None:
     fins = [e for e in evs if e.type == T.GENERATION_FINISHED]
     assert len(fins) == 1
     assert fins[0].body["completion_tokens"] == len(generated(evs, gid))
-    st_ = await rt.load(sid)
+    st_ = await rt.sessions.load(sid)
     assert st_.active_generation is None
     cached = rt.engine.cached_length(sid)
     assert cached is None or cached <= st_.length
-    assert not rt.is_generating(sid)
+    assert not rt.generations.is_running(sid)
 
 
 @pytest.mark.parametrize(
@@ -86,14 +87,15 @@ async def test_a_stop_at_every_step_leaves_log_finished_and_cache_agreeing(
     sqlite_url: str, run_ahead: int, pause: float, step_s: float
 ) -> None:
     rt = await Runtime.create(
-        make_config(sqlite_url, generation={"run_ahead": run_ahead, "max_run": 3}),
+        make_config(sqlite_url),
+        policy=RunPolicy(run_ahead=run_ahead, max_run=3),
         engine=ReferenceEngine(eos_bias=-1000.0, step_delay_s=step_s),
     )
     try:
         params = SamplingParams(max_tokens=10, temperature=0.0, seed=3)
         whole = (await rt.open_session("t")).session_id
         await rt.append_text(whole, "abc")
-        full = generated([e async for e in rt.generate(whole, params)])
+        full = generated([e async for e in rt.generate(whole, GenerateRequest(params))])
         assert len(full) == 10
         for k in range(0, 11):
             sid = (await rt.open_session("t")).session_id
@@ -111,7 +113,12 @@ async def test_a_stop_at_every_step_leaves_log_finished_and_cache_agreeing(
             assert reason == "cancelled" or (reason == "length" and len(got) == 10), reason
             # the session goes on from what the log holds
             more = generated(
-                [e async for e in rt.generate(sid, SamplingParams(max_tokens=2, temperature=0.0))]
+                [
+                    e
+                    async for e in rt.generate(
+                        sid, GenerateRequest(SamplingParams(max_tokens=2, temperature=0.0))
+                    )
+                ]
             )
             assert len(more) == 2
     finally:
@@ -130,7 +137,7 @@ async def test_stops_with_the_onnx_cache_rewind_it_to_the_log(
     build_demo("tiny", folder)
     engine = OnnxEngine(model_dir=folder, intra_op_threads=1)
     rt = await Runtime.create(
-        make_config(sqlite_url, generation={"run_ahead": 8, "max_run": 2}), engine=engine
+        make_config(sqlite_url), policy=RunPolicy(run_ahead=8, max_run=2), engine=engine
     )
     try:
         params = SamplingParams(max_tokens=12, temperature=0.0, seed=5)
@@ -139,16 +146,21 @@ async def test_stops_with_the_onnx_cache_rewind_it_to_the_log(
             await rt.append_text(sid, "hello there")
             seen = await stop_after(rt, sid, params, k)
             await check_agrees(rt, sid, seen)
-            history = list((await rt.load(sid)).tokens)
+            history = list((await rt.sessions.load(sid)).tokens)
             warm = [
-                e async for e in rt.generate(sid, SamplingParams(max_tokens=4, temperature=0.0))
+                e
+                async for e in rt.generate(
+                    sid, GenerateRequest(SamplingParams(max_tokens=4, temperature=0.0))
+                )
             ]
             cold_sid = (await rt.open_session("t", eos_token_ids=[])).session_id
             await rt.append_tokens(cold_sid, history)
             engine.forget(cold_sid)
             cold = [
                 e
-                async for e in rt.generate(cold_sid, SamplingParams(max_tokens=4, temperature=0.0))
+                async for e in rt.generate(
+                    cold_sid, GenerateRequest(SamplingParams(max_tokens=4, temperature=0.0))
+                )
             ]
             pick = [
                 (e.body["token"], e.body.get("logprob"))
@@ -199,7 +211,7 @@ async def test_a_slow_log_holds_the_engine_back(sqlite_url: str) -> None:
     """Back-pressure: while a commit is stuck, the engine runs at most run_ahead steps ahead."""
     engine = CountingEngine(eos_bias=-1000.0)
     rt = await Runtime.create(
-        make_config(sqlite_url, generation={"run_ahead": 5, "max_run": 2}), engine=engine
+        make_config(sqlite_url), policy=RunPolicy(run_ahead=5, max_run=2), engine=engine
     )
     try:
         sid = (await rt.open_session("t")).session_id
@@ -235,7 +247,8 @@ async def test_a_slow_caller_gets_short_runs_each_committed_when_it_asks(sqlite_
     its runs are cut to what it handles in about ``pace_s``, and the next run commits
     only once it asked for it, so the log is never a run ahead of such a caller."""
     rt = await Runtime.create(
-        make_config(sqlite_url, generation={"pace_s": 0.004, "max_run": 16}),
+        make_config(sqlite_url),
+        policy=RunPolicy(pace_s=0.004, max_run=16),
         engine=ReferenceEngine(eos_bias=-1000.0),
     )
     try:
@@ -254,7 +267,7 @@ async def test_a_slow_caller_gets_short_runs_each_committed_when_it_asks(sqlite_
         rt.log.before_commit = note
         seen: list[Event] = []
         params = SamplingParams(max_tokens=100, temperature=0.0, seed=1)
-        async for e in rt.generate(sid, params):
+        async for e in rt.generate(sid, GenerateRequest(params)):
             seen.append(e)
             if e.type == T.GENERATION_TOKEN and not e.body["is_prefill"]:
                 received += 1
@@ -291,7 +304,7 @@ async def test_a_caller_cancelled_twice_ends_only_once_its_cancel_is_recorded(
 
         async def caller() -> None:
             params = SamplingParams(max_tokens=10_000, temperature=0.0)
-            async with contextlib.aclosing(rt.generate(sid, params)) as events:
+            async with contextlib.aclosing(rt.generate(sid, GenerateRequest(params))) as events:
                 async for e in events:
                     if e.type == T.GENERATION_TOKEN:
                         first.set()
@@ -307,7 +320,7 @@ async def test_a_caller_cancelled_twice_ends_only_once_its_cancel_is_recorded(
             await task
         fins = [e for e in await rt.log.read(sid) if e.type == T.GENERATION_FINISHED]
         assert [f.body["finish_reason"] for f in fins] == ["cancelled"]
-        assert not rt.is_generating(sid)
+        assert not rt.generations.is_running(sid)
     finally:
         rt.log.before_commit = None
         await rt.aclose()
@@ -323,7 +336,7 @@ async def test_an_engine_failure_commits_what_came_before_and_records_the_error(
         await rt.append_text(sid, "x")
         seen: list[Event] = []
         with pytest.raises(EngineError):
-            async for e in rt.generate(sid, SamplingParams(max_tokens=50, seed=1)):
+            async for e in rt.generate(sid, GenerateRequest(SamplingParams(max_tokens=50, seed=1))):
                 seen.append(e)
         evs = await rt.log.read(sid)
         assert len(generated(evs)) == 7 == len(generated(seen))
@@ -339,14 +352,14 @@ async def test_an_engine_failure_commits_what_came_before_and_records_the_error(
 async def test_a_stop_with_uncommitted_steps_rewinds_the_engine(sqlite_url: str) -> None:
     engine = CountingEngine(eos_bias=-1000.0)
     rt = await Runtime.create(
-        make_config(sqlite_url, generation={"run_ahead": 64, "max_run": 1}), engine=engine
+        make_config(sqlite_url), policy=RunPolicy(run_ahead=64, max_run=1), engine=engine
     )
     try:
         sid = (await rt.open_session("t")).session_id
         await rt.append_text(sid, "x")
         seen = await stop_after(rt, sid, SamplingParams(max_tokens=400, seed=1), 1)
         await check_agrees(rt, sid, seen)
-        length = (await rt.load(sid)).length
+        length = (await rt.sessions.load(sid)).length
         assert (sid, length) in engine.rewound
     finally:
         await rt.aclose()
@@ -355,7 +368,10 @@ async def test_a_stop_with_uncommitted_steps_rewinds_the_engine(sqlite_url: str)
 async def test_finished_carries_prefill_and_ttft(runtime: Runtime) -> None:
     sid = (await runtime.open_session("t")).session_id
     await runtime.append_text(sid, "x")
-    evs = [e async for e in runtime.generate(sid, SamplingParams(max_tokens=5, seed=1))]
+    evs = [
+        e
+        async for e in runtime.generate(sid, GenerateRequest(SamplingParams(max_tokens=5, seed=1)))
+    ]
     fin = evs[-1].body
     assert fin["prefill_s"] is not None and fin["ttft_s"] is not None and fin["total_s"] is not None
     assert 0 <= fin["prefill_s"] <= fin["total_s"] and 0 <= fin["ttft_s"] <= fin["total_s"]
@@ -371,7 +387,12 @@ async def test_concurrent_generations_each_get_their_own_exact_tokens(sqlite_url
             sid = (await rt.open_session("t")).session_id
             await rt.append_text(sid, "abc")
             return generated(
-                [e async for e in rt.generate(sid, SamplingParams(max_tokens=60, seed=seed))]
+                [
+                    e
+                    async for e in rt.generate(
+                        sid, GenerateRequest(SamplingParams(max_tokens=60, seed=seed))
+                    )
+                ]
             )
 
         alone = [await one(s) for s in range(8)]
@@ -398,7 +419,8 @@ async def test_property_any_limits_any_stop(
     sqlite_url: str, run_ahead: int, max_run: int, stop: int, max_tokens: int, pause: float
 ) -> None:
     rt = await Runtime.create(
-        make_config(sqlite_url, generation={"run_ahead": run_ahead, "max_run": max_run}),
+        make_config(sqlite_url),
+        policy=RunPolicy(run_ahead=run_ahead, max_run=max_run),
         engine=ReferenceEngine(),
     )
     try:
@@ -436,8 +458,8 @@ async def test_a_turn_of_the_gate_ends_after_burst_steps_or_burst_s(
 ) -> None:
     engine = CountingEngine(eos_bias=-1000.0, step_delay_s=0.005)
     order = engine.order
-    cfg = make_config(sqlite_url, generation={"burst": burst, "burst_s": burst_s})
-    rt = await Runtime.create(cfg, engine=engine)
+    cfg = make_config(sqlite_url)
+    rt = await Runtime.create(cfg, policy=RunPolicy(burst=burst, burst_s=burst_s), engine=engine)
     try:
         sids = []
         for _ in range(2):
@@ -446,7 +468,7 @@ async def test_a_turn_of_the_gate_ends_after_burst_steps_or_burst_s(
             sids.append(sid)
 
         async def one(sid: str) -> None:
-            async for _ in rt.generate(sid, SamplingParams(max_tokens=24, seed=1)):
+            async for _ in rt.generate(sid, GenerateRequest(SamplingParams(max_tokens=24, seed=1))):
                 pass
 
         await asyncio.gather(*(one(s) for s in sids))
@@ -476,7 +498,7 @@ async def test_a_short_generation_keeps_the_gate_to_its_end_when_its_engine_is_f
     slow engine's, or a long generation, takes turns of about burst_s."""
     if whole:
         # a machine busy with other work can stretch 1 ms steps past the real hold
-        monkeypatch.setattr(pacing, "SHORT_HOLD_S", 1.0)
+        monkeypatch.setattr(run_policy, "SHORT_HOLD_S", 1.0)
     engine = CountingEngine(eos_bias=-1000.0, step_delay_s=step_s)
     rt = await Runtime.create(make_config(sqlite_url), engine=engine)
     try:
@@ -489,7 +511,7 @@ async def test_a_short_generation_keeps_the_gate_to_its_end_when_its_engine_is_f
         async def one(sid: str) -> list[tuple[int, bool]]:
             shapes = []
             params = SamplingParams(max_tokens=max_tokens, seed=1)
-            async for run in rt.generate_runs(sid, params):
+            async for run in rt.generate_runs(sid, GenerateRequest(params)):
                 shapes.append((len(generated(run)), run[-1].type == T.GENERATION_FINISHED))
             return shapes
 
@@ -512,7 +534,9 @@ async def _runs_with(
 ) -> tuple[list[list[Event]], BaseException | None]:
     runs: list[list[Event]] = []
     failure: BaseException | None = None
-    agen = rt.generate_runs(sid, SamplingParams(max_tokens=max_tokens, seed=1), with_run=hook)
+    agen = rt.generate_runs(
+        sid, GenerateRequest(SamplingParams(max_tokens=max_tokens, seed=1), with_run=hook)
+    )
     try:
         async for run in agen:
             runs.append(run)
@@ -527,7 +551,8 @@ async def test_a_run_hooks_events_commit_with_the_runs_tokens(sqlite_url: str) -
     """``with_run`` sees each run's generated tokens before it commits, and its
     events land in the same append, right after them."""
     rt = await Runtime.create(
-        make_config(sqlite_url, generation={"max_run": 5, "min_run": 1}),
+        make_config(sqlite_url),
+        policy=RunPolicy(max_run=5, min_run=1),
         engine=CountingEngine(eos_bias=-1000.0),
     )
     try:
@@ -578,7 +603,8 @@ async def test_a_run_hook_that_raises_fails_the_generation_before_that_run_commi
     sqlite_url: str,
 ) -> None:
     rt = await Runtime.create(
-        make_config(sqlite_url, generation={"max_run": 4, "min_run": 1}),
+        make_config(sqlite_url),
+        policy=RunPolicy(max_run=4, min_run=1),
         engine=CountingEngine(eos_bias=-1000.0),
     )
     try:
@@ -623,7 +649,7 @@ async def test_a_run_commits_on_the_spot_only_while_its_generation_runs_alone(
     def spied(sid: str, version: int, new: Sequence[NewEvent], **kw: Any) -> list[Event] | None:
         evs = append_now(sid, version, new, **kw)
         if any(ne.type == T.GENERATION_TOKEN for ne in new):
-            calls.append((len(rt.generating), evs is not None))
+            calls.append((len(rt.generations.running), evs is not None))
         return evs
 
     rt.log.append_now = spied  # type: ignore[method-assign]
@@ -632,7 +658,12 @@ async def test_a_run_commits_on_the_spot_only_while_its_generation_runs_alone(
         async def one(seed: int) -> list[int]:
             sid = (await rt.open_session("t")).session_id
             await rt.append_text(sid, "abc")
-            evs = [e async for e in rt.generate(sid, SamplingParams(max_tokens=20, seed=seed))]
+            evs = [
+                e
+                async for e in rt.generate(
+                    sid, GenerateRequest(SamplingParams(max_tokens=20, seed=seed))
+                )
+            ]
             await check_agrees(rt, sid, evs)
             return generated(evs)
 
@@ -665,17 +696,12 @@ async def test_generations_taking_turns_commit_each_turns_steps_as_one_run(
     commits them when the turn ends, not lingering for steps that come only after
     the other generations' turns."""
     burst, tokens = 8, 64
-    cfg = make_config(
-        sqlite_url,
-        generation={
-            "burst": burst,
-            "burst_s": 10.0,
-            "min_run": burst * min_run_turns,
-            "max_run": 256,
-            "linger_s": linger_s,
-        },
+    policy = RunPolicy(
+        burst=burst, burst_s=10.0, min_run=burst * min_run_turns, max_run=256, linger_s=linger_s
     )
-    rt = await Runtime.create(cfg, engine=ReferenceEngine(eos_bias=-1000.0))
+    rt = await Runtime.create(
+        make_config(sqlite_url), policy=policy, engine=ReferenceEngine(eos_bias=-1000.0)
+    )
     try:
 
         async def one(seed: int) -> list[int]:
@@ -683,7 +709,7 @@ async def test_generations_taking_turns_commit_each_turns_steps_as_one_run(
             await rt.append_text(sid, "abc")
             sizes: list[int] = []
             params = SamplingParams(max_tokens=tokens, seed=seed)
-            async for run in rt.generate_runs(sid, params):
+            async for run in rt.generate_runs(sid, GenerateRequest(params)):
                 n = len(generated(run))
                 if n:
                     sizes.append(n)
@@ -717,7 +743,9 @@ async def test_the_first_run_is_short_until_the_callers_pace_is_known(sqlite_url
             await rt.append_text(sid, "abc")
             sizes: list[int] = []
             seen: list[Event] = []
-            async for run in rt.generate_runs(sid, SamplingParams(max_tokens=120, seed=seed)):
+            async for run in rt.generate_runs(
+                sid, GenerateRequest(SamplingParams(max_tokens=120, seed=seed))
+            ):
                 seen.extend(run)
                 n = len(generated(run))
                 if n:
@@ -743,7 +771,7 @@ async def test_a_short_generation_is_one_run_with_its_finish(sqlite_url: str) ->
             shapes: list[tuple[int, bool]] = []
             seen: list[Event] = []
             params = SamplingParams(max_tokens=SHORT_GENERATION, seed=seed)
-            async for run in rt.generate_runs(sid, params):
+            async for run in rt.generate_runs(sid, GenerateRequest(params)):
                 seen.extend(run)
                 shapes.append((len(generated(run)), run[-1].type == T.GENERATION_FINISHED))
             assert sum(n for n, _ in shapes) == SHORT_GENERATION

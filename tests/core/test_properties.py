@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from sessiontape.core.engine import SamplingParams
 from sessiontape.core.errors import SessiontapeError
+from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.log.store import verify_chain
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
@@ -65,12 +66,14 @@ async def run_ops(rt: Runtime, sid: str, program: list[tuple[Any, ...]]) -> None
                 st_ = await rt.get(sid)
                 await rt.append_tokens(sid, op[2], offset=min(op[1], st_.length), truncating=True)
             elif op[0] == "generate":
-                async for _ in rt.generate(sid, SamplingParams(max_tokens=op[1], seed=op[2])):
+                async for _ in rt.generate(
+                    sid, GenerateRequest(SamplingParams(max_tokens=op[1], seed=op[2]))
+                ):
                     pass
             elif op[0] == "feedback":
                 await rt.record_feedback(sid, {"score": op[1]})
             else:
-                await rt.append_fragments(
+                await rt.nodes.append_fragments(
                     sid,
                     [
                         FragmentIn(
@@ -99,7 +102,7 @@ def test_replay_equals_live_state(tmp_path: Path, program: list[tuple[Any, ...]]
             sid = (await rt.open_session("prop")).session_id
             await run_ops(rt, sid, program)
             live = await rt.get(sid)
-            replayed = await rt.load(sid)
+            replayed = await rt.sessions.load(sid)
             assert snapshot(replayed) == snapshot(live)
             verify_chain(await rt.log.read(sid))
         finally:
@@ -145,7 +148,7 @@ def test_invalid_inputs_leave_the_log_unchanged(
                     elif op[0] == "offset":
                         await rt.append_tokens(sid, [1], offset=n + op[1], truncating=True)
                     elif op[0] == "meta":
-                        await rt.append_fragments(
+                        await rt.nodes.append_fragments(
                             sid,
                             [
                                 FragmentIn(
@@ -163,13 +166,15 @@ def test_invalid_inputs_leave_the_log_unchanged(
                             a, b = b, a  # make it invalid: empty or reversed
                         async for _ in rt.generate(
                             sid,
-                            SamplingParams(max_tokens=0),
-                            OutputOptions(logprob_ranges=((a, b + n + 1 if a < b else b),)),
+                            GenerateRequest(
+                                SamplingParams(max_tokens=0),
+                                OutputOptions(logprob_ranges=((a, b + n + 1 if a < b else b),)),
+                            ),
                         ):
                             pass
                     else:
                         async for _ in rt.generate(
-                            sid, SamplingParams(max_tokens=1, temperature=op[1])
+                            sid, GenerateRequest(SamplingParams(max_tokens=1, temperature=op[1]))
                         ):
                             pass
                 except SessiontapeError:

@@ -17,6 +17,7 @@ from sessiontape.core import metrics
 from sessiontape.core.engine import SamplingParams
 from sessiontape.core.errors import LogUnavailable, OffsetMismatch, SessionBusy
 from sessiontape.core.events import T
+from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.log.postgres import PostgresDialect
 from sessiontape.core.log.store import verify_chain
 from sessiontape.core.runtime import Runtime
@@ -49,7 +50,9 @@ async def test_alternating_writes_across_replicas_never_conflict(
         rt = (a, b)[i % 2]
         await rt.append_text(sid, str(i))
         await rt.record_feedback(sid, {"score": i})
-        gen = [e async for e in rt.generate(sid, SamplingParams(max_tokens=3, seed=i))]
+        gen = [
+            e async for e in rt.generate(sid, GenerateRequest(SamplingParams(max_tokens=3, seed=i)))
+        ]
         assert gen[-1].type == T.GENERATION_FINISHED
     evs = await a.log.read(sid)
     verify_chain(evs)
@@ -80,15 +83,21 @@ async def test_a_generation_on_a_state_another_replica_moved_on_begins_again(
         await a._follower
     a._follower = None
     spy = SpyEngine(eos_bias=-1000.0)
-    a.engine = spy
+    # the engine every part of A uses (generations decode on it)
+    a.engine = a.sessions.engine = a.generations.engine = spy
     sid = (await a.open_session("http", eos_token_ids=[])).session_id
     await a.append_tokens(sid, [65])  # A caches the state
     before = metrics.STALE_RETRIES._value.get()
     for i in range(5):
         await b.append_tokens(sid, [70 + i])
-        seen = [e async for e in a.generate(sid, SamplingParams(max_tokens=3, seed=i), append=[80])]
+        seen = [
+            e
+            async for e in a.generate(
+                sid, GenerateRequest(SamplingParams(max_tokens=3, seed=i), append=[80])
+            )
+        ]
         assert seen[-1].body["finish_reason"] == "length"
-        state = await b.load(sid)
+        state = await b.sessions.load(sid)
         started = seen[0]
         assert started.type == T.GENERATION_STARTED
         prompt = state.tokens.tolist()[: started.body["prompt_length"]]
@@ -112,7 +121,7 @@ async def test_a_real_conflict_still_gets_its_typed_error(pair: tuple[Runtime, R
     # A's cached state says length 3: after the reload its offset no longer matches
     with pytest.raises(OffsetMismatch):
         await a.append_tokens(sid, [9], offset=3)
-    assert list((await b.load(sid)).tokens) == [1, 2, 3, 4]
+    assert list((await b.sessions.load(sid)).tokens) == [1, 2, 3, 4]
 
 
 async def test_one_generation_per_session_across_replicas(pg_url: str) -> None:
@@ -126,7 +135,7 @@ async def test_one_generation_per_session_across_replicas(pg_url: str) -> None:
 
         async def run_a() -> list[int]:
             toks = []
-            async for e in a.generate(sid, SamplingParams(max_tokens=40, seed=1)):
+            async for e in a.generate(sid, GenerateRequest(SamplingParams(max_tokens=40, seed=1))):
                 if e.type == T.GENERATION_TOKEN:
                     toks.append(int(e.body["token"]))
                     started.set()
@@ -135,14 +144,16 @@ async def test_one_generation_per_session_across_replicas(pg_url: str) -> None:
         task = asyncio.create_task(run_a())
         await asyncio.wait_for(started.wait(), 10)
         with pytest.raises(SessionBusy):
-            async for _ in b.generate(sid, SamplingParams(max_tokens=5, seed=2)):
+            async for _ in b.generate(sid, GenerateRequest(SamplingParams(max_tokens=5, seed=2))):
                 pass
         toks = await task
         assert len(toks) == 40  # A's generation was not cut off
         fins = [e for e in await a.log.read(sid) if e.type == T.GENERATION_FINISHED]
         assert [f.body["finish_reason"] for f in fins] == ["length"]
         # free again: B generates next, on a state it reloads
-        got = [e async for e in b.generate(sid, SamplingParams(max_tokens=3, seed=3))]
+        got = [
+            e async for e in b.generate(sid, GenerateRequest(SamplingParams(max_tokens=3, seed=3)))
+        ]
         assert got[-1].body["finish_reason"] == "length" and got[-1].body["prompt_tokens"] == 5 + 40
     finally:
         await b.aclose()
@@ -157,7 +168,7 @@ async def test_a_replica_that_died_mid_generation_leaves_it_interrupted(pg_url: 
     try:
         sid = (await a.open_session("http")).session_id
         await a.append_text(sid, "hello")
-        agen = a.generate(sid, SamplingParams(max_tokens=400, seed=1))
+        agen = a.generate(sid, GenerateRequest(SamplingParams(max_tokens=400, seed=1)))
         async for e in agen:
             if e.type == T.GENERATION_TOKEN:
                 break
@@ -173,7 +184,12 @@ async def test_a_replica_that_died_mid_generation_leaves_it_interrupted(pg_url: 
         await conn.close()
         for _ in range(50):  # the server notices the dropped connection
             try:
-                got = [e async for e in b.generate(sid, SamplingParams(max_tokens=2, seed=2))]
+                got = [
+                    e
+                    async for e in b.generate(
+                        sid, GenerateRequest(SamplingParams(max_tokens=2, seed=2))
+                    )
+                ]
                 break
             except SessionBusy:
                 await asyncio.sleep(0.1)
@@ -202,7 +218,17 @@ async def test_a_lost_lock_connection_is_a_typed_error_and_the_next_generation_r
     a, b = pair
     sid = (await a.open_session("http")).session_id
     await a.append_text(sid, "hello")
-    assert len([e async for e in a.generate(sid, SamplingParams(max_tokens=3, seed=1))]) > 3
+    assert (
+        len(
+            [
+                e
+                async for e in a.generate(
+                    sid, GenerateRequest(SamplingParams(max_tokens=3, seed=1))
+                )
+            ]
+        )
+        > 3
+    )
     dialect = a.log.dialect
     assert isinstance(dialect, PostgresDialect) and dialect._lock_driver is not None
     lock_pid = dialect._lock_driver[1].get_server_pid()
@@ -215,18 +241,18 @@ async def test_a_lost_lock_connection_is_a_typed_error_and_the_next_generation_r
         )
     before = [e.hash for e in await a.log.read(sid)]
     with pytest.raises(LogUnavailable):
-        async for _ in a.generate(sid, SamplingParams(max_tokens=3, seed=2)):
+        async for _ in a.generate(sid, GenerateRequest(SamplingParams(max_tokens=3, seed=2))):
             pass
     assert [e.hash for e in await a.log.read(sid)] == before  # nothing was written
-    assert not a.is_generating(sid)
-    got = [e async for e in a.generate(sid, SamplingParams(max_tokens=3, seed=3))]
+    assert not a.generations.is_running(sid)
+    got = [e async for e in a.generate(sid, GenerateRequest(SamplingParams(max_tokens=3, seed=3)))]
     assert got[-1].type == T.GENERATION_FINISHED
     assert dialect._lock_driver[1].get_server_pid() != lock_pid
     # and the lock is a real one again: the other replica cannot take it meanwhile
-    agen = a.generate(sid, SamplingParams(max_tokens=400, seed=4))
+    agen = a.generate(sid, GenerateRequest(SamplingParams(max_tokens=400, seed=4)))
     await agen.__anext__()
     with pytest.raises(SessionBusy):
-        async for _ in b.generate(sid, SamplingParams(max_tokens=2, seed=5)):
+        async for _ in b.generate(sid, GenerateRequest(SamplingParams(max_tokens=2, seed=5))):
             pass
     await agen.aclose()  # type: ignore[attr-defined]
     verify_chain(await b.log.read(sid))
@@ -247,7 +273,7 @@ async def test_a_lock_call_cancelled_midway_leaves_no_lock_behind(
         # the other replica can take the session's writer lock: none was left held
         assert await b.log.try_lock_session(sid)
         await b.log.unlock_session(sid)
-    got = [e async for e in a.generate(sid, SamplingParams(max_tokens=2, seed=1))]
+    got = [e async for e in a.generate(sid, GenerateRequest(SamplingParams(max_tokens=2, seed=1)))]
     assert got[-1].type == T.GENERATION_FINISHED
 
 
@@ -260,7 +286,7 @@ async def test_sweepers_on_every_replica_expire_a_session_once(pg_url: str) -> N
         for sid in sids:
             await b.get(sid)  # both replicas cache every session
         now[0] += 60
-        got_a, got_b = await asyncio.gather(a.expire_idle(), b.expire_idle())
+        got_a, got_b = await asyncio.gather(a.sessions.expire_idle(), b.sessions.expire_idle())
         assert sorted(got_a + got_b) == sorted(sids)
         for sid in sids:
             evs = await a.log.read(sid)

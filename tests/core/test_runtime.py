@@ -22,6 +22,7 @@ from sessiontape.core.errors import (
     TokenOutOfVocabulary,
 )
 from sessiontape.core.events import T
+from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.log.store import verify_chain
 from sessiontape.core.runtime import Runtime
 from sessiontape.core.tokens import ImageIn
@@ -32,7 +33,7 @@ from tests.conftest import make_config
 async def unchanged(rt: Runtime, sid: str, version: int, tokens: list[int]) -> None:
     st = await rt.get(sid)
     assert (st.version, list(st.tokens)) == (version, tokens)
-    fresh = await rt.load(sid)
+    fresh = await rt.sessions.load(sid)
     assert (fresh.version, list(fresh.tokens)) == (version, tokens)
 
 
@@ -45,7 +46,7 @@ async def test_offset_rule_and_truncating_rewind(any_runtime: Runtime) -> None:
             await rt.append_tokens(sid, [9], offset=off, truncating=trunc)
     await unchanged(rt, sid, 2, [1, 2, 3])
     assert await rt.append_tokens(sid, [7, 8], offset=1, truncating=True) == 3
-    st = await rt.load(sid)
+    st = await rt.sessions.load(sid)
     assert list(st.tokens) == [1, 7, 8] and st.truncations == 1
     assert (await rt.log.get_session(sid)).history_length == 3
 
@@ -96,7 +97,7 @@ async def test_images_are_pad_runs_and_forks_respect_blocks(runtime: Runtime) ->
     assert len(child.images) == 1
     child2 = await runtime.fork(sid, at_position=2)
     assert child2.images == [] and list(child2.tokens) == [1, 2]
-    assert list((await runtime.load(child2.session_id)).tokens) == [1, 2]
+    assert list((await runtime.sessions.load(child2.session_id)).tokens) == [1, 2]
 
 
 async def test_engine_without_images_rejects_them(sqlite_url: str) -> None:
@@ -112,7 +113,7 @@ async def test_engine_without_images_rejects_them(sqlite_url: str) -> None:
 
 
 async def collect(rt: Runtime, sid: str, params: SamplingParams, **kw: object) -> list:  # type: ignore[type-arg]
-    return [e async for e in rt.generate(sid, params, **kw)]  # type: ignore[arg-type]
+    return [e async for e in rt.generate(sid, GenerateRequest(params, **kw))]  # type: ignore[arg-type]
 
 
 async def test_generation_is_logged_and_deterministic(any_runtime: Runtime) -> None:
@@ -146,7 +147,7 @@ async def test_generation_is_logged_and_deterministic(any_runtime: Runtime) -> N
     assert [e.body for e in evs_b if e.type == T.GENERATION_TOKEN and True] != [] and [
         (e.body["token"], e.body["logprob"]) for e in evs_b if e.type == T.GENERATION_TOKEN
     ] == [(e.body["token"], e.body["logprob"]) for e in evs if e.type == T.GENERATION_TOKEN]
-    st = await rt.load(a)
+    st = await rt.sessions.load(a)
     assert list(st.tokens) == list(rt.engine.tokenize("Hello there")) + toks
     verify_chain(await rt.log.read(a))
 
@@ -200,7 +201,7 @@ async def test_second_generate_is_busy_and_cancel_is_recorded(sqlite_url: str) -
     try:
         sid = (await rt.open_session("t")).session_id
         await rt.append_text(sid, "hi")
-        gen = rt.generate(sid, SamplingParams(max_tokens=200, seed=1))
+        gen = rt.generate(sid, GenerateRequest(SamplingParams(max_tokens=200, seed=1)))
         first = await anext(gen)
         assert first.type == T.GENERATION_STARTED
         with pytest.raises(SessionBusy):
@@ -209,7 +210,7 @@ async def test_second_generate_is_busy_and_cancel_is_recorded(sqlite_url: str) -
             await rt.append_tokens(sid, [1])
         await anext(gen)
         await gen.aclose()
-        st = await rt.load(sid)
+        st = await rt.sessions.load(sid)
         [g] = st.generations.values()
         assert g.finish_reason == "cancelled" and len(g.tokens) == 1
         await collect(rt, sid, SamplingParams(max_tokens=2, seed=1))  # free again
@@ -224,7 +225,9 @@ async def test_task_cancellation_is_recorded(sqlite_url: str) -> None:
         seen = asyncio.Event()
 
         async def consume() -> None:
-            async for e in rt.generate(sid, SamplingParams(max_tokens=500, seed=3)):
+            async for e in rt.generate(
+                sid, GenerateRequest(SamplingParams(max_tokens=500, seed=3))
+            ):
                 if e.type == T.GENERATION_TOKEN:
                     seen.set()
 
@@ -233,7 +236,7 @@ async def test_task_cancellation_is_recorded(sqlite_url: str) -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        [g] = (await rt.load(sid)).generations.values()
+        [g] = (await rt.sessions.load(sid)).generations.values()
         assert g.finish_reason == "cancelled"
     finally:
         await rt.aclose()
@@ -263,7 +266,7 @@ async def test_fork_at_event_version_and_close(runtime: Runtime) -> None:
         await runtime.close("s_nope")
     # a closed parent can still be forked (replay and branch from history)
     g = await runtime.fork(sid, at_position=1)
-    assert list((await runtime.load(g.session_id)).tokens) == [1]
+    assert list((await runtime.sessions.load(g.session_id)).tokens) == [1]
 
 
 async def test_idle_ttl_expiry_by_sweeper_and_on_access(sqlite_url: str) -> None:
@@ -278,9 +281,9 @@ async def test_idle_ttl_expiry_by_sweeper_and_on_access(sqlite_url: str) -> None
         b = (await rt.open_session("t")).session_id
         c = (await rt.open_session("t", ttl_s=600)).session_id
         now[0] += 30
-        await rt.touch(b)
+        await rt.sessions.touch(b)
         now[0] += 40  # a idle 70 s, b idle 40 s
-        assert await rt.expire_idle() == [a]
+        assert await rt.sessions.expire_idle() == [a]
         with pytest.raises(SessionExpired):
             await rt.append_tokens(a, [1])
         now[0] += 30  # b idle 70 s: expires on access even before a sweep
@@ -289,7 +292,7 @@ async def test_idle_ttl_expiry_by_sweeper_and_on_access(sqlite_url: str) -> None
         await rt.append_tokens(c, [1])
         assert (await rt.log.get_session(a)).status == "expired"
         assert (await rt.log.get_session(b)).status == "expired"
-        assert (await rt.load(c)).status == "open"
+        assert (await rt.sessions.load(c)).status == "open"
     finally:
         await rt.aclose()
 
@@ -303,12 +306,12 @@ async def test_snapshots_make_loading_cheap_and_identical(sqlite_url: str) -> No
         for i in range(25):
             await rt.append_tokens(sid, [i])
         await asyncio.sleep(0.05)
-        for t in list(rt._background):
+        for t in list(rt.sessions._background):
             await t
         snap = await rt.log.load_snapshot(sid)
         assert snap is not None and snap[0] >= 10
         live = await rt.get(sid)
-        loaded = await rt.load(sid)
+        loaded = await rt.sessions.load(sid)
         assert list(loaded.tokens) == list(live.tokens) and loaded.version == live.version
         assert loaded.head_hash == live.head_hash
     finally:
@@ -330,7 +333,9 @@ async def test_a_fork_of_a_generating_session_does_not_inherit_its_running_gener
 
     async def parent_generates() -> None:
         seen = 0
-        async for e in runtime.generate(s.session_id, SamplingParams(max_tokens=40, seed=3)):
+        async for e in runtime.generate(
+            s.session_id, GenerateRequest(SamplingParams(max_tokens=40, seed=3))
+        ):
             seen += e.type == T.GENERATION_TOKEN
             if seen == 5:
                 five.set()
@@ -344,7 +349,10 @@ async def test_a_fork_of_a_generating_session_does_not_inherit_its_running_gener
     child = await runtime.fork(s.session_id, at_position=parent.length)
     assert child.active_generation is None
     evs = [
-        e async for e in runtime.generate(child.session_id, SamplingParams(max_tokens=3, seed=1))
+        e
+        async for e in runtime.generate(
+            child.session_id, GenerateRequest(SamplingParams(max_tokens=3, seed=1))
+        )
     ]
     own = [e for e in evs if e.type == T.GENERATION_FINISHED]
     assert len(own) == 1 and own[0].body["finish_reason"] != "interrupted"
@@ -353,7 +361,7 @@ async def test_a_fork_of_a_generating_session_does_not_inherit_its_running_gener
         own[0].body["finish_reason"]
     ]
     # rebuilt from the log (the loader's fork path), the child agrees
-    again = await runtime.load(child.session_id)
+    again = await runtime.sessions.load(child.session_id)
     assert again.active_generation is None and len(again.generations) == len(
         (await runtime.get(child.session_id)).generations
     )
@@ -369,15 +377,33 @@ async def test_a_resume_cursor_exists_from_memory_or_from_the_log(sqlite_url: st
     try:
         st = await rt.open_session("test")
         await rt.append_tokens(st.session_id, [1, 2, 3])
-        end = await rt.last_position()
+        end = await rt.reads.last_position()
         assert rt.log.known_end() == end
-        assert await rt.position_exists(end) and not await rt.position_exists(end + 1)
+        assert await rt.reads.position_exists(end) and not await rt.reads.position_exists(end + 1)
     finally:
         await rt.aclose()
     again = await Runtime.create(make_config(sqlite_url), engine=ReferenceEngine())
     try:
         assert again.log.known_end() == end  # read once as it opened the log
-        assert await again.position_exists(end) and await again.position_exists(1)
-        assert not await again.position_exists(end + 1)
+        assert await again.reads.position_exists(end) and await again.reads.position_exists(1)
+        assert not await again.reads.position_exists(end + 1)
     finally:
         await again.aclose()
+
+
+async def test_the_runtime_is_made_of_named_parts_sharing_one_state(runtime: Runtime) -> None:
+    """No mixin chain: the runtime holds its parts, and they share the one cache of
+    states and the one set of running generations."""
+    assert Runtime.__bases__ == (object,)
+    rt = runtime
+    sid = (await rt.open_session("test")).session_id
+    await rt.append_text(sid, "Hi")
+    assert await rt.get(sid) is await rt.sessions.get(sid)
+    assert rt.nodes.sessions is rt.sessions and rt.generations.sessions is rt.sessions
+    assert rt.sessions.running is rt.generations.running
+    runs = rt.generate_runs(sid, GenerateRequest(SamplingParams(max_tokens=40, seed=1)))
+    first = await anext(runs)  # type: ignore[call-overload]
+    assert first and rt.generations.is_running(sid)
+    await runs.aclose()  # type: ignore[attr-defined]
+    assert not rt.generations.is_running(sid)
+    assert [e.version for e in await rt.reads.read_events(sid)][-1] == (await rt.get(sid)).version

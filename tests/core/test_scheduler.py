@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from sessiontape.core.scheduler import PriorityGate
+from sessiontape.core.generation.scheduler import PriorityGate
 
 
 async def settle() -> None:

@@ -1,7 +1,7 @@
 """Short turns (append a few tokens, generate a few): few commits, no timer waits.
 
 A short turn's cost is mostly fixed cost: its commits and their hand-offs. The
-generation loop (core/generation.py) commits ``generation.finished`` with the
+generation loop (core/generation/lifecycle.py) commits ``generation.finished`` with the
 run that carries the last tokens when the engine ended on its own, and never
 lingers for more steps once the engine has made its last one.
 """
@@ -16,6 +16,8 @@ import pytest
 
 from sessiontape.core.engine import SamplingParams
 from sessiontape.core.events import Event, NewEvent, T
+from sessiontape.core.generation.policy import RunPolicy
+from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import EOS, ReferenceEngine
 from tests.conftest import make_config
@@ -24,14 +26,14 @@ from tests.conftest import make_config
 def spy_commits(rt: Runtime) -> list[list[str]]:
     """The event types of each commit the runtime makes from now on."""
     commits: list[list[str]] = []
-    commit = rt.commit
+    commit = rt.sessions.commit
 
     async def spied(st: Any, new: Sequence[NewEvent], **kw: Any) -> list[Event]:
         evs = await commit(st, new, **kw)
         commits.append([e.type for e in evs])
         return evs
 
-    rt.commit = spied  # type: ignore[method-assign]
+    rt.sessions.commit = spied  # type: ignore[method-assign]
     return commits
 
 
@@ -42,7 +44,9 @@ async def test_a_short_generations_finish_commits_with_its_last_tokens(
     sid = (await rt.open_session("t", eos_token_ids=[])).session_id
     await rt.append_text(sid, "abc")
     commits = spy_commits(rt)
-    evs = [e async for e in rt.generate(sid, SamplingParams(max_tokens=16, seed=3))]
+    evs = [
+        e async for e in rt.generate(sid, GenerateRequest(SamplingParams(max_tokens=16, seed=3)))
+    ]
     assert [e.type for e in evs][-1] == T.GENERATION_FINISHED
     fin = evs[-1].body
     assert fin["finish_reason"] == "length"
@@ -57,9 +61,9 @@ async def test_a_short_generations_finish_commits_with_its_last_tokens(
     # the log holds what the caller saw, in the same order, and the fold agrees
     logged = [e for e in await rt.log.read(sid) if e.position >= evs[0].position]
     assert [e.hash for e in logged] == [e.hash for e in evs]
-    st = await rt.load(sid)
+    st = await rt.sessions.load(sid)
     assert st.active_generation is None
-    assert not rt.is_generating(sid)
+    assert not rt.generations.is_running(sid)
 
 
 async def test_an_eos_finish_commits_with_the_eos_token(sqlite_url: str) -> None:
@@ -69,7 +73,10 @@ async def test_an_eos_finish_commits_with_the_eos_token(sqlite_url: str) -> None
         sid = (await rt.open_session("t")).session_id
         await rt.append_text(sid, "abc")
         commits = spy_commits(rt)
-        evs = [e async for e in rt.generate(sid, SamplingParams(max_tokens=16, seed=1))]
+        evs = [
+            e
+            async for e in rt.generate(sid, GenerateRequest(SamplingParams(max_tokens=16, seed=1)))
+        ]
         assert evs[-1].type == T.GENERATION_FINISHED
         assert evs[-1].body["finish_reason"] == "eos"
         assert evs[-2].body["token"] == EOS
@@ -83,14 +90,21 @@ async def test_no_wait_for_more_steps_once_the_engine_is_done(sqlite_url: str) -
     """With a long linger (the committer waits up to ``linger_s`` for ``min_run``
     steps of a fast engine), a generation whose engine already finished commits
     what it made at once: the turn takes far less than the linger."""
-    cfg = make_config(sqlite_url, generation={"linger_s": 2.0, "min_run": 64})
-    rt = await Runtime.create(cfg, engine=ReferenceEngine(eos_bias=-1000.0))
+    cfg = make_config(sqlite_url)
+    rt = await Runtime.create(
+        cfg, policy=RunPolicy(linger_s=2.0, min_run=64), engine=ReferenceEngine(eos_bias=-1000.0)
+    )
     try:
         sid = (await rt.open_session("t")).session_id
         await rt.append_text(sid, "abc")
         for seed in range(3):
             t0 = time.perf_counter()
-            evs = [e async for e in rt.generate(sid, SamplingParams(max_tokens=16, seed=seed))]
+            evs = [
+                e
+                async for e in rt.generate(
+                    sid, GenerateRequest(SamplingParams(max_tokens=16, seed=seed))
+                )
+            ]
             took = time.perf_counter() - t0
             assert evs[-1].body["completion_tokens"] == 16
             assert took < 1.0, f"a 16-token turn waited {took:.2f} s on the linger timer"
@@ -108,7 +122,7 @@ async def test_a_caller_that_stops_after_the_last_run_leaves_one_finish(
     try:
         sid = (await rt.open_session("t")).session_id
         await rt.append_text(sid, "abc")
-        runs = rt.generate_runs(sid, SamplingParams(max_tokens=16, seed=k))
+        runs = rt.generate_runs(sid, GenerateRequest(SamplingParams(max_tokens=16, seed=k)))
         got = 0
         async for run in runs:
             got += sum(e.type == T.GENERATION_TOKEN and not e.body["is_prefill"] for e in run)
@@ -122,6 +136,6 @@ async def test_a_caller_that_stops_after_the_last_run_leaves_one_finish(
         assert fins[0].body["completion_tokens"] == made
         assert fins[0].body["finish_reason"] in ("length", "cancelled")
         assert (fins[0].body["finish_reason"] == "length") == (made == 16)
-        assert not rt.is_generating(sid)
+        assert not rt.generations.is_running(sid)
     finally:
         await rt.aclose()

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from tests.fuzz.conftest import LONG, QUICK, fuzz_settings
 from tests.fuzz.test_grpc_fuzz import FORBIDDEN, Fuzzed, _stored, fuzzed  # noqa: F401
-from tests.transports.grpc.test_calls import raw_call as h2_call
+from tests.helpers.h2client import raw_call as h2_call
 
 PATHS = (
     "/kakeya.v1.RuntimeService/AppendTokens",
@@ -46,13 +46,32 @@ def frames(draw: Any) -> bytes:
     return out if draw(st.booleans()) else out[:cut]
 
 
+def _whole_first_message(body: bytes) -> bool:
+    return len(body) >= 5 and len(body) >= 5 + struct.unpack(">I", body[1:5])[0]
+
+
 async def _check(f: Fuzzed, path: str, body: bytes, encoding: str | None) -> None:
     before = await _stored(f)
     f.errors.clear()
     extra = () if encoding is None else (("grpc-encoding", encoding),)
-    answer = await h2_call(f.port, path, body, extra=extra)
+    whole = _whole_first_message(body)
+    try:
+        answer = await h2_call(f.port, path, body, extra=extra, timeout_s=10 if whole else 2)
+    except TimeoutError:
+        # grpcio 1.85's aio server drops a call whose request stream ends before one whole
+        # message (its handler never runs, no status is sent): the sender's own stream
+        # waits; nothing else does, and nothing is stored
+        assert not whole, (path, body, encoding)
+        assert await _stored(f) == before
+        return
     assert answer.status is not None, (path, body, answer)
     code = {c.value[0]: c for c in grpc.StatusCode}[answer.status]
+    message = answer.trailers.get("grpc-message", answer.headers.get("grpc-message", ""))
+    if encoding == "snappy" and message == "Error parsing 'grpc-encoding' metadata":
+        # grpcio's own answer to an encoding it lacks: INTERNAL where the gRPC spec says
+        # UNIMPLEMENTED; given before any handler runs, so nothing is stored
+        assert await _stored(f) == before
+        return
     assert code not in FORBIDDEN, (path, body, encoding, answer, f.errors)
     assert not f.errors, (path, body, encoding, f.errors)
     if code is not grpc.StatusCode.OK:

@@ -108,7 +108,7 @@ async def served(sqlite_url: str, port: int) -> AsyncIterator[Served]:
 
 
 async def _stored(s: Served) -> str:
-    while s.runtime.is_generating(s.sid):  # noqa: ASYNC110 - a cut request's generation ends
+    while s.runtime.generations.is_running(s.sid):  # noqa: ASYNC110 - a cut request's generation ends
         await asyncio.sleep(0.01)
     rows = await s.runtime.log.list_sessions(limit=10_000)
     return json.dumps(

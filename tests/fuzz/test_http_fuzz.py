@@ -63,7 +63,7 @@ async def fuzzed(sqlite_url: str, port: int) -> AsyncIterator[Fuzzed]:
 
 async def _stored(f: Fuzzed) -> bytes:
     """Every stored session, as its events: what must not change when a request is refused."""
-    while any(f.runtime.is_generating(s) for s in f.sids):  # noqa: ASYNC110 - a cancelled stream's record
+    while any(f.runtime.generations.is_running(s) for s in f.sids):  # noqa: ASYNC110 - a cancelled stream's record
         await asyncio.sleep(0.01)
     rows = await f.runtime.log.list_sessions(limit=10_000)
     return json.dumps(

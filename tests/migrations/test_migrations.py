@@ -13,6 +13,7 @@ from sqlalchemy import create_engine
 
 from sessiontape.core.engine import SamplingParams
 from sessiontape.core.events import NewEvent, T
+from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.log import EventLog
 from sessiontape.core.log.schema import metadata
 from sessiontape.core.log.store import verify_chain
@@ -56,7 +57,7 @@ async def test_sqlite_events_are_kept_through_the_position_rowid_migration_both_
         for i in range(3):
             sid = (await rt.open_session("t")).session_id
             await rt.append_text(sid, f"session {i}")
-            async for _ in rt.generate(sid, SamplingParams(max_tokens=20, seed=i)):
+            async for _ in rt.generate(sid, GenerateRequest(SamplingParams(max_tokens=20, seed=i))):
                 pass
             sids.append(sid)
         before = {sid: await rt.log.read(sid) for sid in sids}

@@ -45,8 +45,10 @@ from sessiontape.core.errors import (
     ProtocolViolation,
     SessiontapeError,
     TargetNotFound,
+    shown,
 )
 from sessiontape.core.events import Event, NewEvent, T
+from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.nodes import FragmentIn, flatten, missing
 from sessiontape.core.runtime import Runtime
 from sessiontape.core.session.state import SessionState
@@ -270,7 +272,7 @@ class _Stream:
     # commit half-applied (the log has it, the cached state would not).
 
     async def _record_in(self, frags: list[FragmentIn]) -> None:
-        await asyncio.shield(self.runtime.append_fragments(self.sid, frags, "in"))
+        await asyncio.shield(self.runtime.nodes.append_fragments(self.sid, frags, "in"))
 
     # -- reader --
 
@@ -325,7 +327,7 @@ class _Stream:
             raise InvalidAction(f"GENERATE reads and writes the same node {sorted(overlap)}")
         params = sampling_params(a.configs)
         ev = await asyncio.shield(
-            self.runtime.submit_action(
+            self.runtime.nodes.submit_action(
                 self.sid,
                 a.name,
                 inputs,
@@ -375,11 +377,13 @@ class _Stream:
             blocked = [n for n in waiting if n in self.output_ids]
             if blocked:
                 raise ProtocolViolation(
-                    f"action {act.id} reads {blocked}, the output of a later action (it would never run)"
+                    f"action {act.id} reads {_ids(blocked)}, the output of a later action"
+                    " (it would never run)"
                 )
             if self.input_done:
                 raise ProtocolViolation(
-                    f"action {act.id} waits for incomplete nodes {waiting} but the client ended its stream"
+                    f"action {act.id} waits for incomplete nodes {_ids(waiting)}"
+                    " but the client ended its stream"
                 )
             await self.changed.wait()
 
@@ -439,7 +443,7 @@ class _Stream:
             frags = self._fragments(act, seq, piece, continued=not last) if piece or last else []
             if not frags or self.stopping:
                 return []
-            new, _ = self.runtime.fragment_events(st, frags, "out")
+            new, _ = self.runtime.nodes.fragment_events(st, frags, "out")
             seq += 1
             sent.append(frags)
             if last:
@@ -450,12 +454,14 @@ class _Stream:
             AsyncGenerator[list[Event], None],
             self.runtime.generate_runs(
                 self.sid,
-                act.params,
-                append=prompt[common:],
-                offset=common,
-                truncating=True,
-                action_id=act.id,
-                with_run=fragment,
+                GenerateRequest(
+                    act.params,
+                    append=prompt[common:],
+                    offset=common,
+                    truncating=True,
+                    action_id=act.id,
+                    with_run=fragment,
+                ),
             ),
         )
         completed = False
@@ -493,7 +499,7 @@ class _Stream:
         frags = self._fragments(act, seq, text, continued=continued)
         if not frags or self.stopping:
             return
-        await asyncio.shield(self.runtime.append_fragments(self.sid, frags, "out"))
+        await asyncio.shield(self.runtime.nodes.append_fragments(self.sid, frags, "out"))
         await self._send(frags)
 
     async def _send(self, frags: list[FragmentIn]) -> None:
@@ -508,7 +514,7 @@ class _Stream:
 
     async def _finish_action(self, action_id: str, error: tuple[str, str] | None) -> None:
         self.unfinished.remove(action_id)
-        await asyncio.shield(self.runtime.finish_action(self.sid, action_id, error))
+        await asyncio.shield(self.runtime.nodes.finish_action(self.sid, action_id, error))
 
     # -- ending --
 
@@ -594,3 +600,8 @@ class EvergreenServicer(evergreen_pb2_grpc.EvergreenServiceServicer, GrpcService
             await asyncio.shield(stream.end(cancelled=not ended))
         if stream.error is not None:
             await context.abort(code_for(stream.error), message_for(stream.error))
+
+
+def _ids(node_ids: list[str]) -> str:
+    """Node ids as an error message lists them, each bounded (core.errors.shown)."""
+    return "[" + ", ".join(shown(n, "node id") for n in node_ids) + "]"

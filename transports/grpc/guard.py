@@ -1,6 +1,6 @@
 """The gRPC input boundary and last resort, for every method of every service.
 
-:func:`guarded` wraps each method's handler so that
+:class:`GuardInterceptor` wraps each handler so that
 
 - a request that does not decode (bad protobuf bytes, invalid UTF-8 in a
   string field) ends the call with ``INVALID_ARGUMENT``, not the ``UNKNOWN``
@@ -11,9 +11,9 @@
   that id; the exception's text never reaches the client;
 - a streaming response is sent with ``context.write`` from the call's own
   task, and the servicer's generator is closed in that task however the call
-  ends. Handed to grpc.aio (this server's first) as an async generator, a
-  generator suspended at a ``yield`` while the send was awaited was left open
-  when the call was cancelled (a client gone, a server shutdown): its cleanup (recording the
+  ends. Handed to grpc as an async generator, a generator suspended at a
+  ``yield`` while grpc awaited the send was left open when the call was
+  cancelled (a client gone, a server shutdown): its cleanup (recording the
   generation as cancelled) ran later, in whatever task the interpreter's
   finalizer made, after a draining server had stopped waiting.
 """
@@ -24,8 +24,9 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import grpc
+
 from sessiontape.core.errors import InvalidArgument
-from sessiontape.transports.grpc.calls import CLIENT_GONE, Aborted, Method, MethodTable
 from sessiontape.transports.grpc.status import code_for, message_for
 
 
@@ -69,9 +70,8 @@ async def _end(context: Any, exc: BaseException) -> None:
 
 
 def _is_abort(exc: BaseException) -> bool:
-    # context.abort raises Aborted, and a client gone ends the call with nobody to tell:
-    # they pass through untouched (the latter is no internal error to log)
-    return isinstance(exc, (Aborted, asyncio.CancelledError, *CLIENT_GONE))
+    # context.abort raises grpc.aio.AbortError; it must pass through untouched
+    return isinstance(exc, grpc.aio.AbortError | asyncio.CancelledError)
 
 
 def _unary_response(
@@ -118,9 +118,16 @@ def _stream_response(behavior: Callable[..., Any], streaming_request: bool) -> C
     return call
 
 
-def guarded(path: str, handler: Any) -> Method:
-    """The method of a grpc ``RpcMethodHandler``, with the decode check and the last-resort
-    mapping around its behavior."""
+_MAKERS = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def guarded(handler: Any) -> Any:
+    """``handler`` with the decode check and the last-resort mapping around its behavior."""
     streaming_request, streaming_response = (
         bool(handler.request_streaming),
         bool(handler.response_streaming),
@@ -131,19 +138,28 @@ def guarded(path: str, handler: Any) -> Method:
         (False, True): handler.unary_stream,
         (True, True): handler.stream_stream,
     }[(streaming_request, streaming_response)]
+    if behavior is None:
+        return handler
     call = (
         _stream_response(behavior, streaming_request)
         if streaming_response
-        else _unary_response(behavior, streaming_request)
+        else _unary_response(behavior, streaming_request)  # no write of its own to wait for
     )
-    deserialize = _deserializer(handler.request_deserializer) or (lambda data: data)
-    serialize = handler.response_serializer or (lambda message: message)
-    return Method(path, streaming_request, streaming_response, call, deserialize, serialize)
+    return _MAKERS[(streaming_request, streaming_response)](
+        call,
+        request_deserializer=_deserializer(handler.request_deserializer),
+        response_serializer=handler.response_serializer,
+    )
 
 
-def guarded_methods(table: MethodTable) -> dict[str, Method]:
-    """Every method registered on ``table``, guarded, by path."""
-    return {path: guarded(path, h) for path, h in table.handlers.items()}
+class GuardInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Installed first, so it wraps every handler, the auth interceptor's refusals included."""
+
+    async def intercept_service(
+        self, continuation: Callable[[Any], Awaitable[Any]], details: Any
+    ) -> Any:
+        handler = await continuation(details)
+        return None if handler is None else guarded(handler)
 
 
-__all__ = ["guarded", "guarded_methods"]
+__all__ = ["GuardInterceptor", "guarded"]

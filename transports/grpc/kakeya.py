@@ -29,6 +29,7 @@ from sessiontape.core.config import Config
 from sessiontape.core.engine import SamplingParams, left_to_model
 from sessiontape.core.errors import CacheInvariantViolation
 from sessiontape.core.events import Event, T
+from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.runtime import Runtime
 from sessiontape.core.session.state import ABORTED
 from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2 as pb
@@ -40,6 +41,7 @@ from sessiontape.transports.grpc.tokensessions import (
     closing,
     grpc_errors,
     live_session,
+    token_ids,
 )
 
 __all__ = ["KakeyaService"]
@@ -101,7 +103,9 @@ class KakeyaService(pb_grpc.RuntimeServiceServicer, GrpcService):
         # Runtime.append_tokens refuses a closed/expired/unknown session itself;
         # grpc_errors turns its SessionClosed into this protocol's NOT_FOUND.
         async with grpc_errors(context, request.session_id):
-            length = await self.runtime.append_tokens(request.session_id, list(request.token_ids))
+            length = await self.runtime.append_tokens(
+                request.session_id, token_ids(self.runtime, request.token_ids)
+            )
         return pb.AppendTokensResponse(history_length=length)
 
     async def CloseSession(
@@ -122,20 +126,19 @@ class KakeyaService(pb_grpc.RuntimeServiceServicer, GrpcService):
             # a session failed by an invariant violation still reports its counters
             if st.status != ABORTED:
                 st = await live_session(self.runtime, sid)
-        inv1, inv2 = self.runtime.invariant_violations.get(sid, (0, 0))
+        inv1, inv2 = self.runtime.generations.invariant_violations.get(sid, (0, 0))
         return pb.GetSessionInfoResponse(
             history_length=st.length,
             kv_live_bytes=self.runtime.engine.kv_live_bytes(sid),
             cache_invariant_inv1_violations=inv1,
             cache_invariant_inv2_violations=inv2,
-            idle_seconds=self.runtime.idle_seconds(sid),
+            idle_seconds=self.runtime.sessions.idle_seconds(sid),
         )
 
-    # the server also takes a handler that writes with its context (the stubs type an iterator)
+    # grpc.aio also takes a handler that writes with context.write (the stubs type an iterator)
     async def Generate(self, request: pb.GenerateRequest, context: Any) -> None:  # type: ignore[override]
-        """Written with ``context.write_many`` run by run (one message per token is the
-        protocol's; a committed run's messages go out in one write, and taking the runtime's
-        runs directly spares two generator hops a token)."""
+        """Written with ``context.write`` run by run (one message per token is the
+        protocol's; taking the runtime's runs directly spares two generator hops a token)."""
         sid = request.session_id
         async with grpc_errors(context, sid):
             has_t, has_p, has_k = (request.HasField(f) for f in ("temperature", "top_p", "top_k"))
@@ -151,15 +154,16 @@ class KakeyaService(pb_grpc.RuntimeServiceServicer, GrpcService):
                 ),
             )
             self.generations.track()
-            runs = self.runtime.generate_runs(sid, params, sink_window=self.sink_window)
-            write_many = context.write_many
+            runs = self.runtime.generate_runs(
+                sid, GenerateRequest(params, sink_window=self.sink_window)
+            )
+            write = context.write
             try:
                 async with closing(runs):
                     async for run in runs:
-                        # a committed run's messages go out in one write (calls.ServicerContext)
-                        await write_many(
-                            [m for ev in run if (m := _message(ev, params.max_tokens)) is not None]
-                        )
+                        for ev in run:
+                            if (m := _message(ev, params.max_tokens)) is not None:
+                                await write(m)
             except CacheInvariantViolation as exc:
                 # ADR 0008 section 2.8: the session is failed and its slab freed
                 await self.runtime.abort(sid, exc.code, exc.message)

@@ -13,7 +13,6 @@ the descriptor pool, so a client can describe the v1 service too.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool
@@ -64,22 +63,20 @@ def register_v1_descriptor(pool: descriptor_pool.DescriptorPool | None = None) -
     pool.AddSerializedFile(fdp.SerializeToString())
 
 
-def enable(server: Any, service_names: Iterable[str]) -> None:
-    """Serve reflection over ``service_names`` (plus both reflection services) as v1 and
-    v1alpha, by one asyncio servicer, on ``server`` (a
-    :class:`~sessiontape.transports.grpc.calls.MethodTable`, or anything taking grpc's
-    generic handlers)."""
+def enable(server: grpc.aio.Server, service_names: Iterable[str]) -> None:
+    """Serve reflection over ``service_names`` (plus both reflection services) as v1 and v1alpha."""
     register_v1_descriptor()
     names = [*service_names, *SERVICE_NAMES]
+    reflection.enable_server_reflection(names, server)
     servicer = reflection.aio.ReflectionServicer(names)
-    method = grpc.stream_stream_rpc_method_handler(
-        servicer.ServerReflectionInfo,
-        request_deserializer=alpha.ServerReflectionRequest.FromString,
-        response_serializer=alpha.ServerReflectionResponse.SerializeToString,
+    handler = grpc.method_handlers_generic_handler(
+        V1_SERVICE,
+        {
+            "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+                servicer.ServerReflectionInfo,
+                request_deserializer=alpha.ServerReflectionRequest.FromString,
+                response_serializer=alpha.ServerReflectionResponse.SerializeToString,
+            ),
+        },
     )
-    server.add_generic_rpc_handlers(
-        [
-            grpc.method_handlers_generic_handler(name, {"ServerReflectionInfo": method})
-            for name in SERVICE_NAMES
-        ]
-    )
+    server.add_generic_rpc_handlers((handler,))

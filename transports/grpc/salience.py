@@ -30,6 +30,7 @@ from sessiontape.core.bodies import GenerationFinished, GenerationToken, body
 from sessiontape.core.engine import OutputOptions, SamplingParams, left_to_model
 from sessiontape.core.errors import ModelMismatch
 from sessiontape.core.events import Event, T
+from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.runtime import Runtime
 from sessiontape.core.tokens import ImageIn
 from sessiontape.transports.grpc.gen.salience.v1 import salience_pb2 as pb
@@ -42,6 +43,7 @@ from sessiontape.transports.grpc.tokensessions import (
     covered,
     grpc_errors,
     live_session,
+    token_ids,
 )
 
 __all__ = ["SalienceService"]
@@ -119,10 +121,9 @@ class SalienceService(pb_grpc.SalienceServicer, GrpcService):
             st = await live_session(self.runtime, request.session_id)
         return pb.DumpSessionResponse(tokens=list(st.tokens))
 
-    # the server also takes a handler that writes with its context (the stubs type an iterator)
+    # grpc.aio also takes a handler that writes with context.write (the stubs type an iterator)
     async def Generate(self, request: pb.GenerateRequest, context: Any) -> None:  # type: ignore[override]
-        """Written with ``context.write_many`` run by run (as Kakeya's: one message per token,
-        a run's messages in one write)."""
+        """Written with ``context.write`` run by run (as Kakeya's: one message per token)."""
         sid = request.session_id
         async with grpc_errors(context, sid):
             # Anything but a no-op is Runtime.generate's to refuse (closed,
@@ -130,7 +131,7 @@ class SalienceService(pb_grpc.SalienceServicer, GrpcService):
             if _is_noop(request):
                 st = await live_session(self.runtime, sid)
                 if request.offset == st.length:
-                    await self.runtime.touch(sid)
+                    await self.runtime.sessions.touch(sid)
                     await context.write(_done(st.length, 0, "length"))
                     return
             params = SamplingParams(
@@ -160,20 +161,23 @@ class SalienceService(pb_grpc.SalienceServicer, GrpcService):
             self.generations.track()
             runs = self.runtime.generate_runs(
                 sid,
-                params,
-                options,
-                append=list(request.append_tokens),
-                offset=request.offset,
-                truncating=request.truncating,
-                images=images,
-                priority=request.priority,
+                GenerateRequest(
+                    params,
+                    options,
+                    append=token_ids(self.runtime, request.append_tokens),
+                    offset=request.offset,
+                    truncating=request.truncating,
+                    images=images,
+                    priority=request.priority,
+                ),
             )
             wire = _WireEvents(request)
-            write_many = context.write_many
+            write = context.write
             async with closing(runs):
                 async for run in runs:
-                    # a committed run's messages go out in one write (calls.ServicerContext)
-                    await write_many([out for ev in run if (out := wire.event(ev)) is not None])
+                    for ev in run:
+                        if (out := wire.event(ev)) is not None:
+                            await write(out)
 
 
 def _is_noop(r: pb.GenerateRequest) -> bool:

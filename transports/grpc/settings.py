@@ -20,8 +20,10 @@ class GrpcSettings(TransportSettings):
     )
     tls_cert: str | None = option(None, "PEM certificate file (with `tls_key`; both or neither)")
     tls_key: str | None = option(None, "PEM private key file", repr=False)
-    max_message_bytes: int | None = option(
-        None, "receive and send limit per message", ge=1, shown="`[limits] max_body_bytes`"
+    max_message_bytes: int = option(
+        4 << 20,
+        "receive and send limit per message, a compressed one counted as it inflates",
+        ge=1,
     )
     max_concurrent_streams: int | None = option(
         None,

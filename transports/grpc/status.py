@@ -45,6 +45,7 @@ _CODES: tuple[tuple[type[errors.SessiontapeError], grpc.StatusCode], ...] = (
     (errors.ChainBroken, grpc.StatusCode.DATA_LOSS),
     (errors.LogClosed, grpc.StatusCode.UNAVAILABLE),
     (errors.LogUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (errors.DatabaseInUse, grpc.StatusCode.UNAVAILABLE),
 )
 
 

@@ -12,13 +12,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, TypeVar
 
 from sessiontape.core.errors import SessionClosed, SessionNotFound, SessiontapeError
 from sessiontape.core.runtime import Runtime
 from sessiontape.core.session.state import SessionState
+from sessiontape.core.tokens import check_length
 from sessiontape.transports.grpc.status import abort_with
+
+
+def token_ids(runtime: Runtime, repeated: Sequence[int]) -> list[int]:
+    """A request's repeated token ids as a list, its length checked against the model's
+    context first (ContextOverflow), so a 4 MiB list costs no work beyond its parse."""
+    check_length(len(repeated), runtime.engine.info.max_length)
+    return list(repeated)
 
 
 async def live_session(runtime: Runtime, session_id: str) -> SessionState:

@@ -36,6 +36,7 @@ from sessiontape.core.errors import (
     Unauthenticated,
 )
 from sessiontape.core.events import T
+from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.handback import handing_back
 from sessiontape.core.runtime import Runtime
 from sessiontape.transports.http import errors, inputs
@@ -48,7 +49,7 @@ from sessiontape.transports.http.feeds import (
     session_stream,
 )
 from sessiontape.transports.http.json_encoding import JSONResponse, dumps
-from sessiontape.transports.http.limits import PerClientLimit
+from sessiontape.transports.http.limits import HeadLimit, PerClientLimit
 from sessiontape.transports.http.list_feed import list_stream
 from sessiontape.transports.http.openai import PREFIXES as OPENAI_PREFIXES
 from sessiontape.transports.http.openai import error_response as openai_error
@@ -155,7 +156,7 @@ class Api:
         q = request.query_params
         limit = inputs.integer(q.get("limit"), "limit", lo=1, hi=10_000) or 100
         offset = inputs.integer(q.get("offset"), "offset", lo=0) or 0
-        rows = await self.runtime.list_sessions(
+        rows = await self.runtime.reads.list_sessions(
             status=q.get("status"),
             protocol=q.get("protocol"),
             parent_id=q.get("parent"),
@@ -165,7 +166,7 @@ class Api:
         out = []
         for r in rows:
             row = r.to_json()
-            row["generating"] = self.runtime.is_generating(r.id)
+            row["generating"] = self.runtime.generations.is_running(r.id)
             out.append(row)
         return JSONResponse({"sessions": out})
 
@@ -197,7 +198,7 @@ class Api:
         if raw is None:
             raw = request.query_params.get("last_event_id")
         last = inputs.integer(raw, "Last-Event-ID", lo=0)
-        if last is not None and not await self.runtime.position_exists(last):
+        if last is not None and not await self.runtime.reads.position_exists(last):
             raise InvalidParameters(f"Last-Event-ID {last} is past the end of the log")
         return last
 
@@ -233,7 +234,7 @@ class Api:
             first_frame = await anext(stream)
         # background answers once generation.started is durable: it commits apart
         agen = self.runtime.generate(
-            sid, params, options, append=append, start_apart=mode == "background"
+            sid, GenerateRequest(params, options, append=append, start_apart=mode == "background")
         )
         try:
             first = await anext(agen)
@@ -321,13 +322,13 @@ class Api:
         b = inputs.sized(
             (await self._body(request, Feedback)).root, "feedback", self.limits.max_meta_bytes
         )
-        await self.runtime.session_row(sid)
+        await self.runtime.reads.session_row(sid)
         e = await self.runtime.record_feedback(sid, b)
         return JSONResponse({"session_id": sid, "version": e.version}, status_code=201)
 
     async def export(self, request: Request) -> Response:
         sid = request.path_params["sid"]
-        evs = await self.runtime.read_events(sid)
+        evs = await self.runtime.reads.read_events(sid)
         if not evs:
             raise NotFound(f"session {sid!r} not found")
         lines = "".join(
@@ -350,11 +351,11 @@ class Api:
         serialised as they are made; the body is assembled from those.
         """
         sid = request.path_params["sid"]
-        own = await self.runtime.read_events(sid, 1, 1)
+        own = await self.runtime.reads.read_events(sid, 1, 1)
         if not own:
             raise NotFound(f"session {sid!r} not found")
         builder = DocumentBuilder(
-            sid, detokenize=self._detok(), base=await self.runtime.fork_base(own[0])
+            sid, detokenize=self._detok(), base=await self.runtime.reads.fork_base(own[0])
         )
         base = dumps(builder.doc)
         steps = []
@@ -384,8 +385,8 @@ class Api:
         image = next((im for im in st.images if im.sha256 == sha), None)
         if image is None:
             raise NotFound(f"image {sha!r} not found in session {sid!r}")
-        data = await self.runtime.get_blob(sha)
-        if data is None and image.size <= self.runtime.inline_max_bytes:
+        data = await self.runtime.reads.get_blob(sha)
+        if data is None and image.size <= self.runtime.reads.inline_max_bytes:
             # Small images are stored inline in their image.attached event, not in the blob table.
             data = await self._inline_image(st.session_id, sha)
         if data is None:
@@ -397,7 +398,7 @@ class Api:
         session: str | None = sid
         upto: int | None = None
         while session is not None:
-            evs = await self.runtime.read_events(session, 1, upto)
+            evs = await self.runtime.reads.read_events(session, 1, upto)
             for e in evs:
                 if (
                     e.type == T.IMAGE_ATTACHED
@@ -549,6 +550,7 @@ def create_app(
     if auth_token:
         app.add_middleware(BearerAuth, token=auth_token)
     app.add_middleware(PerClientLimit, max_requests=api.limits.max_requests_per_client)
+    app.add_middleware(HeadLimit, max_header_bytes=api.limits.max_header_bytes)
     # outermost of ours: whatever escapes a handler or the auth check is one logged 500 without its text
     app.add_middleware(errors.LastResort)
     # requests in flight, ended quietly when the server stops (HttpTransport.stop)

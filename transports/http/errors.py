@@ -58,6 +58,7 @@ STATUS: dict[type[E.SessiontapeError], int] = {
     E.InvalidEvent: 500,
     E.LogClosed: 503,
     E.LogUnavailable: 503,
+    E.DatabaseInUse: 503,
     E.ConfigError: 500,
     E.EngineError: 502,
     E.SessiontapeError: 500,

@@ -61,12 +61,12 @@ class Forks:
     async def of(self, session_id: str, after: int = 0) -> list[Event]:
         """The forks' ``session.opened`` events past log position ``after``."""
         out = []
-        for row in await self.runtime.list_sessions(parent_id=session_id, limit=100_000):
+        for row in await self.runtime.reads.list_sessions(parent_id=session_id, limit=100_000):
             if row.status == "purged":  # its events, the opening one included, are gone
                 continue
             e = self._opened.get(row.id)
             if e is None:
-                first = await self.runtime.read_events(row.id, 1, 1)
+                first = await self.runtime.reads.read_events(row.id, 1, 1)
                 if not first:
                     continue
                 e = first[0]
@@ -90,12 +90,12 @@ async def load_builder(
     committed at. Raises SessionNotFound, or InvalidParameters for a version
     the session does not have.
     """
-    own = await runtime.read_events(session_id, 1, upto_version)
+    own = await runtime.reads.read_events(session_id, 1, upto_version)
     if not own:
         raise SessionNotFound(session_id)
     if upto_version is not None and (upto_version < 1 or own[-1].version < upto_version):
         raise InvalidParameters(f"version {upto_version} is outside [1, {own[-1].version}]")
-    base = await runtime.fork_base(own[0])
+    base = await runtime.reads.fork_base(own[0])
     if upto_position is not None:
         own = [e for e in own if e.position <= upto_position]
     limit = (
@@ -114,7 +114,7 @@ async def load_builder(
 
 async def events_after(runtime: Runtime, forks: Forks, session_id: str, after: int) -> list[Event]:
     """Every event past ``after`` that can change the session's document, in log order."""
-    own = await runtime.read_after(after, limit=1_000_000, session_id=session_id)
+    own = await runtime.reads.read_after(after, limit=1_000_000, session_id=session_id)
     return sorted([*own, *await forks.of(session_id, after)], key=lambda e: e.position)
 
 
@@ -224,7 +224,7 @@ class SessionFeed:
 
     async def _run(self) -> None:
         try:
-            async for batch in self.runtime.subscribe_batches(
+            async for batch in self.runtime.reads.subscribe_batches(
                 self.position, self.session_id, with_forks=True
             ):
                 for e in batch:
@@ -319,7 +319,7 @@ class Feeds:
         fut: asyncio.Future[SessionFeed] = asyncio.get_running_loop().create_future()
         self._building[session_id] = fut
         try:
-            position = await self.runtime.last_position()
+            position = await self.runtime.reads.last_position()
             builder = await load_builder(
                 self.runtime, self.forks, session_id, upto_position=position
             )

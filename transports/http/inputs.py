@@ -47,6 +47,7 @@ class Limits:
     max_meta_bytes: int = 64 * 1024
     body_timeout_s: float = 30.0
     max_requests_per_client: int = 64
+    max_header_bytes: int = 16 * 1024
 
 
 # -- the body -------------------------------------------------------------------

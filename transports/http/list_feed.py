@@ -38,11 +38,11 @@ async def list_stream(
     a fold from genesis), so a client more than ``queue_max`` list changes
     behind is not buffered for: its stream ends and it reconnects.
     """
-    position = await runtime.last_position()
+    position = await runtime.reads.last_position()
     rows = []
-    for r in await runtime.list_sessions(limit=limit):
+    for r in await runtime.reads.list_sessions(limit=limit):
         row = r.to_json()
-        row["generating"] = runtime.is_generating(r.id)
+        row["generating"] = runtime.generations.is_running(r.id)
         rows.append(row)
     builder = SessionListBuilder(rows)
     yield frame("snapshot", dump_bytes(builder.doc), position)
@@ -50,7 +50,7 @@ async def list_stream(
 
     async def pump() -> None:
         try:
-            async for e in runtime.subscribe(position, None):
+            async for e in runtime.reads.subscribe(position, None):
                 if e.type not in LIST_EVENTS:
                     continue
                 try:

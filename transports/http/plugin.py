@@ -80,7 +80,7 @@ class HttpTransport(Transport):
 
         from sessiontape.transports.http.app import create_app
         from sessiontape.transports.http.inputs import Limits
-        from sessiontape.transports.http.protocol import guarded_httptools
+        from sessiontape.transports.http.protocol import with_head_deadline
 
         limit = self.config.limits
         limits = Limits(
@@ -89,6 +89,7 @@ class HttpTransport(Transport):
             max_meta_bytes=limit.max_meta_bytes,
             body_timeout_s=limit.body_timeout_s,
             max_requests_per_client=limit.max_requests_per_client,
+            max_header_bytes=limit.max_header_bytes,
         )
         app = create_app(
             self.runtime,
@@ -114,7 +115,8 @@ class HttpTransport(Transport):
             lifespan="on",
             access_log=False,
             timeout_graceful_shutdown=5,
-            http=guarded_httptools(limit.header_timeout_s, limit.max_header_bytes),
+            http=with_head_deadline(limit.header_timeout_s),
+            h11_max_incomplete_event_size=limit.max_header_bytes,
             timeout_keep_alive=max(1, round(limit.keep_alive_s)),
             limit_concurrency=limit.max_connections,
         )

@@ -1,111 +1,88 @@
-"""The HTTP/1.1 protocol uvicorn serves sessiontape's HTTP transport with: httptools'
-parser, plus the limits uvicorn does not set (transports/http/plugin.py starts it)."""
+"""The HTTP/1.1 protocol uvicorn serves sessiontape's HTTP transport with.
+
+uvicorn's h11 protocol, chosen and bounded through uvicorn's public configuration
+(transports/http/plugin.py): ``http="h11"``, ``h11_max_incomplete_event_size`` (a
+request line and headers past ``[limits] max_header_bytes`` are answered 400),
+``timeout_keep_alive`` and ``limit_concurrency``. h11 parses pipelined requests one
+after another, so bytes that are no request behind a whole one are refused (400) only
+after that one's answer.
+
+One limit uvicorn has no setting for: a deadline on a request's head. A client that
+sends its head a byte at a time (slowloris) would hold its connection for as long as
+it likes. :class:`HeadDeadline` closes a connection whose first request line and
+headers have not all arrived ``[limits] header_timeout_s`` after it opened. It wraps
+(never subclasses) the protocol class uvicorn builds for ``http="h11"``, passing every
+``asyncio.Protocol`` call through, and relies only on uvicorn constructing its
+protocol with keyword arguments (``uvicorn.Config(http=<class>)`` is public; the
+keywords are uvicorn's, tested with uvicorn 0.54, pinned in pyproject.toml). Later heads
+on a kept-alive connection have no deadline of their own; every connection counts
+against ``[limits] max_connections``.
+"""
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
-
-class HeadTooLarge(Exception):
-    """A request line and headers past ``[limits] max_header_bytes``: the parser stops, and
-    uvicorn answers 400 and closes the connection."""
+#: the end of a request's head
+HEAD_END = b"\r\n\r\n"
 
 
-class GuardedHttpTools(HttpToolsProtocol):
-    """uvicorn's httptools protocol under ``header_timeout_s`` and ``max_header_bytes``
-    (set by :func:`guarded_httptools`)."""
+class HeadDeadline(asyncio.Protocol):
+    """uvicorn's h11 protocol, closed when the first head is late (see the module doc)."""
 
+    #: set per server by :func:`with_head_deadline`
     header_timeout_s = 10.0
-    max_header_bytes = 16 * 1024
-    _header_timer: asyncio.TimerHandle | None = None
-    _head_bytes = 0
-    _in_head = True
-    #: the 400 owed for bytes that follow requests still being answered
-    _refusal: str | None = None
 
-    def send_400_response(self, msg: str) -> None:
-        """uvicorn writes the 400 and closes at once, even when the bad bytes follow
-        whole requests still being answered: their answers were lost while what they
-        did stood (a pipelined close closed the session and its client saw only the
-        400). Those are answered first, then the 400; a request whose own bytes are
-        bad is refused at once, as before."""
-        if self._refusal is not None:
-            return
-        cycle = self.cycle
-        if cycle is not None and not cycle.more_body and not self._answered():
-            self._refusal = msg
-            self.flow.pause_reading()
-            return
-        super().send_400_response(msg)
+    def __init__(self, **kwargs: Any) -> None:
+        from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if self._refusal is not None and self._answered() and not self.transport.is_closing():
-            super().send_400_response(self._refusal)
+        self.inner: asyncio.Protocol = H11Protocol(**kwargs)
+        self._loop = asyncio.get_running_loop()
+        self._timer: asyncio.TimerHandle | None = None
+        self._transport: asyncio.BaseTransport | None = None
+        #: the last bytes seen, so a head end split across reads is found
+        self._tail = b""
 
-    def _answered(self) -> bool:
-        return not self.pipeline and (self.cycle is None or self.cycle.response_complete)
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
+        self._timer = self._loop.call_later(self.header_timeout_s, self._late)
+        self.inner.connection_made(transport)
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._arm()
+    def data_received(self, data: bytes) -> None:
+        if self._timer is not None:
+            seen = self._tail + data
+            if HEAD_END in seen:
+                self._disarm()
+            else:
+                self._tail = seen[-(len(HEAD_END) - 1) :]
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
-        super().connection_lost(exc)
+        self.inner.connection_lost(exc)
 
-    def on_message_begin(self) -> None:
-        super().on_message_begin()
-        self._in_head, self._head_bytes = True, 0
-        if self._header_timer is None:
-            self._arm()
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
 
-    def on_url(self, url: bytes) -> None:
-        self._count(len(url))
-        super().on_url(url)
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._count(len(name) + len(value) + 4)  # with ": " and CRLF, as sent
-        super().on_header(name, value)
-
-    def on_headers_complete(self) -> None:
-        self._in_head = False
-        self._disarm()
-        super().on_headers_complete()
-
-    def _count(self, n: int) -> None:
-        self._head_bytes += n
-        if self._head_bytes > self.max_header_bytes:
-            raise HeadTooLarge(f"request head over {self.max_header_bytes} bytes")
-
-    def _arm(self) -> None:
-        self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_late)
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
 
     def _disarm(self) -> None:
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-            self._header_timer = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._tail = b""
 
-    def _headers_late(self) -> None:
-        self._header_timer = None
-        if self._in_head and not self.transport.is_closing():
-            self.transport.close()
+    def _late(self) -> None:
+        self._timer = None
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.close()
 
 
-def guarded_httptools(header_timeout_s: float, max_header_bytes: int) -> type[GuardedHttpTools]:
-    """uvicorn's httptools protocol plus a header deadline and a header size limit.
-
-    A connection whose request line and headers have not all arrived
-    ``header_timeout_s`` after it opened (or after the first byte of a keep-alive
-    request) is closed (slowloris); uvicorn has no such timeout. A request line and
-    headers longer than ``max_header_bytes`` are answered 400; llhttp sets no limit
-    of its own. httptools in place of h11: a streamed SSE turn took 7% less of the
-    server's CPU, h11's per-event state machine on every chunk written
-    (docs/performance/load.md, 2026-11-28)."""
-    return type(
-        "GuardedHttpTools",
-        (GuardedHttpTools,),
-        {"header_timeout_s": header_timeout_s, "max_header_bytes": max_header_bytes},
-    )
+def with_head_deadline(header_timeout_s: float) -> type[HeadDeadline]:
+    """:class:`HeadDeadline` with ``header_timeout_s``, for ``uvicorn.Config(http=...)``."""
+    return type("HeadDeadline", (HeadDeadline,), {"header_timeout_s": header_timeout_s})

@@ -132,7 +132,7 @@ class Responses:
         if (sid := await self._continues(prev)) is not None:
             return sid, None
         pturn = await self._stored(prev, "previous_response_id")
-        if pturn.finished is None and self.runtime.is_generating(pturn.session_id):
+        if pturn.finished is None and self.runtime.generations.is_running(pturn.session_id):
             raise E.SessionBusy(pturn.session_id)
         # not finished and not running here: left open by a process that stopped (the next
         # generation records it as interrupted), or running in another process (which the

@@ -31,6 +31,7 @@ from sessiontape.core.document.text import TextStream
 from sessiontape.core.engine import OutputOptions, SamplingParams
 from sessiontape.core.errors import NotFound, SessiontapeError
 from sessiontape.core.events import Event, T
+from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.runtime import Runtime
 from sessiontape.transports.http.chat_template import AnyTemplate, ModelTemplate
 
@@ -101,7 +102,7 @@ class Turn:
 async def load_turn(runtime: Runtime, session_id: str, version: int, api: str) -> Turn:
     """The turn whose ``generation.started`` is ``version`` of ``session_id``; NotFound
     unless an OpenAI request of kind ``api`` recorded it."""
-    evs = await runtime.read_events(session_id, version)
+    evs = await runtime.reads.read_events(session_id, version)
     if not evs or evs[0].version != version or evs[0].type != T.GENERATION_STARTED:
         raise NotFound(f"no {api} response at version {version} of session {session_id!r}")
     started = evs[0]
@@ -147,7 +148,7 @@ async def follow_runs(
     committed run of tokens together; ``generation.finished`` ends the last list).
     ``after_version`` leaves out the events up to that session version."""
     gid = turn.generation_id
-    sub = runtime.subscribe_batches(turn.started.position, turn.session_id)
+    sub = runtime.reads.subscribe_batches(turn.started.position, turn.session_id)
     try:
         async for batch in sub:
             run = _of_turn(batch, gid, after_version)
@@ -345,7 +346,7 @@ class Turns:
                 tokens = self.render(messages, st.length, after, last)
                 # started apart: the request's wire.message follows generation.started
                 runs = self.runtime.generate_runs(
-                    session_id, params, options, append=tokens, start_apart=True
+                    session_id, GenerateRequest(params, options, append=tokens, start_apart=True)
                 )
                 try:
                     # the first run: any truncation and generation.started

@@ -21,6 +21,7 @@ from typing import Any, Protocol, cast
 from sessiontape.core.engine import SamplingParams
 from sessiontape.core.errors import InvalidParameters, SessiontapeError
 from sessiontape.core.events import Event
+from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.engines.models.chat_template import prompt_text
 from sessiontape.transports.nostr import d4
 from sessiontape.transports.nostr.errors import to_err
@@ -192,7 +193,7 @@ async def generate_text(
     )
     gen = cast(
         AsyncGenerator[Event, None],
-        worker.runtime.generate(job.sid, params, append=append, action_id=job.id),
+        worker.runtime.generate(job.sid, GenerateRequest(params, append=append, action_id=job.id)),
     )
     async with contextlib.aclosing(gen):
         async for _ in gen:

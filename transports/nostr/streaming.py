@@ -31,6 +31,7 @@ from sessiontape.core.document.text import TextStream
 from sessiontape.core.engine import SamplingParams
 from sessiontape.core.errors import InvalidParameters
 from sessiontape.core.events import Event, T
+from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.runtime import Runtime
 from sessiontape.core.session.state import SessionState
 from sessiontape.engines.models.chat_template import prompt_text
@@ -240,7 +241,9 @@ async def generate_answer(worker: Answerer, job: CallToAnswer, answer: Answer) -
     partials = PartialResults(worker, job, answer)
     gen = cast(
         AsyncGenerator[Event, None],
-        worker.runtime.generate(job.sid, params, append=answer.append, action_id=job.call_id),
+        worker.runtime.generate(
+            job.sid, GenerateRequest(params, append=answer.append, action_id=job.call_id)
+        ),
     )
     try:
         async with contextlib.aclosing(gen):

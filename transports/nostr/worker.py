@@ -187,7 +187,9 @@ class D4Worker:
         rows = []
         page, offset = 500, 0
         while True:  # the index rows only; events are read below for the few that matter
-            batch = await self.runtime.list_sessions(protocol="nostr", limit=page, offset=offset)
+            batch = await self.runtime.reads.list_sessions(
+                protocol="nostr", limit=page, offset=offset
+            )
             rows += [r for r in batch if r.id != self.worker_session_id]
             if len(batch) < page:
                 break
@@ -214,7 +216,7 @@ class D4Worker:
 
     async def _recall(self, session_id: str) -> None:
         """Learn one session's calls, answers and results from the log (nothing if it does not exist)."""
-        for e in await self.runtime.read_events(session_id):
+        for e in await self.runtime.reads.read_events(session_id):
             self.book.learn(session_id, e)
 
     async def is_answered(self, call_id: str, session_id: str) -> bool:

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from sessiontape.core.engine import OutputOptions, SamplingParams, Step
+from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.engines.models.importer import (
     FLOAT_AUTO_MAX_BYTES,
     accuracy_level,
@@ -298,7 +299,7 @@ async def test_audit_reexecutes_a_real_model_session(default_dir: Path, sqlite_u
         sid = (await rt.open_session(protocol="test")).session_id
         prompt = PROMPTS[1]["prompt_ids"]
         params = SamplingParams(max_tokens=12, temperature=0.9, seed=5)
-        async for _ in rt.generate(sid, params, OutputOptions(), append=prompt):
+        async for _ in rt.generate(sid, GenerateRequest(params, OutputOptions(), append=prompt)):
             pass
         report = await audit_session(rt, sid, reexecute=True)
         assert report.reexecuted and report.ok, report.to_json()

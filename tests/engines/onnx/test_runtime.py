@@ -12,6 +12,7 @@ from sessiontape.core.audit import audit_session
 from sessiontape.core.engine import Engine, OutputOptions, SamplingParams
 from sessiontape.core.errors import InvalidImage
 from sessiontape.core.events import T
+from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.onnx import OnnxEngine
 from sessiontape.engines.reference import ReferenceEngine
@@ -40,8 +41,10 @@ async def test_sessions_record_the_binding_and_reexecute_bit_identically(
             e
             async for e in rt.generate(
                 s.session_id,
-                SamplingParams(max_tokens=6, seed=turn, temperature=0.9),
-                OutputOptions(logprob_top_k=2),
+                GenerateRequest(
+                    SamplingParams(max_tokens=6, seed=turn, temperature=0.9),
+                    OutputOptions(logprob_top_k=2),
+                ),
             )
         ]
         assert evs[-1].type == T.GENERATION_FINISHED
@@ -52,7 +55,12 @@ async def test_sessions_record_the_binding_and_reexecute_bit_identically(
     assert binding["provider"] == info.provider and binding["model_hash"] == info.model_hash
     assert binding["runtime_version"] == info.runtime_version
     child = await rt.fork(s.session_id, at_position=10)
-    [e async for e in rt.generate(child.session_id, SamplingParams(max_tokens=4, seed=7))]
+    [
+        e
+        async for e in rt.generate(
+            child.session_id, GenerateRequest(SamplingParams(max_tokens=4, seed=7))
+        )
+    ]
     for sid in (s.session_id, child.session_id):
         report = await audit_session(rt, sid, reexecute=True)
         assert report.ok, report.to_json()
@@ -118,7 +126,7 @@ async def test_kv_bytes_gauge_follows_the_engine_caches(tmp_path) -> None:  # ty
     try:
         sid = (await rt.open_session("t")).session_id
         await rt.append_text(sid, "Hello there")
-        async for _ in rt.generate(sid, SamplingParams(max_tokens=4, seed=1)):
+        async for _ in rt.generate(sid, GenerateRequest(SamplingParams(max_tokens=4, seed=1))):
             pass
         live = engine.kv_live_bytes(sid)
         assert live > 0
@@ -154,7 +162,7 @@ async def test_generations_through_the_runtime_share_the_engines_passes(
         return [
             e.body["token"]
             async for e in rt.generate(
-                sid, SamplingParams(max_tokens=40, seed=seed, temperature=0.9)
+                sid, GenerateRequest(SamplingParams(max_tokens=40, seed=seed, temperature=0.9))
             )
             if e.type == T.GENERATION_TOKEN
         ]

@@ -19,7 +19,7 @@ from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2 as kakeya_pb2
 from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2_grpc as kakeya_grpc
 from sessiontape.transports.grpc.gen.salience.v1 import salience_pb2
 from sessiontape.transports.grpc.gen.salience.v1 import salience_pb2_grpc as salience_grpc
-from sessiontape.transports.grpc.guard import guarded
+from sessiontape.transports.grpc.guard import GuardInterceptor
 from tests.transports.grpc.conftest import Serve
 from tests.transports.grpc.test_evergreen import exchange, msg
 
@@ -206,20 +206,28 @@ async def test_message_size_limit_comes_from_config(serve: Serve) -> None:
 
 
 async def test_unexpected_error_is_internal_with_an_id_logged_once(
-    serve: Serve, caplog: pytest.LogCaptureFixture
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     async def boom(request: bytes, context: Any) -> bytes:
         raise RuntimeError("SELECT secret FROM events")
 
-    served = await serve()
-    grpc_server = served.transport.server
-    assert grpc_server is not None
-    path = "/test.Boom/Boom"  # a method of its own, so nothing but the guard is around it
-    grpc_server.methods[path] = guarded(path, grpc.unary_unary_rpc_method_handler(boom))
-    with caplog.at_level(logging.ERROR, logger="sessiontape.grpc"):
-        async with grpc.aio.insecure_channel(served.target) as ch:
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await ch.unary_unary(path)(b"")
+    server = grpc.aio.server(interceptors=[GuardInterceptor()])
+    server.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                "test.Boom", {"Boom": grpc.unary_unary_rpc_method_handler(boom)}
+            )
+        ]
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        with caplog.at_level(logging.ERROR, logger="sessiontape.grpc"):
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await ch.unary_unary("/test.Boom/Boom")(b"")
+    finally:
+        await server.stop(0)
     assert info.value.code() == grpc.StatusCode.INTERNAL
     details = info.value.details() or ""
     assert (

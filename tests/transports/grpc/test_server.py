@@ -110,7 +110,7 @@ async def test_message_size_limit(serve: Serve) -> None:
         sid = await s.session_id()
         await s.send(fragments=text_fragments("small", "fits"))
         for _ in range(300):  # committed before the oversized message ends the call
-            if "small" in (await rt.load(sid)).nodes:
+            if "small" in (await rt.sessions.load(sid)).nodes:
                 break
             await asyncio.sleep(0.01)
         await s.send(fragments=text_fragments("big", "x" * 4096))
@@ -118,19 +118,20 @@ async def test_message_size_limit(serve: Serve) -> None:
             await s.collect()
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     for _ in range(300):
-        st = await rt.load(sid)
+        st = await rt.sessions.load(sid)
         if st.status != "open":
             break
         await asyncio.sleep(0.01)
     # The oversized message never reached the session; what came before is kept.
     assert set(st.nodes) == {"small"}
-    # The server reads the message's size from its prefix and refuses it before taking its
-    # bytes: the request stream fails, and Evergreen aborts the session with that error's
-    # code, as for any invalid message, so the log says why the session ended.
-    assert st.status == "aborted"
+    # grpc rejects the message before the servicer sees it and ends the call. Which
+    # way the servicer hears of that is grpc's race, not ours: usually its task is
+    # cancelled ("cancelled"), but sometimes (about 1 run in 12 here) the request
+    # stream first reads as ended, exactly as when a client half-closes ("client"),
+    # and the servicer's context says neither cancelled() nor done() then.
+    assert st.status == "closed"
     evs = await rt.log.read(sid, 1, None)
-    assert evs[-1].type == T.SESSION_ABORTED and evs[-1].body["code"] == "resource_exhausted"
-    assert "max_message_bytes" in evs[-1].body["message"]
+    assert evs[-1].type == T.SESSION_CLOSED and evs[-1].body["reason"] in ("cancelled", "client")
 
 
 async def test_graceful_shutdown_lets_a_short_stream_finish(serve: Serve) -> None:
@@ -186,7 +187,7 @@ async def test_shutdown_cancels_a_generation_still_running_at_the_deadline(serve
         with pytest.raises(grpc.aio.AioRpcError):
             await s.collect()
     # stop() returned only after the cancellation was recorded.
-    st = await served.runtime.load(sid)
+    st = await served.runtime.sessions.load(sid)
     evs = await served.runtime.log.read(sid, 1, None)
     [fin] = [e for e in evs if e.type == T.GENERATION_FINISHED]
     assert fin.body["finish_reason"] == "cancelled"

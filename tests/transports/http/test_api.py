@@ -102,6 +102,7 @@ def test_every_core_error_has_a_status() -> None:
         E.InvalidEvent: 500,
         E.LogClosed: 503,
         E.LogUnavailable: 503,
+        E.DatabaseInUse: 503,
         E.ConfigError: 500,
         E.EngineError: 502,
         PayloadTooLarge: 413,
@@ -417,7 +418,7 @@ async def test_a_fork_made_while_its_parent_generates_renders(server: Served) ->
         async with c.stream("GET", f"/v1/sessions/{child}/events") as r:
             text = (await r.aread()).decode()
         assert "event: snapshot" in text and "event: end" in text and "event: error" not in text
-    assert server.runtime.is_generating(sid)  # the parent's generation ran on
+    assert server.runtime.generations.is_running(sid)  # the parent's generation ran on
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])

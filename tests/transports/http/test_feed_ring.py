@@ -64,7 +64,7 @@ async def test_a_feed_wakes_who_waits_for_a_version_once_it_folds_it(runtime: Ru
     st = await runtime.open_session("http", label="fold")
     await runtime.append_tokens(st.session_id, [1, 2, 3])
     await runtime.close(st.session_id)
-    opened, appended, closed = await runtime.read_events(st.session_id)
+    opened, appended, closed = await runtime.reads.read_events(st.session_id)
     feed = SessionFeed(runtime, DocumentBuilder(st.session_id), 0, 16)
     early, late = feed.folded(2), feed.folded(3)
     gone = feed.folded(3)

@@ -20,6 +20,7 @@ import pytest
 from prometheus_client import generate_latest
 from starlette.routing import Route
 
+from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
 from sessiontape.transports.http.app import create_app
@@ -366,9 +367,10 @@ async def test_slow_headers_are_cut_off_while_others_are_served(served: Served) 
 async def test_a_request_head_past_max_header_bytes_is_400_and_one_within_it_is_served(
     sqlite_url: str, port: int
 ) -> None:
-    """``[limits] max_header_bytes`` counts the request line and headers as they are parsed:
-    a head just within it is served (on a kept-alive connection too), one past it is
-    answered 400 with the connection closed, and the server goes on serving."""
+    """``[limits] max_header_bytes`` bounds the request line and headers: a head just within
+    it is served (on a kept-alive connection too), one past it is answered 431 with the
+    connection closed (400 from h11 while it is still arriving), and the server goes on
+    serving."""
     cfg = make_config(sqlite_url, limits={"max_header_bytes": 2048})
     rt = await Runtime.create(cfg, engine=ReferenceEngine())
     tr = HttpTransport(rt, {"listen": f"127.0.0.1:{port}"}, cfg)
@@ -387,12 +389,17 @@ async def test_a_request_head_past_max_header_bytes_is_400_and_one_within_it_is_
         writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + many + b"\r\n")
         await writer.drain()
         head = await _response_head(reader)
-        assert head.startswith(b"HTTP/1.1 400"), head
+        assert head.startswith(b"HTTP/1.1 431"), head
         rest = await asyncio.wait_for(reader.read(), 10)  # its body, then the close
         assert b"HTTP/1.1" not in rest
         await _close(writer)
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"p" * 4000 + b"\r\n\r\n")
+        await writer.drain()
+        assert (await _response_head(reader)).startswith(b"HTTP/1.1 431")
+        await _close(writer)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"p" * 4000)  # no end
         await writer.drain()
         assert (await _response_head(reader)).startswith(b"HTTP/1.1 400")
         await _close(writer)
@@ -462,7 +469,9 @@ async def test_audit_route_reports_a_poisoned_session(
     from tests.core.test_hostile_input import _poison
 
     sid = await _open(client)
-    async for _ in runtime.generate(sid, SamplingParams(max_tokens=2, seed=1), append=[1, 2]):
+    async for _ in runtime.generate(
+        sid, GenerateRequest(SamplingParams(max_tokens=2, seed=1), append=[1, 2])
+    ):
         pass
     await _poison(str(runtime.log.engine.url), sid)
     r = await client.get(f"/v1/sessions/{sid}/audit")

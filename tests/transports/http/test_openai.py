@@ -868,7 +868,7 @@ async def test_unknown_fields_are_refused_not_ignored(live: Served) -> None:
                 model=MODEL, messages=[{"role": "user", "content": "x"}], modalities=["audio"]
             )
         assert modal.value.param == "modalities"
-        sessions = await live.runtime.list_sessions()
+        sessions = await live.runtime.reads.list_sessions()
         assert sessions == []  # refused requests wrote nothing
         ok = await c.responses.create(
             model=MODEL,

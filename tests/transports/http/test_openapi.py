@@ -114,7 +114,7 @@ async def _drive(runtime: Runtime, c: httpx.AsyncClient) -> None:
         f"/v1/sessions/{sid}/generate", json={"max_tokens": 2, "seed": 3, "background": True}
     )
     for _ in range(500):
-        if not runtime.is_generating(sid):
+        if not runtime.generations.is_running(sid):
             break
         await asyncio.sleep(0.01)
     await c.get(f"/v1/sessions/{sid}")
@@ -139,7 +139,7 @@ async def _drive(runtime: Runtime, c: httpx.AsyncClient) -> None:
     )
     await c.get(f"/v1/sessions/{im}/images/{hashlib.sha256(data).hexdigest()}")
     ev = (await runtime.open_session("evergreen")).session_id
-    await runtime.append_fragments(
+    await runtime.nodes.append_fragments(
         ev, [FragmentIn(id="n", has_chunk=True, data=b"hello", metadata={"mimetype": "text/plain"})]
     )
     await c.get(f"/v1/sessions/{ev}/nodes/n/content")

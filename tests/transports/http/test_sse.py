@@ -13,6 +13,7 @@ import jsonpatch
 import pytest
 
 from sessiontape.core.engine import SamplingParams
+from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.patch import apply_patch
 from sessiontape.core.runtime import Runtime
 from sessiontape.transports.http.list_feed import list_stream
@@ -142,7 +143,7 @@ async def test_generate_stream_and_client_cancel(server: Served) -> None:
         assert len(doc["generations"][-1]["tokens"]) < 200
         # a busy session is an HTTP error before any stream starts
         for _ in range(500):  # the runtime lets go of the session just after recording the cancel
-            if not server.runtime.is_generating(sid):
+            if not server.runtime.generations.is_running(sid):
                 break
             await asyncio.sleep(0.01)
         await _generate_in_background(c, sid, 50)
@@ -216,7 +217,9 @@ async def test_a_lagging_sessions_list_watcher_is_dropped_not_buffered(runtime: 
     for _ in range(10):
         await runtime.open_session("http")
         s = await runtime.open_session("http")
-        async for _e in runtime.generate(s.session_id, SamplingParams(max_tokens=3, seed=1)):
+        async for _e in runtime.generate(
+            s.session_id, GenerateRequest(SamplingParams(max_tokens=3, seed=1))
+        ):
             pass  # tokens are not list changes: they never reach the list watcher's queue
     rest = await asyncio.wait_for(_drain(stream), 30)
     assert rest == []

@@ -107,7 +107,7 @@ async def test_list_live_session_and_scrubber(server: Served, page: Any) -> None
         title = await page.get_attribute("#conversation .tok", "title")
         assert title is not None and "logprob" in title and "top:" in title
         for _ in range(300):
-            if not server.runtime.is_generating(live):
+            if not server.runtime.generations.is_running(live):
                 break
             await asyncio.sleep(0.02)
         doc = (await c.get(f"/v1/sessions/{live}")).json()

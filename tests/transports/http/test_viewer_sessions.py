@@ -90,12 +90,14 @@ async def test_generation_summaries_sit_where_they_happened(server: Served, page
     async with httpx.AsyncClient(base_url=server.url, timeout=20) as c:
         sid, (g1, g2) = await _two_turns(server, c, "inline")
         ev = (await server.runtime.open_session("evergreen", label="actions")).session_id
-        await server.runtime.append_fragments(
+        await server.runtime.nodes.append_fragments(
             ev,
             [FragmentIn(id="p", has_chunk=True, data=b"2+2?", metadata={"mimetype": "text/plain"})],
         )
-        await server.runtime.submit_action(ev, "GENERATE", [("prompt", "p")], [("text", "o1")])
-        await server.runtime.finish_action(ev, "a1", ("engine_error", "the engine went away"))
+        await server.runtime.nodes.submit_action(
+            ev, "GENERATE", [("prompt", "p")], [("text", "o1")]
+        )
+        await server.runtime.nodes.finish_action(ev, "a1", ("engine_error", "the engine went away"))
 
     await page.set_viewport_size({"width": 1280, "height": 800})
     await page.goto(f"{server.url}/#/s/{sid}")
@@ -302,7 +304,7 @@ async def test_fork_and_rerun_from_the_page(server: Served, page: Any) -> None: 
 async def test_fork_after_a_node(server: Served, page: Any) -> None:  # noqa: F811
     rt = server.runtime
     sid = (await rt.open_session("evergreen", label="nodes")).session_id
-    await rt.append_fragments(
+    await rt.nodes.append_fragments(
         sid,
         [
             FragmentIn(
@@ -310,7 +312,7 @@ async def test_fork_after_a_node(server: Served, page: Any) -> None:  # noqa: F8
             )
         ],
     )
-    await rt.append_fragments(
+    await rt.nodes.append_fragments(
         sid,
         [
             FragmentIn(
@@ -423,13 +425,13 @@ async def test_fork_after_any_node_of_a_long_live_session_and_of_a_fork(
     rt = server.runtime
     sid = (await rt.open_session("evergreen", label="many nodes")).session_id
     for i in range(300):  # more than one of the scrubber's 256-step checkpoints
-        await rt.append_fragments(sid, _frag(f"n{i}", f"node {i}"))
+        await rt.nodes.append_fragments(sid, _frag(f"n{i}", f"node {i}"))
 
     await page.goto(f"{server.url}/#/s/{sid}")
     await page.wait_for_selector("#mode:text('live')")
     await page.wait_for_selector("li[data-node='n299']")
     for i in range(300, 306):  # late: after the page loaded
-        await rt.append_fragments(sid, _frag(f"n{i}", f"node {i}"))
+        await rt.nodes.append_fragments(sid, _frag(f"n{i}", f"node {i}"))
     await page.wait_for_selector("li[data-node='n305']")
     buttons = await page.eval_on_selector_all(".fork-node", "els => els.map(e => e.dataset.node)")
     assert sorted(buttons) == sorted(f"n{i}" for i in range(306))
@@ -457,7 +459,7 @@ async def test_fork_after_any_node_of_a_long_live_session_and_of_a_fork(
         assert gdoc["nodes"]["n10"]["text"] == "node 10"
 
     # scrubbed back, a node is forked as the page shows it then, not as it ended up
-    await rt.append_fragments(sid, _frag("n0", " and more"))
+    await rt.nodes.append_fragments(sid, _frag("n0", " and more"))
     await rt.close(sid)
     first = next(e for e in await rt.log.read(sid) if e.type == "node.fragment")
     await page.goto(f"{server.url}/#/s/{sid}?at={first.position}")
@@ -546,7 +548,7 @@ async def test_fork_and_rerun_while_the_session_generates(server: Served, page: 
 
         await page.goto(f"{server.url}/#/s/{sid}")
         await page.wait_for_selector(f".rerun[data-gen='{g['id']}']")
-        assert server.runtime.is_generating(sid)
+        assert server.runtime.generations.is_running(sid)
         third = g["tokens"][2]
         await _press(page, f"#conversation .tok[data-pos='{third['position']}']")
         await page.wait_for_selector("#fork-token", timeout=5000)
@@ -555,4 +557,4 @@ async def test_fork_and_rerun_while_the_session_generates(server: Served, page: 
         child = page.url.split("#/s/")[1].split("?")[0]
         doc = (await c.get(f"/v1/sessions/{child}")).json()
         assert doc["parent"]["token_position"] == third["position"]
-        assert server.runtime.is_generating(sid)  # all along
+        assert server.runtime.generations.is_running(sid)  # all along

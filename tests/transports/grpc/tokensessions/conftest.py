@@ -2,7 +2,7 @@
 SQLite file, with clients built from the generated stubs only.
 
 ``serve`` starts one (``await serve(engine=..., options=...)``); at teardown
-the server stops, and every session in the log must replay (``runtime.load``)
+the server stops, and every session in the log must replay (``runtime.sessions.load``)
 to the state the server held and its hash chain must verify.
 """
 
@@ -139,7 +139,7 @@ async def check_replay(rt: Runtime) -> None:
     """Every session replays from the log to the state the server held, and its chain verifies."""
     for row in await rt.log.list_sessions(limit=100_000):
         verify_chain(await rt.log.read(row.id))
-        replayed = await rt.load(row.id)
+        replayed = await rt.sessions.load(row.id)
         live = await rt.get(row.id)
         assert list(replayed.tokens) == list(live.tokens), row.id
         assert replayed.status == live.status, row.id

@@ -66,7 +66,7 @@ async def events(rt: Runtime, sid: str, type_: str | None = None) -> list[Event]
 async def wait_finished(rt: Runtime, sid: str, reason: str) -> Event:
     """The session's first ``generation.finished`` with ``reason``, from the log (catch-up, then live)."""
     async with asyncio.timeout(10):
-        async for e in rt.subscribe(0, session_id=sid):
+        async for e in rt.reads.subscribe(0, session_id=sid):
             if e.type == T.GENERATION_FINISHED and e.body["finish_reason"] == reason:
                 return e
     raise AssertionError("subscription ended")

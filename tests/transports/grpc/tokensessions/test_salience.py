@@ -12,6 +12,7 @@ import pytest
 
 from sessiontape.core.engine import EngineInfo, SamplingParams
 from sessiontape.core.events import T
+from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.engines.reference import EOS, ReferenceEngine
 from sessiontape.engines.sampling import log_softmax, top_logprobs
 from sessiontape.transports.grpc.gen.salience.v1 import salience_pb2 as spb
@@ -325,7 +326,7 @@ async def test_each_generate_draws_a_seed_and_records_it_so_replay_reproduces(se
         params = SamplingParams(max_tokens=12, temperature=1.0, seed=seed)
         redo = [
             int(e.body["token"])
-            async for e in s.runtime.generate(again.session_id, params)
+            async for e in s.runtime.generate(again.session_id, GenerateRequest(params))
             if e.type == T.GENERATION_TOKEN and not e.body["is_prefill"]
         ]
         assert redo == [t.id for t in tokens if not t.is_prefill]

@@ -1,8 +1,9 @@
 """What a generation is asked to do: the request as every wire gives it, the hook a
 transport adds its own events to each run with, and the generation's first append.
 
-:func:`sessiontape.core.generation.generate_runs` takes a :class:`GenerateRequest`;
-the token pipeline (:mod:`sessiontape.core.pipeline`) runs it.
+``runtime.generations.runs`` (:mod:`sessiontape.core.generation.generations`) and
+``Runtime.generate`` take a :class:`GenerateRequest`; the token pipeline
+(:mod:`sessiontape.core.generation.pipeline`) runs it.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class GenerateRequest:
     sink_window: tuple[int, int] | None = None
     with_run: RunHook | None = None
     #: commit the first append (``generation.started``) on its own before the engine
-    #: starts, not with the first run (:mod:`sessiontape.core.generation`)
+    #: starts, not with the first run (:mod:`sessiontape.core.generation.lifecycle`)
     start_apart: bool = False
 
     @property

@@ -1,16 +1,16 @@
 """A generation from request to finish: begin, the runs, the finish, and what is left
 when it stops early.
 
-:func:`generate_runs` checks a :class:`~sessiontape.core.pipeline.GenerateRequest`,
+:func:`generate_runs` checks a :class:`~sessiontape.core.generation.request.GenerateRequest`,
 takes the session's writer lock (one writer per session across processes),
 builds the generation's first append (the request's tokens and images, any
 truncation and ``generation.started``), runs the token pipeline
-(:mod:`sessiontape.core.pipeline`) and yields its committed runs, and ends the
+(:mod:`sessiontape.core.generation.pipeline`) and yields its committed runs, and ends the
 generation in the log exactly once: ``generation.finished`` with the last run
 when the engine ended on its own, on its own commit otherwise, or
 ``cancelled``/``error`` when the caller stopped or something failed. The
-runtime's :meth:`~sessiontape.core.runtime.Runtime.generate_runs` is its one
-caller.
+runtime's generation part
+(:class:`~sessiontape.core.generation.generations.Generations`) is its one caller.
 
 The first append commits with the first run of tokens (a short turn's whole
 generation is then one commit), and the engine starts on the history as it will
@@ -38,6 +38,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable
 
 from sessiontape.core import metrics
+from sessiontape.core.appends import append_events, image_events
 from sessiontape.core.bodies import FinishReason, tokens_truncated
 from sessiontape.core.errors import (
     CacheInvariantViolation,
@@ -46,8 +47,9 @@ from sessiontape.core.errors import (
     SessionBusy,
 )
 from sessiontape.core.events import Event, NewEvent, T
-from sessiontape.core.generate_request import FirstAppend, GenerateRequest
-from sessiontape.core.pipeline import GenerationHost, TokenPipeline, finished, shown
+from sessiontape.core.generation.host import GenerationHost
+from sessiontape.core.generation.pipeline import TokenPipeline, finished, shown
+from sessiontape.core.generation.request import FirstAppend, GenerateRequest
 from sessiontape.core.session.cache import STALE_RETRIES
 from sessiontape.core.session.state import SessionState
 from sessiontape.core.tokens import check_ranges, length_after, sink_window_keep
@@ -56,7 +58,7 @@ from sessiontape.core.tokens import check_ranges, length_after, sink_window_keep
 def generate_runs(
     rt: GenerationHost, session_id: str, request: GenerateRequest
 ) -> AsyncIterator[list[Event]]:
-    """:meth:`Runtime.generate_runs` (see there)."""
+    """The generation's committed runs (:meth:`Generations.runs`, see there)."""
     if rt.log.shared and not request.start_apart:
         runs = _begun_again(rt, session_id, request)
     else:
@@ -101,7 +103,7 @@ async def _generation(
     request = _checked(rt, request)
     gid = "g_" + secrets.token_hex(6)
     st, first = await _open(rt, session_id, gid, request)
-    gen = TokenPipeline(rt, st, gid, request, rt.pipeline, first)
+    gen = TokenPipeline(rt, st, gid, request, rt.policy, first)
     done = False
     failure: BaseException | None = None
     try:
@@ -128,7 +130,7 @@ async def _generation(
             await _to_the_end(_settle_unfinished(rt, gen, st, done, failure))
         finally:
             # even when cancelled again while recording the cancel
-            rt.generating.end(session_id)
+            rt.running.end(session_id)
             await _to_the_end(rt.log.unlock_session(session_id))
 
 
@@ -154,7 +156,7 @@ async def _open(
     """Take the session's writer lock and build the generation's first append
     (committed when it starts apart, on a reloaded state again when another process
     moved the session on meanwhile)."""
-    if session_id in rt.generating:
+    if session_id in rt.running:
         raise SessionBusy(session_id)
     # One writer per session across processes (replicas on one PostgreSQL): the
     # log's session lock is held until the generation ended.
@@ -231,15 +233,21 @@ async def _begin(
     nothing written (the writer checks the log's end under its position lock), so
     :func:`_open` begins again on a reloaded state. Nothing is read per turn.
     """
-    async with rt.lock(session_id):
-        st = await rt.open_locked(session_id)
-        if session_id in rt.generating:
+    async with rt.sessions.lock(session_id):
+        st = await rt.sessions.open_locked(session_id)
+        if session_id in rt.running:
             raise SessionBusy(session_id)
         new = _interrupted(st)
         if request.appends:
-            notes, shas = await rt.image_events(request.images)
-            appended = rt.append_events(
-                st, request.append, request.offset, request.truncating, request.images, shas
+            notes, shas = image_events(request.images)
+            appended = append_events(
+                rt.engine,
+                st,
+                request.append,
+                request.offset,
+                request.truncating,
+                request.images,
+                shas,
             )
             if appended:
                 new += notes + appended
@@ -252,10 +260,10 @@ async def _begin(
         check_ranges(request.options.readout_ranges, limit, "readout")
         new.append(_started(gid, request, length))
         if request.start_apart:
-            first = FirstAppend(committed=await rt.commit(st, new), length=st.length)
+            first = FirstAppend(committed=await rt.sessions.commit(st, new), length=st.length)
         else:
             first = FirstAppend(pending=new, length=length)
-        rt.generating.begin(session_id)
+        rt.running.begin(session_id)
     return st, first
 
 

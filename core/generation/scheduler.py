@@ -20,6 +20,11 @@ from sessiontape.core import metrics
 
 T = TypeVar("T")
 
+#: how long an admitted generation holds its place before the next one is let in (it
+#: runs on): longer than a short turn takes, so most turns run admitted to their end,
+#: short enough that a long or slowly read generation does not hold the queue
+ACTIVE_HOLD_S = 0.25
+
 
 class PriorityGate:
     def __init__(self) -> None:
@@ -79,7 +84,7 @@ class Admission:
     ``limit`` 0: no limit.
     """
 
-    def __init__(self, limit: int, hold_s: float) -> None:
+    def __init__(self, limit: int, hold_s: float = ACTIVE_HOLD_S) -> None:
         self.limit = limit
         self.hold_s = hold_s
         #: generations holding a place now

@@ -7,18 +7,18 @@ Three stages run at once for one generation::
                                                                   after its commit)
 
 - The **producer** task pulls steps from ``Engine.generate`` (through the
-  runtime's priority gate) into a queue bounded by ``generation.run_ahead``:
+  runtime's priority gate) into a queue bounded by the run policy's ``run_ahead``:
   when commits fall behind, the queue fills and the engine waits
   (back-pressure), so memory stays bounded whatever the disk does.
 - The **committer** takes every step that is ready (at least one, at most
-  ``generation.max_run``), appends them as one ``log.append`` (one
+  ``max_run``), appends them as one ``log.append`` (one
   transaction; the log's writer still groups concurrent sessions' appends
   into one commit) and starts the next append as soon as the previous one
   settled.
 - The **caller** receives a run of committed events while the next run
   commits. Nothing is yielded before its commit: durable before visible.
   A caller slower than the engine (a wire that sends one message per token)
-  gets runs it handles in about ``generation.pace_s`` each, and the next run
+  gets runs it handles in about the policy's ``pace_s`` each, and the next run
   commits when it asks for it rather than while it handles this one: tokens
   committed ahead would only wait behind the run in hand, so on demand a run
   can be longer (fewer appends) for about the same commit-to-client latency.
@@ -28,6 +28,10 @@ engine fails, steps that were decoded but not committed are dropped, the
 producer is stopped, the engine is told to rewind its cache to the committed
 history (``Engine.rewind``), and ``generation.finished`` counts exactly the
 generated tokens the log holds (the fold's count, not the loop's).
+
+How many steps a run holds, how long the committer lingers and how long a turn of the
+gate lasts is the run policy's decision (:mod:`sessiontape.core.generation.policy`);
+this module measures and acts.
 """
 
 from __future__ import annotations
@@ -36,59 +40,27 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import AsyncIterator
+from typing import Any
 
 from sessiontape.core import metrics
 from sessiontape.core.bodies import FinishReason, GenerationFinished
-from sessiontape.core.config import GenerationSettings
 from sessiontape.core.engine import Step
 from sessiontape.core.errors import CacheInvariantViolation, SessiontapeError
 from sessiontape.core.events import Event, NewEvent, T
-from sessiontape.core.generate_request import FirstAppend, GenerateRequest
-from sessiontape.core.pacing import FIRST_RUN, SHORT_GENERATION, ShortHold, linger_s
-from sessiontape.core.scheduler import NO_GATE
-from sessiontape.core.session.cache import RunningGenerations, SessionPort
+from sessiontape.core.generation.host import GenerationHost
+from sessiontape.core.generation.policy import (
+    CONSUME_NEW_WEIGHT,
+    INTERVAL_NEW_WEIGHT,
+    SHORT_GENERATION,
+    RunPolicy,
+    ShortHold,
+    moving_average,
+)
+from sessiontape.core.generation.request import FirstAppend, GenerateRequest
+from sessiontape.core.generation.scheduler import NO_GATE
 from sessiontape.core.session.state import SessionState
-from sessiontape.core.tokens import ImageIn, fold_tokens
-
-if TYPE_CHECKING:
-    from sessiontape.core.engine import Engine
-    from sessiontape.core.log import EventLog
-    from sessiontape.core.scheduler import Admission, PriorityGate
-
-#: ``[generation]`` configuration: how far the engine may run ahead of the log (its
-#: options and their defaults: :class:`sessiontape.core.config.GenerationSettings`)
-PipelineLimits = GenerationSettings
-
-
-class GenerationHost(SessionPort, Protocol):
-    """What a generation needs of the runtime (:class:`sessiontape.core.runtime.Runtime`,
-    the one implementation): the engine, the log, the admission and the priority gate,
-    the session cache's port, the running generations, and the events an append makes."""
-
-    engine: Engine
-    log: EventLog
-    gate: PriorityGate
-    admission: Admission
-    pipeline: PipelineLimits
-    generating: RunningGenerations
-
-    def record_violation(self, session_id: str, which: int) -> None: ...
-
-    async def image_events(
-        self, images: Sequence[ImageIn]
-    ) -> tuple[list[NewEvent], list[tuple[str, int]]]: ...
-
-    def append_events(
-        self,
-        st: SessionState,
-        tokens: Sequence[int],
-        offset: int | None,
-        truncating: bool,
-        images: Sequence[ImageIn],
-        image_blobs: list[tuple[str, int]],
-    ) -> list[NewEvent]: ...
+from sessiontape.core.tokens import fold_tokens
 
 
 class _End:
@@ -102,7 +74,7 @@ class _End:
 
 class TokenPipeline:
     """The token path of one running generation (made by
-    :func:`sessiontape.core.generation.generate_runs`)."""
+    :func:`sessiontape.core.generation.lifecycle.generate_runs`)."""
 
     def __init__(
         self,
@@ -110,7 +82,7 @@ class TokenPipeline:
         st: SessionState,
         gid: str,
         request: GenerateRequest,
-        limits: PipelineLimits,
+        policy: RunPolicy,
         first: FirstAppend,
     ) -> None:
         self.rt = rt
@@ -121,7 +93,7 @@ class TokenPipeline:
         self.params = request.params
         self.options = request.options
         self.priority = request.priority
-        self.limits = limits
+        self.policy = policy
         self.sid = st.session_id
         self.eos = set(st.eos_token_ids)
         self.stops = set(request.params.stop_token_ids)
@@ -134,13 +106,13 @@ class TokenPipeline:
         self.dropped = 0
         #: steps pulled from the engine
         self.taken = 0
-        self._queue: asyncio.Queue[Step | _End] = asyncio.Queue(maxsize=limits.run_ahead)
+        self._queue: asyncio.Queue[Step | _End] = asyncio.Queue(maxsize=policy.run_ahead)
         #: committed runs not yet handed to the caller (a slow caller pauses the committer)
         self._out: asyncio.Queue[list[Event] | Exception | None] = asyncio.Queue()
         #: committed runs the caller has not taken yet may be at most one: the next run
         #: commits while the caller handles this one, never further ahead (a slow client
         #: leaves steps uncommitted, where the run-ahead bound holds the engine back);
-        #: none for a paced caller (:meth:`_paced_run`), whose next run commits on demand
+        #: none for a paced caller (:meth:`RunPolicy.paced_run`), whose next run commits on demand
         self._credit = asyncio.Semaphore(1)
         #: moving average of the time the caller spends per event of a run (None before
         #: the second run): runs are cut so one takes the caller about ``pace_s``
@@ -157,8 +129,8 @@ class TokenPipeline:
         #: the engine's last step (or its failure) is in the queue: nothing more will
         #: come, so the committer never lingers for more
         self._engine_done = False
-        self._first_run = FIRST_RUN
-        #: a short generation's hold of the gate to its end (core/pacing.py)
+        self._first_run = policy.first_run(request.params.max_tokens)
+        #: a short generation's hold of the gate to its end (core/generation/policy.py)
         self._short: ShortHold | None = None
         #: the engine ended on its own and every step it made was taken: the run that
         #: carries the last of them also carries ``generation.finished`` (one commit
@@ -193,12 +165,9 @@ class TokenPipeline:
         eparams = dataclasses.replace(
             self.params, max_tokens=max_tokens, stop_token_ids=tuple(sorted(self.eos | self.stops))
         )
-        if max_tokens <= SHORT_GENERATION:
-            # one more than the steps: the first run waits for the engine's end too, so
-            # the finish rides with it
-            self._first_run = max(FIRST_RUN, max_tokens + 1)
-            if not self.rt.engine.batches:
-                self._short = ShortHold(max_tokens)
+        self._first_run = self.policy.first_run(max_tokens)
+        if max_tokens <= SHORT_GENERATION and not self.rt.engine.batches:
+            self._short = ShortHold(max_tokens)
         steps = self.rt.engine.generate(self.sid, history, eparams, self.options)
         self._producer = asyncio.create_task(self._produce(steps), name=f"engine-{self.sid}")
 
@@ -209,7 +178,8 @@ class TokenPipeline:
         waits and the queue has room) keeps equal-priority generations
         taking turns without a hand-over per token.
         """
-        gate, q, burst, burst_s = self.rt.gate, self._queue, self.limits.burst, self.limits.burst_s
+        policy = self.policy
+        gate, q, burst, burst_s = self.rt.gate, self._queue, policy.burst, policy.burst_s
         short = self._short
         if self.rt.engine.batches:
             # the engine schedules every generation's steps into shared passes itself:
@@ -239,10 +209,8 @@ class TokenPipeline:
                         now = time.perf_counter()
                         if short is not None and not step.is_prefill:
                             short.decoded_one(now - last)
-                        self.interval = (
-                            now - last
-                            if self.interval is None
-                            else 0.8 * self.interval + 0.2 * (now - last)
+                        self.interval = moving_average(
+                            self.interval, now - last, INTERVAL_NEW_WEIGHT
                         )
                         last = now
                         if q.full():
@@ -251,10 +219,8 @@ class TokenPipeline:
                         step = None
                         if self._enough is not None and q.qsize() >= self._enough_at:
                             self._enough.set()
-                        if gate.more_urgent_waiting(self.priority) or (
-                            now >= turn_ends
-                            and gate.waiting()
-                            and not (short is not None and short.holds(now))
+                        if gate.more_urgent_waiting(self.priority) or policy.turn_over(
+                            now, turn_ends, gate.waiting(), short
                         ):
                             break
                     handing_over = gate.waiting()
@@ -297,54 +263,32 @@ class TokenPipeline:
         committed = 0 if g is None else g.scored + len(g.tokens)
         self.dropped = self.taken - committed
 
-    def _paced_run(self) -> int | None:
-        """The run a paced caller handles in about ``pace_s``; None when the caller is
-        not paced (its pace is unknown, or it handles a full ``max_run`` within that)."""
-        c, limits = self.consume_per_event, self.limits
-        if c is None or c * limits.max_run <= limits.pace_s:
-            return None
-        return max(1, int(limits.pace_s / c))
-
     async def _take(self) -> list[Step]:
         """Every ready step (waiting for the first), cut after a stop token.
 
-        When the engine is fast (a step every quarter of ``linger_s`` or
-        less), wait a little longer so one append carries many steps: until
-        ``min_run`` steps wait or ``linger_s`` passed. A slow engine's steps
-        are committed as they come.
+        How many at most, and how long to wait for more, is the run policy's
+        (:meth:`RunPolicy.run_bounds`, :meth:`RunPolicy.linger`).
 
         Raises what the engine raised once the steps before the failure
         were taken (and so get committed).
         """
         q = self._queue
         first = await q.get()
-        limits = self.limits
         interval = self.interval
-        max_run, min_run = limits.max_run, limits.min_run
-        paced_run = self._paced_run()
-        if paced_run is not None:
-            # a caller slower than the engine: runs it handles in about pace_s each
-            max_run = paced_run
-            min_run = min(min_run, max_run)
-        elif self.consume_per_event is None and not self._engine_done:
-            # the first run, before the caller's pace is known: a short one, so a slow
-            # caller's first tokens do not wait behind a full run (a Kakeya client's
-            # first messages took 150-200 us each: the 64th of a first run of 64
-            # arrived 11 ms after its commit); an engine that is done already (a short
-            # answer) commits all it made at once, and a short generation is one run
-            max_run = min(max_run, self._first_run)
-            min_run = min(min_run, max_run)
-        wait = 0.0
-        if (
-            min_run > 1
-            and not isinstance(first, _End)
-            and interval is not None
-            and q.qsize() + 1 < min_run
-            and not self._off_gate
-            and not self._engine_done
-        ):
-            missing = min_run - 1 - q.qsize()
-            wait = linger_s(limits, interval, missing, self._short, self.rt.gate.waiting())
+        max_run, min_run = self.policy.run_bounds(
+            self.consume_per_event, self._engine_done, self._first_run
+        )
+        # more steps come soon unless the engine ended or the producer handed the gate over
+        soon = not (isinstance(first, _End) or self._off_gate or self._engine_done)
+        wait = self.policy.commit_wait(
+            ready=q.qsize() + 1,
+            min_run=min_run,
+            interval=interval,
+            more_soon=soon,
+            short=self._short,
+            others_waiting=self.rt.gate.waiting(),
+            now=time.perf_counter(),
+        )
         if wait > 0:
             # a fast engine: let a few more steps arrive (woken early when enough did)
             enough = self._enough = asyncio.Event()
@@ -417,7 +361,7 @@ class TokenPipeline:
     async def _commit_run(self, steps: list[Step]) -> list[Event]:
         run, generated = self._events(steps)
         rt = self.rt
-        async with rt.lock(self.sid):
+        async with rt.sessions.lock(self.sid):
             # the first run carries the first append when it waits for its commit
             first = self._pending()
             new = [*first, *run]
@@ -429,10 +373,11 @@ class TokenPipeline:
             new.extend(finish)
             # Alone, a run commits on the spot when the writer is idle (a slow engine's
             # steps each pay no hand-offs). Beside other generations it goes through
-            # the write loop, whose hand-offs let more steps gather per run: eight
-            # fast generations committing at once made runs of a step or two and
-            # ran 5-10% slower.
-            evs = await rt.commit(self.st, new, length=length, at_once=len(rt.generating) <= 1)
+            # the write loop, whose hand-offs let more steps gather per run (committed
+            # on the spot, fast generations side by side make runs of a step or two).
+            evs = await rt.sessions.commit(
+                self.st, new, length=length, at_once=len(rt.running) <= 1
+            )
         self.finish_committed = bool(finish)
         evs = shown(evs, len(first))
         if generated:
@@ -461,7 +406,7 @@ class TokenPipeline:
         out = self._out
         try:
             while not self.ended:
-                if self.rt.generating.stop_requested(self.sid):
+                if self.rt.running.stop_requested(self.sid):
                     self.reason = "aborted"
                     break
                 await self._credit.acquire()
@@ -483,7 +428,10 @@ class TokenPipeline:
                 item = await self._out.get()
                 # until the caller has handled a run its pace is unknown: the next run
                 # waits for it, so a slow caller's second run is cut like the rest
-                paced = self.consume_per_event is None or self._paced_run() is not None
+                paced = (
+                    self.consume_per_event is None
+                    or self.policy.paced_run(self.consume_per_event) is not None
+                )
                 if not paced:
                     self._credit.release()  # the next run commits while this one is handled
                 if item is None:
@@ -493,11 +441,9 @@ class TokenPipeline:
                 given = time.perf_counter()
                 yield item
                 per = (time.perf_counter() - given) / max(1, len(item))
-                c = self.consume_per_event
-                # weighted to the latest run: a caller's first messages are slow (a new
-                # stream), and an average that forgot them slowly kept the runs after a
-                # short first run small for a dozen runs (Kakeya 8% slower)
-                self.consume_per_event = per if c is None else 0.3 * c + 0.7 * per
+                self.consume_per_event = moving_average(
+                    self.consume_per_event, per, CONSUME_NEW_WEIGHT
+                )
                 if paced:
                     self._credit.release()  # the caller asks for the next run: commit it now
         finally:
@@ -511,8 +457,10 @@ class TokenPipeline:
         """Commit the generation's end on its own (with the first append when that still
         waits for its commit); returns what the caller is shown of it."""
         first = self._pending()
-        async with self.rt.lock(self.sid):
-            evs = await self.rt.commit(self.st, [*first, *self.finished_event(reason, failure)])
+        async with self.rt.sessions.lock(self.sid):
+            evs = await self.rt.sessions.commit(
+                self.st, [*first, *self.finished_event(reason, failure)]
+            )
         return shown(evs, len(first))
 
     def finished_event(
