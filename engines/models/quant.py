@@ -30,8 +30,9 @@ Q4_1 and Q4_K hold unsigned 4-bit values with a subtracted min; they are kept as
 with ``code = v`` and ``offsets = bias + 8 * scale``, one float32 rounding per block
 (a few ulp of the block's magnitude; the Q4_1 bound is in the tests). The 5- and 6-bit
 formats and the IQ4 formats' table (int8 levels) take 8-bit codes, exactly; Q2_K and Q3_K fit 4
-bits. F32, F16 and BF16 are float tensors. Any other type is refused by name
-(:func:`check_types`).
+bits. ``to_matrix(..., bits=8)`` holds any format as ``code = v + 128`` with
+``offsets = bias``, exactly (the embedding, and a head tied to it). F32, F16 and BF16 are
+float tensors. Any other type is refused by name (:func:`check_types`).
 
 :func:`quantize` makes blocks from float weights (Hugging Face checkpoints with
 ``--dtype q4|q8``).
