@@ -73,7 +73,7 @@ if __name__ == "__main__" and sys.argv[1:2] == ["--genai-child"]:
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sessiontape.core.engine import SamplingParams  # noqa: E402
+from sessiontape.core.engine.interface import SamplingParams  # noqa: E402
 from sessiontape.engines.onnx.demo import ensure_demo  # noqa: E402
 from sessiontape.engines.onnx.engine import OnnxEngine  # noqa: E402
 

@@ -51,10 +51,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sessiontape.core import gctune
 from sessiontape.core.config import Config
 from sessiontape.core.document.text import TextStream
-from sessiontape.core.engine import Engine, SamplingParams
+from sessiontape.core.engine.interface import Engine, SamplingParams
 from sessiontape.core.events import T
 from sessiontape.core.generation.request import GenerateRequest
-from sessiontape.core.registry import ENGINES, TRANSPORTS, load
+from sessiontape.core.plugins import ENGINES, TRANSPORTS, load
 from sessiontape.core.runtime import Runtime
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 2
@@ -244,7 +244,7 @@ async def wire_client(
     import grpc
     import httpx
 
-    from sessiontape.engines.tokenizer import ByteTokenizer
+    from sessiontape.engines.byte_tokenizer import ByteTokenizer
     from sessiontape.transports.grpc.client import (
         EvergreenClient,
         action,
@@ -490,7 +490,7 @@ async def start_relay(kind: str, workdir: Path) -> tuple[asyncio.subprocess.Proc
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = int(sock.getsockname()[1])
-    from tests.transports.nostr.relay_config import nostr_relay_config
+    from tests.helpers.nostr_relay_config import nostr_relay_config
 
     config = workdir / "relay.json"
     config.write_text(json.dumps(nostr_relay_config(workdir, port)))

@@ -46,9 +46,9 @@ def main() -> None:
     from sessiontape.core.errors import UnsupportedModel
     from sessiontape.engines.models import quant
     from sessiontape.engines.models.gguf_file import GgufFile
-    from sessiontape.engines.models.importer import import_model
     from sessiontape.engines.models.sources import WeightPolicy, open_source
     from sessiontape.engines.models.tokenizer import tokenizer_from_gguf
+    from sessiontape.engines.onnx.importer import import_model
 
     path: Path = args.model
     with path.open("rb") as f:  # into the page cache, for every contender alike

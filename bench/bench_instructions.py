@@ -52,7 +52,7 @@ SESSION_TOKENS = 2048
 async def _engine_alone(turns: int, tokens: int, append: int) -> None:
     from bench_generate import make_engine
 
-    from sessiontape.core.engine import SamplingParams
+    from sessiontape.core.engine.interface import SamplingParams
 
     engine = make_engine("reference", "small", eos_bias=-1000.0)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, seed=1)
@@ -68,7 +68,7 @@ async def _engine_alone(turns: int, tokens: int, append: int) -> None:
 async def _runtime_turns(turns: int, tokens: int, append: int, db: str) -> None:
     from bench_generate import make_engine, open_runtime
 
-    from sessiontape.core.engine import SamplingParams
+    from sessiontape.core.engine.interface import SamplingParams
 
     engine = make_engine("reference", "small", eos_bias=-1000.0)
     rt = await open_runtime(f"sqlite+aiosqlite:///{db}", engine)

@@ -74,7 +74,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_generate import client_cpu, generated_ids, make_engine
 
 from sessiontape.core import gctune
-from sessiontape.core.engine import Engine
+from sessiontape.core.engine.interface import Engine
 
 WIRES = ("http", "sse", "salience", "kakeya", "evergreen", "openai")
 #: the fleet's wires unless ``--wires`` names others (the issue's five)

@@ -160,7 +160,7 @@ def sessiontape_engine(gguf: Path, dtype: str, threads: int, spinning: bool = Fa
         if "unknown onnx engine options" not in str(exc):
             raise
     # an engine without the model= option: import the GGUF (cached) and serve the folder
-    from sessiontape.engines.models.importer import ensure_imported
+    from sessiontape.engines.onnx.importer import ensure_imported
 
     return OnnxEngine(
         model_dir=ensure_imported(str(gguf), dtype), intra_op_threads=threads, spinning=spinning
@@ -170,7 +170,7 @@ def sessiontape_engine(gguf: Path, dtype: str, threads: int, spinning: bool = Fa
 def sessiontape_chat_ids(engine: Any, messages: list[dict[str, str]]) -> list[int]:
     """The conversation rendered by the imported model's chat template, tokenized by the
     engine's tokenizer."""
-    from sessiontape.engines.models.chat_template import JinjaChatTemplate
+    from sessiontape.engines.models.jinja_template import JinjaChatTemplate
 
     folder = Path(engine.model_dir)
     config = json.loads((folder / "config.json").read_text())
@@ -184,7 +184,7 @@ def sessiontape_chat_ids(engine: Any, messages: list[dict[str, str]]) -> list[in
 
 
 async def onnx_job(engine: Any, job: dict[str, Any], n: int) -> dict[str, Any]:
-    from sessiontape.core.engine import OutputOptions, SamplingParams
+    from sessiontape.core.engine.interface import OutputOptions, SamplingParams
 
     key = f"bench-{n}"
     engine.forget(key)

@@ -41,10 +41,10 @@ from typing import Any
 
 import numpy as np
 
-from sessiontape.core.engine import SamplingParams
+from sessiontape.core.engine.interface import SamplingParams
 from sessiontape.engines.onnx import OnnxEngine
 from sessiontape.engines.onnx.demo import SIZES, ensure_demo
-from sessiontape.engines.onnx.session import quiet_ort
+from sessiontape.engines.onnx.runner import quiet_ort
 
 Rate = Callable[[list[int], int], Awaitable[float]]
 

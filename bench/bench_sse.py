@@ -44,7 +44,7 @@ def rss_kib() -> int:
 async def client(url: str, n: int) -> None:
     import httpx
 
-    from tests.transports.http.sse_client import events
+    from tests.helpers.sse_client import events
 
     ready = 0
     all_ready = asyncio.Event()
@@ -107,13 +107,13 @@ async def run(tokens: int, repeats: int, counts: list[int]) -> None:
 
     from sessiontape.core.config import Config
     from sessiontape.core.document import DocumentBuilder
-    from sessiontape.core.engine import SamplingParams
+    from sessiontape.core.engine.interface import SamplingParams
     from sessiontape.core.runtime import Runtime
     from sessiontape.engines.reference import ReferenceEngine
-    from sessiontape.transports.http.feeds import frame
-    from sessiontape.transports.http.json_encoding import dumps
+    from sessiontape.transports.http.native.feeds import frame
     from sessiontape.transports.http.plugin import HttpTransport
-    from tests.conftest import free_port
+    from sessiontape.transports.http.server.json_encoding import dumps
+    from tests.helpers.config import free_port
 
     tmp = tempfile.mkdtemp()
     cfg = Config.load(
@@ -246,11 +246,11 @@ async def fold(histories: list[int], tokens: int, repeats: int) -> None:
     """
     from sessiontape.core.config import Config
     from sessiontape.core.document import DocumentBuilder
-    from sessiontape.core.engine import SamplingParams
+    from sessiontape.core.engine.interface import SamplingParams
     from sessiontape.core.runtime import Runtime
     from sessiontape.core.session.state import SessionState, apply
     from sessiontape.engines.reference import ReferenceEngine
-    from sessiontape.transports.http.json_encoding import dumps
+    from sessiontape.transports.http.server.json_encoding import dumps
 
     tmp = tempfile.mkdtemp()
     cfg = Config.load(

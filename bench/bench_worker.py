@@ -27,7 +27,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sessiontape.core.commands.serve import loop_factory
-from sessiontape.core.engine import Engine, SamplingParams
+from sessiontape.core.engine.interface import Engine, SamplingParams
 from sessiontape.core.engine.worker import WorkerEngine
 from sessiontape.engines.reference import ReferenceEngine
 

@@ -11,7 +11,7 @@ import hashlib
 from collections.abc import Sequence
 
 from sessiontape.core.bodies import tokens_truncated
-from sessiontape.core.engine import Engine
+from sessiontape.core.engine.interface import Engine
 from sessiontape.core.events import NewEvent, T
 from sessiontape.core.session.state import SessionState
 from sessiontape.core.tokens import (

@@ -22,7 +22,7 @@ from sessiontape.core.bodies import (
     body,
     generation_id_of,
 )
-from sessiontape.core.engine import Engine, OutputOptions, SamplingParams
+from sessiontape.core.engine.interface import Engine, OutputOptions, SamplingParams
 from sessiontape.core.errors import ChainBroken, SessiontapeError
 from sessiontape.core.events import T
 from sessiontape.core.handback import handing_back

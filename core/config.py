@@ -1,10 +1,10 @@
 """Configuration: defaults, then a TOML file, then ``SESSIONTAPE_*`` env, then flags.
 
-Each section is a frozen dataclass below (:mod:`sessiontape.core.settings`
+Each section is a frozen dataclass below (:mod:`sessiontape.core.settings_framework`
 says how one is declared and validated) and holds the one default of each of
 its options; an engine's ``[engine.options]`` and each ``[transports.NAME]``
 table are validated by the class the engine or transport declares
-(``options_class``, found through :mod:`sessiontape.core.registry`).
+(``options_class``, found through :mod:`sessiontape.core.plugins`).
 :meth:`Config.load` reads the layers once and refuses what it does not know:
 an unknown section or key (naming the nearest known one), a value of the
 wrong type, a value out of bounds. docs/configuration.md lists every option.
@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from sessiontape.core.errors import ConfigError, PluginNotFound
-from sessiontape.core.settings import load_section, nearest, option
+from sessiontape.core.settings_framework import load_section, nearest, option
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -57,7 +57,7 @@ def parse_listen(value: str) -> tuple[str, int]:
 
 
 def host_port(value: str) -> str | None:
-    """A check for listen options (:func:`sessiontape.core.settings.option`)."""
+    """A check for listen options (:func:`sessiontape.core.settings_framework.option`)."""
     _, sep, port = value.rpartition(":")
     return None if sep and port.isdigit() and int(port) < 65536 else "must be HOST:PORT"
 
@@ -214,8 +214,8 @@ class LimitsSettings:
 
     max_body_bytes: int = option(
         16 * 1024 * 1024,
-        "an HTTP body (413 while it streams in) and the gRPC message size "
-        "(`[transports.grpc] max_message_bytes` wins there)",
+        "an HTTP body (413 while it streams in; gRPC messages have "
+        "`[transports.grpc] max_message_bytes`)",
         ge=1,
     )
     max_json_depth: int = option(64, "nesting of a JSON request body", ge=1)
@@ -457,16 +457,16 @@ def _enabled(settings: Any) -> bool:
 
 
 def _options_class(group: str, name: str) -> type[Any] | None:
-    from sessiontape.core import registry
+    from sessiontape.core import plugins
 
     try:
-        return registry.options_class(group, name)
+        return plugins.options_class(group, name)
     except PluginNotFound:
         return None
 
 
 def _engine_settings(engine: EngineSettings, texts: Mapping[str, str]) -> Any:
-    from sessiontape.core.registry import ENGINES
+    from sessiontape.core.plugins import ENGINES
 
     kind = _options_class(ENGINES, engine.name)
     if kind is None:
@@ -477,7 +477,7 @@ def _engine_settings(engine: EngineSettings, texts: Mapping[str, str]) -> Any:
 def _transports(raw: Any, texts: Mapping[str, str]) -> dict[str, Any]:
     """Every installed transport's settings (defaults where not configured), and any
     ``module:Class`` transport the file names."""
-    from sessiontape.core.registry import TRANSPORTS, available
+    from sessiontape.core.plugins import TRANSPORTS, available
 
     if raw is None:
         raw = {}

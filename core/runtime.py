@@ -49,7 +49,7 @@ from sessiontape.core.bodies import (
     session_opened,
 )
 from sessiontape.core.config import Config
-from sessiontape.core.engine import Engine, check_stop_ids
+from sessiontape.core.engine.interface import Engine, check_stop_ids
 from sessiontape.core.errors import (
     InvalidParameters,
     SessionBusy,
@@ -138,7 +138,7 @@ class Runtime:
         policy: RunPolicy | None = None,
     ) -> Runtime:
         """Open the log (migrating a fresh database) and load the configured engine."""
-        from sessiontape.core.registry import ENGINES, load
+        from sessiontape.core.plugins import ENGINES, load
 
         if engine is None and config.engine_process == "worker":
             from sessiontape.core.engine.worker import WorkerEngine

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from sessiontape.core.settings import load_section, option
+from sessiontape.core.settings_framework import load_section, option
 
 if TYPE_CHECKING:
     from sessiontape.core.config import Config

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from sessiontape.core.engine import (
+from sessiontape.core.engine.interface import (
     DEFAULT_OUTPUT,
     Engine,
     EngineInfo,
@@ -28,10 +28,10 @@ from sessiontape.core.engine import (
     TextCodec,
 )
 from sessiontape.core.errors import ConfigError, ContextOverflow
-from sessiontape.core.settings import load_section, option
-from sessiontape.engines.models.sampling import SamplingOptions
+from sessiontape.core.settings_framework import load_section, option
+from sessiontape.engines.byte_tokenizer import ByteTokenizer
+from sessiontape.engines.models.sampling_defaults import SamplingOptions
 from sessiontape.engines.sampling import log_softmax, sample, top_logprobs
-from sessiontape.engines.tokenizer import ByteTokenizer
 
 BOS, EOS, IMAGE_PAD = 256, 257, 258
 VOCAB = 259

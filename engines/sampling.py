@@ -13,7 +13,7 @@ import hashlib
 import numpy as np
 import numpy.typing as npt
 
-from sessiontape.core.engine import SamplingParams
+from sessiontape.core.engine.interface import SamplingParams
 
 F32 = npt.NDArray[np.float32]
 F64 = npt.NDArray[np.float64]

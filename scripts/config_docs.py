@@ -7,7 +7,7 @@ Each table sits between ``<!-- options: NAME -->`` and ``<!-- /options -->``,
 NAME being a section (``database``), a transport's table (``transports.grpc``)
 or an engine's options (``engine.options.onnx``). The classes are the
 configuration's own: core/config.py's sections, and the ``options_class``
-each installed engine and transport declares (found through the registry,
+each installed engine and transport declares (found through the plugins module,
 as the configuration finds them). tests/core/test_config_docs.py runs the check.
 """
 
@@ -18,9 +18,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from sessiontape.core import registry
+from sessiontape.core import plugins
 from sessiontape.core.config import SECTIONS
-from sessiontape.core.settings import markdown_table
+from sessiontape.core.settings_framework import markdown_table
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 BLOCK = re.compile(r"(<!-- options: (\S+) -->\n)(.*?)(<!-- /options -->)", re.DOTALL)
@@ -30,11 +30,11 @@ def tables() -> dict[str, type[Any]]:
     """Every table the page must show: NAME -> settings class."""
     out: dict[str, type[Any]] = dict(SECTIONS)
     for group, prefix in (
-        (registry.TRANSPORTS, "transports"),
-        (registry.ENGINES, "engine.options"),
+        (plugins.TRANSPORTS, "transports"),
+        (plugins.ENGINES, "engine.options"),
     ):
-        for name in registry.available(group):
-            kind = registry.options_class(group, name)
+        for name in plugins.available(group):
+            kind = plugins.options_class(group, name)
             if kind is not None:
                 out[f"{prefix}.{name}"] = kind
     return out

@@ -48,10 +48,14 @@ def _plugin(name: str) -> str:
 
 def _rewrite(text: str, roots: set[str]) -> str:
     alt = "|".join(sorted(re.escape(r) for r in roots))
-    text = re.sub(rf"^from ({alt})((?:\.\w+)*) import ", rf"from {PACKAGE}.\1\2 import ", text, flags=re.M)
+    text = re.sub(
+        rf"^from ({alt})((?:\.\w+)*) import ", rf"from {PACKAGE}.\1\2 import ", text, flags=re.M
+    )
     text = re.sub(rf"^import ({alt})((?:\.\w+)+)$", rf"import {PACKAGE}.\1\2", text, flags=re.M)
     # The module name protobuf stamps on each message class (__module__).
-    return re.sub(rf"(BuildTopDescriptorsAndMessages\(DESCRIPTOR, ')(({alt})\.)", rf"\1{PACKAGE}.\2", text)
+    return re.sub(
+        rf"(BuildTopDescriptorsAndMessages\(DESCRIPTOR, ')(({alt})\.)", rf"\1{PACKAGE}.\2", text
+    )
 
 
 def generate(protos: Path, out: Path) -> list[Path]:
@@ -62,11 +66,17 @@ def generate(protos: Path, out: Path) -> list[Path]:
     roots = {f.split("/", 1)[0] for f in files}
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [
-            sys.executable, "-m", "grpc_tools.protoc", f"-I{protos}",
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            f"-I{protos}",
             f"--plugin=protoc-gen-mypy={_plugin('protoc-gen-mypy')}",
             f"--plugin=protoc-gen-mypy_grpc={_plugin('protoc-gen-mypy_grpc')}",
-            f"--python_out={tmp}", f"--grpc_python_out={tmp}",
-            f"--mypy_out={tmp}", f"--mypy_grpc_out={tmp}", *files,
+            f"--python_out={tmp}",
+            f"--grpc_python_out={tmp}",
+            f"--mypy_out={tmp}",
+            f"--mypy_grpc_out={tmp}",
+            *files,
         ]
         subprocess.run(cmd, check=True, capture_output=True)
         if out.exists():
@@ -95,7 +105,12 @@ def generate(protos: Path, out: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    ap.add_argument("--protos", type=Path, default=DEFAULT_PROTOS, help="proto root (default transports/grpc/protos)")
+    ap.add_argument(
+        "--protos",
+        type=Path,
+        default=DEFAULT_PROTOS,
+        help="proto root (default transports/grpc/protos)",
+    )
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output package dir")
     args = ap.parse_args(argv)
     if not args.protos.is_dir():

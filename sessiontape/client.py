@@ -41,7 +41,14 @@ from typing import Any
 
 import httpx
 
-from sessiontape.calls import GENERATE_FIELDS, Call, Calls, auth_headers, parse, session_path
+from sessiontape.client_requests import (
+    GENERATE_FIELDS,
+    Call,
+    Calls,
+    auth_headers,
+    parse,
+    session_path,
+)
 from sessiontape.errors import TransportError, from_response
 from sessiontape.streams import SSE, Follow, SSEDecoder, Update
 

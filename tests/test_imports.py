@@ -245,3 +245,72 @@ def test_transports_reach_the_log_only_through_the_runtime() -> None:
         if isinstance(node, ast.Attribute) and node.attr == "log" and names_runtime(node.value)
     ]
     assert found == []
+
+
+def _subpackage(module: str, of: str) -> bool:
+    return module == of or module.startswith(of + ".")
+
+
+def test_engines_models_and_onnx_share_the_spec_without_importing_each_other_back() -> None:
+    """``engines/models`` reads model files and never names ``engines/onnx``.
+
+    What the importer (models) and the decoder graph builder (onnx) agree on, the model's shape
+    and its weights, lives beside both (``sessiontape.engines.model_spec``,
+    ``sessiontape.engines.weights``): models -> spec <- onnx. The ONNX engine builds on the
+    model files (registry, sampling defaults, tokenizer), so ``onnx`` -> ``models`` is the one
+    direction there is; the other would make the two one tangle.
+    """
+    models, onnx = "sessiontape.engines.models", "sessiontape.engines.onnx"
+    back = {
+        m: sorted(t for t in targets if _subpackage(t, onnx))
+        for m, targets in EVERY.items()
+        if _subpackage(m, models)
+    }
+    assert {m: t for m, t in back.items() if t} == {}
+    spec = "sessiontape.engines.model_spec"
+    assert spec in EVERY["sessiontape.engines.models.arch"]
+    assert spec in EVERY["sessiontape.engines.onnx.decoder"]
+    assert not any(_subpackage(t, models) or _subpackage(t, onnx) for t in EVERY[spec])
+
+
+def _test_module_names() -> dict[str, Path]:
+    out: dict[str, Path] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        out[".".join(path.relative_to(ROOT).with_suffix("").parts)] = path
+    return out
+
+
+def _imports_of_test_modules(
+    path: Path, tests: dict[str, Path], text: str | None = None
+) -> list[str]:
+    """The test modules that ``path`` (read as ``text`` when given) imports, as ``file:line: name``."""
+    here = path.relative_to(ROOT).with_suffix("").parts[:-1]
+    found = []
+    source = path.read_text() if text is None else text
+    for node, _ in _imports(ast.parse(source, str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            base = node.module or ""
+            if node.level:
+                pkg = list(here[: len(here) - (node.level - 1)])
+                base = ".".join([*pkg, base] if base else pkg)
+            names = [base, *(f"{base}.{a.name}" for a in node.names)]
+        found += [f"{path.relative_to(ROOT)}:{node.lineno}: {n}" for n in names if n in tests]
+    return found
+
+
+def test_a_test_module_imports_no_other_test_module() -> None:
+    """Tests share helpers through ``tests/helpers/`` and conftest.py, never through a test module
+    (importing one runs its module-level fixtures' imports under ``noqa`` and ties the two files)."""
+    tests = _test_module_names()
+    probe = ROOT / "tests" / "core" / "test_probe.py"
+    fake = "import tests.test_imports\nfrom . import test_config\nfrom tests.helpers import x\n"
+    assert len(_imports_of_test_modules(probe, tests, fake)) == 2
+    files = sorted((ROOT / "tests").rglob("*.py"))
+    found = {
+        line.split(":")[0] + ": " + line.rpartition(": ")[2]
+        for path in files
+        for line in _imports_of_test_modules(path, tests)
+    }
+    assert not found, sorted(found)

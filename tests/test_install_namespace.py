@@ -27,7 +27,7 @@ FOLDERS = ("core", "engines", "transports", "migrations")
 #: what the build reads: the packaging files and the package folders
 SOURCES = ("pyproject.toml", "setup.py", "README.md", "sessiontape", *FOLDERS)
 #: files that are not modules but must ship (package data)
-DATA = ("migrations/script.py.mako", "transports/http/static/index.html")
+DATA = ("migrations/script.py.mako", "transports/http/viewer/static/index.html")
 
 
 def _installed_path(source: Path) -> str:

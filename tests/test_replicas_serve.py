@@ -29,7 +29,7 @@ from sessiontape.core.log import EventLog
 from sessiontape.core.log.store import verify_chain
 from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2 as kpb
 from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2_grpc as kgrpc
-from tests.conftest import free_port
+from tests.helpers.config import free_port
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,49 +13,8 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.conftest import free_port
-
-
-def start(
-    tmp_path: Path, *args: str, cache: Path | None = None
-) -> tuple[subprocess.Popen[str], list[str]]:
-    env = {**os.environ, "SESSIONTAPE_CACHE": str(cache or tmp_path / "cache")}
-    if cache is not None:  # the newcomer's default: the real model, not the suite's demo
-        env.pop("SESSIONTAPE_DEFAULT_MODEL", None)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "sessiontape.core.cli",
-            "serve",
-            "--db",
-            f"sqlite+aiosqlite:///{tmp_path / 'st.db'}",
-            *args,
-        ],
-        stderr=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-    )
-    lines: list[str] = []
-    assert proc.stderr is not None
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if not line:
-            break
-        lines.append(line.rstrip())
-        if "sessiontape ready" in line:
-            return proc, lines
-    proc.kill()
-    raise AssertionError("server did not start:\n" + "\n".join(lines))
-
-
-def stop(proc: subprocess.Popen[str]) -> tuple[int, str]:
-    proc.send_signal(signal.SIGTERM)
-    rest = proc.communicate(timeout=30)[1]
-    return proc.returncode, rest
+from tests.helpers.config import free_port
+from tests.helpers.serve import start, stop
 
 
 def test_serve_defaults_to_the_real_chat_model_over_http_openai_and_grpc(

@@ -14,8 +14,8 @@ from sessiontape.core.errors import SessiontapeError
 
 async def cmd_audit(args: argparse.Namespace) -> int:
     from sessiontape.core.audit import AuditReport, audit_session
-    from sessiontape.core.engine import Engine
-    from sessiontape.core.registry import ENGINES, load
+    from sessiontape.core.engine.interface import Engine
+    from sessiontape.core.plugins import ENGINES, load
 
     cfg = load_config(args)
     log_ = await log_only(args)

@@ -83,7 +83,7 @@ def loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 async def serve(cfg: Config) -> int:
     """Serve ``cfg``'s transports on the running loop until SIGTERM or SIGINT."""
-    from sessiontape.core.registry import TRANSPORTS, load
+    from sessiontape.core.plugins import TRANSPORTS, load
     from sessiontape.core.runtime import Runtime
     from sessiontape.core.transport import Transport
 

@@ -24,7 +24,7 @@ keeps a copy (or its serialisation), and the ops of one ``apply`` may share
 objects with the document, so they are serialised before the next one.
 """
 
-from sessiontape.core.document.builder import DocumentBuilder, build_document, fork_base
+from sessiontape.core.document.fold import DocumentBuilder, build_document, fork_base
 from sessiontape.core.document.schema import (
     MAX_EXACT_JSON_INT,
     SCHEMA,

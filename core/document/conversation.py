@@ -1,6 +1,6 @@
 """The session document's ``conversation``: a chat session's messages, as turns.
 
-A request through the OpenAI routes (``transports/http/turns.py``) appends its
+A request through the OpenAI routes (``transports/http/openai/turns.py``) appends its
 messages rendered by the chat template, starts a generation (one commit holds
 ``tokens.appended`` and ``generation.started``) and records a ``wire.message``
 (transport ``openai``, direction ``in``) whose payload names the generation,

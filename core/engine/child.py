@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-from sessiontape.core.engine import Engine, OutputOptions, SamplingParams, Step
+from sessiontape.core.engine.interface import Engine, OutputOptions, SamplingParams, Step
 from sessiontape.core.engine.pipe import Frames, Outbox
 from sessiontape.core.engine.worker import (
     MAX_BATCH,
@@ -61,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         _, name, options, window, flush_s, path, event_loop, short_hold_s = conn.recv()
         sys.path[:] = [*path, *(p for p in sys.path if p not in path)]
         from sessiontape.core.commands.serve import loop_factory
-        from sessiontape.core.registry import ENGINES, load
+        from sessiontape.core.plugins import ENGINES, load
 
         factory = loop_factory(event_loop)  # the server's choice: uvloop took 9% off here
         engine: Engine = load(ENGINES, name)(**options)

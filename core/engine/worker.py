@@ -9,7 +9,7 @@ about as much as a reference-engine step, and the two in one process reach
 a quarter of the engine's speed before the log adds anything
 (docs/architecture.md, "The engine in a worker process").
 
-:class:`WorkerEngine` is an :class:`~sessiontape.core.engine.Engine` whose
+:class:`WorkerEngine` is an :class:`~sessiontape.core.engine.interface.Engine` whose
 work happens in a child process (``python -m sessiontape.core.engine.child``,
 a fresh interpreter: the server has threads, so no fork) that loads the configured engine by name and serves it over a
 pipe:
@@ -44,7 +44,7 @@ pipe:
   engine's own threads), so the wait is a pipe round trip or more. They
   come once per request at most, never per token.
 - ``tokenize`` and ``detokenize`` run here, on the engine's
-  :meth:`~sessiontape.core.engine.Engine.text_codec` (sent over once at
+  :meth:`~sessiontape.core.engine.interface.Engine.text_codec` (sent over once at
   start), because transports call them per token; an engine without a
   codec is asked over the pipe.
 - An error the engine raises in the child is raised here as the same
@@ -77,7 +77,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from sessiontape.core.config import GenerationSettings
-from sessiontape.core.engine import (
+from sessiontape.core.engine.interface import (
     DEFAULT_OUTPUT,
     Engine,
     EngineInfo,

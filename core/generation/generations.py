@@ -14,7 +14,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from sessiontape.core import metrics
-from sessiontape.core.engine import Engine
+from sessiontape.core.engine.interface import Engine
 from sessiontape.core.events import Event
 from sessiontape.core.generation.host import SessionPort
 from sessiontape.core.generation.lifecycle import generate_runs

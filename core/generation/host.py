@@ -16,7 +16,7 @@ from sessiontape.core.events import Event, NewEvent
 from sessiontape.core.session.state import SessionState
 
 if TYPE_CHECKING:
-    from sessiontape.core.engine import Engine
+    from sessiontape.core.engine.interface import Engine
     from sessiontape.core.generation.policy import RunPolicy
     from sessiontape.core.generation.running import RunningGenerations
     from sessiontape.core.generation.scheduler import Admission, PriorityGate

@@ -45,7 +45,7 @@ from typing import Any
 
 from sessiontape.core import metrics
 from sessiontape.core.bodies import FinishReason, GenerationFinished
-from sessiontape.core.engine import Step
+from sessiontape.core.engine.interface import Step
 from sessiontape.core.errors import CacheInvariantViolation, SessiontapeError
 from sessiontape.core.events import Event, NewEvent, T
 from sessiontape.core.generation.host import GenerationHost

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from sessiontape.core.engine import DEFAULT_OUTPUT, OutputOptions, SamplingParams
+from sessiontape.core.engine.interface import DEFAULT_OUTPUT, OutputOptions, SamplingParams
 from sessiontape.core.events import Event, NewEvent
 from sessiontape.core.session.state import SessionState
 from sessiontape.core.tokens import ImageIn

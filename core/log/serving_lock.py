@@ -44,6 +44,7 @@ def serving(url: str) -> Iterator[None]:
     if path is None:
         yield
         return
+    created = not os.path.exists(path)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
@@ -55,4 +56,8 @@ def serving(url: str) -> Iterator[None]:
             ) from None
         yield
     finally:
+        # a server that failed before its database was made leaves no empty file behind
+        if created and os.fstat(fd).st_size == 0:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
         os.close(fd)

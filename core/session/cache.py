@@ -23,7 +23,7 @@ from typing import Any, TypeVar, cast
 
 from sessiontape.core import metrics
 from sessiontape.core.config import Config
-from sessiontape.core.engine import Engine
+from sessiontape.core.engine.interface import Engine
 from sessiontape.core.errors import ConcurrencyError, SessionClosed, SessionExpired, SessionNotFound
 from sessiontape.core.events import Event, NewEvent, T
 from sessiontape.core.generation.running import RunningGenerations

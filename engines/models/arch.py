@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from sessiontape.core.errors import UnsupportedModel
-from sessiontape.engines.onnx.builder import ModelSpec, RopeScaling
+from sessiontape.engines.model_spec import ModelSpec, RopeScaling
 
 #: GGUF ``general.architecture`` values served, and Hugging Face ``model_type`` values
 GGUF_ARCHS = ("llama", "qwen2")

@@ -2,7 +2,7 @@
 
 llama.cpp falls back on built-in templates when a file has no ``tokenizer.chat_template``
 (Gemma 3 270M's Q4_K_M file has none); this does the same, as Jinja templates rendered by
-:mod:`chat_template` like any model's own. A family is recognised by its architecture
+:mod:`jinja_template` like any model's own. A family is recognised by its architecture
 (``general.architecture``) and by its turn tokens being in the vocabulary, or, for another
 architecture, by the turn tokens alone:
 

@@ -23,7 +23,7 @@ package's ``dequantize`` uses, so :func:`dequantize` equals it bit for bit::
 scales and mins; ``table``: IQ4_NL's 16 non-linear levels, -127..113.)
 
 ONNX Runtime's ``MatMulNBits`` computes ``scale * (code - 2 ** (bits - 1))`` per block, and
-the builder adds a float offset per block (``offsets``, engines/onnx/weights.py). A format
+the builder adds a float offset per block (``offsets``, engines/weights.py). A format
 whose values fit ``bits`` around that zero point is kept with ``code = v + 2 ** (bits - 1)``
 and ``offsets = bias``: the weights the graph holds are exactly those of :func:`dequantize`.
 Q4_1 and Q4_K hold unsigned 4-bit values with a subtracted min; they are kept as 4 bits
@@ -48,7 +48,7 @@ import numpy.typing as npt
 from gguf import GGMLQuantizationType as T
 
 from sessiontape.core.errors import UnsupportedModel
-from sessiontape.engines.onnx.builder import F32, U8, QuantMatrix
+from sessiontape.engines.weights import F32, U8, QuantMatrix
 
 BLOCK = 32
 I8 = npt.NDArray[np.int8]

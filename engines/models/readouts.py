@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from sessiontape.core.errors import ConfigError
-from sessiontape.engines.onnx.builder import SLOT_BLOCK
+from sessiontape.engines.model_spec import SLOT_BLOCK
 
 DEFAULT_EXAMPLES: dict[str, list[str]] = {
     "question": [

@@ -16,7 +16,7 @@ import importlib.metadata
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sessiontape.core.engine import ModelSampling
+from sessiontape.core.engine.interface import ModelSampling
 from sessiontape.core.errors import ConfigError
 
 

@@ -35,8 +35,8 @@ from sessiontape.core.errors import UnsupportedModel
 from sessiontape.engines.models import quant
 from sessiontape.engines.models.arch import spec_from_gguf, spec_from_hf
 from sessiontape.engines.models.gguf_file import GgufFile, GgufTensor
-from sessiontape.engines.models.sampling import gguf_sampling, hf_sampling
-from sessiontape.engines.onnx.builder import F32, QuantMatrix, Tensor
+from sessiontape.engines.models.sampling_defaults import gguf_sampling, hf_sampling
+from sessiontape.engines.weights import F32, QuantMatrix, Tensor
 
 DTYPES = ("auto", "float32", "float16", "q8", "q4")
 #: dtypes whose weights are all dequantized to float (the builder rounds them to the graph's

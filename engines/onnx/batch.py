@@ -47,12 +47,12 @@ from typing import Any
 
 import numpy as np
 
-from sessiontape.core.engine import OutputOptions, SamplingParams, Step
+from sessiontape.core.engine.interface import OutputOptions, SamplingParams, Step
 from sessiontape.core.errors import EngineBusy, EngineError
 from sessiontape.engines.onnx.kvcache import KV
 from sessiontape.engines.onnx.model import GraphSpec
 from sessiontape.engines.onnx.run import Guess, Run
-from sessiontape.engines.onnx.session import PassResult, quiet_ort, run_host_bound
+from sessiontape.engines.onnx.runner import PassResult, quiet_ort, run_host_bound
 
 log = logging.getLogger("sessiontape.engines.onnx")
 

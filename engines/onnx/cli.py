@@ -76,8 +76,8 @@ def build_demo_cmd(args: argparse.Namespace) -> int:
 
 
 def import_cmd(args: argparse.Namespace) -> int:
-    from sessiontape.engines.models.importer import import_model
     from sessiontape.engines.models.registry import REGISTRY, resolve
+    from sessiontape.engines.onnx.importer import import_model
 
     name = args.source if args.source in REGISTRY else None
     done = import_model(

@@ -42,7 +42,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from sessiontape.engines.onnx.builder import Graph, ModelSpec, build_static, graph_io, rope_rows
+from sessiontape.engines.model_spec import ModelSpec
+from sessiontape.engines.onnx.decoder import build_static, graph_io, rope_rows
+from sessiontape.engines.onnx.graph import Graph
 
 #: byte tokenizer specials (the same ids as the reference engine)
 BOS, EOS, PAD = 256, 257, 258
@@ -314,7 +316,7 @@ def model_spec(spec: DemoSpec) -> ModelSpec:
 
 
 def _build_static(spec: DemoSpec, w: dict[str, F32]) -> Any:
-    """The static layout (:func:`sessiontape.engines.onnx.builder.build_static`) over the demo's weights."""
+    """The static layout (:func:`sessiontape.engines.onnx.decoder.build_static`) over the demo's weights."""
     return build_static(model_spec(spec), w.__getitem__)
 
 

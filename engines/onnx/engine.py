@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from sessiontape.core.engine import (
+from sessiontape.core.engine.interface import (
     Engine,
     EngineInfo,
     OutputOptions,
@@ -40,14 +40,14 @@ from sessiontape.core.engine import (
     TextCodec,
 )
 from sessiontape.core.errors import ConfigError, ContextOverflow, InvalidParameters
-from sessiontape.core.settings import load_section
+from sessiontape.core.settings_framework import load_section
 from sessiontape.engines.onnx.batch import BatchScheduler, Member, Stats
 from sessiontape.engines.onnx.kvcache import KV, KVCache, common_prefix
 from sessiontape.engines.onnx.loading import load_model
 from sessiontape.engines.onnx.model import Concepts, GraphSpec
 from sessiontape.engines.onnx.options import OnnxOptions
 from sessiontape.engines.onnx.run import HOP_END, Guess, Run, Stored
-from sessiontape.engines.onnx.session import PassResult, Runner
+from sessiontape.engines.onnx.runner import PassResult, Runner
 from sessiontape.engines.onnx.static import StaticRunner
 from sessiontape.engines.sampling import log_softmax, top_logprobs
 

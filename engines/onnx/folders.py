@@ -23,7 +23,7 @@ def model_folder(
 ) -> Path:
     """The folder the engine serves: ``model`` imported (cached), ``model_dir`` as it is, the
     demo of ``size``, or with none of them the default model (:func:`default_model`)."""
-    from sessiontape.engines.models.importer import ensure_imported
+    from sessiontape.engines.onnx.importer import ensure_imported
 
     if model is not None:
         if model_dir is not None:

@@ -4,7 +4,7 @@ Intermediate values get unique names; with a data file, every initializer of
 at least :data:`EXTERNAL_MIN_BYTES` is written to it as it is added (4 KiB
 aligned, so ONNX Runtime can map it), which keeps a model's build at about
 one tensor of memory. :meth:`Graph.linear` is ``x @ w`` for a float matrix or
-a :class:`~sessiontape.engines.onnx.weights.QuantMatrix` (MatMulNBits).
+a :class:`~sessiontape.engines.weights.QuantMatrix` (MatMulNBits).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import numpy.typing as npt
 
-from sessiontape.engines.onnx.weights import QuantMatrix, Tensor
+from sessiontape.engines.weights import QuantMatrix, Tensor
 
 #: block sums of inputs up to this long are a MatMul against a block indicator, of longer
 #: ones a ReduceSum (:meth:`Graph._block_sums`)

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sessiontape.core.engine import EngineInfo, ModelSampling
+from sessiontape.core.engine.interface import EngineInfo, ModelSampling
 from sessiontape.core.errors import ConfigError, EngineError
+from sessiontape.engines.model_spec import SLOT_BLOCK
 from sessiontape.engines.models.registry import REGISTRY
-from sessiontape.engines.models.sampling import layered
+from sessiontape.engines.models.sampling_defaults import layered
 from sessiontape.engines.onnx.batch import BatchScheduler
-from sessiontape.engines.onnx.builder import SLOT_BLOCK
 from sessiontape.engines.onnx.demo import PAD
 from sessiontape.engines.onnx.folders import model_folder, registry_name
 from sessiontape.engines.onnx.model import (
@@ -41,7 +41,7 @@ from sessiontape.engines.onnx.model import (
     model_sha256,
 )
 from sessiontape.engines.onnx.options import OnnxOptions
-from sessiontape.engines.onnx.session import (
+from sessiontape.engines.onnx.runner import (
     CUDA,
     Runner,
     choose_providers,
@@ -296,7 +296,7 @@ def engine_info(
 
 def served_sampling(folder: Path, o: OnnxOptions) -> ModelSampling:
     """The sampling of a request that names none: the options', else the registry
-    entry's the model was named by, else the model's own (engines/models/sampling.py)."""
+    entry's the model was named by, else the model's own (engines/models/sampling_defaults.py)."""
     options = o.chosen()
     name = registry_name(o.model, o.model_dir, o.size)
     entry = ModelSampling() if name is None else REGISTRY[name].sampling

@@ -9,7 +9,7 @@ Layers, KV heads, head size and the KV element type are read from the
 ``past_key_values`` inputs, and the KV layout from their sequence dimension:
 when ``present`` has the same one (a fixed size or the same symbol) the model
 writes into one static buffer (:mod:`sessiontape.engines.onnx.static`), otherwise it
-concatenates (:class:`sessiontape.engines.onnx.session.Runner`); the vocabulary from the ``logits`` output (or
+concatenates (:class:`sessiontape.engines.onnx.runner.Runner`); the vocabulary from the ``logits`` output (or
 ``config.json`` when that dimension is symbolic). Everything else about the
 model folder (tokenizer, EOS ids, context length, readout concepts) is read
 here too, so the engine itself only deals with sessions and caches.
@@ -28,9 +28,9 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from sessiontape.core.engine import ChatFormat, ModelSampling, ReadoutManifest
+from sessiontape.core.engine.interface import ChatFormat, ModelSampling, ReadoutManifest
 from sessiontape.core.errors import ConfigError, EngineError
-from sessiontape.engines.models.sampling import checked_sampling
+from sessiontape.engines.models.sampling_defaults import checked_sampling
 
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 _HIDDEN = re.compile(r"^hidden_states\.(\d+)$")
@@ -207,7 +207,7 @@ def model_facts(folder: Path) -> dict[str, Any]:
     pad = cfg.get("pad_token_id")
     return {
         #: ``gqa`` when the graph's attention is one GroupQueryAttention per layer, which places
-        #: a pass's rows at consecutive positions (builder.py)
+        #: a pass's rows at consecutive positions (decoder.py)
         "attention": str(cfg.get("attention") or "masked"),
         #: the id padding rows carry (any valid id: their results are dropped)
         "pad_token_id": int(pad) if isinstance(pad, int) else None,
@@ -300,7 +300,7 @@ class HFTokenizer:
 
 
 def load_tokenizer(folder: Path, vocab_size: int) -> Tokenizer:
-    from sessiontape.engines.tokenizer import ByteTokenizer
+    from sessiontape.engines.byte_tokenizer import ByteTokenizer
 
     path = folder / "tokenizer.json"
     if path.exists():

@@ -13,11 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from sessiontape.core.settings import option
-from sessiontape.engines.models.importer import ATTENTIONS
-from sessiontape.engines.models.sampling import SamplingOptions
+from sessiontape.core.settings_framework import option
+from sessiontape.engines.models.sampling_defaults import SamplingOptions
 from sessiontape.engines.models.sources import DTYPES
 from sessiontape.engines.onnx.demo import SIZES
+from sessiontape.engines.onnx.importer import ATTENTIONS
 
 #: the most KV slots a batch pool may have (each is a full-length buffer per layer)
 MAX_BATCH_SLOTS = 1024

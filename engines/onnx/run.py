@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from sessiontape.core.engine import OutputOptions, SamplingParams, Step
+from sessiontape.core.engine.interface import OutputOptions, SamplingParams, Step
 from sessiontape.engines.onnx.kvcache import KV
-from sessiontape.engines.onnx.session import PassResult
+from sessiontape.engines.onnx.runner import PassResult
 from sessiontape.engines.sampling import log_softmax, sample, top_logprobs
 
 #: lookahead guesses come from the last this many tokens of the history (building the

@@ -46,7 +46,7 @@ import numpy as np
 from sessiontape.core.errors import EngineError
 from sessiontape.engines.onnx.kvcache import KV
 from sessiontape.engines.onnx.model import GraphSpec
-from sessiontape.engines.onnx.session import CUDA, PassResult, quiet_ort, run_host_bound
+from sessiontape.engines.onnx.runner import CUDA, PassResult, quiet_ort, run_host_bound
 
 log = logging.getLogger("sessiontape.engines.onnx")
 

@@ -52,8 +52,8 @@ from sessiontape.transports.grpc.gen.salience.v1 import salience_pb2 as spb
 from sessiontape.transports.grpc.gen.salience.v1 import salience_pb2_grpc as salience_grpc
 from sessiontape.transports.grpc.plugin import GrpcTransport
 from sessiontape.transports.http.plugin import HttpTransport
-from tests.conftest import free_port, make_config
-from tests.transports.http.sse_client import SseEvent, events
+from tests.helpers.config import free_port, make_config
+from tests.helpers.sse_client import SseEvent, events
 
 TOKEN = "conformance-token"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
@@ -510,7 +510,7 @@ async def test_d4_results_and_feedback_read_the_same_over_sse_and_http(
     import nostr_sdk as ns
 
     from sessiontape.transports.nostr.plugin import NostrTransport
-    from tests.transports.nostr.conftest import Caller, LocalRelay, call_body, eventually
+    from tests.helpers.nostr import Caller, LocalRelay, call_body, eventually
 
     st = stack
     ns.uniffi_set_event_loop(asyncio.get_running_loop())

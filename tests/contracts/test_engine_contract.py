@@ -20,7 +20,7 @@ from typing import Any, cast
 
 import pytest
 
-from sessiontape.core.engine import Engine, OutputOptions, SamplingParams, Step
+from sessiontape.core.engine.interface import Engine, OutputOptions, SamplingParams, Step
 
 Factory = Callable[[], Engine]
 

@@ -10,13 +10,13 @@ from collections.abc import AsyncIterator
 import pytest
 
 from sessiontape.core import metrics
-from sessiontape.core.engine import SamplingParams
+from sessiontape.core.engine.interface import SamplingParams
 from sessiontape.core.events import T
 from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.generation.scheduler import Admission
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
-from tests.conftest import make_config
+from tests.helpers.config import make_config
 
 
 async def settle() -> None:

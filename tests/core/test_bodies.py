@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from sessiontape.core.bodies import BODIES, GenerationToken, SessionClosed, body
-from sessiontape.core.engine import OutputOptions, SamplingParams
+from sessiontape.core.engine.interface import OutputOptions, SamplingParams
 from sessiontape.core.events import T
 from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.runtime import Runtime

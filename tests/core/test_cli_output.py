@@ -19,7 +19,7 @@ from pathlib import Path
 from sessiontape.core.cli import build_parser
 from sessiontape.core.events import Event, T
 from sessiontape.core.replay import escape_controls, render_tokens, replay
-from tests.core.test_cli import cli, populated  # noqa: F401  (the fixture)
+from tests.helpers.cli import cli
 
 
 def _ev(version: int, type_: str, body: dict[str, object]) -> Event:
@@ -81,7 +81,7 @@ def test_replay_cli_escapes_what_would_steer_the_terminal(tmp_path: Path) -> Non
 
     from sessiontape.core.runtime import Runtime
     from sessiontape.engines.reference import ReferenceEngine
-    from tests.conftest import make_config
+    from tests.helpers.config import make_config
 
     url = f"sqlite+aiosqlite:///{tmp_path / 'esc.db'}"
 
@@ -150,7 +150,7 @@ def test_read_only_commands_do_not_create_a_database(tmp_path: Path) -> None:
 
 
 def test_importing_a_session_that_exists_is_refused_clearly(
-    populated: tuple[str, list[str]],  # noqa: F811
+    populated: tuple[str, list[str]],
     tmp_path: Path,
 ) -> None:
     url, (a, b, _) = populated
@@ -172,7 +172,7 @@ def test_importing_a_session_that_exists_is_refused_clearly(
     assert [r["id"] for r in json.loads(cli("sessions", "ls", "--json", db=other).stdout)] == [a]
 
 
-def test_purge_by_age_says_what_it_did(populated: tuple[str, list[str]]) -> None:  # noqa: F811
+def test_purge_by_age_says_what_it_did(populated: tuple[str, list[str]]) -> None:
     url, (a, _, _) = populated
     assert (
         cli("purge", "--older-than-days", "1000", db=url)
@@ -184,7 +184,7 @@ def test_purge_by_age_says_what_it_did(populated: tuple[str, list[str]]) -> None
 
 
 def test_audit_on_another_engine_says_why_it_failed(
-    populated: tuple[str, list[str]],  # noqa: F811
+    populated: tuple[str, list[str]],
     tmp_path: Path,
 ) -> None:
     url, (a, _, _) = populated
@@ -243,14 +243,14 @@ def test_audit_on_another_engine_says_why_it_failed(
     assert r["engine"] == "onnx" and r["recorded_engine"] == "reference" and r["reason"]
 
 
-def test_progress_is_only_drawn_on_a_terminal(populated: tuple[str, list[str]]) -> None:  # noqa: F811
+def test_progress_is_only_drawn_on_a_terminal(populated: tuple[str, list[str]]) -> None:
     url, ids = populated
     proc = cli("audit", *ids, db=url)
     assert "\r" not in proc.stderr and "[###" not in proc.stderr
     assert len(proc.stdout.strip().splitlines()) == 3
 
 
-def test_progress_is_drawn_on_a_terminal(populated: tuple[str, list[str]]) -> None:  # noqa: F811
+def test_progress_is_drawn_on_a_terminal(populated: tuple[str, list[str]]) -> None:
     import os
     import pty
     import subprocess

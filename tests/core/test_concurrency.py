@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from sessiontape.core.engine import SamplingParams
+from sessiontape.core.engine.interface import SamplingParams
 from sessiontape.core.errors import (
     InvalidParameters,
     InvalidRange,
@@ -21,7 +21,7 @@ from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.log import EventLog
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
-from tests.conftest import make_config
+from tests.helpers.config import make_config
 
 
 async def test_append_racing_close_never_lands_after_close(runtime: Runtime) -> None:
@@ -176,7 +176,7 @@ async def test_engine_failure_is_recorded_as_error(sqlite_url: str) -> None:
 
 
 async def test_checks_before_anything_is_committed(sqlite_url: str) -> None:
-    from sessiontape.core.engine import OutputOptions, ReadoutManifest  # noqa: F401
+    from sessiontape.core.engine.interface import OutputOptions, ReadoutManifest  # noqa: F401
 
     class NoReadouts(ReferenceEngine):
         def __init__(self) -> None:

@@ -29,7 +29,7 @@ from sessiontape.engines.onnx.options import OnnxOptions
 from sessiontape.engines.reference import ReferenceEngine, ReferenceOptions
 from sessiontape.transports.grpc.settings import GrpcSettings
 from sessiontape.transports.http.plugin import HttpTransport
-from sessiontape.transports.http.settings import HttpSettings
+from sessiontape.transports.http.server.settings import HttpSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from sessiontape.core.config import GenerationSettings, LimitsSettings
-from sessiontape.core.settings import markdown_table
+from sessiontape.core.settings_framework import markdown_table
 from sessiontape.engines.onnx.options import OnnxOptions
 from sessiontape.transports.grpc.settings import GrpcSettings
 
@@ -76,7 +76,7 @@ def test_a_table_row_says_name_type_default_bounds_and_meaning() -> None:
     assert "| `max_body_bytes` | integer | `16777216` | >= 1 |" in markdown_table(LimitsSettings)
     grpc = markdown_table(GrpcSettings)
     assert "| `tls_cert` | string | unset |" in grpc
-    assert "| `max_message_bytes` | integer | `[limits] max_body_bytes` | >= 1 |" in grpc
+    assert "| `max_message_bytes` | integer | `4194304` | >= 1 |" in grpc
 
 
 def _example_tables() -> dict[str, set[str]]:

@@ -21,11 +21,11 @@ from sessiontape.core.log.store import verify_chain
 WRITER = textwrap.dedent(
     """
     import asyncio, json, sys
-    from sessiontape.core.engine import SamplingParams
+    from sessiontape.core.engine.interface import SamplingParams
     from sessiontape.core.generation.request import GenerateRequest
     from sessiontape.core.runtime import Runtime
     from sessiontape.engines.reference import ReferenceEngine
-    from tests.conftest import make_config
+    from tests.helpers.config import make_config
 
     async def main():
         rt = await Runtime.create(make_config(sys.argv[1]), engine=ReferenceEngine())
@@ -54,11 +54,11 @@ WRITER = textwrap.dedent(
 GENERATOR = textwrap.dedent(
     """
     import asyncio, json, sys
-    from sessiontape.core.engine import SamplingParams
+    from sessiontape.core.engine.interface import SamplingParams
     from sessiontape.core.generation.request import GenerateRequest
     from sessiontape.core.runtime import Runtime
     from sessiontape.engines.reference import ReferenceEngine
-    from tests.conftest import make_config
+    from tests.helpers.config import make_config
 
     async def main():
         if sys.argv[2] == "worker":
@@ -91,11 +91,11 @@ GENERATOR = textwrap.dedent(
 SHORT_TURNS = textwrap.dedent(
     """
     import asyncio, json, sys
-    from sessiontape.core.engine import SamplingParams
+    from sessiontape.core.engine.interface import SamplingParams
     from sessiontape.core.generation.request import GenerateRequest
     from sessiontape.core.runtime import Runtime
     from sessiontape.engines.reference import ReferenceEngine
-    from tests.conftest import make_config
+    from tests.helpers.config import make_config
 
     async def main():
         options = {"eos_bias": -1000.0, "max_length": 1 << 20}
@@ -219,12 +219,12 @@ def _kill_and_check(
 
 
 async def test_generation_left_open_by_a_crash_is_closed_as_interrupted(sqlite_url: str) -> None:
-    from sessiontape.core.engine import SamplingParams
+    from sessiontape.core.engine.interface import SamplingParams
     from sessiontape.core.events import NewEvent, T
     from sessiontape.core.generation.request import GenerateRequest
     from sessiontape.core.runtime import Runtime
     from sessiontape.engines.reference import ReferenceEngine
-    from tests.conftest import make_config
+    from tests.helpers.config import make_config
 
     rt = await Runtime.create(make_config(sqlite_url), engine=ReferenceEngine())
     try:

@@ -22,7 +22,7 @@ from sessiontape.core.document import (
     build_document,
     fork_base,
 )
-from sessiontape.core.engine import OutputOptions, SamplingParams
+from sessiontape.core.engine.interface import OutputOptions, SamplingParams
 from sessiontape.core.errors import InvalidEvent, SessiontapeError
 from sessiontape.core.events import Event
 from sessiontape.core.generation.request import GenerateRequest
@@ -31,7 +31,7 @@ from sessiontape.core.patch import apply_patch, diff, to_rfc6902
 from sessiontape.core.runtime import Runtime
 from sessiontape.core.tokens import ImageIn
 from sessiontape.engines.reference import IMAGE_PAD, ReferenceEngine
-from tests.conftest import make_config
+from tests.helpers.config import make_config
 
 
 def _bytes_text(ids: Sequence[int]) -> str:

@@ -10,12 +10,12 @@ from typing import Any
 
 from sessiontape.core.document import DocumentBuilder, build_document, fork_base
 from sessiontape.core.document.conversation import Conversation, remap, request_messages
-from sessiontape.core.engine import OutputOptions, SamplingParams
+from sessiontape.core.engine.interface import OutputOptions, SamplingParams
 from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.patch import apply_patch
 from sessiontape.core.runtime import Runtime
-from sessiontape.transports.http.chat_template import ROLE_MARKERS, ChatTemplate
-from sessiontape.transports.http.turns import Turn, Turns, load_turn
+from sessiontape.transports.http.openai.chat_template import ROLE_MARKERS, ChatTemplate
+from sessiontape.transports.http.openai.turns import Turn, Turns, load_turn
 
 QUESTION = "What is the capital of France?"
 

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sessiontape.core.config import Config
-from sessiontape.core.engine import Engine, OutputOptions, SamplingParams, Step
+from sessiontape.core.engine.interface import Engine, OutputOptions, SamplingParams, Step
 from sessiontape.core.engine.worker import WorkerEngine
 from sessiontape.core.errors import (
     ConfigError,
@@ -28,7 +28,7 @@ from sessiontape.core.events import T
 from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
-from tests.conftest import make_config
+from tests.helpers.config import make_config
 
 HISTORY = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
 
@@ -258,7 +258,7 @@ async def test_healthz_answers_503_once_the_worker_is_gone(sqlite_url: str) -> N
     """A worker that dies while idle (nothing reading its pipe) is noticed by the probe."""
     import httpx
 
-    from sessiontape.transports.http.app import create_app
+    from sessiontape.transports.http.server.app import create_app
 
     cfg = make_config(sqlite_url, engine={"name": "reference", "process": "worker"})
     rt = await Runtime.create(cfg)

@@ -10,7 +10,7 @@ from sessiontape.core.errors import InvalidAction, InvalidFragment, NodeNotFound
 from sessiontape.core.nodes import FragmentIn, flatten, is_complete, missing
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
-from tests.conftest import make_config
+from tests.helpers.config import make_config
 
 
 def leaf(

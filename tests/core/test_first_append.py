@@ -6,47 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sessiontape.core.engine import DEFAULT_OUTPUT, OutputOptions, SamplingParams, Step
+from sessiontape.core.engine.interface import SamplingParams
 from sessiontape.core.errors import EngineError
 from sessiontape.core.events import Event, T
 from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.runtime import Runtime
-from sessiontape.engines.reference import ReferenceEngine
-from tests.conftest import make_config
-from tests.core.test_short_turns import spy_commits
-
-
-class SpyEngine(ReferenceEngine):
-    """The reference engine, noting the history each generation starts on; its first
-    step can be held back (``hold``) or fail (``fail``)."""
-
-    def __init__(self, **kw: Any) -> None:
-        super().__init__(**kw)
-        self.histories: list[list[int]] = []
-        self.hold: asyncio.Event | None = None
-        self.fail = False
-
-    async def generate(
-        self,
-        session_key: str,
-        history: Sequence[int],
-        params: SamplingParams,
-        options: OutputOptions = DEFAULT_OUTPUT,
-    ) -> AsyncIterator[Step]:
-        self.histories.append(list(history))
-        if self.hold is not None:
-            await self.hold.wait()
-        if self.fail:
-            raise EngineError("the device fell over")
-        async for step in super().generate(session_key, history, params, options):
-            yield step
+from tests.helpers.config import make_config
+from tests.helpers.runtime import SpyEngine, spy_commits
 
 
 async def test_a_short_turn_is_one_commit_and_the_caller_sees_no_append(

@@ -20,14 +20,14 @@ import pytest
 from sessiontape.core import audit as audit_mod
 from sessiontape.core.audit import audit_session
 from sessiontape.core.document import DocumentBuilder
-from sessiontape.core.engine import SamplingParams
+from sessiontape.core.engine.interface import SamplingParams
 from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.handback import HANDBACK_EVERY, handing_back
 from sessiontape.core.log import store as store_mod
 from sessiontape.core.runtime import Runtime
 from sessiontape.core.session import loader as loader_mod
 from sessiontape.core.session.loader import load_state
-from sessiontape.transports.http.feeds import Forks, load_builder
+from sessiontape.transports.http.native.feeds import Forks, load_builder
 
 
 class Ticker:

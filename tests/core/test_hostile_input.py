@@ -11,15 +11,14 @@ import sys
 from pathlib import Path
 
 import pytest
-import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import create_async_engine
 
 from sessiontape.core.audit import audit_session
-from sessiontape.core.engine import SamplingParams
+from sessiontape.core.engine.interface import SamplingParams
 from sessiontape.core.errors import InvalidParameters, InvalidValue
 from sessiontape.core.events import NewEvent, T, check_body
 from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.runtime import Runtime
+from tests.helpers.hostile import poison
 
 
 @pytest.mark.parametrize(
@@ -92,47 +91,6 @@ async def test_feedback_with_nan_is_refused_and_stores_nothing(runtime: Runtime)
     assert [e.type for e in await runtime.log.read(sid)] == [T.SESSION_OPENED]
 
 
-async def _poison(url: str, sid: str) -> None:
-    """What an older server stored for ``temperature: NaN``: null in the generation.started body.
-
-    The body is rewritten and the hash chain re-sealed, so only the bad parameter is wrong.
-    """
-    from sessiontape.core.events import Event, event_hash
-
-    eng = create_async_engine(url)
-    async with eng.begin() as conn:
-        rows = (
-            await conn.execute(
-                sa.text(
-                    "SELECT position, version, type, body, data, recorded_at, hash, prev_hash FROM events "
-                    "WHERE session_id = :s ORDER BY version"
-                ),
-                {"s": sid},
-            )
-        ).all()
-        prev = rows[0].prev_hash
-        for r in rows:
-            body = json.loads(r.body)
-            if r.type == T.GENERATION_STARTED:
-                body["params"]["temperature"] = None
-            e = Event(r.position, sid, r.version, r.type, body, r.data, r.recorded_at, "", prev)
-            h = event_hash(e)
-            await conn.execute(
-                sa.text(
-                    "UPDATE events SET body = :b, hash = :h, prev_hash = :p WHERE position = :pos"
-                ),
-                {
-                    "b": json.dumps(body, sort_keys=True, separators=(",", ":")),
-                    "h": h,
-                    "p": prev,
-                    "pos": r.position,
-                },
-            )
-            prev = h
-        await conn.execute(sa.text("DELETE FROM snapshots WHERE session_id = :s"), {"s": sid})
-    await eng.dispose()
-
-
 async def test_audit_reports_unusable_recorded_params_and_goes_on(
     tmp_path: Path, runtime: Runtime
 ) -> None:
@@ -144,7 +102,7 @@ async def test_audit_reports_unusable_recorded_params_and_goes_on(
         ):
             pass
     url = str(runtime.log.engine.url)
-    await _poison(url, bad)
+    await poison(url, bad)
     report = await audit_session(runtime.log, bad, reexecute=True, engine=runtime.engine)
     assert not report.ok and report.chain_ok and not report.invariants_ok
     assert len(report.problems) == 1 and "generation.started" in report.problems[0], report.problems

@@ -2,47 +2,20 @@
 
 tests/data/json_patch_cases.json holds the RFC 6902 Appendix A examples, the JSON Patch+
 ``append`` cases and the edges of every op; tests/transports/http/test_patch_js.py runs the same
-file against transports/http/static/patch.js. ``load_cases`` and ``json_same`` serve both.
+file against transports/http/viewer/static/patch.js. ``load_cases`` and ``json_same`` serve both.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from sessiontape.core.errors import InvalidPatch
 from sessiontape.core.patch import apply_patch
-
-CASES_FILE = Path(__file__).resolve().parents[1] / "data" / "json_patch_cases.json"
-
-
-def load_cases() -> list[dict[str, Any]]:
-    cases: list[dict[str, Any]] = json.loads(CASES_FILE.read_text(encoding="utf-8"))["cases"]
-    return cases
-
-
-def json_same(a: Any, b: Any) -> bool:
-    """JSON equality as RFC 6902 ``test`` means it, written apart from the appliers under test:
-    objects by members in any order, arrays element by element, numbers by value, and no kind
-    equal to another (``True`` is not ``1``, as Python's ``==`` would have it)."""
-
-    def kind(v: Any) -> type:
-        return float if type(v) is int else type(v)
-
-    if kind(a) is not kind(b):
-        return False
-    if isinstance(a, list):
-        return len(a) == len(b) and all(json_same(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(json_same(a[k], b[k]) for k in a)
-    return bool(a == b)
-
-
-CASES = load_cases()
+from tests.helpers.patch_cases import CASES, json_same
 
 
 def test_the_cases_are_well_formed() -> None:

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sessiontape.core.engine import DEFAULT_OUTPUT, OutputOptions, SamplingParams, Step
+from sessiontape.core.engine.interface import DEFAULT_OUTPUT, OutputOptions, SamplingParams, Step
 from sessiontape.core.errors import EngineError, InvalidArgument
 from sessiontape.core.events import Event, NewEvent, T
 from sessiontape.core.generation import policy as run_policy
@@ -21,7 +21,7 @@ from sessiontape.core.generation.policy import FIRST_RUN, SHORT_GENERATION, RunP
 from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
-from tests.conftest import make_config
+from tests.helpers.config import make_config
 
 
 def generated(evs: Sequence[Event], gid: str | None = None) -> list[int]:

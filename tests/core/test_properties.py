@@ -10,13 +10,13 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sessiontape.core.engine import SamplingParams
+from sessiontape.core.engine.interface import SamplingParams
 from sessiontape.core.errors import SessiontapeError
 from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.log.store import verify_chain
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
-from tests.conftest import make_config
+from tests.helpers.config import make_config
 
 token = st.integers(min_value=0, max_value=258)
 bad_token = st.one_of(st.integers(max_value=-1), st.integers(min_value=259, max_value=10**6))
@@ -127,7 +127,7 @@ bad_ops = st.one_of(
 def test_invalid_inputs_leave_the_log_unchanged(
     tmp_path: Path, prefix: list[int], bad: list[tuple[Any, ...]]
 ) -> None:
-    from sessiontape.core.engine import OutputOptions
+    from sessiontape.core.engine.interface import OutputOptions
     from sessiontape.core.nodes import FragmentIn
 
     async def main() -> None:

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from sessiontape.core import metrics
-from sessiontape.core.engine import SamplingParams
+from sessiontape.core.engine.interface import SamplingParams
 from sessiontape.core.errors import LogUnavailable, OffsetMismatch, SessionBusy
 from sessiontape.core.events import T
 from sessiontape.core.generation.request import GenerateRequest
@@ -22,8 +22,8 @@ from sessiontape.core.log.postgres import PostgresDialect
 from sessiontape.core.log.store import verify_chain
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
-from tests.conftest import make_config
-from tests.core.test_first_append import SpyEngine
+from tests.helpers.config import make_config
+from tests.helpers.runtime import SpyEngine
 
 pytestmark = pytest.mark.postgres
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from sessiontape.core.engine import OutputOptions, SamplingParams
+from sessiontape.core.engine.interface import OutputOptions, SamplingParams
 from sessiontape.core.errors import (
     AppendOnlyViolation,
     ContextOverflow,
@@ -27,7 +27,7 @@ from sessiontape.core.log.store import verify_chain
 from sessiontape.core.runtime import Runtime
 from sessiontape.core.tokens import ImageIn
 from sessiontape.engines.reference import EOS, IMAGE_PAD, ReferenceEngine
-from tests.conftest import make_config
+from tests.helpers.config import make_config
 
 
 async def unchanged(rt: Runtime, sid: str, version: int, tokens: list[int]) -> None:

@@ -9,32 +9,17 @@ lingers for more steps once the engine has made its last one.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from typing import Any
 
 import pytest
 
-from sessiontape.core.engine import SamplingParams
-from sessiontape.core.events import Event, NewEvent, T
+from sessiontape.core.engine.interface import SamplingParams
+from sessiontape.core.events import T
 from sessiontape.core.generation.policy import RunPolicy
 from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import EOS, ReferenceEngine
-from tests.conftest import make_config
-
-
-def spy_commits(rt: Runtime) -> list[list[str]]:
-    """The event types of each commit the runtime makes from now on."""
-    commits: list[list[str]] = []
-    commit = rt.sessions.commit
-
-    async def spied(st: Any, new: Sequence[NewEvent], **kw: Any) -> list[Event]:
-        evs = await commit(st, new, **kw)
-        commits.append([e.type for e in evs])
-        return evs
-
-    rt.sessions.commit = spied  # type: ignore[method-assign]
-    return commits
+from tests.helpers.config import make_config
+from tests.helpers.runtime import spy_commits
 
 
 async def test_a_short_generations_finish_commits_with_its_last_tokens(

@@ -4,20 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import weakref
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 
-from sessiontape.core.engine import SamplingParams
+from sessiontape.core.engine.interface import SamplingParams
 from sessiontape.engines.onnx import OnnxEngine
 from sessiontape.engines.onnx.demo import build_demo
-
-#: engines that other sessions are generating on while a test runs
-_BUSY: weakref.WeakSet[OnnxEngine] = weakref.WeakSet()
+from tests.helpers.engines import BUSY
 
 
 @pytest.fixture(scope="session")
@@ -42,7 +38,7 @@ async def onnx_engine(tiny_dir: Path, request: pytest.FixtureRequest) -> AsyncIt
     if request.param == "default":
         yield eng
         return
-    _BUSY.add(eng)
+    BUSY.add(eng)
     task = asyncio.create_task(_neighbours(eng))
     try:
         yield eng
@@ -51,12 +47,6 @@ async def onnx_engine(tiny_dir: Path, request: pytest.FixtureRequest) -> AsyncIt
         with contextlib.suppress(asyncio.CancelledError):
             await task
         await eng.aclose()
-
-
-def alone_only(engine: OnnxEngine) -> None:
-    """Skip a test that counts the engine's passes or positions: neighbours add theirs."""
-    if engine in _BUSY:
-        pytest.skip("counts engine-wide passes and positions; the background neighbours add theirs")
 
 
 async def _neighbours(engine: OnnxEngine) -> None:
@@ -84,24 +74,3 @@ async def _neighbours(engine: OnnxEngine) -> None:
             await asyncio.sleep(0)
 
     await asyncio.gather(*(one(f"neighbour-{i}") for i in range(3)))
-
-
-@contextlib.contextmanager
-def failing_once(target: Any, name: str, at_call: int, exc: BaseException) -> Iterator[None]:
-    """Inside the block, ``target.name`` raises ``exc`` on its ``at_call``-th call (and
-    works otherwise); the real one is back after it."""
-    real = getattr(target, name)
-    calls = 0
-
-    def flaky(*args: Any) -> Any:
-        nonlocal calls
-        calls += 1
-        if calls == at_call:
-            raise exc
-        return real(*args)
-
-    setattr(target, name, flaky)
-    try:
-        yield
-    finally:
-        setattr(target, name, real)

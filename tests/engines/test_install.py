@@ -12,7 +12,7 @@ import re
 import tomllib
 from pathlib import Path
 
-from sessiontape.engines.onnx.session import CUDA, quiet_ort
+from sessiontape.engines.onnx.runner import CUDA, quiet_ort
 
 ROOT = Path(__file__).resolve().parents[2]
 #: distributions that depend on the CPU-only onnxruntime

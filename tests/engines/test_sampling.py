@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sessiontape.core.engine import SamplingParams
+from sessiontape.core.engine.interface import SamplingParams
 from sessiontape.engines.sampling import PREFIX_MIN_VOCAB, _draw, _draw_sorted, log_softmax, sample
 
 #: scores with many ties and both infinities among them

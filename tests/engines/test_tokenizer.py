@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sessiontape.engines.tokenizer import ByteTokenizer
+from sessiontape.engines.byte_tokenizer import ByteTokenizer
 
 
 @settings(max_examples=300, derandomize=True, deadline=None)

@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 
 from sessiontape.core.runtime import Runtime
 from sessiontape.transports.nostr.worker import D4Worker
-from tests.fuzz.conftest import LONG, QUICK, fuzz_settings
-from tests.fuzz.strategies import HOSTILE_JSON, HOSTILE_TEXT, encode, plausible
-from tests.transports.nostr.conftest import LocalRelay, WorkerFactory, call_body, eventually
+from tests.helpers.fuzz import LONG, QUICK, fuzz_settings
+from tests.helpers.nostr import LocalRelay, WorkerFactory, call_body, eventually
+from tests.helpers.strategies import HOSTILE_JSON, HOSTILE_TEXT, encode, plausible
 
 ARG_SCHEMA = {
     "prompt": {"type": "string"},

@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.fuzz.conftest import LONG, QUICK, fuzz_settings
-from tests.fuzz.test_grpc_fuzz import FORBIDDEN, Fuzzed, _stored, fuzzed  # noqa: F401
+from tests.helpers.grpc_fuzz import FORBIDDEN, Fuzzed, stored
 from tests.helpers.h2client import raw_call as h2_call
 
 PATHS = (
@@ -51,7 +51,7 @@ def _whole_first_message(body: bytes) -> bool:
 
 
 async def _check(f: Fuzzed, path: str, body: bytes, encoding: str | None) -> None:
-    before = await _stored(f)
+    before = await stored(f)
     f.errors.clear()
     extra = () if encoding is None else (("grpc-encoding", encoding),)
     whole = _whole_first_message(body)
@@ -62,7 +62,7 @@ async def _check(f: Fuzzed, path: str, body: bytes, encoding: str | None) -> Non
         # message (its handler never runs, no status is sent): the sender's own stream
         # waits; nothing else does, and nothing is stored
         assert not whole, (path, body, encoding)
-        assert await _stored(f) == before
+        assert await stored(f) == before
         return
     assert answer.status is not None, (path, body, answer)
     code = {c.value[0]: c for c in grpc.StatusCode}[answer.status]
@@ -70,24 +70,24 @@ async def _check(f: Fuzzed, path: str, body: bytes, encoding: str | None) -> Non
     if encoding == "snappy" and message == "Error parsing 'grpc-encoding' metadata":
         # grpcio's own answer to an encoding it lacks: INTERNAL where the gRPC spec says
         # UNIMPLEMENTED; given before any handler runs, so nothing is stored
-        assert await _stored(f) == before
+        assert await stored(f) == before
         return
     assert code not in FORBIDDEN, (path, body, encoding, answer, f.errors)
     assert not f.errors, (path, body, encoding, f.errors)
     if code is not grpc.StatusCode.OK:
-        assert await _stored(f) == before, (path, body, encoding, code)
+        assert await stored(f) == before, (path, body, encoding, code)
 
 
 @pytest.mark.parametrize("path", PATHS)
 @fuzz_settings(QUICK)
 @given(body=frames(), encoding=st.sampled_from(ENCODINGS))
 async def test_grpc_frame_fuzz(
-    fuzzed: Fuzzed,  # noqa: F811
+    grpc_fuzzed: Fuzzed,
     path: str,
     body: bytes,
     encoding: str | None,
 ) -> None:
-    await _check(fuzzed, path, body, encoding)
+    await _check(grpc_fuzzed, path, body, encoding)
 
 
 @pytest.mark.fuzz
@@ -95,9 +95,9 @@ async def test_grpc_frame_fuzz(
 @fuzz_settings(LONG)
 @given(body=frames(), encoding=st.sampled_from(ENCODINGS))
 async def test_grpc_frame_fuzz_long(
-    fuzzed: Fuzzed,  # noqa: F811
+    grpc_fuzzed: Fuzzed,
     path: str,
     body: bytes,
     encoding: str | None,
 ) -> None:
-    await _check(fuzzed, path, body, encoding)
+    await _check(grpc_fuzzed, path, body, encoding)

@@ -11,10 +11,6 @@ by what the server did instead: no internal error logged, nothing changed.
 
 from __future__ import annotations
 
-import json
-import logging
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -22,23 +18,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sessiontape.core.runtime import Runtime
-from sessiontape.engines.reference import ReferenceEngine
 from sessiontape.transports.grpc.gen.evergreen.v2 import evergreen_pb2
 from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2 as kakeya_pb2
 from sessiontape.transports.grpc.gen.salience.v1 import salience_pb2
-from sessiontape.transports.grpc.plugin import GrpcTransport
-from tests.conftest import make_config
-from tests.fuzz.conftest import LONG, QUICK, LoggedErrors, fuzz_settings
-from tests.fuzz.strategies import message
-from tests.transports.grpc.test_hostile import raw_call
+from tests.fuzz.conftest import LONG, QUICK, fuzz_settings
+from tests.helpers.grpc_calls import raw_call
+from tests.helpers.grpc_fuzz import FORBIDDEN, Fuzzed, stored
+from tests.helpers.strategies import message
 
-FORBIDDEN = {
-    grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.INTERNAL,
-    grpc.StatusCode.DATA_LOSS,
-    grpc.StatusCode.UNIMPLEMENTED,
-}
 REFUSALS = {
     grpc.StatusCode.INVALID_ARGUMENT,
     grpc.StatusCode.OUT_OF_RANGE,
@@ -62,50 +49,8 @@ METHODS = [
 IDS = [f"{m.containing_service.name}.{m.name}" for m in METHODS]
 
 
-@dataclass
-class Fuzzed:
-    runtime: Runtime
-    channel: grpc.aio.Channel
-    sids: list[str]
-    #: what the server logged at ERROR (an internal error's traceback), for a failure's report
-    errors: list[str] = field(default_factory=list)
-    #: the server's port, for clients other than ``channel``
-    port: int = 0
-
-
-@pytest.fixture
-async def fuzzed(sqlite_url: str) -> AsyncIterator[Fuzzed]:
-    cfg = make_config(sqlite_url)
-    rt = await Runtime.create(cfg, engine=ReferenceEngine(max_length=256))
-    tr = GrpcTransport(rt, {"listen": "127.0.0.1:0"}, cfg)
-    await tr.start()
-    sids = [
-        (await rt.open_session("salience")).session_id,
-        (await rt.open_session("kakeya", mode="append_only")).session_id,
-    ]
-    for sid in sids:
-        await rt.append_tokens(sid, [1, 2, 3])
-    errors: list[str] = []
-    handler = LoggedErrors(errors)
-    server_log = logging.getLogger("sessiontape")
-    server_log.addHandler(handler)
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{tr.port}") as channel:
-            yield Fuzzed(rt, channel, sids, errors, port=tr.port or 0)
-    finally:
-        server_log.removeHandler(handler)
-        await tr.stop(0.5)
-        await rt.aclose()
-
-
-async def _stored(f: Fuzzed) -> str:
-    return json.dumps(
-        [[e.to_json() for e in await f.runtime.log.read(s)] for s in f.sids], sort_keys=True
-    )
-
-
 async def _check(f: Fuzzed, method: Any, payloads: list[bytes]) -> None:
-    before = await _stored(f)
+    before = await stored(f)
     path = f"/{method.containing_service.full_name}/{method.name}"
     f.errors.clear()
     if method.client_streaming:
@@ -114,13 +59,13 @@ async def _check(f: Fuzzed, method: Any, payloads: list[bytes]) -> None:
             # grpc.aio's client lost the server's status: the server is judged by what it
             # did (its last resort logs every internal error it answers; nothing else changed)
             assert not f.errors, (path, payloads, f.errors)
-            assert await _stored(f) == before, (path, payloads)
+            assert await stored(f) == before, (path, payloads)
             return
     else:
         code = await raw_call(f.channel, path, False, method.server_streaming, payloads[0])
     assert code not in FORBIDDEN, (path, code, payloads, f.errors)
     if code in REFUSALS:
-        assert await _stored(f) == before, (path, code, payloads)
+        assert await stored(f) == before, (path, code, payloads)
 
 
 async def _stream(
@@ -147,13 +92,13 @@ def inputs(method: Any, sids: list[str]) -> st.SearchStrategy[list[bytes]]:
 @pytest.mark.parametrize("method", METHODS, ids=IDS)
 @fuzz_settings(QUICK)
 @given(data=st.data())
-async def test_grpc_method_fuzz(fuzzed: Fuzzed, method: Any, data: Any) -> None:
-    await _check(fuzzed, method, data.draw(inputs(method, fuzzed.sids)))
+async def test_grpc_method_fuzz(grpc_fuzzed: Fuzzed, method: Any, data: Any) -> None:
+    await _check(grpc_fuzzed, method, data.draw(inputs(method, grpc_fuzzed.sids)))
 
 
 @pytest.mark.fuzz
 @pytest.mark.parametrize("method", METHODS, ids=IDS)
 @fuzz_settings(LONG)
 @given(data=st.data())
-async def test_grpc_method_fuzz_long(fuzzed: Fuzzed, method: Any, data: Any) -> None:
-    await _check(fuzzed, method, data.draw(inputs(method, fuzzed.sids)))
+async def test_grpc_method_fuzz_long(grpc_fuzzed: Fuzzed, method: Any, data: Any) -> None:
+    await _check(grpc_fuzzed, method, data.draw(inputs(method, grpc_fuzzed.sids)))

@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
 from sessiontape.transports.http.plugin import HttpTransport
-from tests.conftest import make_config
-from tests.fuzz.conftest import LONG, QUICK, LoggedErrors, fuzz_settings
+from tests.helpers.config import make_config
+from tests.helpers.fuzz import LONG, QUICK, LoggedErrors, fuzz_settings
 
 #: a response's status line, wherever one starts in what the server sent
 STATUS = re.compile(rb"(?:^|\r\n)HTTP/1\.[01] (\d{3}) ")

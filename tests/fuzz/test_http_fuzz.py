@@ -8,26 +8,19 @@ session byte-for-byte as it was (the export before and after).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import urllib.parse
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sessiontape.core.runtime import Runtime
-from sessiontape.engines.reference import ReferenceEngine
-from sessiontape.transports.http.openapi import spec
-from sessiontape.transports.http.plugin import HttpTransport
-from tests.conftest import make_config
-from tests.fuzz.conftest import LONG, QUICK, fuzz_settings
-from tests.fuzz.strategies import HOSTILE_TEXT, body_for
+from sessiontape.transports.http.server.openapi import spec
+from tests.helpers.fuzz import LONG, QUICK, fuzz_settings
+from tests.helpers.http_fuzz import Fuzzed, stored
+from tests.helpers.strategies import HOSTILE_TEXT, body_for
 
 #: errors after which nothing may have changed
 REFUSALS = {400, 401, 404, 405, 408, 413, 422}
@@ -35,40 +28,6 @@ SPEC = spec()
 OPERATIONS = [
     (path, method, op) for path, item in SPEC["paths"].items() for method, op in item.items()
 ]
-
-
-@dataclass
-class Fuzzed:
-    runtime: Runtime
-    client: httpx.AsyncClient
-    sids: list[str]
-
-
-@pytest.fixture
-async def fuzzed(sqlite_url: str, port: int) -> AsyncIterator[Fuzzed]:
-    cfg = make_config(sqlite_url, limits={"max_body_bytes": 64 * 1024, "body_timeout_s": 5.0})
-    rt = await Runtime.create(cfg, engine=ReferenceEngine(max_length=256))
-    tr = HttpTransport(rt, {"listen": f"127.0.0.1:{port}", "heartbeat_s": 1.0}, cfg)
-    await tr.start()
-    sids = []
-    for protocol in ("http", "salience"):
-        st = await rt.open_session(protocol)
-        await rt.append_text(st.session_id, "a stored prompt")
-        sids.append(st.session_id)
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
-        yield Fuzzed(rt, client, sids)
-    await tr.stop(grace=1.0)
-    await rt.aclose()
-
-
-async def _stored(f: Fuzzed) -> bytes:
-    """Every stored session, as its events: what must not change when a request is refused."""
-    while any(f.runtime.generations.is_running(s) for s in f.sids):  # noqa: ASYNC110 - a cancelled stream's record
-        await asyncio.sleep(0.01)
-    rows = await f.runtime.log.list_sessions(limit=10_000)
-    return json.dumps(
-        [[e.to_json() for e in await f.runtime.log.read(r.id)] for r in rows], sort_keys=True
-    ).encode()
 
 
 @st.composite
@@ -134,7 +93,7 @@ async def _send(f: Fuzzed, req: dict[str, Any]) -> tuple[int, bytes, str]:
 
 
 async def _check(f: Fuzzed, req: dict[str, Any]) -> None:
-    before = await _stored(f)
+    before = await stored(f)
     status, body, ctype = await _send(f, req)
     assert status < 500, (req, status, body[:300])
     if status >= 400:
@@ -142,7 +101,7 @@ async def _check(f: Fuzzed, req: dict[str, Any]) -> None:
         err = json.loads(body)["error"]
         assert err["code"] != "internal" and err["message"], (req, err)
     if status in REFUSALS:
-        assert await _stored(f) == before, (req, status, body[:300])
+        assert await stored(f) == before, (req, status, body[:300])
 
 
 IDS = [f"{m.upper()} {p}" for p, m, _ in OPERATIONS]

@@ -11,7 +11,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import create_engine
 
-from sessiontape.core.engine import SamplingParams
+from sessiontape.core.engine.interface import SamplingParams
 from sessiontape.core.events import NewEvent, T
 from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.log import EventLog
@@ -20,7 +20,7 @@ from sessiontape.core.log.store import verify_chain
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
 from sessiontape.migrations.runner import alembic_config, current_revision
-from tests.conftest import make_config
+from tests.helpers.config import make_config
 
 
 async def test_models_and_migrations_agree(db_url: str) -> None:

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from sessiontape.core.cli import main
-from tests.conftest import free_port
-from tests.transports.http.conftest import Served, serve
+from tests.helpers.config import free_port
+from tests.helpers.http import Served, serve
 
 
 @pytest.fixture

@@ -13,8 +13,8 @@ import pytest
 
 from sessiontape import AsyncClient, Client, errors
 from sessiontape.client import SSEDecoder, Update
-from tests.conftest import free_port
-from tests.transports.http.conftest import Served, serve
+from tests.helpers.config import free_port
+from tests.helpers.http import Served, serve
 
 
 @pytest.fixture
@@ -179,7 +179,7 @@ async def test_unauthenticated(sqlite_url: str, port: int) -> None:
     from sessiontape.core.runtime import Runtime
     from sessiontape.engines.reference import ReferenceEngine
     from sessiontape.transports.http.plugin import HttpTransport
-    from tests.conftest import make_config
+    from tests.helpers.config import make_config
 
     cfg = make_config(sqlite_url, auth={"token": "t0ken"})
     rt = await Runtime.create(cfg, engine=ReferenceEngine())

@@ -15,8 +15,8 @@ import pytest
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
 from sessiontape.transports.http.plugin import HttpTransport
-from tests.conftest import make_config
-from tests.transports.http.conftest import Served
+from tests.helpers.config import make_config
+from tests.helpers.http import Served
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "clients.md"
 
@@ -73,7 +73,7 @@ def test_the_curl_examples_name_documented_routes_and_valid_json() -> None:
     is a JSON object."""
     import json
 
-    from sessiontape.transports.http.openapi import spec
+    from sessiontape.transports.http.server.openapi import spec
 
     doc = spec()
     text = "\n".join(re.findall(r"```sh\n(.*?)```", DOC.read_text(), flags=re.S))

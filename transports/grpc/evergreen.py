@@ -37,7 +37,7 @@ from google.protobuf import json_format, message, struct_pb2
 
 from sessiontape.core.bodies import action_id_of
 from sessiontape.core.document.text import TextStream
-from sessiontape.core.engine import MODEL_SAMPLED, SamplingParams
+from sessiontape.core.engine.interface import MODEL_SAMPLED, SamplingParams
 from sessiontape.core.errors import (
     InvalidAction,
     InvalidFragment,

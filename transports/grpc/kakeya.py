@@ -26,7 +26,7 @@ from typing import Any
 
 from sessiontape.core.bodies import GenerationFinished, TokensTruncated, body, generated_token
 from sessiontape.core.config import Config
-from sessiontape.core.engine import SamplingParams, left_to_model
+from sessiontape.core.engine.interface import SamplingParams, left_to_model
 from sessiontape.core.errors import CacheInvariantViolation
 from sessiontape.core.events import Event, T
 from sessiontape.core.generation.request import GenerateRequest

@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from sessiontape.core.bodies import GenerationFinished, GenerationToken, body
-from sessiontape.core.engine import OutputOptions, SamplingParams, left_to_model
+from sessiontape.core.engine.interface import OutputOptions, SamplingParams, left_to_model
 from sessiontape.core.errors import ModelMismatch
 from sessiontape.core.events import Event, T
 from sessiontape.core.generation.request import GenerateRequest

@@ -28,7 +28,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from sessiontape.core import registry
+from sessiontape.core import plugins
 from sessiontape.core.config import parse_listen
 from sessiontape.core.errors import ConfigError, Unauthenticated
 from sessiontape.core.runtime import Runtime
@@ -151,14 +151,14 @@ class GrpcServer:
         return grpc.ssl_server_credentials([pair])
 
     def _load_services(self) -> None:
-        names = registry.available(GROUP)
+        names = plugins.available(GROUP)
         if not names:
             raise ConfigError(
                 f"transports.grpc: no services registered under {GROUP!r}"
                 " (is the package installed? pip install -e .)"
             )
         for name in names:
-            factory = registry.load(GROUP, name)
+            factory = plugins.load(GROUP, name)
             if not (isinstance(factory, type) and issubclass(factory, GrpcService)):
                 raise ConfigError(f"transports.grpc: service {name!r} is not a GrpcService")
             self._services.append(factory.create(self.runtime, self.settings))

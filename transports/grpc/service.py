@@ -2,7 +2,7 @@
 
 Services register under the entry-point group ``sessiontape.grpc_services``
 (pyproject.toml), like engines and transports, so that list is the only one:
-the server loads each by name through :mod:`sessiontape.core.registry`, and a third
+the server loads each by name through :mod:`sessiontape.core.plugins`, and a third
 party adds a service by publishing an entry point.
 
 A service is an object the server creates per server instance: whatever it

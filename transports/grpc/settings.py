@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from sessiontape.core.config import host_port
 from sessiontape.core.errors import ConfigError
-from sessiontape.core.settings import option
+from sessiontape.core.settings_framework import option
 from sessiontape.core.transport import TransportSettings
 
 

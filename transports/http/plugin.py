@@ -1,6 +1,6 @@
 """``HttpTransport``: the Starlette app served by uvicorn inside ``sessiontape serve``.
 
-Options: ``[transports.http]``, declared by :class:`~sessiontape.transports.http.settings.HttpSettings`.
+Options: ``[transports.http]``, declared by :class:`~sessiontape.transports.http.server.settings.HttpSettings`.
 Request limits and timeouts come from ``[limits]`` (docs/security.md).
 """
 
@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING, Any
 from sessiontape.core.config import parse_listen
 from sessiontape.core.errors import ConfigError
 from sessiontape.core.transport import Transport
-from sessiontape.transports.http.settings import HttpSettings
+from sessiontape.transports.http.server.settings import HttpSettings
 
 if TYPE_CHECKING:
     import uvicorn
 
     from sessiontape.core.config import Config
     from sessiontape.core.runtime import Runtime
-    from sessiontape.transports.http.drain import Inflight
+    from sessiontape.transports.http.server.drain import Inflight
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -78,9 +78,9 @@ class HttpTransport(Transport):
     async def start(self) -> str:
         import uvicorn
 
-        from sessiontape.transports.http.app import create_app
-        from sessiontape.transports.http.inputs import Limits
-        from sessiontape.transports.http.protocol import with_head_deadline
+        from sessiontape.transports.http.server.app import create_app
+        from sessiontape.transports.http.server.inputs import Limits
+        from sessiontape.transports.http.server.protocol import with_head_deadline
 
         limit = self.config.limits
         limits = Limits(
@@ -134,7 +134,7 @@ class HttpTransport(Transport):
         return f"HTTP on http://{self.host}:{self.port} (viewer at /, API at /v1, /metrics)"
 
     async def stop(self, grace: float = 5.0) -> None:
-        """Watch streams end at once, other requests get ``grace`` seconds, then end too (transports/http/drain.py);
+        """Watch streams end at once, other requests get ``grace`` seconds, then end too (transports/http/server/drain.py);
         uvicorn's own deadline comes later, so it never has to cancel (and log) a request itself."""
         if self._server is None or self._task is None:
             return

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sessiontape.core.engine import left_to_model
+from sessiontape.core.engine.interface import left_to_model
 from sessiontape.core.errors import InvalidParameters, InvalidValue
 from sessiontape.core.events import check_body
 

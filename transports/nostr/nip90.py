@@ -18,11 +18,11 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
-from sessiontape.core.engine import SamplingParams
+from sessiontape.core.engine.interface import SamplingParams
 from sessiontape.core.errors import InvalidParameters, SessiontapeError
 from sessiontape.core.events import Event
 from sessiontape.core.generation.request import GenerateRequest
-from sessiontape.engines.models.chat_template import prompt_text
+from sessiontape.engines.models.jinja_template import prompt_text
 from sessiontape.transports.nostr import d4
 from sessiontape.transports.nostr.errors import to_err
 from sessiontape.transports.nostr.streaming import Answerer

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from sessiontape.core.errors import ConfigError
-from sessiontape.core.settings import load_section, option
+from sessiontape.core.settings_framework import load_section, option
 from sessiontape.core.transport import TransportSettings
 from sessiontape.transports.nostr.d4 import SAMPLE_NEGOTIATE_FUNCTION_ID
 

@@ -28,13 +28,13 @@ from typing import Any, Protocol, cast
 from sessiontape.core.bodies import GenerationFinished, generated_token
 from sessiontape.core.bodies import body as typed_body
 from sessiontape.core.document.text import TextStream
-from sessiontape.core.engine import SamplingParams
+from sessiontape.core.engine.interface import SamplingParams
 from sessiontape.core.errors import InvalidParameters
 from sessiontape.core.events import Event, T
 from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.runtime import Runtime
 from sessiontape.core.session.state import SessionState
-from sessiontape.engines.models.chat_template import prompt_text
+from sessiontape.engines.models.jinja_template import prompt_text
 from sessiontape.transports.nostr import d4
 from sessiontape.transports.nostr.settings import Settings
 

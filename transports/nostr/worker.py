@@ -48,7 +48,7 @@ from sessiontape.core.errors import (
 from sessiontape.core.events import NewEvent, T
 from sessiontape.core.runtime import Runtime
 from sessiontape.transports.nostr import d4, nip90
-from sessiontape.transports.nostr.calls import (
+from sessiontape.transports.nostr.callbook import (
     FUNCTION_TAG,
     CallBook,
     CallRef,
@@ -80,7 +80,7 @@ log = logging.getLogger("sessiontape.nostr")
 class D4Worker:
     """One worker identity on its relays: lifecycle, dispatch of incoming events, recording and
     delivering answers. Relay I/O is :mod:`~sessiontape.transports.nostr.relay`, call state
-    :mod:`~sessiontape.transports.nostr.calls`, streaming :mod:`~sessiontape.transports.nostr.streaming`, NIP-90
+    :mod:`~sessiontape.transports.nostr.callbook`, streaming :mod:`~sessiontape.transports.nostr.streaming`, NIP-90
     :mod:`~sessiontape.transports.nostr.nip90`."""
 
     def __init__(self, runtime: Runtime, settings: Settings) -> None:

@@ -11,17 +11,7 @@ from sessiontape.core.errors import ChainBroken, ConcurrencyError
 from sessiontape.core.events import GENESIS_HASH, Event, NewEvent, T
 from sessiontape.core.log import EventLog
 from sessiontape.core.log.store import verify_chain
-
-
-def opened(**extra: object) -> NewEvent:
-    return NewEvent(
-        T.SESSION_OPENED,
-        {"protocol": "test", "engine": {"engine": "x", "vocab_size": 300}, **extra},
-    )
-
-
-def appended(start: int, toks: list[int]) -> NewEvent:
-    return NewEvent(T.TOKENS_APPENDED, {"start": start, "tokens": toks})
+from tests.helpers.events import appended, opened
 
 
 @pytest.fixture

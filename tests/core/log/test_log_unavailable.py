@@ -11,8 +11,8 @@ from sessiontape.core.errors import LogUnavailable
 from sessiontape.core.events import NewEvent, T
 from sessiontape.core.log import EventLog
 from sessiontape.transports.grpc.status import code_for
-from sessiontape.transports.http.errors import to_response
-from tests.conftest import PG_DB, PG_HOST, PG_PORT, PG_USER
+from sessiontape.transports.http.server.errors import to_response
+from tests.helpers.config import PG_DB, PG_HOST, PG_PORT, PG_USER
 
 
 async def terminate_backends(url: str) -> int:

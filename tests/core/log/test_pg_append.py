@@ -19,7 +19,7 @@ import pytest
 
 from sessiontape.core.events import Event, NewEvent, T
 from sessiontape.core.log import EventLog
-from tests.conftest import requires_pg
+from tests.helpers.config import requires_pg
 
 pytestmark = [pytest.mark.postgres, requires_pg]
 

@@ -19,7 +19,7 @@ from sessiontape.core.events import NewEvent, T, canonical_json
 from sessiontape.core.log import EventLog
 from sessiontape.core.log.store import verify_chain
 from sessiontape.core.log.writer import NOW_IDLE_S
-from tests.core.log.test_log import appended, opened
+from tests.helpers.events import appended, opened
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """The importer against an independent numpy forward pass, per architecture and source format.
 
-Each architecture (Llama, Qwen2, Mistral; tests/engines/models/checkpoints.py) is a small
+Each architecture (Llama, Qwen2, Mistral; tests/helpers/checkpoints.py) is a small
 random checkpoint written here as a Hugging Face folder and as a GGUF file, imported with
 :func:`import_model`, and run through onnxruntime; its logits at every position must be
 those of a numpy forward pass over the weights the source holds.
@@ -44,24 +44,14 @@ from tokenizers import Tokenizer
 
 from sessiontape.core.errors import ConfigError, UnsupportedModel
 from sessiontape.engines.models import quant
-from sessiontape.engines.models.importer import import_model
-from tests.engines.models import checkpoints as ck
-from tests.engines.models.checkpoints import F64, LLAMA, MISTRAL, QWEN2, Arch, Weights
+from sessiontape.engines.onnx.importer import import_model
+from tests.helpers import checkpoints as ck
+from tests.helpers.architectures import ARCHS, IDS, op_counts, weights
+from tests.helpers.checkpoints import F64, LLAMA, MISTRAL, QWEN2
 
 ATOL = 1e-4
 QT = gguf.GGMLQuantizationType
 BLOCK_TYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1]
-# 24 tokens: BOS, then seeded draws over the bytes and merges, the end-of-turn token inside
-IDS = [ck.BOS_ID, *(int(i) for i in np.random.default_rng(7).integers(0, ck.VOCAB, 22)), ck.EOS_ID]
-IDS[12] = ck.EOS_ID
-ARCHS = {a.name: a for a in (LLAMA, QWEN2, MISTRAL)}
-_WEIGHTS: dict[str, Weights] = {}
-
-
-def weights(arch: Arch) -> Weights:
-    if arch.name not in _WEIGHTS:
-        _WEIGHTS[arch.name] = ck.random_weights(arch)
-    return _WEIGHTS[arch.name]
 
 
 def imported(source: Path, out: Path, dtype: str = "float32") -> Path:
@@ -76,11 +66,6 @@ def assert_logits(got: F64, ref: F64, atol: float = ATOL) -> None:
     assert got.shape == ref.shape == (len(IDS), ck.VOCAB)
     worst = np.abs(got - ref).max(axis=-1)
     assert worst.max() <= atol, f"max |diff| per position {np.round(worst, 7).tolist()}"
-
-
-def op_counts(folder: Path, name: str = "model.onnx") -> Counter[str]:
-    model = onnx.load(str(folder / name), load_external_data=False)
-    return Counter(str(n.op_type) for n in model.graph.node)
 
 
 # -- Hugging Face folders -------------------------------------------------------------------

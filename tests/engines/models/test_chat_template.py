@@ -1,4 +1,4 @@
-"""engines/models/chat_template.py: Jinja chat templates rendered as transformers does.
+"""engines/models/jinja_template.py: Jinja chat templates rendered as transformers does.
 
 The expected texts are transformers' ``apply_chat_template`` outputs, recorded with
 SmolLM2's template (and two templates that use more of the environment) by
@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from sessiontape.core.errors import ConfigError, InvalidParameters
-from sessiontape.engines.models.chat_template import JinjaChatTemplate, continuation
+from sessiontape.engines.models.jinja_template import JinjaChatTemplate, continuation
 
 DATA = Path(__file__).resolve().parents[2] / "data"
 REF = json.loads((DATA / "smollm2_tokenizer_reference.json").read_text())
@@ -235,8 +235,8 @@ def test_globals() -> None:
 
 def test_prompt_text_renders_a_question_for_a_chat_model_and_passes_text_through() -> None:
     """The D4 worker's prompts: a chat model gets the question in its template."""
-    from sessiontape.core.engine import ChatFormat
-    from sessiontape.engines.models.chat_template import prompt_text
+    from sessiontape.core.engine.interface import ChatFormat
+    from sessiontape.engines.models.jinja_template import prompt_text
 
     chat = ChatFormat(REF["chat_template"], BOS, EOS)
     [case] = [

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from sessiontape.engines.models.chat_template import JinjaChatTemplate, continuation
 from sessiontape.engines.models.family_templates import (
     CHATML,
     FAMILIES,
@@ -24,10 +23,11 @@ from sessiontape.engines.models.family_templates import (
     Family,
     family_of,
 )
-from sessiontape.engines.models.importer import import_model
+from sessiontape.engines.models.jinja_template import JinjaChatTemplate, continuation
 from sessiontape.engines.models.tokenizer import Specials, with_turn_ends
-from tests.engines.models import checkpoints as ck
-from tests.engines.models.mixed_gguf import write_mixed
+from sessiontape.engines.onnx.importer import import_model
+from tests.helpers import checkpoints as ck
+from tests.helpers.mixed_gguf import write_mixed
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},

@@ -1,6 +1,6 @@
 """``--dtype float16``: the graph computes in float16, on small random checkpoints.
 
-Each checkpoint (tests/engines/models/checkpoints.py) is imported twice, as float32 (the exact
+Each checkpoint (tests/helpers/checkpoints.py) is imported twice, as float32 (the exact
 path, within 1e-4 of the numpy forward pass: test_architectures.py) and as float16, and the
 float16 graph is held to the float32 one and to the numpy forward pass over the weights
 rounded to float16.
@@ -36,12 +36,12 @@ import numpy as np
 import onnx
 import pytest
 
-from sessiontape.core.engine import OutputOptions, SamplingParams, Step
-from sessiontape.engines.models.importer import import_model
+from sessiontape.core.engine.interface import OutputOptions, SamplingParams, Step
 from sessiontape.engines.onnx.engine import OnnxEngine
-from tests.engines.models import checkpoints as ck
-from tests.engines.models.checkpoints import F64, Weights
-from tests.engines.models.test_architectures import ARCHS, IDS, op_counts, weights
+from sessiontape.engines.onnx.importer import import_model
+from tests.helpers import checkpoints as ck
+from tests.helpers.architectures import ARCHS, IDS, op_counts, weights
+from tests.helpers.checkpoints import F64, Weights
 
 ATOL = 0.1
 REL_RMS = 1e-2
@@ -239,7 +239,7 @@ def test_float16_on_cuda_is_bit_exact_and_agrees_with_float32(
     attention: str, tiny: Import, engines: Callable[..., OnnxEngine]
 ) -> None:
     """What float16 is for: the CUDA provider (its fixed pass shape, CUDA graphs, device KV)."""
-    from sessiontape.engines.onnx.session import CUDA, cuda_loads, quiet_ort
+    from sessiontape.engines.onnx.runner import CUDA, cuda_loads, quiet_ort
 
     if CUDA not in quiet_ort().get_available_providers() or not cuda_loads():
         pytest.skip("no CUDA provider here (onnxruntime-gpu, a GPU and CUDA libraries)")

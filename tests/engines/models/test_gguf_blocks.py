@@ -29,11 +29,11 @@ from hypothesis import strategies as st
 
 from sessiontape.core.errors import UnsupportedModel
 from sessiontape.engines.models import quant
-from sessiontape.engines.models.importer import ensure_imported, import_model
 from sessiontape.engines.onnx.graph import INDICATOR_MAX_K, MS, Graph
-from sessiontape.engines.onnx.weights import QuantMatrix, concat_out, relayout
-from tests.engines.models import checkpoints as ck
-from tests.engines.models.mixed_gguf import (
+from sessiontape.engines.onnx.importer import ensure_imported, import_model
+from sessiontape.engines.weights import QuantMatrix, concat_out, relayout
+from tests.helpers import checkpoints as ck
+from tests.helpers.mixed_gguf import (
     MIXED,
     gguf_dequantized,
     random_blocks,

@@ -1,7 +1,7 @@
 """``sessiontape model import | readouts | list`` and the import cache, as a user runs them.
 
 Real subprocesses on a small Llama checkpoint written as a GGUF in the test
-(tests/engines/models/checkpoints.py).
+(tests/helpers/checkpoints.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import gguf
 import pytest
 
-from tests.engines.models import checkpoints as ck
+from tests.helpers import checkpoints as ck
 
 EXE = [sys.executable, "-m", "sessiontape.core.cli"]
 
@@ -97,7 +97,7 @@ def test_an_unsupported_source_is_one_line_and_writes_nothing(tmp_path: Path) ->
 def test_the_cache_imports_once_per_source_dtype_and_attention(
     tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from sessiontape.engines.models.importer import ensure_imported, import_dtype, source_sha256
+    from sessiontape.engines.onnx.importer import ensure_imported, import_dtype, source_sha256
 
     monkeypatch.setenv("SESSIONTAPE_CACHE", str(tmp_path))
     first = ensure_imported(str(tiny_gguf))

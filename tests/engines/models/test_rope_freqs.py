@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from sessiontape.core.errors import UnsupportedModel
-from sessiontape.engines.models.importer import import_model
-from tests.engines.models import checkpoints as ck
+from sessiontape.engines.onnx.importer import import_model
+from tests.helpers import checkpoints as ck
 
 IDS = [3, 17, 101, 7, 250, 42, 9, 88, 120, 5, 64, 33]
 

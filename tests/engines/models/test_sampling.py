@@ -1,4 +1,4 @@
-"""The sampling a model recommends (engines/models/sampling.py): read from a GGUF's
+"""The sampling a model recommends (engines/models/sampling_defaults.py): read from a GGUF's
 ``general.sampling.*`` and a Hugging Face folder's ``generation_config.json``, recorded by
 the import, layered under the registry entry and the engine's options, and served as
 :attr:`EngineInfo.sampling`; values out of range refused by name."""
@@ -14,16 +14,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sessiontape.core.engine import ModelSampling, SamplingParams, left_to_model
+from sessiontape.core.engine.interface import ModelSampling, SamplingParams, left_to_model
 from sessiontape.core.errors import ConfigError, UnsupportedModel
-from sessiontape.engines.models.importer import import_model
 from sessiontape.engines.models.registry import REGISTRY
-from sessiontape.engines.models.sampling import checked_sampling, hf_sampling, layered
+from sessiontape.engines.models.sampling_defaults import checked_sampling, hf_sampling, layered
 from sessiontape.engines.models.sources import GgufSource
+from sessiontape.engines.onnx.importer import import_model
 from sessiontape.engines.onnx.loading import served_sampling
 from sessiontape.engines.onnx.options import OnnxOptions
-from tests.engines.models import checkpoints as ck
-from tests.engines.models.checkpoints import LLAMA
+from tests.helpers import checkpoints as ck
+from tests.helpers.checkpoints import LLAMA
 
 
 def test_params_take_the_models_values_only_for_fields_left_to_it() -> None:

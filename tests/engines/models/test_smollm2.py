@@ -21,15 +21,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sessiontape.core.engine import OutputOptions, SamplingParams, Step
+from sessiontape.core.engine.interface import OutputOptions, SamplingParams, Step
 from sessiontape.core.generation.request import GenerateRequest
-from sessiontape.engines.models.importer import (
+from sessiontape.engines.models.registry import DEFAULT_MODEL, installed, registry_path
+from sessiontape.engines.onnx.engine import OnnxEngine
+from sessiontape.engines.onnx.importer import (
     FLOAT_AUTO_MAX_BYTES,
     accuracy_level,
     import_dtype,
 )
-from sessiontape.engines.models.registry import DEFAULT_MODEL, installed, registry_path
-from sessiontape.engines.onnx.engine import OnnxEngine
 
 pytestmark = pytest.mark.skipif(
     not installed(DEFAULT_MODEL),
@@ -43,7 +43,7 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 
 @pytest.fixture(scope="module")
 def float32_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from sessiontape.engines.models.importer import import_model
+    from sessiontape.engines.onnx.importer import import_model
 
     out = tmp_path_factory.mktemp("smollm2") / "float32"
     import_model(registry_path(DEFAULT_MODEL), out, "float32", concepts=False)
@@ -52,7 +52,7 @@ def float32_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def float16_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from sessiontape.engines.models.importer import import_model
+    from sessiontape.engines.onnx.importer import import_model
 
     out = tmp_path_factory.mktemp("smollm2") / "float16"
     import_model(registry_path(DEFAULT_MODEL), out, "float16", concepts=False)
@@ -240,7 +240,7 @@ def test_default_import_provenance_and_readouts(q4: OnnxEngine, default_dir: Pat
 
 @pytest.fixture(scope="module")
 def masked_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from sessiontape.engines.models.importer import import_model
+    from sessiontape.engines.onnx.importer import import_model
 
     out = tmp_path_factory.mktemp("smollm2") / "masked"
     import_model(registry_path(DEFAULT_MODEL), out, "auto", concepts=False, attention="masked")
@@ -291,7 +291,7 @@ async def test_audit_reexecutes_a_real_model_session(default_dir: Path, sqlite_u
     """A chat turn on the real model replays and re-executes to the same tokens."""
     from sessiontape.core.audit import audit_session
     from sessiontape.core.runtime import Runtime
-    from tests.conftest import make_config
+    from tests.helpers.config import make_config
 
     eng = engine(default_dir)
     rt = await Runtime.create(make_config(sqlite_url, engine={"name": "onnx"}), engine=eng)
@@ -353,7 +353,7 @@ def test_auto_holds_small_gguf_weights_as_float32_where_int8_is_inexact(
 def test_auto_keeps_the_blocks_of_a_model_too_large_for_float32(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from sessiontape.engines.models import importer
+    from sessiontape.engines.onnx import importer
 
     monkeypatch.setattr(importer, "FLOAT_AUTO_MAX_BYTES", 134_515_008 * 4 - 1)
     assert import_dtype("auto", registry_path(DEFAULT_MODEL), "avx2") == "auto"

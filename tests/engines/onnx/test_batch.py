@@ -21,10 +21,10 @@ import pytest
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from sessiontape.core.engine import OutputOptions, SamplingParams, Step
+from sessiontape.core.engine.interface import OutputOptions, SamplingParams, Step
 from sessiontape.core.errors import EngineBusy, EngineError
 from sessiontape.engines.onnx.engine import OnnxEngine
-from tests.engines.conftest import failing_once
+from tests.helpers.engines import failing_once
 
 
 def history(seed_: int, n: int) -> list[int]:
@@ -318,7 +318,7 @@ def test_every_wire_answers_engine_busy_as_retryable_resource_exhaustion() -> No
     import grpc
 
     from sessiontape.transports.grpc.status import code_for
-    from sessiontape.transports.http.errors import to_response
+    from sessiontape.transports.http.server.errors import to_response
 
     exc = EngineBusy("all 8 KV slots are held by generating sessions (waited 30 s)")
     resp = to_response(exc)

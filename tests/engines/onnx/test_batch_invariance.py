@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from sessiontape.engines.onnx.model import GraphSpec, infer_graph
-from sessiontape.engines.onnx.session import choose_providers, open_session
+from sessiontape.engines.onnx.runner import choose_providers, open_session
 
 B, ROWS, CAP = 4, 8, 128
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from sessiontape.core.engine import OutputOptions, SamplingParams
+from sessiontape.core.engine.interface import OutputOptions, SamplingParams
 from sessiontape.engines.onnx import OnnxEngine
-from sessiontape.engines.onnx.session import CUDA, cuda_loads, quiet_ort
-from tests.engines.onnx.test_engine import collect, history
+from sessiontape.engines.onnx.runner import CUDA, cuda_loads, quiet_ort
+from tests.helpers.onnx import collect, history
 
 pytestmark = pytest.mark.cuda
 

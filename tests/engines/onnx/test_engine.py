@@ -13,32 +13,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sessiontape.core.engine import OutputOptions, SamplingParams, Step
+from sessiontape.core.engine.interface import OutputOptions, SamplingParams, Step
 from sessiontape.core.errors import ConfigError, ContextOverflow, EngineError, InvalidParameters
 from sessiontape.engines.onnx import OnnxEngine
 from sessiontape.engines.onnx.demo import EOS, SIZES, build_demo
 from sessiontape.engines.onnx.model import infer_graph
-from sessiontape.engines.onnx.session import quiet_ort
+from sessiontape.engines.onnx.runner import quiet_ort
 from sessiontape.engines.sampling import log_softmax
-from tests.engines.conftest import alone_only, failing_once
-
-
-async def collect(
-    engine: OnnxEngine,
-    key: str,
-    history: Sequence[int],
-    params: SamplingParams,
-    options: OutputOptions | None = None,
-) -> list[Step]:
-    return [s async for s in engine.generate(key, history, params, options or OutputOptions())]
+from tests.helpers.engines import alone_only, failing_once
+from tests.helpers.onnx import collect, history
 
 
 def prefill_only() -> SamplingParams:
     return SamplingParams(max_tokens=0)
-
-
-def history(seed: int, n: int) -> list[int]:
-    return [int(t) for t in np.random.default_rng(seed).integers(0, 256, n)]
 
 
 def raw_prefill(model_dir: Path, tokens: Sequence[int]) -> dict[str, Any]:

@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 
 from sessiontape.core.audit import audit_session
-from sessiontape.core.engine import Engine, OutputOptions, SamplingParams
+from sessiontape.core.engine.interface import Engine, OutputOptions, SamplingParams
 from sessiontape.core.errors import InvalidImage
 from sessiontape.core.events import T
 from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.onnx import OnnxEngine
 from sessiontape.engines.reference import ReferenceEngine
-from tests.conftest import make_config
+from tests.helpers.config import make_config
 
 
 @pytest.fixture
@@ -114,10 +114,10 @@ async def test_contract_same_seed_same_tokens(engine: Engine) -> None:
 
 async def test_kv_bytes_gauge_follows_the_engine_caches(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from sessiontape.core import metrics
-    from sessiontape.core.engine import SamplingParams
+    from sessiontape.core.engine.interface import SamplingParams
     from sessiontape.core.runtime import Runtime
     from sessiontape.engines.onnx import OnnxEngine
-    from tests.conftest import make_config
+    from tests.helpers.config import make_config
 
     engine = OnnxEngine(size="tiny")
     rt = await Runtime.create(

@@ -20,8 +20,9 @@ from sessiontape.transports.grpc.gen.kakeya.v1 import runtime_pb2_grpc as kakeya
 from sessiontape.transports.grpc.gen.salience.v1 import salience_pb2
 from sessiontape.transports.grpc.gen.salience.v1 import salience_pb2_grpc as salience_grpc
 from sessiontape.transports.grpc.guard import GuardInterceptor
+from tests.helpers.evergreen import exchange, msg
+from tests.helpers.grpc_calls import raw_call
 from tests.transports.grpc.conftest import Serve
-from tests.transports.grpc.test_evergreen import exchange, msg
 
 #: field 1, length-delimited, length 2**35: truncated whatever the message type
 UNDECODABLE = b"\x0a\xff\xff\xff\xff\x0f"
@@ -46,34 +47,6 @@ def methods() -> Iterator[tuple[str, bool, bool]]:
 
 
 METHODS = list(methods())
-
-
-async def raw_call(
-    channel: grpc.aio.Channel,
-    path: str,
-    client_streaming: bool,
-    server_streaming: bool,
-    payload: bytes,
-    metadata: Any = None,
-) -> grpc.StatusCode:
-    """Send ``payload`` as the request bytes (no serializer); the call's final status."""
-    try:
-        if client_streaming:
-            call: Any = (channel.stream_stream if server_streaming else channel.stream_unary)(path)(
-                iter([payload]), metadata=metadata
-            )
-        else:
-            call = (channel.unary_stream if server_streaming else channel.unary_unary)(path)(
-                payload, metadata=metadata
-            )
-        if server_streaming:
-            async for _ in call:
-                pass
-        else:
-            await call
-    except grpc.aio.AioRpcError as exc:
-        return exc.code()
-    return grpc.StatusCode.OK
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from sessiontape.core.errors import ConfigError
 from sessiontape.core.events import T
-from sessiontape.core.registry import TRANSPORTS, available, load
+from sessiontape.core.plugins import TRANSPORTS, available, load
 from sessiontape.engines.reference import ReferenceEngine
 from sessiontape.transports.grpc.client import (
     EvergreenClient,

@@ -9,9 +9,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import free_port
-from tests.test_serve import start, stop
-from tests.transports.http.conftest import Served
+from tests.helpers.config import free_port
+from tests.helpers.http import Served
+from tests.helpers.serve import start, stop
 
 
 async def test_every_request_is_logged_with_its_route_and_session(

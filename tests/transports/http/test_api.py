@@ -15,15 +15,15 @@ from sessiontape.core.patch import apply_patch
 from sessiontape.core.runtime import Runtime
 from sessiontape.core.tokens import ImageIn
 from sessiontape.engines.reference import IMAGE_PAD, ReferenceEngine
-from sessiontape.transports.http.app import create_app
-from sessiontape.transports.http.errors import (
+from sessiontape.transports.http.server.app import create_app
+from sessiontape.transports.http.server.errors import (
     ClientGone,
     PayloadTooLarge,
     RequestTimeout,
     status_for,
 )
-from tests.conftest import make_config
-from tests.transports.http.conftest import Served
+from tests.helpers.config import make_config
+from tests.helpers.http import Served
 
 
 async def _open(c: httpx.AsyncClient, **body: Any) -> str:

@@ -11,14 +11,14 @@ from hypothesis import strategies as st
 
 from sessiontape.core.document.text import TextStream
 from sessiontape.core.errors import ConfigError, InvalidParameters
-from sessiontape.engines.tokenizer import ByteTokenizer
-from sessiontape.transports.http.chat_template import (
+from sessiontape.engines.byte_tokenizer import ByteTokenizer
+from sessiontape.transports.http.openai.chat_template import (
     ROLE_MARKERS,
     ChatTemplate,
     load_template,
     message_text,
 )
-from tests.conftest import make_config
+from tests.helpers.config import make_config
 
 CUSTOM = {
     "name": "brackets",

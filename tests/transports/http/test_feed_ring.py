@@ -1,4 +1,4 @@
-"""A live feed (transports/http/feeds.py): its ring of patches, what a stream resumed after a
+"""A live feed (transports/http/native/feeds.py): its ring of patches, what a stream resumed after a
 position is given from memory and when it must go to the log instead, and who waits for
 it to fold a version."""
 
@@ -9,10 +9,10 @@ from typing import Any, cast
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sessiontape.core.document.builder import DocumentBuilder
+from sessiontape.core.document.fold import DocumentBuilder
 from sessiontape.core.runtime import Runtime
 from sessiontape.core.session.state import SessionState
-from sessiontape.transports.http.feeds import Entry, Feeds, SessionFeed
+from sessiontape.transports.http.native.feeds import Entry, Feeds, SessionFeed
 
 
 def _feed(ring: int, start: int, ring_bytes: int = 1 << 20) -> SessionFeed:

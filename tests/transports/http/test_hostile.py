@@ -23,11 +23,11 @@ from starlette.routing import Route
 from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
-from sessiontape.transports.http.app import create_app
-from sessiontape.transports.http.inputs import Limits
 from sessiontape.transports.http.plugin import HttpTransport
-from tests.conftest import make_config
-from tests.transports.http.conftest import Served
+from sessiontape.transports.http.server.app import create_app
+from sessiontape.transports.http.server.inputs import Limits
+from tests.helpers.config import make_config
+from tests.helpers.http import Served
 
 
 async def _open(client: httpx.AsyncClient, **body: Any) -> str:
@@ -465,15 +465,15 @@ async def test_audit_route_reports_a_poisoned_session(
     client: httpx.AsyncClient, runtime: Runtime
 ) -> None:
     """What an older server stored for ``temperature: NaN`` (null): the audit answers, reporting the failure."""
-    from sessiontape.core.engine import SamplingParams
-    from tests.core.test_hostile_input import _poison
+    from sessiontape.core.engine.interface import SamplingParams
+    from tests.helpers.hostile import poison
 
     sid = await _open(client)
     async for _ in runtime.generate(
         sid, GenerateRequest(SamplingParams(max_tokens=2, seed=1), append=[1, 2])
     ):
         pass
-    await _poison(str(runtime.log.engine.url), sid)
+    await poison(str(runtime.log.engine.url), sid)
     r = await client.get(f"/v1/sessions/{sid}/audit")
     assert r.status_code == 200, r.text
     report = r.json()

@@ -1,4 +1,4 @@
-"""The HTTP transport's JSON encoder (transports/http/json_encoding.py): orjson with the
+"""The HTTP transport's JSON encoder (transports/http/server/json_encoding.py): orjson with the
 standard library behind it, compact UTF-8, parsing back to what was given."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sessiontape.transports.http.json_encoding import JSONResponse, dump_bytes, dumps
+from sessiontape.transports.http.server.json_encoding import JSONResponse, dump_bytes, dumps
 
 JSON_VALUES = st.recursive(
     st.none()

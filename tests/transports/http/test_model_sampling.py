@@ -1,5 +1,5 @@
 """The HTTP routes leave the sampling a request does not name to the served model's
-recommendation (engines/models/sampling.py): the native generate and the OpenAI routes,
+recommendation (engines/models/sampling_defaults.py): the native generate and the OpenAI routes,
 driven by the official ``openai`` package; the model card says what a request gets."""
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ import pytest
 from sessiontape.core.events import T
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
-
-from .conftest import Served, serving
+from tests.helpers.http import Served, serving
 
 MODEL = "reference-bigram-v1"
 RECOMMENDED = {"temperature": 0.25, "top_p": 0.5, "top_k": 7}

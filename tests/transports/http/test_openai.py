@@ -19,12 +19,11 @@ import pytest
 from sessiontape.core.events import T
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
-from sessiontape.transports.http.chat_template import ROLE_MARKERS
+from sessiontape.transports.http.openai.chat_template import ROLE_MARKERS
+from sessiontape.transports.http.openai.turns import load_turn
 from sessiontape.transports.http.plugin import HttpTransport
-from sessiontape.transports.http.turns import load_turn
-from tests.conftest import make_config
-
-from .conftest import Served
+from tests.helpers.config import make_config
+from tests.helpers.http import Served
 
 TOKEN = "sekret"
 MODEL = "reference-bigram-v1"
@@ -681,7 +680,7 @@ async def test_response_logprobs(live: Served) -> None:
 
 async def test_a_response_left_running_by_a_stopped_process_can_be_continued(live: Served) -> None:
     """The log a process leaves when it dies mid-generation: started, two tokens, no finish."""
-    from sessiontape.core.engine import SamplingParams
+    from sessiontape.core.engine.interface import SamplingParams
     from sessiontape.core.events import NewEvent
 
     rt = live.runtime

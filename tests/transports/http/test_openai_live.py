@@ -1,4 +1,4 @@
-"""OpenAI streams take their turn's runs from the driving task (transports/http/turns.py,
+"""OpenAI streams take their turn's runs from the driving task (transports/http/openai/turns.py,
 LiveRuns): each run once, in order, paced by the stream; the log covers whatever the
 hand-over leaves out (a stop string, a stalled or departed stream)."""
 
@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 
 from sessiontape.core.bodies import generated_token
-from sessiontape.core.engine import DEFAULT_OUTPUT, SamplingParams
+from sessiontape.core.engine.interface import DEFAULT_OUTPUT, SamplingParams
 from sessiontape.core.events import Event, T
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
-from sessiontape.transports.http.chat_template import ROLE_MARKERS
-from sessiontape.transports.http.turns import LiveRuns, Turns
-from tests.conftest import make_config
+from sessiontape.transports.http.openai.chat_template import ROLE_MARKERS
+from sessiontape.transports.http.openai.turns import LiveRuns, Turns
+from tests.helpers.config import make_config
 
 
 def _run(n: int) -> list[Any]:

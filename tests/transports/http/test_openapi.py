@@ -2,7 +2,7 @@
 a valid OpenAPI 3.1 document, and what the native routes answer is what it says they answer.
 
 Generic over the app's routing table, so routes added later (the OpenAI-compatible ones, or any
-other) fail here until they are described in transports/http/openapi.py.
+other) fail here until they are described in transports/http/server/openapi.py.
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from sessiontape.core.nodes import FragmentIn
 from sessiontape.core.runtime import Runtime
 from sessiontape.core.tokens import ImageIn
 from sessiontape.engines.reference import IMAGE_PAD, ReferenceEngine
-from sessiontape.transports.http import openai_schema
-from sessiontape.transports.http.app import create_app
-from sessiontape.transports.http.openapi import spec
+from sessiontape.transports.http.openai import schema as openai_schema
 from sessiontape.transports.http.plugin import HttpTransport
-from tests.conftest import make_config
-from tests.transports.http.conftest import Served
+from sessiontape.transports.http.server.app import create_app
+from sessiontape.transports.http.server.openapi import spec
+from tests.helpers.config import make_config
+from tests.helpers.http import Served
 
 _CONVERTER = re.compile(r"\{(\w+)(?::\w+)?\}")
 

@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 
-from sessiontape.transports.http import app as sse_app
-from tests.core.test_patch_cases import CASES, CASES_FILE, json_same
+from sessiontape.transports.http.viewer import STATIC
+from tests.helpers.patch_cases import CASES, CASES_FILE, json_same
 
 NODE = shutil.which("node")
 RUNNER = Path(__file__).with_name("patch_cases.mjs")
-PATCH_JS = Path(sse_app.__file__).with_name("static") / "patch.js"
+PATCH_JS = STATIC / "patch.js"
 
 pytestmark = pytest.mark.skipif(NODE is None, reason="node is not on PATH: patch.js is not run")
 

@@ -17,12 +17,12 @@ from openapi_schema_validator import OAS31Validator
 from pydantic import BaseModel
 
 from sessiontape.core.errors import SessiontapeError
-from sessiontape.transports.http import openai_bodies
-from sessiontape.transports.http import request_bodies as rb
-from sessiontape.transports.http.chat_template import ROLES
-from sessiontape.transports.http.openapi import BODIES, spec
-from tests.fuzz.conftest import fuzz_settings
-from tests.fuzz.test_http_fuzz import Fuzzed, _stored, fuzzed  # noqa: F401 - the fixture
+from sessiontape.transports.http.native import bodies as rb
+from sessiontape.transports.http.openai import bodies as openai_bodies
+from sessiontape.transports.http.openai.chat_template import ROLES
+from sessiontape.transports.http.server.openapi import BODIES, spec
+from tests.helpers.fuzz import fuzz_settings
+from tests.helpers.http_fuzz import Fuzzed, stored
 
 SPEC = spec()
 MODEL = "reference-bigram-v1"
@@ -208,12 +208,12 @@ def broken(draw: Any, path: str) -> tuple[dict[str, Any], str, str]:
 @fuzz_settings(40)
 @given(data=st.data())
 async def test_a_broken_body_is_a_typed_400_naming_its_field_and_changes_nothing(
-    fuzzed: Fuzzed,  # noqa: F811
+    fuzzed: Fuzzed,
     path: str,
     data: Any,
 ) -> None:
     body, name, way = data.draw(broken(path))
-    before = await _stored(fuzzed)
+    before = await stored(fuzzed)
     url = path.replace("{sid}", fuzzed.sids[0])
     r = await fuzzed.client.post(
         url, content=json.dumps(body), headers={"content-type": "application/json"}
@@ -230,4 +230,4 @@ async def test_a_broken_body_is_a_typed_400_naming_its_field_and_changes_nothing
         assert error["message"].endswith(f"this route takes {taken}")
     elif way == "type":
         assert error["message"].startswith(name), (body, error)
-    assert await _stored(fuzzed) == before, (body, r.text)
+    assert await stored(fuzzed) == before, (body, r.text)

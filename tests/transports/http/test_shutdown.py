@@ -14,8 +14,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.conftest import free_port
-from tests.test_serve import start, stop
+from tests.helpers.config import free_port
+from tests.helpers.serve import start, stop
 
 
 def _open_stream(port: int, method: str, path: str, body: bytes = b"") -> socket.socket:

@@ -12,7 +12,7 @@ import socket
 import httpx
 
 from sessiontape.transports.http.plugin import listening_socket
-from tests.transports.http.conftest import Served
+from tests.helpers.http import Served
 
 
 def test_the_listening_socket_and_what_it_accepts_have_nagle_off() -> None:

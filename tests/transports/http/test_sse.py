@@ -12,13 +12,13 @@ import httpx
 import jsonpatch
 import pytest
 
-from sessiontape.core.engine import SamplingParams
+from sessiontape.core.engine.interface import SamplingParams
 from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.patch import apply_patch
 from sessiontape.core.runtime import Runtime
-from sessiontape.transports.http.list_feed import list_stream
-from tests.transports.http.conftest import Served, serving
-from tests.transports.http.sse_client import SseEvent, events
+from sessiontape.transports.http.native.list_feed import list_stream
+from tests.helpers.http import Served, serving
+from tests.helpers.sse_client import SseEvent, events
 
 
 async def _session(c: httpx.AsyncClient, text: str = "Once upon a time") -> str:
@@ -305,7 +305,7 @@ async def test_generate_stream_with_a_bad_last_event_id_is_refused_before_genera
 async def test_closing_a_watched_session_answers_its_feeds_document_as_the_log_has_it(
     sqlite_url: str, port: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from sessiontape.transports.http import app as app_module
+    from sessiontape.transports.http.native import routes as app_module
 
     folded: list[str] = []
     real = app_module.load_builder

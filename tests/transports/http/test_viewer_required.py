@@ -33,7 +33,7 @@ def test_a_missing_browser_fails_when_required(required: str, outcome: str) -> N
             "no:cacheprovider",
             "-p",
             "no:randomly",
-            "tests/transports/http/test_viewer.py::test_list_live_session_and_scrubber",
+            "tests/transports/http/viewer/test_viewer.py::test_list_live_session_and_scrubber",
         ],
         cwd=root,
         env=env,

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import free_port
+from tests.helpers.config import free_port
 
 EXE = str(Path(sys.executable).parent / "sessiontape")
 FID = "ab" * 32

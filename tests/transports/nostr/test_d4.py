@@ -11,7 +11,7 @@ import pytest
 from sessiontape.core.errors import ConfigError, InvalidParameters
 from sessiontape.transports.nostr import d4
 from sessiontape.transports.nostr.settings import Settings
-from tests.transports.nostr.conftest import call_body
+from tests.helpers.nostr import call_body
 
 # the DDIP's wire sample, verbatim apart from the triple quotes
 SAMPLE_CONTENT = (

@@ -13,7 +13,7 @@ import nostr_sdk as ns
 from sessiontape.core.events import T
 from sessiontape.core.runtime import Runtime
 from sessiontape.transports.nostr.worker import D4Worker, answer_of
-from tests.transports.nostr.conftest import (
+from tests.helpers.nostr import (
     Caller,
     LocalRelay,
     WorkerFactory,

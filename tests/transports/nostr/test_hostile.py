@@ -10,7 +10,7 @@ import nostr_sdk as ns
 import pytest
 
 from sessiontape.core.runtime import Runtime
-from tests.transports.nostr.conftest import Caller, LocalRelay, WorkerFactory, call_body, eventually
+from tests.helpers.nostr import Caller, LocalRelay, WorkerFactory, call_body, eventually
 
 
 async def _log(runtime: Runtime) -> list[dict[str, object]]:

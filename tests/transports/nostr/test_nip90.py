@@ -11,7 +11,7 @@ import pytest
 from sessiontape.core.errors import SessionNotFound
 from sessiontape.core.events import T
 from sessiontape.core.runtime import Runtime
-from tests.transports.nostr.conftest import Caller, LocalRelay, WorkerFactory, eventually
+from tests.helpers.nostr import Caller, LocalRelay, WorkerFactory, eventually
 
 
 def tag(event: dict[str, Any], name: str) -> list[str]:

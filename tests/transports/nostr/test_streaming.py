@@ -15,7 +15,7 @@ from sessiontape.core.events import T
 from sessiontape.core.runtime import Runtime
 from sessiontape.transports.nostr.settings import Settings
 from sessiontape.transports.nostr.worker import D4Worker
-from tests.transports.nostr.conftest import (
+from tests.helpers.nostr import (
     Caller,
     LocalRelay,
     WorkerFactory,

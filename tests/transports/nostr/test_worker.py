@@ -15,7 +15,7 @@ import websockets
 
 from sessiontape.core.events import T
 from sessiontape.core.runtime import Runtime
-from tests.transports.nostr.conftest import (
+from tests.helpers.nostr import (
     Caller,
     LocalRelay,
     WorkerFactory,
@@ -424,7 +424,7 @@ async def test_plugin_from_the_registry(
     runtime: Runtime, local_relay: LocalRelay, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     from sessiontape.core.errors import ConfigError
-    from sessiontape.core.registry import TRANSPORTS, load
+    from sessiontape.core.plugins import TRANSPORTS, load
 
     cls = load(TRANSPORTS, "nostr")
     with pytest.raises(ConfigError):

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 import pytest
 
-from sessiontape.core.engine import Engine
+from sessiontape.core.engine.interface import Engine
 from sessiontape.core.log.store import verify_chain
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sessiontape.core.engine import Engine, SamplingParams, Step
+from sessiontape.core.engine.interface import Engine, SamplingParams, Step
 from sessiontape.core.engine.worker import WorkerEngine
 from sessiontape.core.events import T
 from sessiontape.engines.reference import EOS, ReferenceEngine

@@ -1,5 +1,5 @@
 """Kakeya and Salience leave the sampling a request does not name to the served model's
-recommendation (engines/models/sampling.py), and record the values used."""
+recommendation (engines/models/sampling_defaults.py), and record the values used."""
 
 from __future__ import annotations
 

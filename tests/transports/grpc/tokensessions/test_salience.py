@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 import pytest
 
-from sessiontape.core.engine import EngineInfo, SamplingParams
+from sessiontape.core.engine.interface import EngineInfo, SamplingParams
 from sessiontape.core.events import T
 from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.engines.reference import EOS, ReferenceEngine

@@ -1,0 +1,1 @@
+"""The native HTTP API: sessions, their documents and SSE feeds of JSON Patch+, and the request bodies."""

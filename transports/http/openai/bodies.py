@@ -1,0 +1,383 @@
+"""The OpenAI-compatible routes' request bodies, declared once (as the native ones are, in
+:mod:`..native.bodies`): strict pydantic models from which both validation and the
+``ResponseCreateRequest`` and ``ChatCompletionRequest`` schemas of the OpenAPI document come.
+
+OpenAI's API is wider than what this server does, so a body is read in steps, each a typed 400
+with OpenAI's ``param``:
+
+1. :func:`check_fields`: a field neither the model nor OpenAI's API knows is ``unknown_field``
+   (unless it is null: some clients send every field they know, unset ones as null);
+   :data:`NO_OPS` are taken and dropped;
+2. the route checks ``model`` (404 ``model_not_found`` before any other field is looked at);
+3. :func:`parse`: a feature this server does not have (``tools`` ...) is refused unless it asks
+   for nothing; then the model validates what is left (a null field is an absent one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Annotated, Any, ClassVar, Literal, TypeVar, Union
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from sessiontape.core.engine.interface import SamplingParams, left_to_model
+from sessiontape.transports.http.native.bodies import describe
+from sessiontape.transports.http.openai.shared import DEFAULT_MAX_TOKENS, BadParam
+
+#: the roles a message may have (chat_template.ROLES)
+Role = Literal["system", "developer", "user", "assistant"]
+#: the one ``include`` value served: per-token logprobs of the output text
+LOGPROBS = "message.output_text.logprobs"
+MAX_OUTPUT = 1 << 20
+
+
+class Part(BaseModel):
+    """Fields this server does not read are ignored, as OpenAI's clients send many."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True, allow_inf_nan=False)
+
+
+class TextPart(Part):
+    type: Literal["text", "input_text", "output_text"]
+    text: str
+
+
+def _kind(*tags: tuple[type, str]) -> Any:
+    """A discriminator by the value's JSON type: ``@``-tags, which error paths leave out."""
+
+    def tag(value: Any) -> str | None:
+        return next((t for cls, t in tags if isinstance(value, cls)), None)
+
+    return tag
+
+
+_PART = Annotated[
+    Union[Annotated[str, Tag("@text")], Annotated[TextPart, Tag("@part")]],  # noqa: UP007
+    Discriminator(
+        _kind((str, "@text"), (dict, "@part")),
+        custom_error_type="content_part",
+        custom_error_message="must be a string or a text part",
+    ),
+]
+#: a message's content: a string, or an array of strings and text parts
+Content = Annotated[
+    Union[Annotated[str, Tag("@text")], Annotated[list[_PART], Tag("@parts")]],  # noqa: UP007
+    Discriminator(
+        _kind((str, "@text"), (list, "@parts")),
+        custom_error_type="content",
+        custom_error_message="must be a string or an array of text parts",
+    ),
+]
+
+
+def text_of(content: str | list[str | TextPart]) -> str:
+    if isinstance(content, str):
+        return content
+    return "".join(p if isinstance(p, str) else p.text for p in content)
+
+
+Metadata = Annotated[
+    dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+    Field(max_length=16),
+]
+Temperature = Annotated[float, Field(ge=0, le=2)]
+TopP = Annotated[float, Field(gt=0, le=1)]
+TopLogprobs = Annotated[int, Field(ge=0, le=20)]
+Seed = Annotated[
+    int,
+    Field(
+        ge=0,
+        le=2**63 - 1,
+        description="extension: the seed (drawn and recorded when none is given)",
+    ),
+]
+
+
+class Request(BaseModel):
+    """A request body: strict types; unknown fields are :func:`check_fields`' to refuse."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True, allow_inf_nan=False)
+    #: OpenAI features this server does not have: refused unless they ask for nothing
+    unsupported: ClassVar[tuple[str, ...]] = ()
+
+    model: str = Field(min_length=1, description="GET /v1/models; the engine's name also works")
+    #: unset: the served model's recommendation (docs/models.md), else 1
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    seed: Seed | None = None
+    metadata: Metadata | None = None
+    stream: bool | None = False
+
+    def sampling(self, max_tokens: int | None) -> SamplingParams:
+        """The request's sampling; what it leaves unset (and top_k, which OpenAI's API
+        does not name) the served model's recommendation sets when the generation begins."""
+        return SamplingParams(
+            max_tokens=max_tokens or DEFAULT_MAX_TOKENS,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            seed=self.seed,
+            from_model=left_to_model(temperature=self.temperature, top_p=self.top_p, top_k=None),
+        )
+
+
+def _refuse(param: str, message: str) -> PydanticCustomError:
+    return PydanticCustomError("refused", message, {"param": param})
+
+
+# -- /v1/responses ----------------------------------------------------------------------
+
+
+class InputMessage(Part):
+    type: Literal["message"] = "message"
+    role: Role
+    content: Content
+
+
+def _text_format(value: Any) -> Any:
+    if value is not None and (not isinstance(value, dict) or value.get("type") != "text"):
+        raise PydanticCustomError(
+            "text_format", 'must be {"type": "text"}: only text output is supported'
+        )
+    return value
+
+
+class TextFormat(Part):
+    type: Literal["text"]
+
+
+class TextConfig(Part):
+    format: Annotated[TextFormat | None, BeforeValidator(_text_format)] = None
+
+
+class ResponseCreateRequest(Request):
+    """tools, conversation, prompt, a tool_choice or reasoning that asks for something, a truncation
+    other than disabled and a text.format other than text are refused (400), not ignored; so is
+    any non-null field not listed here (unknown_field), except user, service_tier,
+    safety_identifier, prompt_cache_key, prompt_cache_retention and parallel_tool_calls, which
+    change nothing."""
+
+    unsupported = ("tools", "tool_choice", "conversation", "prompt", "reasoning")
+
+    input: Annotated[
+        Union[  # noqa: UP007
+            Annotated[str, Tag("@text")],
+            Annotated[list[InputMessage], Field(min_length=1), Tag("@messages")],
+        ],
+        Discriminator(
+            _kind((str, "@text"), (list, "@messages")),
+            custom_error_type="input",
+            custom_error_message="must be a string or a non-empty array of messages",
+        ),
+    ]
+    instructions: str | None = None
+    previous_response_id: str | None = Field(
+        None, description="continue that response's session (or fork it there)"
+    )
+    store: bool | None = True
+    background: bool | None = False
+    stream_options: dict[str, Any] | None = Field(None, description="taken; changes nothing")
+    max_output_tokens: Annotated[int, Field(ge=1, le=MAX_OUTPUT)] | None = Field(
+        None, description=f"default {DEFAULT_MAX_TOKENS}"
+    )
+    include: list[Literal["message.output_text.logprobs"]] | None = None
+    top_logprobs: TopLogprobs | None = None
+    text: TextConfig | None = None
+    truncation: Literal["disabled"] | None = None
+
+    @model_validator(mode="after")
+    def _background_is_stored(self) -> ResponseCreateRequest:
+        if self.background and self.store is False:
+            raise _refuse("background", "background responses need store=true")
+        return self
+
+    def messages(self) -> list[dict[str, str]]:
+        """The input as ``{"role", "content"}`` messages (a string is one user message)."""
+        if isinstance(self.input, str):
+            return [{"role": "user", "content": self.input}]
+        return [{"role": m.role, "content": text_of(m.content)} for m in self.input]
+
+
+# -- /v1/chat/completions -----------------------------------------------------------------
+
+
+class ChatMessage(Part):
+    """A message; one with tool calls is refused (this server has no tools)."""
+
+    role: Role
+    content: Content
+    name: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_tool_calls(cls, value: Any) -> Any:
+        if isinstance(value, dict) and (value.get("tool_calls") or value.get("function_call")):
+            raise PydanticCustomError("tool_calls", "holds tool calls: no tools on this server")
+        return value
+
+
+def _one(value: Any) -> Any:
+    if value != 1 or isinstance(value, bool):
+        raise PydanticCustomError(
+            "n", "must be 1 (one session per choice: send one request per choice)"
+        )
+    return value
+
+
+def _text_only(value: Any) -> Any:
+    if value != ["text"]:
+        raise PydanticCustomError("modalities", 'must be ["text"]: only text is supported')
+    return value
+
+
+def _format_text(value: Any) -> Any:
+    if not isinstance(value, dict) or value.get("type") != "text":
+        raise PydanticCustomError("response_format", 'must be {"type": "text"}')
+    return value
+
+
+class StreamOptions(Part):
+    include_usage: bool | None = None
+
+
+class ResponseFormat(Part):
+    type: Literal["text"]
+
+
+_Stop = Annotated[str, Field(min_length=1)]
+
+
+class ChatCompletionRequest(Request):
+    """tools, functions, tool calls, logit_bias, audio, prediction, reasoning_effort and non-zero
+    penalties are refused (400), not ignored; so is any field not listed here and not null
+    (unknown_field), except user, service_tier, safety_identifier, prompt_cache_key,
+    prompt_cache_retention and parallel_tool_calls, which change nothing."""
+
+    unsupported = (
+        "tools",
+        "tool_choice",
+        "functions",
+        "function_call",
+        "logit_bias",
+        "audio",
+        "prediction",
+        "frequency_penalty",
+        "presence_penalty",
+        "reasoning_effort",
+        "web_search_options",
+    )
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    n: Annotated[Literal[1], BeforeValidator(_one)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_OUTPUT)] | None = Field(
+        None, description="max_tokens' newer name; it wins when both are given"
+    )
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_OUTPUT)] | None = Field(
+        None, description=f"default {DEFAULT_MAX_TOKENS}"
+    )
+    stop: (
+        Annotated[
+            Union[  # noqa: UP007
+                Annotated[_Stop, Tag("@one")],
+                Annotated[list[_Stop], Field(max_length=4), Tag("@list")],
+            ],
+            Discriminator(
+                _kind((str, "@one"), (list, "@list")),
+                custom_error_type="stop",
+                custom_error_message="must be a non-empty string or an array of at most 4",
+            ),
+        ]
+        | None
+    ) = None
+    logprobs: bool | None = None
+    top_logprobs: TopLogprobs | None = None
+    stream_options: StreamOptions | None = None
+    response_format: Annotated[ResponseFormat, BeforeValidator(_format_text)] | None = None
+    session_id: str | None = Field(
+        None, description="extension: continue this session without resending history"
+    )
+    store: bool | None = Field(None, description="taken; every completion is recorded")
+    modalities: (
+        Annotated[
+            list[Literal["text"]], Field(min_length=1, max_length=1), BeforeValidator(_text_only)
+        ]
+        | None
+    ) = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ChatCompletionRequest:
+        if self.stream_options is not None and not self.stream:
+            raise _refuse("stream_options", "stream_options is taken only with stream=true")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise _refuse("top_logprobs", "top_logprobs needs logprobs=true")
+        return self
+
+    def turn(self) -> list[tuple[str, str]]:
+        """The messages as (role, text)."""
+        return [(m.role, text_of(m.content)) for m in self.messages]
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+
+
+# -- reading a body ----------------------------------------------------------------------
+
+
+class UnknownParam(BadParam):
+    """A field neither OpenAI's API nor this server knows (a typo, most often): refused, as OpenAI
+    refuses it, rather than silently ignored."""
+
+    code = "unknown_field"
+
+    def __init__(self, names: Iterable[str]) -> None:
+        names = sorted(names)
+        super().__init__(names[0], f"Unrecognized request argument supplied: {', '.join(names)}")
+        self.fields = names
+
+
+#: OpenAI request fields that change nothing here, taken and dropped: an end-user id, a service
+#: tier, caching and safety hints (a session caches by itself), parallel tool calls (no tools)
+NO_OPS = frozenset(
+    {
+        "user",
+        "service_tier",
+        "safety_identifier",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+        "parallel_tool_calls",
+    }
+)
+
+R = TypeVar("R", bound=Request)
+
+
+def check_fields(b: Mapping[str, Any], model: type[Request]) -> None:
+    """Refuse a non-null field that is neither the model's, nor one it refuses by name, nor one of
+    :data:`NO_OPS`."""
+    unknown = {k for k, v in b.items() if v is not None} - set(model.model_fields)
+    unknown -= NO_OPS | set(model.unsupported)
+    if unknown:
+        raise UnknownParam(unknown)
+
+
+def parse(model: type[R], b: Mapping[str, Any]) -> R:
+    """The body as ``model``: unsupported features refused, then every field validated."""
+    for name in model.unsupported:
+        if b.get(name) not in (None, [], {}, 0, 0.0, "auto", "none", False):
+            raise BadParam(name, f"{name} is not supported by this server")
+    fields = model.model_fields
+    try:
+        return model.model_validate({k: v for k, v in b.items() if v is not None and k in fields})
+    except ValidationError as exc:
+        error = exc.errors(include_url=False)[0]
+        path, message = describe(error, "request body")
+        raise BadParam(path or dict(error.get("ctx") or {}).get("param", ""), message) from None
