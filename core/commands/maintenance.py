@@ -51,14 +51,12 @@ async def cmd_purge(args: argparse.Namespace) -> int:
 
 async def cmd_db_upgrade(args: argparse.Namespace) -> int:
     from sessiontape.core.log import EventLog
-    from sessiontape.migrations.runner import current_revision
 
     cfg = load_config(args)
     check_database_url(cfg.db_url, must_exist=False)
     log_ = await EventLog.open(cfg.db_url, migrate=True)
     try:
-        async with log_.engine.connect() as conn:
-            rev = await conn.run_sync(current_revision)
+        rev = await log_.revision()
     finally:
         await log_.close()
     print(f"database at revision {rev}: {redact(cfg.db_url)}")

@@ -4,7 +4,17 @@ The writer (core/log/writer.py), the readers and the subscriptions
 (core/log/store.py, core/log/subscriptions.py) are written once; everything
 that depends on the database is a method of its :class:`Dialect`, one module per
 database (core/log/sqlite.py, core/log/postgres.py; core/log/store.py's
-``open_dialect`` picks one by URL):
+``open_dialect`` picks one by URL). Each database is reached one way, its
+dialect's own (docs/architecture.md, "Database access"):
+
+- SQLite through the standard library's ``sqlite3``: every write (events,
+  session index, snapshots) on the writer thread's connection, reads on the
+  reader threads' connections (an in-memory database: on the writer's
+  connection, on its thread); SQLAlchemy only for Alembic's migrations;
+- PostgreSQL through SQLAlchemy's asyncpg engine (its pool, and asyncpg's own
+  connections under it for the hot paths).
+
+What else differs:
 
 - how a write transaction runs: SQLite in the writer's own thread on its own
   ``sqlite3`` connection (``BEGIN IMMEDIATE`` takes the write lock, so
@@ -22,16 +32,14 @@ database (core/log/sqlite.py, core/log/postgres.py; core/log/store.py's
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
-import sqlite3
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 log = logging.getLogger("sessiontape.log")
 
@@ -41,6 +49,8 @@ R = TypeVar("R")
 Work = Callable[[Any], R]
 #: the test hook awaited inside the write transaction, just before COMMIT
 Hook = Callable[[R], Awaitable[None]] | None
+#: work done by Alembic (migrations, their revision), on a SQLAlchemy connection
+Migration = Callable[[Connection], R]
 
 
 class NotNow(Exception):
@@ -65,8 +75,9 @@ class Dialect(ABC):
     #: :meth:`append_batch` commits a plain batch in one call
     one_call_append: bool = False
 
-    def __init__(self, engine: AsyncEngine) -> None:
-        self.engine = engine
+    def __init__(self, url: str) -> None:
+        #: the database's URL, as the log was opened with it
+        self.url = url
 
     @abstractmethod
     def sql(self, text: str) -> str:
@@ -76,8 +87,8 @@ class Dialect(ABC):
     async def transaction(self, work: Work[R], before_commit: Hook[R], *, small: bool = False) -> R:
         """Run ``work(cursor)`` in one write transaction; COMMIT unless it raised.
 
-        ``work`` must take the position lock first (:meth:`lock_positions`).
-        ``small``: the transaction carries one request (nothing else was
+        Work that assigns positions takes the position lock first
+        (:meth:`lock_positions`). ``small``: the transaction carries one request (nothing else was
         waiting to be committed with it).
         """
 
@@ -87,8 +98,8 @@ class Dialect(ABC):
 
         Raises :class:`NotNow` (nothing run) when that cannot be done without
         waiting: the dialect has no such path (PostgreSQL's driver is async), the
-        writer's connection is not open yet, or another connection holds the
-        write lock.
+        writer's connection is not open yet or has work on the writer thread, or
+        another connection holds the write lock.
         """
         raise NotNow
 
@@ -107,36 +118,20 @@ class Dialect(ABC):
     def notify(self, cur: Any, position: int) -> None:  # noqa: B027
         """Inside a write transaction: wake other processes' tailers once it commits."""
 
+    #: the driver's own exception classes for a uniqueness violation, and for a
+    #: database that cannot be used now (beside SQLAlchemy's, raised by Alembic's runs)
+    driver_conflicts: tuple[type[BaseException], ...] = ()
+    driver_unavailable: tuple[type[BaseException], ...] = ()
+
     def is_conflict(self, exc: BaseException) -> bool:
         """Whether ``exc`` is a uniqueness violation (another writer took the version)."""
-        dbapi = self.engine.dialect.dbapi
-        return isinstance(exc, IntegrityError | sqlite3.IntegrityError) or (
-            dbapi is not None and isinstance(exc, dbapi.IntegrityError)
-        )
+        return isinstance(exc, (IntegrityError, *self.driver_conflicts))
 
     def is_unavailable(self, exc: BaseException) -> bool:
         """Whether ``exc`` says the database cannot be used now (gone, unreachable, locked)."""
-        dbapi = self.engine.dialect.dbapi
-        kinds: tuple[type[BaseException], ...] = (
-            OperationalError,
-            InterfaceError,
-            sqlite3.OperationalError,
-            OSError,
-        )
-        if dbapi is not None:
-            # InternalError too: asyncpg reports a connection the server terminated
-            # mid-protocol as an InternalClientError ("another operation is in progress")
-            kinds += tuple(
-                k
-                for k in (
-                    getattr(dbapi, name, None)
-                    for name in ("OperationalError", "InterfaceError", "InternalError")
-                )
-                if isinstance(k, type)
-            )
-        return isinstance(exc, kinds) or (
-            isinstance(exc, DBAPIError) and exc.connection_invalidated
-        )
+        return isinstance(
+            exc, (OperationalError, InterfaceError, OSError, *self.driver_unavailable)
+        ) or (isinstance(exc, DBAPIError) and exc.connection_invalidated)
 
     async def append_batch(self, args: Sequence[Any]) -> bool:
         """Commit a plain batch (event rows without data, session index updates) in
@@ -144,21 +139,20 @@ class Dialect(ABC):
         True when it committed, False when the log moved on since the plan."""
         raise NotNow
 
+    @abstractmethod
     async def fetch(self, sql: str, params: Sequence[Any]) -> list[Sequence[Any]]:
-        """The rows of one read statement (``?`` placeholders), as the driver gives them.
+        """The rows of one read statement (``?`` placeholders), as the driver gives them."""
 
-        Through SQLAlchemy here; a dialect with a cheaper way to its driver overrides it.
-        """
-        async with self.engine.connect() as conn:
-            return list((await conn.exec_driver_sql(self.sql(sql), tuple(params))).all())
-
+    @abstractmethod
     async def reset_pool(self) -> None:
         """After an unavailable error: drop pooled connections (all may be dead; the next
         use connects afresh) instead of handing each dead one out in turn."""
-        await self.engine.dispose(close=False)
 
-    async def migration_lock(self, conn: AsyncConnection) -> None:  # noqa: B027
-        """Inside the migration transaction: one server migrates at a time."""
+    @abstractmethod
+    async def alembic(self, work: Migration[R]) -> R:
+        """``work(connection)`` on a SQLAlchemy connection, in one transaction, one
+        process at a time: Alembic's migrations and the revision they left (the one
+        use of SQLAlchemy's engine on SQLite)."""
 
     async def listen(self, wake: Callable[[int | None], None]) -> None:  # noqa: B027
         """Call ``wake`` when a process commits, with the log's end after that commit
@@ -171,26 +165,6 @@ class Dialect(ABC):
     async def unlock_session(self, session_id: str) -> None:  # noqa: B027
         """Release what :meth:`try_lock_session` took."""
 
+    @abstractmethod
     async def close(self) -> None:
-        await self.engine.dispose()
-        await settle_terminations()
-
-
-async def settle_terminations(timeout_s: float = 2.0) -> None:
-    """Wait for SQLAlchemy's graceful closes of connections invalidated by a cancel.
-
-    A read cancelled mid-query (a stream cut at shutdown) invalidates its
-    connection, and the asyncio adapters close it in a shielded task nobody
-    awaits; if the loop ends first, asyncio reports "Task was destroyed but
-    it is pending". Closing the log waits for them.
-    """
-    me = asyncio.current_task()
-    pending = [
-        t
-        for t in asyncio.all_tasks()
-        if t is not me
-        and not t.done()
-        and getattr(t.get_coro(), "__qualname__", "").endswith("_terminate_graceful_close")
-    ]
-    if pending:
-        await asyncio.wait(pending, timeout=timeout_s)
+        """Close every connection (after the writer committed what was queued)."""

@@ -1,4 +1,11 @@
-"""PostgreSQL: several server processes (replicas) share the database."""
+"""PostgreSQL: several server processes (replicas) share the database.
+
+Reached one way: SQLAlchemy's asyncpg engine, whose pool hands out every
+connection (reads, write transactions, the writer's one-call appends, the
+session locks, LISTEN, Alembic's migrations); the hot paths talk to the
+asyncpg connection under a pooled one, with asyncpg's errors raised as
+SQLAlchemy's.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +17,10 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
 from sqlalchemy.util import await_only
 
-from sessiontape.core.log.dialect import Dialect, Hook, R, Work, session_lock_key
+from sessiontape.core.log.dialect import Dialect, Hook, Migration, R, Work, session_lock_key
 
 log = logging.getLogger("sessiontape.log")
 
@@ -45,8 +52,16 @@ class PostgresDialect(Dialect):
     shared = True
     one_call_append = True
 
-    def __init__(self, engine: AsyncEngine) -> None:
-        super().__init__(engine)
+    def __init__(self, url: str, *, echo: bool = False) -> None:
+        super().__init__(url)
+        self.engine = create_async_engine(url, echo=echo)
+        dbapi = self.engine.dialect.dbapi
+        # InternalError too: asyncpg reports a connection the server terminated
+        # mid-protocol as an InternalClientError ("another operation is in progress")
+        self.driver_conflicts = _classes(dbapi, "IntegrityError")
+        self.driver_unavailable = _classes(
+            dbapi, "OperationalError", "InterfaceError", "InternalError"
+        )
         self._listen_conn: AsyncConnection | None = None
         #: the connection holding this process's session writer locks
         self._lock_conn: AsyncConnection | None = None
@@ -144,8 +159,14 @@ class PostgresDialect(Dialect):
     def notify(self, cur: Any, position: int) -> None:
         cur.execute(self.sql("SELECT pg_notify(?, ?)"), (PG_CHANNEL, str(position)))
 
-    async def migration_lock(self, conn: AsyncConnection) -> None:
-        await conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": PG_MIGRATE_KEY})
+    async def alembic(self, work: Migration[R]) -> R:
+        async with self.engine.begin() as conn:
+            # several servers starting on a fresh database migrate one at a time
+            await conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": PG_MIGRATE_KEY})
+            return await conn.run_sync(work)
+
+    async def reset_pool(self) -> None:
+        await self.engine.dispose(close=False)
 
     async def listen(self, wake: Callable[[int | None], None]) -> None:
         self._listen_conn = await self.engine.connect()
@@ -210,7 +231,34 @@ class PostgresDialect(Dialect):
                     await conn.close()
         self._listen_conn = self._lock_conn = None
         self._lock_driver = None
-        await super().close()
+        await self.engine.dispose()
+        await settle_terminations()
+
+
+async def settle_terminations(timeout_s: float = 2.0) -> None:
+    """Wait for SQLAlchemy's graceful closes of connections invalidated by a cancel.
+
+    A read cancelled mid-query (a stream cut at shutdown) invalidates its
+    connection, and the asyncio adapters close it in a shielded task nobody
+    awaits; if the loop ends first, asyncio reports "Task was destroyed but
+    it is pending". Closing the log waits for them.
+    """
+    me = asyncio.current_task()
+    pending = [
+        t
+        for t in asyncio.all_tasks()
+        if t is not me
+        and not t.done()
+        and getattr(t.get_coro(), "__qualname__", "").endswith("_terminate_graceful_close")
+    ]
+    if pending:
+        await asyncio.wait(pending, timeout=timeout_s)
+
+
+def _classes(module: Any, *names: str) -> tuple[type[BaseException], ...]:
+    """The exception classes ``module`` (a DBAPI module) has of ``names``."""
+    found = (getattr(module, name, None) for name in names)
+    return tuple(k for k in found if isinstance(k, type) and issubclass(k, BaseException))
 
 
 def _driver_errors() -> tuple[type[BaseException], ...]:

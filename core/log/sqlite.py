@@ -1,4 +1,12 @@
-"""SQLite, the embedded default: one process writes, in its own thread or inline."""
+"""SQLite, the embedded default: one process writes, in its own thread or inline.
+
+Reached one way, through the standard library's ``sqlite3``: the writer
+thread's connection takes every write (the log's transactions, snapshots) and
+runs Alembic's migrations under a short-lived SQLAlchemy engine built on it;
+each reader thread reads on a connection of its own. An in-memory database
+exists only on the writer's connection, so it is read there too, on the
+writer thread.
+"""
 
 from __future__ import annotations
 
@@ -7,17 +15,20 @@ import itertools
 import logging
 import sqlite3
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from sqlalchemy import event as sa_event
-from sqlalchemy.ext.asyncio import create_async_engine
+import sqlalchemy as sa
+from sqlalchemy.engine import make_url
+from sqlalchemy.pool import StaticPool
 
 from sessiontape.core.log.checkpoint import BACKSTOP_PAGES, Checkpointer
-from sessiontape.core.log.dialect import Dialect, Hook, NotNow, R, Work
+from sessiontape.core.log.dialect import Dialect, Hook, Migration, NotNow, R, Work
 
 log = logging.getLogger("sessiontape.log")
+#: each statement, when the log was opened with ``echo``
+sql_log = logging.getLogger("sessiontape.log.sql")
 
 
 #: the most rows one multi-row INSERT carries on SQLite (a power of two)
@@ -26,22 +37,34 @@ ROWS_PER_INSERT = 1024
 #: threads (each with its own connection) that read a file database for the log
 READERS = 2
 
+#: how long a statement waits for another connection's lock before it fails
+BUSY_TIMEOUT_S = 30
+
 
 class SQLiteDialect(Dialect):
     """SQLite in WAL mode: one server process writes; others (the CLI) read."""
 
+    driver_conflicts = (sqlite3.IntegrityError,)
+    driver_unavailable = (sqlite3.OperationalError,)
+
     def __init__(self, url: str, *, echo: bool, synchronous: str) -> None:
-        super().__init__(create_async_engine(url, echo=echo, connect_args={"timeout": 30}))
+        super().__init__(url)
         self.synchronous = synchronous
-        sa_event.listen(self.engine.sync_engine, "connect", self._pragmas)
-        self.path = self.engine.url.database or ":memory:"
-        #: the writer's own connection, used only from the writer thread
+        self.echo = echo
+        self.path = make_url(url).database or ":memory:"
+        self.in_memory = self.path == ":memory:"
+        #: the writer's own connection, used only from the writer thread, or
+        #: inline on the loop's thread while nothing is queued for that thread
         self._raw: sqlite3.Connection | None = None
         #: whether ``_raw``'s busy timeout is 0 now (an inline try) rather than 30 s
         self._nowait = False
         self._thread = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="sessiontape-log-writer"
         )
+        #: calls handed to the writer thread (counted on the loop's thread) and
+        #: finished there (counted on the writer thread): equal when it is idle
+        self._handed = 0
+        self._done = 0
         #: multi-row INSERT texts by (prefix, rows); SQLite's bound-variable limit
         self._insert_sql: dict[tuple[str, int], str] = {}
         self._variable_limit: int | None = None
@@ -56,25 +79,91 @@ class SQLiteDialect(Dialect):
         self._reader_lock = threading.Lock()
         self._reader_generation = 0
 
-    def _pragmas(self, dbapi_conn: Any, _rec: Any = None) -> None:
-        cur = dbapi_conn.cursor()
-        cur.execute("PRAGMA journal_mode=WAL")
-        cur.execute(f"PRAGMA synchronous={self.synchronous}")
-        cur.execute("PRAGMA foreign_keys=ON")
-        cur.close()
+    def _connect(self) -> sqlite3.Connection:
+        """A connection of this dialect's (autocommit: transactions are begun explicitly)."""
+        conn = sqlite3.connect(
+            self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
+        )
+        if self.echo:
+            conn.set_trace_callback(sql_log.info)
+        return conn
+
+    def _pragmas(self, conn: sqlite3.Connection) -> None:
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute(f"PRAGMA synchronous={self.synchronous}")
+        conn.execute("PRAGMA foreign_keys=ON")
+
+    def _writer_connection(self) -> sqlite3.Connection:
+        """The writer's connection, opened on first use (on the writer thread)."""
+        raw = self._raw
+        if raw is None:
+            raw = self._raw = self._connect()
+            self._pragmas(raw)
+            self._nowait = False  # connect's timeout: 30 s
+            if not self.in_memory:
+                # checkpoints run on the checkpoint thread, not inside this
+                # connection's commits; its own automatic one is only a backstop
+                raw.execute(f"PRAGMA wal_autocheckpoint={BACKSTOP_PAGES}")
+        return raw
+
+    def _on_writer(self, fn: Callable[..., R], *args: Any) -> asyncio.Future[R]:
+        """``fn(*args)`` on the writer thread, counted (:meth:`_writer_idle`)."""
+        self._handed += 1
+        try:
+            return asyncio.get_running_loop().run_in_executor(
+                self._thread, self._counted, fn, *args
+            )
+        except BaseException:
+            self._handed -= 1
+            raise
+
+    def _counted(self, fn: Callable[..., R], *args: Any) -> R:
+        try:
+            return fn(*args)
+        finally:
+            self._done += 1
+
+    def _writer_idle(self) -> bool:
+        """Whether the writer's connection may be used right here, on the loop's thread:
+        it is open, and nothing handed to the writer thread is queued or running."""
+        return self._raw is not None and self._handed == self._done
+
+    async def alembic(self, work: Migration[R]) -> R:
+        """On the writer's connection, on its thread: SQLAlchemy's engine is built on it
+        for the run and disposed after, leaving the connection open. The statements
+        run as SQLite's Python driver runs them by default (DDL on its own, a
+        transaction opened before a data change and committed at the end), as
+        the migrations expect (migrations/versions/0004_sqlite_position_rowid.py)."""
+        return await self._on_writer(self._alembic, work)
+
+    def _alembic(self, work: Migration[R]) -> R:
+        raw = self._writer_connection()
+        engine = sa.create_engine("sqlite://", creator=lambda: raw, poolclass=StaticPool)
+        raw.isolation_level = "DEFERRED"
+        try:
+            with engine.begin() as conn:
+                return work(conn)
+        finally:
+            if raw.in_transaction:
+                raw.rollback()
+            raw.isolation_level = None
+            engine.dispose(close=False)  # the connection is the writer's: kept open
 
     def sql(self, text: str) -> str:
         return text
 
     async def fetch(self, sql: str, params: Sequence[Any]) -> list[Sequence[Any]]:
-        """On a reader thread's own sqlite3 connection, not as SQLAlchemy rows built one by
-        one on the event loop (aiosqlite): a 2,035-event session read back in 5.2 ms
-        against 15 ms. An in-memory database has no second connection to it."""
-        if self.path in ("", ":memory:"):
-            return await super().fetch(sql, params)
+        """On a reader thread's own sqlite3 connection (a read waits for no write, and
+        its rows are built off the event loop). An in-memory database has no second
+        connection to it: it is read on the writer's, on the writer thread."""
+        if self.in_memory:
+            return await self._on_writer(self._fetch_on_writer, sql, tuple(params))
         return await asyncio.get_running_loop().run_in_executor(
             self._readers, self._fetch, sql, tuple(params)
         )
+
+    def _fetch_on_writer(self, sql: str, params: tuple[Any, ...]) -> list[Sequence[Any]]:
+        return self._writer_connection().execute(sql, params).fetchall()
 
     def _fetch(self, sql: str, params: tuple[Any, ...]) -> list[Sequence[Any]]:
         local = self._reader_local
@@ -83,9 +172,7 @@ class SQLiteDialect(Dialect):
             self._drop_reader(conn)  # the pool was reset since (reset_pool): open anew
             conn = None
         if conn is None:
-            conn = sqlite3.connect(
-                self.path, timeout=30, isolation_level=None, check_same_thread=False
-            )
+            conn = self._connect()
             conn.execute("PRAGMA query_only=ON")
             with self._reader_lock:
                 self._reader_conns.append(conn)
@@ -112,23 +199,22 @@ class SQLiteDialect(Dialect):
 
     async def transaction(self, work: Work[R], before_commit: Hook[R], *, small: bool = False) -> R:
         loop = asyncio.get_running_loop()
-        if small and before_commit is None and self._raw is not None:
+        if small and before_commit is None and self._writer_idle():
             # One request alone: a WAL commit without fsync takes less than handing
             # it to the writer thread and back (two GIL hand-offs and several loop
-            # turns), so try it right here, unless another connection holds the
-            # write lock, which the writer thread then waits for instead (the loop
-            # never waits on it). Larger batches go to the thread, where SQLite's
-            # work overlaps the loop's.
+            # turns), so try it right here when the writer thread has nothing of
+            # this connection's (a snapshot, a read of an in-memory database), unless
+            # another connection holds the write lock, which the writer thread then
+            # waits for instead (the loop never waits on it). Larger batches go to
+            # the thread, where SQLite's work overlaps the loop's.
             try:
                 return self._transaction(loop, work, None, wait=False)
             except NotNow:
                 pass
-        return await loop.run_in_executor(
-            self._thread, self._transaction, loop, work, before_commit
-        )
+        return await self._on_writer(self._transaction, loop, work, before_commit)
 
     def transaction_now(self, work: Work[R]) -> R:
-        if self._raw is None:
+        if not self._writer_idle():
             raise NotNow
         return self._transaction(asyncio.get_running_loop(), work, None, wait=False)
 
@@ -139,24 +225,15 @@ class SQLiteDialect(Dialect):
         before_commit: Hook[R],
         wait: bool = True,
     ) -> R:
-        raw = self._raw
-        if raw is None:
-            raw = self._raw = sqlite3.connect(
-                self.path, timeout=30, isolation_level=None, check_same_thread=False
-            )
-            self._pragmas(raw)
-            self._nowait = False  # connect's timeout: 30 s
-            if self.path not in ("", ":memory:") and self.checkpointer is None:
-                # checkpoints run on the checkpoint thread, not inside this
-                # connection's commits; its own automatic one is only a backstop
-                raw.execute(f"PRAGMA wal_autocheckpoint={BACKSTOP_PAGES}")
-                self.checkpointer = Checkpointer(self.path, self.synchronous)
+        raw = self._writer_connection()
+        if self.checkpointer is None and not self.in_memory:
+            self.checkpointer = Checkpointer(self.path, self.synchronous)
         # IMMEDIATE takes the write lock now: positions are read and assigned under it.
         # An inline try must not wait for another connection's lock (the loop would
         # block on it): its busy timeout is 0, set only when the mode changes, since
         # consecutive inline commits (one generation's runs) would pay two statements each.
         if self._nowait != (not wait):
-            raw.execute(f"PRAGMA busy_timeout = {0 if not wait else 30000}")
+            raw.execute(f"PRAGMA busy_timeout = {0 if not wait else BUSY_TIMEOUT_S * 1000}")
             self._nowait = not wait
         if wait:
             raw.execute("BEGIN IMMEDIATE")
@@ -231,12 +308,9 @@ class SQLiteDialect(Dialect):
     async def reset_pool(self) -> None:
         # each reader thread closes its own connection at its next read
         self._reader_generation += 1
-        # a file's connections are not dead sockets: closed, not just dropped
-        await self.engine.dispose()
 
     async def close(self) -> None:
-        await asyncio.get_running_loop().run_in_executor(self._thread, self._close_raw)
+        await self._on_writer(self._close_raw)
         self._thread.shutdown(wait=True)
         self._readers.shutdown(wait=True)
         self._close_readers()
-        await super().close()

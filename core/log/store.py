@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.engine import make_url
 
 from sessiontape.core.bodies import SessionPurged
 from sessiontape.core.bodies import body as typed_body
@@ -45,7 +45,6 @@ from sessiontape.core.handback import handing_back
 from sessiontape.core.log.dialect import Dialect, session_lock_key
 from sessiontape.core.log.plan import Request, RequestKind
 from sessiontape.core.log.postgres import PostgresDialect
-from sessiontape.core.log.schema import snapshots
 from sessiontape.core.log.sqlite import SQLiteDialect
 from sessiontape.core.log.subscriptions import Subscriptions
 from sessiontape.core.log.writer import Writer, unavailable
@@ -92,7 +91,7 @@ _BLOBS_PER_READ = 500
 def _reading(
     fn: Callable[Concatenate[EventLog, P], Awaitable[R]],
 ) -> Callable[Concatenate[EventLog, P], Awaitable[R]]:
-    """A read of the log, as callers see it.
+    """A read of the log (or a snapshot's write), as callers see it.
 
     A database that went away raises LogUnavailable, not the driver's error.
     A caller cancelled mid-read (a stream cut at shutdown) lets the query
@@ -127,14 +126,14 @@ def _reading(
 
 
 def open_dialect(url: str, *, echo: bool = False, sqlite_synchronous: str = "NORMAL") -> Dialect:
-    """The dialect of ``url`` (core/log/sqlite.py or core/log/postgres.py), with its
-    SQLAlchemy engine."""
-    if url.startswith("sqlite"):
+    """The dialect of ``url``: core/log/sqlite.py or core/log/postgres.py (which
+    connects how: docs/architecture.md, "Database access")."""
+    backend = make_url(url).get_backend_name()
+    if backend == "sqlite":
         return SQLiteDialect(url, echo=echo, synchronous=sqlite_synchronous)
-    engine = create_async_engine(url, echo=echo)
-    if engine.dialect.name == "postgresql":
-        return PostgresDialect(engine)
-    raise ValueError(f"unsupported database {engine.dialect.name!r} (SQLite or PostgreSQL)")
+    if backend == "postgresql":
+        return PostgresDialect(url, echo=echo)
+    raise ValueError(f"unsupported database {backend!r} (SQLite or PostgreSQL)")
 
 
 class EventLog:
@@ -150,7 +149,6 @@ class EventLog:
         follow: bool = False,
     ) -> None:
         self.dialect = dialect
-        self.engine: AsyncEngine = dialect.engine
         self.subscriptions = Subscriptions(
             self._read_page, tail=dialect.shared or follow, poll_interval_s=poll_interval_s
         )
@@ -175,6 +173,11 @@ class EventLog:
     def inline_max_bytes(self) -> int:
         """Payloads larger than this go to content-addressed blobs."""
         return self.writer.inline_max_bytes
+
+    @property
+    def url(self) -> str:
+        """The database's URL, as the log was opened with it."""
+        return self.dialect.url
 
     @property
     def shared(self) -> bool:
@@ -206,6 +209,7 @@ class EventLog:
 
         ``follow`` makes subscriptions see other processes' commits on SQLite
         too (by polling); PostgreSQL always does (LISTEN/NOTIFY plus polling).
+        ``echo`` logs every statement.
         """
         dialect = open_dialect(url, echo=echo, sqlite_synchronous=sqlite_synchronous)
         self = cls(
@@ -218,16 +222,19 @@ class EventLog:
         if migrate:
             from sessiontape.migrations.runner import upgrade_connection
 
-            async with dialect.engine.begin() as conn:
-                # several servers starting on a fresh database migrate one at a time
-                await dialect.migration_lock(conn)
-                await conn.run_sync(upgrade_connection)
+            await dialect.alembic(upgrade_connection)
         # where the log ends: read once, then known from this process's commits (and, when
         # other processes write, from tailing theirs)
         self.subscriptions.start(await self.last_position())
         await dialect.listen(self.subscriptions.wake)
         self.writer.start()
         return self
+
+    async def revision(self) -> str | None:
+        """The schema's migration revision (Alembic's), None before the first."""
+        from sessiontape.migrations.runner import current_revision
+
+        return await self.dialect.alembic(current_revision)
 
     async def close(self) -> None:
         """Commit what is queued, refuse what comes after, stop."""
@@ -487,17 +494,22 @@ class EventLog:
     async def save_snapshot(
         self, session_id: str, version: int, state: str, data: bytes | None
     ) -> None:
-        async with self.engine.begin() as conn:
-            await conn.execute(snapshots.delete().where(snapshots.c.session_id == session_id))
-            await conn.execute(
-                snapshots.insert().values(
-                    session_id=session_id,
-                    version=version,
-                    state=state,
-                    data=data,
-                    created_at=time.time(),
-                )
+        """Keep one snapshot of the session, this one: a write transaction of the
+        writer's (it assigns no position, so it needs no group commit)."""
+        sql = self.dialect.sql
+        row = (session_id, version, state, data, time.time())
+
+        def work(cur: Any) -> None:
+            cur.execute(sql("DELETE FROM snapshots WHERE session_id = ?"), (session_id,))
+            cur.execute(
+                sql(
+                    "INSERT INTO snapshots (session_id, version, state, data, created_at)"
+                    " VALUES (?, ?, ?, ?, ?)"
+                ),
+                row,
             )
+
+        await self.dialect.transaction(work, None)
 
     @_reading
     async def load_snapshot(

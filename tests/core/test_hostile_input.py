@@ -101,8 +101,8 @@ async def test_audit_reports_unusable_recorded_params_and_goes_on(
             sid, GenerateRequest(SamplingParams(max_tokens=3, seed=1), append=[1, 2])
         ):
             pass
-    url = str(runtime.log.engine.url)
-    await poison(url, bad)
+    url = runtime.log.url
+    await poison(runtime.log, bad)
     report = await audit_session(runtime.log, bad, reexecute=True, engine=runtime.engine)
     assert not report.ok and report.chain_ok and not report.invariants_ok
     assert len(report.problems) == 1 and "generation.started" in report.problems[0], report.problems

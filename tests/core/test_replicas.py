@@ -233,12 +233,10 @@ async def test_a_lost_lock_connection_is_a_typed_error_and_the_next_generation_r
     assert isinstance(dialect, PostgresDialect) and dialect._lock_driver is not None
     lock_pid = dialect._lock_driver[1].get_server_pid()
     # the database ends the lock connection (a restart, an administrator, a proxy)
-    async with b.log.engine.connect() as conn:
-        raw = await conn.get_raw_connection()
-        assert await raw.driver_connection.fetchval(  # type: ignore[union-attr]
-            "SELECT pg_terminate_backend($1, 5000)",
-            lock_pid,  # returns once it exited
-        )
+    [(ended,)] = await b.log.dialect.fetch(  # returns once it exited
+        "SELECT pg_terminate_backend(?, 5000)", (lock_pid,)
+    )
+    assert ended
     before = [e.hash for e in await a.log.read(sid)]
     with pytest.raises(LogUnavailable):
         async for _ in a.generate(sid, GenerateRequest(SamplingParams(max_tokens=3, seed=2))):

@@ -3,49 +3,40 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
-import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import create_async_engine
-
-from sessiontape.core.events import T
+from sessiontape.core.events import Event, T, event_hash
+from sessiontape.core.log import EventLog
 
 
-async def poison(url: str, sid: str) -> None:
+async def poison(log: EventLog, sid: str) -> None:
     """What an older server stored for ``temperature: NaN``: null in the generation.started body.
 
-    The body is rewritten and the hash chain re-sealed, so only the bad parameter is wrong.
+    The body is rewritten and the hash chain re-sealed, so only the bad parameter is
+    wrong; written in one transaction on the log's own connection, past the log's API.
     """
-    from sessiontape.core.events import Event, event_hash
+    sql = log.dialect.sql
 
-    eng = create_async_engine(url)
-    async with eng.begin() as conn:
-        rows = (
-            await conn.execute(
-                sa.text(
-                    "SELECT position, version, type, body, data, recorded_at, hash, prev_hash FROM events "
-                    "WHERE session_id = :s ORDER BY version"
-                ),
-                {"s": sid},
-            )
-        ).all()
-        prev = rows[0].prev_hash
-        for r in rows:
-            body = json.loads(r.body)
-            if r.type == T.GENERATION_STARTED:
+    def work(cur: Any) -> None:
+        cur.execute(
+            sql(
+                "SELECT position, version, type, body, data, recorded_at, hash, prev_hash"
+                " FROM events WHERE session_id = ? ORDER BY version"
+            ),
+            (sid,),
+        )
+        rows = cur.fetchall()
+        prev = rows[0][7]
+        for position, version, type_, body_json, data, recorded_at, _hash, _prev in rows:
+            body = json.loads(body_json)
+            if type_ == T.GENERATION_STARTED:
                 body["params"]["temperature"] = None
-            e = Event(r.position, sid, r.version, r.type, body, r.data, r.recorded_at, "", prev)
-            h = event_hash(e)
-            await conn.execute(
-                sa.text(
-                    "UPDATE events SET body = :b, hash = :h, prev_hash = :p WHERE position = :pos"
-                ),
-                {
-                    "b": json.dumps(body, sort_keys=True, separators=(",", ":")),
-                    "h": h,
-                    "p": prev,
-                    "pos": r.position,
-                },
+            h = event_hash(Event(position, sid, version, type_, body, data, recorded_at, "", prev))
+            cur.execute(
+                sql("UPDATE events SET body = ?, hash = ?, prev_hash = ? WHERE position = ?"),
+                (json.dumps(body, sort_keys=True, separators=(",", ":")), h, prev, position),
             )
             prev = h
-        await conn.execute(sa.text("DELETE FROM snapshots WHERE session_id = :s"), {"s": sid})
-    await eng.dispose()
+        cur.execute(sql("DELETE FROM snapshots WHERE session_id = ?"), (sid,))
+
+    await log.dialect.transaction(work, None)

@@ -9,7 +9,6 @@ import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import create_engine
 
 from sessiontape.core.engine.interface import SamplingParams
 from sessiontape.core.events import NewEvent, T
@@ -19,22 +18,30 @@ from sessiontape.core.log.schema import metadata
 from sessiontape.core.log.store import verify_chain
 from sessiontape.core.runtime import Runtime
 from sessiontape.engines.reference import ReferenceEngine
-from sessiontape.migrations.runner import alembic_config, current_revision
+from sessiontape.migrations.runner import alembic_config
 from tests.helpers.config import make_config
 
 
 async def test_models_and_migrations_agree(db_url: str) -> None:
     log = await EventLog.open(db_url)
     try:
-        async with log.engine.connect() as conn:
-            diff = await conn.run_sync(
-                lambda c: compare_metadata(MigrationContext.configure(c), metadata)
-            )
-            rev = await conn.run_sync(current_revision)
+        diff = await log.dialect.alembic(
+            lambda c: compare_metadata(MigrationContext.configure(c), metadata)
+        )
+        rev = await log.revision()
     finally:
         await log.close()
     assert diff == []
     assert rev == "0004_sqlite_position_rowid"
+
+
+async def _downgrade(url: str, revision: str) -> None:
+    """Alembic's downgrade to ``revision``, the one way the log runs Alembic."""
+    log = await EventLog.open(url, migrate=False)
+    try:
+        await log.dialect.alembic(lambda c: command.downgrade(alembic_config(c), revision))
+    finally:
+        await log.close()
 
 
 def _events_schema(path: str) -> tuple[str, list[str]]:
@@ -66,10 +73,7 @@ async def test_sqlite_events_are_kept_through_the_position_rowid_migration_both_
     sql, indexes = _events_schema(path)
     assert "position INTEGER NOT NULL" in sql and len(indexes) == 1  # only (session_id, version)
 
-    engine = create_engine(f"sqlite:///{path}")
-    with engine.begin() as conn:
-        command.downgrade(alembic_config(conn), "0003_pg_append_data")
-    engine.dispose()
+    await _downgrade(url, "0003_pg_append_data")
     sql, indexes = _events_schema(path)
     assert "position BIGINT NOT NULL" in sql and len(indexes) == 2
 
@@ -99,10 +103,7 @@ async def test_a_position_rowid_rebuild_that_died_part_way_is_taken_up_again(
     url = f"sqlite+aiosqlite:///{path}"
     log = await EventLog.open(url)
     await log.close()
-    engine = create_engine(f"sqlite:///{path}")
-    with engine.begin() as conn:
-        command.downgrade(alembic_config(conn), "0003_pg_append_data")
-    engine.dispose()
+    await _downgrade(url, "0003_pg_append_data")
     rows = [(p, "s_1", p, "t", "{}", None, None, 1.0, f"h{p}", f"h{p - 1}") for p in range(1, 40)]
     with sqlite3.connect(path) as con:
         con.executemany("INSERT INTO events VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)

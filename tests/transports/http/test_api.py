@@ -294,15 +294,15 @@ async def test_create_checks_sizes_before_the_database(
 
 
 async def test_audit_reports_a_tampered_log(runtime: Runtime, client: httpx.AsyncClient) -> None:
-    import sqlalchemy as sa
-
     sid = await _open(client)
     await client.post(f"/v1/sessions/{sid}/append", json={"text": "abc"})
-    async with runtime.log.engine.begin() as conn:
-        await conn.execute(
-            sa.text("UPDATE events SET body = :b WHERE session_id = :s AND version = 2"),
-            {"b": '{"start":0,"tokens":[120,121,122],"images":[]}', "s": sid},
-        )
+    tampered = '{"start":0,"tokens":[120,121,122],"images":[]}'
+    await runtime.log.dialect.transaction(  # past the log's API, on its own connection
+        lambda cur: cur.execute(
+            "UPDATE events SET body = ? WHERE session_id = ? AND version = 2", (tampered, sid)
+        ),
+        None,
+    )
     report = (await client.get(f"/v1/sessions/{sid}/audit")).json()
     assert report["session_id"] == sid and report["chain_ok"] is False and report["ok"] is False
     assert report["problems"]

@@ -473,7 +473,7 @@ async def test_audit_route_reports_a_poisoned_session(
         sid, GenerateRequest(SamplingParams(max_tokens=2, seed=1), append=[1, 2])
     ):
         pass
-    await poison(str(runtime.log.engine.url), sid)
+    await poison(runtime.log, sid)
     r = await client.get(f"/v1/sessions/{sid}/audit")
     assert r.status_code == 200, r.text
     report = r.json()
