@@ -17,9 +17,7 @@ Settings (set on the live objects, as the config would have made them):
 - ``max_active``: ``[generation] max_active`` (``core/generation/scheduler.Admission.limit``; with
   one client, a check that the harness itself sees no difference).
 
-It was written for ``[transports.grpc] spin_s`` (how long the loop polled while a
-grpc.aio write was in flight), which went with grpc.aio (docs/performance/load.md);
-a setting is added here as a class, the attribute its instances carry it in, and the
+A setting is added here as a class, the attribute its instances carry it in, and the
 environment variable that sets it at the server's start.
 
 A turn appends 3 tokens and generates 16 with the reference engine, EOS biased away.

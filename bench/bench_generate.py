@@ -23,8 +23,7 @@ than tokens per second on a machine whose speed drifts. ``--wire-rows``
 picks some of them. The client process is pinned to one CPU (the last, unless
 ``--client-cpu`` says otherwise; the server is not pinned): left to float on
 a 2-core machine, the client's gRPC threads and the server's wake each other
-across cores, which cost the gRPC rows a third of their rate
-(docs/performance.md, "Token path"). Each client makes its calls before the
+across cores, which costs the gRPC rows a third of their rate. Each client makes its calls before the
 clock starts (opens its session, appends the prompt; the OpenAI client makes a
 short streamed request, so the package's first-use costs in a fresh process
 are not counted as the wire's).
@@ -354,8 +353,8 @@ async def _openai_client(hport: int, tokens: int) -> dict[str, Any]:
         model = (await client.models.list()).data[0].id
         # A short streamed request first, as the other rows' clients make their calls
         # before the clock: the package builds its chunk models on first use, and in a
-        # fresh process that put 3-6 ms between the first chunk's arrival and its
-        # delivery, which the row counted as the wire's latency and time.
+        # fresh process that puts milliseconds between the first chunk's arrival and
+        # its delivery, which the row would count as the wire's latency and time.
         warm = await client.chat.completions.create(
             model=model,
             messages=[{"role": "user", "content": PROMPT}],
@@ -472,7 +471,7 @@ async def start_relay(kind: str, workdir: Path) -> tuple[asyncio.subprocess.Proc
     nostr-sdk's relay leaves Nagle's algorithm on its sockets: a result it sends a client
     within about 40 ms of its last message to that client (the call's ``OK``) waits for
     the client's delayed acknowledgement, which adds about 20 ms to each of this row's
-    400-token answers (docs/performance.md, "Token path"). ``nostr-relay`` writes at once.
+    400-token answers. ``nostr-relay`` writes at once.
     """
     if kind == "nostr-sdk":
         proc = await asyncio.create_subprocess_exec(

@@ -336,10 +336,9 @@ class Pool:
     """What one client process shares, as a client library would: gRPC channels (each its
     own connection), at most ``per_channel`` sessions each, and HTTP keep-alive pools, at
     most ``per_pool`` sessions each, taken round-robin. httpx scans every connection of a
-    pool on each request (``has_expired``, a ``getpeername`` each): one pool of 40 fleet
-    sessions took 55% of the client's CPU, and once the server answered HTTP turns
-    faster, the client's loop, busy scanning, held the gRPC sessions' messages back for
-    seconds."""
+    pool on each request (``has_expired``, a ``getpeername`` each): one large pool of
+    fleet sessions takes much of the client's CPU, and the client's loop, busy
+    scanning, holds the gRPC sessions' messages back."""
 
     def __init__(
         self,

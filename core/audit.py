@@ -11,6 +11,7 @@ engine with the recorded parameters, and reports the first diverging token
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -192,12 +193,9 @@ async def reexecute_generation(
     max_tokens = g.params.max_tokens
     if g.finish_reason == "cancelled":
         max_tokens = len(recorded_decode)
-    params = SamplingParams(
+    params = dataclasses.replace(
+        g.params,
         max_tokens=min(max_tokens, engine.info.max_length - len(g.history)),
-        temperature=g.params.temperature,
-        top_p=g.params.top_p,
-        top_k=g.params.top_k,
-        seed=g.params.seed,
         stop_token_ids=tuple(sorted(eos | set(g.params.stop_token_ids))),
     )
     key = f"audit:{session_id}:{g.generation_id}"

@@ -177,6 +177,13 @@ class RecordedParams(TypedDict):
     #: a decimal string: seeds may exceed 2**53
     seed: ReadOnly[str | None]
     stop_token_ids: ReadOnly[list[int]]
+    #: the penalties, recorded (all four) where they act
+    repetition_penalty: NotRequired[ReadOnly[float]]
+    frequency_penalty: NotRequired[ReadOnly[float]]
+    presence_penalty: NotRequired[ReadOnly[float]]
+    penalty_last_n: NotRequired[ReadOnly[int]]
+    #: recorded where it is above 0
+    min_p: NotRequired[ReadOnly[float]]
 
 
 class RecordedOptions(TypedDict):

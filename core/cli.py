@@ -37,7 +37,7 @@ from sessiontape.core.commands.transfer import cmd_export, cmd_import
 from sessiontape.core.config import LoggingSettings
 from sessiontape.core.errors import ConfigError, SessiontapeError
 
-#: importable from here as before the commands moved to core/commands/
+#: the command functions, importable from here too (they live in core/commands/)
 __all__ = [
     "audit_reason",
     "build_parser",
@@ -95,9 +95,26 @@ def _plugin_commands(sub: Any) -> None:
         try:
             register = ep.load()
         except Exception as exc:
-            log.debug("plugin command %s unavailable: %s", ep.name, exc)
+            _unavailable_command(sub, ep.name, exc)
             continue
         register(sub)
+
+
+def _unavailable_command(sub: Any, name: str, exc: Exception) -> None:
+    """A plugin command whose import failed: a WARNING naming the missing module, and a
+    command of that name that says why it cannot run instead of argparse's "invalid choice"."""
+    missing = getattr(exc, "name", None) if isinstance(exc, ImportError) else None
+    reason = f"module {missing!r} is missing ({exc})" if missing else f"{type(exc).__name__}: {exc}"
+    log.warning("plugin command %r unavailable: %s", name, reason)
+
+    def unavailable(args: argparse.Namespace) -> int:
+        print(f"sessiontape: error: the {name!r} command is unavailable: {reason}", file=sys.stderr)
+        return 1
+
+    # no option prefix: whatever follows the name is taken as is, and the error above is shown
+    p = sub.add_parser(name, help=f"(unavailable: {reason})", add_help=False, prefix_chars="\0")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=unavailable)
 
 
 def _config_logging(args: argparse.Namespace) -> LoggingSettings:

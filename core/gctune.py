@@ -6,7 +6,7 @@ allocations and, now and then, walks every object that has survived. A
 server allocates a few container objects per event (bodies, events, rows),
 and its heap after startup (modules, config, the engine) never becomes
 garbage: with the defaults, collections cost about a third of the log's
-per-event Python time (docs/performance.md, "Event log").
+per-event Python time.
 Reference counting frees almost everything anyway; the collector is only
 for cycles, which a delay of tens of thousands of allocations does not make
 a memory problem.
@@ -17,7 +17,7 @@ Python (planning the next batch). CPython makes a thread that wants the GIL
 wait up to the switch interval (5 ms by default) before the running thread
 gives it up: several waits per batch kept SQLite's work from overlapping the
 loop's. At 1 ms the writer thread gets the GIL back sooner
-(docs/architecture.md, "Group commit"; measured: docs/performance.md, "Event log").
+(docs/architecture.md, "Group commit"; bench/bench_log.py's ``--default-gc`` runs without).
 
 Both change the whole process, the embedding application's code included, so
 ``sessiontape serve`` applies them only when ``[server] tune_interpreter`` asks

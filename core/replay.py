@@ -1,12 +1,19 @@
 """Re-render a session in the terminal as it happened, from the log alone.
 
-No engine is called: token ids below 256 render as their bytes (the byte-level
-convention of the built-in engines), others as ``<id>``. A generation's bytes
-are decoded incrementally, so a character split across tokens prints whole
-once its last byte arrives. Control characters (other than newline and tab)
-and bidirectional overrides are printed as escapes (``\\x1b``, ``\\u202e``), so
-a recorded session cannot drive the terminal. Pacing follows the recorded
-times divided by ``speed``; ``instant`` prints without waiting.
+No model is run. Text is decoded with the session's own tokenizer when the caller
+has it (``detokenize``: the one its ``session.opened`` recorded, found by the
+engine plugin, ``core/commands/common.py``), turns by role as the viewer shows
+them: a chat request's messages (``[system]``, ``[user]``) in place of the
+template-rendered tokens it appended, its reply as ``[assistant]``; other input as
+``[user]``, other generations as ``[model]``. Without it (``--tokens``, or a
+tokenizer not at hand) token ids below 256 render as their bytes (the byte-level
+convention of the built-in engines), others as ``<id>``. A generation's text is
+decoded incrementally, so a character split across tokens prints whole once its
+last byte arrives, and one cut off at the end is not printed (its bytes stay in
+the log). Control characters (other than newline and tab) and bidirectional
+overrides are printed as escapes (``\\x1b``, ``\\u202e``), so a recorded session
+cannot drive the terminal. Pacing follows the recorded times divided by
+``speed``; ``instant`` prints without waiting.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import asyncio
 import codecs
 import json
 import re
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any, TextIO
 
 from sessiontape.core.bodies import (
@@ -23,6 +30,7 @@ from sessiontape.core.bodies import (
     ActionSubmitted,
     ErrorRecorded,
     GenerationFinished,
+    GenerationStarted,
     NodeFragment,
     SessionOpened,
     TokensAppended,
@@ -31,6 +39,8 @@ from sessiontape.core.bodies import (
     body,
     generated_token,
 )
+from sessiontape.core.document.conversation import openai_request, request_messages
+from sessiontape.core.document.text import Detokenize, TextRun
 from sessiontape.core.events import Event, T
 
 #: C0 and C1 controls except \t and \n, DEL, and the bidirectional embedding/override/isolate marks
@@ -77,11 +87,49 @@ def _body_text(body: Any) -> str:
     return json.dumps(body, ensure_ascii=False, sort_keys=True, default=str)
 
 
-class Renderer:
-    """Events to terminal text, keeping the decoder state a generation's tokens share."""
+class _Ids:
+    """Token ids as ``<id>`` each (``--tokens``)."""
 
-    def __init__(self) -> None:
-        self._model = TokenText()
+    def feed(self, ids: Iterable[int]) -> str:
+        return "".join(f"<{t}>" for t in ids)
+
+    def flush(self) -> str:
+        return ""
+
+
+class _Tokenized:
+    """A generation's tokens to text with the session's tokenizer (:class:`TextRun`)."""
+
+    def __init__(self, detokenize: Detokenize) -> None:
+        self._detok = detokenize
+        self._run = TextRun(detokenize)
+
+    def feed(self, ids: Iterable[int]) -> str:
+        return self._run.push(list(ids))
+
+    def flush(self) -> str:
+        piece = self._run.flush()
+        self._run = TextRun(self._detok)
+        return piece
+
+
+class Renderer:
+    """Events to terminal text, keeping the decoder state a generation's tokens share.
+
+    With ``detokenize``, the input a request appended and the start of its generation
+    are held until it is known whether a chat request recorded them (its
+    ``wire.message`` follows the commit that holds both), which shows them as its
+    messages by role."""
+
+    def __init__(self, detokenize: Detokenize | None = None, *, ids: bool = False) -> None:
+        self._detok = None if ids else detokenize
+        self._ids = ids
+        self._model: TokenText | _Tokenized | _Ids = (
+            _Ids() if ids else TokenText() if detokenize is None else _Tokenized(detokenize)
+        )
+        #: what the last input and generation start would print, held (see above)
+        self._held: list[str] = []
+        self._held_generation: str | None = None
 
     def render(self, e: Event) -> str | None:
         """One event as terminal text (None for events with nothing to show)."""
@@ -89,16 +137,43 @@ class Renderer:
             tok = generated_token(e)
             if tok is None:
                 return None  # a scored prompt position
-            return escape_controls(self._model.feed([int(tok)])) or None
-        pending = self._model.flush()
-        text = _render_other(e)
-        if pending:
-            text = pending + (text or "")
-        return None if text is None else escape_controls(text)
+            return escape_controls(self._release() + self._model.feed([int(tok)])) or None
+        if self._detok is not None:
+            if e.type == T.TOKENS_APPENDED:
+                held = self._release()
+                self._held.append(f"\n[user] {self._detok(body(e, TokensAppended)['tokens'])}")
+                return escape_controls(held) or None
+            if e.type == T.GENERATION_STARTED:
+                self._held.append("\n[model] ")
+                self._held_generation = str(body(e, GenerationStarted)["generation_id"])
+                return None
+            if e.type == T.WIRE and (payload := openai_request(e)) is not None:
+                return escape_controls(self._chat(payload)) or None
+        if self._ids and e.type == T.TOKENS_APPENDED:
+            ids = _Ids().feed(body(e, TokensAppended)["tokens"])
+            return f"\n[user] {ids}"
+        text = self._release() + self._model.flush() + (_render_other(e) or "")
+        return escape_controls(text) or None
+
+    def _chat(self, payload: Mapping[str, Any]) -> str:
+        """A recorded chat request: its messages by role, then its reply's start."""
+        request = payload.get("request")
+        if payload.get("generation_id") != self._held_generation or not isinstance(
+            request, Mapping
+        ):
+            return self._release()
+        self._held, self._held_generation = [], None
+        turns = [f"\n[{role}] {text}" for role, text in request_messages(request)]
+        return "".join(turns) + "\n[assistant] "
+
+    def _release(self) -> str:
+        held = "".join(self._held)
+        self._held, self._held_generation = [], None
+        return held
 
     def flush(self) -> str:
-        """The end of a generation whose last character never completed."""
-        return escape_controls(self._model.flush())
+        """The end of the session's events: whatever is held or pending."""
+        return escape_controls(self._release() + self._model.flush())
 
 
 def render_event(e: Event) -> str | None:
@@ -161,11 +236,15 @@ async def replay(
     instant: bool = False,
     sleep: Callable[[float], object] = asyncio.sleep,
     max_gap_s: float = 5.0,
+    detokenize: Detokenize | None = None,
+    ids: bool = False,
 ) -> int:
-    """Write ``events`` to ``out`` paced by their recorded times; returns how many were rendered."""
+    """Write ``events`` to ``out`` paced by their recorded times; returns how many were
+    rendered. ``detokenize``: the session's tokenizer (None: bytes and ``<id>``);
+    ``ids``: every token as ``<id>``."""
     prev: float | None = None
     n = 0
-    renderer = Renderer()
+    renderer = Renderer(detokenize, ids=ids)
 
     async def each() -> AsyncIterator[Event]:
         if hasattr(events, "__aiter__"):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,7 +143,7 @@ class ReferenceEngine(Engine):
                 await asyncio.sleep(0)
             p = n + i
             logits = self.logits(hist, p)
-            tok, tok_lp = sample(logits, params, p)
+            tok, tok_lp = sample(logits, params, p, hist, n)
             hist.append(tok)
             want_ro = options.wants_readout(p)
             yield Step(
@@ -159,6 +159,10 @@ class ReferenceEngine(Engine):
 
     def cached_length(self, session_key: str) -> int | None:
         return None
+
+    @classmethod
+    def recorded_codec(cls, binding: Mapping[str, Any]) -> ByteTokenizer:
+        return ByteTokenizer(int(binding.get("vocab_size") or VOCAB))
 
 
 def _prompt_positions(options: OutputOptions, n: int) -> list[int]:

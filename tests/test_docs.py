@@ -7,11 +7,19 @@ this session", "a second session"), so the patterns below name the work-history
 forms only: ordinal work sessions from the third on, "what changed this
 session", "the previous session", "sessions ago", "this session's runs", and
 issue numbers.
+
+Nor a day's measurement: times of day, commit hashes and dated run logs are refused in
+the documents (outside code) and in the source's comments and docstrings; figures go in
+docs/performance.md's tables, dated, and that file stays short enough to read. The
+README's layout names folders that exist.
 """
 
 from __future__ import annotations
 
+import ast
+import io
 import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -19,6 +27,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted([*(ROOT / "docs").rglob("*.md"), ROOT / "README.md"])
 CODE_DIRS = ("core", "engines", "transports", "sessiontape", "migrations", "bench", "tests")
+#: the source whose comments must not record a day's measurement (tests quote such text)
+DIARY_CODE_DIRS = ("core", "engines", "transports", "sessiontape", "migrations", "bench", "scripts")
 
 _ORDINAL = (
     r"third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth|"
@@ -151,3 +161,195 @@ def test_relative_links_land(path: Path) -> None:
         elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
             broken.append(f"{target}: no such heading in {dest.relative_to(ROOT)}")
     assert not broken, f"{path.relative_to(ROOT)}:\n" + "\n".join(broken)
+
+
+# -- a day's measurement: times of day, commit hashes, dated run logs ------------------------
+
+#: a time of day: 11:09, 11:09 UTC, 10:34-10:50, 11:09:30
+TIME_OF_DAY = re.compile(
+    r"(?<![\w:.+])(?:[01]?\d|2[0-3]):[0-5]\d(?::[0-5]\d)?(?:\s*[-\u2013]\s*(?:[01]?\d|2[0-3]):[0-5]\d)?"
+    r"(?:\s*UTC)?(?![\w:])"
+)
+
+#: a commit hash: a short lowercase hex token with digits and letters (not a colour, not 0x..,
+#: not part of an id or a UUID), a full 40-digit one, or any hex run that a 'commit' precedes
+COMMIT_HASH = re.compile(
+    r"(?<![\w#\-/.])(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,12}(?![\w\-/.]|\.\w)"
+    r"|(?<![\w#\-/.])[0-9a-f]{40}(?![\w\-/])"
+    r"|\bcommit\s+[0-9a-f]{7,40}\b",
+    re.IGNORECASE,
+)
+
+_DATE = r"\d{4}-\d{2}-\d{2}"
+
+#: a dated run log, or a log of what was tried
+RUN_LOG = re.compile(
+    "|".join(
+        (
+            rf"\b(?:on|measured|ran|run|runs)\s+(?:on\s+)?{_DATE}\s*,?\s*(?:at|from|in the|between)\b",
+            rf"\bmeasured (?:on|at) {_DATE}",
+            rf"\b(?:until|since|before|after) {_DATE}",
+            rf"\b{_DATE}\s*,?\s*(?:at|from)\s+\d",
+            r"\b(?:measured|tried) and not adopted\b",
+            r"\bnot adopted\b",
+            r"\bday by day\b",
+        )
+    ),
+    re.IGNORECASE,
+)
+
+DIARY = (TIME_OF_DAY, COMMIT_HASH, RUN_LOG)
+
+
+def _prose(path: Path) -> list[tuple[int, str]]:
+    """A document's lines outside fenced code, inline code blanked out."""
+    out = []
+    fenced = False
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        if not fenced:
+            out.append((n, re.sub(r"`[^`]*`", "``", line)))
+    return out
+
+
+def _comments(path: Path) -> list[tuple[int, str]]:
+    """A module's comments and docstrings, line by line (code and other strings left out)."""
+    source = path.read_text(encoding="utf-8")
+    out: list[tuple[int, str]] = []
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            out.append((tok.start[0], tok.string))
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                doc = body[0].value
+                if isinstance(doc.value, str):
+                    for i, line in enumerate(doc.value.splitlines()):
+                        out.append((doc.lineno + i, line))
+    return out
+
+
+def _diary(lines: list[tuple[int, str]], where: str) -> list[str]:
+    hits = []
+    for n, line in lines:
+        for pattern in DIARY:
+            m = pattern.search(line)
+            if m:
+                hits.append(f"{where}:{n}: {m.group(0)!r}")
+    return hits
+
+
+def test_the_diary_patterns_catch_a_days_measurement() -> None:
+    diary = [
+        "the 11:14 run gave 567 turns/s",
+        "2026-11-28 11:14-11:18 UTC, the engine alone at 0.42 ms",
+        "between 10:34-10:50 the VM was slow",
+        "since 2026-11-28, 11:00 UTC the server",
+        "measured against fdc6798 in alternating pairs",
+        "the code before (commit b3f5df4) against",
+        "On 2026-11-28 from the fleet's runs",
+        "measured on 2026-11-25 at a quiet hour",
+        "## Measured and not adopted",
+        "## The targets day by day",
+        "rerun at 9:05",
+    ]
+    reference = [
+        "| Kakeya turn, median | 2.4 ms | 2026-11-28 |",
+        "colour #1a2b3c4d and 0xdeadbeef1 are not commits",
+        "a session id s_1f3a9c0b2e and a UUID 0a1b2c3d-4e5f-6a7b-8c9d-0e1f2a3b4c5d",
+        "127.0.0.1:50051 and localhost:8080",
+        "a ratio of 1:2 at 16:9",
+        "a sha256 of " + "ab12" * 16,
+        "the cache holds 4096 slots",
+        "the `defaced` and `facade` words, and 2048-token prompts",
+    ]
+    for text in diary:
+        assert any(p.search(text) for p in DIARY), text
+    for text in reference:
+        assert not any(p.search(text) for p in DIARY), (text, [p.search(text) for p in DIARY])
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_documents_record_no_days_measurement(path: Path) -> None:
+    hits = _diary(_prose(path), str(path.relative_to(ROOT)))
+    assert not hits, (
+        "a time of day, a commit hash or a run log in a document (git keeps the runs; "
+        "give the current figure and its date in the figures' table):\n" + "\n".join(hits)
+    )
+
+
+def test_comments_record_no_days_measurement() -> None:
+    hits = []
+    for folder in DIARY_CODE_DIRS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if "gen" in path.relative_to(ROOT).parts:
+                continue
+            hits += _diary(_comments(path), str(path.relative_to(ROOT)))
+    assert not hits, (
+        "a time of day, a commit hash or a run log in a comment or docstring (say what the "
+        "code does and why):\n" + "\n".join(hits)
+    )
+
+
+def test_performance_is_a_reference_of_bounded_length() -> None:
+    lines = (ROOT / "docs" / "performance.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 300, f"docs/performance.md has {len(lines)} lines (at most 300)"
+
+
+def _layout_dirs(readme: str) -> list[str]:
+    """The folders the README's layout block names: each line's first, and the ones inside it,
+    relative to that folder (or to the folder a parenthesis follows: ``http/ (native/)``),
+    unless spelled from the root; an indented line goes on the line above."""
+    section = readme.split("## Layout", 1)[1]
+    block = section.split("```", 2)[1]
+    named: list[str] = []
+    stack: list[str] = []
+    last = ""
+    for line in block.splitlines()[1:]:
+        m = re.match(r"([\w.-]+)/\s", line + " ")
+        if m:
+            stack, last = [m.group(1)], ""
+            named.append(m.group(1))
+            rest = line[m.end() :]
+        elif stack and line.startswith(" "):
+            rest = line
+        else:
+            continue
+        for tok in re.findall(r"(?<![\w./])[\w-]+(?:/[\w-]+)*/(?!\w)|[(),]", rest):
+            if tok == "(":
+                stack.append(last or stack[-1])
+            elif tok == ")":
+                stack, last = stack[:-1] or stack, ""
+            elif tok == ",":
+                last = ""
+            else:
+                sub = tok.rstrip("/")
+                last = sub if sub.split("/")[0] == stack[0] else f"{stack[-1]}/{sub}"
+                named.append(last)
+    return named
+
+
+def test_the_layout_check_can_fail() -> None:
+    sample = (
+        "## Layout\n\n```\ncore/   the core\ntransports/  grpc/ (gRPC), sse/ (HTTP,\n"
+        "             viewer/)\ntests/  helpers in tests/helpers/\n```\n"
+    )
+    assert _layout_dirs(sample) == [
+        "core",
+        "transports",
+        "transports/grpc",
+        "transports/sse",
+        "transports/sse/viewer",
+        "tests",
+        "tests/helpers",
+    ]
+
+
+def test_the_readme_layout_names_folders_that_exist() -> None:
+    named = _layout_dirs((ROOT / "README.md").read_text(encoding="utf-8"))
+    assert named, "README.md has no layout block"
+    missing = [d for d in named if not (ROOT / d).is_dir()]
+    assert not missing, f"README.md's layout names folders that do not exist: {missing}"

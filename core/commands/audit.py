@@ -6,10 +6,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from sessiontape.core.commands.common import add_common, load_config, log_only
+from sessiontape.core.commands.common import (
+    add_common,
+    load_config,
+    log_only,
+    opened_binding,
+    recorded_codec,
+)
+from sessiontape.core.engine.interface import TextCodec
 from sessiontape.core.errors import SessiontapeError
+
+Decode = Callable[[Sequence[int]], str]
 
 
 async def cmd_audit(args: argparse.Namespace) -> int:
@@ -34,6 +44,7 @@ async def cmd_audit(args: argparse.Namespace) -> int:
 
     reports = []
     engine_of: dict[str, dict[str, str]] = {}
+    codecs: dict[str, TextCodec | None] = {}
     try:
         ids = list(args.ids)
         for i, sid in enumerate(ids, 1):
@@ -48,6 +59,9 @@ async def cmd_audit(args: argparse.Namespace) -> int:
                 report = AuditReport.failed(sid, f"audit failed: {type(exc).__name__}: {exc}")
             reports.append(report)
             engine_of[sid] = dict(used)
+            if report.divergences and not args.tokens:
+                opened = await log_.read(sid, 1, 1)
+                codecs[sid] = recorded_codec(opened_binding(opened))
             if len(ids) > 1 and not args.json:
                 _progress(i, len(ids))
     finally:
@@ -81,8 +95,9 @@ async def cmd_audit(args: argparse.Namespace) -> int:
             )
             for p in r.problems:
                 print(f"  {p}")
+            codec = codecs.get(r.session_id)
             for d in r.divergences:
-                print(f"  {divergence_text(d)}")
+                print(f"  {divergence_text(d, None if codec is None else codec.decode)}")
     return 0 if all(r.ok for r in reports) else 1
 
 
@@ -107,13 +122,20 @@ def audit_reason(r: Any, engines: dict[str, str]) -> str:
     return "; ".join(why)
 
 
-def _tok(d: dict[str, Any]) -> str:
+def _tok(d: dict[str, Any], decode: Decode | None) -> str:
     lp = d.get("logprob")
-    return f"token {d.get('token')}" + ("" if lp is None else f" (logprob {float(lp):.6g})")
+    tok = d.get("token")
+    text = ""
+    if decode is not None and isinstance(tok, int):
+        from sessiontape.core.replay import escape_controls
+
+        text = " " + escape_controls(json.dumps(decode([tok]), ensure_ascii=False))
+    return f"token {tok}{text}" + ("" if lp is None else f" (logprob {float(lp):.6g})")
 
 
-def divergence_text(d: dict[str, Any]) -> str:
-    """One divergence as a sentence (the CLI's plain output; --json keeps the raw fields)."""
+def divergence_text(d: dict[str, Any], decode: Decode | None = None) -> str:
+    """One divergence as a sentence (the CLI's plain output; --json keeps the raw fields);
+    with ``decode`` (the session's tokenizer) each token's text follows its id."""
     gid, rec, got = d.get("generation_id"), d.get("recorded"), d.get("reexecuted")
     if isinstance(rec, dict) and isinstance(got, dict) and "count" in rec:
         return (
@@ -129,7 +151,10 @@ def divergence_text(d: dict[str, Any]) -> str:
                 f"generation {gid}: first divergence at {at}: same token {rec['token']}, logprob "
                 f"{rec.get('logprob')!r} recorded, {got.get('logprob')!r} re-executed"
             )
-        return f"generation {gid}: first divergence at {at}: recorded {_tok(rec)}, re-executed {_tok(got)}"
+        return (
+            f"generation {gid}: first divergence at {at}: recorded {_tok(rec, decode)}, "
+            f"re-executed {_tok(got, decode)}"
+        )
     reason = d.get("reason") or d.get("message") or d.get("error")
     if reason:
         return f"generation {gid}: {reason}"
@@ -166,4 +191,7 @@ def register(sub: Any) -> None:
         "--engine", help="re-execute on this engine instead of the one each session recorded"
     )
     a.add_argument("--json", action="store_true", help="one JSON array of reports instead of text")
+    a.add_argument(
+        "--tokens", action="store_true", help="name diverging tokens by id only, without their text"
+    )
     a.set_defaults(func=cmd_audit)

@@ -4,10 +4,14 @@ a log opened without an engine for commands that read or edit a database."""
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sessiontape.core.config import Config
-from sessiontape.core.errors import ConfigError
+from sessiontape.core.engine.interface import TextCodec
+from sessiontape.core.errors import ConfigError, PluginNotFound
+from sessiontape.core.events import Event
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
@@ -90,3 +94,47 @@ def redact(url: str) -> str:
     from sqlalchemy.engine import make_url
 
     return make_url(url).render_as_string(hide_password=True)
+
+
+def opened_binding(events: Sequence[Event]) -> Mapping[str, Any] | None:
+    """The engine binding the session's ``session.opened`` (its first event) recorded."""
+    from sessiontape.core.bodies import SessionOpened, body
+    from sessiontape.core.events import T
+
+    if not events or events[0].type != T.SESSION_OPENED:
+        return None
+    return body(events[0], SessionOpened).get("engine")
+
+
+def codec_or_note(binding: Mapping[str, Any] | None) -> TextCodec | None:
+    """:func:`recorded_codec`, saying on stderr when there is none (the ids are shown)."""
+    codec = recorded_codec(binding)
+    if codec is None:
+        model = (binding or {}).get("model_id", "?")
+        print(
+            f"note: the tokenizer of {model} is not at hand here: token ids shown",
+            file=sys.stderr,
+        )
+    return codec
+
+
+def recorded_codec(binding: Mapping[str, Any] | None) -> TextCodec | None:
+    """The text codec of the session whose ``session.opened`` recorded ``binding``: its
+    engine plugin's (:meth:`Engine.recorded_codec`), found by the plugin's registered
+    name only (a ``module:attr`` path in a log is never imported); None when the engine
+    is not installed or does not have the session's tokenizer at hand."""
+    from sessiontape.core.engine.interface import Engine
+    from sessiontape.core.plugins import ENGINES, load
+
+    if not isinstance(binding, Mapping):
+        return None
+    name = binding.get("engine")
+    if not isinstance(name, str) or not name or ":" in name:
+        return None
+    try:
+        cls = load(ENGINES, name)
+    except PluginNotFound:
+        return None
+    if not (isinstance(cls, type) and issubclass(cls, Engine)):
+        return None
+    return cls.recorded_codec(binding)

@@ -6,7 +6,12 @@ import argparse
 import sys
 from typing import Any
 
-from sessiontape.core.commands.common import add_common, log_only
+from sessiontape.core.commands.common import (
+    add_common,
+    codec_or_note,
+    log_only,
+    opened_binding,
+)
 
 
 async def cmd_replay(args: argparse.Namespace) -> int:
@@ -16,7 +21,16 @@ async def cmd_replay(args: argparse.Namespace) -> int:
     try:
         await log_.get_session(args.id)
         evs = await log_.read(args.id)
-        await replay(evs, sys.stdout, speed=args.speed, instant=args.instant)
+        codec = None if args.tokens else codec_or_note(opened_binding(evs))
+        detokenize = None if codec is None else codec.decode
+        await replay(
+            evs,
+            sys.stdout,
+            speed=args.speed,
+            instant=args.instant,
+            detokenize=detokenize,
+            ids=args.tokens,
+        )
         if args.follow:
             last = evs[-1].position if evs else 0
             terminal = {"session.closed", "session.aborted", "session.expired", "session.purged"}
@@ -28,7 +42,9 @@ async def cmd_replay(args: argparse.Namespace) -> int:
                         if e.type in terminal:
                             return
 
-                await replay(live(), sys.stdout, instant=True)
+                await replay(
+                    live(), sys.stdout, instant=True, detokenize=detokenize, ids=args.tokens
+                )
     finally:
         await log_.close()
     return 0
@@ -47,4 +63,9 @@ def register(sub: Any) -> None:
         "--instant", action="store_true", help="print everything at once, without pauses"
     )
     r.add_argument("--follow", action="store_true", help="keep following a live session")
+    r.add_argument(
+        "--tokens",
+        action="store_true",
+        help="show token ids instead of the session's decoded text",
+    )
     r.set_defaults(func=cmd_replay)

@@ -65,8 +65,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
     """The event loop ``[server] event_loop`` names: uvloop's, or None for asyncio's own.
 
-    uvloop took a little off a sequential turn and matched asyncio under load
-    (docs/performance.md, "Load"); ``auto`` takes it where it is installed.
+    uvloop takes a little off a sequential turn and matches asyncio under load;
+    ``auto`` takes it where it is installed.
     """
     if choice == "asyncio":
         return None

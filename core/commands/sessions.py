@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from sessiontape.core.commands.common import add_common, log_only
+from sessiontape.core.commands.common import add_common, codec_or_note, log_only
 
 
 async def cmd_sessions_ls(args: argparse.Namespace) -> int:
@@ -31,6 +31,7 @@ async def cmd_sessions_ls(args: argparse.Namespace) -> int:
 
 
 async def cmd_sessions_show(args: argparse.Namespace) -> int:
+    from sessiontape.core.document import build_document, fork_base
     from sessiontape.core.replay import escape_controls, render_tokens
     from sessiontape.core.session.loader import load_state
 
@@ -38,6 +39,12 @@ async def cmd_sessions_show(args: argparse.Namespace) -> int:
     try:
         row = await log_.get_session(args.id)
         st = await load_state(log_, args.id)
+        codec = None if args.tokens else codec_or_note(st.engine)
+        turns: list[dict[str, Any]] = []
+        if codec is not None:
+            evs = await log_.read(args.id)
+            base = await fork_base(log_, evs[0]) if evs else None
+            turns = readable_turns(build_document(args.id, evs, detokenize=codec.decode, base=base))
     finally:
         await log_.close()
     info = row.to_json()
@@ -45,7 +52,14 @@ async def cmd_sessions_show(args: argparse.Namespace) -> int:
         {
             "mode": st.mode,
             "tokens": len(st.tokens),
-            "text": render_tokens(st.tokens[-2000:]),
+            "text": (
+                "".join(f"<{t}>" for t in st.tokens[-2000:])
+                if args.tokens
+                else render_tokens(st.tokens[-2000:])
+                if codec is None
+                else codec.decode(st.tokens[-2000:])
+            ),
+            "turns": turns,
             "generations": [
                 {"id": g.id, "tokens": len(g.tokens), "finish_reason": g.finish_reason}
                 for g in st.generations.values()
@@ -85,8 +99,25 @@ async def cmd_sessions_show(args: argparse.Namespace) -> int:
         print(escape_controls(f"{'error':14} {e.get('code')}: {e.get('message')}"))
     if st.abort:
         print(escape_controls(f"{'aborted':14} {st.abort.get('code')}: {st.abort.get('message')}"))
-    print(f"{'text':14} {escape_controls(info['text'])}")
+    if codec is None:
+        print(f"{'text':14} {escape_controls(info['text'])}")
+        return 0
+    for t in turns:
+        print(escape_controls(f"[{t['role']}] {t['text']}"))
     return 0
+
+
+def readable_turns(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The session's text as the viewer shows it: a chat session's conversation (its
+    messages by role, the replies as ``assistant``), else its history's segments (input
+    as ``user``, generations as ``model``, a fork's inherited history as ``inherited``)."""
+    if doc.get("conversation"):
+        return [{"role": t["role"], "text": t["text"] or ""} for t in doc["conversation"]]
+    roles = {"generation": "model", "inherited": "inherited"}
+    return [
+        {"role": roles.get(str(s.get("source")), "user"), "text": s.get("text") or ""}
+        for s in doc["history"]["segments"]
+    ]
 
 
 def register(sub: Any) -> None:
@@ -111,4 +142,9 @@ def register(sub: Any) -> None:
     add_common(sh)
     sh.add_argument("id", help="session id")
     sh.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    sh.add_argument(
+        "--tokens",
+        action="store_true",
+        help="show token ids instead of the session's decoded text",
+    )
     sh.set_defaults(func=cmd_sessions_show)

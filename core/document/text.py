@@ -24,7 +24,8 @@ class TextRun:
     The window is cut only where the tokens after the cut decode on their
     own to the end of the window's text, so for byte-level (UTF-8)
     tokenizers the text is exactly ``detokenize(run)`` less a held-back
-    trailing character (tested as a property on random bytes).
+    trailing character (tested as a property on random bytes), before and
+    after :meth:`flush`.
     """
 
     CONTEXT = 8
@@ -54,10 +55,13 @@ class TextRun:
         return piece
 
     def flush(self) -> str:
-        """The held-back text, if any: the run is complete."""
+        """The held-back text, if any: the run is complete. A character the run ends
+        in the middle of (a generation cut off by its token limit) is never text: its
+        U+FFFD stays held back (the bytes stay in the log, the text ends before them)."""
         t = self._detok(self._window)
-        piece = t[self._done :]
-        self._done = len(t)
+        end = len(t) - 1 if t.endswith(REPLACEMENT) else len(t)
+        piece = t[self._done : end] if end > self._done else ""
+        self._done = max(self._done, end)
         return piece
 
     def _trim(self, t: str) -> None:

@@ -49,13 +49,21 @@ class ModelSampling:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    penalty_last_n: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in vars(self).items() if v is not None}
 
 
 #: the sampling fields a request may leave to the model (:attr:`SamplingParams.from_model`)
-MODEL_SAMPLED = ("temperature", "top_p", "top_k")
+MODEL_SAMPLED = ("temperature", "top_p", "top_k", "repetition_penalty", "min_p", "penalty_last_n")
+#: the bound of OpenAI's ``frequency_penalty`` and ``presence_penalty``: [-2, 2]
+MAX_ADDITIVE_PENALTY = 2.0
+#: how many of a generation's last tokens the penalties look back over when nothing
+#: says otherwise (llama.cpp's ``repeat_last_n``)
+PENALTY_LAST_N = 64
 
 
 def left_to_model(**fields: object) -> frozenset[str]:
@@ -134,6 +142,18 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    #: divides a positive score, multiplies a negative one, of every token among the
+    #: last ``penalty_last_n`` the generation produced (llama.cpp's and transformers')
+    repetition_penalty: float = 1.0
+    #: OpenAI's: subtracted from a token's score once per occurrence in that window
+    frequency_penalty: float = 0.0
+    #: OpenAI's: subtracted from the score of a token that occurs in that window
+    presence_penalty: float = 0.0
+    #: tokens less probable than ``min_p`` times the most probable one are not drawn
+    min_p: float = 0.0
+    #: how far back the penalties look: the last this many tokens the generation
+    #: produced (never its prompt), 0 none, -1 all of them (docs/models.md, Penalties)
+    penalty_last_n: int = PENALTY_LAST_N
     #: fields of :data:`MODEL_SAMPLED` the request left unset: the served model's
     #: recommendation replaces their value when the generation begins
     #: (:meth:`for_model`); never recorded, the resolved values are
@@ -148,8 +168,19 @@ class SamplingParams:
         chosen = {k: v for k, v in chosen.items() if v is not None}
         return replace(self, from_model=frozenset(), **chosen)
 
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes a score."""
+        return self.penalty_last_n != 0 and (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
     def to_json(self) -> dict[str, Any]:
-        return {
+        """The recorded form; the penalties and ``min_p`` only where they act, so a
+        generation without them records what it always did."""
+        out: dict[str, Any] = {
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -158,12 +189,22 @@ class SamplingParams:
             "seed": None if self.seed is None else str(self.seed),
             "stop_token_ids": list(self.stop_token_ids),
         }
+        if self.penalized:
+            out["repetition_penalty"] = self.repetition_penalty
+            out["frequency_penalty"] = self.frequency_penalty
+            out["presence_penalty"] = self.presence_penalty
+            out["penalty_last_n"] = self.penalty_last_n
+        if self.min_p:
+            out["min_p"] = self.min_p
+        return out
 
     def check(self) -> None:
         """Raise InvalidParameters unless every field is in its range.
 
         temperature finite and >= 0, top_p in (0, 1], top_k >= 0,
-        0 <= max_tokens <= 2**31, seed in [0, 2**64) when given, stop ids >= 0.
+        0 <= max_tokens <= 2**31, seed in [0, 2**64) when given, stop ids >= 0,
+        repetition_penalty finite and > 0, frequency and presence penalties in [-2, 2],
+        min_p in [0, 1], penalty_last_n >= -1.
         """
         from sessiontape.core.errors import InvalidParameters
 
@@ -194,6 +235,20 @@ class SamplingParams:
         check_stop_ids(self.stop_token_ids, "stop_token_ids")
         if any(not integer(t) or not 0 <= t < 2**63 for t in self.stop_token_ids):
             raise InvalidParameters("stop_token_ids must be integers >= 0")
+        if not number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise InvalidParameters(
+                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}"
+            )
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not number(value) or abs(value) > MAX_ADDITIVE_PENALTY:
+                raise InvalidParameters(f"{name} must be a number in [-2, 2], got {value!r}")
+        if not number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise InvalidParameters(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+        if not integer(self.penalty_last_n) or not -1 <= self.penalty_last_n < 2**31:
+            raise InvalidParameters(
+                f"penalty_last_n must be an integer >= -1, got {self.penalty_last_n!r}"
+            )
 
     @classmethod
     def from_json(cls, params: Mapping[str, Any]) -> SamplingParams:
@@ -206,6 +261,11 @@ class SamplingParams:
             top_k=int(params.get("top_k", 0)),
             seed=None if seed is None else int(seed),
             stop_token_ids=tuple(int(t) for t in params.get("stop_token_ids", ())),
+            repetition_penalty=float(params.get("repetition_penalty", 1.0)),
+            frequency_penalty=float(params.get("frequency_penalty", 0.0)),
+            presence_penalty=float(params.get("presence_penalty", 0.0)),
+            min_p=float(params.get("min_p", 0.0)),
+            penalty_last_n=int(params.get("penalty_last_n", PENALTY_LAST_N)),
         )
 
 
@@ -296,6 +356,13 @@ class Engine(ABC):
     def failure(self) -> str | None:
         """Why the engine can serve nothing more (a worker process that died), or None.
         ``/healthz`` reports it."""
+        return None
+
+    @classmethod
+    def recorded_codec(cls, binding: Mapping[str, Any]) -> TextCodec | None:
+        """The text codec of a session this engine served (``binding``: the engine entry
+        its ``session.opened`` recorded), found without loading a model, so that the
+        terminal commands show the session's text; None when it is not at hand here."""
         return None
 
     def text_codec(self) -> TextCodec | None:

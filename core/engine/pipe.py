@@ -75,9 +75,8 @@ class Outbox:
     the loop's ready callbacks have run, so the messages of one loop pass (every
     generation's batch that flushed in it) go in one write and wake the reader once.
     What the pipe does not take waits for it to drain (``add_writer``), while the
-    loop goes on reading. This replaced a writer thread, whose hand-overs of the
-    interpreter lock cost the child about as much as the engine's own steps
-    (docs/performance/load.md, 2026-11-28).
+    loop goes on reading. No writer thread: its hand-overs of the interpreter lock
+    would cost the child about as much as the engine's own steps.
     """
 
     def __init__(self, fd: int, loop: asyncio.AbstractEventLoop) -> None:

@@ -33,8 +33,8 @@ pipe:
   session's cache (a ``gen``, ``stop``, ``rewind``, ``forget`` or ``fork``
   for its key makes the copy stale, and the next ask goes to the child).
   Asking the child blocks the event loop until the child reaches the call
-  between its engine steps: behind a fleet's generations that wait was a
-  fifth of the loop's time (docs/performance/load.md, 2026-11-28).
+  between its engine steps, which behind a fleet's generations is a large
+  share of the loop's time.
 - ``forget`` is sent without waiting: a session's cache going away answers
   nothing, and the pipe keeps it in order with what follows.
 - The other methods (``rewind``, ``fork``, ``kv_live_bytes``,
@@ -242,7 +242,7 @@ class WorkerEngine(Engine):
             raise self._broken
         try:
             # pickle.dumps, not Connection.send's ForkingPickler, which builds a BytesIO and
-            # a pickler a message (5.0 against 3.2 us for a generation's start)
+            # a pickler a message (a third more time for a generation's start)
             self._conn.send_bytes(pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))
         except (OSError, ValueError) as exc:
             self._fail()

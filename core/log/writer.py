@@ -43,10 +43,10 @@ from sessiontape.core.log.plan import (
 )
 
 #: how long the writer must have been idle (since its last commit landed) for
-#: :meth:`Writer.commit_now` to commit an append on the spot: eight generations of
-#: a fast engine, each committing every millisecond or so, went 8-10% slower with
-#: every idle moment's append committed at once (runs of a token or two, where the
-#: write loop's hand-offs had let more steps gather). An append that follows its own
+#: :meth:`Writer.commit_now` to commit an append on the spot: generations of a fast
+#: engine, each committing every millisecond or so, would otherwise commit every idle
+#: moment's append at once (runs of a token or two, where the write loop's hand-offs
+#: let more steps gather), and run slower. An append that follows its own
 #: session's commit alone has no one to gather with and is not held to it.
 NOW_IDLE_S = 0.001
 
@@ -149,8 +149,8 @@ class Writer:
         the write loop, whose hand-offs give the next ones time to gather. An
         append that follows its own session's commit (a short turn's generation
         after the turn's append, a millisecond apart on a fast machine) commits
-        at once: waiting gathers nobody, and the write loop's path cost a served
-        Kakeya turn 2-9% more CPU and 5-10% more time.
+        at once: waiting gathers nobody, and the write loop's path would cost a
+        served turn more CPU and time.
 
         Anything unusual (an unknown session head, a version that does not
         match, a write lock held elsewhere, an error) gives None, and

@@ -319,7 +319,7 @@ def _mlp(g: Graph, spec: ModelSpec, i: int, xn: str, weights: Weights) -> str:
         gate_up = g.linear(xn, p + "wgu", concat_out([wg, wu]), spec.accuracy_level)
         gate, up = g.op("Split", [gate_up, "c_split_gu"], outputs=2, axis=-1)
     else:
-        # float: two MatMuls (one over both, then a Split, ran 8% slower on the demo)
+        # float: two MatMuls (one over both, then a Split, is slower for float weights)
         gate = g.linear(xn, p + "wg", wg, spec.accuracy_level, dtype=dt)
         up = g.linear(xn, p + "wu", wu, spec.accuracy_level, dtype=dt)
     act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
@@ -435,7 +435,7 @@ def build_static(spec: ModelSpec, weights: Weights, graph: Graph | None = None) 
             _inner(spec, f"hidden_states.{i + 1}"),
         )
     # a float16 graph's head runs in float16 too: a float32 head (a cast of the final norm's
-    # output, a float32 matrix) measured no closer to the float32 path on SmolLM2-135M
+    # output, a float32 matrix) comes no closer to the float32 path on SmolLM2-135M
     logits = _inner(spec, "logits")
     g.linear(xn, "lm_head", weights("lm_head"), spec.accuracy_level, logits, spec.np_float)
     _to_outputs(g, spec)

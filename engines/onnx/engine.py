@@ -26,7 +26,14 @@ import asyncio
 import contextlib
 import logging
 import weakref
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Callable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,6 +107,12 @@ class OnnxEngine(Engine):
 
     def text_codec(self) -> TextCodec:
         return self._tok
+
+    @classmethod
+    def recorded_codec(cls, binding: Mapping[str, Any]) -> TextCodec | None:
+        from sessiontape.engines.onnx.recorded import recorded_tokenizer
+
+        return recorded_tokenizer(binding)
 
     def tokenize(self, text: str) -> list[int]:
         return self._tok.encode(text)

@@ -153,12 +153,11 @@ def accuracy_level(cpu_flags: str | None = None) -> int:
     the CPU's fast path) where int8 products are exact, 1 (float activations) on an
     x86 CPU without VNNI.
 
-    Measured on an AVX2-only EPYC guest (onnxruntime 1.31.1, 2026-11-27): at level 4
-    the default SmolLM2 import served nonsense to every question asked over the OpenAI
-    routes, greedy included, where the same path on the VNNI guests of earlier days
-    answered them; with the graph's level set to 0 the France prompt gives "The capital
-    of France is Paris." (AVX2 has no int8 dot product without 16-bit intermediate
-    sums, the likely cause). ``cpu_flags``: /proc/cpuinfo's flags (read when None; a
+    On an AVX2-only x86 CPU (onnxruntime 1.31.1) level 4 makes the default SmolLM2
+    import answer nonsense to every question, greedy included, where the same path on
+    a CPU with VNNI answers them; with the graph's level set to 0 the France prompt gives
+    "The capital of France is Paris." (AVX2 has no int8 dot product without 16-bit
+    intermediate sums, the likely cause). ``cpu_flags``: /proc/cpuinfo's flags (read when None; a
     machine without it keeps level 4)."""
     if cpu_flags is None:
         try:
@@ -184,9 +183,8 @@ def import_dtype(dtype: str, source: Path, cpu_flags: str | None = None) -> str:
     the blocks wherever it runs: a folder is served as it is, on any CPU.)
 
     There MatMulNBits computes 4-bit blocks with float activations by unpacking the
-    weights on every call: SmolLM2-135M decoded 2.3-2.7 tokens/s on the AVX2 VM of
-    2026-11-27 against 19-23 with float32 weights (MLAS's float kernels), which give the
-    same answers. A larger model keeps its blocks, so that it fits in memory."""
+    weights on every call, several times slower than float32 weights (MLAS's float
+    kernels), which give the same answers. A larger model keeps its blocks, so that it fits in memory."""
     if dtype != "auto" or accuracy_level(cpu_flags) == 4 or not source.is_file():
         return dtype
     if gguf_parameters(source) * 4 > FLOAT_AUTO_MAX_BYTES:

@@ -61,7 +61,7 @@ class Run:
         the generation goes on after it, and whether its readout is wanted (which needs
         the pass that runs it). Nothing is appended."""
         p = len(self.hist)
-        tok, tok_lp = sample(self.last, params, p)
+        tok, tok_lp = sample(self.last, params, p, self.hist, self.n)
         top = (
             top_logprobs(log_softmax(self.last), options.logprob_top_k)
             if options.logprob_top_k

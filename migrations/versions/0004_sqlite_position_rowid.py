@@ -4,15 +4,13 @@ SQLite makes a column its rowid only when it is declared exactly ``INTEGER
 PRIMARY KEY``. ``position`` was ``BIGINT``, so each event was stored twice over:
 once in the table (keyed by a hidden rowid) and once in an index of its
 position. Every append wrote both B-trees: 1.5 of the 9.3 pages a short turn's
-commit wrote to the WAL were that index's (docs/performance/load.md,
-2026-11-28), and every row cost an index insert. As the rowid, ``position``
-is the table's own key: a read from a position is a range of the table, the
+commit wrote to the WAL were that index's, and every row cost an index insert. As
+the rowid, ``position`` is the table's own key: a read from a position is a range of the table, the
 log's end is its last row, and the index is gone.
 
 The table is rebuilt: renamed, created anew, its rows copied in position order,
 the old one dropped; a one-time copy of the log, at the first start of this
-release on an existing database (6.4 s for a million events on the development
-VM; the file grows by the old table's size, whose pages stay free in it for later
+release on an existing database (seconds for a million events; the file grows by the old table's size, whose pages stay free in it for later
 appends until a ``VACUUM``). The driver runs those statements one by one
 (SQLite's Python driver opens no transaction for DDL), so a process that dies
 part way leaves the old table, whole, beside a new one: the next attempt puts

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
+import subprocess
+import sys
 from pathlib import Path
 
-from tests.helpers.cli import cli
+import pytest
+
+from tests.helpers.cli import EXE, cli
 
 
 def test_sessions_ls_and_show(populated: tuple[str, list[str]]) -> None:
@@ -85,6 +90,20 @@ def test_reexecute_on_another_engine_reports_divergence(
     proc = cli("audit", a, "--reexecute", "--json", "--config", str(cfg), db=url, check=False)
     [r] = json.loads(proc.stdout)
     assert proc.returncode == 1 and r["divergences"] and r["divergences"][0]["index"] == 0
+    # the plain report names each diverging token by id and by its text (the session's
+    # tokenizer: bytes, for the reference engine); --tokens by id only
+    rec, got = r["divergences"][0]["recorded"]["token"], r["divergences"][0]["reexecuted"]["token"]
+    plain = cli("audit", a, "--reexecute", "--config", str(cfg), db=url, check=False).stdout
+
+    def shown(tok: int) -> str:
+        return json.dumps(
+            bytes([tok]).decode("utf-8", "replace") if tok < 256 else "", ensure_ascii=False
+        )
+
+    assert f"recorded token {rec} {shown(rec)} (logprob" in plain, plain
+    assert f"re-executed token {got} {shown(got)}" in plain, plain
+    ids = cli("audit", a, "--reexecute", "--tokens", "--config", str(cfg), db=url, check=False)
+    assert f"recorded token {rec} (logprob" in ids.stdout
 
 
 def test_reexecute_compares_engines(populated: tuple[str, list[str]]) -> None:
@@ -161,3 +180,51 @@ def test_purge_leaves_a_verifiable_tombstone(populated: tuple[str, list[str]]) -
 def test_db_upgrade(tmp_path: Path) -> None:
     url = f"sqlite+aiosqlite:///{tmp_path / 'u.db'}"
     assert "revision 0004_sqlite_position_rowid" in cli("db", "upgrade", db=url).stdout
+
+
+def test_remote_help_runs_from_the_installed_console_script() -> None:
+    """The client's dependency (httpx) comes with the install: `sessiontape remote` exists."""
+    script = Path(sys.executable).parent / "sessiontape"
+    exe = [str(script)] if script.exists() else EXE
+    proc = subprocess.run(
+        [*exe, "remote", "--help"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "generate" in proc.stdout
+    assert "unavailable" not in proc.stderr
+
+
+def test_a_plugin_command_that_fails_to_import_warns_and_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import importlib.metadata
+
+    from sessiontape.core import cli as cli_module
+
+    real = importlib.metadata.entry_points
+    broken = importlib.metadata.EntryPoint(
+        name="broken",
+        value="sessiontape_no_such_plugin_module:register",
+        group="sessiontape.commands",
+    )
+
+    def entry_points(**params: str) -> list[importlib.metadata.EntryPoint]:
+        found = list(real(**params))
+        return [*found, broken] if params.get("group") == "sessiontape.commands" else found
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
+    with caplog.at_level(logging.WARNING, logger="sessiontape"):
+        parser = cli_module.build_parser()
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("sessiontape_no_such_plugin_module" in r.getMessage() for r in warnings), warnings
+    assert any("'broken'" in r.getMessage() for r in warnings)
+
+    args = parser.parse_args(["broken", "--anything", "x"])
+    assert args.func(args) == 1
+    err = capsys.readouterr().err
+    assert "'broken' command is unavailable" in err
+    assert "sessiontape_no_such_plugin_module" in err
+    # the working plugins still load beside the broken one
+    assert parser.parse_args(["remote", "ls"]).remote_command == "ls"

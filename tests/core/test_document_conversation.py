@@ -133,7 +133,7 @@ async def test_a_fork_keeps_the_conversation_up_to_the_fork_point(runtime: Runti
     assert all(t["inherited"] for t in conv)
     assert conv[1]["text"] == one.text(detok)[0]
     assert (conv[3]["start"], conv[3]["end"]) == (two.prompt_tokens, cut)
-    assert conv[3]["text"] == detok(two.tokens[:3])
+    assert conv[3]["text"] == detok(two.tokens[:3]).removesuffix("\ufffd")
     # the fork goes on talking: its own turns follow the inherited ones
     three = await _ask(turns, child, [("user", "And of Spain?")], seed=3)
     conv = (await child_doc())["conversation"]

@@ -30,11 +30,11 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
     asyncio turns Nagle's algorithm off (``TCP_NODELAY``) only on sockets
     whose ``proto`` is ``IPPROTO_TCP``; a socket made as
-    ``socket(AF_INET, SOCK_STREAM)`` has proto 0 and so kept Nagle on. A
-    streaming response then held its first body chunk until the client
-    acknowledged the headers, which a client on a kept-alive connection
+    ``socket(AF_INET, SOCK_STREAM)`` has proto 0 and so keeps Nagle on. A
+    streaming response then holds its first body chunk until the client
+    acknowledges the headers, which a client on a kept-alive connection
     delays by 40 ms: every SSE stream (generate, watch, chat) after the first
-    request of a connection started 40 ms late. Accepted connections
+    request of a connection would start 40 ms late. Accepted connections
     inherit the option from the listening socket on Linux; the explicit proto
     makes asyncio set it on every platform.
     """

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sessiontape.core.engine.interface import left_to_model
+from sessiontape.core.engine.interface import SamplingParams, left_to_model
 from sessiontape.core.errors import InvalidParameters, InvalidValue
 from sessiontape.core.events import check_body
 
@@ -50,6 +50,26 @@ class GenArgs:
     max_tokens: int | None
     #: the sampling arguments the call left out (or null): the served model's recommendation
     from_model: frozenset[str] = frozenset()
+    #: llama-cpp's ``repeat_penalty`` (1: none)
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_p: float = 0.0
+
+    def sampling(self, max_tokens: int) -> SamplingParams:
+        """These arguments as the generation's parameters, for ``max_tokens`` tokens."""
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            repetition_penalty=self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            min_p=self.min_p,
+            from_model=self.from_model,
+        )
 
 
 @dataclass(frozen=True)
@@ -153,7 +173,7 @@ def _int_or_none(args: Mapping[str, Any], key: str, lo: int, hi: int) -> int | N
 
 
 def parse_args(args: Mapping[str, Any]) -> GenArgs:
-    """Sampling arguments; fields this worker does not use (min_p, tfs_z, ...) are ignored."""
+    """Sampling arguments; fields this worker does not use (tfs_z, mirostat, ...) are ignored."""
     prompt = args.get("prompt")
     if prompt is not None and not isinstance(prompt, str):
         raise InvalidParameters("args.prompt must be a string")
@@ -175,8 +195,17 @@ def parse_args(args: Mapping[str, Any]) -> GenArgs:
         stop=stops,
         max_tokens=_int_or_none(args, "max_tokens", 1, 1 << 31),
         from_model=left_to_model(
-            temperature=args.get("temperature"), top_p=args.get("top_p"), top_k=args.get("top_k")
+            temperature=args.get("temperature"),
+            top_p=args.get("top_p"),
+            top_k=args.get("top_k"),
+            repetition_penalty=args.get("repeat_penalty"),
+            min_p=args.get("min_p"),
+            penalty_last_n=None,
         ),
+        repetition_penalty=_number(args, "repeat_penalty", 1.0, 0.0, 1e6, lo_open=True),
+        frequency_penalty=_number(args, "frequency_penalty", 0.0, -2.0, 2.0),
+        presence_penalty=_number(args, "presence_penalty", 0.0, -2.0, 2.0),
+        min_p=_number(args, "min_p", 0.0, 0.0, 1.0),
     )
 
 

@@ -18,7 +18,6 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
-from sessiontape.core.engine.interface import SamplingParams
 from sessiontape.core.errors import InvalidParameters, SessiontapeError
 from sessiontape.core.events import Event
 from sessiontape.core.generation.request import GenerateRequest
@@ -183,14 +182,7 @@ async def generate_text(
     engine = worker.runtime.engine
     append = engine.tokenize(prompt_text(engine.info.chat, prompt)) if st.length == 0 else []
     start = st.length + len(append)
-    params = SamplingParams(
-        max_tokens=n,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        from_model=args.from_model,
-    )
+    params = args.sampling(n)
     gen = cast(
         AsyncGenerator[Event, None],
         worker.runtime.generate(job.sid, GenerateRequest(params, append=append, action_id=job.id)),

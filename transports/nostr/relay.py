@@ -37,9 +37,8 @@ class Relays:
     author): on one connection a relay writes each published result back to the
     worker and then its ``OK``, two small writes, and a relay socket with Nagle's
     algorithm on (nostr-sdk's own relay, for one) holds the ``OK`` until the worker
-    acknowledges the echo, which Linux delays up to 40 ms. Every other partial
-    result waited that long for its ``OK`` (2.5 ms, then 47 ms, measured on a
-    loopback relay). The publishing connection subscribes to nothing, so each
+    acknowledges the echo, which Linux delays up to 40 ms, so every other partial
+    result would wait that long for its ``OK``. The publishing connection subscribes to nothing, so each
     publish gets its ``OK`` as one write.
     """
 

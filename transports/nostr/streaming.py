@@ -28,7 +28,6 @@ from typing import Any, Protocol, cast
 from sessiontape.core.bodies import GenerationFinished, generated_token
 from sessiontape.core.bodies import body as typed_body
 from sessiontape.core.document.text import TextStream
-from sessiontape.core.engine.interface import SamplingParams
 from sessiontape.core.errors import InvalidParameters
 from sessiontape.core.events import Event, T
 from sessiontape.core.generation.request import GenerateRequest
@@ -230,14 +229,7 @@ class PartialResults:
 async def generate_answer(worker: Answerer, job: CallToAnswer, answer: Answer) -> None:
     """Generate the answer's planned tokens, publishing partial results as they fall due."""
     args = job.call.args
-    params = SamplingParams(
-        max_tokens=answer.planned,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        from_model=args.from_model,
-    )
+    params = args.sampling(answer.planned)
     partials = PartialResults(worker, job, answer)
     gen = cast(
         AsyncGenerator[Event, None],

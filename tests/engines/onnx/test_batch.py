@@ -70,9 +70,20 @@ SESSIONS = [
     # history seed, length, sampling
     (1, 23, SamplingParams(max_tokens=20, temperature=0.0)),
     (2, 9, SamplingParams(max_tokens=17, temperature=0.9, seed=11, top_k=20)),
-    (3, 40, SamplingParams(max_tokens=12, temperature=1.3, seed=12, top_p=0.8)),
-    (4, 5, SamplingParams(max_tokens=25, temperature=0.7, seed=13)),
-    (5, 31, SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=(7, 9))),
+    (3, 40, SamplingParams(max_tokens=12, temperature=1.3, seed=12, top_p=0.8, min_p=0.05)),
+    (4, 5, SamplingParams(max_tokens=25, temperature=0.7, seed=13, repetition_penalty=1.3)),
+    (
+        5,
+        31,
+        SamplingParams(
+            max_tokens=8,
+            temperature=0.0,
+            stop_token_ids=(7, 9),
+            frequency_penalty=0.7,
+            presence_penalty=0.3,
+            penalty_last_n=-1,
+        ),
+    ),
     (6, 14, SamplingParams(max_tokens=19, temperature=1.0, seed=14)),
     (7, 2, SamplingParams(max_tokens=22, temperature=0.5, seed=15)),
     (8, 60, SamplingParams(max_tokens=15, temperature=1.1, seed=16, top_k=5)),

@@ -67,6 +67,66 @@ async def test_sessions_record_the_binding_and_reexecute_bit_identically(
         assert report.generations >= 1
 
 
+@pytest.fixture(params=["reference", "onnx"])
+async def any_runtime(
+    request: pytest.FixtureRequest, sqlite_url: str, tiny_dir: Path
+) -> AsyncIterator[Runtime]:
+    eng: Engine = (
+        ReferenceEngine()
+        if request.param == "reference"
+        else OnnxEngine(model_dir=tiny_dir, intra_op_threads=1)
+    )
+    rt = await Runtime.create(make_config(sqlite_url), engine=eng)
+    try:
+        yield rt
+    finally:
+        await rt.aclose()
+
+
+PENALIZED = SamplingParams(
+    max_tokens=64,
+    temperature=0.0,
+    repetition_penalty=1.5,
+    frequency_penalty=0.4,
+    presence_penalty=0.2,
+    penalty_last_n=48,
+)
+
+
+async def _tokens(rt: Runtime, sid: str, params: SamplingParams) -> list[int]:
+    return [
+        e.body["token"]
+        async for e in rt.generate(sid, GenerateRequest(params))
+        if e.type == T.GENERATION_TOKEN
+    ]
+
+
+async def test_penalties_are_recorded_and_reexecute_bit_identically(any_runtime: Runtime) -> None:
+    """The penalties read only the tokens the generation produced: recorded in
+    ``generation.started``, the generation re-executes to the same bits, and a fork
+    at its start generates it again, on both engines; the prompt is not penalized."""
+    rt = any_runtime
+    s = await rt.open_session("kakeya")
+    await rt.append_tokens(s.session_id, [5, 6, 7, 5, 6, 7, 5, 6])
+    start = (await rt.get(s.session_id)).length
+    penalized = await _tokens(rt, s.session_id, PENALIZED)
+    started = [e for e in await rt.log.read(s.session_id) if e.type == T.GENERATION_STARTED]
+    recorded = started[-1].body["params"]
+    assert (recorded["repetition_penalty"], recorded["penalty_last_n"]) == (1.5, 48)
+    assert (recorded["frequency_penalty"], recorded["presence_penalty"]) == (0.4, 0.2)
+    report = await audit_session(rt, s.session_id, reexecute=True)
+    assert report.reexecuted and report.ok, report.to_json()
+    # a fork at the answer's start answers the same
+    child = await rt.fork(s.session_id, at_position=start)
+    assert await _tokens(rt, child.session_id, PENALIZED) == penalized
+    plain = await rt.fork(s.session_id, at_position=start)
+    unpenalized = await _tokens(rt, plain.session_id, SamplingParams(max_tokens=64, temperature=0))
+    # the first token sees no generated token: the prompt's repeats change nothing
+    assert unpenalized[0] == penalized[0]
+    # then the penalties act
+    assert unpenalized != penalized
+
+
 async def test_images_are_rejected_for_the_text_only_model(onnx_runtime: Runtime) -> None:
     with pytest.raises(InvalidImage):
         onnx_runtime.engine.image_block_length(b"\x89PNG", "image/png")

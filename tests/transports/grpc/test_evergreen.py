@@ -727,6 +727,8 @@ async def test_client_cancel_records_the_generation_as_cancelled(
 
 
 def test_generate_config_keys_left_out_are_the_models() -> None:
-    assert sampling_params([]).from_model == frozenset({"temperature", "top_p", "top_k"})
+    # the penalties and min_p, which no config key names, are always the model's
+    penalties = {"repetition_penalty", "min_p", "penalty_last_n"}
+    assert sampling_params([]).from_model == {"temperature", "top_p", "top_k"} | penalties
     params = sampling_params([sampling_config(temperature=0.5), sampling_config(top_k=3)])
-    assert (params.temperature, params.top_k, params.from_model) == (0.5, 3, frozenset({"top_p"}))
+    assert (params.temperature, params.top_k, params.from_model) == (0.5, 3, {"top_p"} | penalties)

@@ -152,5 +152,38 @@ def test_settings_reject_bad_memory_options(tmp_path: Path, bad: dict[str, objec
 
 def test_sampling_a_call_leaves_out_or_nulls_is_the_models() -> None:
     args = d4.parse_args({"temperature": 0.3, "top_k": None})
-    assert args.from_model == frozenset({"top_p", "top_k"})
-    assert d4.parse_args({"temperature": 1, "top_p": 1, "top_k": 0}).from_model == frozenset()
+    # the penalties' window is never a call's to set
+    window = {"penalty_last_n"}
+    assert args.from_model == {"top_p", "top_k", "repetition_penalty", "min_p"} | window
+    every = {"temperature": 1, "top_p": 1, "top_k": 0, "repeat_penalty": 1, "min_p": 0}
+    assert d4.parse_args(every).from_model == window
+
+
+def test_penalties_and_min_p_of_a_call() -> None:
+    args = d4.parse_args(
+        {"repeat_penalty": 1.3, "frequency_penalty": -0.5, "presence_penalty": 2, "min_p": 0.05}
+    )
+    params = args.sampling(12)
+    assert (params.repetition_penalty, params.frequency_penalty) == (1.3, -0.5)
+    assert (params.presence_penalty, params.min_p, params.max_tokens) == (2.0, 0.05, 12)
+    params.check()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"repeat_penalty": 0},
+        {"repeat_penalty": -1.1},
+        {"repeat_penalty": float("nan")},
+        {"repeat_penalty": float("inf")},
+        {"frequency_penalty": 2.5},
+        {"presence_penalty": -2.01},
+        {"presence_penalty": float("nan")},
+        {"min_p": 1.5},
+        {"min_p": -0.1},
+        {"min_p": "0.1"},
+    ],
+)
+def test_penalties_out_of_range_are_refused(bad: dict[str, object]) -> None:
+    with pytest.raises(InvalidParameters, match=next(iter(bad))):
+        d4.parse_args(bad)

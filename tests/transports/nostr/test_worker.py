@@ -61,7 +61,8 @@ async def test_sample_call_answered(
         text = runtime.engine.detokenize(
             list(st.tokens[st.generations[next(iter(st.generations))].prompt_length :])
         )
-        assert completion["choices"][0]["message"]["content"] == text
+        # the text of the generated tokens, less a character they end in the middle of
+        assert completion["choices"][0]["message"]["content"] == text.removesuffix("\ufffd")
     finally:
         await caller.close()
 

@@ -162,6 +162,12 @@ class Generate(Body):
     top_k: NonNegative | None = None
     seed: Seed | None = None
     stop_token_ids: list[NonNegative] = Field(default_factory=list)
+    #: unset: the served model's recommendation, else 1 / 0 / 64 (docs/engines.md)
+    repetition_penalty: Annotated[float, Field(gt=0, le=1e6)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    penalty_last_n: Annotated[int, Field(ge=-1, lt=2**31)] | None = None
     logprob_top_k: Annotated[int, Field(ge=0, le=2**31)] | None = None
     logprob_ranges: list[Range] | None = None
     readout_ranges: list[Range] | None = None
@@ -186,8 +192,20 @@ class Generate(Body):
             top_k=d.top_k if self.top_k is None else self.top_k,
             seed=self.seed,
             stop_token_ids=tuple(self.stop_token_ids),
+            repetition_penalty=(
+                d.repetition_penalty if self.repetition_penalty is None else self.repetition_penalty
+            ),
+            frequency_penalty=self.frequency_penalty or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            min_p=d.min_p if self.min_p is None else self.min_p,
+            penalty_last_n=d.penalty_last_n if self.penalty_last_n is None else self.penalty_last_n,
             from_model=left_to_model(
-                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                repetition_penalty=self.repetition_penalty,
+                min_p=self.min_p,
+                penalty_last_n=self.penalty_last_n,
             ),
         )
         params.check()

@@ -8,7 +8,9 @@ import logging
 from collections.abc import AsyncIterator
 
 from sessiontape.core.document import SessionListBuilder
+from sessiontape.core.document.sessionlist import PREVIEW_EVENTS, preview_of
 from sessiontape.core.events import Event, T
+from sessiontape.core.log.store import SessionRow
 from sessiontape.core.patch import diff, to_rfc6902
 from sessiontape.core.runtime import Runtime
 from sessiontape.transports.http.native.feeds import frame
@@ -21,7 +23,17 @@ log = logging.getLogger("sessiontape.http.feeds")
 LIST_EVENTS = frozenset(
     {T.SESSION_OPENED, T.SESSION_CLOSED, T.SESSION_ABORTED, T.SESSION_EXPIRED, T.SESSION_PURGED}
     | {T.GENERATION_STARTED, T.GENERATION_FINISHED}
+    # a session's preview: its first input, its first chat request
+    | {T.TOKENS_APPENDED, T.WIRE}
 )
+
+
+async def _preview(runtime: Runtime, row: SessionRow) -> str:
+    """The session's preview from its first events; its input is decoded only where the
+    served model is the one it recorded."""
+    evs = await runtime.reads.read_events(row.id, 1, PREVIEW_EVENTS)
+    same = row.model_id == runtime.engine.info.model_id
+    return preview_of(evs, runtime.engine.detokenize if same else None)
 
 
 async def list_stream(
@@ -43,8 +55,9 @@ async def list_stream(
     for r in await runtime.reads.list_sessions(limit=limit):
         row = r.to_json()
         row["generating"] = runtime.generations.is_running(r.id)
+        row["preview"] = await _preview(runtime, r)
         rows.append(row)
-    builder = SessionListBuilder(rows)
+    builder = SessionListBuilder(rows, runtime.engine.detokenize)
     yield frame("snapshot", dump_bytes(builder.doc), position)
     queue: asyncio.Queue[Event | None] = asyncio.Queue(maxsize=queue_max)
 

@@ -289,8 +289,8 @@ class Api:
     async def close(self, request: Request) -> Response:
         """The closed session's document; with ``Prefer: return=minimal`` (RFC 7240) its id,
         status and version only, which costs nothing that grows with the session (the
-        document is folded from the log where no live feed holds it: 35 ms for 2,000
-        events on the development VM)."""
+        document is folded from the log where no live feed holds it: tens of milliseconds
+        for thousands of events)."""
         sid = request.path_params["sid"]
         b = await self._body(request, Close)
         st = await self.runtime.close(sid, "client" if b.reason is None else b.reason)

@@ -93,6 +93,11 @@ Metadata = Annotated[
 Temperature = Annotated[float, Field(ge=0, le=2)]
 TopP = Annotated[float, Field(gt=0, le=1)]
 TopLogprobs = Annotated[int, Field(ge=0, le=20)]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+#: the repetition penalty of a chat request that names none, when the model recommends
+#: none: llama.cpp's default (1.1 over the last 64 tokens, here the answer's), which stops
+#: the small chat models' loops (docs/models.md, Penalties against loops)
+CHAT_REPETITION_PENALTY = 1.1
 Seed = Annotated[
     int,
     Field(
@@ -117,16 +122,49 @@ class Request(BaseModel):
     seed: Seed | None = None
     metadata: Metadata | None = None
     stream: bool | None = False
+    frequency_penalty: Penalty | None = Field(
+        None,
+        description="subtracted from a token's score per occurrence in the answer's last 64 tokens",
+    )
+    presence_penalty: Penalty | None = Field(
+        None, description="subtracted from the score of a token among the answer's last 64"
+    )
+    repetition_penalty: Annotated[float, Field(gt=0, le=10)] | None = Field(
+        None,
+        description=(
+            "extension: divides (multiplies if negative) the score of a token among the"
+            f" answer's last 64; unset: the model's recommendation, else {CHAT_REPETITION_PENALTY}"
+        ),
+    )
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = Field(
+        None, description="extension: drop tokens below min_p times the most probable one's"
+    )
 
     def sampling(self, max_tokens: int | None) -> SamplingParams:
-        """The request's sampling; what it leaves unset (and top_k, which OpenAI's API
-        does not name) the served model's recommendation sets when the generation begins."""
+        """The request's sampling; what it leaves unset (and top_k and the penalties'
+        window, which OpenAI's API does not name) the served model's recommendation sets
+        when the generation begins."""
         return SamplingParams(
             max_tokens=max_tokens or DEFAULT_MAX_TOKENS,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             seed=self.seed,
-            from_model=left_to_model(temperature=self.temperature, top_p=self.top_p, top_k=None),
+            frequency_penalty=self.frequency_penalty or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            repetition_penalty=(
+                CHAT_REPETITION_PENALTY
+                if self.repetition_penalty is None
+                else self.repetition_penalty
+            ),
+            min_p=self.min_p or 0.0,
+            from_model=left_to_model(
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=None,
+                repetition_penalty=self.repetition_penalty,
+                min_p=self.min_p,
+                penalty_last_n=None,
+            ),
         )
 
 
@@ -257,8 +295,8 @@ _Stop = Annotated[str, Field(min_length=1)]
 
 
 class ChatCompletionRequest(Request):
-    """tools, functions, tool calls, logit_bias, audio, prediction, reasoning_effort and non-zero
-    penalties are refused (400), not ignored; so is any field not listed here and not null
+    """tools, functions, tool calls, logit_bias, audio, prediction and reasoning_effort are
+    refused (400), not ignored; so is any field not listed here and not null
     (unknown_field), except user, service_tier, safety_identifier, prompt_cache_key,
     prompt_cache_retention and parallel_tool_calls, which change nothing."""
 
@@ -270,8 +308,6 @@ class ChatCompletionRequest(Request):
         "logit_bias",
         "audio",
         "prediction",
-        "frequency_penalty",
-        "presence_penalty",
         "reasoning_effort",
         "web_search_options",
     )

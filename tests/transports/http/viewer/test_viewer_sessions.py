@@ -142,6 +142,23 @@ async def test_runs_list_search_and_filters(server: Served, page: Any) -> None:
     assert await page.input_value("#filter-q") == "alpha" and await shown() == {ids["alpha run"]}
 
 
+async def test_the_list_shows_what_each_session_is_about(server: Served, page: Any) -> None:
+    async with httpx.AsyncClient(base_url=server.url, timeout=20) as c:
+        story = (await c.post("/v1/sessions", json={"label": "tale"})).json()["id"]
+        await c.post(f"/v1/sessions/{story}/append", json={"text": "Once upon a time"})
+        bare = (await c.post("/v1/sessions", json={})).json()["id"]
+        await c.post(f"/v1/sessions/{bare}/append", json={"text": "Dear diary"})
+
+    await page.goto(server.url + "/")
+    await page.wait_for_selector(f"tr[data-id='{bare}'] .preview")
+    assert await page.text_content(f"tr[data-id='{story}'] .col-label .label") == "tale"
+    assert await page.text_content(f"tr[data-id='{story}'] .preview") == "Once upon a time"
+    assert await page.text_content(f"tr[data-id='{bare}'] .preview") == "Dear diary"
+    await page.fill("#filter-q", "diary")  # the search reads the preview too
+    await page.wait_for_function("document.querySelectorAll('tr.session-row').length === 1")
+    assert await page.get_attribute("tr.session-row", "data-id") == bare
+
+
 async def test_open_at_a_log_position_and_find_in_the_session(server: Served, page: Any) -> None:
     async with httpx.AsyncClient(base_url=server.url, timeout=20) as c:
         sid, (g1, g2) = await _two_turns(server, c, "positions")

@@ -102,15 +102,21 @@ const STATUSES = ["open", "closed", "aborted", "expired", "purged"];
 
 function dayStart(s) { return s ? new Date(s + "T00:00:00").getTime() / 1000 : null; }
 
+// what a session is about: its label, and the first user message (or input) it holds
+function aboutCell(s) {
+  return [s.label ? h("span", { class: "label" }, s.label) : null, s.label && s.preview ? " " : null,
+    s.preview ? h("span", { class: "preview", title: s.preview }, s.preview) : null];
+}
+
 function listPage(query) {
-  const q = h("input", { id: "filter-q", type: "search", placeholder: "search id or label", value: query.get("q") || "", "aria-label": "search id or label" });
+  const q = h("input", { id: "filter-q", type: "search", placeholder: "search id, label or text", value: query.get("q") || "", "aria-label": "search id, label or text" });
   const status = h("select", { id: "filter-status", "aria-label": "status" }, h("option", { value: "" }, "any status"),
     STATUSES.map((s) => h("option", { value: s, selected: query.get("status") === s }, s)));
   const from = h("input", { id: "filter-from", type: "date", value: query.get("from") || "", "aria-label": "created from" });
   const to = h("input", { id: "filter-to", type: "date", value: query.get("to") || "", "aria-label": "created until" });
   const count = h("span", { class: "meta", id: "filter-count" });
   const tbody = h("tbody", { id: "sessions" });
-  const cols = [["id", "col-id"], ["status", "col-status"], ["protocol", "col-protocol"], ["label", "col-label"], ["parent", "col-parent"], ["created", "col-created"]];
+  const cols = [["id", "col-id"], ["status", "col-status"], ["protocol", "col-protocol"], ["about", "col-label"], ["parent", "col-parent"], ["created", "col-created"]];
   app.replaceChildren(h("h2", {}, "Sessions"),
     h("div", { class: "filters" }, q, status, h("label", { class: "date" }, "from ", from), h("label", { class: "date" }, "to ", to), count),
     h("table", { class: "runs" }, h("thead", {}, h("tr", {}, cols.map(([c, cls]) => h("th", { class: cls }, c)))), tbody));
@@ -122,7 +128,7 @@ function listPage(query) {
     const lo = dayStart(from.value);
     const hi = to.value ? dayStart(to.value) + 86400 : null;
     const all = Object.values(last.sessions).sort((a, b) => b.created_at - a.created_at);
-    const rows = all.filter((s) => (!needle || s.id.toLowerCase().includes(needle) || (s.label || "").toLowerCase().includes(needle))
+    const rows = all.filter((s) => (!needle || [s.id, s.label, s.preview].some((v) => (v || "").toLowerCase().includes(needle)))
       && (!status.value || s.status === status.value)
       && (lo == null || s.created_at >= lo) && (hi == null || s.created_at < hi));
     count.textContent = rows.length === all.length ? `${all.length} sessions` : `${rows.length} of ${all.length} sessions`;
@@ -130,7 +136,7 @@ function listPage(query) {
       class: `session-row status-${s.status}${s.generating ? " generating" : ""}`, "data-id": s.id,
       onclick: () => { location.hash = `#/s/${s.id}`; },
     }, h("td", { class: "col-id" }, h("a", { href: `#/s/${s.id}` }, s.id)), h("td", { class: "status col-status" }, s.status),
-      h("td", { class: "col-protocol" }, s.protocol), h("td", { class: "col-label" }, s.label),
+      h("td", { class: "col-protocol" }, s.protocol), h("td", { class: "col-label" }, aboutCell(s)),
       h("td", { class: "col-parent" }, s.parent_id || ""), h("td", { class: "col-created", title: fmtTime(s.created_at) }, fmtShort(s.created_at)))));
   };
   const changed = () => {
@@ -329,13 +335,17 @@ async function forkAt(sid, where) {
   } catch (err) { notice(`fork failed: ${err.message}`, true); return null; }
 }
 
+const NO_PENALTY = { repetition_penalty: 1, frequency_penalty: 0, presence_penalty: 0, min_p: 0 };
+
 // Fork at `position` (inside or at the start of generation g) and generate again with g's parameters.
 async function rerun(doc, g, position) {
   const child = await forkAt(doc.id, { at_position: position });
   if (!child) return;
   const p = g.params || {};
   const body = { background: true, logprob_top_k: g.options?.logprob_top_k || 0 };
-  for (const k of ["temperature", "top_p", "top_k", "seed", "stop_token_ids"]) if (p[k] != null) body[k] = p[k];
+  for (const k of ["temperature", "top_p", "top_k", "seed", "stop_token_ids", "penalty_last_n"]) if (p[k] != null) body[k] = p[k];
+  // recorded only where they act: absent means none (not the model's recommendation)
+  for (const [k, none] of Object.entries(NO_PENALTY)) body[k] = p[k] ?? none;
   const done = position - g.prompt_length;
   if (p.max_tokens != null) body.max_tokens = Math.max(1, p.max_tokens - Math.max(0, done));
   try { await postJSON(`/v1/sessions/${child.id}/generate`, body); }
