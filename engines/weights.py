@@ -85,10 +85,41 @@ Tensor = F32 | QuantMatrix
 Weights = Callable[[str], Tensor]
 
 
+def relayout(m: QuantMatrix, bits: int, block: int) -> QuantMatrix:
+    """The same values in ``bits``-bit blocks of ``block`` (``bits`` >= ``m.bits``, ``block``
+    dividing ``m.block``): codes recentred on the wider zero point, scales and offsets
+    repeated per smaller block. Exact."""
+    if bits < m.bits or m.block % block:
+        raise ValueError(
+            f"{m.bits}-bit blocks of {m.block} do not fit {bits}-bit blocks of {block}"
+        )
+    if (bits, block) == (m.bits, m.block):
+        return m
+    shift = (1 << (bits - 1)) - (1 << (m.bits - 1))
+    codes = (m.codes().astype(np.uint16) + shift).astype(np.uint8)
+    if bits == 4:
+        codes = codes[:, 0::2] | (codes[:, 1::2] << np.uint8(4))
+    per = m.block // block
+    return QuantMatrix(
+        bits,
+        block,
+        np.ascontiguousarray(codes.reshape(m.n, m.k // block, -1)),
+        np.repeat(m.scales, per, axis=1),
+        None if m.offsets is None else np.repeat(m.offsets, per, axis=1),
+    )
+
+
 def concat_out(parts: list[Tensor]) -> Tensor:
-    """Matrices side by side along their outputs (q, k, v -> qkv; gate, up -> gate_up)."""
+    """Matrices side by side along their outputs (q, k, v -> qkv; gate, up -> gate_up).
+
+    Blocks of different widths or sizes (a GGUF's per-tensor mix, as in Q4_K_M) are
+    brought to the widest bits and the smallest block first (:func:`relayout`, exact)."""
     if all(isinstance(p, QuantMatrix) for p in parts):
         qs = [p for p in parts if isinstance(p, QuantMatrix)]
+        if len({p.k for p in qs}) == 1:
+            bits, block = max(p.bits for p in qs), min(p.block for p in qs)
+            if all(p.block % block == 0 for p in qs):
+                qs = [relayout(p, bits, block) for p in qs]
         if len({(p.bits, p.block, p.k) for p in qs}) == 1:
             offsets = None
             if any(p.offsets is not None for p in qs):

@@ -4,19 +4,20 @@ Each source knows its :class:`ModelSpec` and hands the graph builder its
 weights by the builder's names (``embed``, ``l{i}.wq``, ...), converted as the
 import's dtype asks (:class:`WeightPolicy`):
 
-- ``auto``: GGUF blocks that MatMulNBits holds as they are (Q4_0, Q4_1,
-  Q8_0) stay blocks; float tensors stay float32; other GGUF formats (the
-  K-quants) are re-quantized to 8-bit blocks. A Hugging Face checkpoint is
-  imported as float32.
+- ``auto``: GGUF blocks stay blocks, each format in the MatMulNBits layout that holds
+  it (4 or 8 bits, blocks of 16 or 32: the table in :mod:`quant`), so a file that
+  mixes formats per tensor (Q4_K_M, Q4_K_S, ...) keeps each tensor's own; float
+  tensors stay float32. A Hugging Face checkpoint is imported as float32.
 - ``float32``: every weight dequantized (exactly, :func:`quant.dequantize`).
 - ``float16``: every weight dequantized as for ``float32``, then held as float16, and the
   graph computes in float16 (:attr:`ModelSpec.float_type`; the KV cache float16 too,
   logits and hidden states cast to float32 at the outputs). For CUDA; the CPU runs it.
-- ``q8`` / ``q4``: matrices in 8-bit / 4-bit blocks (GGUF blocks of that
-  width kept, others quantized); the embedding in 8-bit blocks.
+- ``q8`` / ``q4``: matrices in 8-bit / 4-bit blocks (a GGUF format that :mod:`quant`
+  keeps at that width stays as it is, others are quantized); the embedding in 8-bit
+  blocks.
 
 Both formats are memory-mapped, so reading a model costs what one tensor
-costs.
+costs; a GGUF's header is read by :mod:`gguf_file` without touching its tensors.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from sessiontape.engines.models.arch import (
     spec_from_gguf,
     spec_from_hf,
 )
+from sessiontape.engines.models.gguf_file import GgufFile, GgufTensor
 from sessiontape.engines.models.sampling_defaults import gguf_sampling, hf_sampling
 from sessiontape.engines.weights import F32, QuantMatrix, Tensor
 
@@ -55,28 +57,27 @@ class WeightPolicy:
 
     def matrix(self, raw: Any, ggml_type: int | None, rows_float: Callable[[], F32]) -> Tensor:
         """A projection as the builder takes it (float32 [in, out] or a QuantMatrix of its rows)."""
-        kept = ggml_type in quant.BLOCK_BYTES
+        fmt = quant.FORMATS.get(ggml_type) if ggml_type is not None else None
         if self.dtype in FLOAT_DTYPES:
             return np.ascontiguousarray(rows_float().T)
         if self.dtype == "auto":
-            if kept:
+            if fmt is not None:
                 return quant.to_matrix(np.asarray(raw), int(ggml_type or 0))
-            if ggml_type is None or ggml_type in (0, 1, 30):  # F32, F16, BF16 or a HF tensor
-                return np.ascontiguousarray(rows_float().T)
-            return quant.quantize(rows_float(), 8)
+            return np.ascontiguousarray(rows_float().T)  # F32, F16, BF16 or a HF tensor
         bits = 8 if self.dtype == "q8" else 4
-        if kept and (ggml_type == quant.Q8_0) == (bits == 8):
+        if fmt is not None and fmt.bits == bits:
             return quant.to_matrix(np.asarray(raw), int(ggml_type or 0))
         return quant.quantize(rows_float(), bits)
 
     def embedding(self, raw: Any, ggml_type: int | None, rows_float: Callable[[], F32]) -> Tensor:
-        """The token embedding [vocab, hidden]: 8-bit blocks where exact (or asked), else float32."""
+        """The token embedding [vocab, hidden]: a GGUF block format as 8-bit blocks, exactly
+        (its offsets, where it has them, beside them: the builder gathers 8-bit blocks
+        without offsets as they are, and dequantizes the others for its table, while a tied
+        head keeps them); otherwise 8-bit blocks if asked, else float32."""
         if self.dtype in FLOAT_DTYPES:
             return rows_float()
-        if ggml_type == quant.Q8_0:
-            return quant.to_matrix(np.asarray(raw), ggml_type)
-        if ggml_type == quant.Q4_0:
-            return quant.widen(quant.to_matrix(np.asarray(raw), ggml_type))
+        if ggml_type in quant.FORMATS:
+            return quant.to_matrix(np.asarray(raw), int(ggml_type or 0), bits=8)
         if self.dtype in ("q8", "q4"):
             return quant.quantize(rows_float(), 8)
         return rows_float()
@@ -97,23 +98,25 @@ _LAYER = re.compile(r"^l(\d+)\.(\w+)$")
 
 
 class GgufSource:
-    """A ``.gguf`` file (llama.cpp's format), memory-mapped through the ``gguf`` package."""
+    """A ``.gguf`` file (llama.cpp's format): its header read, its tensors memory-mapped.
+
+    Opening checks the architecture (:func:`spec_from_gguf`) and every tensor's type
+    (:func:`quant.check_types`) from the header alone, so a file this importer cannot
+    serve is refused by the name of what it lacks before any weight is read."""
 
     kind = "gguf"
 
     def __init__(self, path: Path, dtype: str = "auto") -> None:
-        from gguf import GGUFReader
-
-        try:
-            self._reader = GGUFReader(str(path))
-        except (ValueError, OSError, IndexError) as exc:  # IndexError: gguf, on a cut file
-            raise UnsupportedModel(f"{path} is not a readable GGUF file: {exc}") from exc
+        self._file = GgufFile(path)
         self.path = path
-        self.meta = gguf_metadata(self._reader)
-        self._tensors = {t.name: t for t in self._reader.tensors}
+        self.meta = self._file.meta
+        self._tensors = self._file.tensors
         name = str(self.meta.get("general.name") or path.stem)
         self.spec, self.family = spec_from_gguf(self.meta, name)
         self._permute = self.family.gguf_permute_qk
+        quant.check_types(
+            ((t.name, t.type_id, t.type_name) for t in self._tensors.values()), path.name
+        )
         self.sampling = gguf_sampling(self.meta, path.name)
         if "rope_freqs.weight" in self._tensors:  # Llama 3.1's rope scaling, as llama.cpp keeps it
             self.spec = replace(self.spec, rope_freq_factors=self._rope_factors())
@@ -200,39 +203,18 @@ class GgufSource:
         return self._matrix(gname, rows)
 
 
-def _float_rows(raw: Any, t: Any) -> F32:
+def _float_rows(raw: Any, t: GgufTensor) -> F32:
     """GGUF tensor rows (raw blocks or floats) as float32 [rows, cols]."""
-    ggml = int(t.tensor_type.value)
-    if ggml in quant.BLOCK_BYTES:
-        return quant.dequantize(raw, ggml)
-    from gguf import quants
-
-    return np.asarray(quants.dequantize(raw, t.tensor_type), dtype=np.float32)
+    return quant.dequantize(raw, t.type_id)
 
 
 def gguf_parameters(path: Path) -> int:
     """How many weights a GGUF file holds (its tensors' elements); 0 for a file that is
     not readable GGUF (the import then refuses it with the reason)."""
-    from gguf import GGUFReader
-
     try:
-        reader = GGUFReader(str(path))
-    except (ValueError, OSError, IndexError):
+        return sum(t.n_elements for t in GgufFile(path))
+    except UnsupportedModel:
         return 0
-    return sum(int(t.n_elements) for t in reader.tensors)
-
-
-def gguf_metadata(reader: Any) -> dict[str, Any]:
-    """A GGUF file's key-value metadata as plain Python values (strings, numbers, lists)."""
-    out: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:
-            out[key] = field.contents()
-        except Exception as exc:  # a malformed field: refuse the file, not the whole import
-            raise UnsupportedModel(f"GGUF metadata field {key!r} cannot be read: {exc}") from exc
-    return out
 
 
 _SAFE_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}

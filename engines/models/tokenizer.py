@@ -30,8 +30,8 @@ choice is noted where it is made.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -100,6 +100,26 @@ class Specials:
     bos_token: str | None
     eos_token: str | None
     add_bos: bool  # a fresh prompt starts with BOS
+
+
+#: the tokens that end a turn in the chat templates of the families served
+TURN_ENDS = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|end|>")
+
+
+def with_turn_ends(
+    specials: Specials, template: str | None, token_id: Callable[[str], int | None]
+) -> Specials:
+    """``specials`` with the end-of-turn tokens that ``template`` writes (:data:`TURN_ENDS`)
+    first among the EOS ids, so they stop generation, and the first as the EOS text (what a
+    generated turn ends with, which continuing the conversation must not write again)."""
+    if not template:
+        return specials
+    ends = [i for t in TURN_ENDS if t in template and (i := token_id(t)) is not None]
+    if not ends:
+        return specials
+    ids = tuple(dict.fromkeys([*ends, *specials.eos_ids]))
+    first = next(t for t in TURN_ENDS if t in template and token_id(t) == ids[0])
+    return replace(specials, eos_ids=ids, eos_token=first)
 
 
 # -- GGUF ----------------------------------------------------------------------------------
@@ -188,18 +208,25 @@ def _token_types(meta: Mapping[str, Any], tokens: Sequence[str], specials: Speci
     return [int(t) for t in raw]
 
 
-def _added_tokens(tokens: Sequence[str], types: Sequence[int], special: Iterable[int]) -> list[Any]:
-    """CONTROL (and the ``special`` types) as special added tokens, USER_DEFINED as plain ones."""
+def _add_tokens(
+    tokenizer: Tokenizer, tokens: Sequence[str], types: Sequence[int], special: Iterable[int]
+) -> None:
+    """CONTROL (and the ``special`` types) as special added tokens, USER_DEFINED as plain ones.
+
+    They go in apart: ``add_special_tokens`` marks every token it is given special, and a
+    plain added token (Gemma's ``"\n"``, ``"  "`` or ``"<table>"``) must stay in text
+    decoded without the special tokens."""
     from tokenizers import AddedToken
 
     special_types = set(special)
-    added = []
+    specials, plain = [], []
     for token, kind in zip(tokens, types, strict=True):
         if kind in special_types:
-            added.append(AddedToken(token, special=True, normalized=False))
+            specials.append(AddedToken(token, special=True, normalized=False))
         elif kind == USER_DEFINED:
-            added.append(AddedToken(token, special=False, normalized=False))
-    return added
+            plain.append(AddedToken(token, special=False, normalized=False))
+    tokenizer.add_special_tokens(specials)
+    tokenizer.add_tokens(plain)
 
 
 def _byte_level_bpe(
@@ -229,7 +256,7 @@ def _byte_level_bpe(
     steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre.split is None))
     tokenizer.pre_tokenizer = steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens(_added_tokens(tokens, types, (CONTROL,)))
+    _add_tokens(tokenizer, tokens, types, (CONTROL,))
     return tokenizer
 
 
@@ -310,7 +337,7 @@ def _sentencepiece_bpe(
     tokenizer.decoder = decoders.Sequence(steps)
     # <unk> is special too, as in Llama's own tokenizer.json and llama.cpp (transformers'
     # GGUF loader leaves it to be spelled out of pieces).
-    tokenizer.add_special_tokens(_added_tokens(tokens, types, (CONTROL, UNKNOWN)))
+    _add_tokens(tokenizer, tokens, types, (CONTROL, UNKNOWN))
     return tokenizer
 
 

@@ -42,7 +42,7 @@ from sessiontape.engines.onnx.model import hash_file
 log = logging.getLogger("sessiontape.engines.models")
 
 #: bump when the graph or the folder's files change, so caches rebuild
-IMPORTER_VERSION = 6
+IMPORTER_VERSION = 7
 MODEL_TYPE = "sessiontape-import"
 #: the graph's attention: one GroupQueryAttention per layer (fastest alone), or separate
 #: operators masked by position (continuous batching stays bit-exact)
@@ -80,14 +80,41 @@ def _sha(text: str) -> str:
 
 
 def _tokenizer(src: Source) -> tuple[str, Any, str | None]:
-    """(tokenizer.json text, specials, chat template source) of ``src``."""
-    from sessiontape.engines.models.tokenizer import tokenizer_from_gguf, tokenizer_from_hf
+    """(tokenizer.json text, specials, chat template source) of ``src``.
 
-    if isinstance(src, GgufSource):
-        text, specials = tokenizer_from_gguf(src.meta)
-        template = src.meta.get("tokenizer.chat_template")
-        return text, specials, str(template) if template else None
-    return tokenizer_from_hf(src.path)
+    A GGUF without a chat template gets its family's standard one (family_templates.py),
+    said in one log line; the template's end-of-turn token stops generation."""
+    from tokenizers import Tokenizer
+
+    from sessiontape.engines.models.family_templates import family_of
+    from sessiontape.engines.models.tokenizer import (
+        tokenizer_from_gguf,
+        tokenizer_from_hf,
+        with_turn_ends,
+    )
+
+    if not isinstance(src, GgufSource):
+        text, specials, template = tokenizer_from_hf(src.path)
+        return (
+            text,
+            with_turn_ends(specials, template, Tokenizer.from_str(text).token_to_id),
+            template,
+        )
+    text, specials = tokenizer_from_gguf(src.meta)
+    tokens = src.meta.get("tokenizer.ggml.tokens") or []
+    ids = {t: i for i, t in enumerate(tokens)}
+    given = src.meta.get("tokenizer.chat_template")
+    template = str(given) if given else None
+    if template is None:
+        family = family_of(src.meta, ids)
+        if family is not None:
+            log.info(
+                "%s has no chat template; using the standard %s template",
+                src.path.name,
+                family.name,
+            )
+            template = family.template
+    return text, with_turn_ends(specials, template, ids.get), template
 
 
 def _config(src: Source, specials: Any, dtype: str, sha: str, tok: str, tpl: str | None) -> Any:
@@ -243,6 +270,8 @@ def ensure_imported(model: str, dtype: str = "auto", attention: str = "gqa") -> 
         return path
     if not path.exists():
         raise UnsupportedModel(f"model {model!r}: {path} does not exist")
+    # refuse what cannot be served from the header alone, before hashing the whole file
+    open_source(path, dtype)
     sha = source_sha256(path)
     dtype = import_dtype(dtype, path)
     folder = cache_folder(dtype, sha, attention)

@@ -436,3 +436,14 @@ def test_hf_folder_errors(tmp_path: Path, spm: Built) -> None:
     write_folder(tmp_path / "config", spm.text, config__json="[1, 2")
     with pytest.raises(ConfigError, match=r"config\.json"):
         tokenizer_from_hf(tmp_path / "config")
+
+
+def test_user_defined_tokens_stay_in_text_decoded_without_specials(spm: Built) -> None:
+    """USER_DEFINED tokens (Gemma's "\\n" and "<table>") are text: decoding without the
+    special tokens drops CONTROL ones only."""
+    tokenizer = spm.tokenizer
+    ids = encode(tokenizer, "<|end|>hi<tool>x</s>")
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "hi<tool>x"
+    assert tokenizer.decode(ids, skip_special_tokens=False) == "<|end|>hi<tool>x</s>"
+    special = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
+    assert spm_vocab.USER_TOKEN not in special and spm_vocab.CONTROL_TOKEN in special
