@@ -39,6 +39,7 @@ from sessiontape.transports.grpc.settings import GrpcSettings
 from sessiontape.transports.grpc.tokensessions import (
     Generations,
     closing,
+    constraint_of,
     grpc_errors,
     live_session,
     token_ids,
@@ -152,6 +153,7 @@ class KakeyaService(pb_grpc.RuntimeServiceServicer, GrpcService):
                 from_model=left_to_model(
                     temperature=has_t or None, top_p=has_p or None, top_k=has_k or None
                 ),
+                constraint=constraint_of(context),
             )
             self.generations.track()
             runs = self.runtime.generate_runs(

@@ -40,6 +40,7 @@ from sessiontape.transports.grpc.settings import GrpcSettings
 from sessiontape.transports.grpc.tokensessions import (
     Generations,
     closing,
+    constraint_of,
     covered,
     grpc_errors,
     live_session,
@@ -147,6 +148,7 @@ class SalienceService(pb_grpc.SalienceServicer, GrpcService):
                     top_p=request.top_p or None,
                     top_k=request.top_k or None,
                 ),
+                constraint=constraint_of(context),
             )
             options = OutputOptions(
                 logprob_top_k=request.logprob_top_k,

@@ -11,15 +11,44 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import weakref
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, TypeVar
 
-from sessiontape.core.errors import SessionClosed, SessionNotFound, SessiontapeError
+from sessiontape.core.constraint import Constraint
+from sessiontape.core.errors import (
+    InvalidConstraint,
+    SessionClosed,
+    SessionNotFound,
+    SessiontapeError,
+)
 from sessiontape.core.runtime import Runtime
 from sessiontape.core.session.state import SessionState
 from sessiontape.core.tokens import check_length
 from sessiontape.transports.grpc.status import abort_with
+
+#: The call metadata that carries a Generate's constraint on Kakeya and Salience (their
+#: published messages have no field for it): the native wire's ``constraint`` object as
+#: JSON, e.g. ``{"json_schema": {...}}``, ``{"regex": "..."}`` or ``{"grammar": "..."}``
+#: (docs/protocols/grpc.md, "Constraints").
+CONSTRAINT_METADATA = "sessiontape-constraint"
+
+
+def constraint_of(context: Any) -> Constraint | None:
+    """The constraint a call's metadata names, or None; InvalidConstraint when it is not
+    one (grpcio bounds the metadata's size: 8 KiB by default)."""
+    for key, value in context.invocation_metadata() or ():
+        if key != CONSTRAINT_METADATA:
+            continue
+        try:
+            obj = json.loads(value)
+        except ValueError:
+            raise InvalidConstraint(f"{CONSTRAINT_METADATA} is not JSON") from None
+        if not isinstance(obj, dict):
+            raise InvalidConstraint(f"{CONSTRAINT_METADATA} must be a JSON object")
+        return Constraint.from_wire(obj)
+    return None
 
 
 def token_ids(runtime: Runtime, repeated: Sequence[int]) -> list[int]:
