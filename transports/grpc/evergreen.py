@@ -36,6 +36,7 @@ from typing import Any, cast
 from google.protobuf import json_format, message, struct_pb2
 
 from sessiontape.core.bodies import action_id_of
+from sessiontape.core.constraint import Constraint
 from sessiontape.core.document.text import TextStream
 from sessiontape.core.engine.interface import MODEL_SAMPLED, SamplingParams
 from sessiontape.core.errors import (
@@ -161,6 +162,8 @@ _PARAM_TYPES: Mapping[str, type | tuple[type, ...]] = {
     "top_k": (int, float),
     "seed": (int, float, str),
     "stop_token_ids": list,
+    # {"json_schema": {...}} | {"json_object": true} | {"regex": "..."} | {"grammar": "..."}
+    "constraint": dict,
 }
 
 
@@ -168,7 +171,8 @@ def sampling_params(configs: Sequence[Any]) -> SamplingParams:
     """GENERATE's config: a ``google.protobuf.Struct`` packed in ``Any`` (later keys win).
 
     Keys: max_tokens, temperature, top_p, top_k, seed (number or decimal
-    string), stop_token_ids. Anything else is InvalidParameters.
+    string), stop_token_ids, constraint (the native wire's constraint object: the
+    output node's text is generated under it). Anything else is InvalidParameters.
     """
     merged: dict[str, Any] = {}
     for a in configs:
@@ -192,6 +196,7 @@ def sampling_params(configs: Sequence[Any]) -> SamplingParams:
         if any(float(merged[k]) != ints[k] for k in ints):
             raise ValueError("not an integer")
         seed = merged.get("seed")
+        constraint = merged.get("constraint")
         return SamplingParams(
             max_tokens=ints.get("max_tokens", SamplingParams.max_tokens),
             temperature=float(merged.get("temperature", SamplingParams.temperature)),
@@ -200,6 +205,7 @@ def sampling_params(configs: Sequence[Any]) -> SamplingParams:
             seed=None if seed is None else int(seed),
             stop_token_ids=tuple(int(t) for t in merged.get("stop_token_ids", ())),
             from_model=frozenset(f for f in MODEL_SAMPLED if f not in merged),
+            constraint=None if constraint is None else Constraint.from_wire(constraint),
         )
     except (TypeError, ValueError) as exc:
         raise InvalidParameters(f"bad GENERATE config: {exc}") from exc
