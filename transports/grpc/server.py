@@ -44,6 +44,10 @@ log = logging.getLogger("sessiontape.grpc")
 #: default is 120 s): a real client sends it at once, a silent one only holds a socket.
 HANDSHAKE_TIMEOUT_MS = 10_000
 
+#: Tries, 0.1 s apart, to listen again after the server died (its socket may take a
+#: moment to close on a loaded machine).
+RESTART_ATTEMPTS = 200
+
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 #: Methods answered without a token: load balancers and orchestrators probe these.
 OPEN_PREFIXES = (f"/{HEALTH_SERVICE}/",)
@@ -231,12 +235,12 @@ class GrpcServer:
             log.error("gRPC server stopped serving (%s); serving again on %s", why, address)
             with contextlib.suppress(Exception):
                 await server.stop(0)
-            for attempt in range(50):
+            for attempt in range(RESTART_ATTEMPTS):
                 try:
                     fresh, _ = self._build(address, creds)
                     await fresh.start()
                 except ConfigError:
-                    if attempt == 49:
+                    if attempt == RESTART_ATTEMPTS - 1:
                         log.error("gRPC server could not listen again on %s", address)
                         raise
                     await asyncio.sleep(0.1)  # the dead server's socket is still closing

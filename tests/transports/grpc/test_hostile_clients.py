@@ -203,7 +203,7 @@ def healthy(target: str) -> bool:
     # a subchannel of its own: the process-wide pool would carry a dead server's backoff
     with grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
         try:
-            health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=3)
+            health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
         except grpc.RpcError:
             return False
     return True
@@ -450,7 +450,8 @@ async def test_a_non_utf8_path_does_not_stop_the_server(server: Server) -> None:
     before = len(server.errors())
     for _ in range(3):
         await raw_call(server.grpc_port, b"/\x80", b"", timeout_s=5)
-        deadline = time.monotonic() + 5
+        # within milliseconds on an idle machine; the bound leaves room for a loaded one
+        deadline = time.monotonic() + 20
         while not healthy(server.target):
             assert time.monotonic() < deadline, "gRPC did not serve again"
             await asyncio.sleep(0.05)
@@ -460,7 +461,7 @@ async def test_a_non_utf8_path_does_not_stop_the_server(server: Server) -> None:
         sid = stub.CreateSession(kpb.CreateSessionRequest(), timeout=5).session_id
         stub.CloseSession(kpb.CloseSessionRequest(session_id=sid), timeout=5)
     assert stored != server.stored()  # that session was stored: the server works
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 20
     while not any("serving again" in e for e in server.errors()[before:]):
         assert time.monotonic() < deadline, server.lines[-20:]
         await asyncio.sleep(0.05)
