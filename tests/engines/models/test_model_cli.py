@@ -226,3 +226,34 @@ def test_the_engine_imports_masked_attention_where_it_batches_and_gqa_where_not(
             assert eng.info.extra["batch_slots"] == (8 if batched else 0), options
         finally:
             asyncio.run(eng.aclose())
+
+
+def test_a_prefill_runs_the_head_on_its_last_rows_with_the_bits_of_all_rows(
+    tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An imported graph computes logits from the row ``logits_from`` names (default 0): a
+    prefill pass asks for its last rows only, and gets the bits the head gives with every
+    row; it never gets fewer than ``min_rows`` rows (a lone row takes another kernel path)."""
+    import numpy as np
+
+    from sessiontape.core.errors import EngineError
+    from sessiontape.engines.onnx.engine import OnnxEngine
+    from sessiontape.engines.onnx.static import StaticRunner
+
+    monkeypatch.setenv("SESSIONTAPE_CACHE", str(tmp_path))
+    eng = OnnxEngine(model=str(tiny_gguf), providers="CPUExecutionProvider", batch_slots=0)
+    try:
+        runner = eng.runner
+        assert isinstance(runner, StaticRunner) and runner.logits_from
+        tokens = [5, 9, 17, 3, 22, 8, 1, 30, 12, 7]
+        full = runner.run(runner.empty(), 0, tokens, ())
+        assert full.logits_from == 0 and full.logits.shape[0] == len(tokens)
+        tail = runner.run(runner.empty(), 0, tokens, (), logits_from=len(tokens) - 1)
+        assert tail.logits_from == len(tokens) - runner.min_rows
+        assert tail.logits.shape[0] == runner.min_rows
+        for row in range(tail.logits_from, len(tokens)):
+            assert np.array_equal(tail.row_logits(row), full.row_logits(row))
+        with pytest.raises(EngineError, match="logits from row"):
+            tail.row_logits(0)
+    finally:
+        asyncio.run(eng.aclose())
