@@ -121,8 +121,11 @@ class GgufSource:
         if "rope_freqs.weight" in self._tensors:  # Llama 3.1's rope scaling, as llama.cpp keeps it
             self.spec = replace(self.spec, rope_freq_factors=self._rope_factors())
         if "rope_factors_short.weight" in self._tensors:  # Phi-3's long-rope scaling
-            short = self._vector("rope_factors_short.weight")
-            self.spec = longrope_from_gguf(self.meta, self.spec, [float(x) for x in short])
+            short, long = (
+                [float(x) for x in self._vector(f"rope_factors_{which}.weight")]
+                for which in ("short", "long")
+            )
+            self.spec = longrope_from_gguf(self.meta, self.spec, short, long)
         self.policy = WeightPolicy(dtype)
         self.spec = replace(self.spec, float_type=float_type(dtype))
         self._embed: Tensor | None = None

@@ -73,15 +73,19 @@ def rope_rows(max_length: int) -> int:
     return -(-(max_length + 1) // SLOT_BLOCK) * SLOT_BLOCK
 
 
-def inv_frequencies(spec: ModelSpec, local: bool = False) -> npt.NDArray[np.float64]:
+def inv_frequencies(
+    spec: ModelSpec, local: bool = False, long: bool = False
+) -> npt.NDArray[np.float64]:
     """The rotary inverse frequencies, with the spec's scaling applied (``local``: the
-    sliding-window layers' own base, unscaled, when the spec has one)."""
+    sliding-window layers' own base, unscaled, when the spec has one; ``long``: with
+    Phi-3's long factors in place of ``rope_freq_factors``)."""
     hd = spec.head_dim
     if local and spec.local_rope_theta is not None:
         return 1.0 / (spec.local_rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
     inv = 1.0 / (spec.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
-    if spec.rope_freq_factors is not None:
-        factors = np.asarray(spec.rope_freq_factors, dtype=np.float64)
+    chosen = spec.rope_long_factors if long else spec.rope_freq_factors
+    if chosen is not None:
+        factors = np.asarray(chosen, dtype=np.float64)
         if factors.shape != inv.shape or not np.all(factors > 0):
             raise ValueError(f"rope frequency factors must be {inv.shape[0]} positive numbers")
         return _scaled(spec, inv) / factors
@@ -108,10 +112,17 @@ def _scaled(spec: ModelSpec, inv: npt.NDArray[np.float64]) -> npt.NDArray[np.flo
 
 def rope_tables(spec: ModelSpec, local: bool = False) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
     """cos and sin [rope_rows, head_dim / 2], in the graph's float type (rounded once, from
-    float64); ``local``: the sliding-window layers' tables (:func:`inv_frequencies`)."""
+    float64); ``local``: the sliding-window layers' tables (:func:`inv_frequencies`). With
+    Phi-3's long factors, the rows from ``rope_long_from`` on are rotated by those: a
+    position's rotation depends on the position alone, so it is the same however a
+    history is split into passes."""
     rows = np.arange(rope_rows(spec.max_length), dtype=np.float64)
     ang = np.outer(rows, inv_frequencies(spec, local))
-    factor = 1.0 if local and spec.local_rope_theta is not None else spec.rope_attention_factor
+    own = local and spec.local_rope_theta is not None
+    if spec.rope_long_factors is not None and not own:
+        long = rows >= spec.rope_long_from
+        ang[long] = np.outer(rows[long], inv_frequencies(spec, local, long=True))
+    factor = 1.0 if own else spec.rope_attention_factor
     cos, sin = np.cos(ang) * factor, np.sin(ang) * factor
     return cos.astype(spec.np_float), sin.astype(spec.np_float)
 

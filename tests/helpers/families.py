@@ -372,9 +372,9 @@ def write_gguf(
 # -- the reference forward pass -------------------------------------------------------------
 
 
-def inv_frequencies(m: Model, local: bool) -> tuple[F64, float]:
-    """A layer's rotary inverse frequencies and the factor on cos and sin, as transformers
-    computes them (``_compute_default/linear/llama3/longrope_parameters``)."""
+def inv_frequencies(m: Model, local: bool, position: int = 0) -> tuple[F64, float]:
+    """A layer's rotary inverse frequencies at ``position`` and the factor on cos and sin, as
+    transformers computes them (``_compute_default/linear/llama3/longrope_parameters``)."""
     hd = m.head_dim
     exponents = np.arange(0, hd, 2, dtype=np.float64) / hd
     if local and m.kind == "gemma3_text":
@@ -399,8 +399,11 @@ def inv_frequencies(m: Model, local: bool) -> tuple[F64, float]:
         assert m.original_context is not None
         scale = m.context / m.original_context
         attention = math.sqrt(1 + math.log(scale) / math.log(m.original_context))
-        # sequences within the original length use the short factors
-        return inv / np.asarray(rs["short_factor"], np.float64), attention
+        # transformers' decode step at ``position`` (seq_len = position + 1) takes the long
+        # factors once seq_len exceeds the original length, the short ones before
+        long = position + 1 > m.original_context
+        ext = rs["long_factor"] if long else rs["short_factor"]
+        return inv / np.asarray(ext, np.float64), attention
     raise ValueError(kind)
 
 
@@ -409,10 +412,13 @@ def _rms(x: F64, w: F32, eps: float, gemma: bool) -> F64:
     return np.asarray(x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * scale)
 
 
-def _rotary(x: F64, inv: F64, factor: float) -> F64:
-    """Rotate-half rotary over [positions, heads, head_dim] at positions 0..n-1."""
+def _rotary(m: Model, x: F64, local: bool) -> F64:
+    """Rotate-half rotary over [positions, heads, head_dim] at positions 0..n-1, each at its
+    own frequencies (:func:`inv_frequencies`)."""
     n, half = x.shape[0], x.shape[-1] // 2
-    ang = np.outer(np.arange(n, dtype=np.float64), inv)
+    rows = [inv_frequencies(m, local, p) for p in range(n)]
+    ang = np.stack([p * inv for p, (inv, _) in enumerate(rows)])
+    factor = rows[0][1]
     emb = np.concatenate([ang, ang], axis=-1)[:, None, :]
     rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return np.asarray((x * np.cos(emb) + rotated * np.sin(emb)) * factor)
@@ -455,8 +461,7 @@ def forward(m: Model, w: Mapping[str, F32], ids: list[int], *, window: bool = Tr
             q = _rms(q, w[p + "self_attn.q_norm.weight"], eps, gemma)
             k = _rms(k, w[p + "self_attn.k_norm.weight"], eps, gemma)
         local = i in local_layers
-        inv, factor = inv_frequencies(m, local)
-        q, k = _rotary(q, inv, factor), _rotary(k, inv, factor)
+        q, k = _rotary(m, q, local), _rotary(m, k, local)
         k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
         scores = np.einsum("qhd,khd->hqk", q, k) * scale
         if m.attn_softcap:
