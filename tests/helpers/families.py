@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ import numpy.typing as npt
 from safetensors.numpy import save_file
 
 from tests.helpers import checkpoints as ck
+from tests.helpers.mixed_gguf import gguf_dequantized, scaled_blocks
 
 F32 = npt.NDArray[np.float32]
 F64 = npt.NDArray[np.float64]
@@ -269,6 +270,28 @@ def quantized(weights: Weights, qtype: gguf.GGMLQuantizationType) -> Weights:
     }
 
 
+def mixed_blocks(
+    m: Model,
+    weights: Weights,
+    types: Callable[[str], gguf.GGMLQuantizationType | None],
+) -> tuple[dict[str, tuple[gguf.GGMLQuantizationType, Any]], Weights]:
+    """Random blocks for the matrices ``types`` gives a block type (of about the spread of
+    ``weights``' own), as a ``_K_M`` file mixes them per tensor; and the weights the file
+    then holds (the blocks dequantized by the ``gguf`` package, the rest as they are)."""
+    rng = np.random.default_rng(m.seed + 1000)
+    blocks: dict[str, tuple[gguf.GGMLQuantizationType, Any]] = {}
+    held = dict(weights)
+    for name in sorted(weights):
+        arr = weights[name]
+        qtype = types(name) if arr.ndim == 2 else None
+        if qtype is None:
+            continue
+        raw = scaled_blocks(qtype, arr.shape[0], arr.shape[1], rng, float(arr.std()))
+        blocks[name] = (qtype, raw)
+        held[name] = gguf_dequantized(raw, qtype).reshape(arr.shape)
+    return blocks, held
+
+
 def gguf_meta(m: Model, arch: str | None = None) -> dict[str, int | float | str]:
     """The ``{arch}.`` keys llama.cpp's converter writes for this model (under their full
     names), typed as it types them when written: int as uint32, float as float32."""
@@ -314,10 +337,12 @@ def write_gguf(
     weights: Weights,
     gguf_arch: str | None = None,
     qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+    blocks: Mapping[str, tuple[gguf.GGMLQuantizationType, Any]] | None = None,
 ) -> Path:
     """A GGUF file as llama.cpp's converter writes this model, matrices in ``qtype`` (F32, or
     blocks: :func:`quantized` gives the values they hold); ``gguf_arch``: another
-    ``general.architecture`` to write it under."""
+    ``general.architecture`` to write it under; ``blocks``: raw blocks (type, bytes) written
+    as they are for the matrices they name (:func:`mixed_blocks`)."""
     arch = gguf_arch or GGUF_ARCH[m.kind]
     w = gguf.GGUFWriter(str(path), arch=arch)
     w.add_name(f"tiny-{m.kind}")
@@ -356,7 +381,10 @@ def write_gguf(
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             arr = ck.llama_permute(arr, m.heads if "q_proj" in hf_name else m.kv_heads)
         arr = np.ascontiguousarray(arr, np.float32)
-        if arr.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+        if blocks and hf_name in blocks:
+            own, raw = blocks[hf_name]
+            w.add_tensor(gguf_tensor_name(m, hf_name), raw, raw_dtype=own)
+        elif arr.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
             w.add_tensor(
                 gguf_tensor_name(m, hf_name), gguf.quants.quantize(arr, qtype), raw_dtype=qtype
             )

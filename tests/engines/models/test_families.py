@@ -161,6 +161,55 @@ def test_gguf_blocks(name: str, qtype: QT, tmp_path: Path) -> None:
     assert_logits(ck.run_imported(kept, IDS, model="float_activations.onnx"), ref)
 
 
+#: Gemma 3 270M's shapes in small (every input a multiple of 256, K-quants' super-block)
+GEMMA3_K = replace(
+    GEMMA3, seed=29, hidden=256, heads=4, head_dim=64, intermediate=512, sliding_window=8
+)
+
+
+def gemma3_k_type(name: str) -> QT | None:
+    """The block types of Gemma 3 270M's Q4_K_M file, per matrix (with Llama's Q4_K q and k
+    beside a Q6_K v on one layer, so that a fused q|k|v mixes formats)."""
+    layer = int(name.split(".")[2]) if ".layers." in name else -1
+    if name == "model.embed_tokens.weight":
+        return QT.Q8_0
+    if name.endswith(("q_proj.weight", "k_proj.weight")):
+        return QT.Q4_K if layer == 1 else QT.Q5_0
+    if name.endswith("v_proj.weight"):
+        return QT.Q6_K if layer == 1 else QT.Q8_0 if layer % 2 else QT.Q5_0
+    if name.endswith("o_proj.weight"):
+        return QT.Q4_K
+    if name.endswith("down_proj.weight"):
+        return QT.Q6_K if layer in (0, 5) else QT.Q4_K
+    return QT.Q5_0  # gate, up
+
+
+def test_gemma3_k_quant_mix(tmp_path: Path) -> None:
+    """A Gemma 3 GGUF mixing blocks per tensor as the real ``Q4_K_M`` file does (Q5_0, Q8_0,
+    Q4_K, Q6_K; a Q8_0 tied embedding), past its sliding window: the float32 import and the
+    kept blocks (float activations) compute the logits of the values the file holds, in one
+    pass and in chunks."""
+    m = GEMMA3_K
+    blocks, held = fm.mixed_blocks(m, weights(m), gemma3_k_type)
+    src = fm.write_gguf(tmp_path / "m.gguf", m, weights(m), blocks=blocks)
+    ref = fm.forward(m, held, IDS)
+    f32 = imported(src, tmp_path / "f32", "masked")
+    assert_logits(ck.run_imported(f32, IDS), ref)
+    kept = imported(src, tmp_path / "auto", "gqa", "auto")
+    model = onnx.load(str(kept / "model.onnx"), load_external_data=False)
+    ops = [n.op_type for n in model.graph.node]
+    # qkv, o, gate|up, down per layer and the head; layer 1's 4-bit q|k and 8-bit v apart
+    assert ops.count("MatMulNBits") == 4 * m.layers + 2 and "GatherBlockQuantized" in ops
+    for node in model.graph.node:
+        for attr in node.attribute:
+            if attr.name == "accuracy_level":
+                attr.i = 1
+    onnx.save(model, str(kept / "float_activations.onnx"))
+    for chunks in (None, CHUNKS):
+        got = ck.run_imported(kept, IDS, model="float_activations.onnx", chunks=chunks)
+        assert_logits(got, ref)
+
+
 def test_spec_facts(tmp_path: Path) -> None:
     """What config.json records of each family (the features the graph was built with)."""
 
