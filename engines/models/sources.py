@@ -71,9 +71,9 @@ class WeightPolicy:
 
     def embedding(self, raw: Any, ggml_type: int | None, rows_float: Callable[[], F32]) -> Tensor:
         """The token embedding [vocab, hidden]: a GGUF block format as 8-bit blocks, exactly
-        (its offsets, where it has them, beside them: the builder gathers 8-bit blocks
-        without offsets as they are, and dequantizes the others for its table, while a tied
-        head keeps them); otherwise 8-bit blocks if asked, else float32."""
+        (its offsets, where it has them, beside them: the builder gathers the rows from the
+        blocks, in 4 bits where the codes fit, and adds the offsets; a tied head keeps the
+        blocks); otherwise 8-bit blocks if asked, else float32."""
         if self.dtype in FLOAT_DTYPES:
             return rows_float()
         if ggml_type in quant.FORMATS:
