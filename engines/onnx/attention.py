@@ -17,6 +17,14 @@ from sessiontape.engines.model_spec import SLOT_BLOCK, ModelSpec, is_local
 from sessiontape.engines.onnx.graph import MS, Graph
 from sessiontape.engines.weights import QuantMatrix, Tensor, Weights, scale_out
 
+#: the masked graph's optional input: how many of the buffer's first slots the pass attends
+#: over (a multiple of SLOT_BLOCK above the pass's last position; its default, 2 ** 62, is
+#: the whole buffer). A prompt in a fresh 256-slot buffer then scores 64 slots, not 256;
+#: the slots past it are masked for every query of the pass anyway, so its rows' bits are
+#: those of a pass over the whole buffer (softmax sums and the blocked sum over values only
+#: drop exact zeros)
+KV_SLOTS = "kv_slots"
+
 
 def rope_names(spec: ModelSpec, i: int) -> tuple[str, str]:
     """Layer ``i``'s cos and sin tables."""
@@ -28,6 +36,7 @@ def rope_names(spec: ModelSpec, i: int) -> tuple[str, str]:
 def slot_mask(g: Graph, group: int, window: int = 0) -> tuple[str, str]:
     """[b, 1, group * s, t]: key slot j visible to the query at position q iff j <= q; and
     with ``window`` the local layers' mask, iff q - window < j <= q (else the first again).
+    ``t`` is the buffer's length, or :data:`KV_SLOTS` where that is less.
 
     Slot j of the buffer holds position j. attention_mask is accepted for the
     convention but not read (a one-sequence pass has no left padding, and
@@ -41,6 +50,7 @@ def slot_mask(g: Graph, group: int, window: int = 0) -> tuple[str, str]:
 
     first = g.op("Gather", ["past_key_values.0.key", "c_zero_s"], axis=0)
     col = g.op("Gather", [g.op("Gather", [first, "c_zero_s"], axis=0), "c_zero_s"], axis=1)
+    col = g.op("Slice", [col, "c_zero", KV_SLOTS, "c_axis0"])
     ones = g.op(
         "Add", [g.op("Mul", [g.op("Cast", [col], to=TensorProto.INT64), "c_zero"]), "c_one"]
     )
@@ -215,6 +225,9 @@ def _masked(g: Graph, spec: ModelSpec, i: int, qkv: str | tuple[str, str, str], 
         axis=2,
         name=f"present.{i}.value",
     )
+    # attended over the first KV_SLOTS slots (the rest are masked for every query)
+    pk = g.op("Slice", [pk, "c_zero", KV_SLOTS, "c_axis2"])
+    pv = g.op("Slice", [pv, "c_zero", KV_SLOTS, "c_axis2"])
     qg = g.op("Reshape", [heads(q, "c_shape_q"), "c_gq"])
     scores = g.op("MatMul", [qg, g.op("Transpose", [pk], perm=[0, 1, 3, 2])])
     if spec.attn_softcap:

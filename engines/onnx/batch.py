@@ -49,10 +49,12 @@ import numpy as np
 
 from sessiontape.core.engine.interface import OutputOptions, SamplingParams, Step
 from sessiontape.core.errors import EngineBusy, EngineError
+from sessiontape.engines.onnx.decoder import KV_SLOTS
 from sessiontape.engines.onnx.kvcache import KV
 from sessiontape.engines.onnx.model import GraphSpec
 from sessiontape.engines.onnx.run import Guess, Run
 from sessiontape.engines.onnx.runner import PassResult, quiet_ort, run_host_bound
+from sessiontape.engines.onnx.static import attended_slots
 
 log = logging.getLogger("sessiontape.engines.onnx")
 
@@ -149,6 +151,11 @@ class BatchScheduler:
             f"past_key_values.{i}.{k}" for i in range(spec.layers) for k in ("key", "value")
         ]
         self.present = [n.replace("past_key_values", "present") for n in self.names]
+        #: the graph takes ``kv_slots``: a pass attends over the slots up to its sessions'
+        #: last position, not the whole pool
+        self.kv_slots = KV_SLOTS in {
+            i.name for i in getattr(sess, "get_overridable_initializers", list)()
+        }
         self.dtype = np.dtype(spec.kv_dtype)
         self.capacity = 0
         self.pool: list[np.ndarray] = []
@@ -415,8 +422,11 @@ class BatchScheduler:
                 ids[m.slot, 1] = m.row_guess
             pos[m.slot, 1] = min(m.row_pos + 1, cap - 1)
         hidden = self.readout_layers if any(m.row_want for m in ready) else ()
+        # padding rows (at cap - 1) write past every session's positions; the real rows
+        # attend over the slots up to the longest of them
+        slots = attended_slots(max(m.row_pos for m in ready) + rows, cap)
         try:
-            logits, states = self._pass(k, ids, pos, hidden)
+            logits, states = self._pass(k, ids, pos, hidden, slots)
         except BaseException as exc:
             err = EngineError(f"onnxruntime run failed: {exc}")
             for m in ready:
@@ -500,7 +510,7 @@ class BatchScheduler:
         m.post(items)
 
     def _pass(
-        self, k: int, ids: Any, pos: Any, hidden_layers: Sequence[int]
+        self, k: int, ids: Any, pos: Any, hidden_layers: Sequence[int], slots: int = 2**62
     ) -> tuple[Any, dict[int, Any]]:
         """One decode pass over slots ``[0, k)``: the logits ``[k, rows, vocab]`` (valid
         until the next pass) and the asked hidden states.
@@ -512,14 +522,15 @@ class BatchScheduler:
         (about a third of a small model's decode step in Python, on the CPU).
         """
         if hidden_layers:
-            return self._pass_fresh(k, ids, pos, hidden_layers)
+            return self._pass_fresh(k, ids, pos, hidden_layers, slots)
         bound = self._bound.get((k, ids.shape[1]))
         if bound is None:
-            logits, states = self._pass_fresh(k, ids, pos, ())
+            logits, states = self._pass_fresh(k, ids, pos, (), slots)
             self._bound[(k, ids.shape[1])] = self._bind(k, ids.shape[1], logits)
             return logits, states
         bound.ids[...] = ids
         bound.pos[...] = pos
+        bound.slots[...] = slots
         self.sess.run_with_iobinding(bound.binding)
         return bound.logits, {}
 
@@ -531,12 +542,16 @@ class BatchScheduler:
         ids = np.empty((k, rows), np.int64)
         pos = np.empty((k, rows), np.int64)
         mask = np.ones((k, self.capacity), np.int64)
+        slots = np.full(1, 2**62, np.int64)
         logits = np.empty_like(like)
-        for name, arr in (("input_ids", ids), ("position_ids", pos), ("attention_mask", mask)):
+        feeds = [("input_ids", ids), ("position_ids", pos), ("attention_mask", mask)]
+        if self.kv_slots:
+            feeds.append((KV_SLOTS, slots))
+        for name, arr in feeds:
             b.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(arr))
         self._bind_pool(b, k)
         b.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
-        return _Bound(b, ids, pos, logits, mask)
+        return _Bound(b, ids, pos, logits, mask, slots)
 
     def _bind_pool(self, b: Any, k: int) -> None:
         """Bind each layer's past and present to the pool's first ``k`` slots, in place."""
@@ -547,14 +562,21 @@ class BatchScheduler:
             b.bind_ortvalue_output(present, v)
 
     def _pass_fresh(
-        self, k: int, ids: Any, pos: Any, hidden_layers: Sequence[int]
+        self, k: int, ids: Any, pos: Any, hidden_layers: Sequence[int], slots: int = 2**62
     ) -> tuple[Any, dict[int, Any]]:
+        slots_in = np.array([slots], np.int64)
+
+        def bind(b: Any) -> None:
+            self._bind_pool(b, k)
+            if self.kv_slots:
+                b.bind_ortvalue_input(KV_SLOTS, quiet_ort().OrtValue.ortvalue_from_numpy(slots_in))
+
         return run_host_bound(
             self.sess,
             ids,
             pos,
             np.ones((k, self.capacity), np.int64),
-            lambda b: self._bind_pool(b, k),
+            bind,
             len(self.present),
             hidden_layers,
         )
@@ -570,6 +592,8 @@ class _Bound:
     logits: np.ndarray
     #: bound as the attention mask (kept alive with the binding)
     mask: np.ndarray
+    #: bound as ``kv_slots`` where the graph takes it
+    slots: np.ndarray
 
 
 def _stats(m: Member) -> Stats:

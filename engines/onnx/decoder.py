@@ -61,7 +61,14 @@ import numpy as np
 import numpy.typing as npt
 
 from sessiontape.engines.model_spec import SLOT_BLOCK, ModelSpec, check_features
-from sessiontape.engines.onnx.attention import attention, rms, slot_mask, softcap, vector
+from sessiontape.engines.onnx.attention import (
+    KV_SLOTS,
+    attention,
+    rms,
+    slot_mask,
+    softcap,
+    vector,
+)
 from sessiontape.engines.onnx.graph import MS, Graph
 from sessiontape.engines.weights import QuantMatrix, Tensor, Weights
 
@@ -70,6 +77,7 @@ from sessiontape.engines.weights import QuantMatrix, Tensor, Weights
 LOGITS_FROM = "logits_from"
 
 __all__ = [
+    "KV_SLOTS",
     "LOGITS_FROM",
     "build_static",
     "gather_blocks",
@@ -403,6 +411,9 @@ def build_static(spec: ModelSpec, weights: Weights, graph: Graph | None = None) 
     inputs, outs = graph_io(spec)
     g.i64(LOGITS_FROM, 0)
     inputs.append(helper.make_tensor_value_info(LOGITS_FROM, TensorProto.INT64, [1]))
+    if spec.attention == "masked":
+        g.i64(KV_SLOTS, 2**62)
+        inputs.append(helper.make_tensor_value_info(KV_SLOTS, TensorProto.INT64, [1]))
     outs[0] = helper.make_tensor_value_info(
         "logits", TensorProto.FLOAT, ["batch", "logit_rows", spec.vocab]
     )

@@ -44,7 +44,8 @@ from typing import Any
 import numpy as np
 
 from sessiontape.core.errors import EngineError
-from sessiontape.engines.onnx.decoder import LOGITS_FROM
+from sessiontape.engines.model_spec import SLOT_BLOCK
+from sessiontape.engines.onnx.decoder import KV_SLOTS, LOGITS_FROM
 from sessiontape.engines.onnx.kvcache import KV
 from sessiontape.engines.onnx.model import GraphSpec
 from sessiontape.engines.onnx.runner import CUDA, PassResult, quiet_ort, run_host_bound
@@ -89,9 +90,12 @@ class StaticRunner:
         self.hidden_names = [f"hidden_states.{i}" for i in spec.hidden_layers]
         #: the graph takes ``logits_from`` (an imported model's does): a growing pass may
         #: ask for the logits of its last rows only
-        self.logits_from = any(
-            i.name == LOGITS_FROM for i in getattr(sess, "get_overridable_initializers", list)()
-        )
+        overridable = {i.name for i in getattr(sess, "get_overridable_initializers", list)()}
+        self.logits_from = LOGITS_FROM in overridable
+        #: the graph takes ``kv_slots`` (an imported masked graph does): a growing pass
+        #: attends over the slots up to its last position (:func:`attended_slots`), not the
+        #: whole buffer
+        self.kv_slots = KV_SLOTS in overridable
         self.dtype = np.dtype(spec.kv_dtype)
         self._free: list[tuple[Any, ...]] = []
         self._sets: list[tuple[Any, ...]] = []
@@ -263,7 +267,8 @@ class StaticRunner:
                 if self.fixed:
                     logits, hidden = self._run_fixed(kv, ids, pos, hidden_layers)
                 else:
-                    logits, hidden = self._run_grown(kv, ids, pos, hidden_layers, first)
+                    slots = attended_slots(keep + rows, cap)
+                    logits, hidden = self._run_grown(kv, ids, pos, hidden_layers, first, slots)
         except EngineError:
             raise
         except Exception as exc:
@@ -278,24 +283,35 @@ class StaticRunner:
             logits_from=first,
         )
 
-    def _bind_kv(self, b: Any, kv: KV) -> None:
+    def _bind_kv(self, b: Any, kv: KV, slots: Any = None) -> None:
+        """Bind ``kv`` as past and present, and ``slots`` (an int64 array [1], alive until
+        the pass has run) as ``kv_slots`` where given and the graph takes it."""
         for past, present, t in zip(self.names, self.present, kv.tensors, strict=True):
             b.bind_ortvalue_input(past, t)
             b.bind_ortvalue_output(present, t)
+        if slots is not None and self.kv_slots:
+            b.bind_ortvalue_input(KV_SLOTS, quiet_ort().OrtValue.ortvalue_from_numpy(slots))
 
     def _run_grown(
-        self, kv: KV, ids: Any, pos: Any, hidden_layers: Sequence[int], first: int = 0
+        self,
+        kv: KV,
+        ids: Any,
+        pos: Any,
+        hidden_layers: Sequence[int],
+        first: int = 0,
+        slots: int = 2**62,
     ) -> tuple[Any, dict[int, Any]]:
         """One pass over a growing buffer set, through a binding kept for the last buffer set
         and pass shape (a session decoding binds its layers once, not every pass, and reads
         its logits from a bound array instead of fetching every output)."""
         if self.spec.vocab_size is None:  # symbolic logits: ONNX Runtime allocates them
+            slots_in = np.array([slots], np.int64)
             logits, hidden = run_host_bound(
                 self.sess,
                 ids,
                 pos,
                 np.ones((1, kv.length), np.int64),
-                lambda b: self._bind_kv(b, kv),
+                lambda b: self._bind_kv(b, kv, slots_in),
                 len(self.present),
                 hidden_layers,
             )
@@ -306,6 +322,7 @@ class StaticRunner:
             bound = self._grown_binding = self._bind_grown(kv, ids.shape[1], hidden_layers, key)
         bound.ids[...] = ids
         bound.pos[...] = pos
+        bound.slots[...] = slots
         self.sess.run_with_iobinding(bound.binding)
         # copies: the caller keeps rows of a pass (the last logits, a guess) across passes
         return bound.logits[0].copy(), {i: h[0].copy() for i, h in bound.hidden.items()}
@@ -323,9 +340,12 @@ class StaticRunner:
         pos = np.zeros((1, rows), np.int64)
         mask = np.ones((1, kv.length), np.int64)
         first = key[3]
+        slots = np.array([2**62], np.int64)
         feeds = [("input_ids", ids), ("position_ids", pos), ("attention_mask", mask)]
         if self.logits_from:
             feeds.append((LOGITS_FROM, np.array([first], np.int64)))
+        if self.kv_slots:
+            feeds.append((KV_SLOTS, slots))
         for name, arr in feeds:
             b.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(arr))
         self._bind_kv(b, kv)
@@ -339,7 +359,7 @@ class StaticRunner:
             b.bind_ortvalue_output(
                 f"hidden_states.{i}", ort.OrtValue.ortvalue_from_numpy(hidden[i])
             )
-        return _GrownBinding(key, kv.tensors, b, ids, pos, mask, logits, hidden)
+        return _GrownBinding(key, kv.tensors, b, ids, pos, mask, slots, logits, hidden)
 
     def _run_fixed(
         self, kv: KV, ids: Any, pos: Any, hidden_layers: Sequence[int]
@@ -409,6 +429,12 @@ def _copy_model(count: int, dtype: Any) -> bytes:
     return bytes(model.SerializeToString())
 
 
+def attended_slots(end: int, capacity: int) -> int:
+    """The slots a pass whose positions end before ``end`` attends over in a buffer of
+    ``capacity``: ``end`` rounded up to a multiple of SLOT_BLOCK, at most the buffer."""
+    return min(capacity, -(-end // SLOT_BLOCK) * SLOT_BLOCK)
+
+
 @dataclass(eq=False)
 class _GrownBinding:
     """A growing pass's I/O binding: its buffer set, host inputs and bound outputs."""
@@ -419,5 +445,7 @@ class _GrownBinding:
     ids: Any
     pos: Any
     mask: Any
+    #: bound as ``kv_slots`` where the graph takes it
+    slots: Any
     logits: Any
     hidden: dict[int, Any]
