@@ -196,8 +196,8 @@ def _gqa(g: Graph, spec: ModelSpec, i: int, qkv: str | tuple[str, str, str]) -> 
 
 
 def _masked(g: Graph, spec: ModelSpec, i: int, qkv: str | tuple[str, str, str], mask: str) -> str:
-    """Layer ``i``'s attention as separate operators: rotary, a scatter into the buffer at
-    ``position_ids``, scores masked by position (``mask``: causal, or the window's),
+    """Layer ``i``'s attention as separate operators: rotary, a scatter (ScatterND) into the
+    buffer at ``position_ids``, scores masked by position (``mask``: causal, or the window's),
     soft-capped when the spec says so, softmax, and the weighted sum of values."""
     nh, nkv = spec.heads, spec.kv_heads
     if isinstance(qkv, str):
@@ -214,15 +214,13 @@ def _masked(g: Graph, spec: ModelSpec, i: int, qkv: str | tuple[str, str, str], 
     scatter_at = "c_scatter_at"
     # written at their positions into the buffer (in place when present is bound to past)
     pk = g.op(
-        "ScatterElements",
+        "ScatterND",
         [f"past_key_values.{i}.key", scatter_at, heads(k, "c_shape_kv")],
-        axis=2,
         name=f"present.{i}.key",
     )
     pv = g.op(
-        "ScatterElements",
+        "ScatterND",
         [f"past_key_values.{i}.value", scatter_at, heads(v, "c_shape_kv")],
-        axis=2,
         name=f"present.{i}.value",
     )
     # attended over the first KV_SLOTS slots (the rest are masked for every query)

@@ -349,6 +349,24 @@ def _head(g: Graph, spec: ModelSpec, xn: str, weights: Weights) -> None:
         g.linear(xn, "lm_head", weights("lm_head"), spec.accuracy_level, logits, spec.np_float)
 
 
+def _scatter_indices(g: Graph, spec: ModelSpec) -> None:
+    """``c_scatter_at`` [b, kv_heads, s, 3]: where ScatterND writes each row's key or value
+    (batch element, head, position). One row of head_dim values per index, in place when
+    present is bound to past: a tenth of ScatterElements' time, which indexes every value.
+    Built from ``position_ids`` by elementwise ops (no shape arithmetic)."""
+    pos = g.op(
+        "Expand",
+        [
+            g.op("Reshape", ["position_ids", g.i64("c_pos4", 0, 1, -1, 1)]),
+            g.i64("c_kv_expand", 1, spec.kv_heads, 1, 1),
+        ],
+    )
+    zeros = g.op("Mul", [pos, "c_zero"])
+    heads = g.op("Add", [zeros, g.const("c_heads", np.arange(spec.kv_heads).reshape(1, -1, 1, 1))])
+    batch = g.op("Sub", [g.op("CumSum", [g.op("Add", [zeros, "c_one"]), "c_zero_s"]), "c_one"])
+    g.op("Concat", [batch, heads, pos], axis=-1, name="c_scatter_at")
+
+
 def build_static(spec: ModelSpec, weights: Weights, graph: Graph | None = None) -> Any:
     """The static-layout ModelProto for ``spec``, asking ``weights`` for each tensor in turn.
 
@@ -368,14 +386,7 @@ def build_static(spec: ModelSpec, weights: Weights, graph: Graph | None = None) 
     if spec.attention == "masked":
         window = spec.sliding_window if spec.local_layers else 0
         masks = slot_mask(g, spec.heads // spec.kv_heads, window)
-        g.op(
-            "Expand",
-            [
-                g.op("Reshape", ["position_ids", g.i64("c_pos4", 0, 1, -1, 1)]),
-                g.i64("c_kv_expand", 1, spec.kv_heads, 1, spec.head_dim),
-            ],
-            name="c_scatter_at",
-        )
+        _scatter_indices(g, spec)
     if spec.attention == "gqa":
         last = g.op("ReduceMax", ["position_ids", "c_axis1"], keepdims=0)
         g.op("Cast", [last], to=TensorProto.INT32, name="c_seqlens_k")
