@@ -215,12 +215,12 @@ def _masked(g: Graph, spec: ModelSpec, i: int, qkv: str | tuple[str, str, str], 
     # written at their positions into the buffer (in place when present is bound to past)
     pk = g.op(
         "ScatterND",
-        [f"past_key_values.{i}.key", scatter_at, heads(k, "c_shape_kv")],
+        [f"past_key_values.{i}.key", scatter_at, g.op("Reshape", [k, "c_shape_kv"])],
         name=f"present.{i}.key",
     )
     pv = g.op(
         "ScatterND",
-        [f"past_key_values.{i}.value", scatter_at, heads(v, "c_shape_kv")],
+        [f"past_key_values.{i}.value", scatter_at, g.op("Reshape", [v, "c_shape_kv"])],
         name=f"present.{i}.value",
     )
     # attended over the first KV_SLOTS slots (the rest are masked for every query)

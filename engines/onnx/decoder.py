@@ -350,19 +350,21 @@ def _head(g: Graph, spec: ModelSpec, xn: str, weights: Weights) -> None:
 
 
 def _scatter_indices(g: Graph, spec: ModelSpec) -> None:
-    """``c_scatter_at`` [b, kv_heads, s, 3]: where ScatterND writes each row's key or value
-    (batch element, head, position). One row of head_dim values per index, in place when
-    present is bound to past: a tenth of ScatterElements' time, which indexes every value.
-    Built from ``position_ids`` by elementwise ops (no shape arithmetic)."""
+    """``c_scatter_at`` [b, s, kv_heads, 3]: where ScatterND writes each row's key or value
+    heads (batch element, head, position), straight from the projection's [b, s, kv_heads,
+    head_dim] layout. One row of head_dim values per index, in place when present is bound
+    to past: a tenth of ScatterElements' time, which indexes every value (and wanted the
+    heads transposed first). Built from ``position_ids`` by elementwise ops (no shape
+    arithmetic)."""
     pos = g.op(
         "Expand",
         [
-            g.op("Reshape", ["position_ids", g.i64("c_pos4", 0, 1, -1, 1)]),
-            g.i64("c_kv_expand", 1, spec.kv_heads, 1, 1),
+            g.op("Reshape", ["position_ids", g.i64("c_pos4", 0, -1, 1, 1)]),
+            g.i64("c_kv_expand", 1, 1, spec.kv_heads, 1),
         ],
     )
     zeros = g.op("Mul", [pos, "c_zero"])
-    heads = g.op("Add", [zeros, g.const("c_heads", np.arange(spec.kv_heads).reshape(1, -1, 1, 1))])
+    heads = g.op("Add", [zeros, g.const("c_heads", np.arange(spec.kv_heads).reshape(1, 1, -1, 1))])
     batch = g.op("Sub", [g.op("CumSum", [g.op("Add", [zeros, "c_one"]), "c_zero_s"]), "c_one"])
     g.op("Concat", [batch, heads, pos], axis=-1, name="c_scatter_at")
 
