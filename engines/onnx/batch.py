@@ -151,11 +151,8 @@ class BatchScheduler:
             f"past_key_values.{i}.{k}" for i in range(spec.layers) for k in ("key", "value")
         ]
         self.present = [n.replace("past_key_values", "present") for n in self.names]
-        #: the graph takes ``kv_slots``: a pass attends over the slots up to its sessions'
-        #: last position, not the whole pool
-        self.kv_slots = KV_SLOTS in {
-            i.name for i in getattr(sess, "get_overridable_initializers", list)()
-        }
+        #: the graph takes ``kv_slots`` (a pass attends over the slots its sessions fill)
+        self.kv_slots = KV_SLOTS in {i.name for i in sess.get_overridable_initializers()}
         self.dtype = np.dtype(spec.kv_dtype)
         self.capacity = 0
         self.pool: list[np.ndarray] = []
@@ -422,8 +419,7 @@ class BatchScheduler:
                 ids[m.slot, 1] = m.row_guess
             pos[m.slot, 1] = min(m.row_pos + 1, cap - 1)
         hidden = self.readout_layers if any(m.row_want for m in ready) else ()
-        # padding rows (at cap - 1) write past every session's positions; the real rows
-        # attend over the slots up to the longest of them
+        # the real rows attend over the slots up to the longest session (padding: at cap - 1)
         slots = attended_slots(max(m.row_pos for m in ready) + rows, cap)
         try:
             logits, states = self._pass(k, ids, pos, hidden, slots)
@@ -544,39 +540,33 @@ class BatchScheduler:
         mask = np.ones((k, self.capacity), np.int64)
         slots = np.full(1, 2**62, np.int64)
         logits = np.empty_like(like)
-        feeds = [("input_ids", ids), ("position_ids", pos), ("attention_mask", mask)]
-        if self.kv_slots:
-            feeds.append((KV_SLOTS, slots))
-        for name, arr in feeds:
+        for name, arr in (("input_ids", ids), ("position_ids", pos), ("attention_mask", mask)):
             b.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(arr))
-        self._bind_pool(b, k)
+        self._bind_pool(b, k, slots)
         b.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
         return _Bound(b, ids, pos, logits, mask, slots)
 
-    def _bind_pool(self, b: Any, k: int) -> None:
-        """Bind each layer's past and present to the pool's first ``k`` slots, in place."""
+    def _bind_pool(self, b: Any, k: int, slots: Any = None) -> None:
+        """Bind each layer's past and present to the pool's first ``k`` slots, in place, and
+        ``slots`` (an int64 array [1], alive until the pass has run) as ``kv_slots``."""
         ort = quiet_ort()
         for past, present, t in zip(self.names, self.present, self.pool, strict=True):
             v = ort.OrtValue.ortvalue_from_numpy(t[:k])  # a view: written in place
             b.bind_ortvalue_input(past, v)
             b.bind_ortvalue_output(present, v)
+        if slots is not None and self.kv_slots:
+            b.bind_ortvalue_input(KV_SLOTS, ort.OrtValue.ortvalue_from_numpy(slots))
 
     def _pass_fresh(
         self, k: int, ids: Any, pos: Any, hidden_layers: Sequence[int], slots: int = 2**62
     ) -> tuple[Any, dict[int, Any]]:
         slots_in = np.array([slots], np.int64)
-
-        def bind(b: Any) -> None:
-            self._bind_pool(b, k)
-            if self.kv_slots:
-                b.bind_ortvalue_input(KV_SLOTS, quiet_ort().OrtValue.ortvalue_from_numpy(slots_in))
-
         return run_host_bound(
             self.sess,
             ids,
             pos,
             np.ones((k, self.capacity), np.int64),
-            bind,
+            lambda b: self._bind_pool(b, k, slots_in),
             len(self.present),
             hidden_layers,
         )
