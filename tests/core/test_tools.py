@@ -1,4 +1,4 @@
-"""transports/http/openai/tools.py on its own: how calls are written, read back and constrained, and
+"""core/tools.py on its own: how calls are written, read back and constrained, and
 how a request's tools reach a template with and without tool support."""
 
 from __future__ import annotations
@@ -9,16 +9,16 @@ import pytest
 
 from sessiontape.core.engine.interface import ChatFormat
 from sessiontape.core.errors import InvalidParameters
-from sessiontape.engines.constrained import byte_tokenizer
-from sessiontape.transports.http.openai.chat_template import ModelTemplate
-from sessiontape.transports.http.openai.tools import (
+from sessiontape.core.tools import (
     CallFormat,
     call_id,
     prompt_messages,
-    supplied_events,
     tool,
     use_of,
 )
+from sessiontape.engines.constrained import byte_tokenizer
+from sessiontape.transports.http.openai.chat_template import ModelTemplate
+from sessiontape.transports.http.openai.tools import supplied_events
 
 ARGS = {
     "type": "object",
