@@ -1,0 +1,283 @@
+"""Tool calls on the Evergreen wire (transports/grpc/evergreen_calls.py), against a real
+grpc.aio server over loopback on the reference engine: GENERATE takes tools in its config,
+a call the model makes comes back as an action with an arguments node, the client answers
+with the result node, the next GENERATE reads both; every step is in the log and the
+session document. Bad tool specs are INVALID_ARGUMENT and record nothing of their own."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import grpc
+import jsonschema
+import pytest
+from google.protobuf import json_format, struct_pb2
+
+from sessiontape.core.document.fold import build_document
+from sessiontape.core.events import Event, T
+from sessiontape.core.runtime import Runtime
+from sessiontape.core.tools import FALLBACK_PROMPT
+from sessiontape.transports.grpc.client import (
+    EvergreenClient,
+    EvergreenSession,
+    action,
+    fragment,
+    sampling_config,
+    text_fragments,
+)
+from sessiontape.transports.grpc.gen.evergreen.v2 import evergreen_pb2
+from tests.helpers.evergreen import exchange, msg
+from tests.transports.grpc.conftest import Served
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+TOOLS: list[dict[str, Any]] = [
+    {"name": "get_weather", "description": "The weather in a city", "parameters": WEATHER},
+    {"name": "get_time", "description": "The time in a zone", "parameters": TIME},
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+
+
+def generate(prompt: str, out: str, **config: Any) -> evergreen_pb2.Action:
+    config.setdefault("max_tokens", 120)
+    config.setdefault("seed", 5)
+    return action(
+        "GENERATE",
+        inputs={"prompt": prompt},
+        outputs={"text": out},
+        configs=[sampling_config(**config)],
+    )
+
+
+def call_config(a: evergreen_pb2.Action) -> dict[str, Any]:
+    [packed] = a.configs
+    s = struct_pb2.Struct()
+    assert packed.Unpack(s)
+    return dict(json_format.MessageToDict(s))
+
+
+async def until_calls(s: EvergreenSession) -> list[evergreen_pb2.Action]:
+    """Read until the server sends actions (the calls); fail if the stream ends first."""
+    async for m in s:
+        if m.actions:
+            return list(m.actions)
+    raise AssertionError("the stream ended without a call")
+
+
+async def events(rt: Runtime, sid: str) -> list[Event]:
+    return await rt.log.read(sid, 1, None)
+
+
+async def test_a_tool_loop_call_result_and_the_next_generate(
+    client: EvergreenClient, server: Served
+) -> None:
+    rt = server.runtime
+    async with client.session() as s:
+        sid = await s.session_id()
+        await s.send(
+            actions=[generate("p1", "r1", tools=TOOLS, tool_choice="required")],
+            fragments=text_fragments("p1", "Weather in Oslo?", parts=1),
+        )
+        [call] = await until_calls(s)
+        nodes = {f.id: f for m in s.received for f in m.node_fragments}
+        # the call: an action named after the function, its arguments a JSON node
+        assert call.name in SCHEMAS
+        [arg_param], [res_param] = call.inputs, call.outputs
+        assert (arg_param.name, res_param.name) == ("arguments", "result")
+        args_node = nodes[arg_param.id]
+        assert args_node.chunk_fragment.metadata.mimetype == "application/json"
+        assert not args_node.continued
+        arguments = json.loads(args_node.chunk_fragment.data)
+        jsonschema.validate(arguments, SCHEMAS[call.name])
+        call_id = call_config(call)["call_id"]
+        # the output node holds the reply as generated: the call's JSON line
+        reply = b"".join(
+            f.chunk_fragment.data for m in s.received for f in m.node_fragments if f.id == "r1"
+        ).decode()
+        assert json.loads(reply) == {"name": call.name, "arguments": arguments}
+
+        # the client answers, and asks again with the call and its result in the prompt
+        await s.send(
+            fragments=text_fragments(res_param.id, "rain, 4 C", parts=2),
+            actions=[generate("p2", "r2", tools=TOOLS, tool_choice="none", max_tokens=8)],
+        )
+        await s.send(
+            fragments=[
+                fragment("p2", child_ids=["p1", "r1", "q2", res_param.id, "q3"]),
+                *text_fragments("q2", "\nResult: ", parts=1),
+                *text_fragments("q3", "\nSo the weather is", parts=1),
+            ]
+        )
+        await s.done_writing()
+        got = await s.collect()
+    assert got["r2"]
+
+    log = await events(rt, sid)
+    of = {t: [e for e in log if e.type == t] for t in {e.type for e in log}}
+    # tool.called: the model's, with its generation and the token span of its JSON
+    [called] = of[T.TOOL_CALLED]
+    assert called.body["supplied_by"] == "model" and called.body["call_id"] == call_id
+    assert (called.body["name"], json.loads(called.body["arguments"])) == (call.name, arguments)
+    first_gen = of[T.GENERATION_STARTED][0].body
+    assert called.body["generation_id"] == first_gen["generation_id"]
+    start, end = called.body["span"]
+    assert first_gen["prompt_length"] <= start < end
+    # ... committed with the generation's finish, with the call's action (direction out)
+    finish = of[T.GENERATION_FINISHED][0]
+    submitted_out = [e for e in of[T.ACTION_SUBMITTED] if e.body.get("direction") == "out"]
+    [out_action] = submitted_out
+    assert called.version < out_action.version < finish.version
+    assert out_action.body["name"] == call.name
+    assert out_action.body["outputs"] == [{"name": "result", "id": res_param.id}]
+    # tool.result: the client's, the node's text, with the call's completion
+    [result] = of[T.TOOL_RESULT]
+    assert result.body == {
+        "call_id": call_id,
+        "name": call.name,
+        "content": "rain, 4 C",
+        "supplied_by": "client",
+    }
+    [done] = [
+        e for e in of[T.ACTION_COMPLETED] if e.body["action_id"] == out_action.body["action_id"]
+    ]
+    assert done.version == result.version + 1
+    # the next generation's prompt: the tools' description, then both nodes' text
+    second = of[T.GENERATION_STARTED][1].body
+    history = rt.engine.detokenize((await rt.get(sid)).tokens[: second["prompt_length"]])
+    assert history.startswith(FALLBACK_PROMPT.split("{tools}")[0])
+    assert history.endswith(f"Weather in Oslo?{reply}\nResult: rain, 4 C\nSo the weather is")
+
+    # the session document: the call action, both nodes, the call's turn
+    doc = build_document(sid, log, detokenize=rt.engine.detokenize)
+    [doc_call] = [a for a in doc["actions"] if a["direction"] == "out"]
+    assert doc_call["status"] == "completed" and doc_call["name"] == call.name
+    assert doc["nodes"][res_param.id]["text"] == "rain, 4 C"
+    assert json.loads(doc["nodes"][arg_param.id]["text"]) == arguments
+    [turn] = [t for t in doc["conversation"] if t["role"] == "tool_call"]
+    assert turn["call"]["id"] == call_id and turn["call"]["supplied_by"] == "model"
+    # a replay of the log is the live session: nodes and actions, the call's included
+    live, replayed = await rt.get(sid), await rt.sessions.load(sid)
+    assert replayed.actions == live.actions and replayed.nodes.keys() == live.nodes.keys()
+    assert replayed.actions[out_action.body["action_id"]].direction == "out"
+
+
+async def test_a_named_choice_calls_that_function(client: EvergreenClient, server: Served) -> None:
+    out = await exchange(
+        client,
+        server.runtime,
+        msg(actions=[generate("p", "r", tools=TOOLS, tool_choice="get_time")]),
+        msg(fragments=text_fragments("p", "What time is it?", parts=1)),
+    )
+    assert out.code == grpc.StatusCode.OK, out.details
+    calls = [a for m in out.received for a in m.actions]
+    assert [a.name for a in calls] == ["get_time"]
+    args = out.nodes[calls[0].inputs[0].id]
+    jsonschema.validate(json.loads(args), TIME)
+    # the client ended its stream without answering: the call was cancelled
+    [submitted] = [e for e in out.of(T.ACTION_SUBMITTED) if e.body.get("direction") == "out"]
+    [failed] = out.of(T.ACTION_FAILED)
+    assert failed.body["action_id"] == submitted.body["action_id"]
+    assert failed.body["code"] == "cancelled"
+    assert out.events[-1].type == T.SESSION_CLOSED
+    assert not out.of(T.TOOL_RESULT)
+
+
+async def test_auto_and_none_leave_text_as_text(client: EvergreenClient, server: Served) -> None:
+    out = await exchange(
+        client,
+        server.runtime,
+        msg(actions=[generate("p", "r", tools=TOOLS, tool_choice="none", max_tokens=10)]),
+        msg(fragments=text_fragments("p", "Hello", parts=1)),
+    )
+    assert out.code == grpc.StatusCode.OK, out.details
+    assert not out.of(T.TOOL_CALLED) and not [a for m in out.received for a in m.actions]
+    [started] = out.of(T.GENERATION_STARTED)
+    assert "constraint" not in started.body["params"]
+
+
+BAD: list[Any] = [
+    pytest.param({"tools": [{"name": "no spaces", "parameters": WEATHER}]}, "tool name", id="name"),
+    pytest.param({"tools": [{"name": "f", "parameters": [1]}]}, "JSON Schema", id="params"),
+    pytest.param(
+        {
+            "tools": [
+                {
+                    "name": "f",
+                    "parameters": {"type": "object", "properties": {"x": {"type": "frob"}}},
+                }
+            ]
+        },
+        "constraint",
+        id="schema",
+    ),
+    pytest.param({"tools": TOOLS, "tool_choice": "get_date"}, "not among the tools", id="choice"),
+    pytest.param({"tool_choice": "required"}, "without tools", id="choice-alone"),
+    pytest.param({"tools": TOOLS + TOOLS[:1]}, "same name", id="twice"),
+    pytest.param({"tools": [{"name": "f", "argz": {}}]}, "unknown tool keys", id="key"),
+    pytest.param({"tools": [{"type": "web_search"}]}, "only function", id="type"),
+    pytest.param(
+        {"tools": TOOLS, "tool_choice": "required", "constraint": {"regex": "[0-9]+"}},
+        "cannot be combined",
+        id="constraint",
+    ),
+    pytest.param({"tools": TOOLS, "parallel_tool_calls": "yes"}, "wrong type", id="parallel"),
+]
+
+
+@pytest.mark.parametrize(("config", "message"), BAD)
+async def test_bad_tool_specs_are_invalid_argument_and_record_nothing(
+    client: EvergreenClient, server: Served, config: dict[str, Any], message: str
+) -> None:
+    out = await exchange(
+        client,
+        server.runtime,
+        msg(fragments=text_fragments("p", "Hi", parts=1)),
+        msg(actions=[generate("p", "r", **config)]),
+    )
+    assert out.code == grpc.StatusCode.INVALID_ARGUMENT, (out.code, out.details)
+    assert message in out.details
+    # the prompt's fragment, then the abort: the bad action left nothing
+    assert [e.type for e in out.events] == [
+        T.SESSION_OPENED,
+        T.NODE_FRAGMENT,
+        T.SESSION_ABORTED,
+    ]
+
+
+async def test_a_result_that_is_not_text_is_invalid_and_not_recorded(
+    client: EvergreenClient, server: Served
+) -> None:
+    rt = server.runtime
+    async with client.session() as s:
+        sid = await s.session_id()
+        await s.send(
+            actions=[generate("p", "r", tools=TOOLS, tool_choice="get_weather")],
+            fragments=text_fragments("p", "Weather?", parts=1),
+        )
+        [call] = await until_calls(s)
+        before = len(await events(rt, sid))
+        await s.send(
+            fragments=[fragment(call.outputs[0].id, data=b"\x89PNG", mimetype="image/png")]
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await s.collect()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "only text/* and application/json are read" in (err.value.details() or "")
+    log = await events(rt, sid)
+    # the image fragment is not recorded; the pending call is cancelled, the session aborted
+    assert [e.type for e in log[before:]] == [T.ACTION_FAILED, T.SESSION_ABORTED]
+    assert not [e for e in log if e.type == T.TOOL_RESULT]
