@@ -12,6 +12,10 @@ beside the response generator:
   streams its output node back as fragments, each recorded (direction
   ``out``) before it is sent.
 
+A GENERATE given tools may make calls: each goes to the client as an action
+of its own, and the client's answer is that action's output node
+(:mod:`sessiontape.transports.grpc.evergreen_calls`).
+
 Any failed action, invalid fragment or protocol violation aborts the
 session (``session.aborted`` with the error's code) and ends the stream with
 the status from :mod:`sessiontape.transports.grpc.status`. A client that half-closes
