@@ -215,11 +215,16 @@ class ToolUse:
         return self.format.grammar((named,), text_allowed=False, parallel=False)
 
     def system_text(self) -> str:
-        described = "\n".join(json.dumps(t.to_json()["function"]) for t in self.tools)
-        return FALLBACK_PROMPT.format(tools=described)
+        """The fallback's description of the tools (:data:`FALLBACK_PROMPT`)."""
+        return FALLBACK_PROMPT.format(tools=described(self.tools))
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         return [t.to_json() for t in self.tools] if self.native else None
+
+
+def described(tools: Sequence[Tool]) -> str:
+    """The tools as the fallback lists them: one JSON line per function."""
+    return "\n".join(json.dumps(t.to_json()["function"]) for t in tools)
 
 
 def use_of(

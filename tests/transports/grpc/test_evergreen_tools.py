@@ -14,6 +14,7 @@ import jsonschema
 import pytest
 from google.protobuf import json_format, struct_pb2
 
+from sessiontape.core.audit import audit_session
 from sessiontape.core.document.fold import build_document
 from sessiontape.core.events import Event, T
 from sessiontape.core.runtime import Runtime
@@ -173,6 +174,9 @@ async def test_a_tool_loop_call_result_and_the_next_generate(
     live, replayed = await rt.get(sid), await rt.sessions.load(sid)
     assert replayed.actions == live.actions and replayed.nodes.keys() == live.nodes.keys()
     assert replayed.actions[out_action.body["action_id"]].direction == "out"
+    # re-executed under the recorded grammars, both generations are the recorded ones
+    report = await audit_session(rt, sid, reexecute=True)
+    assert report.ok and report.generations == 2 and not report.divergences, report.to_json()
 
 
 async def test_a_named_choice_calls_that_function(client: EvergreenClient, server: Served) -> None:
