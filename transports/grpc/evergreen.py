@@ -53,7 +53,7 @@ from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.nodes import FragmentIn, missing, text_of
 from sessiontape.core.runtime import Runtime
 from sessiontape.core.session.state import SessionState
-from sessiontape.core.tools import CallRecorder, ToolUse
+from sessiontape.core.tools import ToolUse
 from sessiontape.transports.grpc import evergreen_calls as calls
 from sessiontape.transports.grpc.evergreen_config import config_json, generate_config
 from sessiontape.transports.grpc.gen.evergreen.v2 import evergreen_pb2, evergreen_pb2_grpc
@@ -169,10 +169,8 @@ class _Stream:
         self.output_ids: set[str] = set()
         #: accepted actions, and calls sent, without an action.completed/failed event yet
         self.unfinished: list[str] = []
-        #: calls sent to the client whose result node is not complete yet, by result id
-        self.calls: dict[str, calls.SentCall] = {}
-        #: the calls the fragments being recorded answer (set by _answers)
-        self._answering: list[calls.SentCall] = []
+        #: calls sent to the client whose result node is not complete yet
+        self.calls = calls.Waiting()
         self.tasks: list[asyncio.Task[None]] = []
         self._ending: asyncio.Task[None] | None = None
 
@@ -235,24 +233,13 @@ class _Stream:
                     f"node {f.id} is an action output: only the server writes it"
                 )
         if frags:
-            self._answering = []
-            await asyncio.shield(
-                self.runtime.nodes.append_fragments(
-                    self.sid, frags, "in", then=self._answers if self.calls else None
-                )
-            )
-            for c in self._answering:  # committed: tool.result and the call's completion
-                del self.calls[c.result_id]
+            then = self.calls.answers if self.calls else None
+            await asyncio.shield(self.runtime.nodes.append_fragments(self.sid, frags, "in", then))
+            for c in self.calls.settle():  # committed: tool.result and the call's completion
                 self.unfinished.remove(c.action_id)
             self.changed.set()
         for a in msg.actions:
             await self._accept(a)
-
-    def _answers(self, st: SessionState) -> list[NewEvent]:
-        """The results of calls the fragments being recorded complete (``then`` of
-        append_fragments: they commit with the fragments)."""
-        self._answering = calls.answered(st, list(self.calls.values()))
-        return calls.result_events(st, self._answering)
 
     async def _accept(self, a: evergreen_pb2.Action) -> None:
         if a.name != GENERATE:
@@ -395,17 +382,14 @@ class _Stream:
             return new
 
         # the calls the reply makes, recorded with the last run (evergreen_calls.py)
-        recorder = CallRecorder(self.runtime.engine.detokenize, act.tools)
-        made: list[calls.SentCall] = []
+        reply = calls.ReplyCalls(
+            self.runtime.nodes, self.runtime.engine.detokenize, act.tools, act.id
+        )
 
         def with_run(st: SessionState, tokens: list[int], last: bool) -> Sequence[NewEvent]:
-            if recorder.wanted and not recorder.generation_id:
-                self._follow(recorder, st, act)
-            found = recorder(st, tokens, last) if recorder.wanted else []
+            made = reply.run(st, tokens, last)
             new = fragment(st, tokens, last)
-            if found and not self.stopping:
-                new.extend(self._call_events(st, recorder, found, made))
-            return new
+            return new if self.stopping else [*new, *made]
 
         runs = cast(
             AsyncGenerator[list[Event], None],
@@ -419,7 +403,7 @@ class _Stream:
                     action_id=act.id,
                     with_run=with_run,
                     # the calls' records name the generation: its start commits first
-                    start_apart=recorder.wanted,
+                    start_apart=reply.wanted,
                 ),
             ),
         )
@@ -434,44 +418,13 @@ class _Stream:
                 if any(ev.type == T.NODE_FRAGMENT for ev in run):
                     await self._send(sent.popleft())
         if not completed:
-            await self._emit(act, seq, text.finish(), continued=False, recorder=recorder, made=made)
-        if made:
-            await self._send_calls(made)
+            await self._emit(act, seq, text.finish(), continued=False, reply=reply)
+        if reply.sent:
+            self.calls.add(reply.sent)
+            self.unfinished.extend(c.action_id for c in reply.sent)
+            self.changed.set()
+            self.outbox.put_nowait(reply.message())
         return completed
-
-    def _follow(self, recorder: CallRecorder, st: SessionState, act: PendingAction) -> None:
-        """Point ``recorder`` at ``act``'s generation (running on ``st``)."""
-        g = next(g for g in reversed(st.generations.values()) if g.action_id == act.id)
-        recorder.started(g.id, g.prompt_length)
-
-    def _call_events(
-        self,
-        st: SessionState,
-        recorder: CallRecorder,
-        found: Sequence[NewEvent],
-        made: list[calls.SentCall],
-    ) -> list[NewEvent]:
-        """``tool.called`` events (``found``) and the actions and arguments nodes that send
-        the calls to the client; ``made`` gets the calls."""
-        sent = calls.call_actions(st, recorder.calls)
-        new, _ = self.runtime.nodes.fragment_events(
-            st, [calls.arguments_fragment(c) for c in sent], "out"
-        )
-        made[:] = sent  # (a commit tried again on a reloaded state makes them again)
-        return [*found, *new, *(calls.submitted_event(c) for c in sent)]
-
-    async def _send_calls(self, made: list[calls.SentCall]) -> None:
-        """Send recorded calls to the client: their arguments nodes and actions, one message."""
-        for c in made:
-            self.calls[c.result_id] = c
-            self.unfinished.append(c.action_id)
-        self.changed.set()
-        self.outbox.put_nowait(
-            evergreen_pb2.SessionMessage(
-                node_fragments=[fragment_out(calls.arguments_fragment(c)) for c in made],
-                actions=[calls.action_message(c) for c in made],
-            )
-        )
 
     def _fragments(
         self, act: PendingAction, seq: int, text: str, *, continued: bool
@@ -490,32 +443,16 @@ class _Stream:
         ]
 
     async def _emit(
-        self,
-        act: PendingAction,
-        seq: int,
-        text: str,
-        *,
-        continued: bool,
-        recorder: CallRecorder,
-        made: list[calls.SentCall],
+        self, act: PendingAction, seq: int, text: str, *, continued: bool, reply: calls.ReplyCalls
     ) -> None:
         """Record and send an output fragment of its own (the last, after the run), with
         the reply's calls when the generation's finish committed without a run."""
         frags = self._fragments(act, seq, text, continued=continued)
         if self.stopping:
             return
-
-        def reply_calls(st: SessionState) -> list[NewEvent]:
-            if not recorder.wanted or recorder.calls:
-                return []  # no tools, or the last run carried the calls
-            if not recorder.generation_id:
-                self._follow(recorder, st, act)
-            found = recorder(st, [], True)
-            return self._call_events(st, recorder, found, made) if found else []
-
-        if frags or (recorder.wanted and not made):
+        if frags or reply.wanted:
             await asyncio.shield(
-                self.runtime.nodes.append_fragments(self.sid, frags, "out", then=reply_calls)
+                self.runtime.nodes.append_fragments(self.sid, frags, "out", then=reply.at_end)
             )
         if frags:
             await self._send(frags)

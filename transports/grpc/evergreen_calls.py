@@ -23,15 +23,16 @@ among its inputs. docs/protocols/evergreen.md describes the exchange.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from google.protobuf import any_pb2, struct_pb2
 
 from sessiontape.core.events import NewEvent, T
+from sessiontape.core.node_writes import NodeWrites
 from sessiontape.core.nodes import FragmentIn, missing, text_of
 from sessiontape.core.session.state import SessionState
-from sessiontape.core.tools import ToolCall, result_event
+from sessiontape.core.tools import CallRecorder, ToolCall, ToolUse, result_event
 from sessiontape.transports.grpc.evergreen_config import STRUCT_TYPE_URL
 from sessiontape.transports.grpc.gen.evergreen.v2 import evergreen_pb2
 
@@ -121,6 +122,14 @@ def result_events(st: SessionState, calls: Sequence[SentCall]) -> list[NewEvent]
     return out
 
 
+def arguments_message(call: SentCall) -> evergreen_pb2.NodeFragment:
+    """The arguments node as sent: one leaf fragment."""
+    frag = evergreen_pb2.NodeFragment(id=call.arguments_id)
+    frag.chunk_fragment.metadata.mimetype = ARGUMENTS_MIMETYPE
+    frag.chunk_fragment.data = call.arguments.encode()
+    return frag
+
+
 def action_message(call: SentCall) -> evergreen_pb2.Action:
     """The Action that asks the client to run ``call``."""
     config = struct_pb2.Struct()
@@ -133,3 +142,90 @@ def action_message(call: SentCall) -> evergreen_pb2.Action:
         outputs=[evergreen_pb2.NamedParameter(name=RESULT, id=call.result_id)],
         configs=[packed],
     )
+
+
+class ReplyCalls:
+    """The calls one GENERATE's reply makes: read from its tokens with the last run and
+    recorded in that run's commit (:meth:`run`, a part of the run hook), or, when the
+    generation's finish committed without a run, with the output's last fragment
+    (:meth:`at_end`). :attr:`sent` holds them once recorded."""
+
+    def __init__(
+        self,
+        nodes: NodeWrites,
+        detokenize: Callable[[Sequence[int]], str],
+        use: ToolUse | None,
+        action_id: str,
+    ) -> None:
+        self.nodes = nodes
+        self.recorder = CallRecorder(detokenize, use)
+        self.action_id = action_id
+        self.sent: list[SentCall] = []
+
+    @property
+    def wanted(self) -> bool:
+        return self.recorder.wanted
+
+    def run(self, st: SessionState, tokens: list[int], last: bool) -> list[NewEvent]:
+        """Take a run's tokens; with the last, the events that record the reply's calls."""
+        if not self.wanted:
+            return []
+        self._follow(st)
+        return self._events(st, self.recorder(st, tokens, last))
+
+    def at_end(self, st: SessionState) -> list[NewEvent]:
+        """The events that record the reply's calls, when no run carried them."""
+        if not self.wanted or self.recorder.calls:
+            return []
+        self._follow(st)
+        return self._events(st, self.recorder(st, [], True))
+
+    def _follow(self, st: SessionState) -> None:
+        """Point the recorder at the action's generation (its start commits first)."""
+        if not self.recorder.generation_id:
+            g = next(g for g in reversed(st.generations.values()) if g.action_id == self.action_id)
+            self.recorder.started(g.id, g.prompt_length)
+
+    def _events(self, st: SessionState, called: Sequence[NewEvent]) -> list[NewEvent]:
+        """``tool.called`` (``called``), then the arguments nodes and the actions."""
+        if not called:
+            return []
+        # (a commit tried again on a reloaded state makes them again)
+        self.sent = call_actions(st, self.recorder.calls)
+        frags, _ = self.nodes.fragment_events(st, [arguments_fragment(c) for c in self.sent], "out")
+        return [*called, *frags, *(submitted_event(c) for c in self.sent)]
+
+    def message(self) -> evergreen_pb2.SessionMessage:
+        """The message that sends the calls: their arguments nodes and actions."""
+        return evergreen_pb2.SessionMessage(
+            node_fragments=[arguments_message(c) for c in self.sent],
+            actions=[action_message(c) for c in self.sent],
+        )
+
+
+class Waiting:
+    """The calls a stream sent whose result node is not complete yet, by result id."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, SentCall] = {}
+        self._answering: list[SentCall] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.calls)
+
+    def add(self, sent: Sequence[SentCall]) -> None:
+        self.calls.update((c.result_id, c) for c in sent)
+
+    def answers(self, st: SessionState) -> list[NewEvent]:
+        """The results of calls whose result node is complete on ``st`` (the ``then`` of
+        :meth:`~sessiontape.core.node_writes.NodeWrites.append_fragments`: they commit
+        with the fragments that complete them)."""
+        self._answering = answered(st, list(self.calls.values()))
+        return result_events(st, self._answering)
+
+    def settle(self) -> list[SentCall]:
+        """The calls :meth:`answers` found, once committed: no longer waiting."""
+        done, self._answering = self._answering, []
+        for c in done:
+            del self.calls[c.result_id]
+        return done

@@ -285,3 +285,34 @@ async def test_a_result_that_is_not_text_is_invalid_and_not_recorded(
     # the image fragment is not recorded; the pending call is cancelled, the session aborted
     assert [e.type for e in log[before:]] == [T.ACTION_FAILED, T.SESSION_ABORTED]
     assert not [e for e in log if e.type == T.TOOL_RESULT]
+
+
+async def test_a_result_in_parts_is_recorded_when_its_last_part_arrives(
+    client: EvergreenClient, server: Served
+) -> None:
+    rt = server.runtime
+    async with client.session() as s:
+        sid = await s.session_id()
+        await s.send(
+            actions=[generate("p", "r", tools=TOOLS, tool_choice="get_time")],
+            fragments=text_fragments("p", "Time?", parts=1),
+        )
+        [call] = await until_calls(s)
+        result_id = call.outputs[0].id
+        # a parent whose second child comes in a later message
+        await s.send(
+            fragments=[
+                fragment(result_id, child_ids=["part1", "part2"]),
+                fragment("part1", data=b'{"time": ', mimetype="application/json"),
+            ]
+        )
+        await s.send(fragments=[fragment("part2", data=b'"14:05"}', mimetype="application/json")])
+        await s.done_writing()
+        await s.collect()
+    log = await events(rt, sid)
+    [result] = [e for e in log if e.type == T.TOOL_RESULT]
+    assert result.body["content"] == '{"time": "14:05"}'
+    # in the commit of the fragment that completed it: right after part2's fragment
+    [part2] = [e for e in log if e.type == T.NODE_FRAGMENT and e.body["id"] == "part2"]
+    assert result.version == part2.version + 1
+    assert log[result.version].type == T.ACTION_COMPLETED  # (versions count from 1)
