@@ -7,6 +7,7 @@ session document. Bad tool specs are INVALID_ARGUMENT and record nothing of thei
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -17,6 +18,7 @@ from google.protobuf import json_format, struct_pb2
 from sessiontape.core.audit import audit_session
 from sessiontape.core.document.fold import build_document
 from sessiontape.core.events import Event, T
+from sessiontape.core.log.store import EventLog
 from sessiontape.core.runtime import Runtime
 from sessiontape.core.tools import FALLBACK_PROMPT
 from sessiontape.transports.grpc.client import (
@@ -84,7 +86,7 @@ async def events(rt: Runtime, sid: str) -> list[Event]:
 
 
 async def test_a_tool_loop_call_result_and_the_next_generate(
-    client: EvergreenClient, server: Served
+    client: EvergreenClient, server: Served, tmp_path: Path
 ) -> None:
     rt = server.runtime
     async with client.session() as s:
@@ -162,18 +164,25 @@ async def test_a_tool_loop_call_result_and_the_next_generate(
     assert history.startswith(FALLBACK_PROMPT.split("{tools}")[0])
     assert history.endswith(f"Weather in Oslo?{reply}\nResult: rain, 4 C\nSo the weather is")
 
-    # the session document: the call action, both nodes, the call's turn
+    # the session document: the call's action, its arguments and result nodes
     doc = build_document(sid, log, detokenize=rt.engine.detokenize)
     [doc_call] = [a for a in doc["actions"] if a["direction"] == "out"]
     assert doc_call["status"] == "completed" and doc_call["name"] == call.name
     assert doc["nodes"][res_param.id]["text"] == "rain, 4 C"
     assert json.loads(doc["nodes"][arg_param.id]["text"]) == arguments
-    [turn] = [t for t in doc["conversation"] if t["role"] == "tool_call"]
-    assert turn["call"]["id"] == call_id and turn["call"]["supplied_by"] == "model"
+    assert doc["conversation"] == []  # no chat request: the action and nodes show the call
     # a replay of the log is the live session: nodes and actions, the call's included
     live, replayed = await rt.get(sid), await rt.sessions.load(sid)
     assert replayed.actions == live.actions and replayed.nodes.keys() == live.nodes.keys()
     assert replayed.actions[out_action.body["action_id"]].direction == "out"
+    # exported and imported into another database, the document is the same
+    other = await EventLog.open(f"sqlite+aiosqlite:///{tmp_path / 'other.db'}")
+    try:
+        await other.import_events([Event.from_json(e.to_json()) for e in log])
+        back = await other.read(sid)
+    finally:
+        await other.close()
+    assert build_document(sid, back, detokenize=rt.engine.detokenize) == doc
     # re-executed under the recorded grammars, both generations are the recorded ones
     report = await audit_session(rt, sid, reexecute=True)
     assert report.ok and report.generations == 2 and not report.divergences, report.to_json()
