@@ -14,8 +14,8 @@ the embedding scaled by a constant (``embed_scale``), a GELU-tanh gated MLP
 (``query_scale``), soft-capped attention scores and logits (``cap * tanh(x /
 cap)``), sliding-window layers (``sliding_window``, ``local_layers``: a query at
 position p sees keys at p - window < j <= p) with their own rotary base
-(``local_rope_theta``), and a factor on the rotary tables (``rope_attention_factor``,
-Phi-3's long-rope scaling). The key/value buffers hold every position on every
+(``local_rope_theta``), and Phi-3's long-rope scaling (short and long frequency
+divisors by position, and a factor on the rotary tables, ``rope_attention_factor``). The key/value buffers hold every position on every
 layer, so a window is a mask over positions and stays exact however long the
 sequence grows.
 """
@@ -92,6 +92,11 @@ class ModelSpec:
     local_rope_theta: float | None = None
     #: cos and sin multiplied by this (Phi-3's long-rope attention factor)
     rope_attention_factor: float = 1.0
+    #: Phi-3's long-rope scaling: the positions from ``rope_long_from`` on take these
+    #: divisors in place of ``rope_freq_factors`` (the short factors), as transformers'
+    #: decode steps past ``original_max_position_embeddings`` do
+    rope_long_factors: tuple[float, ...] | None = None
+    rope_long_from: int = 0
     #: MatMulNBits' accuracy_level (4: int8 activations, the CPU's fast path)
     accuracy_level: int = 4
     #: attention as separate operators over a mask by position (``masked``), or one fused

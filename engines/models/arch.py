@@ -13,8 +13,8 @@ Served, from a GGUF file (``general.architecture``) or a Hugging Face folder
   beside global ones (Gemma 2: every other layer; Gemma 3: five of six, with
   their own rotary base), soft-capped attention scores and logits (Gemma 2;
   Gemma 3's final cap when set), Gemma 3's q/k norms;
-- Phi-3 (fused q|k|v and gate|up matrices, split on import; long-rope scaling
-  served with the short factors, its context capped at the original length).
+- Phi-3 (fused q|k|v and gate|up matrices, split on import; long-rope scaling: the
+  short factors up to the original length, the long ones from there on).
 
 Everything is read from the header or ``config.json`` alone, so anything else
 is refused with :class:`UnsupportedModel` naming what is missing (another
@@ -395,11 +395,10 @@ def _spec_from_hf(config: Mapping[str, Any], name: str) -> tuple[ModelSpec, Fami
     theta, rs = _hf_rope(config, fam)
     kind = rs.get("rope_type", rs.get("type"))
     kind = None if kind is None else str(kind)
-    factors: tuple[float, ...] | None = None
-    attention_factor = 1.0
+    longrope: Mapping[str, Any] = {}
+    scaling = None
     if fam == "phi3" and kind in ("longrope", "su"):
-        context, factors, attention_factor = _longrope(config, rs, head_dim)
-        scaling = None
+        longrope = _longrope(config, rs, head_dim)
     else:
         scaling = _rope_scaling(kind, rs.get("factor"), rs)
     spec = ModelSpec(
@@ -415,8 +414,7 @@ def _spec_from_hf(config: Mapping[str, Any], name: str) -> tuple[ModelSpec, Fami
         rope_theta=theta,
         eps=float(config.get("rms_norm_eps", 1e-6)),
         rope_scaling=scaling,
-        rope_freq_factors=factors,
-        rope_attention_factor=attention_factor,
+        **longrope,
         qkv_bias=fam == "qwen2",
         qk_norm=fam in ("qwen3", "gemma3"),
         post_norms=gemma,
@@ -497,47 +495,68 @@ def _hf_window(config: Mapping[str, Any], fam: str, layers: int) -> tuple[int, l
     return window, list(range(layers))
 
 
-def _longrope(
-    config: Mapping[str, Any], rs: Mapping[str, Any], head_dim: int
-) -> tuple[int, tuple[float, ...], float]:
-    """Phi-3's long-rope scaling, served with its short factors: (the context, capped at the
-    original length where those apply, the factors, the attention factor on cos and sin)."""
+def _longrope(config: Mapping[str, Any], rs: Mapping[str, Any], head_dim: int) -> Mapping[str, Any]:
+    """Phi-3's long-rope scaling from ``config.json``, as transformers'
+    ``_compute_longrope_parameters`` reads it: the short and long factors, the original
+    length (the long factors' first position) and the attention factor on cos and sin
+    (``attention_factor``, else ``sqrt(1 + ln(s) / ln(original))`` for s =
+    max_position_embeddings / original > 1, else 1)."""
     original = int(config.get("original_max_position_embeddings") or 0)
     context = int(config.get("max_position_embeddings", original))
-    short = rs.get("short_factor")
-    if not original or not isinstance(short, list) or len(short) != head_dim // 2:
+    short, long = rs.get("short_factor"), rs.get("long_factor")
+    half = head_dim // 2
+    if (
+        not original
+        or not isinstance(short, list)
+        or not isinstance(long, list)
+        or len(short) != half
+        or len(long) != half
+    ):
         raise UnsupportedModel(
-            f"longrope scaling needs original_max_position_embeddings and {head_dim // 2} "
-            "short factors"
+            f"longrope scaling needs original_max_position_embeddings and {half} short "
+            f"and {half} long factors"
         )
-    factor = context / original
-    attention = rs.get("attention_factor")
+    return _longrope_fields(short, long, original, context, rs.get("attention_factor"))
+
+
+def _longrope_fields(
+    short: Sequence[float], long: Sequence[float], original: int, context: int, attention: Any
+) -> Mapping[str, Any]:
+    """The ModelSpec fields of a long-rope scaling."""
+    for what, factors in (("short", short), ("long", long)):
+        if not all(isinstance(x, int | float) and x > 0 for x in factors):
+            raise UnsupportedModel(f"longrope {what} factors must be positive numbers")
+    if original <= 0:
+        raise UnsupportedModel(f"longrope original length {original} is not positive")
     if attention is None:
+        factor = context / original
         attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
-    return min(context, original), tuple(float(x) for x in short), float(attention)
+    return {
+        "rope_freq_factors": tuple(float(x) for x in short),
+        "rope_long_factors": tuple(float(x) for x in long),
+        "rope_long_from": original,
+        "rope_attention_factor": float(attention),
+    }
 
 
 def longrope_from_gguf(
-    meta: Mapping[str, Any], spec: ModelSpec, short: Sequence[float]
+    meta: Mapping[str, Any], spec: ModelSpec, short: Sequence[float], long: Sequence[float]
 ) -> ModelSpec:
-    """A Phi-3 GGUF's spec with its long-rope scaling (``rope_factors_short`` read from the
-    file): the short factors, the context capped at the original length, and the
-    attention factor (``phi3.rope.scaling.attn_factor``, else computed as transformers does)."""
+    """A Phi-3 GGUF's spec with its long-rope scaling: ``rope_factors_short`` and
+    ``rope_factors_long`` (read from the file), the original length
+    (``phi3.rope.scaling.original_context_length``) and the attention factor
+    (``phi3.rope.scaling.attn_factor``, else computed as transformers does)."""
     from dataclasses import replace
 
-    if len(short) != spec.head_dim // 2:
+    half = spec.head_dim // 2
+    if len(short) != half or len(long) != half:
         raise UnsupportedModel(
-            f"rope_factors_short holds {len(short)} factors, not {spec.head_dim // 2}"
+            f"rope_factors_short and rope_factors_long hold {len(short)} and {len(long)} "
+            f"factors, not {half}"
         )
     arch = str(meta.get("general.architecture"))
     original = int(meta.get(f"{arch}.rope.scaling.original_context_length") or spec.max_length)
-    attention = meta.get(f"{arch}.rope.scaling.attn_factor")
-    if attention is None:
-        factor = spec.max_length / original
-        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
-    return replace(
-        spec,
-        rope_freq_factors=tuple(float(x) for x in short),
-        rope_attention_factor=float(attention),
-        max_length=min(spec.max_length, original),
+    fields = _longrope_fields(
+        short, long, original, spec.max_length, meta.get(f"{arch}.rope.scaling.attn_factor")
     )
+    return replace(spec, **fields)

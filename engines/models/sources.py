@@ -71,9 +71,9 @@ class WeightPolicy:
 
     def embedding(self, raw: Any, ggml_type: int | None, rows_float: Callable[[], F32]) -> Tensor:
         """The token embedding [vocab, hidden]: a GGUF block format as 8-bit blocks, exactly
-        (its offsets, where it has them, beside them: the builder gathers 8-bit blocks
-        without offsets as they are, and dequantizes the others for its table, while a tied
-        head keeps them); otherwise 8-bit blocks if asked, else float32."""
+        (its offsets, where it has them, beside them: the builder gathers the rows from the
+        blocks, in 4 bits where the codes fit, and adds the offsets; a tied head keeps the
+        blocks); otherwise 8-bit blocks if asked, else float32."""
         if self.dtype in FLOAT_DTYPES:
             return rows_float()
         if ggml_type in quant.FORMATS:
@@ -121,8 +121,11 @@ class GgufSource:
         if "rope_freqs.weight" in self._tensors:  # Llama 3.1's rope scaling, as llama.cpp keeps it
             self.spec = replace(self.spec, rope_freq_factors=self._rope_factors())
         if "rope_factors_short.weight" in self._tensors:  # Phi-3's long-rope scaling
-            short = self._vector("rope_factors_short.weight")
-            self.spec = longrope_from_gguf(self.meta, self.spec, [float(x) for x in short])
+            short, long = (
+                [float(x) for x in self._vector(f"rope_factors_{which}.weight")]
+                for which in ("short", "long")
+            )
+            self.spec = longrope_from_gguf(self.meta, self.spec, short, long)
         self.policy = WeightPolicy(dtype)
         self.spec = replace(self.spec, float_type=float_type(dtype))
         self._embed: Tensor | None = None

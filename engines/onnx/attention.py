@@ -15,7 +15,7 @@ import numpy.typing as npt
 
 from sessiontape.engines.model_spec import SLOT_BLOCK, ModelSpec, is_local
 from sessiontape.engines.onnx.graph import MS, Graph
-from sessiontape.engines.weights import QuantMatrix, Tensor, Weights, concat_out, scale_out
+from sessiontape.engines.weights import QuantMatrix, Tensor, Weights, scale_out
 
 
 def rope_names(spec: ModelSpec, i: int) -> tuple[str, str]:
@@ -77,10 +77,8 @@ def attention(
     scale = spec.query_scale if spec.query_scale is not None else hd**-0.5
     fold = 1.0 if spec.qk_norm else scale
     wq = weights(p + "wq")
-    wqkv = concat_out(
-        [scale_out(wq, fold) if fold != 1.0 else wq, weights(p + "wk"), weights(p + "wv")]
-    )
-    qkv = g.linear(xn, p + "wqkv", wqkv, spec.accuracy_level, dtype=spec.np_float)
+    wqkv = [scale_out(wq, fold) if fold != 1.0 else wq, weights(p + "wk"), weights(p + "wv")]
+    qkv = g.linear_parts(xn, p + "wqkv", wqkv, spec.accuracy_level, dtype=spec.np_float)
     if spec.qkv_bias:
         bias = np.concatenate(
             [

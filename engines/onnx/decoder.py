@@ -33,8 +33,8 @@ along the input dimension, computed with int8 activations at
 float32 copies. Blocks whose values are ``scale * q + offset`` (GGUF's Q4_1)
 keep the offset as a small float matrix: ``x . w = MatMulNBits(x) +
 blocksum(x) . offsets``, which stays on MatMulNBits' fast path (a float zero
-point would leave it). An 8-bit embedding is read with
-``GatherBlockQuantized``.
+point would leave it). An embedding in blocks is read with
+``GatherBlockQuantized`` (4 or 8 bits, its offsets added after), exactly.
 
 With ``ModelSpec.float_type`` ``float16`` the graph computes in float16:
 float weights are rounded to float16 as they are written (a QuantMatrix is
@@ -63,9 +63,17 @@ import numpy.typing as npt
 from sessiontape.engines.model_spec import SLOT_BLOCK, ModelSpec, check_features
 from sessiontape.engines.onnx.attention import attention, rms, slot_mask, softcap, vector
 from sessiontape.engines.onnx.graph import MS, Graph
-from sessiontape.engines.weights import QuantMatrix, Tensor, Weights, concat_out
+from sessiontape.engines.weights import QuantMatrix, Tensor, Weights
 
-__all__ = ["build_static", "graph_io", "inv_frequencies", "rope_rows", "rope_tables", "write_model"]
+__all__ = [
+    "build_static",
+    "gather_blocks",
+    "graph_io",
+    "inv_frequencies",
+    "rope_rows",
+    "rope_tables",
+    "write_model",
+]
 
 
 def rope_rows(max_length: int) -> int:
@@ -73,15 +81,19 @@ def rope_rows(max_length: int) -> int:
     return -(-(max_length + 1) // SLOT_BLOCK) * SLOT_BLOCK
 
 
-def inv_frequencies(spec: ModelSpec, local: bool = False) -> npt.NDArray[np.float64]:
+def inv_frequencies(
+    spec: ModelSpec, local: bool = False, long: bool = False
+) -> npt.NDArray[np.float64]:
     """The rotary inverse frequencies, with the spec's scaling applied (``local``: the
-    sliding-window layers' own base, unscaled, when the spec has one)."""
+    sliding-window layers' own base, unscaled, when the spec has one; ``long``: with
+    Phi-3's long factors in place of ``rope_freq_factors``)."""
     hd = spec.head_dim
     if local and spec.local_rope_theta is not None:
         return 1.0 / (spec.local_rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
     inv = 1.0 / (spec.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
-    if spec.rope_freq_factors is not None:
-        factors = np.asarray(spec.rope_freq_factors, dtype=np.float64)
+    chosen = spec.rope_long_factors if long else spec.rope_freq_factors
+    if chosen is not None:
+        factors = np.asarray(chosen, dtype=np.float64)
         if factors.shape != inv.shape or not np.all(factors > 0):
             raise ValueError(f"rope frequency factors must be {inv.shape[0]} positive numbers")
         return _scaled(spec, inv) / factors
@@ -108,10 +120,17 @@ def _scaled(spec: ModelSpec, inv: npt.NDArray[np.float64]) -> npt.NDArray[np.flo
 
 def rope_tables(spec: ModelSpec, local: bool = False) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
     """cos and sin [rope_rows, head_dim / 2], in the graph's float type (rounded once, from
-    float64); ``local``: the sliding-window layers' tables (:func:`inv_frequencies`)."""
+    float64); ``local``: the sliding-window layers' tables (:func:`inv_frequencies`). With
+    Phi-3's long factors, the rows from ``rope_long_from`` on are rotated by those: a
+    position's rotation depends on the position alone, so it is the same however a
+    history is split into passes."""
     rows = np.arange(rope_rows(spec.max_length), dtype=np.float64)
     ang = np.outer(rows, inv_frequencies(spec, local))
-    factor = 1.0 if local and spec.local_rope_theta is not None else spec.rope_attention_factor
+    own = local and spec.local_rope_theta is not None
+    if spec.rope_long_factors is not None and not own:
+        long = rows >= spec.rope_long_from
+        ang[long] = np.outer(rows[long], inv_frequencies(spec, local, long=True))
+    factor = 1.0 if own else spec.rope_attention_factor
     cos, sin = np.cos(ang) * factor, np.sin(ang) * factor
     return cos.astype(spec.np_float), sin.astype(spec.np_float)
 
@@ -163,27 +182,57 @@ def _embedding(g: Graph, spec: ModelSpec, w: Tensor) -> str:
 
 def _gather(g: Graph, spec: ModelSpec, w: Tensor, out: str | None) -> str:
     if isinstance(w, QuantMatrix):
-        if w.bits != 8 or w.offsets is not None or spec.float_type != "float32":
+        if w.bits != 8 or spec.float_type != "float32":
             w = w.dequantize()
         else:
-            return str(
-                g.op(
-                    "GatherBlockQuantized",
-                    [
-                        g.const("embed.q", w.data.reshape(w.n, w.k)),
-                        "input_ids",
-                        g.const("embed.scales", w.scales),
-                    ],
-                    domain=MS,
-                    bits=8,
-                    block_size=w.block,
-                    gather_axis=0,
-                    quantize_axis=1,
-                    name=out,
-                )
-            )
+            return gather_blocks(g, w, out)
     table = g.const("embed", w.astype(spec.np_float, copy=False))
     return str(g.op("Gather", [table, "input_ids"], axis=0, name=out))
+
+
+def gather_blocks(g: Graph, w: QuantMatrix, out: str | None) -> str:
+    """The rows of an 8-bit embedding (codes ``v + 128``), read as blocks, exactly.
+
+    GatherBlockQuantized gives ``scale * (code - zero_point)`` per block. Codes that span
+    at most 16 values around 128 (the 4- and fewer-bit formats: Q4_0, Q4_1, Q4_K, Q2_K,
+    Q3_K) are held as 4 bits, ``code - low`` with the zero point ``128 - low``; the others
+    as 8 bits with zero point 128. The offsets (Q4_1, Q4_K, Q2_K, Q5_1, Q5_K: a subtracted
+    minimum) are gathered too and added per block: the float32 operations of
+    :meth:`QuantMatrix.dequantize`, so the rows are the file's values bit for bit."""
+    codes = w.data.reshape(w.n, w.k)
+    blocks = w.k // w.block
+    low, high = min(int(codes.min()), 128), int(codes.max())
+    bits, zero = 8, 128
+    if high - low <= 15 and low >= 128 - 15:
+        bits, zero = 4, 128 - low
+        codes = codes - np.uint8(low)
+        codes = (codes[:, 0::2] | (codes[:, 1::2] << np.uint8(4))).astype(np.uint8)
+        zero_points = np.full((w.n, (blocks + 1) // 2), zero | (zero << 4), np.uint8)
+    else:
+        zero_points = np.full((w.n, blocks), zero, np.uint8)
+    rows = str(
+        g.op(
+            "GatherBlockQuantized",
+            [
+                g.const("embed.q", codes),
+                "input_ids",
+                g.const("embed.scales", w.scales),
+                g.const("embed.zero_points", zero_points),
+            ],
+            domain=MS,
+            bits=bits,
+            block_size=w.block,
+            gather_axis=0,
+            quantize_axis=1,
+            name=out if w.offsets is None else None,
+        )
+    )
+    if w.offsets is None:
+        return rows
+    offsets = g.op("Gather", [g.const("embed.offsets", w.offsets), "input_ids"], axis=0)
+    split = g.op("Reshape", [rows, g.i64("c_embed_blocks", 0, 0, blocks, w.block)])
+    added = g.op("Add", [split, g.op("Unsqueeze", [offsets, "c_axis_neg1"])])
+    return str(g.op("Reshape", [added, g.i64("c_embed_rows", 0, 0, w.k)], name=out))
 
 
 def _inner(spec: ModelSpec, name: str) -> str:
@@ -208,7 +257,7 @@ def _mlp(g: Graph, spec: ModelSpec, i: int, xn: str, weights: Weights) -> str:
     wg, wu = weights(p + "wg"), weights(p + "wu")
     if isinstance(wg, QuantMatrix) and isinstance(wu, QuantMatrix) and spec.float_type == "float32":
         # blocks: one MatMulNBits (and one offsets term) instead of two, then a Split
-        gate_up = g.linear(xn, p + "wgu", concat_out([wg, wu]), spec.accuracy_level)
+        gate_up = g.linear_parts(xn, p + "wgu", [wg, wu], spec.accuracy_level)
         gate, up = g.op("Split", [gate_up, "c_split_gu"], outputs=2, axis=-1)
     else:
         # float: two MatMuls (one over both, then a Split, is slower for float weights)

@@ -14,7 +14,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import numpy.typing as npt
 
-from sessiontape.engines.weights import QuantMatrix, Tensor
+from sessiontape.engines.weights import QuantMatrix, Tensor, concat_out
 
 #: block sums of inputs up to this long are a MatMul against a block indicator, of longer
 #: ones a ReduceSum (:meth:`Graph._block_sums`)
@@ -93,6 +93,39 @@ class Graph:
 
     def i64(self, name: str, *vals: int) -> str:
         return self.const(name, np.array(vals, dtype=np.int64))
+
+    def linear_parts(
+        self,
+        x: str,
+        name: str,
+        parts: list[Tensor],
+        accuracy_level: int,
+        dtype: Any = np.float32,
+    ) -> str:
+        """``x`` times ``parts`` side by side along their outputs (q|k|v, gate|up): one
+        matrix where the parts share a layout (:func:`concat_out`), else one per run of
+        consecutive block matrices that do, their outputs concatenated, so each format
+        keeps its own width (a Q4_K_M file's 4-bit q and k beside an 8-bit Q6_K v)."""
+        runs: list[list[QuantMatrix]] = []
+        for p in parts:
+            if not isinstance(p, QuantMatrix) or np.dtype(dtype) != np.float32:
+                runs = []
+                break
+            if runs and (runs[-1][0].bits, runs[-1][0].block, runs[-1][0].k) == (
+                p.bits,
+                p.block,
+                p.k,
+            ):
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        if len(runs) < 2:
+            return self.linear(x, name, concat_out(parts), accuracy_level, dtype=dtype)
+        outs = [
+            self.linear(x, f"{name}.{j}", concat_out(list(run)), accuracy_level)
+            for j, run in enumerate(runs)
+        ]
+        return str(self.op("Concat", outs, axis=-1))
 
     def linear(
         self,

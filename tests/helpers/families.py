@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ import numpy.typing as npt
 from safetensors.numpy import save_file
 
 from tests.helpers import checkpoints as ck
+from tests.helpers.mixed_gguf import gguf_dequantized, scaled_blocks
 
 F32 = npt.NDArray[np.float32]
 F64 = npt.NDArray[np.float64]
@@ -269,6 +270,28 @@ def quantized(weights: Weights, qtype: gguf.GGMLQuantizationType) -> Weights:
     }
 
 
+def mixed_blocks(
+    m: Model,
+    weights: Weights,
+    types: Callable[[str], gguf.GGMLQuantizationType | None],
+) -> tuple[dict[str, tuple[gguf.GGMLQuantizationType, Any]], Weights]:
+    """Random blocks for the matrices ``types`` gives a block type (of about the spread of
+    ``weights``' own), as a ``_K_M`` file mixes them per tensor; and the weights the file
+    then holds (the blocks dequantized by the ``gguf`` package, the rest as they are)."""
+    rng = np.random.default_rng(m.seed + 1000)
+    blocks: dict[str, tuple[gguf.GGMLQuantizationType, Any]] = {}
+    held = dict(weights)
+    for name in sorted(weights):
+        arr = weights[name]
+        qtype = types(name) if arr.ndim == 2 else None
+        if qtype is None:
+            continue
+        raw = scaled_blocks(qtype, arr.shape[0], arr.shape[1], rng, float(arr.std()))
+        blocks[name] = (qtype, raw)
+        held[name] = gguf_dequantized(raw, qtype).reshape(arr.shape)
+    return blocks, held
+
+
 def gguf_meta(m: Model, arch: str | None = None) -> dict[str, int | float | str]:
     """The ``{arch}.`` keys llama.cpp's converter writes for this model (under their full
     names), typed as it types them when written: int as uint32, float as float32."""
@@ -314,10 +337,12 @@ def write_gguf(
     weights: Weights,
     gguf_arch: str | None = None,
     qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+    blocks: Mapping[str, tuple[gguf.GGMLQuantizationType, Any]] | None = None,
 ) -> Path:
     """A GGUF file as llama.cpp's converter writes this model, matrices in ``qtype`` (F32, or
     blocks: :func:`quantized` gives the values they hold); ``gguf_arch``: another
-    ``general.architecture`` to write it under."""
+    ``general.architecture`` to write it under; ``blocks``: raw blocks (type, bytes) written
+    as they are for the matrices they name (:func:`mixed_blocks`)."""
     arch = gguf_arch or GGUF_ARCH[m.kind]
     w = gguf.GGUFWriter(str(path), arch=arch)
     w.add_name(f"tiny-{m.kind}")
@@ -356,7 +381,10 @@ def write_gguf(
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             arr = ck.llama_permute(arr, m.heads if "q_proj" in hf_name else m.kv_heads)
         arr = np.ascontiguousarray(arr, np.float32)
-        if arr.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+        if blocks and hf_name in blocks:
+            own, raw = blocks[hf_name]
+            w.add_tensor(gguf_tensor_name(m, hf_name), raw, raw_dtype=own)
+        elif arr.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
             w.add_tensor(
                 gguf_tensor_name(m, hf_name), gguf.quants.quantize(arr, qtype), raw_dtype=qtype
             )
@@ -372,9 +400,9 @@ def write_gguf(
 # -- the reference forward pass -------------------------------------------------------------
 
 
-def inv_frequencies(m: Model, local: bool) -> tuple[F64, float]:
-    """A layer's rotary inverse frequencies and the factor on cos and sin, as transformers
-    computes them (``_compute_default/linear/llama3/longrope_parameters``)."""
+def inv_frequencies(m: Model, local: bool, position: int = 0) -> tuple[F64, float]:
+    """A layer's rotary inverse frequencies at ``position`` and the factor on cos and sin, as
+    transformers computes them (``_compute_default/linear/llama3/longrope_parameters``)."""
     hd = m.head_dim
     exponents = np.arange(0, hd, 2, dtype=np.float64) / hd
     if local and m.kind == "gemma3_text":
@@ -399,8 +427,11 @@ def inv_frequencies(m: Model, local: bool) -> tuple[F64, float]:
         assert m.original_context is not None
         scale = m.context / m.original_context
         attention = math.sqrt(1 + math.log(scale) / math.log(m.original_context))
-        # sequences within the original length use the short factors
-        return inv / np.asarray(rs["short_factor"], np.float64), attention
+        # transformers' decode step at ``position`` (seq_len = position + 1) takes the long
+        # factors once seq_len exceeds the original length, the short ones before
+        long = position + 1 > m.original_context
+        ext = rs["long_factor"] if long else rs["short_factor"]
+        return inv / np.asarray(ext, np.float64), attention
     raise ValueError(kind)
 
 
@@ -409,10 +440,13 @@ def _rms(x: F64, w: F32, eps: float, gemma: bool) -> F64:
     return np.asarray(x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * scale)
 
 
-def _rotary(x: F64, inv: F64, factor: float) -> F64:
-    """Rotate-half rotary over [positions, heads, head_dim] at positions 0..n-1."""
+def _rotary(m: Model, x: F64, local: bool) -> F64:
+    """Rotate-half rotary over [positions, heads, head_dim] at positions 0..n-1, each at its
+    own frequencies (:func:`inv_frequencies`)."""
     n, half = x.shape[0], x.shape[-1] // 2
-    ang = np.outer(np.arange(n, dtype=np.float64), inv)
+    rows = [inv_frequencies(m, local, p) for p in range(n)]
+    ang = np.stack([p * inv for p, (inv, _) in enumerate(rows)])
+    factor = rows[0][1]
     emb = np.concatenate([ang, ang], axis=-1)[:, None, :]
     rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return np.asarray((x * np.cos(emb) + rotated * np.sin(emb)) * factor)
@@ -455,8 +489,7 @@ def forward(m: Model, w: Mapping[str, F32], ids: list[int], *, window: bool = Tr
             q = _rms(q, w[p + "self_attn.q_norm.weight"], eps, gemma)
             k = _rms(k, w[p + "self_attn.k_norm.weight"], eps, gemma)
         local = i in local_layers
-        inv, factor = inv_frequencies(m, local)
-        q, k = _rotary(q, inv, factor), _rotary(k, inv, factor)
+        q, k = _rotary(m, q, local), _rotary(m, k, local)
         k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
         scores = np.einsum("qhd,khd->hqk", q, k) * scale
         if m.attn_softcap:

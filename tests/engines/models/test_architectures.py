@@ -182,11 +182,12 @@ def test_gguf_blocks_kept(name: str, qtype: QT, tmp_path: Path) -> None:
     src = ck.write_gguf(tmp_path / "tiny.gguf", arch, weights(arch), qtype)
     out = imported(src.path, tmp_path / "out", "auto")
     ref = ck.forward(arch, src.weights, IDS)
-    # the blocks are kept: q|k|v, o, gate|up and down per layer, and the head (a tied Q4_1
-    # embedding too, as 8-bit blocks with offsets; its gathered table is dequantized)
+    # the blocks are kept: q|k|v, o, gate|up and down per layer, and the head; the
+    # embedding is gathered from blocks (Q4_1's offsets gathered beside them)
     ops = op_counts(out)
     assert ops["MatMulNBits"] == 4 * arch.layers + 1
-    assert ops["GatherBlockQuantized"] == (qtype != QT.Q4_1)
+    assert ops["GatherBlockQuantized"] == 1
+    assert ops.get("Gather", 0) == (qtype == QT.Q4_1)
 
     # float activations: the repacked blocks are the stored values exactly
     model = onnx.load(str(out / "model.onnx"), load_external_data=False)

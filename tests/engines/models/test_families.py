@@ -78,8 +78,8 @@ GEMMA3 = Model(
 PHI3 = Model(
     "phi3",
     seed=26,
-    context=128,
-    original_context=32,
+    context=64,
+    original_context=16,  # positions 16..23 of IDS take the long factors
     rope_scaling={
         "type": "longrope",
         "short_factor": [1.0, 1.1, 1.3, 1.7, 2.2, 3.0, 4.1, 5.5],
@@ -132,8 +132,9 @@ def test_logits_match_numpy(name: str, fmt: str, attention: str, tmp_path: Path)
     out = imported(source(m, fmt, tmp_path), tmp_path / "out", attention)
     ref = fm.forward(m, weights(m), IDS)
     assert_logits(ck.run_imported(out, IDS), ref)
-    if m.sliding_window is not None and m.sliding_window < len(IDS):
-        # prefill, steps and a chunk across the window's edge, KV buffers carried over
+    if (m.sliding_window is not None and m.sliding_window < len(IDS)) or m.original_context:
+        # prefill, steps and a chunk across the window's edge (Phi-3: across the original
+        # length, where the long factors start), KV buffers carried over
         assert_logits(ck.run_imported(out, IDS, chunks=CHUNKS), ref)
 
 
@@ -160,6 +161,55 @@ def test_gguf_blocks(name: str, qtype: QT, tmp_path: Path) -> None:
     assert_logits(ck.run_imported(kept, IDS, model="float_activations.onnx"), ref)
 
 
+#: Gemma 3 270M's shapes in small (every input a multiple of 256, K-quants' super-block)
+GEMMA3_K = replace(
+    GEMMA3, seed=29, hidden=256, heads=4, head_dim=64, intermediate=512, sliding_window=8
+)
+
+
+def gemma3_k_type(name: str) -> QT | None:
+    """The block types of Gemma 3 270M's Q4_K_M file, per matrix (with Llama's Q4_K q and k
+    beside a Q6_K v on one layer, so that a fused q|k|v mixes formats)."""
+    layer = int(name.split(".")[2]) if ".layers." in name else -1
+    if name == "model.embed_tokens.weight":
+        return QT.Q8_0
+    if name.endswith(("q_proj.weight", "k_proj.weight")):
+        return QT.Q4_K if layer == 1 else QT.Q5_0
+    if name.endswith("v_proj.weight"):
+        return QT.Q6_K if layer == 1 else QT.Q8_0 if layer % 2 else QT.Q5_0
+    if name.endswith("o_proj.weight"):
+        return QT.Q4_K
+    if name.endswith("down_proj.weight"):
+        return QT.Q6_K if layer in (0, 5) else QT.Q4_K
+    return QT.Q5_0  # gate, up
+
+
+def test_gemma3_k_quant_mix(tmp_path: Path) -> None:
+    """A Gemma 3 GGUF mixing blocks per tensor as the real ``Q4_K_M`` file does (Q5_0, Q8_0,
+    Q4_K, Q6_K; a Q8_0 tied embedding), past its sliding window: the float32 import and the
+    kept blocks (float activations) compute the logits of the values the file holds, in one
+    pass and in chunks."""
+    m = GEMMA3_K
+    blocks, held = fm.mixed_blocks(m, weights(m), gemma3_k_type)
+    src = fm.write_gguf(tmp_path / "m.gguf", m, weights(m), blocks=blocks)
+    ref = fm.forward(m, held, IDS)
+    f32 = imported(src, tmp_path / "f32", "masked")
+    assert_logits(ck.run_imported(f32, IDS), ref)
+    kept = imported(src, tmp_path / "auto", "gqa", "auto")
+    model = onnx.load(str(kept / "model.onnx"), load_external_data=False)
+    ops = [n.op_type for n in model.graph.node]
+    # qkv, o, gate|up, down per layer and the head; layer 1's 4-bit q|k and 8-bit v apart
+    assert ops.count("MatMulNBits") == 4 * m.layers + 2 and "GatherBlockQuantized" in ops
+    for node in model.graph.node:
+        for attr in node.attribute:
+            if attr.name == "accuracy_level":
+                attr.i = 1
+    onnx.save(model, str(kept / "float_activations.onnx"))
+    for chunks in (None, CHUNKS):
+        got = ck.run_imported(kept, IDS, model="float_activations.onnx", chunks=chunks)
+        assert_logits(got, ref)
+
+
 def test_spec_facts(tmp_path: Path) -> None:
     """What config.json records of each family (the features the graph was built with)."""
 
@@ -180,9 +230,12 @@ def test_spec_facts(tmp_path: Path) -> None:
         assert (g2["attn_softcap"], g2["final_softcap"]) == (3.0, 1.0)
         assert not g2["qk_norm"] and g2["local_rope_theta"] is None
         phi = cfg(PHI3, fmt)
-        assert phi["max_length"] == 32  # long-rope: served with its short factors, capped
+        assert phi["max_length"] == 64  # long-rope: the whole context, long factors from 16
+        assert phi["rope_long_from"] == 16
+        assert PHI3.rope_scaling is not None
+        assert phi["rope_long_factors"] == PHI3.rope_scaling["long_factor"]
         assert phi["sliding_window"] == 0  # 2047 covers the context
-        assert phi["rope_attention_factor"] == pytest.approx(1.4**0.5, abs=1e-6)
+        assert phi["rope_attention_factor"] == pytest.approx(1.5**0.5, abs=1e-6)
         q3 = cfg(QWEN3, fmt)
         assert q3["qk_norm"] and not q3["qkv_bias"] and q3["head_dim"] == 32
         mistral = cfg(MISTRAL, fmt)
@@ -207,6 +260,9 @@ def test_the_features_move_the_logits() -> None:
     assert moved(GEMMA3, replace(GEMMA3, rope_scaling=None)) > 100 * ATOL
     assert moved(GEMMA3, replace(GEMMA3, local_rope_theta=1e6)) > 100 * ATOL
     assert moved(PHI3, replace(PHI3, rope_scaling=None)) > 100 * ATOL
+    assert PHI3.rope_scaling is not None
+    short_only = {**PHI3.rope_scaling, "long_factor": PHI3.rope_scaling["short_factor"]}
+    assert moved(PHI3, replace(PHI3, rope_scaling=short_only)) > 100 * ATOL
     assert moved(GEMMA2, replace(GEMMA2, query_pre_attn_scalar=24.0)) > 100 * ATOL
 
 
@@ -314,7 +370,7 @@ def test_rope_parameters_of_newer_configs(tmp_path: Path) -> None:
 HF_REFUSALS: list[tuple[Model, dict[str, Any], str]] = [
     (GEMMA3, {"use_bidirectional_attention": True}, "bidirectional attention"),
     (PHI3_WINDOW, {"partial_rotary_factor": 0.75}, r"partial rotary \(factor 0.75\)"),
-    (PHI3_WINDOW, {"rope_scaling": {"type": "longrope", "short_factor": [1.0]}}, "short factors"),
+    (PHI3_WINDOW, {"rope_scaling": {"type": "longrope", "short_factor": [1.0]}}, "long factors"),
     (GEMMA2, {"hidden_activation": "gelu"}, "activation 'gelu'"),
     (QWEN3, {"model_type": "qwen3_moe", "num_experts": 8}, "model_type 'qwen3_moe'"),
     (QWEN3, {"num_experts": 8}, "mixture-of-experts"),

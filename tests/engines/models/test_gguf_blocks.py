@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 
 from sessiontape.core.errors import UnsupportedModel
 from sessiontape.engines.models import quant
+from sessiontape.engines.onnx.decoder import gather_blocks
 from sessiontape.engines.onnx.graph import INDICATOR_MAX_K, MS, Graph
 from sessiontape.engines.onnx.importer import ensure_imported, import_model
 from sessiontape.engines.weights import QuantMatrix, concat_out, relayout
@@ -192,6 +193,40 @@ def test_eight_bit_blocks_hold_every_format_exactly(qtype: QT) -> None:
         quant.to_matrix(raw, int(qtype), bits=2)
 
 
+@pytest.mark.parametrize("qtype", KINDS, ids=lambda q: q.name)
+def test_embedding_rows_are_gathered_from_blocks_exactly(qtype: QT) -> None:
+    """An embedding in any format, as the builder reads it (GatherBlockQuantized, 4 bits for
+    the formats of at most 16 levels, 8 for the others; the offsets added after): the rows
+    the ``gguf`` package dequantizes, bit for bit; the 4-bit formats in half the bytes."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    raw = random_blocks(qtype, 40, 256, np.random.default_rng(int(qtype) + 7))
+    m = quant.to_matrix(raw, int(qtype), bits=8)
+    g = Graph()
+    g.i64("c_axis_neg1", -1)
+    gather_blocks(g, m, "rows")
+    codes = next(i for i in g.inits if i.name == "embed.q")
+    four = qtype in (QT.Q4_0, QT.Q4_1, QT.Q2_K, QT.Q3_K, QT.Q4_K)
+    assert list(codes.dims) == [40, 128 if four else 256]
+    graph = helper.make_graph(
+        g.nodes,
+        "embedding",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, None])],
+        [helper.make_tensor_value_info("rows", TensorProto.FLOAT, [1, None, 256])],
+        g.inits,
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(MS, 1)]
+    )
+    model.ir_version = 8
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    ids = np.array([[3, 0, 39, 3, 17]], np.int64)
+    got = np.asarray(sess.run(["rows"], {"input_ids": ids})[0][0], np.float32)
+    want = gguf_dequantized(raw, qtype)[ids[0]]
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 # -- a model that mixes formats per tensor --------------------------------------------------
 
 
@@ -202,7 +237,9 @@ def test_a_model_mixing_formats_keeps_its_blocks(tmp_path: Path) -> None:
     out = import_model(tmp_path / "mixed.gguf", tmp_path / "out", "auto", concepts=False).folder
     model = onnx.load(str(out / "model.onnx"), load_external_data=False)
     ops = [n.op_type for n in model.graph.node]
-    assert ops.count("MatMulNBits") == 4 * MIXED.layers + 1  # qkv, o, gate|up, down; the head
+    # qkv, o, gate|up, down; the head; layer 0's q|k (Q4_K: 4 bits) apart from its v (Q6_K)
+    assert ops.count("MatMulNBits") == 4 * MIXED.layers + 2
+    assert ops.count("Concat") == 1
     assert ops.count("GatherBlockQuantized") == 1  # the Q6_K embedding, in 8-bit codes
     for node in model.graph.node:  # float activations: the kept blocks' values exactly
         for attr in node.attribute:
