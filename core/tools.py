@@ -21,7 +21,7 @@ generation's finish (function, arguments, call id, generation and token span:
 :class:`CallRecorder`); calls and results a client supplies are ``tool.called`` /
 ``tool.result`` events with ``supplied_by: "client"`` (:func:`called_event`,
 :func:`result_event`). The wires say how their messages map onto these:
-transports/http/openai/tools.py and transports/grpc/evergreen.py.
+transports/http/openai/tools.py and transports/grpc/evergreen_calls.py.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sessiontape.core.constraint import Constraint, bounded_integers
-from sessiontape.core.errors import InvalidParameters
+from sessiontape.core.errors import InvalidTool
 from sessiontape.core.events import NewEvent, T
 
 #: OpenAI's rule for a function's name
@@ -83,12 +83,12 @@ class ToolCall:
 
 
 def tool(name: Any, description: Any, parameters: Any, strict: Any) -> Tool:
-    """A :class:`Tool` from a request's fields; InvalidParameters for a bad one."""
+    """A :class:`Tool` from a request's fields; InvalidTool for a bad one."""
     if not isinstance(name, str) or not NAME.match(name):
-        raise InvalidParameters(f"tool name {name!r} must match [A-Za-z0-9_-]{{1,64}}")
+        raise InvalidTool(f"tool name {name!r} must match [A-Za-z0-9_-]{{1,64}}")
     params = {"type": "object", "properties": {}} if parameters is None else parameters
     if not isinstance(params, Mapping):
-        raise InvalidParameters(f"tool {name}: parameters must be a JSON Schema object")
+        raise InvalidTool(f"tool {name}: parameters must be a JSON Schema object")
     return Tool(name, str(description or ""), dict(params), bool(strict))
 
 
@@ -230,14 +230,15 @@ def described(tools: Sequence[Tool]) -> str:
 def use_of(
     tools: Sequence[Tool], choice: str, parallel: bool, template_source: str | None
 ) -> ToolUse:
-    """The request's :class:`ToolUse`; InvalidParameters for a choice naming no tool."""
+    """The request's :class:`ToolUse`; InvalidTool for two tools of one name or a choice
+    naming no tool."""
     names = {t.name for t in tools}
     if len(names) != len(tools):
-        raise InvalidParameters("tools: two functions have the same name")
+        raise InvalidTool("tools: two functions have the same name")
     if choice not in ("auto", "none", "required") and choice not in names:
-        raise InvalidParameters(f"tool_choice names {choice!r}, which is not among the tools")
+        raise InvalidTool(f"tool_choice names {choice!r}, which is not among the tools")
     if choice == "required" and not tools:
-        raise InvalidParameters("tool_choice 'required' needs tools")
+        raise InvalidTool("tool_choice 'required' needs tools")
     native = template_source is not None and "tools" in template_source
     return ToolUse(tuple(tools), choice, parallel, CallFormat.for_template(template_source), native)
 

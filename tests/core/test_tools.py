@@ -8,7 +8,7 @@ import json
 import pytest
 
 from sessiontape.core.engine.interface import ChatFormat
-from sessiontape.core.errors import InvalidParameters
+from sessiontape.core.errors import InvalidTool
 from sessiontape.core.tools import (
     CallFormat,
     call_id,
@@ -72,11 +72,11 @@ def test_calls_are_written_read_back_and_constrained() -> None:
 
 
 def test_bad_tools_and_choices_are_refused() -> None:
-    with pytest.raises(InvalidParameters):
+    with pytest.raises(InvalidTool):
         tool("no spaces allowed", "", None, False)
-    with pytest.raises(InvalidParameters):
+    with pytest.raises(InvalidTool):
         use_of([WEATHER], "clock", True, None)
-    with pytest.raises(InvalidParameters):
+    with pytest.raises(InvalidTool):
         use_of([WEATHER, WEATHER], "auto", True, None)
 
 

@@ -21,7 +21,7 @@ from google.protobuf import json_format, message, struct_pb2
 
 from sessiontape.core.constraint import Constraint
 from sessiontape.core.engine.interface import MODEL_SAMPLED, SamplingParams
-from sessiontape.core.errors import InvalidParameters
+from sessiontape.core.errors import InvalidParameters, InvalidTool
 from sessiontape.core.tools import Tool, ToolUse, tool, use_of
 
 STRUCT_TYPE_URL = "type.googleapis.com/google.protobuf.Struct"
@@ -139,13 +139,13 @@ def _sampling(merged: Mapping[str, Any]) -> SamplingParams:
 
 
 def generate_config(configs: Sequence[Any]) -> GenerateConfig:
-    """GENERATE's configs, read and checked: a bad key, value, tool or tool grammar raises
-    (InvalidParameters, InvalidConstraint) before anything is recorded."""
+    """GENERATE's configs, read and checked: a bad key or value (InvalidParameters), tool
+    (InvalidTool) or tool grammar (InvalidConstraint) raises before anything is recorded."""
     merged = _merged(configs)
     params = _sampling(merged)
     if "tools" not in merged:
         if "tool_choice" in merged or "parallel_tool_calls" in merged:
-            raise InvalidParameters("GENERATE config: tool_choice without tools")
+            raise InvalidTool("GENERATE config: tool_choice without tools")
         return GenerateConfig(params)
     tools = [_tool(t) for t in merged["tools"]]
     choice = str(merged.get("tool_choice", "auto" if tools else "none"))
@@ -167,14 +167,14 @@ def _tool(spec: Any) -> Tool:
     optional ``"type": "function"``, or OpenAI's chat shape ``{"type": "function",
     "function": {...}}``."""
     if not isinstance(spec, Mapping):
-        raise InvalidParameters(f"GENERATE config: a tool must be an object, not {spec!r}")
+        raise InvalidTool(f"GENERATE config: a tool must be an object, not {spec!r}")
     if spec.get("type", "function") != "function":
-        raise InvalidParameters(f"GENERATE config: tool type {spec.get('type')!r} (only function)")
+        raise InvalidTool(f"GENERATE config: tool type {spec.get('type')!r} (only function)")
     f = spec.get("function", spec)
     if not isinstance(f, Mapping):
-        raise InvalidParameters("GENERATE config: a tool's function must be an object")
+        raise InvalidTool("GENERATE config: a tool's function must be an object")
     known = {"type", "function", "name", "description", "parameters", "strict"}
     unknown = sorted(set(f) - known)
     if unknown:
-        raise InvalidParameters(f"GENERATE config: unknown tool keys {unknown}")
+        raise InvalidTool(f"GENERATE config: unknown tool keys {unknown}")
     return tool(f.get("name"), f.get("description"), f.get("parameters"), f.get("strict"))

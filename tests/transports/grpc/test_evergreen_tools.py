@@ -223,8 +223,16 @@ async def test_auto_and_none_leave_text_as_text(client: EvergreenClient, server:
 
 
 BAD: list[Any] = [
-    pytest.param({"tools": [{"name": "no spaces", "parameters": WEATHER}]}, "tool name", id="name"),
-    pytest.param({"tools": [{"name": "f", "parameters": [1]}]}, "JSON Schema", id="params"),
+    pytest.param(
+        {"tools": [{"name": "no spaces", "parameters": WEATHER}]},
+        "invalid_tool: tool name",
+        id="name",
+    ),
+    pytest.param(
+        {"tools": [{"name": "f", "parameters": [1]}]},
+        "invalid_tool: tool f: parameters",
+        id="params",
+    ),
     pytest.param(
         {
             "tools": [
@@ -234,20 +242,36 @@ BAD: list[Any] = [
                 }
             ]
         },
-        "constraint",
+        "invalid_constraint: ",
         id="schema",
     ),
-    pytest.param({"tools": TOOLS, "tool_choice": "get_date"}, "not among the tools", id="choice"),
-    pytest.param({"tool_choice": "required"}, "without tools", id="choice-alone"),
-    pytest.param({"tools": TOOLS + TOOLS[:1]}, "same name", id="twice"),
-    pytest.param({"tools": [{"name": "f", "argz": {}}]}, "unknown tool keys", id="key"),
-    pytest.param({"tools": [{"type": "web_search"}]}, "only function", id="type"),
+    pytest.param(
+        {"tools": TOOLS, "tool_choice": "get_date"},
+        "invalid_tool: tool_choice names 'get_date'",
+        id="choice",
+    ),
+    pytest.param(
+        {"tool_choice": "required"},
+        "invalid_tool: GENERATE config: tool_choice without tools",
+        id="choice-alone",
+    ),
+    pytest.param({"tools": TOOLS + TOOLS[:1]}, "invalid_tool: tools: two functions", id="twice"),
+    pytest.param(
+        {"tools": [{"name": "f", "argz": {}}]},
+        "invalid_tool: GENERATE config: unknown tool keys",
+        id="key",
+    ),
+    pytest.param({"tools": [{"type": "web_search"}]}, "(only function)", id="type"),
     pytest.param(
         {"tools": TOOLS, "tool_choice": "required", "constraint": {"regex": "[0-9]+"}},
-        "cannot be combined",
+        "invalid_parameters: GENERATE config: a constraint and tools",
         id="constraint",
     ),
-    pytest.param({"tools": TOOLS, "parallel_tool_calls": "yes"}, "wrong type", id="parallel"),
+    pytest.param(
+        {"tools": TOOLS, "parallel_tool_calls": "yes"},
+        "invalid_parameters: GENERATE config 'parallel_tool_calls' has the wrong type",
+        id="parallel",
+    ),
 ]
 
 
