@@ -210,9 +210,6 @@ class _Stream:
     # Runtime mutations are shielded: a cancelled caller must not leave a
     # commit half-applied (the log has it, the cached state would not).
 
-    async def _record_in(self, frags: list[FragmentIn]) -> None:
-        await asyncio.shield(self.runtime.nodes.append_fragments(self.sid, frags, "in"))
-
     # -- reader --
 
     async def _read(self, requests: AsyncIterator[evergreen_pb2.SessionMessage]) -> None:
@@ -389,7 +386,12 @@ class _Stream:
         def with_run(st: SessionState, tokens: list[int], last: bool) -> Sequence[NewEvent]:
             made = reply.run(st, tokens, last)
             new = fragment(st, tokens, last)
-            return new if self.stopping else [*new, *made]
+            if self.stopping:
+                reply.sent = []  # not recorded
+                return new
+            return [*new, *made]
+
+        outs = {oid for _, oid in act.outputs}
 
         runs = cast(
             AsyncGenerator[list[Event], None],
@@ -413,13 +415,15 @@ class _Stream:
                 completed = completed or any(ev.type == T.ACTION_COMPLETED for ev in run)
                 if self.stopping:
                     if completed:
-                        return True  # the action is whole in the log: not cancelled
+                        # the action is whole in the log: not cancelled (its calls are)
+                        self.unfinished.extend(c.action_id for c in reply.sent)
+                        return True
                     raise _Stopped
-                if any(ev.type == T.NODE_FRAGMENT for ev in run):
+                if any(ev.type == T.NODE_FRAGMENT and ev.body["id"] in outs for ev in run):
                     await self._send(sent.popleft())
         if not completed:
             await self._emit(act, seq, text.finish(), continued=False, reply=reply)
-        if reply.sent:
+        if reply.sent:  # recorded: now sent, and waited for
             self.calls.add(reply.sent)
             self.unfinished.extend(c.action_id for c in reply.sent)
             self.changed.set()

@@ -349,3 +349,30 @@ async def test_a_result_in_parts_is_recorded_when_its_last_part_arrives(
     [part2] = [e for e in log if e.type == T.NODE_FRAGMENT and e.body["id"] == "part2"]
     assert result.version == part2.version + 1
     assert log[result.version].type == T.ACTION_COMPLETED  # (versions count from 1)
+
+
+async def test_a_generate_without_outputs_still_sends_its_calls(
+    client: EvergreenClient, server: Served
+) -> None:
+    out = await exchange(
+        client,
+        server.runtime,
+        msg(
+            actions=[
+                action(
+                    "GENERATE",
+                    inputs={"prompt": "p"},
+                    configs=[
+                        sampling_config(max_tokens=120, seed=5, tools=TOOLS, tool_choice="required")
+                    ],
+                )
+            ],
+            fragments=text_fragments("p", "Weather?", parts=1),
+        ),
+    )
+    assert out.code == grpc.StatusCode.OK, out.details
+    calls = [a for m in out.received for a in m.actions]
+    assert calls and all(a.name in SCHEMAS for a in calls)
+    for a in calls:
+        jsonschema.validate(json.loads(out.nodes[a.inputs[0].id]), SCHEMAS[a.name])
+    assert len(out.of(T.TOOL_CALLED)) == len(calls)
