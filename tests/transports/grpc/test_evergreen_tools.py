@@ -14,6 +14,8 @@ import grpc
 import jsonschema
 import pytest
 from google.protobuf import json_format, struct_pb2
+from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import strategies as st
 
 from sessiontape.core.audit import audit_session
 from sessiontape.core.document.fold import build_document
@@ -31,6 +33,7 @@ from sessiontape.transports.grpc.client import (
 )
 from sessiontape.transports.grpc.gen.evergreen.v2 import evergreen_pb2
 from tests.helpers.evergreen import exchange, msg
+from tests.helpers.schemas import STRICT_SCHEMAS
 from tests.transports.grpc.conftest import Served
 
 WEATHER = {
@@ -376,3 +379,42 @@ async def test_a_generate_without_outputs_still_sends_its_calls(
     for a in calls:
         jsonschema.validate(json.loads(out.nodes[a.inputs[0].id]), SCHEMAS[a.name])
     assert len(out.of(T.TOOL_CALLED)) == len(calls)
+
+
+@seed(51)
+@settings(
+    max_examples=15,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(schema=STRICT_SCHEMAS, gen_seed=st.integers(0, 2**32), parallel=st.booleans())
+async def test_every_call_s_arguments_validate_against_its_schema(
+    client: EvergreenClient, server: Served, schema: dict[str, Any], gen_seed: int, parallel: bool
+) -> None:
+    # the schemas travel in a Struct (numbers as doubles) and come out as they went in
+    tools = [{"name": "first", "parameters": schema}, {"name": "second", "parameters": TIME}]
+    out = await exchange(
+        client,
+        server.runtime,
+        msg(
+            actions=[
+                generate(
+                    "p",
+                    "r",
+                    tools=tools,
+                    tool_choice="required",
+                    parallel_tool_calls=parallel,
+                    temperature=0.8,
+                    max_tokens=600,
+                    seed=str(gen_seed),
+                )
+            ],
+            fragments=text_fragments("p", "call", parts=1),
+        ),
+    )
+    assert out.code == grpc.StatusCode.OK, out.details
+    calls = [a for m in out.received for a in m.actions]
+    assert calls and (parallel or len(calls) == 1)
+    for a in calls:
+        args = json.loads(out.nodes[a.inputs[0].id])
+        jsonschema.validate(args, schema if a.name == "first" else TIME)
