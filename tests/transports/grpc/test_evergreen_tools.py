@@ -25,14 +25,13 @@ from sessiontape.core.runtime import Runtime
 from sessiontape.core.tools import FALLBACK_PROMPT
 from sessiontape.transports.grpc.client import (
     EvergreenClient,
-    EvergreenSession,
     action,
     fragment,
     sampling_config,
     text_fragments,
 )
 from sessiontape.transports.grpc.gen.evergreen.v2 import evergreen_pb2
-from tests.helpers.evergreen import exchange, msg
+from tests.helpers.evergreen import exchange, msg, until_calls
 from tests.helpers.schemas import STRICT_SCHEMAS
 from tests.transports.grpc.conftest import Served
 
@@ -74,14 +73,6 @@ def call_config(a: evergreen_pb2.Action) -> dict[str, Any]:
     s = struct_pb2.Struct()
     assert packed.Unpack(s)
     return dict(json_format.MessageToDict(s))
-
-
-async def until_calls(s: EvergreenSession) -> list[evergreen_pb2.Action]:
-    """Read until the server sends actions (the calls); fail if the stream ends first."""
-    async for m in s:
-        if m.actions:
-            return list(m.actions)
-    raise AssertionError("the stream ended without a call")
 
 
 async def events(rt: Runtime, sid: str) -> list[Event]:

@@ -28,8 +28,8 @@ from sessiontape.transports.grpc.client import (
 )
 from sessiontape.transports.grpc.gen.evergreen.v2 import evergreen_pb2
 from tests.helpers.config import free_port
+from tests.helpers.evergreen import until_calls
 from tests.helpers.serve import start, stop
-from tests.transports.grpc.test_evergreen_tools import until_calls
 
 WEATHER = {
     "type": "object",
