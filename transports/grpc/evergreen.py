@@ -37,7 +37,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-from sessiontape.core.bodies import action_id_of
+from sessiontape.core.bodies import NodeFragment, action_id_of, body
 from sessiontape.core.document.text import TextStream
 from sessiontape.core.engine.interface import SamplingParams
 from sessiontape.core.errors import (
@@ -419,7 +419,10 @@ class _Stream:
                         self.unfinished.extend(c.action_id for c in reply.sent)
                         return True
                     raise _Stopped
-                if any(ev.type == T.NODE_FRAGMENT and ev.body["id"] in outs for ev in run):
+                if any(
+                    ev.type == T.NODE_FRAGMENT and body(ev, NodeFragment)["id"] in outs
+                    for ev in run
+                ):
                     await self._send(sent.popleft())
         if not completed:
             await self._emit(act, seq, text.finish(), continued=False, reply=reply)
