@@ -423,14 +423,13 @@ class _Stream:
                     ev.type == T.NODE_FRAGMENT and body(ev, NodeFragment)["id"] in outs
                     for ev in run
                 ):
-                    await self._send(sent.popleft())
+                    # the output's final fragment goes with the calls, in one message
+                    last = any(ev.type == T.ACTION_COMPLETED for ev in run)
+                    await self._send(sent.popleft(), reply if last else None)
         if not completed:
             await self._emit(act, seq, text.finish(), continued=False, reply=reply)
-        if reply.sent:  # recorded: now sent, and waited for
-            self.calls.add(reply.sent)
-            self.unfinished.extend(c.action_id for c in reply.sent)
-            self.changed.set()
-            self.outbox.put_nowait(reply.message())
+        if reply.sent and not reply.announced:  # no output to go with
+            await self._send([], reply)
         return completed
 
     def _fragments(
@@ -462,14 +461,18 @@ class _Stream:
                 self.runtime.nodes.append_fragments(self.sid, frags, "out", then=reply.at_end)
             )
         if frags:
-            await self._send(frags)
+            await self._send(frags, reply)
 
-    async def _send(self, frags: list[FragmentIn]) -> None:
-        """Send recorded output fragments; wait while the client is behind."""
+    async def _send(self, frags: list[FragmentIn], reply: calls.ReplyCalls | None = None) -> None:
+        """Send recorded output fragments, with ``reply``'s recorded calls (their nodes and
+        actions, then waited for); wait while the client is behind."""
         self.changed.set()
-        self.outbox.put_nowait(
-            evergreen_pb2.SessionMessage(node_fragments=[fragment_out(f) for f in frags])
-        )
+        message = evergreen_pb2.SessionMessage(node_fragments=[fragment_out(f) for f in frags])
+        if reply is not None and reply.sent:
+            self.calls.add(reply.sent)
+            self.unfinished.extend(c.action_id for c in reply.sent)
+            reply.announce(message)
+        self.outbox.put_nowait(message)
         while self.outbox.qsize() > HIGH_WATER and not self.stopping:
             self.drained.clear()
             await self.drained.wait()

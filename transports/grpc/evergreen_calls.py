@@ -13,8 +13,9 @@ the generation's finish, the server records
   input ``arguments`` (that node), output ``result`` (a new id the client is to write),
   config a Struct ``{"call_id": ...}``,
 
-and then sends the nodes and actions in one message. The client runs the function and
-sends the ``result`` node (``text/*`` or ``application/json`` chunks, a leaf or a parent);
+and sends the nodes and actions in the message that carries the output's final fragment
+(so a client that sees that fragment knows every call of the reply). The client runs the
+function and sends the ``result`` node (``text/*`` or ``application/json`` chunks, a leaf or a parent);
 in the commit of the fragment that completes it, the server records ``tool.result``
 (``supplied_by: "client"``, the node's text as ``content``) and ``action.completed`` for
 the call. A later GENERATE reads calls and results like any node: the client lists them
@@ -161,6 +162,8 @@ class ReplyCalls:
         self.recorder = CallRecorder(detokenize, use)
         self.action_id = action_id
         self.sent: list[SentCall] = []
+        #: the calls went out (:meth:`announce`)
+        self.announced = False
 
     @property
     def wanted(self) -> bool:
@@ -195,12 +198,12 @@ class ReplyCalls:
         frags, _ = self.nodes.fragment_events(st, [arguments_fragment(c) for c in self.sent], "out")
         return [*called, *frags, *(submitted_event(c) for c in self.sent)]
 
-    def message(self) -> evergreen_pb2.SessionMessage:
-        """The message that sends the calls: their arguments nodes and actions."""
-        return evergreen_pb2.SessionMessage(
-            node_fragments=[arguments_message(c) for c in self.sent],
-            actions=[action_message(c) for c in self.sent],
-        )
+    def announce(self, message: evergreen_pb2.SessionMessage) -> None:
+        """Add the recorded calls to ``message`` (the one with the output's final
+        fragment): their arguments nodes and actions."""
+        message.node_fragments.extend(arguments_message(c) for c in self.sent)
+        message.actions.extend(action_message(c) for c in self.sent)
+        self.announced = True
 
 
 class Waiting:

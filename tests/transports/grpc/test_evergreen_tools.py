@@ -7,6 +7,7 @@ session document. Bad tool specs are INVALID_ARGUMENT and record nothing of thei
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +91,8 @@ async def test_a_tool_loop_call_result_and_the_next_generate(
             fragments=text_fragments("p1", "Weather in Oslo?", parts=1),
         )
         [call] = await until_calls(s)
+        # the call comes in the message that carries the reply's final fragment
+        assert any(f.id == "r1" and not f.continued for f in s.received[-1].node_fragments)
         nodes = {f.id: f for m in s.received for f in m.node_fragments}
         # the call: an action named after the function, its arguments a JSON node
         assert call.name in SCHEMAS
@@ -409,3 +412,20 @@ async def test_every_call_s_arguments_validate_against_its_schema(
     for a in calls:
         args = json.loads(out.nodes[a.inputs[0].id])
         jsonschema.validate(args, schema if a.name == "first" else TIME)
+
+
+DOC = Path(__file__).resolve().parents[3] / "docs" / "protocols" / "evergreen.md"
+
+
+async def test_the_documented_tool_loop_runs_as_written(server: Served) -> None:
+    [block] = [
+        b for b in re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S) if "tool_loop" in b
+    ]
+    scope: dict[str, Any] = {}
+    exec(compile(block, str(DOC), "exec"), scope)
+    answer = await scope["tool_loop"](server.target)
+    assert answer
+    [sid] = [row.id for row in await server.runtime.reads.list_sessions()]
+    log = await events(server.runtime, sid)
+    [result] = [e for e in log if e.type == T.TOOL_RESULT]
+    assert result.body["content"].startswith("rain, 4 C in ")
