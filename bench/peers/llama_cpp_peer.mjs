@@ -8,7 +8,7 @@
 // Run:
 //
 //     node bench/peers/llama_cpp_peer.mjs --model PATH.gguf [--threads 2] [--context 2048] \
-//         [--peer-dir /tmp/llamapeer] [--job JSON]
+//         [--sequences 1] [--peer-dir /tmp/llamapeer] [--job JSON]
 //
 // (--peer-dir is the folder where `npm i` ran; /tmp/llamapeer unless given.)
 //
@@ -20,12 +20,21 @@
 //     "max_tokens": 24     new tokens to generate, greedily (temperature 0); EOG tokens do not
 //                          stop it, as sessiontape's engine with no stop ids does not stop
 //
+//     {"batch": [[1, 2, ...], ...], "max_tokens": 64, "stop_ids": [2]}   (with --sequences N
+//                          >= the batch's length) the prompts generated at once, greedily, each on
+//                          a sequence of its own in the one context (--context tokens per
+//                          sequence), each until max_tokens or one of stop_ids (included):
+//                          llama.cpp evaluates the sequences' pending tokens together, one batch
+//                          per step
+//
 // and each job prints one JSON line {"event": "result", ...}: the prompt's length (and for a
 // text prompt, its ids as llama.cpp tokenized it), the time to first token (the whole prompt
 // evaluated in one batch, plus sampling the first token: "prefill"), prefill tokens/s (prompt
 // tokens / that time), the time of each later token, decode tokens/s (tokens after the first /
 // their time), the generated ids, and this process's peak RSS so far (getrusage's maxrss, and
-// VmHWM from /proc/self/status). Each job starts from an empty KV cache.
+// VmHWM from /proc/self/status). Each job starts from an empty KV cache. A batch job's result
+// gives the wall time from the first prompt's start to the last token of all (wall_s), each
+// sequence's generated ids and its time to first token.
 //
 // Checked against tests/data/smollm2_reference.json (transformers, float32): llama.cpp tokenizes
 // all 8 recorded prompts to the same ids, and its greedy ids equal transformers' for all 24
@@ -40,7 +49,14 @@ import { createInterface } from "node:readline";
 import { pathToFileURL } from "node:url";
 
 function parseArgs(argv) {
-    const out = { threads: 2, context: 2048, peerDir: "/tmp/llamapeer", model: null, job: null };
+    const out = {
+        threads: 2,
+        context: 2048,
+        sequences: 1,
+        peerDir: "/tmp/llamapeer",
+        model: null,
+        job: null,
+    };
     for (let i = 0; i < argv.length; i++) {
         const a = argv[i];
         const next = () => {
@@ -50,6 +66,7 @@ function parseArgs(argv) {
         if (a === "--model") out.model = next();
         else if (a === "--threads") out.threads = Number(next());
         else if (a === "--context") out.context = Number(next());
+        else if (a === "--sequences") out.sequences = Number(next());
         else if (a === "--peer-dir") out.peerDir = next();
         else if (a === "--job") out.job = next();
         else throw new Error(`unknown argument ${a}`);
@@ -149,6 +166,49 @@ async function runJob(model, sequence, job) {
     };
 }
 
+async function generate(sequence, ids, maxTokens, stopIds, t0) {
+    // greedy from an empty history, until maxTokens or one of stopIds. Times are from t0.
+    await sequence.clearHistory();
+    const out = [];
+    let ttft = null;
+    const gen = sequence.evaluate(ids, { temperature: 0, yieldEogToken: true });
+    try {
+        for await (const token of gen) {
+            if (ttft === null) ttft = Number(process.hrtime.bigint() - t0) / 1e9;
+            out.push(token);
+            if (out.length >= maxTokens || stopIds.has(token)) break;
+        }
+    } finally {
+        await gen.return?.();
+    }
+    return { ids: out, ttft_s: ttft, done_s: Number(process.hrtime.bigint() - t0) / 1e9 };
+}
+
+async function runBatch(sequences, job) {
+    const prompts = job.batch.map((p) => p.map(Number));
+    if (prompts.length > sequences.length)
+        throw new Error(`a batch of ${prompts.length} needs --sequences ${prompts.length}`);
+    const maxTokens = Number(job.max_tokens ?? 64);
+    if (!(maxTokens >= 1)) throw new Error("max_tokens must be >= 1");
+    const stopIds = new Set((job.stop_ids ?? []).map(Number));
+    const t0 = process.hrtime.bigint();
+    const runs = await Promise.all(
+        prompts.map((ids, i) => generate(sequences[i], ids, maxTokens, stopIds, t0)),
+    );
+    const wallS = Number(process.hrtime.bigint() - t0) / 1e9;
+    const tokens = runs.reduce((a, r) => a + r.ids.length, 0);
+    return {
+        event: "result",
+        wall_s: wallS,
+        tokens,
+        tok_s: tokens / wallS,
+        prompt_tokens: prompts.reduce((a, p) => a + p.length, 0),
+        ids: runs.map((r) => r.ids),
+        ttft_s: runs.map((r) => r.ttft_s),
+        ...peakRss(),
+    };
+}
+
 async function main() {
     const args = parseArgs(process.argv.slice(2));
     const t0 = process.hrtime.bigint();
@@ -164,16 +224,17 @@ async function main() {
     const model = await llama.loadModel({ modelPath: args.model, gpuLayers: 0 });
     const context = await model.createContext({
         contextSize: args.context,
-        sequences: 1,
+        sequences: args.sequences,
         threads: { ideal: args.threads, min: args.threads },
     });
-    const sequence = context.getSequence();
+    const sequences = Array.from({ length: args.sequences }, () => context.getSequence());
     const loadS = Number(process.hrtime.bigint() - t0) / 1e9;
     emit({
         event: "loaded",
         load_s: loadS,
         gpu: llama.gpu,
         threads: context.currentThreads,
+        sequences: args.sequences,
         context: context.contextSize,
         batch: context.batchSize,
         llama_cpp_release: llama.llamaCppRelease?.release ?? null,
@@ -184,13 +245,13 @@ async function main() {
         ...peakRss(),
     });
     if (args.job != null) {
-        emit(await runJob(model, sequence, JSON.parse(args.job)));
+        emit(await run(model, sequences, JSON.parse(args.job)));
     } else {
         const lines = createInterface({ input: process.stdin, crlfDelay: Infinity });
         for await (const line of lines) {
             if (!line.trim()) continue;
             try {
-                emit(await runJob(model, sequence, JSON.parse(line)));
+                emit(await run(model, sequences, JSON.parse(line)));
             } catch (err) {
                 emit({ event: "error", error: String(err?.stack ?? err) });
             }
@@ -199,6 +260,10 @@ async function main() {
     await context.dispose();
     await model.dispose();
     await llama.dispose();
+}
+
+function run(model, sequences, job) {
+    return Array.isArray(job.batch) ? runBatch(sequences, job) : runJob(model, sequences[0], job);
 }
 
 main().catch((err) => {

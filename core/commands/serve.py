@@ -150,9 +150,10 @@ def register(sub: Any) -> None:
     )
     s.add_argument(
         "--attention",
-        choices=("gqa", "masked"),
-        help="an imported model's attention: gqa (default, fastest alone) or masked "
-        "(continuous batching of many sessions)",
+        choices=("auto", "gqa", "masked"),
+        help="an imported model's attention: masked (continuous batching of many sessions), "
+        "gqa (one fused kernel, no batching) or auto (default: masked where the engine "
+        "batches, on the CPU; gqa on CUDA)",
     )
     s.add_argument(
         "--grpc", metavar="HOST:PORT", help="gRPC listen address (default 127.0.0.1:50051)"

@@ -65,7 +65,12 @@ from sessiontape.engines.onnx.attention import attention, rms, slot_mask, softca
 from sessiontape.engines.onnx.graph import MS, Graph
 from sessiontape.engines.weights import QuantMatrix, Tensor, Weights
 
+#: an input (default 0) naming the first row the output head computes: ``logits`` holds
+#: the rows from it on
+LOGITS_FROM = "logits_from"
+
 __all__ = [
+    "LOGITS_FROM",
     "build_static",
     "gather_blocks",
     "graph_io",
@@ -318,6 +323,24 @@ def graph_io(
     return inputs, outs
 
 
+def _head(g: Graph, spec: ModelSpec, xn: str, weights: Weights) -> None:
+    """``logits``: the output head, with final soft-capping where the model has it."""
+    # a float16 graph's head runs in float16 too: a float32 head (a cast of the final norm's
+    # output, a float32 matrix) comes no closer to the float32 path on SmolLM2-135M
+    logits = _inner(spec, "logits")
+    # the head runs on the rows from ``logits_from`` on (an input with a default of 0, so a
+    # runner that does not feed it gets every row): a prefill chunk needs only its last rows'
+    # logits, and the head is the largest matrix of a small model (Gemma 3 270M: 62% of the
+    # weights), so a prompt's other rows skip it
+    xn = g.op("Slice", [xn, LOGITS_FROM, g.i64("c_rows_end", 2**62), "c_axis1"])
+    if spec.final_softcap:
+        raw = g.linear(xn, "lm_head", weights("lm_head"), spec.accuracy_level, None, spec.np_float)
+        cap = g.const("c_final_softcap", np.array(spec.final_softcap, spec.np_float))
+        softcap(g, raw, cap, logits)
+    else:
+        g.linear(xn, "lm_head", weights("lm_head"), spec.accuracy_level, logits, spec.np_float)
+
+
 def build_static(spec: ModelSpec, weights: Weights, graph: Graph | None = None) -> Any:
     """The static-layout ModelProto for ``spec``, asking ``weights`` for each tensor in turn.
 
@@ -328,7 +351,7 @@ def build_static(spec: ModelSpec, weights: Weights, graph: Graph | None = None) 
     scale folded into q's weights), one for gate and up, and no shape
     arithmetic, so every node stays on the device.
     """
-    from onnx import helper
+    from onnx import TensorProto, helper
 
     g = graph or Graph()
     check_features(spec)
@@ -346,8 +369,6 @@ def build_static(spec: ModelSpec, weights: Weights, graph: Graph | None = None) 
             name="c_scatter_at",
         )
     if spec.attention == "gqa":
-        from onnx import TensorProto
-
         last = g.op("ReduceMax", ["position_ids", "c_axis1"], keepdims=0)
         g.op("Cast", [last], to=TensorProto.INT32, name="c_seqlens_k")
         total = g.op("Add", [g.op("ReduceMax", ["position_ids"], keepdims=0), "c_one_s"])
@@ -377,17 +398,14 @@ def build_static(spec: ModelSpec, weights: Weights, graph: Graph | None = None) 
             eps,
             _inner(spec, f"hidden_states.{i + 1}"),
         )
-    # a float16 graph's head runs in float16 too: a float32 head (a cast of the final norm's
-    # output, a float32 matrix) comes no closer to the float32 path on SmolLM2-135M
-    logits = _inner(spec, "logits")
-    if spec.final_softcap:
-        raw = g.linear(xn, "lm_head", weights("lm_head"), spec.accuracy_level, None, spec.np_float)
-        cap = g.const("c_final_softcap", np.array(spec.final_softcap, spec.np_float))
-        softcap(g, raw, cap, logits)
-    else:
-        g.linear(xn, "lm_head", weights("lm_head"), spec.accuracy_level, logits, spec.np_float)
+    _head(g, spec, xn, weights)
     _to_outputs(g, spec)
     inputs, outs = graph_io(spec)
+    g.i64(LOGITS_FROM, 0)
+    inputs.append(helper.make_tensor_value_info(LOGITS_FROM, TensorProto.INT64, [1]))
+    outs[0] = helper.make_tensor_value_info(
+        "logits", TensorProto.FLOAT, ["batch", "logit_rows", spec.vocab]
+    )
     graph_proto = helper.make_graph(g.nodes, f"sessiontape-{spec.name}", inputs, outs, g.inits)
     model = helper.make_model(
         graph_proto,

@@ -172,19 +172,31 @@ class OnnxEngine(Engine):
     # -- generation --------------------------------------------------------
 
     def _advance(
-        self, r: Run, upto: int, hidden_layers: Sequence[int], guesses: Sequence[int] = ()
+        self,
+        r: Run,
+        upto: int,
+        hidden_layers: Sequence[int],
+        guesses: Sequence[int] = (),
+        logits_at: int = 0,
     ) -> tuple[PassResult, int]:
         """Run ``r.hist[r.base_len:upto]`` (then ``guesses``) on ``r.base``; returns the pass and its first position.
 
         Runs in a worker thread. A pass whose rows are all real becomes the
         next base as it is, so steady decoding alternates [token, pad] and
         [previous token again, token] passes and never copies the KV to drop
-        a padding row.
+        a padding row. ``logits_at``: the first position whose logits the caller reads (a
+        runner may skip the output head on the rows before it; ``PassResult.row_logits``).
         """
         start = r.base_len
         if r.base.length != start and not self.runner.static:
             r.base = self.runner.trim(r.base, start)
-        res = self.runner.run(r.base, start, [*r.hist[start:upto], *guesses], tuple(hidden_layers))
+        res = self.runner.run(
+            r.base,
+            start,
+            [*r.hist[start:upto], *guesses],
+            tuple(hidden_layers),
+            max(0, logits_at - start),
+        )
         if res.end == upto or self.runner.static:
             # a static buffer holds every real position the pass wrote; padding lies past them
             r.base, r.base_len = res.kv, upto
@@ -421,21 +433,25 @@ class OnnxEngine(Engine):
             end = min(n, pos + self.prefill_chunk)
             wants_readout = _positions(options.readout_ranges, pos, end)
             layers = self._readout_layers if wants_readout else ()
-            res, start = await self._in_worker(self._advance, r, end, layers)
+            # the head runs only on the rows whose logits are used: the chunk's last (the
+            # next token's) and those of the prompt logprobs asked for
+            need = [p for p in range(pos, end - 1) if p + 1 in want.logprobs]
+            first = need[0] if need else end - 1
+            res, start = await self._in_worker(self._advance, r, end, layers, (), first)
             self.passes += 1
             self.positions_computed += end - pos
             self.cache.store(entry, hist[:end], res.kv)
             for p in range(pos, end):
                 row = p - start
                 if p + 1 in want.logprobs:
-                    logp = log_softmax(res.logits[row])
+                    logp = log_softmax(res.row_logits(row))
                     got.logprobs[p + 1] = (
                         float(logp[hist[p + 1]]),
                         top_logprobs(logp, options.logprob_top_k),
                     )
                 if layers and p in want.readouts:
                     got.readouts[p] = self._readout(res, row)
-            r.last = res.logits[end - 1 - start]
+            r.last = res.row_logits(end - 1 - start)
             pos = end
         return got
 

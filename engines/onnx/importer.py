@@ -42,7 +42,7 @@ from sessiontape.engines.onnx.model import hash_file
 log = logging.getLogger("sessiontape.engines.models")
 
 #: bump when the graph or the folder's files change, so caches rebuild
-IMPORTER_VERSION = 8
+IMPORTER_VERSION = 9
 MODEL_TYPE = "sessiontape-import"
 #: the graph's attention: one GroupQueryAttention per layer (fastest alone), or separate
 #: operators masked by position (continuous batching stays bit-exact)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -127,13 +128,13 @@ def load_model(o: OnnxOptions) -> Loaded:
 
 def open_model(o: OnnxOptions) -> Opened:
     """Find the model folder, open its session and read the vocabulary size and padding token."""
-    folder = model_folder(o.model, o.model_dir, o.size, o.dtype, o.attention)
-    path = folder / "model.onnx"
-    if not path.exists():
-        raise ConfigError(f"no model.onnx in {folder}")
     ort = quiet_ort()
     preload_cuda(ort, o.providers)
     chosen = choose_providers(o.providers)
+    folder = model_folder(o.model, o.model_dir, o.size, o.dtype, import_attention(o, chosen))
+    path = folder / "model.onnx"
+    if not path.exists():
+        raise ConfigError(f"no model.onnx in {folder}")
     # onnxruntime's own default counts physical cores, which leaves half of a hyper-threaded VM idle
     threads = (os.cpu_count() or 1) if o.intra_op_threads is None else o.intra_op_threads
     sess = open_session(str(path), chosen, threads, o.inter_op_threads, o.spinning)
@@ -150,6 +151,22 @@ def open_model(o: OnnxOptions) -> Opened:
     if pad is None or not 0 <= pad < int(vocab):
         pad = min(PAD, int(vocab) - 1)
     return Opened(folder, ort, chosen, threads, sess, spec, provider, facts, int(vocab), pad)
+
+
+def import_attention(o: OnnxOptions, providers: Sequence[str]) -> str:
+    """The attention a model is imported with: the option's, or for ``auto`` ``masked`` where
+    the engine will batch sessions (growing buffers on the CPU, ``batch_slots`` not 0), else
+    ``gqa`` (a CUDA provider or a fixed pass shape, where nothing batches).
+
+    With 8 chat users at once, batching makes about twice the tokens a second of one
+    session at a time, while a lone session decodes within a few percent of ``gqa``
+    (docs/performance.md); where nothing batches, ``gqa``'s one fused kernel is the faster.
+    """
+    if o.attention != "auto":
+        return o.attention
+    fixed = bool(providers) and providers[0] == CUDA
+    fixed = fixed or o.pass_rows is not None or o.kv_capacity is not None
+    return "gqa" if fixed or o.batch_slots == 0 else "masked"
 
 
 def context_limit(m: Opened, o: OnnxOptions) -> int:

@@ -39,10 +39,11 @@ class OnnxOptions(SamplingOptions):
         choices=DTYPES,
     )
     attention: str = option(
-        "gqa",
-        "an imported model's attention: `gqa` (one fused operator per layer, the fastest "
-        "single session) or `masked` (continuous batching, bit-exact)",
-        choices=ATTENTIONS,
+        "auto",
+        "an imported model's attention: `masked` (continuous batching, bit-exact), `gqa` "
+        "(one fused operator per layer, no batching) or `auto`: `masked` where the engine "
+        "batches (the CPU's growing buffers), else `gqa` (docs/models.md)",
+        choices=("auto", *ATTENTIONS),
     )
     model_dir: Path | None = option(
         None,

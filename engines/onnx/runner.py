@@ -178,6 +178,15 @@ class PassResult:
     kv: KV
     #: one past the last position the pass wrote (real, guessed and padding rows)
     end: int
+    #: the pass row of ``logits[0]``: the head ran on the rows from this one on
+    logits_from: int = 0
+
+    def row_logits(self, row: int) -> F32:
+        """The logits of the pass's row ``row`` (one the head ran on)."""
+        if row < self.logits_from:
+            raise EngineError(f"the pass computed logits from row {self.logits_from}, not {row}")
+        out: F32 = self.logits[row - self.logits_from]
+        return out
 
 
 class Runner:
@@ -228,9 +237,15 @@ class Runner:
         return KV(t, keep, self._nbytes(keep))
 
     def run(
-        self, kv: KV, keep: int, tokens: Sequence[int], hidden_layers: Sequence[int]
+        self,
+        kv: KV,
+        keep: int,
+        tokens: Sequence[int],
+        hidden_layers: Sequence[int],
+        logits_from: int = 0,
     ) -> PassResult:
-        """Run ``tokens`` at positions ``keep..`` on the first ``keep`` positions of ``kv``."""
+        """Run ``tokens`` at positions ``keep..`` on the first ``keep`` positions of ``kv``
+        (every row's logits: ``logits_from`` is a hint this runner does not take)."""
         n = len(tokens)
         ids = list(tokens) + [self.pad_token] * max(0, self.min_rows - n)
         rows = len(ids)

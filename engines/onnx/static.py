@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from sessiontape.core.errors import EngineError
+from sessiontape.engines.onnx.decoder import LOGITS_FROM
 from sessiontape.engines.onnx.kvcache import KV
 from sessiontape.engines.onnx.model import GraphSpec
 from sessiontape.engines.onnx.runner import CUDA, PassResult, quiet_ort, run_host_bound
@@ -86,6 +87,11 @@ class StaticRunner:
         ]
         self.present = [f"present.{i}.{k}" for i in range(spec.layers) for k in ("key", "value")]
         self.hidden_names = [f"hidden_states.{i}" for i in spec.hidden_layers]
+        #: the graph takes ``logits_from`` (an imported model's does): a growing pass may
+        #: ask for the logits of its last rows only
+        self.logits_from = any(
+            i.name == LOGITS_FROM for i in getattr(sess, "get_overridable_initializers", list)()
+        )
         self.dtype = np.dtype(spec.kv_dtype)
         self._free: list[tuple[Any, ...]] = []
         self._sets: list[tuple[Any, ...]] = []
@@ -227,13 +233,25 @@ class StaticRunner:
         return io
 
     def run(
-        self, kv: KV, keep: int, tokens: Sequence[int], hidden_layers: Sequence[int]
+        self,
+        kv: KV,
+        keep: int,
+        tokens: Sequence[int],
+        hidden_layers: Sequence[int],
+        logits_from: int = 0,
     ) -> PassResult:
-        """Run ``tokens`` at positions ``keep..`` on ``kv`` (written in place); pads fill the rest."""
+        """Run ``tokens`` at positions ``keep..`` on ``kv`` (written in place); pads fill the rest.
+
+        ``logits_from``: the first row whose logits the caller needs. On growing buffers, with
+        a graph that takes it, the output head runs on the rows from there on (at least
+        ``min_rows`` of them, so a row's bits are those of any other pass); else on all."""
         n = len(tokens)
         rows = self.rows or max(n, self.min_rows)
         if n > rows:
             raise EngineError(f"a pass holds at most {rows} tokens, not {n}")
+        first = 0
+        if self.logits_from and not self.fixed and self.spec.vocab_size is not None:
+            first = max(0, min(int(logits_from), n - 1, rows - self.min_rows))
         if not self.fixed:
             kv = self._grown(kv, keep + rows)
         cap = kv.length
@@ -245,7 +263,7 @@ class StaticRunner:
                 if self.fixed:
                     logits, hidden = self._run_fixed(kv, ids, pos, hidden_layers)
                 else:
-                    logits, hidden = self._run_grown(kv, ids, pos, hidden_layers)
+                    logits, hidden = self._run_grown(kv, ids, pos, hidden_layers, first)
         except EngineError:
             raise
         except Exception as exc:
@@ -253,10 +271,11 @@ class StaticRunner:
         # copies: on the CPU an OrtValue's numpy() is a view of the bound output, which the next
         # pass (of any session) overwrites
         return PassResult(
-            logits=np.array(logits[:n]),
+            logits=np.array(logits[: n - first]),
             hidden={i: np.array(h[:n]) for i, h in hidden.items()},
             kv=kv,
             end=keep + rows,
+            logits_from=first,
         )
 
     def _bind_kv(self, b: Any, kv: KV) -> None:
@@ -265,7 +284,7 @@ class StaticRunner:
             b.bind_ortvalue_output(present, t)
 
     def _run_grown(
-        self, kv: KV, ids: Any, pos: Any, hidden_layers: Sequence[int]
+        self, kv: KV, ids: Any, pos: Any, hidden_layers: Sequence[int], first: int = 0
     ) -> tuple[Any, dict[int, Any]]:
         """One pass over a growing buffer set, through a binding kept for the last buffer set
         and pass shape (a session decoding binds its layers once, not every pass, and reads
@@ -281,7 +300,7 @@ class StaticRunner:
                 hidden_layers,
             )
             return logits[0], {i: h[0] for i, h in hidden.items()}
-        key = (id(kv.tensors), ids.shape[1], tuple(hidden_layers))
+        key = (id(kv.tensors), ids.shape[1], tuple(hidden_layers), first)
         bound = self._grown_binding
         if bound is None or bound.key != key or bound.tensors is not kv.tensors:
             bound = self._grown_binding = self._bind_grown(kv, ids.shape[1], hidden_layers, key)
@@ -292,18 +311,26 @@ class StaticRunner:
         return bound.logits[0].copy(), {i: h[0].copy() for i, h in bound.hidden.items()}
 
     def _bind_grown(
-        self, kv: KV, rows: int, hidden_layers: Sequence[int], key: tuple[int, int, tuple[int, ...]]
+        self,
+        kv: KV,
+        rows: int,
+        hidden_layers: Sequence[int],
+        key: tuple[int, int, tuple[int, ...], int],
     ) -> _GrownBinding:
         ort = quiet_ort()
         b = self.sess.io_binding()
         ids = np.zeros((1, rows), np.int64)
         pos = np.zeros((1, rows), np.int64)
         mask = np.ones((1, kv.length), np.int64)
-        for name, arr in (("input_ids", ids), ("position_ids", pos), ("attention_mask", mask)):
+        first = key[3]
+        feeds = [("input_ids", ids), ("position_ids", pos), ("attention_mask", mask)]
+        if self.logits_from:
+            feeds.append((LOGITS_FROM, np.array([first], np.int64)))
+        for name, arr in feeds:
             b.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(arr))
         self._bind_kv(b, kv)
         assert self.spec.vocab_size is not None
-        logits = np.empty((1, rows, self.spec.vocab_size), np.float32)
+        logits = np.empty((1, rows - first, self.spec.vocab_size), np.float32)
         b.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
         hidden: dict[int, Any] = {}
         for i in hidden_layers:
@@ -386,7 +413,7 @@ def _copy_model(count: int, dtype: Any) -> bytes:
 class _GrownBinding:
     """A growing pass's I/O binding: its buffer set, host inputs and bound outputs."""
 
-    key: tuple[int, int, tuple[int, ...]]
+    key: tuple[int, int, tuple[int, ...], int]
     tensors: Any
     binding: Any
     ids: Any

@@ -133,7 +133,9 @@ def test_float16_from_the_command_line_and_the_engine_option(
     monkeypatch.setenv("SESSIONTAPE_CACHE", str(tmp_path / "cache"))
     eng = OnnxEngine(model=str(tiny_gguf), dtype="float16", intra_op_threads=1)
     try:
-        assert "-float16-gqa-" in Path(eng.model_dir).name
+        # attention "auto": masked where sessions batch (the CPU), gqa on CUDA
+        kind = "gqa" if eng.info.provider.startswith("CUDA") else "masked"
+        assert f"-float16-{kind}-" in Path(eng.model_dir).name
         assert np.dtype(eng.spec.kv_dtype) == np.float16
     finally:
         asyncio.run(eng.aclose())
@@ -189,3 +191,69 @@ def test_serve_with_a_missing_model_says_so_in_one_line(tmp_path: Path) -> None:
     assert proc.returncode != 0 and "missing.gguf does not exist" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not db.exists()
+
+
+def test_the_engine_imports_masked_attention_where_it_batches_and_gqa_where_not(
+    tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``attention = "auto"`` (the default): a CPU engine, which batches sessions, serves the
+    masked graph and batches; with batching off, a CUDA provider or a fixed pass shape,
+    nothing batches and it serves GroupQueryAttention; a named attention is kept."""
+    from sessiontape.engines.onnx.engine import OnnxEngine
+    from sessiontape.engines.onnx.loading import import_attention
+    from sessiontape.engines.onnx.options import OnnxOptions
+    from sessiontape.engines.onnx.runner import CPU, CUDA
+
+    monkeypatch.setenv("SESSIONTAPE_CACHE", str(tmp_path))
+    assert OnnxOptions().attention == "auto"
+    assert import_attention(OnnxOptions(), [CPU]) == "masked"
+    assert import_attention(OnnxOptions(), [CUDA, CPU]) == "gqa"
+    assert import_attention(OnnxOptions(batch_slots=0), [CPU]) == "gqa"
+    assert import_attention(OnnxOptions(pass_rows=8), [CPU]) == "gqa"
+    assert import_attention(OnnxOptions(kv_capacity=128), [CPU]) == "gqa"
+    assert import_attention(OnnxOptions(attention="gqa"), [CPU]) == "gqa"
+    assert import_attention(OnnxOptions(attention="masked"), [CUDA, CPU]) == "masked"
+    for options, kind, batched in (
+        ({}, "masked", True),
+        ({"batch_slots": 0}, "gqa", False),
+        ({"attention": "gqa"}, "gqa", False),
+    ):
+        eng = OnnxEngine(model=str(tiny_gguf), providers="CPUExecutionProvider", **options)
+        try:
+            folder = Path(eng.model_dir)
+            assert f"-{kind}-" in folder.name, (options, folder.name)
+            assert json.loads((folder / "config.json").read_text())["attention"] == kind
+            assert eng.info.extra["batch_slots"] == (8 if batched else 0), options
+        finally:
+            asyncio.run(eng.aclose())
+
+
+def test_a_prefill_runs_the_head_on_its_last_rows_with_the_bits_of_all_rows(
+    tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An imported graph computes logits from the row ``logits_from`` names (default 0): a
+    prefill pass asks for its last rows only, and gets the bits the head gives with every
+    row; it never gets fewer than ``min_rows`` rows (a lone row takes another kernel path)."""
+    import numpy as np
+
+    from sessiontape.core.errors import EngineError
+    from sessiontape.engines.onnx.engine import OnnxEngine
+    from sessiontape.engines.onnx.static import StaticRunner
+
+    monkeypatch.setenv("SESSIONTAPE_CACHE", str(tmp_path))
+    eng = OnnxEngine(model=str(tiny_gguf), providers="CPUExecutionProvider", batch_slots=0)
+    try:
+        runner = eng.runner
+        assert isinstance(runner, StaticRunner) and runner.logits_from
+        tokens = [5, 9, 17, 3, 22, 8, 1, 30, 12, 7]
+        full = runner.run(runner.empty(), 0, tokens, ())
+        assert full.logits_from == 0 and full.logits.shape[0] == len(tokens)
+        tail = runner.run(runner.empty(), 0, tokens, (), logits_from=len(tokens) - 1)
+        assert tail.logits_from == len(tokens) - runner.min_rows
+        assert tail.logits.shape[0] == runner.min_rows
+        for row in range(tail.logits_from, len(tokens)):
+            assert np.array_equal(tail.row_logits(row), full.row_logits(row))
+        with pytest.raises(EngineError, match="logits from row"):
+            tail.row_logits(0)
+    finally:
+        asyncio.run(eng.aclose())
