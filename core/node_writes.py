@@ -39,14 +39,14 @@ class NodeWrites:
         """Record Evergreen fragments; returns, per fragment, False for an ignored duplicate.
 
         All-or-nothing: if any fragment breaks a rule nothing is recorded. ``then`` (called
-        when a fragment is new or none is given, with a view of the state the fragments
-        are applied to; it must not change it) returns events that commit with the
-        fragments, after them; if it raises, nothing is recorded.
+        when a fragment is new, with a view of the state the fragments are applied to; it
+        must not change it) returns events that commit with the fragments, after them; if
+        it raises, nothing is recorded.
         """
         async with self.sessions.lock(session_id):
             st = await self.sessions.open_locked(session_id)
             new, kept = self.fragment_events(st, fragments, direction)
-            if then is not None and (new or not fragments):
+            if new and then is not None:
                 scratch = overlay(st)
                 for ne in new:
                     overlay_apply(scratch, st, ne.body, ne.data)

@@ -427,7 +427,7 @@ class _Stream:
                     last = any(ev.type == T.ACTION_COMPLETED for ev in run)
                     await self._send(sent.popleft(), reply if last else None)
         if not completed:
-            await self._emit(act, seq, text.finish(), continued=False, reply=reply)
+            await self._emit(act, seq, text.finish(), continued=False)
         if reply.sent and not reply.announced:  # no output to go with
             await self._send([], reply)
         return completed
@@ -448,20 +448,13 @@ class _Stream:
             for _, oid in act.outputs
         ]
 
-    async def _emit(
-        self, act: PendingAction, seq: int, text: str, *, continued: bool, reply: calls.ReplyCalls
-    ) -> None:
-        """Record and send an output fragment of its own (the last, after the run), with
-        the reply's calls when the generation's finish committed without a run."""
+    async def _emit(self, act: PendingAction, seq: int, text: str, *, continued: bool) -> None:
+        """Record and send an output fragment of its own (the last, after the run)."""
         frags = self._fragments(act, seq, text, continued=continued)
-        if self.stopping:
+        if not frags or self.stopping:
             return
-        if frags or reply.wanted:
-            await asyncio.shield(
-                self.runtime.nodes.append_fragments(self.sid, frags, "out", then=reply.at_end)
-            )
-        if frags:
-            await self._send(frags, reply)
+        await asyncio.shield(self.runtime.nodes.append_fragments(self.sid, frags, "out"))
+        await self._send(frags)
 
     async def _send(self, frags: list[FragmentIn], reply: calls.ReplyCalls | None = None) -> None:
         """Send recorded output fragments, with ``reply``'s recorded calls (their nodes and

@@ -147,9 +147,8 @@ def action_message(call: SentCall) -> evergreen_pb2.Action:
 
 class ReplyCalls:
     """The calls one GENERATE's reply makes: read from its tokens with the last run and
-    recorded in that run's commit (:meth:`run`, a part of the run hook), or, when the
-    generation's finish committed without a run, with the output's last fragment
-    (:meth:`at_end`). :attr:`sent` holds them once recorded."""
+    recorded in the commit of the generation's finish (:meth:`run`, a part of the run
+    hook). :attr:`sent` holds them once recorded."""
 
     def __init__(
         self,
@@ -175,13 +174,6 @@ class ReplyCalls:
             return []
         self._follow(st)
         return self._events(st, self.recorder(st, tokens, last))
-
-    def at_end(self, st: SessionState) -> list[NewEvent]:
-        """The events that record the reply's calls, when no run carried them."""
-        if not self.wanted or self.recorder.calls:
-            return []
-        self._follow(st)
-        return self._events(st, self.recorder(st, [], True))
 
     def _follow(self, st: SessionState) -> None:
         """Point the recorder at the action's generation (its start commits first)."""
