@@ -635,7 +635,7 @@ async def test_a_finish_after_the_last_run_still_brings_the_hooks_last_call(
             calls.append((len(tokens), last))
             return [NewEvent(T.NOTE, {"text": "last" if last else "run"})] if last else []
 
-        runs, failure = await _runs_with(rt, sid, hook, max_tokens=6)
+        _, failure = await _runs_with(rt, sid, hook, max_tokens=6)
         assert failure is None
         evs = await rt.log.read(sid)
         [fin] = [e for e in evs if e.type == T.GENERATION_FINISHED]
