@@ -123,6 +123,9 @@ class ActionSubmitted(TypedDict):
     outputs: ReadOnly[list[NamedNode]]
     target: ReadOnly[str]
     configs: ReadOnly[list[Any]]
+    #: who submitted it: absent or ``in`` for the client, ``out`` for the server (an
+    #: Evergreen tool call the model made, sent to the client to run)
+    direction: NotRequired[ReadOnly[Literal["in", "out"]]]
 
 
 class ActionCompleted(TypedDict):

@@ -18,6 +18,7 @@ each; ``code`` is the stable machine-readable name they all share.
     │   ├── InvalidImage             wrong pad run, or engine takes no images
     │   ├── InvalidParameters        bad sampling parameters
     │   ├── InvalidConstraint        a JSON Schema, regex or grammar llguidance refuses
+    │   ├── InvalidTool              a bad tool name or spec, two of a name, a choice naming none
     │   ├── InvalidValue             a value JSON cannot store exactly (NaN, >64-bit int, lone surrogate)
     │   └── InvalidPatch             a malformed or failing JSON Patch+ document
     ├── FailedPrecondition
@@ -155,6 +156,14 @@ class InvalidConstraint(InvalidArgument):
     asked to continue."""
 
     code = "invalid_constraint"
+
+
+class InvalidTool(InvalidArgument):
+    """A tool a model cannot be given: a name outside ``[A-Za-z0-9_-]{1,64}``, parameters
+    that are not a JSON Schema object, two tools of one name, a spec of an unknown shape,
+    or a ``tool_choice`` naming no tool (a schema llguidance refuses is InvalidConstraint)."""
+
+    code = "invalid_tool"
 
 
 class InvalidValue(InvalidArgument):

@@ -9,7 +9,7 @@ process moved the session on (:func:`stale_retry`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from sessiontape.core.errors import InvalidAction, ResourceExhausted
@@ -30,15 +30,27 @@ class NodeWrites:
 
     @stale_retry
     async def append_fragments(
-        self, session_id: str, fragments: Sequence[FragmentIn], direction: str = "in"
+        self,
+        session_id: str,
+        fragments: Sequence[FragmentIn],
+        direction: str = "in",
+        then: Callable[[SessionState], Sequence[NewEvent]] | None = None,
     ) -> list[bool]:
         """Record Evergreen fragments; returns, per fragment, False for an ignored duplicate.
 
-        All-or-nothing: if any fragment breaks a rule nothing is recorded.
+        All-or-nothing: if any fragment breaks a rule nothing is recorded. ``then`` (called
+        when a fragment is new, with a view of the state the fragments are applied to; it
+        must not change it) returns events that commit with the fragments, after them; if
+        it raises, nothing is recorded.
         """
         async with self.sessions.lock(session_id):
             st = await self.sessions.open_locked(session_id)
             new, kept = self.fragment_events(st, fragments, direction)
+            if new and then is not None:
+                scratch = overlay(st)
+                for ne in new:
+                    overlay_apply(scratch, st, ne.body, ne.data)
+                new.extend(then(scratch))
             if new:
                 await self.sessions.commit(st, new)
             return kept
@@ -82,7 +94,7 @@ class NodeWrites:
         configs: Sequence[Any] = (),
         action_id: str | None = None,
     ) -> Event:
-        """Record an action; output ids must be new node ids."""
+        """Record an action a client submitted; output ids must be new node ids."""
         async with self.sessions.lock(session_id):
             st = await self.sessions.open_locked(session_id)
             if not name:

@@ -19,7 +19,12 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
-from sessiontape.core.errors import InvalidFragment, NodeNotFound, ProtocolViolation
+from sessiontape.core.errors import (
+    InvalidAction,
+    InvalidFragment,
+    NodeNotFound,
+    ProtocolViolation,
+)
 from sessiontape.core.session.state import Node, SessionState
 
 
@@ -220,3 +225,33 @@ def flatten(state: SessionState, node_id: str) -> list[Chunk]:
 
     walk(node)
     return out
+
+
+#: mimetypes read as text besides ``text/*`` (a tool call's arguments, a JSON result)
+TEXT_MIMETYPES = frozenset({"application/json"})
+
+
+def text_of(state: SessionState, node_id: str, reader: str) -> str:
+    """The text of the node's leaves, flattened: ``text/*`` and ``application/json`` chunks
+    with inline UTF-8 data, end-of-turn markers (a mimetype with ``type=EndOfTurn``)
+    skipped. A ref, another mimetype or invalid UTF-8 is InvalidAction (``reader`` names
+    who reads it in the message)."""
+    parts: list[str] = []
+    for chunk in flatten(state, node_id):
+        mime = chunk.mimetype.split(";", 1)[0].strip().lower()
+        if "type=endofturn" in chunk.mimetype.replace(" ", "").lower():
+            continue  # a turn marker; the engine's history carries no separate token for it
+        if chunk.ref is not None:
+            raise InvalidAction(
+                f"{reader}: node {chunk.node_id} is a ref ({chunk.ref}); refs are not fetched"
+            )
+        if not mime.startswith("text/") and mime not in TEXT_MIMETYPES:
+            raise InvalidAction(
+                f"{reader}: node {chunk.node_id} has mimetype {chunk.mimetype!r};"
+                " only text/* and application/json are read"
+            )
+        try:
+            parts.append((chunk.data or b"").decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise InvalidAction(f"{reader}: node {chunk.node_id} is not UTF-8 text: {exc}") from exc
+    return "".join(parts)

@@ -218,9 +218,13 @@ class Conversation:
     def tool_called(self, b: ToolCalled) -> list[Op]:
         """A call the model made (a ``tool.called`` event): a turn of its own, after its
         reply, spanning the tokens its JSON came from. A call a client supplied is a turn
-        already: its request's."""
+        already: its request's. A call in a reply no chat request asked for (an Evergreen
+        GENERATE's) is no turn: its action and nodes show it."""
         span = b.get("span")
         if b.get("supplied_by") != "model" or not span:
+            return []
+        g = self._gens.get(str(b.get("generation_id")))
+        if g is None or g.turn is None:
             return []
         turn = _turn("tool_call", str(b["arguments"]), b.get("generation_id"), *span)
         turn["call"] = _call(b["call_id"], b["name"], b["arguments"], "model")

@@ -319,6 +319,7 @@ class DocumentBuilder:
             {
                 "id": act.id,
                 "name": act.name,
+                "direction": act.direction,
                 "target": act.target,
                 "configs": act.configs,
                 "inputs": [{"name": n, "id": i} for n, i in act.inputs],

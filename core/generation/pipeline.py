@@ -367,7 +367,8 @@ class TokenPipeline:
             new = [*first, *run]
             length = self.history_length + generated
             finish = self._finish_with_run(generated)
-            if self.with_run is not None and generated:
+            # (a last run may hold no generated token: the engine's end came on its own)
+            if self.with_run is not None and (generated or finish):
                 tokens = [s.token_id for s in steps if not s.is_prefill]
                 new.extend(self.with_run(self.st, tokens, bool(finish)))
             new.extend(finish)
@@ -458,8 +459,13 @@ class TokenPipeline:
         waits for its commit); returns what the caller is shown of it."""
         first = self._pending()
         async with self.rt.sessions.lock(self.sid):
+            # an end the last run did not carry (the engine's own end came after it): the
+            # run hook's last call, with no tokens, adds its events (a reply's calls, a final
+            # fragment) to this commit when the generation ended by eos, stop or length
+            ended = reason in ("eos", "stop", "length") and failure is None
+            last = [*self.with_run(self.st, [], True)] if ended and self.with_run else []
             evs = await self.rt.sessions.commit(
-                self.st, [*first, *self.finished_event(reason, failure)]
+                self.st, [*first, *last, *self.finished_event(reason, failure)]
             )
         return shown(evs, len(first))
 

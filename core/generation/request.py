@@ -17,13 +17,15 @@ from sessiontape.core.session.state import SessionState
 from sessiontape.core.tokens import ImageIn
 
 #: ``with_run(state, tokens, last) -> events``: called under the session's lock just
-#: before each run of generated tokens commits, with the session's state (the run not
-#: yet in it), the run's generated token ids, and whether the run is the generation's
-#: last (it carries ``generation.finished``); the events it returns commit in the same
+#: before each run of generated tokens commits (and before the last run, which may hold
+#: none), with the session's state (the run not yet in it), the run's generated token
+#: ids, and whether the run is the generation's last (it carries ``generation.finished``); the events it returns commit in the same
 #: append, after the run's tokens and before the finish (a transport's record of what it
 #: sends for the run, such as Evergreen's output fragment, the final one with the last
-#: run). It must not await; if it raises, the run is not committed and the generation
-#: fails with that error.
+#: run). When a generation that ended on its own commits its finish apart from its last
+#: run, the hook is called once more, with no tokens and ``last`` true, and its events
+#: commit with that finish. It must not await; if it raises, the run is not committed
+#: and the generation fails with that error.
 RunHook = Callable[[SessionState, list[int], bool], Sequence[NewEvent]]
 
 

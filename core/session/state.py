@@ -130,6 +130,8 @@ class Action:
     configs: list[Any]
     status: str = "pending"
     error: str | None = None
+    #: ``in``: the client submitted it; ``out``: the server did (a tool call to run)
+    direction: str = "in"
 
 
 @dataclass
@@ -328,6 +330,7 @@ def _action(state: SessionState, e: Event, b: ActionSubmitted) -> None:
         outputs=outputs,
         target=str(b.get("target", "")),
         configs=list(b.get("configs", [])),
+        direction=str(b.get("direction", "in")),
     )
     state.action_outputs.update(o for _, o in outputs)
 

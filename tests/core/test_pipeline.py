@@ -599,6 +599,56 @@ async def test_a_run_hooks_events_commit_with_the_runs_tokens(sqlite_url: str) -
         await rt.aclose()
 
 
+class LateEndEngine(ReferenceEngine):
+    """The reference engine whose end comes a moment after its last step (as a batching
+    engine's does): the last step's run commits before the generation is known to end."""
+
+    async def generate(
+        self,
+        session_key: str,
+        history: Sequence[int],
+        params: SamplingParams,
+        options: OutputOptions = DEFAULT_OUTPUT,
+    ) -> AsyncIterator[Step]:
+        async for step in super().generate(session_key, history, params, options):
+            yield step
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize(("eos_bias", "reason"), [(-1000.0, "length"), (1000.0, "eos")])
+async def test_a_finish_after_the_last_run_still_brings_the_hooks_last_call(
+    sqlite_url: str, eos_bias: float, reason: str
+) -> None:
+    """The finish commits apart from the runs (the engine's end came late): the hook is
+    called once more, ``last`` and no tokens, and its events commit with the finish."""
+    rt = await Runtime.create(
+        make_config(sqlite_url),
+        policy=RunPolicy(max_run=4, min_run=1),
+        engine=LateEndEngine(eos_bias=eos_bias),
+    )
+    try:
+        sid = (await rt.open_session("t")).session_id
+        await rt.append_text(sid, "x")
+        calls: list[tuple[int, bool]] = []
+
+        def hook(state: Any, tokens: list[int], last: bool) -> list[NewEvent]:
+            calls.append((len(tokens), last))
+            return [NewEvent(T.NOTE, {"text": "last" if last else "run"})] if last else []
+
+        _, failure = await _runs_with(rt, sid, hook, max_tokens=6)
+        assert failure is None
+        evs = await rt.log.read(sid)
+        [fin] = [e for e in evs if e.type == T.GENERATION_FINISHED]
+        assert fin.body["finish_reason"] == reason
+        assert [last for _, last in calls].count(True) == 1 and calls[-1] == (0, True)
+        assert sum(n for n, _ in calls) == len(generated(evs))
+        [note] = [e for e in evs if e.type == T.NOTE]
+        assert note.version == fin.version - 1  # in the finish's commit
+        assert len({note.recorded_at, fin.recorded_at}) == 1
+    finally:
+        await rt.aclose()
+
+
 async def test_a_run_hook_that_raises_fails_the_generation_before_that_run_commits(
     sqlite_url: str,
 ) -> None:

@@ -109,8 +109,10 @@ async def test_a_generation_on_a_state_another_replica_moved_on_begins_again(
     assert sum(e.type == T.GENERATION_STARTED for e in evs) == 5
     appended = [e.body["tokens"] for e in evs if e.type == T.TOKENS_APPENDED]
     assert appended == [[65], *[[t] for i in range(5) for t in (70 + i, 80)]]
-    # every generation began again, once
-    assert metrics.STALE_RETRIES._value.get() == before + 5
+    # every generation began again, once: the engine started twice on each, first on the
+    # stale history; the retry counter is the process's (other tests' runtimes count there too)
+    assert len(spy.histories) == 10
+    assert metrics.STALE_RETRIES._value.get() >= before + 5
 
 
 async def test_a_real_conflict_still_gets_its_typed_error(pair: tuple[Runtime, Runtime]) -> None:

@@ -10,7 +10,7 @@ import grpc
 
 from sessiontape.core.events import Event
 from sessiontape.core.runtime import Runtime
-from sessiontape.transports.grpc.client import EvergreenClient, assemble
+from sessiontape.transports.grpc.client import EvergreenClient, EvergreenSession, assemble
 from sessiontape.transports.grpc.gen.evergreen.v2 import evergreen_pb2
 
 SessionMessage = evergreen_pb2.SessionMessage
@@ -50,3 +50,12 @@ async def exchange(client: EvergreenClient, runtime: Runtime, *messages: Session
 
 def msg(*, fragments: list[Any] | None = None, actions: list[Any] | None = None) -> SessionMessage:
     return SessionMessage(node_fragments=fragments or [], actions=actions or [])
+
+
+async def until_calls(s: EvergreenSession) -> list[evergreen_pb2.Action]:
+    """Read until the server sends actions (a reply's tool calls); fail if the stream ends
+    first."""
+    async for m in s:
+        if m.actions:
+            return list(m.actions)
+    raise AssertionError("the stream ended without a call")

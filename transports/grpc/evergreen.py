@@ -12,6 +12,10 @@ beside the response generator:
   streams its output node back as fragments, each recorded (direction
   ``out``) before it is sent.
 
+A GENERATE given tools may make calls: each goes to the client as an action
+of its own, and the client's answer is that action's output node
+(:mod:`sessiontape.transports.grpc.evergreen_calls`).
+
 Any failed action, invalid fragment or protocol violation aborts the
 session (``session.aborted`` with the error's code) and ends the stream with
 the status from :mod:`sessiontape.transports.grpc.status`. A client that half-closes
@@ -29,20 +33,16 @@ import base64
 import contextlib
 import logging
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-from google.protobuf import json_format, message, struct_pb2
-
-from sessiontape.core.bodies import action_id_of
-from sessiontape.core.constraint import Constraint
+from sessiontape.core.bodies import NodeFragment, action_id_of, body
 from sessiontape.core.document.text import TextStream
-from sessiontape.core.engine.interface import MODEL_SAMPLED, SamplingParams
+from sessiontape.core.engine.interface import SamplingParams
 from sessiontape.core.errors import (
     InvalidAction,
     InvalidFragment,
-    InvalidParameters,
     ProtocolViolation,
     SessiontapeError,
     TargetNotFound,
@@ -50,9 +50,12 @@ from sessiontape.core.errors import (
 )
 from sessiontape.core.events import Event, NewEvent, T
 from sessiontape.core.generation.request import GenerateRequest
-from sessiontape.core.nodes import FragmentIn, flatten, missing
+from sessiontape.core.nodes import FragmentIn, missing, text_of
 from sessiontape.core.runtime import Runtime
 from sessiontape.core.session.state import SessionState
+from sessiontape.core.tools import ToolUse
+from sessiontape.transports.grpc import evergreen_calls as calls
+from sessiontape.transports.grpc.evergreen_config import config_json, generate_config
 from sessiontape.transports.grpc.gen.evergreen.v2 import evergreen_pb2, evergreen_pb2_grpc
 from sessiontape.transports.grpc.service import GrpcService
 from sessiontape.transports.grpc.settings import GrpcSettings
@@ -64,7 +67,6 @@ SERVICE = evergreen_pb2.DESCRIPTOR.services_by_name["EvergreenService"].full_nam
 GENERATE = "GENERATE"
 #: Output parameter names GENERATE fills (the seed's examples use both).
 GENERATE_OUTPUTS = frozenset({"text", "response"})
-STRUCT_TYPE_URL = "type.googleapis.com/google.protobuf.Struct"
 OUT_MIMETYPE = "text/plain; charset=utf-8"
 #: Outgoing messages queued before GENERATE waits for the client to read.
 HIGH_WATER = 32
@@ -77,6 +79,8 @@ class PendingAction:
     inputs: tuple[tuple[str, str], ...]
     outputs: tuple[tuple[str, str], ...]
     params: SamplingParams
+    #: the tools the model may call (None: none)
+    tools: ToolUse | None = None
 
 
 # -- wire <-> core ------------------------------------------------------------
@@ -138,79 +142,6 @@ def fragment_out(f: FragmentIn) -> evergreen_pb2.NodeFragment:
     return msg
 
 
-def _config_json(a: Any) -> dict[str, Any]:
-    if a.type_url == STRUCT_TYPE_URL:
-        return {"type_url": a.type_url, "json": _struct(a)}
-    return {"type_url": a.type_url, "value": base64.b64encode(a.value).decode()}
-
-
-def _struct(a: Any) -> dict[str, Any]:
-    """A packed Struct as JSON; a corrupt ``Any`` or a NaN/Infinity inside is InvalidParameters."""
-    s = struct_pb2.Struct()
-    try:
-        if not a.Unpack(s):
-            raise InvalidParameters("GENERATE config does not decode as google.protobuf.Struct")
-        return dict(json_format.MessageToDict(s))
-    except (message.DecodeError, ValueError) as exc:  # corrupt bytes; NaN/Infinity number_value
-        raise InvalidParameters(f"GENERATE config is not a valid Struct: {exc}") from None
-
-
-_PARAM_TYPES: Mapping[str, type | tuple[type, ...]] = {
-    "max_tokens": (int, float),
-    "temperature": (int, float),
-    "top_p": (int, float),
-    "top_k": (int, float),
-    "seed": (int, float, str),
-    "stop_token_ids": list,
-    # {"json_schema": {...}} | {"json_object": true} | {"regex": "..."} | {"grammar": "..."}
-    "constraint": dict,
-}
-
-
-def sampling_params(configs: Sequence[Any]) -> SamplingParams:
-    """GENERATE's config: a ``google.protobuf.Struct`` packed in ``Any`` (later keys win).
-
-    Keys: max_tokens, temperature, top_p, top_k, seed (number or decimal
-    string), stop_token_ids, constraint (the native wire's constraint object: the
-    output node's text is generated under it). Anything else is InvalidParameters.
-    """
-    merged: dict[str, Any] = {}
-    for a in configs:
-        if a.type_url != STRUCT_TYPE_URL:
-            raise InvalidParameters(
-                f"GENERATE config of type {a.type_url!r}: only {STRUCT_TYPE_URL} is accepted"
-            )
-        merged.update(_struct(a))
-    for key, value in merged.items():
-        want = _PARAM_TYPES.get(key)
-        if want is None:
-            raise InvalidParameters(
-                f"unknown GENERATE config key {key!r} (known: {', '.join(sorted(_PARAM_TYPES))})"
-            )
-        if not isinstance(value, want) or isinstance(value, bool):
-            raise InvalidParameters(
-                f"GENERATE config {key!r} has the wrong type ({type(value).__name__})"
-            )
-    try:
-        ints = {k: int(merged[k]) for k in ("max_tokens", "top_k") if k in merged}
-        if any(float(merged[k]) != ints[k] for k in ints):
-            raise ValueError("not an integer")
-        seed = merged.get("seed")
-        constraint = merged.get("constraint")
-        return SamplingParams(
-            max_tokens=ints.get("max_tokens", SamplingParams.max_tokens),
-            temperature=float(merged.get("temperature", SamplingParams.temperature)),
-            top_p=float(merged.get("top_p", SamplingParams.top_p)),
-            top_k=ints.get("top_k", SamplingParams.top_k),
-            seed=None if seed is None else int(seed),
-            stop_token_ids=tuple(int(t) for t in merged.get("stop_token_ids", ())),
-            from_model=frozenset(f for f in MODEL_SAMPLED if f not in merged),
-            constraint=None if constraint is None else Constraint.from_wire(constraint),
-        )
-    except (TypeError, ValueError) as exc:
-        raise InvalidParameters(f"bad GENERATE config: {exc}") from exc
-
-
 # -- one stream ---------------------------------------------------------------
 
 
@@ -236,8 +167,10 @@ class _Stream:
         self.input_done = False
         #: output node ids of every accepted action: only the server writes them
         self.output_ids: set[str] = set()
-        #: accepted actions without an action.completed/failed event yet
+        #: accepted actions, and calls sent, without an action.completed/failed event yet
         self.unfinished: list[str] = []
+        #: calls sent to the client whose result node is not complete yet
+        self.calls = calls.Waiting()
         self.tasks: list[asyncio.Task[None]] = []
         self._ending: asyncio.Task[None] | None = None
 
@@ -277,9 +210,6 @@ class _Stream:
     # Runtime mutations are shielded: a cancelled caller must not leave a
     # commit half-applied (the log has it, the cached state would not).
 
-    async def _record_in(self, frags: list[FragmentIn]) -> None:
-        await asyncio.shield(self.runtime.nodes.append_fragments(self.sid, frags, "in"))
-
     # -- reader --
 
     async def _read(self, requests: AsyncIterator[evergreen_pb2.SessionMessage]) -> None:
@@ -300,7 +230,10 @@ class _Stream:
                     f"node {f.id} is an action output: only the server writes it"
                 )
         if frags:
-            await self._record_in(frags)
+            then = self.calls.answers if self.calls else None
+            await asyncio.shield(self.runtime.nodes.append_fragments(self.sid, frags, "in", then))
+            for c in self.calls.settle():  # committed: tool.result and the call's completion
+                self.unfinished.remove(c.action_id)
             self.changed.set()
         for a in msg.actions:
             await self._accept(a)
@@ -331,7 +264,7 @@ class _Stream:
         overlap = {i for _, i in inputs} & {i for _, i in outputs}
         if overlap:
             raise InvalidAction(f"GENERATE reads and writes the same node {sorted(overlap)}")
-        params = sampling_params(a.configs)
+        config = generate_config(a.configs)
         ev = await asyncio.shield(
             self.runtime.nodes.submit_action(
                 self.sid,
@@ -339,13 +272,15 @@ class _Stream:
                 inputs,
                 outputs,
                 target=target,
-                configs=[_config_json(c) for c in a.configs],
+                configs=[config_json(c) for c in a.configs],
             )
         )
         self.output_ids.update(i for _, i in outputs)
         aid = str(action_id_of(ev))
         self.unfinished.append(aid)
-        self.actions.put_nowait(PendingAction(aid, a.name, inputs, outputs, params))
+        self.actions.put_nowait(
+            PendingAction(aid, a.name, inputs, outputs, config.params, config.tools)
+        )
 
     # -- worker --
 
@@ -394,28 +329,15 @@ class _Stream:
             await self.changed.wait()
 
     async def _prompt(self, act: PendingAction) -> list[int]:
+        """The inputs' text, concatenated; with tools, after their description (the
+        fallback of :mod:`sessiontape.core.tools`: a raw prompt has no template)."""
         st = await self.runtime.get(self.sid)
-        parts: list[str] = []
-        for _, root in act.inputs:
-            for chunk in flatten(st, root):
-                mime = chunk.mimetype.split(";", 1)[0].strip().lower()
-                if "type=endofturn" in chunk.mimetype.replace(" ", "").lower():
-                    continue  # a turn marker; the engine's history carries no separate token for it
-                if chunk.ref is not None:
-                    raise InvalidAction(
-                        f"GENERATE: node {chunk.node_id} is a ref ({chunk.ref}); refs are not fetched"
-                    )
-                if not mime.startswith("text/"):
-                    raise InvalidAction(
-                        f"GENERATE: node {chunk.node_id} has mimetype {chunk.mimetype!r}; only text/* is read"
-                    )
-                try:
-                    parts.append((chunk.data or b"").decode("utf-8"))
-                except UnicodeDecodeError as exc:
-                    raise InvalidAction(
-                        f"GENERATE: node {chunk.node_id} is not UTF-8 text: {exc}"
-                    ) from exc
-        tokens = self.runtime.engine.tokenize("".join(parts))
+        text = "".join(text_of(st, root, "GENERATE") for _, root in act.inputs)
+        if not text:
+            raise InvalidAction(f"GENERATE: action {act.id} has an empty prompt")
+        if act.tools is not None and act.tools.tools:
+            text = act.tools.system_text() + "\n\n" + text
+        tokens = self.runtime.engine.tokenize(text)
         if not tokens:
             raise InvalidAction(f"GENERATE: action {act.id} has an empty prompt")
         return tokens
@@ -441,7 +363,7 @@ class _Stream:
         # fragment.
         sent: deque[list[FragmentIn]] = deque()
 
-        def fragment(st: SessionState, tokens: list[int], last: bool) -> Sequence[NewEvent]:
+        def fragment(st: SessionState, tokens: list[int], last: bool) -> list[NewEvent]:
             # the last run also carries the final fragment (the text's tail, continued=False)
             # and the action's completion: the output is whole once that run commits
             nonlocal seq
@@ -456,6 +378,21 @@ class _Stream:
                 new.append(NewEvent(T.ACTION_COMPLETED, {"action_id": act.id}))
             return new
 
+        # the calls the reply makes, recorded with the last run (evergreen_calls.py)
+        reply = calls.ReplyCalls(
+            self.runtime.nodes, self.runtime.engine.detokenize, act.tools, act.id
+        )
+
+        def with_run(st: SessionState, tokens: list[int], last: bool) -> Sequence[NewEvent]:
+            made = reply.run(st, tokens, last)
+            new = fragment(st, tokens, last)
+            if self.stopping:
+                reply.sent = []  # not recorded
+                return new
+            return [*new, *made]
+
+        outs = {oid for _, oid in act.outputs}
+
         runs = cast(
             AsyncGenerator[list[Event], None],
             self.runtime.generate_runs(
@@ -466,7 +403,9 @@ class _Stream:
                     offset=common,
                     truncating=True,
                     action_id=act.id,
-                    with_run=fragment,
+                    with_run=with_run,
+                    # the calls' records name the generation: its start commits first
+                    start_apart=reply.wanted,
                 ),
             ),
         )
@@ -476,12 +415,21 @@ class _Stream:
                 completed = completed or any(ev.type == T.ACTION_COMPLETED for ev in run)
                 if self.stopping:
                     if completed:
-                        return True  # the action is whole in the log: not cancelled
+                        # the action is whole in the log: not cancelled (its calls are)
+                        self.unfinished.extend(c.action_id for c in reply.sent)
+                        return True
                     raise _Stopped
-                if any(ev.type == T.NODE_FRAGMENT for ev in run):
-                    await self._send(sent.popleft())
+                if any(
+                    ev.type == T.NODE_FRAGMENT and body(ev, NodeFragment)["id"] in outs
+                    for ev in run
+                ):
+                    # the output's final fragment goes with the calls, in one message
+                    last = any(ev.type == T.ACTION_COMPLETED for ev in run)
+                    await self._send(sent.popleft(), reply if last else None)
         if not completed:
             await self._emit(act, seq, text.finish(), continued=False)
+        if reply.sent and not reply.announced:  # no output to go with
+            await self._send([], reply)
         return completed
 
     def _fragments(
@@ -508,12 +456,16 @@ class _Stream:
         await asyncio.shield(self.runtime.nodes.append_fragments(self.sid, frags, "out"))
         await self._send(frags)
 
-    async def _send(self, frags: list[FragmentIn]) -> None:
-        """Send recorded output fragments; wait while the client is behind."""
+    async def _send(self, frags: list[FragmentIn], reply: calls.ReplyCalls | None = None) -> None:
+        """Send recorded output fragments, with ``reply``'s recorded calls (their nodes and
+        actions, then waited for); wait while the client is behind."""
         self.changed.set()
-        self.outbox.put_nowait(
-            evergreen_pb2.SessionMessage(node_fragments=[fragment_out(f) for f in frags])
-        )
+        message = evergreen_pb2.SessionMessage(node_fragments=[fragment_out(f) for f in frags])
+        if reply is not None and reply.sent:
+            self.calls.add(reply.sent)
+            self.unfinished.extend(c.action_id for c in reply.sent)
+            reply.announce(message)
+        self.outbox.put_nowait(message)
         while self.outbox.qsize() > HIGH_WATER and not self.stopping:
             self.drained.clear()
             await self.drained.wait()

@@ -17,7 +17,7 @@ from sessiontape.transports.grpc.client import (
     sampling_config,
     text_fragments,
 )
-from sessiontape.transports.grpc.evergreen import sampling_params
+from sessiontape.transports.grpc.evergreen_config import sampling_params
 from sessiontape.transports.grpc.gen.evergreen.v2 import evergreen_pb2
 from tests.helpers.evergreen import Outcome, exchange, msg
 from tests.transports.grpc.conftest import Served
@@ -553,7 +553,7 @@ async def test_uri_refs_are_recorded(client: EvergreenClient, server: Served) ->
                 )
             ],
             grpc.StatusCode.INVALID_ARGUMENT,
-            "only text/* is read",
+            "only text/* and application/json are read",
             id="image-input",
         ),
         pytest.param(

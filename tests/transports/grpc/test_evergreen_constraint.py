@@ -49,3 +49,19 @@ async def test_a_bad_constraint_config_is_invalid_argument(
     )
     assert out.code == grpc.StatusCode.INVALID_ARGUMENT, out.details
     assert not out.of(T.GENERATION_STARTED)
+
+
+async def test_a_schema_s_whole_numbers_stay_integers_through_the_struct(
+    client: EvergreenClient, server: Served
+) -> None:
+    # a Struct holds every number as a double: maxLength 4 arrives as 4.0, read back as 4
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 4}}}
+    out = await exchange(
+        client,
+        server.runtime,
+        msg(actions=[_generate(constraint={"json_schema": schema})]),
+        msg(fragments=texts("prompt", "Some JSON?", parts=1)),
+    )
+    assert out.code == grpc.StatusCode.OK, out.details
+    [started] = out.of(T.GENERATION_STARTED)
+    assert '"maxLength":4' in started.body["params"]["constraint"]["text"]

@@ -555,6 +555,9 @@ async def test_errors_have_openai_shape(live: Served) -> None:
             "/v1/responses", json={"model": MODEL, "input": "x", "tools": [{"type": "web_search"}]}
         )
         assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+        bad_name = {"type": "function", "name": "no spaces", "parameters": {"type": "object"}}
+        r = await h.post("/v1/responses", json={"model": MODEL, "input": "x", "tools": [bad_name]})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_tool", r.text
         n_sessions = len((await h.get("/v1/sessions")).json()["sessions"])
         assert n_sessions == 0  # refused requests left nothing behind
 

@@ -1,6 +1,6 @@
 """Function calling and structured outputs through the official ``openai`` package, end to end
 against ``sessiontape serve`` on the default model (SmolLM2-135M-Instruct, whose template has no
-tool support: the fallback of transports/http/openai/tools.py), and the records they leave in the log."""
+tool support: the fallback of core/tools.py), and the records they leave in the log."""
 
 from __future__ import annotations
 

@@ -32,9 +32,9 @@ from pydantic_core import PydanticCustomError
 
 from sessiontape.core.constraint import Constraint
 from sessiontape.core.engine.interface import SamplingParams, left_to_model
+from sessiontape.core.tools import Tool, tool
 from sessiontape.transports.http.native.bodies import describe
 from sessiontape.transports.http.openai.shared import DEFAULT_MAX_TOKENS, BadParam
-from sessiontape.transports.http.openai.tools import Tool, tool
 
 #: the roles a message may have (chat_template.ROLES)
 Role = Literal["system", "developer", "user", "assistant"]

@@ -26,9 +26,9 @@ from sessiontape.core.bodies import body as typed_body
 from sessiontape.core.document.text import TextStream
 from sessiontape.core.engine.interface import OutputOptions
 from sessiontape.core.events import Event, T
+from sessiontape.core.tools import ToolCall
 from sessiontape.transports.http.openai.bodies import ChatCompletionRequest, check_fields, parse
 from sessiontape.transports.http.openai.shared import Api, Models, error_event, json_body
-from sessiontape.transports.http.openai.tools import ToolCall
 from sessiontape.transports.http.openai.turns import (
     Turn,
     Turns,

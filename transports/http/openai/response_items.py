@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sessiontape.transports.http.openai.tools import ToolCall
+from sessiontape.core.tools import ToolCall
 
 
 def message_item(key: str, status: str, text: str, logprobs: list[Any]) -> dict[str, Any]:

@@ -33,22 +33,22 @@ from sessiontape.core.errors import NotFound, SessiontapeError
 from sessiontape.core.events import Event, NewEvent, T
 from sessiontape.core.generation.request import GenerateRequest
 from sessiontape.core.runtime import Runtime
+from sessiontape.core.tools import (
+    CallFormat,
+    CallRecorder,
+    Tool,
+    ToolCall,
+    ToolUse,
+    prompt_messages,
+    use_of,
+)
 from sessiontape.transports.http.openai.chat_template import (
     AnyTemplate,
     Message,
     ModelTemplate,
     as_dict,
 )
-from sessiontape.transports.http.openai.tools import (
-    CallFormat,
-    Tool,
-    ToolCall,
-    ToolUse,
-    called_events,
-    prompt_messages,
-    supplied_events,
-    use_of,
-)
+from sessiontape.transports.http.openai.tools import supplied_events
 
 WIRE = "openai"
 
@@ -281,32 +281,6 @@ def turn_calls(turn: Turn, text: str) -> list[ToolCall]:
     return fmt.parse(text, turn.generation_id)
 
 
-class _CallRecorder:
-    """A turn's run hook (:data:`~sessiontape.core.generate_request.RunHook`): the calls its
-    reply makes, as ``tool.called`` events in the commit that carries the finish."""
-
-    def __init__(self, detokenize: Any, use: ToolUse | None) -> None:
-        self.detokenize = detokenize
-        self.use = use
-        self.wanted = use is not None and use.choice != "none"
-        self.tokens: list[int] = []
-        self.generation_id = ""
-        self.prompt_length = 0
-
-    def started(self, b: GenerationStarted) -> None:
-        self.generation_id = str(b["generation_id"])
-        self.prompt_length = int(b["prompt_length"])
-
-    def __call__(self, _: Any, tokens: list[int], last: bool) -> list[NewEvent]:
-        self.tokens.extend(tokens)
-        if not last or self.use is None:
-            return []
-        calls = self.use.format.parse(self.detokenize(self.tokens), self.generation_id)
-        return called_events(
-            calls, self.generation_id, self.prompt_length, self.tokens, self.detokenize
-        )
-
-
 def _retrieve(task: asyncio.Task[None]) -> None:
     # the failure is in the log (error.recorded); a waiting request re-raises it
     if not task.cancelled():
@@ -414,7 +388,7 @@ class Turns:
 
         ``use``: the request's tools; the calls and results its messages bring are recorded
         first (``supplied_by: "client"``), and the calls the model makes commit with its
-        generation's finish (:mod:`sessiontape.transports.http.openai.tools`)."""
+        generation's finish (:mod:`sessiontape.core.tools`)."""
         given = [as_dict(m) for m in messages]
         lock = self._locks.setdefault(session_id, asyncio.Lock())
         try:
@@ -427,7 +401,7 @@ class Turns:
                 )
                 last = int(st.tokens[-1]) if st.length else None
                 tokens = self.render(given, st.length, after, last, use)
-                calls = _CallRecorder(self.runtime.engine.detokenize, use)
+                calls = CallRecorder(self.runtime.engine.detokenize, use)
                 # started apart: the request's wire.message follows generation.started
                 runs = self.runtime.generate_runs(
                     session_id,
@@ -443,7 +417,8 @@ class Turns:
                     # the first run: any truncation and generation.started
                     first = await anext(aiter(runs))
                     [started] = [e for e in first if e.type == T.GENERATION_STARTED]
-                    calls.started(body(started, GenerationStarted))
+                    sb = body(started, GenerationStarted)
+                    calls.started(str(sb["generation_id"]), int(sb["prompt_length"]))
                     request, wire = await self._record_request(
                         started, api, request, len(tokens), given, use
                     )

@@ -307,7 +307,7 @@ function actionsList(doc) {
   if (!actions.length) return [];
   const io = (m) => (Array.isArray(m) ? m.map((x) => `${x.name}=${x.id}`) : Object.entries(m || {}).map(([k, v]) => `${k}=${v}`)).join(", ");
   return [h("h3", {}, "Actions"), h("ul", { class: "actions", id: "actions" }, actions.map((a) => h("li", { class: `action ${a.status}`, "data-action": a.id },
-    h("span", { class: "tag" }, a.name), ` ${a.id} · ${a.status}`,
+    h("span", { class: "tag" }, a.name), ` ${a.id} · ${a.status}${a.direction === "out" ? " · sent to the client (a tool call)" : ""}`,
     h("div", { class: "meta" }, `inputs ${io(a.inputs) || "none"} → outputs ${io(a.outputs) || "none"}`),
     a.error ? h("div", { class: "err" }, typeof a.error === "object" ? `${a.error.code || ""} ${a.error.message || ""}` : String(a.error)) : null)))];
 }

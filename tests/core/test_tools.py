@@ -1,4 +1,4 @@
-"""transports/http/openai/tools.py on its own: how calls are written, read back and constrained, and
+"""core/tools.py on its own: how calls are written, read back and constrained, and
 how a request's tools reach a template with and without tool support."""
 
 from __future__ import annotations
@@ -8,17 +8,17 @@ import json
 import pytest
 
 from sessiontape.core.engine.interface import ChatFormat
-from sessiontape.core.errors import InvalidParameters
-from sessiontape.engines.constrained import byte_tokenizer
-from sessiontape.transports.http.openai.chat_template import ModelTemplate
-from sessiontape.transports.http.openai.tools import (
+from sessiontape.core.errors import InvalidTool
+from sessiontape.core.tools import (
     CallFormat,
     call_id,
     prompt_messages,
-    supplied_events,
     tool,
     use_of,
 )
+from sessiontape.engines.constrained import byte_tokenizer
+from sessiontape.transports.http.openai.chat_template import ModelTemplate
+from sessiontape.transports.http.openai.tools import supplied_events
 
 ARGS = {
     "type": "object",
@@ -72,11 +72,11 @@ def test_calls_are_written_read_back_and_constrained() -> None:
 
 
 def test_bad_tools_and_choices_are_refused() -> None:
-    with pytest.raises(InvalidParameters):
+    with pytest.raises(InvalidTool):
         tool("no spaces allowed", "", None, False)
-    with pytest.raises(InvalidParameters):
+    with pytest.raises(InvalidTool):
         use_of([WEATHER], "clock", True, None)
-    with pytest.raises(InvalidParameters):
+    with pytest.raises(InvalidTool):
         use_of([WEATHER, WEATHER], "auto", True, None)
 
 
