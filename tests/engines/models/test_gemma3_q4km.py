@@ -88,11 +88,13 @@ def test_float32_greedy_ids_equal_transformers(f32: OnnxEngine) -> None:
     assert worst < 2e-4, worst  # measured 9.3e-5
 
 
+@pytest.mark.parametrize("attention", ["gqa", "masked"])
 def test_default_weights_agree_on_nearly_every_prompt(
-    tmp_path_factory: pytest.TempPathFactory,
+    attention: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    out = tmp_path_factory.mktemp("gemma3") / "auto"
-    import_model(GGUF, out, "auto", concepts=False)
+    """Either attention graph (``serve`` picks masked on the CPU): measured 7 of 8 in each."""
+    out = tmp_path_factory.mktemp("gemma3") / attention
+    import_model(GGUF, out, "auto", concepts=False, attention=attention)
     eng = OnnxEngine(model_dir=out, intra_op_threads=2)
     try:
         agree = [
@@ -102,7 +104,7 @@ def test_default_weights_agree_on_nearly_every_prompt(
         ]
     finally:
         asyncio.run(eng.aclose())
-    assert sum(agree) >= 6, agree  # measured 7 of 8 (two_turn parts at its 8th token)
+    assert sum(agree) >= 6, agree
 
 
 def test_the_openai_sdk_gets_an_answer_in_the_models_template(
