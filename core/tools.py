@@ -35,11 +35,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from sessiontape.core.constraint import Constraint, bounded_integers
-from sessiontape.core.errors import InvalidTool
+from sessiontape.core.errors import InvalidTool, shown
 from sessiontape.core.events import NewEvent, T
 
 #: OpenAI's rule for a function's name
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+#: the most tools one request may give (OpenAI's limit too)
+MAX_TOOLS = 128
+#: the most characters the tools take as JSON, all together: their description is the
+#: prompt's, and their grammar is compiled before the request is accepted
+MAX_TOOLS_CHARS = 128 * 1024
 #: the JSON compiler options every tool's arguments are generated under (compact JSON)
 ARGUMENT_OPTIONS = {"whitespace_flexible": False}
 FALLBACK_PROMPT = (
@@ -85,11 +90,15 @@ class ToolCall:
 def tool(name: Any, description: Any, parameters: Any, strict: Any) -> Tool:
     """A :class:`Tool` from a request's fields; InvalidTool for a bad one."""
     if not isinstance(name, str) or not NAME.match(name):
-        raise InvalidTool(f"tool name {name!r} must match [A-Za-z0-9_-]{{1,64}}")
+        raise InvalidTool(f"tool name {shown(name, 'tool name')} must match [A-Za-z0-9_-]{{1,64}}")
+    if description is not None and not isinstance(description, str):
+        raise InvalidTool(f"tool {name}: description must be a string")
+    if strict is not None and not isinstance(strict, bool):
+        raise InvalidTool(f"tool {name}: strict must be a boolean")
     params = {"type": "object", "properties": {}} if parameters is None else parameters
     if not isinstance(params, Mapping):
         raise InvalidTool(f"tool {name}: parameters must be a JSON Schema object")
-    return Tool(name, str(description or ""), dict(params), bool(strict))
+    return Tool(name, description or "", dict(params), bool(strict))
 
 
 def call_id(generation_id: str, index: int) -> str:
@@ -230,13 +239,20 @@ def described(tools: Sequence[Tool]) -> str:
 def use_of(
     tools: Sequence[Tool], choice: str, parallel: bool, template_source: str | None
 ) -> ToolUse:
-    """The request's :class:`ToolUse`; InvalidTool for two tools of one name or a choice
-    naming no tool."""
+    """The request's :class:`ToolUse`; InvalidTool for more than :data:`MAX_TOOLS` tools or
+    :data:`MAX_TOOLS_CHARS` of them, two tools of one name, or a choice naming no tool."""
+    if len(tools) > MAX_TOOLS:
+        raise InvalidTool(f"tools: {len(tools):,} functions (at most {MAX_TOOLS})")
+    size = len(json.dumps([t.to_json() for t in tools]))
+    if size > MAX_TOOLS_CHARS:
+        raise InvalidTool(f"tools: {size:,} characters as JSON (at most {MAX_TOOLS_CHARS:,})")
     names = {t.name for t in tools}
     if len(names) != len(tools):
         raise InvalidTool("tools: two functions have the same name")
     if choice not in ("auto", "none", "required") and choice not in names:
-        raise InvalidTool(f"tool_choice names {choice!r}, which is not among the tools")
+        raise InvalidTool(
+            f"tool_choice names {shown(choice, 'a function')}, which is not among the tools"
+        )
     if choice == "required" and not tools:
         raise InvalidTool("tool_choice 'required' needs tools")
     native = template_source is not None and "tools" in template_source

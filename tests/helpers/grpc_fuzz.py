@@ -3,6 +3,7 @@ compare: every session's stored events before and after a refused call."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -36,10 +37,12 @@ class Fuzzed:
     port: int = 0
 
 
-@pytest.fixture
-async def grpc_fuzzed(sqlite_url: str) -> AsyncIterator[Fuzzed]:
+@contextlib.asynccontextmanager
+async def fuzzed_server(sqlite_url: str, max_length: int = 256) -> AsyncIterator[Fuzzed]:
+    """A gRPC server on the reference engine (contexts of ``max_length`` tokens), with a
+    Salience and a Kakeya session holding three tokens each."""
     cfg = make_config(sqlite_url)
-    rt = await Runtime.create(cfg, engine=ReferenceEngine(max_length=256))
+    rt = await Runtime.create(cfg, engine=ReferenceEngine(max_length=max_length))
     tr = GrpcTransport(rt, {"listen": "127.0.0.1:0"}, cfg)
     await tr.start()
     sids = [
@@ -59,6 +62,12 @@ async def grpc_fuzzed(sqlite_url: str) -> AsyncIterator[Fuzzed]:
         server_log.removeHandler(handler)
         await tr.stop(0.5)
         await rt.aclose()
+
+
+@pytest.fixture
+async def grpc_fuzzed(sqlite_url: str) -> AsyncIterator[Fuzzed]:
+    async with fuzzed_server(sqlite_url) as f:
+        yield f
 
 
 async def stored(f: Fuzzed) -> str:

@@ -21,7 +21,7 @@ from google.protobuf import json_format, message, struct_pb2
 
 from sessiontape.core.constraint import Constraint
 from sessiontape.core.engine.interface import MODEL_SAMPLED, SamplingParams
-from sessiontape.core.errors import InvalidParameters, InvalidTool
+from sessiontape.core.errors import InvalidParameters, InvalidTool, shown
 from sessiontape.core.tools import Tool, ToolUse, tool, use_of
 
 STRUCT_TYPE_URL = "type.googleapis.com/google.protobuf.Struct"
@@ -103,7 +103,7 @@ def _merged(configs: Sequence[Any]) -> dict[str, Any]:
         want = _PARAM_TYPES.get(key)
         if want is None:
             raise InvalidParameters(
-                f"unknown GENERATE config key {key!r} (known: {', '.join(sorted(_PARAM_TYPES))})"
+                f"unknown GENERATE config key {shown(key, 'a key')} (known: {', '.join(sorted(_PARAM_TYPES))})"
             )
         if not isinstance(value, want) or (isinstance(value, bool) and key not in _BOOLEAN):
             raise InvalidParameters(
@@ -167,14 +167,18 @@ def _tool(spec: Any) -> Tool:
     optional ``"type": "function"``, or OpenAI's chat shape ``{"type": "function",
     "function": {...}}``."""
     if not isinstance(spec, Mapping):
-        raise InvalidTool(f"GENERATE config: a tool must be an object, not {spec!r}")
+        raise InvalidTool(f"GENERATE config: a tool must be an object, not {shown(spec, 'a tool')}")
     if spec.get("type", "function") != "function":
-        raise InvalidTool(f"GENERATE config: tool type {spec.get('type')!r} (only function)")
+        raise InvalidTool(
+            f"GENERATE config: tool type {shown(spec.get('type'), 'a type')} (only function)"
+        )
     f = spec.get("function", spec)
     if not isinstance(f, Mapping):
         raise InvalidTool("GENERATE config: a tool's function must be an object")
     known = {"type", "function", "name", "description", "parameters", "strict"}
     unknown = sorted(set(f) - known)
     if unknown:
-        raise InvalidTool(f"GENERATE config: unknown tool keys {unknown}")
+        raise InvalidTool(
+            f"GENERATE config: unknown tool keys [{', '.join(shown(k, 'a key') for k in unknown)}]"
+        )
     return tool(f.get("name"), f.get("description"), f.get("parameters"), f.get("strict"))
