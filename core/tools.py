@@ -90,7 +90,7 @@ class ToolCall:
 def tool(name: Any, description: Any, parameters: Any, strict: Any) -> Tool:
     """A :class:`Tool` from a request's fields; InvalidTool for a bad one."""
     if not isinstance(name, str) or not NAME.match(name):
-        raise InvalidTool(f"tool name {shown(name, 'tool name')} must match [A-Za-z0-9_-]{{1,64}}")
+        raise InvalidTool(f"tool name must match [A-Za-z0-9_-]{{1,64}}: {shown(name, 'a string')}")
     if description is not None and not isinstance(description, str):
         raise InvalidTool(f"tool {name}: description must be a string")
     if strict is not None and not isinstance(strict, bool):

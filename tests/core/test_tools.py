@@ -8,8 +8,10 @@ import json
 import pytest
 
 from sessiontape.core.engine.interface import ChatFormat
-from sessiontape.core.errors import InvalidTool
+from sessiontape.core.errors import MAX_QUOTED_CHARS, InvalidTool
 from sessiontape.core.tools import (
+    MAX_TOOLS,
+    MAX_TOOLS_CHARS,
     CallFormat,
     call_id,
     prompt_messages,
@@ -78,6 +80,37 @@ def test_bad_tools_and_choices_are_refused() -> None:
         use_of([WEATHER], "clock", True, None)
     with pytest.raises(InvalidTool):
         use_of([WEATHER, WEATHER], "auto", True, None)
+
+
+def test_tools_are_bounded_in_number_and_size() -> None:
+    # (found by fuzzing: 400 tools were accepted and their description overflowed the context)
+    many = [tool(f"f{i}", "", None, False) for i in range(MAX_TOOLS + 1)]
+    assert use_of(many[:MAX_TOOLS], "auto", True, None).tools == tuple(many[:MAX_TOOLS])
+    with pytest.raises(InvalidTool, match=f"tools: 129 functions \\(at most {MAX_TOOLS}\\)"):
+        use_of(many, "auto", True, None)
+    big = tool("big", "x" * MAX_TOOLS_CHARS, None, False)
+    with pytest.raises(InvalidTool, match="characters as JSON"):
+        use_of([big], "auto", True, None)
+
+
+def test_a_description_or_strict_of_another_type_is_refused() -> None:
+    # (found by fuzzing: a dict description was kept as its str(), "yes" read as strict)
+    with pytest.raises(InvalidTool, match="f: description must be a string"):
+        tool("f", {"a": 1}, None, False)
+    with pytest.raises(InvalidTool, match="f: strict must be a boolean"):
+        tool("f", "", None, "yes")
+    assert tool("f", None, None, None) == tool("f", "", None, False)
+
+
+def test_a_huge_name_or_choice_is_described_not_quoted() -> None:
+    for call in (
+        lambda: tool("x" * 100_000, "", None, False),
+        lambda: use_of([WEATHER], "y" * 100_000, True, None),
+    ):
+        with pytest.raises(InvalidTool) as err:
+            call()
+        assert "of 100,000 characters" in err.value.message
+        assert len(err.value.message) < 2 * MAX_QUOTED_CHARS + 100
 
 
 def test_the_fallback_describes_tools_and_writes_calls_as_the_model_does() -> None:

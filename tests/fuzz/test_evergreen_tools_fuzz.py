@@ -219,7 +219,7 @@ def result_fragment(draw: Any) -> dict[str, Any]:
     }
     kind = draw(st.sampled_from(["leaf", "leaf", "ref", "parent", "empty"]))
     if kind == "parent":
-        out["child_ids"] = draw(st.lists(st.sampled_from(IDS + ["c1", "c2"]), max_size=3))
+        out["child_ids"] = draw(st.lists(st.sampled_from([*IDS, "c1", "c2"]), max_size=3))
     elif kind == "ref":
         out["ref"] = draw(st.sampled_from(["https://x/y", "", "ref" * 500]))
         out["mimetype"] = draw(st.sampled_from(MIMETYPES))

@@ -253,6 +253,32 @@ BAD: list[Any] = [
         id="choice-alone",
     ),
     pytest.param({"tools": TOOLS + TOOLS[:1]}, "invalid_tool: tools: two functions", id="twice"),
+    # (found by fuzzing: any number of tools was taken, and their description overflowed)
+    pytest.param(
+        {"tools": [{"name": f"f{i}"} for i in range(400)]},
+        "invalid_tool: tools: 400 functions (at most 128)",
+        id="many",
+    ),
+    pytest.param(
+        {"tools": [{"name": "f", "description": {"a": 1}}]},
+        "invalid_tool: tool f: description must be a string",
+        id="description",
+    ),
+    pytest.param(
+        {"tools": [{"name": "f", "strict": "yes"}]},
+        "invalid_tool: tool f: strict must be a boolean",
+        id="strict",
+    ),
+    pytest.param(
+        {"tools": [{"name": "x" * 100_000}]},
+        "invalid_tool: tool name must match [A-Za-z0-9_-]{1,64}: a string of 100,000 characters",
+        id="huge-name",
+    ),
+    pytest.param(
+        {"tools": [{"name": "f", "k" * 5000: 1}]},
+        "invalid_tool: GENERATE config: unknown tool keys [a key of 5,000 characters]",
+        id="huge-key",
+    ),
     pytest.param(
         {"tools": [{"name": "f", "argz": {}}]},
         "invalid_tool: GENERATE config: unknown tool keys",
