@@ -24,6 +24,7 @@ from sessiontape.core.errors import (
     InvalidFragment,
     NodeNotFound,
     ProtocolViolation,
+    shown,
 )
 from sessiontape.core.session.state import Node, SessionState
 
@@ -243,11 +244,12 @@ def text_of(state: SessionState, node_id: str, reader: str) -> str:
             continue  # a turn marker; the engine's history carries no separate token for it
         if chunk.ref is not None:
             raise InvalidAction(
-                f"{reader}: node {chunk.node_id} is a ref ({chunk.ref}); refs are not fetched"
+                f"{reader}: node {chunk.node_id} is a ref ({shown(chunk.ref, 'a ref')});"
+                " refs are not fetched"
             )
         if not mime.startswith("text/") and mime not in TEXT_MIMETYPES:
             raise InvalidAction(
-                f"{reader}: node {chunk.node_id} has mimetype {chunk.mimetype!r};"
+                f"{reader}: node {chunk.node_id} has mimetype {shown(chunk.mimetype, 'a mimetype')};"
                 " only text/* and application/json are read"
             )
         try:

@@ -144,8 +144,9 @@ def generate_config(configs: Sequence[Any]) -> GenerateConfig:
     merged = _merged(configs)
     params = _sampling(merged)
     if "tools" not in merged:
-        if "tool_choice" in merged or "parallel_tool_calls" in merged:
-            raise InvalidTool("GENERATE config: tool_choice without tools")
+        given = [k for k in ("tool_choice", "parallel_tool_calls") if k in merged]
+        if given:
+            raise InvalidTool(f"GENERATE config: {' and '.join(given)} without tools")
         return GenerateConfig(params)
     tools = [_tool(t) for t in merged["tools"]]
     choice = str(merged.get("tool_choice", "auto" if tools else "none"))

@@ -252,6 +252,11 @@ BAD: list[Any] = [
         "invalid_tool: GENERATE config: tool_choice without tools",
         id="choice-alone",
     ),
+    pytest.param(
+        {"parallel_tool_calls": False},
+        "invalid_tool: GENERATE config: parallel_tool_calls without tools",
+        id="parallel-alone",
+    ),
     pytest.param({"tools": TOOLS + TOOLS[:1]}, "invalid_tool: tools: two functions", id="twice"),
     # (found by fuzzing: any number of tools was taken, and their description overflowed)
     pytest.param(

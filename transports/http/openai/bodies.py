@@ -15,7 +15,7 @@ with OpenAI's ``param``:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Annotated, Any, ClassVar, Literal, TypeVar, Union
 
 from pydantic import (
@@ -32,6 +32,7 @@ from pydantic_core import PydanticCustomError
 
 from sessiontape.core.constraint import Constraint
 from sessiontape.core.engine.interface import SamplingParams, left_to_model
+from sessiontape.core.errors import shown
 from sessiontape.core.tools import Tool, tool
 from sessiontape.transports.http.native.bodies import describe
 from sessiontape.transports.http.openai.shared import DEFAULT_MAX_TOKENS, BadParam
@@ -429,6 +430,19 @@ class FunctionDef(Part):
     strict: bool | None = None
 
 
+def _answers_calls(messages: Sequence[ChatMessage]) -> None:
+    """Every ``tool`` message answers a call of an earlier assistant message (OpenAI's rule)."""
+    calls: set[str] = set()
+    for i, m in enumerate(messages):
+        calls.update(c.id for c in m.tool_calls or ())
+        if m.role == "tool" and m.tool_call_id not in calls:
+            raise _refuse(
+                f"messages[{i}].tool_call_id",
+                f"messages[{i}] answers tool call {shown(m.tool_call_id, 'an id')}, which no"
+                " earlier assistant message made",
+            )
+
+
 class ChatTool(Part):
     type: Literal["function"]
     function: FunctionDef
@@ -554,6 +568,8 @@ class ChatCompletionRequest(Request):
             raise _refuse("stream_options", "stream_options is taken only with stream=true")
         if self.top_logprobs is not None and not self.logprobs:
             raise _refuse("top_logprobs", "top_logprobs needs logprobs=true")
+        if self.session_id is None:  # (a continued session's calls are in its log)
+            _answers_calls(self.messages)
         return self
 
     def turn(self) -> list[dict[str, Any]]:
