@@ -63,7 +63,7 @@ RESPONSE_FORMAT = st.one_of(
     SCHEMA_FORMAT.map(lambda s: {"type": "json_schema", **s}),
     JUNK,
 )
-CALL_ID = st.one_of(st.sampled_from(["call_1", "", "call_unknown"]), JUNK)
+CALL_ID = st.one_of(st.sampled_from(["call_1", "call_1", "", "call_unknown"]), JUNK)
 TOOL_CALL = st.one_of(
     st.fixed_dictionaries(
         {
@@ -95,9 +95,7 @@ CHAT_MESSAGES = st.lists(
             {"role": st.just("tool"), "content": st.one_of(st.text(max_size=8), JUNK)},
             optional={"tool_call_id": CALL_ID, "name": NAMES},
         ),
-        JUNK,
     ),
-    min_size=1,
     max_size=3,
 )
 RESPONSE_INPUT = st.one_of(
@@ -120,18 +118,18 @@ RESPONSE_INPUT = st.one_of(
                     "output": st.one_of(st.text(max_size=8), JUNK),
                 }
             ),
-            JUNK,
         ),
-        min_size=1,
         max_size=3,
-    ),
+    ).map(lambda items: [{"role": "user", "content": "What time is it?"}, *items]),
+    JUNK,
 )
 
 
 @st.composite
 def chat_bodies(draw: Any) -> tuple[str, dict[str, Any]]:
     body: dict[str, Any] = {"model": MODEL, "max_tokens": 16, "seed": 1}
-    body["messages"] = draw(CHAT_MESSAGES)
+    # a user's question, then (mostly) calls and results, good and bad
+    body["messages"] = [{"role": "user", "content": "What time is it?"}, *draw(CHAT_MESSAGES)]
     if draw(st.integers(0, 4)):
         body["tools"] = draw(st.one_of(st.lists(CHAT_TOOL, max_size=3), JUNK))
     if draw(st.booleans()):
