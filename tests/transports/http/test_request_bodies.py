@@ -141,6 +141,7 @@ def test_a_refusal_names_the_field_and_what_it_must_be(
         # (found by fuzzing: a result for a call no message made was recorded)
         (openai_bodies.ChatCompletionRequest, {"messages": [{"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "{}"}}]}, {"role": "tool", "tool_call_id": "c2", "content": "x"}]}, "messages[1].tool_call_id", "messages[1] answers tool call 'c2', which no earlier assistant message made"),
         (openai_bodies.ResponseCreateRequest, {"input": 5}, "input", "input must be a string or a non-empty array of messages"),
+        (openai_bodies.ResponseCreateRequest, {"input": [{"type": "function_call_output", "call_id": "c2", "output": "x"}]}, "input[0].call_id", "input[0] answers call 'c2', which no earlier function_call item made"),
         (openai_bodies.ResponseCreateRequest, {"text": {"format": {"type": "json_schema"}}}, "text.format", "text.format a json_schema format needs its schema"),
         (openai_bodies.ResponseCreateRequest, {"background": True, "store": False}, "background", "background responses need store=true"),
     ],

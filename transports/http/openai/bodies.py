@@ -331,6 +331,18 @@ class ResponseCreateRequest(Request):
     def _background_is_stored(self) -> ResponseCreateRequest:
         if self.background and self.store is False:
             raise _refuse("background", "background responses need store=true")
+        if self.previous_response_id is None and not isinstance(self.input, str):
+            # (with previous_response_id, the calls answered are that response's)
+            calls: set[str] = set()
+            for i, m in enumerate(self.input):
+                if isinstance(m, FunctionCallItem):
+                    calls.add(m.call_id)
+                elif not isinstance(m, InputMessage) and m.call_id not in calls:
+                    raise _refuse(
+                        f"input[{i}].call_id",
+                        f"input[{i}] answers call {shown(m.call_id, 'an id')}, which no earlier"
+                        " function_call item made",
+                    )
         return self
 
     def messages(self) -> list[dict[str, Any]]:
