@@ -13,7 +13,6 @@ records nothing of its own (only the abort that follows it); the other sessions 
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -30,34 +29,10 @@ from sessiontape.transports.grpc.gen.evergreen.v2 import evergreen_pb2
 from tests.helpers.evergreen import exchange, msg, until_calls
 from tests.helpers.fuzz import LONG, QUICK, fuzz_settings
 from tests.helpers.grpc_fuzz import FORBIDDEN, Fuzzed, fuzzed_server, stored
+from tests.helpers.tool_fuzz import JUNK, NAMES, SCHEMAS, TIME
 
 #: the codes a refused config names (the message's prefix)
 CONFIG_CODES = ("invalid_parameters", "invalid_tool", "invalid_constraint", "invalid_value")
-TIME = {
-    "type": "object",
-    "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
-    "required": ["zone"],
-    "additionalProperties": False,
-}
-SCHEMAS: list[Any] = [
-    TIME,
-    {"type": "object", "properties": {}},
-    {"type": "object", "properties": {"s": {"type": "string", "maxLength": 4.0}}},
-    {"type": "object", "properties": {"x": {"type": "frob"}}},  # refused by llguidance
-    {"type": "object", "properties": {"x": {"$ref": "#/nowhere"}}},
-    {"type": "object", "properties": {"x": {"pattern": "(", "type": "string"}}},
-    {"type": "object", "properties": {"x": {"minimum": 5, "maximum": 1, "type": "integer"}}},
-    {"type": "string"},
-    {"type": "object", "required": ["missing"], "additionalProperties": False},
-    {"allOf": [{"type": "integer"}, {"type": "string"}]},
-    {"type": "object", "properties": {"n": {"type": "number", "multipleOf": 0.0}}},
-]
-NAMES = st.one_of(
-    st.sampled_from(
-        ["get_time", "f", "a-b_9", "x" * 64, "x" * 65, "", "no spaces", "é", "get_time"]
-    ),
-    st.text(max_size=8),
-)
 
 
 @pytest.fixture
@@ -65,31 +40,6 @@ async def fuzzed(sqlite_url: str) -> AsyncIterator[Fuzzed]:
     """The fuzz server with room for the tools' description in a prompt."""
     async with fuzzed_server(sqlite_url, max_length=4096) as f:
         yield f
-
-
-def _nested(depth: int) -> Any:
-    value: Any = "leaf"
-    for i in range(depth):
-        value = {"k": value} if i % 2 else [value]
-    return value
-
-
-JUNK: st.SearchStrategy[Any] = st.one_of(
-    st.none(),
-    st.booleans(),
-    st.floats(allow_nan=True, allow_infinity=True),
-    st.sampled_from([math.nan, math.inf, -math.inf, 1e300, -0.0, 2.0**64, 0.5]),
-    st.text(max_size=10),
-    st.sampled_from(["x" * 100_000, "\u0000", "auto", "none", "required"]),
-    st.integers(1, 120).map(_nested),
-    st.recursive(
-        st.one_of(st.none(), st.booleans(), st.floats(), st.text(max_size=4)),
-        lambda inner: st.one_of(
-            st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=4), inner, max_size=3)
-        ),
-        max_leaves=8,
-    ),
-)
 
 
 @st.composite

@@ -18,9 +18,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sessiontape.core.errors import MAX_MESSAGE_BYTES
-from tests.fuzz.test_evergreen_tools_fuzz import JUNK, NAMES, SCHEMAS
 from tests.helpers.fuzz import LONG, QUICK, fuzz_settings
 from tests.helpers.http_fuzz import Fuzzed, stored
+from tests.helpers.tool_fuzz import JUNK, NAMES, SCHEMAS
 
 MODEL = "reference-bigram-v1"
 
