@@ -11,6 +11,31 @@ from hypothesis import strategies as st
 _NAMES = st.from_regex(r"[a-z]{1,6}", fullmatch=True)
 
 
+#: the tool parameter schemas the tool tests share: a city's weather, the time in a city, and
+#: the time in a UTC offset
+WEATHER: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+CITY_TIME: dict[str, Any] = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+ZONE_TIME: dict[str, Any] = {
+    "type": "object",
+    "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+
+
 def _leaf() -> st.SearchStrategy[dict[str, Any]]:
     return st.one_of(
         st.just({"type": "string", "maxLength": 8}),

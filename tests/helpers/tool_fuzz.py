@@ -9,12 +9,8 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-TIME = {
-    "type": "object",
-    "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
-    "required": ["zone"],
-    "additionalProperties": False,
-}
+from tests.helpers.schemas import ZONE_TIME as TIME
+
 SCHEMAS: list[Any] = [
     TIME,
     {"type": "object", "properties": {}},

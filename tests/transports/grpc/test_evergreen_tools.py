@@ -34,6 +34,7 @@ from sessiontape.transports.grpc.client import (
 from sessiontape.transports.grpc.gen.evergreen.v2 import evergreen_pb2
 from tests.helpers.evergreen import exchange, msg, until_calls
 from tests.helpers.schemas import STRICT_SCHEMAS
+from tests.helpers.schemas import ZONE_TIME as TIME
 from tests.transports.grpc.conftest import Served
 
 WEATHER = {
@@ -43,12 +44,6 @@ WEATHER = {
         "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
     },
     "required": ["city", "unit"],
-    "additionalProperties": False,
-}
-TIME = {
-    "type": "object",
-    "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
-    "required": ["zone"],
     "additionalProperties": False,
 }
 TOOLS: list[dict[str, Any]] = [

@@ -29,23 +29,10 @@ from sessiontape.transports.grpc.client import (
 from sessiontape.transports.grpc.gen.evergreen.v2 import evergreen_pb2
 from tests.helpers.config import free_port
 from tests.helpers.evergreen import until_calls
+from tests.helpers.schemas import CITY_TIME as TIME
+from tests.helpers.schemas import WEATHER
 from tests.helpers.serve import start, stop
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 20},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
-TIME = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 20}},
-    "required": ["city"],
-    "additionalProperties": False,
-}
 TOOLS: list[dict[str, Any]] = [
     {"name": "get_weather", "description": "The current weather in a city", "parameters": WEATHER},
     {"name": "get_time", "description": "The local time in a city", "parameters": TIME},

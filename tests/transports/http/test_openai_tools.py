@@ -20,25 +20,12 @@ import pytest
 from pydantic import BaseModel, Field
 
 from tests.helpers.config import free_port
+from tests.helpers.schemas import CITY_TIME as TIME
+from tests.helpers.schemas import WEATHER
 from tests.helpers.serve import start, stop
 
 MODEL = "smollm2-135m-instruct"
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 20},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
-TIME = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 20}},
-    "required": ["city"],
-    "additionalProperties": False,
-}
 TOOLS: list[Any] = [
     {
         "type": "function",
